@@ -1,0 +1,203 @@
+"""The correctness rule shared by the GPU tests and ``python -m cuflash2 check``.
+
+flash-attn's rule: an implementation is correct when its error against the exact reference is at
+most twice the error of the same reference computed in the input dtype, plus a small absolute
+slack::
+
+    max|out - ref_hi| <= 2 * max|ref_lo - ref_hi| + atol
+
+ref_hi is ``reference.attention(..., compute_dtype=float32)`` and ref_lo the same with
+``compute_dtype`` = the input dtype. The bound thus scales with the rounding error that fp16/bf16
+arithmetic cannot avoid for this very problem (sequence length, head dim, masking), instead of a
+fixed tolerance that is loose for easy problems and flaky for hard ones.
+
+Works for NumPy and CuPy arrays; only the final max scalars are copied to the host.
+"""
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy
+
+from cuflash2 import reference
+from cuflash2.reference import _array_module
+
+__all__ = [
+    "CheckResult",
+    "check_close",
+    "check_forward",
+    "check_backward",
+    "default_atol",
+    "lse_close",
+    "poison_like",
+    "random_qkv",
+]
+
+_BF16 = numpy.dtype(ml_dtypes.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    name: str
+    max_err: float
+    bound: float
+    ok: bool
+
+    def __str__(self):
+        verdict = "ok" if self.ok else "FAIL"
+        return f"{self.name}: max_err {self.max_err:.3e} <= bound {self.bound:.3e}: {verdict}"
+
+
+def default_atol(dtype):
+    """Absolute slack of the rule for outputs of this dtype.
+
+    One unit in the last place at 1.0 (the dtype's machine epsilon): 2**-10 ~ 9.8e-4 for fp16,
+    2**-7 ~ 7.8e-3 for bf16. Attention outputs of standard-normal inputs are O(1) (convex
+    combinations of V rows). The slack covers the one case the 2x term cannot: an
+    implementation and ref_lo each round the output once, and on small problems (few elements,
+    short rows) ref_lo can happen to land within a fraction of an ulp of ref_hi while the
+    implementation lands on the neighbouring value. Real bugs (masking, indexing, a missing
+    rescale) give errors of O(0.1) and are far above it.
+    """
+    dtype = numpy.dtype(dtype)
+    if dtype == numpy.float16:
+        return 2.0**-10
+    if dtype == _BF16:
+        return 2.0**-7
+    if dtype == numpy.float32:
+        return 1e-5  # fp32 inputs: ref_lo == ref_hi, so this is the whole tolerance
+    if dtype == numpy.float64:
+        return 1e-10
+    raise ValueError(f"no default atol for dtype {dtype}")
+
+
+def _max_abs(xp, x):
+    """max |x| as a Python float; 0 for an empty array, nan if any entry is nan."""
+    if x.size == 0:
+        return 0.0
+    x = xp.abs(x)
+    if bool(xp.isnan(x).any()):
+        return math.nan
+    return float(x.max())
+
+
+def _as_float64(xp, x):
+    return xp.asarray(x).astype(numpy.float64)
+
+
+def check_close(name, out, ref_hi, ref_lo, atol=None):
+    """Apply the rule to one result. atol defaults to default_atol(out.dtype)."""
+    xp = _array_module(out, ref_hi, ref_lo)
+    if not (tuple(out.shape) == tuple(ref_hi.shape) == tuple(ref_lo.shape)):
+        raise ValueError(
+            f"{name}: shapes differ: out {out.shape}, ref_hi {ref_hi.shape}, "
+            f"ref_lo {ref_lo.shape}"
+        )
+    if atol is None:
+        atol = default_atol(out.dtype)
+    ref_hi = _as_float64(xp, ref_hi)
+    max_err = _max_abs(xp, _as_float64(xp, out) - ref_hi)
+    bound = 2.0 * _max_abs(xp, _as_float64(xp, ref_lo) - ref_hi) + atol
+    ok = math.isfinite(max_err) and max_err <= bound  # nan compares False anyway; be explicit
+    return CheckResult(name, max_err, bound, ok)
+
+
+def lse_close(lse, ref_lse, *, rtol=1e-3, atol=1e-3, name="lse"):
+    """Check a log-sum-exp against the float32 reference's.
+
+    Entries where the reference is +inf (rows that see no key) must be exactly +inf; the others
+    must be finite and within atol + rtol * max|ref_lse| (one scalar bound, so the result reads
+    like check_close's). The lse of fp16/bf16 inputs is computed in fp32 from the same fp32
+    scores by a kernel and by the reference, so 1e-3 is loose; it only absorbs summation order.
+    """
+    xp = _array_module(lse, ref_lse)
+    if tuple(lse.shape) != tuple(ref_lse.shape):
+        raise ValueError(f"{name}: shapes differ: {lse.shape} vs {ref_lse.shape}")
+    lse = _as_float64(xp, lse)
+    ref_lse = _as_float64(xp, ref_lse)
+    ref_keyless = ref_lse == math.inf
+    got_keyless = lse == math.inf
+    ref_finite = xp.where(ref_keyless, 0.0, ref_lse)
+    bound = atol + rtol * _max_abs(xp, ref_finite)
+    if bool((ref_keyless != got_keyless).any()):
+        return CheckResult(name, math.inf, bound, False)
+    diff = xp.where(ref_keyless, 0.0, lse - ref_finite)
+    max_err = _max_abs(xp, diff)
+    ok = math.isfinite(max_err) and max_err <= bound
+    return CheckResult(name, max_err, bound, ok)
+
+
+def random_qkv(xp, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype, seed):
+    """Standard-normal q, k, v of the given dtype (bf16 through ml_dtypes), C-contiguous.
+
+    batch=None gives unbatched (seqlen, nheads, headdim) arrays. The values are drawn on the host
+    with NumPy so that the same seed gives bit-identical inputs on NumPy and CuPy.
+    """
+    rng = numpy.random.default_rng(seed)
+    lead = () if batch is None else (batch,)
+    shapes = [
+        lead + (seqlen_q, nheads, headdim),
+        lead + (seqlen_k, nheads_kv, headdim),
+        lead + (seqlen_k, nheads_kv, headdim),
+    ]
+    dtype = numpy.dtype(dtype)
+    return tuple(
+        xp.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
+        for shape in shapes
+    )
+
+
+def poison_like(xp, shape, dtype):
+    """An array of the given shape and dtype filled with NaN, to catch unwritten outputs."""
+    # Filled in float32 and cast: a cast is the bf16 operation CuPy is known to support.
+    return xp.full(shape, math.nan, dtype=numpy.float32).astype(dtype)
+
+
+def check_forward(
+    q, k, v, out, lse=None, *, causal=False, softmax_scale=None, window_size=(-1, -1), atol=None
+):
+    """Check an implementation's forward result (and lse, if given) against the reference.
+
+    Returns a list of CheckResult: "out", then "lse" when lse is not None.
+    """
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    ref_hi, ref_lse = reference.attention(
+        q, k, v, return_lse=True, compute_dtype=numpy.float32, **options
+    )
+    ref_lo = reference.attention(q, k, v, compute_dtype=q.dtype, **options)
+    results = [check_close("out", out, ref_hi, ref_lo, atol)]
+    if lse is not None:
+        results.append(lse_close(lse, ref_lse))
+    return results
+
+
+def check_backward(
+    dout,
+    q,
+    k,
+    v,
+    dq,
+    dk,
+    dv,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    atol=None,
+):
+    """Check an implementation's gradients against the reference backward.
+
+    Returns a list of CheckResult for "dq", "dk", "dv".
+    """
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    refs_hi = reference.attention_backward(
+        dout, q, k, v, None, None, compute_dtype=numpy.float32, **options
+    )
+    refs_lo = reference.attention_backward(
+        dout, q, k, v, None, None, compute_dtype=q.dtype, **options
+    )
+    return [
+        check_close(name, got, ref_hi, ref_lo, atol)
+        for name, got, ref_hi, ref_lo in zip(("dq", "dk", "dv"), (dq, dk, dv), refs_hi, refs_lo)
+    ]
