@@ -1,0 +1,260 @@
+// FlashAttention-2 forward kernel (Dao, 2023, Algorithm 1) on mma.sync m16n8k16.
+//
+// Grid: (Q block, head, batch). One CTA owns BLOCK_M query rows of one head; Q is the outer loop,
+// the CTA walks over the KV tiles its rows can see. Each warp owns its own ROWS_PER_WARP rows of
+// the Q tile (per-warp Q partitioning): the K and V tiles in shared memory are read by all warps
+// and written by none of them, and no output is ever reduced across warps.
+//
+// Per KV tile j (FA2's pipeline, single K and V buffers):
+//   wait K_j, barrier -> issue V_j copy -> S = Q K_j^T -> mask (boundary tiles only)
+//   -> online softmax (P = exp2(...), in registers) -> pack P to 16 bits
+//   -> wait V_j, barrier -> issue K_{j-1} copy -> O += P V_j, P used directly as the A operand,
+// so loading V_j overlaps Q K_j^T and the softmax, and loading the next K overlaps P V_j.
+// Tiles are visited from the last one down: under causal masking the diagonal (masked) tiles
+// come first and the rest run without masking code.
+#include "mma_primitives.cuh"
+#include "smem_swizzle.cuh"
+#include "masking.cuh"
+#include "online_softmax.cuh"
+
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+struct FwdTraits {
+    static constexpr int THREADS = NUM_WARPS * 32;
+    static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
+    static constexpr int M_TILES = ROWS_PER_WARP / 16;  // m16 tiles per warp, sharing K/V frags
+    static constexpr int N_TILES = BLOCK_N / 8;         // n8 tiles of the score tile S
+    static constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of the output O
+    static constexpr int QK_STEPS = HEAD_DIM / 16;      // k16 steps of Q K^T (over head dim)
+    static constexpr int PV_STEPS = BLOCK_N / 16;       // k16 steps of P V (over keys)
+    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
+    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * KVTile::BYTES;
+    static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
+    static_assert(N_TILES % 2 == 0 && D_TILES % 2 == 0, "fragments are loaded in pairs");
+};
+
+// S = Q K^T for this warp's rows: per k16 step one ldmatrix.x4 per m-tile of Q and one per pair
+// of n-tiles of K; each K fragment feeds all M_TILES m-tiles. The k loop is unrolled by 2 only:
+// the accumulators need nothing indexed by ks, and a full unroll lets the scheduler hoist so many
+// fragment loads that the d=128 kernel spills (ptxas report, sm_80 and sm_90).
+template <typename Elem, class T>
+CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
+                        const LdmatrixCursor<typename T::QTile>& q_frag,
+                        const LdmatrixCursor<typename T::KVTile>& k_frag) {
+#pragma unroll 2
+    for (int ks = 0; ks < T::QK_STEPS; ++ks) {
+        u32 a[T::M_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < T::M_TILES; ++mt) ldmatrix_x4(a[mt], q_frag.at(2 * mt, ks));
+#pragma unroll
+        for (int np = 0; np < T::N_TILES / 2; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, k_frag.at(2 * np, ks));
+            const u32 b_lo[2] = {b[0], b[1]};
+            const u32 b_hi[2] = {b[2], b[3]};
+#pragma unroll
+            for (int mt = 0; mt < T::M_TILES; ++mt) {
+                mma_m16n8k16<Elem>(acc_s[mt][2 * np], a[mt], b_lo);
+                mma_m16n8k16<Elem>(acc_s[mt][2 * np + 1], a[mt], b_hi);
+            }
+        }
+    }
+}
+
+// The m16n8 accumulator layout of two adjacent n8 tiles of P is exactly the A-operand layout of
+// one m16n8k16 step once pairs are packed to 16 bits, so P never leaves registers. Packing all of
+// P up front halves its register footprint before the P V product.
+template <typename Elem, class T>
+CF2_DEVICE void pack_p(u32 (&p_frag)[T::M_TILES][T::PV_STEPS][4],
+                       const float (&p)[T::M_TILES][T::N_TILES][4]) {
+#pragma unroll
+    for (int mt = 0; mt < T::M_TILES; ++mt) {
+#pragma unroll
+        for (int ks = 0; ks < T::PV_STEPS; ++ks) {
+            p_frag[mt][ks][0] = pack_pair<Elem>(p[mt][2 * ks][0], p[mt][2 * ks][1]);
+            p_frag[mt][ks][1] = pack_pair<Elem>(p[mt][2 * ks][2], p[mt][2 * ks][3]);
+            p_frag[mt][ks][2] = pack_pair<Elem>(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
+            p_frag[mt][ks][3] = pack_pair<Elem>(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
+        }
+    }
+}
+
+// O += P V: V is the transposed B operand (ldmatrix.trans), each V fragment feeds all m-tiles.
+template <typename Elem, class T>
+CF2_DEVICE void gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
+                        const u32 (&p_frag)[T::M_TILES][T::PV_STEPS][4],
+                        const LdmatrixCursor<typename T::KVTile>& v_frag) {
+#pragma unroll
+    for (int ks = 0; ks < T::PV_STEPS; ++ks) {
+#pragma unroll
+        for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp));
+            const u32 b_lo[2] = {b[0], b[1]};
+            const u32 b_hi[2] = {b[2], b[3]};
+#pragma unroll
+            for (int mt = 0; mt < T::M_TILES; ++mt) {
+                mma_m16n8k16<Elem>(acc_o[mt][2 * dp], p_frag[mt][ks], b_lo);
+                mma_m16n8k16<Elem>(acc_o[mt][2 * dp + 1], p_frag[mt][ks], b_hi);
+            }
+        }
+    }
+}
+
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
+flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                 u16* __restrict__ out, float* __restrict__ lse,
+                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
+                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
+                 i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
+                 int seqlen_q, int seqlen_k, int nheads, int heads_per_kv_head, int head_dim,
+                 float softmax_scale, float scale_log2, int window_left, int window_right,
+                 int batch_offset) {
+    using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+    using QTile = typename T::QTile;
+    using KVTile = typename T::KVTile;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 q_smem = smem_address(smem);
+    const u32 k_smem = q_smem + QTile::BYTES;
+    const u32 v_smem = k_smem + KVTile::BYTES;
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    // With an upper limit on keys (causal), later Q blocks see more keys: start those first so
+    // that the long CTAs do not form the tail of the grid.
+    const int m_block = window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z + batch_offset;
+    const int kv_head = head / heads_per_kv_head;
+    const int row_first = m_block * BLOCK_M;
+    const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
+    const int head_chunks = head_dim / 8;  // 16-byte chunks actually present in each row
+
+    // 64-bit offsets: batch * seqlen * heads * dim can pass 2^31 elements.
+    const u16* q_block = q + batch * q_batch_stride + head * q_head_stride + row_first * q_row_stride;
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+    u16* o_block = out + batch * o_batch_stride + head * o_head_stride + row_first * o_row_stride;
+    float* lse_block = lse + (static_cast<i64>(batch) * nheads + head) * seqlen_q + row_first;
+
+    const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    int tile_first, tile_end;
+    vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
+
+    if (tile_end <= tile_first) {
+        // No row of this block sees any key: output 0, lse +inf.
+        const u32 zeros[4] = {0u, 0u, 0u, 0u};
+        for (int idx = tid; idx < BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
+            const int row = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
+            if (row_first + row < seqlen_q && chunk < head_chunks)
+                store_16B_global(o_block + row * o_row_stride + chunk * 8, zeros);
+        }
+        for (int row = tid; row < BLOCK_M; row += T::THREADS)
+            if (row_first + row < seqlen_q) lse_block[row] = pos_inf();
+        return;
+    }
+
+    load_tile_async<QTile, T::THREADS>(q_smem, q_block, q_row_stride, seqlen_q - row_first,
+                                        head_chunks, tid);
+    cp_async_commit();
+    {
+        const int key0 = (tile_end - 1) * BLOCK_N;
+        load_tile_async<KVTile, T::THREADS>(k_smem, k_head + key0 * k_row_stride, k_row_stride,
+                                             seqlen_k - key0, head_chunks, tid);
+        cp_async_commit();
+    }
+
+    // Fragment addressing (see LdmatrixCursor): Q as the A operand (lanes 0-15 rows, 16-31 the
+    // second k8 half), K as the non-transposed B operand (lanes 0-7 / 16-23 pick n rows, bit 3 the
+    // k8 half), V as the transposed B operand (lanes 0-15 pick key rows, bit 4 the d8 half).
+    const LdmatrixCursor<QTile> q_frag(q_smem, warp * T::ROWS_PER_WARP + lane % 16, lane / 16);
+    const LdmatrixCursor<KVTile> k_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LdmatrixCursor<KVTile> v_frag(v_smem, lane % 16, lane / 16);
+
+    float acc_o[T::M_TILES][T::D_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < T::M_TILES; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < T::D_TILES; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    OnlineSoftmax<T::M_TILES> softmax;
+
+    // This thread's first accumulator row (global query index) and first key column in a tile.
+    const int thread_row0 = row_first + warp * T::ROWS_PER_WARP + lane / 4;
+    const int thread_col0 = 2 * (lane % 4);
+
+    for (int tile = tile_end - 1; tile >= tile_first; --tile) {
+        const int key0 = tile * BLOCK_N;
+        cp_async_wait<0>();
+        __syncthreads();  // K_tile has landed; every warp is done reading the previous V
+        load_tile_async<KVTile, T::THREADS>(v_smem, v_head + key0 * v_row_stride, v_row_stride,
+                                             seqlen_k - key0, head_chunks, tid);
+        cp_async_commit();
+
+        float acc_s[T::M_TILES][T::N_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < T::M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < T::N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+        gemm_qk<Elem, T>(acc_s, q_frag, k_frag);
+        if (vis.tile_needs_mask(tile, BLOCK_N, row_first, row_last))
+            mask_scores<T::M_TILES, T::N_TILES>(acc_s, thread_row0, key0 + thread_col0, vis);
+
+        softmax.update(acc_s, acc_o, scale_log2);
+        u32 p_frag[T::M_TILES][T::PV_STEPS][4];
+        pack_p<Elem, T>(p_frag, acc_s);
+
+        cp_async_wait<0>();
+        __syncthreads();  // V_tile has landed; every warp is done reading K_tile
+        if (tile > tile_first) {
+            // The next K tile streams in while this warp multiplies P V.
+            const int next_key0 = key0 - BLOCK_N;
+            load_tile_async<KVTile, T::THREADS>(k_smem, k_head + next_key0 * k_row_stride,
+                                                 k_row_stride, seqlen_k - next_key0, head_chunks,
+                                                 tid);
+            cp_async_commit();
+        }
+        gemm_pv<Elem, T>(acc_o, p_frag, v_frag);
+    }
+
+    // Epilogue: divide by l once, stage the tile through this warp's own rows of the Q buffer
+    // (no other warp reads them) and write 16-byte rows to global memory.
+    float inv_sum[2 * T::M_TILES], row_lse[2 * T::M_TILES];
+    softmax.finalize(softmax_scale, inv_sum, row_lse);
+    __syncwarp();
+    const int warp_row0 = warp * T::ROWS_PER_WARP;
+#pragma unroll
+    for (int mt = 0; mt < T::M_TILES; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = warp_row0 + 16 * mt + 8 * half + lane / 4;
+            const float scale = inv_sum[2 * mt + half];
+#pragma unroll
+            for (int dt = 0; dt < T::D_TILES; ++dt) {
+                const u32 packed = pack_pair<Elem>(acc_o[mt][dt][2 * half] * scale,
+                                                   acc_o[mt][dt][2 * half + 1] * scale);
+                store_4B_shared(q_smem + QTile::offset(row, dt) + 4 * (lane % 4), packed);
+            }
+            if (lane % 4 == 0 && row_first + row < seqlen_q) lse_block[row] = row_lse[2 * mt + half];
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < T::ROWS_PER_WARP * QTile::CHUNKS / 32; ++i) {
+        const int idx = lane + 32 * i;
+        const int row = warp_row0 + idx / QTile::CHUNKS;
+        const int chunk = idx % QTile::CHUNKS;
+        if (row_first + row < seqlen_q && chunk < head_chunks) {
+            u32 vals[4];
+            load_16B_shared(vals, q_smem + QTile::offset(row, chunk));
+            store_16B_global(o_block + row * o_row_stride + chunk * 8, vals);
+        }
+    }
+}

@@ -1,0 +1,66 @@
+// Which keys a query row may see, and masking of score tiles.
+//
+// Query row i sees key j iff  lo(i) <= j < hi(i)  with, for diag = seqlen_k - seqlen_q
+// (causal and windows are aligned to the bottom-right corner, as in flash-attn):
+//   lo(i) = i + diag - window_left        (0 when window_left < 0: unbounded)
+//   hi(i) = i + diag + window_right + 1   (seqlen_k when window_right < 0)
+// clipped to [0, seqlen_k). Causal attention is window (-1, 0).
+#pragma once
+#include "mma_primitives.cuh"
+
+struct KeyVisibility {
+    int diag;          // seqlen_k - seqlen_q
+    int window_left;   // < 0: unbounded
+    int window_right;  // < 0: unbounded
+    int seqlen_k;
+
+    CF2_DEVICE int lo(int row) const { return window_left < 0 ? 0 : row + diag - window_left; }
+    CF2_DEVICE int hi(int row) const {
+        return window_right < 0 ? seqlen_k : min(seqlen_k, row + diag + window_right + 1);
+    }
+
+    // KV tiles [first, end) hold every key that rows [row_first, row_last] can see. Tiles outside
+    // are skipped entirely (never loaded, never multiplied).
+    CF2_DEVICE void tile_range(int row_first, int row_last, int block_n, int& first,
+                               int& end) const {
+        const int key_end = hi(row_last);
+        const int key_first = max(0, lo(row_first));
+        end = key_end <= 0 ? 0 : (key_end + block_n - 1) / block_n;
+        first = key_first / block_n;
+    }
+
+    // True when some (row, key) of the tile is invisible: the sequence tail, or a tile crossing
+    // the causal diagonal / window edge. All other tiles skip the masking code.
+    CF2_DEVICE bool tile_needs_mask(int tile, int block_n, int row_first, int row_last) const {
+        const int key_first = tile * block_n;
+        const int key_last = key_first + block_n - 1;
+        return key_last >= seqlen_k ||
+               (window_right >= 0 && key_last > row_first + diag + window_right) ||
+               (window_left >= 0 && key_first < row_last + diag - window_left);
+    }
+};
+
+// Sets the invisible scores of a warp's accumulator tile to -inf. Accumulator layout (mma
+// m16n8): s[mt][nt][2*half + e] is row row0 + 16*mt + 8*half, key key0 + 8*nt + e, where row0
+// and key0 are this thread's first row and first key.
+template <int M_TILES, int N_TILES>
+CF2_DEVICE void mask_scores(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
+                            const KeyVisibility& vis) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 16 * mt + 8 * half;
+            const int key_lo = vis.lo(row);
+            const int key_hi = vis.hi(row);
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = key0 + 8 * nt + e;
+                    if (key < key_lo || key >= key_hi) s[mt][nt][2 * half + e] = neg_inf();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,126 @@
+// Tensor-core and data-movement primitives, written as inline PTX.
+//
+// No CUDA headers are included (cuda_fp16.h / cuda_bf16.h drift between CUDA 12 and 13 and are
+// not always installed next to NVRTC): 16-bit elements are plain 16-bit words and pairs of them
+// live in one 32-bit register, so the same code serves fp16 and bf16. The element type is a tag.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+struct fp16_tag { static constexpr bool is_bf16 = false; };
+struct bf16_tag { static constexpr bool is_bf16 = true; };
+
+#define CF2_DEVICE __device__ __forceinline__
+
+// Address of a shared-memory object in the .shared window, as ldmatrix / cp.async expect it.
+CF2_DEVICE u32 smem_address(const void* ptr) {
+    return static_cast<u32>(__cvta_generic_to_shared(ptr));
+}
+
+// ---- mma.sync m16n8k16, fp32 accumulate ------------------------------------------------------
+// D (16x8 fp32) += A (16x16, row-major, 4 regs) * B (16x8, "col": k pairs per reg, 2 regs).
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"): with g = lane / 4 and
+// t = lane % 4, c[0..1] hold row g, cols 2t..2t+1 and c[2..3] hold row g+8, same cols.
+template <typename Elem>
+CF2_DEVICE void mma_m16n8k16(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    if constexpr (Elem::is_bf16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+}
+
+// ---- ldmatrix: four 8x8 16-bit matrices from shared memory ----------------------------------
+// Lanes 8i..8i+7 supply the row addresses of matrix i; register i receives matrix i, with lane l
+// holding row l/4, elements 2(l%4), 2(l%4)+1 (or, .trans, that element of the transpose).
+CF2_DEVICE void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+CF2_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// ---- cp.async: 16-byte global -> shared copies that bypass L1 (.cg) -------------------------
+// With `valid` false nothing is read and the 16 bytes are zero-filled: that is how sequence tails
+// and head-dim padding become zeros (a zero K row scores 0 and is masked; a zero V row adds 0).
+CF2_DEVICE void cp_async_16(u32 smem_addr, const void* gmem_ptr, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :
+                 : "r"(smem_addr), "l"(gmem_ptr), "r"(src_bytes)
+                 : "memory");
+}
+
+CF2_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int PENDING_GROUPS>
+CF2_DEVICE void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING_GROUPS) : "memory");
+}
+
+// ---- conversions and special functions -------------------------------------------------------
+// Packs two fp32 values into one register of two 16-bit values, `lo` in the low half: the layout
+// mma expects for consecutive columns (cvt's first source goes to the upper half).
+template <typename Elem>
+CF2_DEVICE u32 pack_pair(float lo, float hi) {
+    u32 packed;
+    if constexpr (Elem::is_bf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+    }
+    return packed;
+}
+
+// 2^x on the SFU (one MUFU.EX2); ex2(-inf) = +0, which the masked scores rely on.
+CF2_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+CF2_DEVICE float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+CF2_DEVICE float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+CF2_DEVICE void store_16B_global(void* gmem_ptr, const u32 (&v)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
+                 :
+                 : "l"(gmem_ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                 : "memory");
+}
+
+CF2_DEVICE void load_16B_shared(u32 (&v)[4], u32 smem_addr) {
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(smem_addr)
+                 : "memory");
+}
+
+CF2_DEVICE void store_4B_shared(u32 smem_addr, u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
+}
+
+CF2_DEVICE float neg_inf() { return __int_as_float(0xff800000u); }
+CF2_DEVICE float pos_inf() { return __int_as_float(0x7f800000u); }

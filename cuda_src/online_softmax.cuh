@@ -1,0 +1,101 @@
+// Online softmax of FlashAttention-2 for one warp's rows.
+//
+// Per row we keep the running max m of the raw scores and the running sum l of
+// exp(scale * (s - m)); the output accumulator stays *unnormalised* and is divided by l once,
+// after the last KV tile. The softmax scale is folded into the exponent: with
+// scale_log2 = scale * log2(e), exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2), one
+// FFMA and one MUFU.EX2 per score.
+//
+// Lazy rescaling: when a tile raises a row's max by at most RESCALE_THRESHOLD (in log2 units) the
+// old max is kept, so probabilities may reach 2^RESCALE_THRESHOLD = 256 (far inside fp16/bf16 and
+// fp32 range) and the O accumulator needs no rescale. Since m, l and O always refer to the same
+// max, the result is the same softmax; it only saves the O *= correction multiplies on most tiles.
+#pragma once
+#include "mma_primitives.cuh"
+
+#define CF2_RESCALE_THRESHOLD 8.0f
+
+template <int M_TILES>
+struct OnlineSoftmax {
+    // Each thread holds rows g and g + 8 of every m16 tile of its warp (g = lane / 4).
+    static constexpr int ROWS = 2 * M_TILES;
+    float row_max[ROWS];  // raw scores, -inf while the row has seen no key
+    float row_sum[ROWS];  // this thread's partial sum; the quad's four are added at the end
+
+    CF2_DEVICE OnlineSoftmax() {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            row_max[r] = neg_inf();
+            row_sum[r] = 0.f;
+        }
+    }
+
+    // Folds a tile of raw scores into the running statistics, rescales the accumulator where the
+    // max moved, and overwrites the scores with the (unnormalised) probabilities P.
+    template <int N_TILES, int D_TILES>
+    CF2_DEVICE void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
+                           float scale_log2) {
+        float correction[ROWS];
+        bool any_rescale = false;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = 2 * mt + half;
+                float tile_max = row_max[r];
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+                    tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+                tile_max = quad_max(tile_max);
+                // -inf - -inf is NaN and NaN > x is false: a row with no key yet keeps m = -inf.
+                const bool rescale =
+                    (tile_max - row_max[r]) * scale_log2 > CF2_RESCALE_THRESHOLD;
+                correction[r] = rescale ? fast_exp2((row_max[r] - tile_max) * scale_log2) : 1.f;
+                if (rescale) row_max[r] = tile_max;
+                any_rescale |= rescale;
+            }
+        }
+        // Warp-uniform branch: skip the O *= correction pass when no row of the warp moved.
+        if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= correction[2 * mt + e / 2];
+        }
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = 2 * mt + half;
+                // Rows that have seen no key yet: every score is -inf, use 0 so exp2 gives 0.
+                const float max_scaled = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p =
+                            fast_exp2(fmaf(s[mt][nt][2 * half + e], scale_log2, -max_scaled));
+                        s[mt][nt][2 * half + e] = p;
+                        sum += p;
+                    }
+                }
+                row_sum[r] = row_sum[r] * correction[r] + sum;
+            }
+        }
+    }
+
+    // 1/l for the final normalisation (0 for a row that saw no key, whose output is 0) and the
+    // natural-log logsumexp of the scaled scores (+inf for such a row), per row of this thread.
+    CF2_DEVICE void finalize(float softmax_scale, float (&inv_sum)[ROWS], float (&lse)[ROWS]) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float sum = quad_sum(row_sum[r]);
+            const bool seen = sum > 0.f;
+            inv_sum[r] = seen ? 1.f / sum : 0.f;
+            lse[r] = seen ? row_max[r] * softmax_scale + logf(sum) : pos_inf();
+        }
+    }
+};

@@ -1,0 +1,142 @@
+"""Loading the CUDA sources and compiling kernel specialisations.
+
+On a GPU, `get_kernel` compiles with `cupy.RawModule` (NVRTC), caches the module in-process
+(thread-safe) and lets CuPy's disk cache (CUPY_CACHE_DIR) serve later processes. On a machine
+without a GPU, `compile_report` drives NVRTC directly through `cuda.bindings.nvrtc` for a named
+architecture and parses ptxas's resource report, so CI can compile every specialisation.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+#: Options shared by both compile paths. No CUDA headers are included by the sources.
+NVRTC_OPTIONS = ("-std=c++17",)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def cuda_src_dir() -> Path:
+    """The kernel sources: `cuflash2/cuda_src` in a wheel, top-level `cuda_src` in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+        if (candidate / "flash_fwd.cu").is_file():
+            return candidate
+    raise FileNotFoundError(f"cuflash2 CUDA sources not found next to {here}")
+
+
+@lru_cache(maxsize=None)
+def kernel_source(filename: str) -> str:
+    """The source of `filename` with its local includes inlined (each header once).
+
+    Inlining makes the source string the whole truth: CuPy's disk cache keys on the string, so a
+    changed header can never be served from a stale cache entry.
+    """
+    root = cuda_src_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(filename)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU path: cupy.RawModule
+
+
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
+def get_kernel(config, device_id: int):
+    """The compiled kernel function for `config` on device `device_id` (compiled once)."""
+    key = (config, device_id)
+    fn = _modules.get(key)
+    if fn is not None:
+        return fn
+    with _modules_lock:
+        fn = _modules.get(key)
+        if fn is None:
+            import cupy
+
+            module = cupy.RawModule(code=kernel_source(config.source_file),
+                                    options=NVRTC_OPTIONS,
+                                    name_expressions=[config.name_expression])
+            fn = module.get_function(config.name_expression)
+            if config.smem_bytes > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = config.smem_bytes
+            _modules[key] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU path: NVRTC through cuda.bindings, for compile tests and resource reports
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    name_expression: str
+    arch: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    cubin_bytes: int
+    log: str
+
+
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _nvrtc_check(result, what: str, prog=None, nvrtc=None):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        log = _nvrtc_log(prog, nvrtc) if prog is not None else ""
+        raise RuntimeError(f"NVRTC {what} failed ({err!r}):\n{log}")
+    return result[1:] if isinstance(result, tuple) else ()
+
+
+def _nvrtc_log(prog, nvrtc) -> str:
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.decode(errors="replace").rstrip("\x00")
+
+
+def compile_report(config, arch: int) -> CompileReport:
+    """Compiles `config` to a cubin for sm_`arch` with NVRTC and returns ptxas's report."""
+    from cuda.bindings import nvrtc
+
+    source = kernel_source(config.source_file).encode()
+    (prog,) = _nvrtc_check(
+        nvrtc.nvrtcCreateProgram(source, config.source_file.encode(), 0, [], []), "create")
+    try:
+        _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, config.name_expression.encode()),
+                     "add name expression", prog, nvrtc)
+        options = [o.encode() for o in NVRTC_OPTIONS] + [
+            f"-arch=sm_{arch}".encode(), b"--ptxas-options=-v"]
+        _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog,
+                     nvrtc)
+        log = _nvrtc_log(prog, nvrtc)
+        (cubin_size,) = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size", prog, nvrtc)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    regs = _PTXAS_REGS.search(log)
+    spills = _PTXAS_SPILLS.search(log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"no ptxas resource report in the NVRTC log:\n{log}")
+    stack, stores, loads = (int(x) for x in spills.groups())
+    return CompileReport(config.name_expression, arch, int(regs.group(1)), stores, loads, stack,
+                         int(cubin_size), log)

@@ -1,0 +1,141 @@
+"""Argument checks, run before any kernel launch.
+
+Pure Python on `.shape`, `.dtype`, `.strides` and `.itemsize`, so the CPU suite exercises exactly
+these checks with numpy arrays; `api.py` adds the checks that need CuPy (array type, device,
+pointer alignment, compute capability). Every error names the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+MAX_HEAD_DIM = 256
+#: Rows are copied in 16-byte chunks, so every stride but the last must be a multiple of 8
+#: elements (16 bytes), as it always is for slices of a contiguous (..., headdim) array.
+STRIDE_MULTIPLE = 8
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """The sizes of one attention call, batched form (an unbatched call has batch 1)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    dtype: str  # "float16" or "bfloat16"
+    batched: bool  # False for (seqlen, nheads, headdim) inputs
+    softmax_scale: float
+
+
+def _layout_hint(batched: bool) -> str:
+    return "(batch, seqlen, nheads, headdim)" if batched else "(seqlen, nheads, headdim)"
+
+
+def _check_ndim(name: str, x, ndim: int | None) -> int:
+    shape = tuple(x.shape)
+    if len(shape) not in (3, 4):
+        raise ValueError(
+            f"{name} must have 4 dims (batch, seqlen, nheads, headdim) or 3 dims "
+            f"(seqlen, nheads, headdim); got shape {shape}")
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(
+            f"{name} must have the same number of dims as q ({ndim}, {_layout_hint(ndim == 4)}); "
+            f"got shape {shape}")
+    return len(shape)
+
+
+def _check_dtype(name: str, x, expected: str | None) -> str:
+    dtype = str(x.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} must be float16 or bfloat16 (ml_dtypes.bfloat16); got {dtype}. "
+            f"Cast explicitly, e.g. {name}.astype(cupy.float16)")
+    if expected is not None and dtype != expected:
+        raise TypeError(f"{name} must have the same dtype as q ({expected}); got {dtype}")
+    return dtype
+
+
+def check_strides(name: str, x) -> None:
+    """Last dim contiguous, other strides whole 16-byte units (any sign, any order)."""
+    itemsize = x.itemsize
+    shape, strides = tuple(x.shape), tuple(x.strides)
+    if shape[-1] > 1 and strides[-1] != itemsize:
+        raise ValueError(
+            f"{name} must be contiguous in its last dim (headdim stride {itemsize} bytes); got "
+            f"strides {strides} for shape {shape}. Use cupy.ascontiguousarray({name})")
+    for dim, (size, stride) in enumerate(zip(shape[:-1], strides[:-1])):
+        if size > 1 and stride % (STRIDE_MULTIPLE * itemsize) != 0:
+            raise ValueError(
+                f"{name} stride of dim {dim} must be a multiple of {STRIDE_MULTIPLE} elements "
+                f"({STRIDE_MULTIPLE * itemsize} bytes); got strides {strides} for shape {shape}. "
+                f"Use cupy.ascontiguousarray({name})")
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        try:
+            softmax_scale = float(softmax_scale)  # numpy / cupy 0-d scalars
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"softmax_scale must be a positive float or None; got {softmax_scale!r}") from None
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None; got {scale}")
+    return scale
+
+
+def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> AttentionProblem:
+    """Checks q, k, v (and `out`) of `cuflash2.attention`; returns the problem sizes."""
+    ndim = _check_ndim("q", q, None)
+    _check_ndim("k", k, ndim)
+    _check_ndim("v", v, ndim)
+    dtype = _check_dtype("q", q, None)
+    _check_dtype("k", k, dtype)
+    _check_dtype("v", v, dtype)
+
+    batched = ndim == 4
+    q_shape = tuple(q.shape) if batched else (1, *q.shape)
+    k_shape = tuple(k.shape) if batched else (1, *k.shape)
+    v_shape = tuple(v.shape) if batched else (1, *v.shape)
+    batch, seqlen_q, nheads, head_dim = q_shape
+    _, seqlen_k, nheads_kv, _ = k_shape
+    layout = _layout_hint(batched)
+
+    if batched and (k_shape[0] != batch or v_shape[0] != batch):
+        raise ValueError(
+            f"q, k and v must have the same batch size; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k_shape[3] != head_dim or v_shape[3] != head_dim:
+        raise ValueError(
+            f"k and v must have the same headdim as q ({head_dim}); got k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}")
+    if v_shape != k_shape:
+        raise ValueError(
+            f"v must have the same shape as k {tuple(k.shape)} {layout}; got {tuple(v.shape)}")
+    if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"headdim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}; got {head_dim} "
+            f"(q shape {tuple(q.shape)})")
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"the number of query heads ({nheads}) must be a multiple of the number of key/value "
+            f"heads ({nheads_kv}); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_strides(name, x)
+    scale = check_softmax_scale(softmax_scale, head_dim)
+
+    if out is not None:
+        if tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"out must have the shape of q {tuple(q.shape)}; got {tuple(out.shape)}")
+        _check_dtype("out", out, dtype)
+        check_strides("out", out)
+
+    return AttentionProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype,
+                            batched, scale)

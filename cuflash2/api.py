@@ -1,0 +1,130 @@
+"""`cuflash2.attention`: validate, pick a config, compile (cached), launch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from . import _compile, _configs, _validate
+
+_LOG2E = math.log2(math.e)
+#: gridDim.z (the batch) is limited to 65535 blocks; larger batches are launched in slices.
+_MAX_GRID_Z = 65535
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "cuflash2 needs CuPy for GPU arrays: pip install 'cuflash2[cuda13]' (or [cuda12])"
+        ) from exc
+    return cupy
+
+
+def _require_cupy_array(name: str, x, cupy) -> None:
+    if isinstance(x, cupy.ndarray):
+        return
+    if isinstance(x, numpy.ndarray):
+        raise TypeError(
+            f"{name} is a numpy array; cuflash2.attention runs on the GPU and needs CuPy arrays: "
+            f"use cupy.asarray({name}), or cuflash2.reference.attention for a CPU computation")
+    raise TypeError(f"{name} must be a cupy.ndarray; got {type(x).__name__}")
+
+
+_arch_cache: dict[int, int] = {}
+
+
+def device_arch(device_id: int) -> int:
+    """Compute capability of a device as an int (90 for sm_90)."""
+    arch = _arch_cache.get(device_id)
+    if arch is None:
+        cupy = _cupy()
+        arch = int(cupy.cuda.Device(device_id).compute_capability)
+        _arch_cache[device_id] = arch
+    return arch
+
+
+def _check_device(arrays: dict, cupy) -> int:
+    device_id = cupy.cuda.Device().id
+    for name, x in arrays.items():
+        if x.device.id != device_id:
+            raise ValueError(
+                f"{name} is on device {x.device.id} but the current CuPy device is {device_id}; "
+                f"run the call under `with cupy.cuda.Device({x.device.id}):` or move the arrays")
+        if x.size and x.data.ptr % 16:
+            raise ValueError(
+                f"{name} must start at a 16-byte aligned address (got offset "
+                f"{x.data.ptr % 16} bytes); use cupy.ascontiguousarray({name})")
+    arch = device_arch(device_id)
+    if arch < 80:
+        raise RuntimeError(
+            f"cuflash2 needs an NVIDIA GPU of compute capability 8.0 or newer (sm_80+: A100, "
+            f"RTX 30xx, H100, ...); device {device_id} is sm_{arch}")
+    return device_id
+
+
+def _element_strides(x) -> tuple[numpy.int64, ...]:
+    return tuple(numpy.int64(s // x.itemsize) for s in x.strides)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None):
+    """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
+
+    q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
+    the same without the batch dim; CuPy arrays of float16 or bfloat16 (ml_dtypes.bfloat16),
+    headdim a multiple of 8 up to 256, nheads a multiple of nheads_kv (MQA/GQA), only the last
+    dim contiguous. `causal` masks keys after the query, aligned to the bottom-right corner when
+    seqlen_q != seqlen_k (row i sees keys j <= i + seqlen_k - seqlen_q). `softmax_scale`
+    defaults to 1/sqrt(headdim). `out` receives the result if given.
+
+    Returns `out` (shape and dtype of q), or `(out, lse)` with `return_lse=True`: lse is float32
+    (batch, nheads, seqlen_q), the natural-log logsumexp of each row's scaled scores (+inf, with
+    out 0, for a row that sees no key). Runs on the current CuPy stream, without host syncs.
+    """
+    cupy = _cupy()
+    arrays = {"q": q, "k": k, "v": v}
+    if out is not None:
+        arrays["out"] = out
+    for name, x in arrays.items():
+        _require_cupy_array(name, x, cupy)
+    if not isinstance(causal, (bool, numpy.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)
+    device_id = _check_device(arrays, cupy)
+
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
+    as_batched = (lambda x: x) if problem.batched else (lambda x: x[None])
+    window = (-1, 0) if causal else (-1, -1)
+    _launch_forward(problem, as_batched(q), as_batched(k), as_batched(v), as_batched(out), lse,
+                    window, device_id)
+    if not return_lse:
+        return out
+    return out, (lse if problem.batched else lse[0])
+
+
+def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None):
+    """Launches the forward kernel on batched (b, s, h, d) views. `config` overrides the tile
+    configuration (for tuning); by default the dispatcher picks it."""
+    if problem.batch == 0 or problem.seqlen_q == 0 or problem.nheads == 0:
+        return
+    if config is None:
+        config = _configs.fwd_config(problem.dtype, problem.head_dim, device_arch(device_id))
+    kernel = _compile.get_kernel(config, device_id)
+    num_m_blocks = -(-problem.seqlen_q // config.block_m)
+    strides = (_element_strides(q)[:3] + _element_strides(k)[:3] + _element_strides(v)[:3]
+               + _element_strides(out)[:3])
+    # (batch, seqlen, heads) strides reordered to the kernel's (batch, row, head) order: same.
+    scalars = (numpy.int32(problem.seqlen_q), numpy.int32(problem.seqlen_k),
+               numpy.int32(problem.nheads), numpy.int32(problem.nheads // problem.nheads_kv),
+               numpy.int32(problem.head_dim), numpy.float32(problem.softmax_scale),
+               numpy.float32(problem.softmax_scale * _LOG2E), numpy.int32(window[0]),
+               numpy.int32(window[1]))
+    for batch_offset in range(0, problem.batch, _MAX_GRID_Z):
+        grid = (num_m_blocks, problem.nheads, min(_MAX_GRID_Z, problem.batch - batch_offset))
+        kernel(grid, (config.threads,),
+               (q, k, v, out, lse, *strides, *scalars, numpy.int32(batch_offset)),
+               shared_mem=config.smem_bytes)
