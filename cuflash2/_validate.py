@@ -8,6 +8,7 @@ pointer alignment, compute capability). Every error names the argument and what 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
@@ -64,6 +65,8 @@ def check_strides(name: str, x) -> None:
     """Last dim contiguous, other strides whole 16-byte units (any sign, any order)."""
     itemsize = x.itemsize
     shape, strides = tuple(x.shape), tuple(x.strides)
+    if 0 in shape:
+        return  # nothing is read or written
     if shape[-1] > 1 and strides[-1] != itemsize:
         raise ValueError(
             f"{name} must be contiguous in its last dim (headdim stride {itemsize} bytes); got "
@@ -79,12 +82,8 @@ def check_strides(name: str, x) -> None:
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        try:
-            softmax_scale = float(softmax_scale)  # numpy / cupy 0-d scalars
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"softmax_scale must be a positive float or None; got {softmax_scale!r}") from None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a positive float or None; got {softmax_scale!r}")
     scale = float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float or None; got {scale}")

@@ -23,14 +23,20 @@ def _cupy():
     return cupy
 
 
-def _require_cupy_array(name: str, x, cupy) -> None:
-    if isinstance(x, cupy.ndarray):
-        return
-    if isinstance(x, numpy.ndarray):
-        raise TypeError(
-            f"{name} is a numpy array; cuflash2.attention runs on the GPU and needs CuPy arrays: "
-            f"use cupy.asarray({name}), or cuflash2.reference.attention for a CPU computation")
-    raise TypeError(f"{name} must be a cupy.ndarray; got {type(x).__name__}")
+def _require_cupy_arrays(arrays: dict):
+    """Checks the array arguments are CuPy arrays; returns the cupy module."""
+    for name, x in arrays.items():
+        # Checked before importing CuPy, so the hint also reaches users without CuPy installed.
+        if isinstance(x, numpy.ndarray):
+            raise TypeError(
+                f"{name} is a numpy array; cuflash2.attention runs on the GPU and needs CuPy "
+                f"arrays: use cupy.asarray({name}), or cuflash2.reference.attention to compute "
+                f"on the CPU")
+    cupy = _cupy()
+    for name, x in arrays.items():
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray; got {type(x).__name__}")
+    return cupy
 
 
 _arch_cache: dict[int, int] = {}
@@ -83,12 +89,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     (batch, nheads, seqlen_q), the natural-log logsumexp of each row's scaled scores (+inf, with
     out 0, for a row that sees no key). Runs on the current CuPy stream, without host syncs.
     """
-    cupy = _cupy()
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
         arrays["out"] = out
-    for name, x in arrays.items():
-        _require_cupy_array(name, x, cupy)
+    cupy = _require_cupy_arrays(arrays)
     if not isinstance(causal, (bool, numpy.bool_)):
         raise TypeError(f"causal must be a bool; got {causal!r}")
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)

@@ -1,0 +1,138 @@
+"""Argument validation (CPU): each bad input gets a clear error naming the argument."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash2
+from cuflash2 import _validate
+
+
+def arrays(b=2, sq=5, sk=7, h=4, hk=2, d=64, dtype=np.float16):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((b, sq, h, d)).astype(dtype)
+    k = rng.standard_normal((b, sk, hk, d)).astype(dtype)
+    v = rng.standard_normal((b, sk, hk, d)).astype(dtype)
+    return q, k, v
+
+
+def check(q, k, v, **kw):
+    return _validate.check_attention_inputs(q, k, v, **kw)
+
+
+def test_valid_problem_sizes():
+    q, k, v = arrays()
+    p = check(q, k, v)
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.head_dim) == (2, 5, 7, 4, 2, 64)
+    assert p.dtype == "float16" and p.batched and p.softmax_scale == pytest.approx(1 / 8)
+    p = check(q[0], k[0], v[0], softmax_scale=0.5)
+    assert p.batch == 1 and not p.batched and p.softmax_scale == 0.5
+    p = check(*arrays(dtype=ml_dtypes.bfloat16))
+    assert p.dtype == "bfloat16"
+
+
+def test_numpy_input_gets_a_hint():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"q is a numpy array.*cupy\.asarray\(q\).*reference"):
+        cuflash2.attention(q, k, v)
+
+
+@pytest.mark.parametrize("bad,pattern", [
+    (np.float32, r"q must be float16 or bfloat16.*float32"),
+    (np.float64, r"q must be float16 or bfloat16.*float64"),
+])
+def test_unsupported_dtype(bad, pattern):
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=pattern):
+        check(q.astype(bad), k, v)
+
+
+def test_mixed_dtypes():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"k must have the same dtype as q \(float16\); got bfloat16"):
+        check(q, k.astype(ml_dtypes.bfloat16), v)
+    with pytest.raises(TypeError, match=r"v must have the same dtype as q"):
+        check(q, k, v.astype(ml_dtypes.bfloat16))
+
+
+def test_wrong_ndim():
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=r"q must have 4 dims .* or 3 dims .*got shape \(10, 256\)"):
+        check(q.reshape(10, 256), k, v)
+    with pytest.raises(ValueError, match=r"k must have the same number of dims as q \(4"):
+        check(q, k[0], v)
+
+
+def test_mismatched_batch_headdim_seqlen_k():
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=r"same batch size"):
+        check(q, k[:1], v[:1])
+    q2, k2, v2 = arrays(d=32)
+    with pytest.raises(ValueError, match=r"k and v must have the same headdim as q \(64\)"):
+        check(q, k2, v2)
+    with pytest.raises(ValueError, match=r"v must have the same shape as k"):
+        check(q, k, v[:, :3])
+
+
+def test_heads_not_divisible():
+    q, k, v = arrays(h=5, hk=2)
+    with pytest.raises(ValueError, match=r"query heads \(5\) must be a multiple .* key/value heads \(2\)"):
+        check(q, k, v)
+
+
+@pytest.mark.parametrize("d", [12, 4, 264, 512])
+def test_bad_head_dim(d):
+    q, k, v = arrays(d=d)
+    with pytest.raises(ValueError, match=rf"headdim must be a multiple of 8 between 8 and 256; got {d}"):
+        check(q, k, v)
+
+
+def test_last_dim_not_contiguous():
+    q, k, v = arrays()
+    q_t = np.swapaxes(np.ascontiguousarray(np.swapaxes(q, 1, 3)), 1, 3)  # headdim stride != 1
+    with pytest.raises(ValueError, match=r"q must be contiguous in its last dim"):
+        check(q_t, k, v)
+
+
+def test_strided_inputs_are_accepted():
+    q, k, v = arrays(h=8, hk=4)
+    p = check(q[:, ::2, 1:5], k[:, :, 1:3], v[:, :, ::2])
+    assert (p.seqlen_q, p.nheads, p.nheads_kv) == (3, 4, 2)
+
+
+def test_unaligned_stride():
+    q = np.zeros((2, 5, 4, 72), np.float16)[..., :64]  # row stride 288 elems: fine
+    check(q, *arrays(sq=5)[1:])
+    big = np.zeros((2, 5, 4 * 64 + 4), np.float16)  # rows 260 elements apart
+    q_odd = np.lib.stride_tricks.as_strided(
+        big, shape=(2, 5, 4, 64), strides=(big.strides[0], big.strides[1], 128, 2))
+    with pytest.raises(ValueError, match=r"q stride of dim 0 must be a multiple of 8 elements"):
+        check(q_odd, *arrays(sq=5)[1:])
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_softmax_scale(scale):
+    with pytest.raises(ValueError, match=r"softmax_scale must be a positive finite float"):
+        check(*arrays(), softmax_scale=scale)
+
+
+def test_softmax_scale_type():
+    with pytest.raises(TypeError, match=r"softmax_scale must be a positive float or None"):
+        check(*arrays(), softmax_scale="0.1")
+    assert check(*arrays(), softmax_scale=np.float32(0.25)).softmax_scale == 0.25
+
+
+def test_wrong_out():
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=r"out must have the shape of q"):
+        check(q, k, v, out=np.empty((2, 5, 4, 32), np.float16))
+    with pytest.raises(TypeError, match=r"out must have the same dtype as q"):
+        check(q, k, v, out=np.empty(q.shape, ml_dtypes.bfloat16))
+    with pytest.raises(TypeError, match=r"out must be float16 or bfloat16"):
+        check(q, k, v, out=np.empty(q.shape, np.float32))
+
+
+def test_zero_size_shapes_are_valid():
+    for b, sq, sk in [(0, 5, 7), (2, 0, 7), (2, 5, 0)]:
+        p = check(*arrays(b=b, sq=sq, sk=sk))
+        assert (p.batch, p.seqlen_q, p.seqlen_k) == (b, sq, sk)
