@@ -1,0 +1,35 @@
+"""compute-sanitizer memcheck and racecheck over small shapes of every kernel (GPU only)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+WORKLOAD = Path(__file__).with_name("sanitizer_workload.py")
+
+
+def _sanitize(tool: str, *workload_args: str) -> None:
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer is not on the PATH")
+    cmd = [exe, "--tool", tool, "--error-exitcode", "99", sys.executable, str(WORKLOAD),
+           *workload_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    report = proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, report
+    assert "sanitizer workload done" in proc.stdout, report
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr, report
+
+
+def test_memcheck_clean():
+    _sanitize("memcheck")
+
+
+def test_racecheck_clean():
+    _sanitize("racecheck", "--quick")
