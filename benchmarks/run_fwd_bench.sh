@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Forward benchmark on the FlashAttention-2 paper grid next to torch SDPA-flash; writes
+# benchmarks/results/<date>-<gpu>-fwd.{json,md}. Usage: benchmarks/run_fwd_bench.sh [gpu-tag] [bench options]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tag=${1:-h200}
+shift || true
+stem="benchmarks/results/$(date -u +%Y-%m-%d)-${tag}-fwd"
+mkdir -p benchmarks/results
+{ echo '```'; python -m cuflash2 info; echo '```'; } > "$stem.md"
+# The markdown report goes to stdout (and the file); per-row progress goes to stderr.
+python -m cuflash2 bench --compare torch --json "$stem.json" "$@" | tee -a "$stem.md"
+echo "wrote $stem.md and $stem.json" >&2

@@ -1,0 +1,144 @@
+"""What this machine has: versions, GPU, CuPy's kernel cache. Used by `info` and `bench --json`.
+
+Everything here imports CuPy lazily and never raises, so `python -m cuflash2 info` works on a
+machine without CuPy or without a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from importlib import metadata
+
+
+def cupy_cache_dir() -> str:
+    """CuPy's on-disk kernel cache, where compiled cuflash2 kernels persist between processes."""
+    return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+
+
+def find_gpu():
+    """Return (cupy module, None) when a CUDA device is usable, else (None, reason for a person)."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        return None, (
+            f"CuPy is not available ({exc.__class__.__name__}: {exc}); "
+            'install it with pip install "cuflash2[cuda13]" (or [cuda12])'
+        )
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, no device, CUDA_VISIBLE_DEVICES=""
+        return None, f"no CUDA device is visible ({exc})"
+    if count == 0:
+        return None, "no CUDA device is visible"
+    return cupy, None
+
+
+def _cuda_version(code: int) -> str:
+    # CUDA encodes versions as 1000 * major + 10 * minor.
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _try(fn, default=None):
+    try:
+        return fn()
+    except Exception:
+        return default
+
+
+def _cuflash2_version() -> str:
+    import cuflash2
+
+    return getattr(cuflash2, "__version__", None) or _distribution_version("cuflash2") or "unknown"
+
+
+def collect() -> dict:
+    """All facts as a JSON-friendly dict; missing pieces are None, with a reason under 'gpu_error'."""
+    import numpy
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cuflash2": _cuflash2_version(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "numpy": numpy.__version__,
+        "ml_dtypes": _try(lambda: __import__("ml_dtypes").__version__),
+        # torch is only reported, never imported here (slow, and optional).
+        "torch": _distribution_version("torch"),
+        "cupy": None,
+        "cuda_runtime": None,
+        "cuda_driver": None,
+        "nvrtc": None,
+        "gpu": None,
+        "gpu_error": None,
+        "cupy_cache_dir": cupy_cache_dir(),
+    }
+    cupy, reason = find_gpu()
+    if cupy is None:
+        env["gpu_error"] = reason
+        # CuPy may be installed on a machine without a GPU: still report what it can say.
+        cupy = _try(lambda: __import__("cupy"))
+    if cupy is not None:
+        runtime = cupy.cuda.runtime
+        env["cupy"] = cupy.__version__
+        env["cuda_runtime"] = _try(lambda: _cuda_version(runtime.runtimeGetVersion()))
+        env["cuda_driver"] = _try(lambda: _cuda_version(runtime.driverGetVersion()))
+        env["nvrtc"] = _try(lambda: "{}.{}".format(*cupy.cuda.nvrtc.getVersion()))
+    if env["gpu_error"] is None:
+        env["gpu"] = _try(lambda: _describe_device(cupy))
+    return env
+
+
+def _describe_device(cupy) -> dict:
+    device = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(device.id)
+    name = props["name"]
+    return {
+        "index": device.id,
+        "name": name.decode() if isinstance(name, bytes) else str(name),
+        "compute_capability": f"{props['major']}.{props['minor']}",
+        "sm_count": props["multiProcessorCount"],
+        "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+        "l2_cache_mib": round(props.get("l2CacheSize", 0) / 2**20, 1),
+    }
+
+
+def format_info(env: dict) -> list[str]:
+    """Human-readable lines for `python -m cuflash2 info`."""
+    missing = "not installed"
+    lines = [
+        f"cuflash2       {env['cuflash2']}",
+        f"python         {env['python']} ({env['platform']})",
+        f"numpy          {env['numpy']}",
+        f"ml_dtypes      {env['ml_dtypes'] or missing}",
+        f"cupy           {env['cupy'] or missing}",
+    ]
+    if env["cupy"]:
+        lines += [
+            f"CUDA runtime   {env['cuda_runtime'] or 'unknown'}",
+            f"CUDA driver    {env['cuda_driver'] or 'unknown (no driver?)'}",
+            f"NVRTC          {env['nvrtc'] or 'not found'}",
+        ]
+    lines.append(f"torch          {env['torch'] or missing} (only for bench --compare torch)")
+    gpu = env["gpu"]
+    if gpu:
+        lines += [
+            f"GPU            {gpu['index']}: {gpu['name']}",
+            f"compute cap.   sm_{gpu['compute_capability'].replace('.', '')}"
+            + ("" if float(gpu["compute_capability"]) >= 8.0 else " (cuflash2 needs sm_80 or newer)"),
+            f"SMs            {gpu['sm_count']}",
+            f"memory         {gpu['memory_gib']} GiB, L2 {gpu['l2_cache_mib']} MiB",
+        ]
+    else:
+        lines.append(f"GPU            none: {env['gpu_error'] or 'device query failed'}")
+    lines.append(f"kernel cache   {env['cupy_cache_dir']} (CuPy's; set CUPY_CACHE_DIR to move it)")
+    return lines

@@ -1,0 +1,400 @@
+"""`python -m cuflash2 bench`: TFLOP/s on the FlashAttention-2 paper's grid (design.md §6).
+
+The grid keeps 16k tokens per batch (batch = tokens // seqlen) and a hidden size of 2048
+(nheads = hidden // headdim), so every configuration's inputs are far larger than the 60 MB L2 of
+an H200. Timing: CUDA events around each call after warm-up, median of `iters` calls. With
+`--compare torch` the same CuPy arrays are handed to PyTorch through DLPack (no copy) and run
+through SDPA restricted to its FlashAttention-2 backend, timed the same way with torch's events.
+
+The pure functions (grid, FLOP counts, summary, table) need no GPU and are unit-tested on the CPU;
+the importable pieces are meant for the scripts in benchmarks/ too.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+
+PAPER_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+PAPER_TOKENS = 16384
+PAPER_HIDDEN = 2048
+BACKWARD_FLOP_FACTOR = 2.5  # backward = 2 matmuls recomputed + 3 gradient matmuls, over forward's 2
+
+
+@dataclass(frozen=True)
+class Config:
+    direction: str  # "fwd" or "bwd"
+    dtype: str  # "fp16" or "bf16"
+    headdim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    nheads: int
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(
+            self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim, self.causal,
+            self.direction,
+        )
+
+    def describe(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"{self.direction} {self.dtype} d={self.headdim} s={self.seqlen} {mask} "
+                f"(b={self.batch} h={self.nheads})")
+
+
+@dataclass
+class Row:
+    config: Config
+    ms: float | None = None
+    tflops: float | None = None
+    torch_ms: float | None = None
+    torch_tflops: float | None = None
+    max_abs_diff: float | None = None  # cuflash2 vs torch output, a same-data sanity check
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.tflops and self.torch_tflops:
+            return self.tflops / self.torch_tflops
+        return None
+
+    def to_json(self) -> dict:
+        data = asdict(self.config)
+        data.update({k: v for k, v in asdict(self).items() if k != "config"})
+        data["flops"] = self.config.flops
+        data["ratio"] = self.ratio
+        return data
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, direction="fwd") -> float:
+    """FLOPs the FA2 paper counts: 2 matmuls of 2*sq*sk*d each; causal halves it (square case)."""
+    flops = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    if causal:
+        flops /= 2
+    if direction == "bwd":
+        flops *= BACKWARD_FLOP_FACTOR
+    return flops
+
+
+def paper_grid(headdims=(64, 128), dtypes=("fp16", "bf16"), causal_modes=(False, True),
+               seqlens=PAPER_SEQLENS, directions=("fwd",), tokens=PAPER_TOKENS,
+               hidden=PAPER_HIDDEN) -> list[Config]:
+    return [
+        Config(direction, dtype, headdim, causal, seqlen,
+               batch=max(1, tokens // seqlen), nheads=max(1, hidden // headdim))
+        for direction in directions
+        for dtype in dtypes
+        for headdim in headdims
+        for causal in causal_modes
+        for seqlen in seqlens
+    ]
+
+
+def causal_modes(choice: str) -> tuple[bool, ...]:
+    return {"off": (False,), "on": (True,), "both": (False, True)}[choice]
+
+
+def directions(choice: str) -> tuple[str, ...]:
+    return {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}[choice]
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary and output
+# ---------------------------------------------------------------------------------------------
+
+def summarize(rows: list[Row]) -> dict:
+    """Per direction: geometric mean and minimum of the cuflash2/torch ratios."""
+    summary = {}
+    for direction in sorted({row.config.direction for row in rows}):
+        pairs = [(row.ratio, row.config) for row in rows
+                 if row.config.direction == direction and row.ratio]
+        if not pairs:
+            continue
+        worst_ratio, worst_config = min(pairs, key=lambda pair: pair[0])
+        summary[direction] = {
+            "configs": len(pairs),
+            "geomean_ratio": math.exp(statistics.fmean(math.log(r) for r, _ in pairs)),
+            "min_ratio": worst_ratio,
+            "min_config": worst_config.describe(),
+        }
+    return summary
+
+
+def _fmt(value, spec: str, missing: str = "–") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[Row], compare: bool) -> str:
+    header = ["dir", "dtype", "d", "causal", "seqlen", "batch×heads", "cuflash2 ms",
+              "cuflash2 TFLOP/s"]
+    if compare:
+        header += ["SDPA-flash TFLOP/s", "ratio", "max abs diff"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        c = row.config
+        cells = [c.direction, c.dtype, str(c.headdim), "yes" if c.causal else "no", str(c.seqlen),
+                 f"{c.batch}×{c.nheads}", _fmt(row.ms, ".3f"), _fmt(row.tflops, ".1f")]
+        if compare:
+            cells += [_fmt(row.torch_tflops, ".1f"), _fmt(row.ratio, ".3f"),
+                      _fmt(row.max_abs_diff, ".1e")]
+        if row.errors:
+            cells[-1] += " (" + "; ".join(row.errors) + ")"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(summary: dict) -> str:
+    lines = ["| dir | configs | geomean cuflash2/SDPA-flash | min ratio | at |", "|---|---|---|---|---|"]
+    for direction, s in summary.items():
+        lines.append(f"| {direction} | {s['configs']} | {s['geomean_ratio']:.3f} | "
+                     f"{s['min_ratio']:.3f} | {s['min_config']} |")
+    return "\n".join(lines)
+
+
+def environment_header(env: dict) -> str:
+    gpu = env.get("gpu") or {}
+    return (f"cuflash2 {env['cuflash2']} on {gpu.get('name', 'unknown GPU')} "
+            f"(sm_{gpu.get('compute_capability', '?').replace('.', '')}), CuPy {env['cupy']}, "
+            f"CUDA runtime {env['cuda_runtime']}, driver {env['cuda_driver']}, NVRTC {env['nvrtc']}, "
+            f"torch {env['torch'] or '–'}, {env['date']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing (GPU)
+# ---------------------------------------------------------------------------------------------
+
+class _Backlog:
+    """A few large memsets queued before the timed calls keep the GPU busy, so the host-side
+    cost of launching the first timed call is not counted; the calls then queue faster than the
+    GPU drains them, so later ones are not host-bound either."""
+
+    BYTES = 256 << 20
+    FILLS = 8
+
+    def __init__(self, cupy):
+        self._buffer = cupy.empty(self.BYTES, dtype=cupy.uint8)
+
+    def queue(self):
+        for _ in range(self.FILLS):
+            self._buffer.fill(0)
+
+
+def time_cupy(cupy, fn, warmup: int, iters: int, backlog: _Backlog) -> float:
+    """Median milliseconds of fn() on the current CuPy stream."""
+    for _ in range(warmup):
+        fn()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+    backlog.queue()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    events[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
+
+
+def time_torch(torch, fn, warmup: int, iters: int, backlog: _Backlog) -> float:
+    """Median milliseconds of fn() on torch's current stream, with torch's CUDA events."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    torch.cuda.synchronize()
+    backlog.queue()  # CuPy and torch both default to the legacy default stream
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two implementations on the same data
+# ---------------------------------------------------------------------------------------------
+
+def random_inputs(cupy, config: Config, dtype, seed: int):
+    """Fresh standard-normal q, k, v (never zeros: zeros flatter tensor cores)."""
+    rng = cupy.random.default_rng(seed)
+    shape = (config.batch, config.seqlen, config.nheads, config.headdim)
+    return tuple(rng.standard_normal(shape, dtype=cupy.float32).astype(dtype) for _ in range(3))
+
+
+def _torch_view(torch, cupy, array, torch_dtype):
+    # Through int16 so the exchange does not depend on DLPack's bfloat16 support on either side.
+    return torch.from_dlpack(array.view(cupy.int16)).view(torch_dtype)
+
+
+class TorchSdpaFlash:
+    """torch SDPA restricted to its FlashAttention-2 backend, on (b, h, s, d) views of our arrays."""
+
+    def __init__(self, torch, cupy, dtype_name: str):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        self.torch, self.cupy = torch, cupy
+        self.torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+        self.flash_only = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+    def as_bhsd(self, array):
+        return _torch_view(self.torch, self.cupy, array, self.torch_dtype).transpose(1, 2)
+
+    def forward(self, q, k, v, causal):
+        sdpa = self.torch.nn.functional.scaled_dot_product_attention
+        qt, kt, vt = (self.as_bhsd(x) for x in (q, k, v))
+        return lambda: sdpa(qt, kt, vt, is_causal=causal)
+
+    def backward(self, q, k, v, dout, causal):
+        sdpa = self.torch.nn.functional.scaled_dot_product_attention
+        qt, kt, vt = (self.as_bhsd(x).detach().requires_grad_() for x in (q, k, v))
+        dout_t = self.as_bhsd(dout)
+        with self.flash_only():
+            out = sdpa(qt, kt, vt, is_causal=causal)
+        return lambda: self.torch.autograd.grad(out, (qt, kt, vt), dout_t, retain_graph=True)
+
+
+def _load_torch(stream=sys.stderr):
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401  (torch >= 2.3)
+    except Exception as exc:
+        print(f"note: --compare torch skipped: PyTorch is not importable ({exc})", file=stream)
+        return None
+    if not torch.cuda.is_available():
+        print("note: --compare torch skipped: torch sees no CUDA device", file=stream)
+        return None
+    return torch
+
+
+def _max_abs_diff(cupy, torch, ours, torch_out_bhsd) -> float:
+    theirs_bshd = torch_out_bhsd.transpose(1, 2).contiguous().view(torch.int16)
+    theirs = cupy.from_dlpack(theirs_bshd).view(ours.dtype)
+    return float(cupy.abs(ours.astype(cupy.float32) - theirs.astype(cupy.float32)).max())
+
+
+def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progress=sys.stderr):
+    """Time every configuration; inputs are made once per (dtype, headdim, seqlen) and shared by
+    the causal modes, the directions and torch."""
+    import cuflash2
+    from cuflash2.selfcheck import dtype_from_name
+
+    backlog = _Backlog(cupy)
+    has_backward = hasattr(cuflash2, "attention_backward")
+    rows = {config: Row(config) for config in configs}
+    groups = {}
+    for config in configs:
+        groups.setdefault((config.dtype, config.headdim, config.seqlen), []).append(config)
+
+    for seed, ((dtype_name, _, _), group) in enumerate(groups.items()):
+        dtype = dtype_from_name(dtype_name)
+        q, k, v = random_inputs(cupy, group[0], dtype, seed)
+        dout = cupy.random.default_rng(seed + 10_000).standard_normal(
+            q.shape, dtype=cupy.float32).astype(dtype)
+        reference = TorchSdpaFlash(torch, cupy, dtype_name) if torch is not None else None
+        for config in group:
+            row = rows[config]
+            try:
+                if config.direction == "fwd":
+                    _measure_forward(cupy, torch, reference, row, q, k, v, warmup, iters, backlog)
+                elif has_backward:
+                    _measure_backward(cupy, torch, reference, row, q, k, v, dout, warmup, iters,
+                                      backlog)
+                else:
+                    row.errors.append("backward not available yet")
+            except Exception as exc:  # keep going; the row shows what failed
+                row.errors.append(f"{exc.__class__.__name__}: {exc}")
+            print(_progress_line(row), file=progress, flush=True)
+        del q, k, v, dout
+        cupy.get_default_memory_pool().free_all_blocks()
+    return [rows[config] for config in configs]
+
+
+def _progress_line(row: Row) -> str:
+    text = f"{row.config.describe():<40} cuflash2 {_fmt(row.tflops, '7.1f')} TFLOP/s"
+    if row.torch_tflops is not None:
+        text += f"  SDPA-flash {row.torch_tflops:7.1f}  ratio {_fmt(row.ratio, '.3f')}"
+    if row.errors:
+        text += "  [" + "; ".join(row.errors) + "]"
+    return text
+
+
+def _measure_forward(cupy, torch, reference, row, q, k, v, warmup, iters, backlog):
+    import cuflash2
+
+    causal = row.config.causal
+    out = cupy.empty_like(q)
+    row.ms = time_cupy(cupy, lambda: cuflash2.attention(q, k, v, causal=causal, out=out),
+                       warmup, iters, backlog)
+    row.tflops = row.config.flops / row.ms / 1e9
+    if reference is not None:
+        run = reference.forward(q, k, v, causal)
+        with reference.flash_only():
+            row.torch_ms = time_torch(torch, run, warmup, iters, backlog)
+            row.max_abs_diff = _max_abs_diff(cupy, torch, out, run())
+        row.torch_tflops = row.config.flops / row.torch_ms / 1e9
+
+
+def _measure_backward(cupy, torch, reference, row, q, k, v, dout, warmup, iters, backlog):
+    import cuflash2
+
+    # Assumed signature, mirroring flash-attn's: attention_backward(dout, q, k, v, out, lse, ...).
+    causal = row.config.causal
+    out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+    row.ms = time_cupy(
+        cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal),
+        warmup, iters, backlog)
+    row.tflops = row.config.flops / row.ms / 1e9
+    if reference is not None:
+        run = reference.backward(q, k, v, dout, causal)
+        with reference.flash_only():
+            row.torch_ms = time_torch(torch, run, warmup, iters, backlog)
+        row.torch_tflops = row.config.flops / row.torch_ms / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# The `bench` command
+# ---------------------------------------------------------------------------------------------
+
+def run(cupy, args) -> int:
+    """Measure, print the markdown report on stdout (progress goes to stderr), save --json."""
+    import json
+
+    import cuflash2
+    from cuflash2 import _environment
+
+    wanted = directions(args.direction)
+    if "bwd" in wanted and not hasattr(cuflash2, "attention_backward"):
+        print("note: backward is not available yet in cuflash2; skipping --direction bwd",
+              file=sys.stderr)
+        wanted = tuple(d for d in wanted if d != "bwd")
+        if not wanted:
+            return 0
+    configs = paper_grid(args.headdim, args.dtype, causal_modes(args.causal), args.seqlens,
+                         wanted, args.tokens, args.hidden)
+    torch = _load_torch() if args.compare == "torch" else None
+    env = _environment.collect()
+
+    rows = measure(cupy, torch, configs, args.warmup, args.iters)
+    summary = summarize(rows)
+
+    print(f"\n{environment_header(env)}\n")
+    print(f"Median of {args.iters} calls after {args.warmup} warm-up calls, CUDA events; "
+          f"FLOPs 4·b·h·s²·d (causal /2, backward ×{BACKWARD_FLOP_FACTOR}).\n")
+    print(markdown_table(rows, compare=torch is not None))
+    if summary:
+        print()
+        print(summary_table(summary))
+    if args.json:
+        report = {"environment": env, "settings": _settings(args), "rows": [r.to_json() for r in rows],
+                  "summary": summary}
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"saved {len(rows)} rows to {args.json}", file=sys.stderr)
+    return 1 if any(row.errors for row in rows) else 0
+
+
+def _settings(args) -> dict:
+    return {key: value for key, value in vars(args).items() if key not in ("func", "command")}

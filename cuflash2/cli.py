@@ -1,0 +1,111 @@
+"""Command line: `python -m cuflash2 info | check | bench`.
+
+CuPy (and torch) are imported only inside the commands that need them, so `info` and `--help`
+work on a machine without CuPy or without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Exit status of `check` and `bench` when there is nothing to run them on.
+EXIT_NO_GPU = 2
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cuflash2 import bench, selfcheck
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash2",
+        description="FlashAttention-2 for CuPy: environment report, self-check, benchmark.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = commands.add_parser("info", help="versions, GPU, compute capability, kernel cache dir")
+    info.set_defaults(func=_info)
+
+    check = commands.add_parser(
+        "check", help="compare the kernels with the reference on random inputs on this GPU")
+    check.add_argument("--dtype", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"])
+    check.add_argument("--headdim", nargs="+", type=_positive_int,
+                       default=list(selfcheck.DEFAULT_HEADDIMS))
+    check.add_argument("--seed", type=int, default=0)
+    check.set_defaults(func=_check)
+
+    bench_cmd = commands.add_parser(
+        "bench", help="TFLOP/s on the FlashAttention-2 paper's grid, optionally next to torch SDPA")
+    bench_cmd.add_argument("--headdim", nargs="+", type=_positive_int, default=[64, 128])
+    bench_cmd.add_argument("--dtype", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"])
+    bench_cmd.add_argument("--causal", choices=("both", "on", "off"), default="both")
+    bench_cmd.add_argument("--seqlens", nargs="+", type=_positive_int,
+                           default=list(bench.PAPER_SEQLENS))
+    bench_cmd.add_argument("--direction", choices=("fwd", "bwd", "both"), default="fwd",
+                           help="bwd needs cuflash2.attention_backward (planned)")
+    bench_cmd.add_argument("--compare", choices=("torch",), default=None,
+                           help="also time torch SDPA (FlashAttention-2 backend) on the same arrays")
+    bench_cmd.add_argument("--json", metavar="PATH", default=None,
+                           help="save every row and the environment as JSON")
+    bench_cmd.add_argument("--warmup", type=int, default=3)
+    bench_cmd.add_argument("--iters", type=_positive_int, default=25)
+    bench_cmd.add_argument("--tokens", type=_positive_int, default=bench.PAPER_TOKENS,
+                           help="tokens per batch: batch = tokens // seqlen")
+    bench_cmd.add_argument("--hidden", type=_positive_int, default=bench.PAPER_HIDDEN,
+                           help="hidden size: nheads = hidden // headdim")
+    bench_cmd.set_defaults(func=_bench)
+    return parser
+
+
+def _info(args) -> int:
+    from cuflash2 import _environment
+
+    print("\n".join(_environment.format_info(_environment.collect())))
+    return 0
+
+
+def _require_gpu(command: str):
+    """CuPy with a usable sm_80+ device, or None after telling the user why not."""
+    from cuflash2 import _environment
+
+    cupy, reason = _environment.find_gpu()
+    if cupy is None:
+        print(f"cuflash2 {command}: needs an NVIDIA GPU, but {reason}.", file=sys.stderr)
+        return None
+    capability = cupy.cuda.Device().compute_capability  # e.g. "90"
+    major, minor = int(capability[:-1]), int(capability[-1])
+    if (major, minor) < MIN_COMPUTE_CAPABILITY:
+        print(f"cuflash2 {command}: needs compute capability 8.0 (Ampere) or newer; "
+              f"this GPU is sm_{capability}.", file=sys.stderr)
+        return None
+    return cupy
+
+
+def _check(args) -> int:
+    cupy = _require_gpu("check")
+    if cupy is None:
+        return EXIT_NO_GPU
+    from cuflash2 import selfcheck
+
+    return selfcheck.run(cupy, args.dtype, args.headdim, args.seed)
+
+
+def _bench(args) -> int:
+    cupy = _require_gpu("bench")
+    if cupy is None:
+        return EXIT_NO_GPU
+    from cuflash2 import bench
+
+    return bench.run(cupy, args)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,141 @@
+"""The command line on a CPU machine: `info` works, `check`/`bench` refuse clearly, bench's
+argument parsing and its GPU-free arithmetic (grid, FLOPs, summary, table)."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuflash2 import bench
+from cuflash2.cli import EXIT_NO_GPU, build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args):
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so these tests mean the same on a GPU machine.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "cuflash2", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_info_without_gpu_exits_zero_and_says_so():
+    result = run_cli("info")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("cuflash2 ")
+    assert "numpy" in result.stdout
+    assert "GPU            none:" in result.stdout
+    assert "kernel cache" in result.stdout
+
+
+def test_info_reports_cupy_cache_dir_from_environment(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUPY_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "cuflash2", "info"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert str(tmp_path) in result.stdout
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_gpu_commands_without_gpu_exit_nonzero_with_a_clear_message(command):
+    result = run_cli(command)
+    assert result.returncode == EXIT_NO_GPU
+    assert f"cuflash2 {command}: needs an NVIDIA GPU" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_the_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("info", "check", "bench"):
+        assert command in result.stdout
+
+
+def test_bench_defaults_are_the_paper_grid():
+    args = build_parser().parse_args(["bench"])
+    assert args.headdim == [64, 128]
+    assert args.dtype == ["fp16", "bf16"]
+    assert args.causal == "both"
+    assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert args.direction == "fwd"
+    assert args.compare is None and args.json is None
+    assert args.warmup >= 1 and 10 <= args.iters <= 50
+
+
+def test_bench_options_parse():
+    args = build_parser().parse_args([
+        "bench", "--headdim", "64", "--dtype", "bf16", "--causal", "on", "--seqlens", "512", "2048",
+        "--direction", "both", "--compare", "torch", "--json", "out.json", "--warmup", "1",
+        "--iters", "5",
+    ])
+    assert (args.headdim, args.dtype, args.causal, args.seqlens) == ([64], ["bf16"], "on", [512, 2048])
+    assert (args.direction, args.compare, args.json) == ("both", "torch", "out.json")
+    assert (args.warmup, args.iters) == (1, 5)
+
+
+@pytest.mark.parametrize("bad", [["--dtype", "fp32"], ["--causal", "maybe"],
+                                 ["--compare", "jax"], ["--seqlens", "0"], ["--direction", "up"]])
+def test_bench_rejects_bad_options(bad, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        build_parser().parse_args(["bench", *bad])
+    assert excinfo.value.code == 2
+
+
+def test_paper_grid_keeps_tokens_and_hidden_fixed():
+    configs = bench.paper_grid(headdims=(64, 128), dtypes=("fp16",), causal_modes=(False,))
+    assert len(configs) == 2 * 6
+    for config in configs:
+        assert config.batch * config.seqlen == 16384
+        assert config.nheads * config.headdim == 2048
+
+
+def test_grid_size_follows_the_options():
+    configs = bench.paper_grid((64, 128), ("fp16", "bf16"), bench.causal_modes("both"),
+                               bench.PAPER_SEQLENS, bench.directions("both"))
+    assert len(configs) == 2 * 2 * 2 * 6 * 2
+    assert bench.causal_modes("on") == (True,) and bench.directions("bwd") == ("bwd",)
+
+
+def test_flops_forward_causal_and_backward():
+    full = bench.attention_flops(2, 16, 4096, 4096, 128, causal=False)
+    assert full == 4 * 2 * 16 * 4096 * 4096 * 128
+    assert bench.attention_flops(2, 16, 4096, 4096, 128, causal=True) == full / 2
+    assert bench.attention_flops(2, 16, 4096, 4096, 128, False, "bwd") == 2.5 * full
+
+
+def _row(seqlen, ours, theirs, direction="fwd"):
+    config = bench.Config(direction, "fp16", 128, False, seqlen, 16384 // seqlen, 16)
+    return bench.Row(config, ms=1.0, tflops=ours, torch_ms=1.0, torch_tflops=theirs)
+
+
+def test_summary_geometric_mean_and_minimum():
+    rows = [_row(512, 200.0, 100.0), _row(1024, 100.0, 200.0), _row(2048, 300.0, 300.0)]
+    summary = bench.summarize(rows)["fwd"]
+    assert math.isclose(summary["geomean_ratio"], 1.0)
+    assert summary["min_ratio"] == 0.5
+    assert "s=1024" in summary["min_config"]
+    assert summary["configs"] == 3
+
+
+def test_summary_skips_rows_without_torch():
+    rows = [_row(512, 200.0, None)]
+    assert bench.summarize(rows) == {}
+
+
+def test_markdown_table_has_one_line_per_row():
+    rows = [_row(512, 200.0, 100.0), _row(1024, 150.0, None)]
+    rows[1].errors.append("boom")
+    table = bench.markdown_table(rows, compare=True).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[0].count("|") == table[2].count("|")
+    assert "| 2.000 |" in table[2]
+    assert "boom" in table[3]
+
+
+def test_row_json_has_config_flops_and_ratio():
+    data = _row(512, 200.0, 100.0).to_json()
+    assert data["seqlen"] == 512 and data["ratio"] == 2.0
+    assert data["flops"] == bench.attention_flops(32, 16, 512, 512, 128, False)
