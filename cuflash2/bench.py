@@ -291,8 +291,10 @@ def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progres
     for seed, ((dtype_name, _, _), group) in enumerate(groups.items()):
         dtype = dtype_from_name(dtype_name)
         q, k, v = random_inputs(cupy, group[0], dtype, seed)
-        dout = cupy.random.default_rng(seed + 10_000).standard_normal(
-            q.shape, dtype=cupy.float32).astype(dtype)
+        dout = None
+        if has_backward and any(config.direction == "bwd" for config in group):
+            dout = cupy.random.default_rng(seed + 10_000).standard_normal(
+                q.shape, dtype=cupy.float32).astype(dtype)
         reference = TorchSdpaFlash(torch, cupy, dtype_name) if torch is not None else None
         for config in group:
             row = rows[config]

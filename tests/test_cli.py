@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
-from cuflash2 import bench
+import cuflash2
+from cuflash2 import bench, reference, selfcheck
 from cuflash2.cli import EXIT_NO_GPU, build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,3 +141,48 @@ def test_row_json_has_config_flops_and_ratio():
     data = _row(512, 200.0, 100.0).to_json()
     assert data["seqlen"] == 512 and data["ratio"] == 2.0
     assert data["flops"] == bench.attention_flops(32, 16, 512, 512, 128, False)
+
+
+def test_check_grid_covers_dtypes_headdims_causal_and_shapes():
+    cases = selfcheck.grid(("fp16", "bf16"), (40, 128))
+    assert len(cases) == 2 * 2 * 2 * len(selfcheck.SHAPES)
+    assert any(c.nheads_kv == 1 for c in cases) and any(1 < c.nheads_kv < c.nheads for c in cases)
+    assert any(c.seqlen_q > c.seqlen_k for c in cases) and any(c.seqlen_q < c.seqlen_k for c in cases)
+    assert any(c.unbatched for c in cases)
+
+
+def _attention_from_reference(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+                              out=None):
+    # Stands in for the kernel: the exact reference rounded once to the input dtype.
+    result, lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                      return_lse=True)
+    result = result.astype(q.dtype)
+    return (result, lse) if return_lse else result
+
+
+def test_check_logic_passes_a_correct_implementation(monkeypatch, capsys):
+    # numpy stands in for cupy: the check's logic, minus the GPU.
+    monkeypatch.setattr(cuflash2, "attention", _attention_from_reference)
+    assert selfcheck.run(numpy, ["fp16", "bf16"], [64]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("PASS") for line in lines) == 2 * 2 * len(selfcheck.SHAPES)
+    assert "out err" in lines[1] and "lse err" in lines[1]
+
+
+def test_check_logic_fails_a_wrong_implementation(monkeypatch, capsys):
+    def off_by_a_bit(q, k, v, **kwargs):
+        result, lse = _attention_from_reference(q, k, v, **kwargs)
+        return (result * 1.01).astype(q.dtype), lse
+
+    monkeypatch.setattr(cuflash2, "attention", off_by_a_bit)
+    assert selfcheck.run(numpy, ["fp16"], [64]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_check_reports_an_exception_as_a_failure(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(cuflash2, "attention", broken)
+    passed, line = selfcheck.run_case(numpy, selfcheck.grid(("fp16",), (64,))[0], seed=0)
+    assert not passed and "RuntimeError: launch failed" in line
