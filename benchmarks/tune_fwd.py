@@ -19,29 +19,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy  # noqa: E402
 import numpy  # noqa: E402
 
-from cuflash2 import _configs, _validate, api, reference, testing  # noqa: E402
+from cuflash2 import _configs, _validate, api, bench, reference, testing  # noqa: E402
 
-CANDIDATES = {  # (block_m, block_n, num_warps)
-    32: [(128, 128, 4), (128, 64, 4)],
-    64: [(128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 64, 8), (64, 64, 4)],
-    96: [(128, 64, 4), (128, 64, 8)],
-    128: [(128, 64, 4), (128, 128, 8), (128, 64, 8), (64, 64, 4), (128, 32, 4)],
-    256: [(128, 64, 8), (64, 64, 4)],
+CANDIDATES = {  # (block_m, block_n, num_warps, kv_stages)
+    32: [(128, 128, 4, 2), (128, 128, 4, 1), (128, 64, 4, 2)],
+    64: [(128, 64, 4, 1), (128, 64, 4, 2), (128, 128, 4, 1), (128, 128, 4, 2)],
+    96: [(128, 64, 4, 1), (128, 64, 4, 2)],
+    128: [(128, 64, 4, 1), (128, 64, 4, 2)],
+    256: [(128, 64, 8, 1), (64, 64, 4, 1)],
 }
 
+_backlog = None
 
-def time_ms(fn, warmup=3, iters=20):
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+
+def time_ms(fn, warmup=3, iters=30):
+    """Median of back-to-back launches behind a GPU backlog (host launch cost hidden)."""
+    global _backlog
+    if _backlog is None:
+        _backlog = bench._Backlog(cupy)
+    return bench.time_cupy(cupy, fn, warmup, iters, _backlog)
 
 
 def run(cfg, q, k, v, out, lse, causal):
@@ -54,11 +50,13 @@ def torch_flash(q, k, v, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def fn():
+    def timed():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-    return fn
+            return bench.time_torch(torch, lambda: sdpa(tq, tk, tv, is_causal=causal), 3, 30,
+                                    _backlog)
+    return timed
 
 
 def main():
@@ -77,8 +75,8 @@ def main():
 
     rows = []
     for d in args.head_dims:
-        for bm, bn, warps in CANDIDATES[d]:
-            cfg = _configs.FwdConfig(str(numpy.dtype(dtype)), d, bm, bn, warps)
+        for bm, bn, warps, stages in CANDIDATES[d]:
+            cfg = _configs.FwdConfig(str(numpy.dtype(dtype)), d, bm, bn, warps, stages)
             # correctness once per config (odd lengths, GQA, causal)
             q, k, v = testing.random_qkv(cupy, 2, 333, 517, 4, 2, d, dtype, seed=d + bm + bn)
             for causal in (False, True):
@@ -87,7 +85,7 @@ def main():
                 run(cfg, q, k, v, out, lse, causal)
                 ref_hi = reference.attention(q, k, v, causal=causal)
                 ref_lo = reference.attention(q, k, v, causal=causal, compute_dtype=dtype)
-                res = testing.check_close(f"d{d} {bm}x{bn}x{warps} causal={causal}", out, ref_hi,
+                res = testing.check_close(f"d{d} {bm}x{bn}x{warps}x{stages} causal={causal}", out, ref_hi,
                                           ref_lo, testing.default_atol(dtype))
                 print(res, flush=True)
             for s in args.seqlens:
@@ -98,10 +96,10 @@ def main():
                 for causal in (False, True):
                     flops = 4 * b * h * s * s * d / (2 if causal else 1)
                     ms = time_ms(lambda: run(cfg, q, k, v, out, lse, causal))
-                    t_ms = time_ms(torch_flash(q, k, v, causal)) if have_torch else float("nan")
-                    rows.append((d, f"{bm}x{bn}x{warps}", s, causal, flops / ms / 1e9,
+                    t_ms = torch_flash(q, k, v, causal)() if have_torch else float("nan")
+                    rows.append((d, f"{bm}x{bn}x{warps}x{stages}", s, causal, flops / ms / 1e9,
                                  flops / t_ms / 1e9, t_ms / ms))
-                    print(f"d={d} {bm}x{bn}x{warps} s={s} causal={causal}: "
+                    print(f"d={d} {bm}x{bn}x{warps}x{stages} s={s} causal={causal}: "
                           f"{flops / ms / 1e9:.0f} TFLOP/s, torch {flops / t_ms / 1e9:.0f}, "
                           f"ratio {t_ms / ms:.3f}", flush=True)
                 del q, k, v, out, lse

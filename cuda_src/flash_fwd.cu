@@ -5,11 +5,12 @@
 // the Q tile (per-warp Q partitioning): the K and V tiles in shared memory are read by all warps
 // and written by none of them, and no output is ever reduced across warps.
 //
-// Per KV tile j (FA2's pipeline, single K and V buffers):
-//   wait K_j, barrier -> issue V_j copy -> S = Q K_j^T -> mask (boundary tiles only)
-//   -> online softmax (P = exp2(...), in registers) -> pack P to 16 bits
-//   -> wait V_j, barrier -> issue K_{j-1} copy -> O += P V_j, P used directly as the A operand,
-// so loading V_j overlaps Q K_j^T and the softmax, and loading the next K overlaps P V_j.
+// Per KV tile j: S = Q K_j^T -> mask (boundary tiles only) -> online softmax (P = exp2(...), in
+// registers) -> pack P to 16 bits -> O += P V_j, P used directly as the A operand. Loads:
+//  KV_STAGES == 2 (double-buffered K/V, one barrier per tile): wait K_j,V_j, barrier, issue the
+//    copy of K_{j-1},V_{j-1} into the other stage; it streams in during all of tile j's work.
+//  KV_STAGES == 1 (FA2's schedule, for smaller shared memory): wait K_j, barrier, issue V_j;
+//    Q K_j^T and softmax; wait V_j, barrier, issue K_{j-1}; P V_j.
 // Tiles are visited from the last one down: under causal masking the diagonal (masked) tiles
 // come first and the rest run without masking code.
 #include "mma_primitives.cuh"
@@ -17,7 +18,7 @@
 #include "masking.cuh"
 #include "online_softmax.cuh"
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
 struct FwdTraits {
     static constexpr int THREADS = NUM_WARPS * 32;
     static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
@@ -28,8 +29,11 @@ struct FwdTraits {
     static constexpr int PV_STEPS = BLOCK_N / 16;       // k16 steps of P V (over keys)
     using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
     using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
-    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * KVTile::BYTES;
+    // Shared memory: the Q tile, then KV_STAGES stages of (K tile, V tile).
+    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
+    static constexpr int SMEM_BYTES = QTile::BYTES + KV_STAGES * STAGE_BYTES;
     static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
+    static_assert(KV_STAGES == 1 || KV_STAGES == 2, "single or double-buffered K/V");
     static_assert(N_TILES % 2 == 0 && D_TILES % 2 == 0, "fragments are loaded in pairs");
 };
 
@@ -40,7 +44,7 @@ struct FwdTraits {
 template <typename Elem, class T>
 CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
                         const LdmatrixCursor<typename T::QTile>& q_frag,
-                        const LdmatrixCursor<typename T::KVTile>& k_frag) {
+                        const LdmatrixCursor<typename T::KVTile>& k_frag, u32 stage_offset) {
 #pragma unroll 2
     for (int ks = 0; ks < T::QK_STEPS; ++ks) {
         u32 a[T::M_TILES][4];
@@ -49,7 +53,7 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
 #pragma unroll
         for (int np = 0; np < T::N_TILES / 2; ++np) {
             u32 b[4];
-            ldmatrix_x4(b, k_frag.at(2 * np, ks));
+            ldmatrix_x4(b, k_frag.at(2 * np, ks) + stage_offset);
             const u32 b_lo[2] = {b[0], b[1]};
             const u32 b_hi[2] = {b[2], b[3]};
 #pragma unroll
@@ -61,47 +65,39 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
     }
 }
 
-// The m16n8 accumulator layout of two adjacent n8 tiles of P is exactly the A-operand layout of
-// one m16n8k16 step once pairs are packed to 16 bits, so P never leaves registers. Packing all of
-// P up front halves its register footprint before the P V product.
+// O += P V, one k16 slice of keys at a time: the slice of P is exponentiated and packed right
+// before its mma (online softmax step 2), so the scores die as P is consumed and the SFU work of
+// one slice overlaps the tensor-core work of the previous one. V is the transposed B operand
+// (ldmatrix.trans); each V fragment feeds all m-tiles.
 template <typename Elem, class T>
-CF2_DEVICE void pack_p(u32 (&p_frag)[T::M_TILES][T::PV_STEPS][4],
-                       const float (&p)[T::M_TILES][T::N_TILES][4]) {
-#pragma unroll
-    for (int mt = 0; mt < T::M_TILES; ++mt) {
-#pragma unroll
-        for (int ks = 0; ks < T::PV_STEPS; ++ks) {
-            p_frag[mt][ks][0] = pack_pair<Elem>(p[mt][2 * ks][0], p[mt][2 * ks][1]);
-            p_frag[mt][ks][1] = pack_pair<Elem>(p[mt][2 * ks][2], p[mt][2 * ks][3]);
-            p_frag[mt][ks][2] = pack_pair<Elem>(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
-            p_frag[mt][ks][3] = pack_pair<Elem>(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
-        }
-    }
-}
-
-// O += P V: V is the transposed B operand (ldmatrix.trans), each V fragment feeds all m-tiles.
-template <typename Elem, class T>
-CF2_DEVICE void gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
-                        const u32 (&p_frag)[T::M_TILES][T::PV_STEPS][4],
-                        const LdmatrixCursor<typename T::KVTile>& v_frag) {
+CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
+                                const float (&acc_s)[T::M_TILES][T::N_TILES][4],
+                                OnlineSoftmax<T::M_TILES>& softmax, float scale_log2,
+                                const LdmatrixCursor<typename T::KVTile>& v_frag,
+                                u32 stage_offset) {
 #pragma unroll
     for (int ks = 0; ks < T::PV_STEPS; ++ks) {
+        u32 a[T::M_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < T::M_TILES; ++mt)
+            softmax.template exp_pack<Elem>(a[mt], acc_s[mt][2 * ks], acc_s[mt][2 * ks + 1], mt,
+                                            scale_log2);
 #pragma unroll
         for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
             u32 b[4];
-            ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp));
+            ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp) + stage_offset);
             const u32 b_lo[2] = {b[0], b[1]};
             const u32 b_hi[2] = {b[2], b[3]};
 #pragma unroll
             for (int mt = 0; mt < T::M_TILES; ++mt) {
-                mma_m16n8k16<Elem>(acc_o[mt][2 * dp], p_frag[mt][ks], b_lo);
-                mma_m16n8k16<Elem>(acc_o[mt][2 * dp + 1], p_frag[mt][ks], b_hi);
+                mma_m16n8k16<Elem>(acc_o[mt][2 * dp], a[mt], b_lo);
+                mma_m16n8k16<Elem>(acc_o[mt][2 * dp + 1], a[mt], b_hi);
             }
         }
     }
 }
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
 flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  u16* __restrict__ out, float* __restrict__ lse,
@@ -112,13 +108,13 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  int seqlen_q, int seqlen_k, int nheads, int heads_per_kv_head, int head_dim,
                  float softmax_scale, float scale_log2, int window_left, int window_right,
                  int batch_offset) {
-    using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+    using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 q_smem = smem_address(smem);
-    const u32 k_smem = q_smem + QTile::BYTES;
+    const u32 k_smem = q_smem + QTile::BYTES;  // stage 0; stage s is T::STAGE_BYTES * s further
     const u32 v_smem = k_smem + KVTile::BYTES;
 
     const int tid = threadIdx.x;
@@ -158,15 +154,24 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         return;
     }
 
+    auto load_k = [&](int tile, u32 stage_offset) {
+        const int key0 = tile * BLOCK_N;
+        load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset, k_head + key0 * k_row_stride,
+                                             k_row_stride, seqlen_k - key0, head_chunks,
+                                             thread_index_fresh());
+    };
+    auto load_v = [&](int tile, u32 stage_offset) {
+        const int key0 = tile * BLOCK_N;
+        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset, v_head + key0 * v_row_stride,
+                                             v_row_stride, seqlen_k - key0, head_chunks,
+                                             thread_index_fresh());
+    };
+
     load_tile_async<QTile, T::THREADS>(q_smem, q_block, q_row_stride, seqlen_q - row_first,
                                         head_chunks, tid);
+    load_k(tile_end - 1, 0);
+    if constexpr (KV_STAGES == 2) load_v(tile_end - 1, 0);
     cp_async_commit();
-    {
-        const int key0 = (tile_end - 1) * BLOCK_N;
-        load_tile_async<KVTile, T::THREADS>(k_smem, k_head + key0 * k_row_stride, k_row_stride,
-                                             seqlen_k - key0, head_chunks, tid);
-        cp_async_commit();
-    }
 
     // Fragment addressing (see LdmatrixCursor): Q as the A operand (lanes 0-15 rows, 16-31 the
     // second k8 half), K as the non-transposed B operand (lanes 0-7 / 16-23 pick n rows, bit 3 the
@@ -184,17 +189,28 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
     OnlineSoftmax<T::M_TILES> softmax;
 
-    // This thread's first accumulator row (global query index) and first key column in a tile.
-    const int thread_row0 = row_first + warp * T::ROWS_PER_WARP + lane / 4;
-    const int thread_col0 = 2 * (lane % 4);
+    // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or the
+    // sequence tail and need masking; the others run without any masking code.
+    int unmasked_lo, unmasked_hi;
+    vis.unmasked_tile_range(row_first, row_last, BLOCK_N, unmasked_lo, unmasked_hi);
 
+    u32 stage_offset = 0;
     for (int tile = tile_end - 1; tile >= tile_first; --tile) {
         const int key0 = tile * BLOCK_N;
         cp_async_wait<0>();
-        __syncthreads();  // K_tile has landed; every warp is done reading the previous V
-        load_tile_async<KVTile, T::THREADS>(v_smem, v_head + key0 * v_row_stride, v_row_stride,
-                                             seqlen_k - key0, head_chunks, tid);
-        cp_async_commit();
+        if constexpr (KV_STAGES == 2) {
+            __syncthreads();  // K, V of this tile landed; every warp is done with the other stage
+            if (tile > tile_first) {
+                // The whole next tile streams in while this one is computed.
+                load_k(tile - 1, stage_offset ^ T::STAGE_BYTES);
+                load_v(tile - 1, stage_offset ^ T::STAGE_BYTES);
+                cp_async_commit();
+            }
+        } else {
+            __syncthreads();  // K of this tile landed; every warp is done reading the previous V
+            load_v(tile, 0);  // streams in during Q K^T and the softmax
+            cp_async_commit();
+        }
 
         float acc_s[T::M_TILES][T::N_TILES][4];
 #pragma unroll
@@ -203,25 +219,28 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             for (int nt = 0; nt < T::N_TILES; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
-        gemm_qk<Elem, T>(acc_s, q_frag, k_frag);
-        if (vis.tile_needs_mask(tile, BLOCK_N, row_first, row_last))
-            mask_scores<T::M_TILES, T::N_TILES>(acc_s, thread_row0, key0 + thread_col0, vis);
-
-        softmax.update(acc_s, acc_o, scale_log2);
-        u32 p_frag[T::M_TILES][T::PV_STEPS][4];
-        pack_p<Elem, T>(p_frag, acc_s);
-
-        cp_async_wait<0>();
-        __syncthreads();  // V_tile has landed; every warp is done reading K_tile
-        if (tile > tile_first) {
-            // The next K tile streams in while this warp multiplies P V.
-            const int next_key0 = key0 - BLOCK_N;
-            load_tile_async<KVTile, T::THREADS>(k_smem, k_head + next_key0 * k_row_stride,
-                                                 k_row_stride, seqlen_k - next_key0, head_chunks,
-                                                 tid);
-            cp_async_commit();
+        gemm_qk<Elem, T>(acc_s, q_frag, k_frag, stage_offset);
+        if (tile < unmasked_lo || tile >= unmasked_hi) {
+            // This thread's first accumulator row (query index) and key; from a fresh thread
+            // index so that they take no registers across the loop.
+            const int t = thread_index_fresh();
+            const int thread_row0 = row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4;
+            const int thread_key0 = key0 + 2 * (t % 4);
+            mask_scores<T::M_TILES, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
         }
-        gemm_pv<Elem, T>(acc_o, p_frag, v_frag);
+
+        softmax.update_max(acc_s, acc_o, scale_log2);
+
+        if constexpr (KV_STAGES == 1) {
+            cp_async_wait<0>();
+            __syncthreads();  // V of this tile landed; every warp is done reading K
+            if (tile > tile_first) {
+                load_k(tile - 1, 0);  // streams in during P V
+                cp_async_commit();
+            }
+        }
+        softmax_gemm_pv<Elem, T>(acc_o, acc_s, softmax, scale_log2, v_frag, stage_offset);
+        if constexpr (KV_STAGES == 2) stage_offset ^= T::STAGE_BYTES;
     }
 
     // Epilogue: divide by l once, stage the tile through this warp's own rows of the Q buffer

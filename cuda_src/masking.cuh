@@ -29,14 +29,21 @@ struct KeyVisibility {
         first = key_first / block_n;
     }
 
-    // True when some (row, key) of the tile is invisible: the sequence tail, or a tile crossing
-    // the causal diagonal / window edge. All other tiles skip the masking code.
-    CF2_DEVICE bool tile_needs_mask(int tile, int block_n, int row_first, int row_last) const {
-        const int key_first = tile * block_n;
-        const int key_last = key_first + block_n - 1;
-        return key_last >= seqlen_k ||
-               (window_right >= 0 && key_last > row_first + diag + window_right) ||
-               (window_left >= 0 && key_first < row_last + diag - window_left);
+    // Tiles in [lo, hi) hold no invisible (row, key) pair for rows [row_first, row_last]: they are
+    // below the sequence tail and the causal diagonal / right window edge of every row, and above
+    // the left window edge of every row. Only the tiles outside need masking.
+    CF2_DEVICE void unmasked_tile_range(int row_first, int row_last, int block_n, int& lo,
+                                        int& hi) const {
+        // key_last = tile * block_n + block_n - 1 must be < key_end for every row
+        int key_end = seqlen_k;
+        if (window_right >= 0) key_end = min(key_end, row_first + diag + window_right + 1);
+        hi = key_end <= 0 ? 0 : key_end / block_n;
+        // key_first = tile * block_n must be >= lo(row) for every row
+        lo = 0;
+        if (window_left >= 0) {
+            const int key_lo = row_last + diag - window_left;
+            lo = key_lo <= 0 ? 0 : (key_lo + block_n - 1) / block_n;
+        }
     }
 };
 

@@ -122,5 +122,14 @@ CF2_DEVICE void store_4B_shared(u32 smem_addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
 }
 
+// threadIdx.x read through volatile asm: the compiler cannot hoist what is derived from it out of
+// a loop. Used where keeping per-thread addresses live across the KV loop would cost registers
+// the accumulators need (recomputing them is a handful of integer instructions per tile).
+CF2_DEVICE int thread_index_fresh() {
+    int tid;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+    return tid;
+}
+
 CF2_DEVICE float neg_inf() { return __int_as_float(0xff800000u); }
 CF2_DEVICE float pos_inf() { return __int_as_float(0x7f800000u); }

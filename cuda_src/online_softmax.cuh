@@ -21,6 +21,7 @@ struct OnlineSoftmax {
     static constexpr int ROWS = 2 * M_TILES;
     float row_max[ROWS];  // raw scores, -inf while the row has seen no key
     float row_sum[ROWS];  // this thread's partial sum; the quad's four are added at the end
+    float max_scaled[ROWS];  // row_max * scale_log2 (0 while -inf), for the current tile
 
     CF2_DEVICE OnlineSoftmax() {
 #pragma unroll
@@ -30,11 +31,11 @@ struct OnlineSoftmax {
         }
     }
 
-    // Folds a tile of raw scores into the running statistics, rescales the accumulator where the
-    // max moved, and overwrites the scores with the (unnormalised) probabilities P.
+    // Step 1 of a tile: folds the tile's row maxima into the running max and rescales the output
+    // accumulator and the sums where the max moved. Leaves the scaled max for step 2.
     template <int N_TILES, int D_TILES>
-    CF2_DEVICE void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
-                           float scale_log2) {
+    CF2_DEVICE void update_max(const float (&s)[M_TILES][N_TILES][4],
+                               float (&acc_o)[M_TILES][D_TILES][4], float scale_log2) {
         float correction[ROWS];
         bool any_rescale = false;
 #pragma unroll
@@ -53,6 +54,9 @@ struct OnlineSoftmax {
                 correction[r] = rescale ? fast_exp2((row_max[r] - tile_max) * scale_log2) : 1.f;
                 if (rescale) row_max[r] = tile_max;
                 any_rescale |= rescale;
+                row_sum[r] *= correction[r];
+                // Rows that have seen no key yet: every score is -inf, use 0 so exp2 gives 0.
+                max_scaled[r] = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
             }
         }
         // Warp-uniform branch: skip the O *= correction pass when no row of the warp moved.
@@ -64,27 +68,28 @@ struct OnlineSoftmax {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= correction[2 * mt + e / 2];
         }
+    }
+
+    // Step 2, one k16 slice of P at a time (n8 tiles `lo` and `hi` of m-tile mt): P = exp2(s *
+    // scale_log2 - max_scaled) added to the row sums and packed to 16 bits in the A-operand
+    // layout of m16n8k16 (the m16n8 accumulator layout of two adjacent n8 tiles is exactly that
+    // layout once pairs are packed), so P goes from the score registers straight into P V.
+    template <typename Elem>
+    CF2_DEVICE void exp_pack(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4], int mt,
+                             float scale_log2) {
+        float p[8];
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = 2 * mt + half;
-                // Rows that have seen no key yet: every score is -inf, use 0 so exp2 gives 0.
-                const float max_scaled = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p =
-                            fast_exp2(fmaf(s[mt][nt][2 * half + e], scale_log2, -max_scaled));
-                        s[mt][nt][2 * half + e] = p;
-                        sum += p;
-                    }
-                }
-                row_sum[r] = row_sum[r] * correction[r] + sum;
-            }
+        for (int e = 0; e < 4; ++e) {
+            const float m = max_scaled[2 * mt + e / 2];
+            p[e] = fast_exp2(fmaf(lo[e], scale_log2, -m));
+            p[4 + e] = fast_exp2(fmaf(hi[e], scale_log2, -m));
         }
+        row_sum[2 * mt] += (p[0] + p[1]) + (p[4] + p[5]);
+        row_sum[2 * mt + 1] += (p[2] + p[3]) + (p[6] + p[7]);
+        a[0] = pack_pair<Elem>(p[0], p[1]);  // row g,     keys 2t, 2t+1
+        a[1] = pack_pair<Elem>(p[2], p[3]);  // row g + 8, keys 2t, 2t+1
+        a[2] = pack_pair<Elem>(p[4], p[5]);  // row g,     keys 8 + 2t, 8 + 2t + 1
+        a[3] = pack_pair<Elem>(p[6], p[7]);  // row g + 8, keys 8 + 2t, 8 + 2t + 1
     }
 
     // 1/l for the final normalisation (0 for a row that saw no key, whose output is 0) and the

@@ -64,10 +64,12 @@ template <class Tile, int THREADS>
 CF2_DEVICE void load_tile_async(u32 tile_smem, const u16* gmem, i64 row_stride, int rows_valid,
                                 int chunks_valid, int tid) {
     constexpr int TOTAL = Tile::ROWS * Tile::CHUNKS;
-    if constexpr (THREADS % Tile::CHUNKS == 0 && TOTAL % THREADS == 0) {
+    // Fast path when every pass covers whole rows, a multiple of 8 of them (so row % 8, the
+    // swizzle key, is the same for a thread on every pass).
+    if constexpr (THREADS % Tile::CHUNKS == 0 && TOTAL % THREADS == 0 &&
+                  (THREADS / Tile::CHUNKS) % 8 == 0) {
         // Each thread keeps one chunk column and steps down the rows: one pointer bump per copy.
         constexpr int ROWS_PER_PASS = THREADS / Tile::CHUNKS;
-        static_assert(ROWS_PER_PASS % 8 == 0, "passes must keep row % 8 (the swizzle key)");
         const int chunk = tid % Tile::CHUNKS;
         int row = tid / Tile::CHUNKS;
         const bool chunk_valid = chunk < chunks_valid;

@@ -7,6 +7,7 @@ boundary tiles, so making it a template flag would multiply compile time for no 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 #: Head dims the kernels are built for; a user head dim (multiple of 8, <= 256) is rounded up to
@@ -17,7 +18,7 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 
 #: Architectures the CPU compile tests build for (the GPU path compiles for the device's own).
-CPU_TEST_ARCHS = (80, 90)
+CPU_TEST_ARCHS = (80, 86, 89, 90)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class FwdConfig:
     block_m: int  # query rows per CTA
     block_n: int  # keys per KV tile
     num_warps: int
+    kv_stages: int = 2  # 2: double-buffered K/V tiles; 1: FA2's single-buffered schedule
 
     @property
     def threads(self) -> int:
@@ -36,8 +38,8 @@ class FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # Q tile + one K tile + one V tile, 2 bytes per element (see FwdTraits::SMEM_BYTES).
-        return 2 * self.head_dim * (self.block_m + 2 * self.block_n)
+        # Q tile + kv_stages x (K tile + V tile), 2 bytes an element (FwdTraits::SMEM_BYTES).
+        return 2 * self.head_dim * (self.block_m + 2 * self.kv_stages * self.block_n)
 
     @property
     def source_file(self) -> str:
@@ -47,7 +49,7 @@ class FwdConfig:
     def name_expression(self) -> str:
         tag = DTYPE_TAGS[self.dtype]
         return (f"flash_fwd_kernel<{tag}, {self.head_dim}, {self.block_m}, "
-                f"{self.block_n}, {self.num_warps}>")
+                f"{self.block_n}, {self.num_warps}, {self.kv_stages}>")
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -58,21 +60,37 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"head dim {head_dim} is larger than {KERNEL_HEAD_DIMS[-1]}")
 
 
-def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
-    """Tile shape for the forward kernel (FA2's sm80/sm90 choices as the starting point).
+#: Shared memory per SM (KiB) by compute capability; unknown newer archs get the small figure.
+SMEM_PER_SM_KIB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228}
+SMEM_PER_SM_KIB_DEFAULT = 100
 
-    At d=64, FA2's 128 x 128 tile spills here (S alone takes 128 registers a thread), so the KV
-    tile is 64 keys. Up to d=128, 4 warps own 32 query rows each (two m16 tiles share every K/V fragment, halving
-    shared-memory reads per FLOP); above that the accumulators no longer fit in registers and 8
-    warps own 16 rows each.
+
+def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
+    """Tile shape for the forward kernel, measured on an H200 (docs/PERF_NOTES.md).
+
+    Up to d=128, 4 warps own 32 query rows each: two m16 tiles share every K/V fragment, which
+    halves shared-memory reads per FLOP against 16 rows a warp (8-warp tiles measured 0.6-0.75x of
+    the 4-warp ones). K/V tiles are double-buffered when two CTAs still fit on an SM, else FA2's
+    single-buffered schedule is used. Above d=128 the accumulators of 32 rows no longer fit in
+    registers: 8 warps own 16 rows each.
     """
-    del arch  # the same tiles serve sm_80 and sm_90 for now; keep the hook for tuning
     d = kernel_head_dim(head_dim)
-    if d <= 32:
-        return FwdConfig(dtype, d, block_m=128, block_n=128, num_warps=4)
-    if d <= 128:
-        return FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=4)
-    return FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=8)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    if d > 128:
+        config = FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=8, kv_stages=1)
+        if config.smem_bytes + 1024 > smem_per_sm:  # 100 KiB parts: a 64-row Q tile
+            config = FwdConfig(dtype, d, block_m=64, block_n=64, num_warps=4, kv_stages=1)
+        return config
+    # Preferred first; the first that fits two CTAs per SM wins (1 KiB a CTA is reserved).
+    if d <= 64:
+        shapes = [(128, 128, 2), (128, 64, 2), (128, 64, 1)]
+    else:
+        shapes = [(128, 64, 2), (128, 64, 1)]
+    for block_m, block_n, stages in shapes:
+        config = FwdConfig(dtype, d, block_m, block_n, num_warps=4, kv_stages=stages)
+        if 2 * (config.smem_bytes + 1024) <= smem_per_sm:
+            return config
+    return config
 
 
 def all_fwd_configs(arch: int) -> list[FwdConfig]:

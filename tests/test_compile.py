@@ -8,8 +8,8 @@ import pytest
 
 from cuflash2 import _compile, _configs
 
-# Shared memory a block may use (opt-in limit): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
-MAX_SMEM = {80: 163 * 1024, 90: 227 * 1024}
+# Shared memory a block may use (opt-in limit): sm_80 163 KiB, sm_86/89 99 KiB, sm_90 227 KiB.
+MAX_SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 FWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in _configs.all_fwd_configs(arch)]
