@@ -7,7 +7,7 @@ tag=${1:-h200}
 shift || true
 stem="benchmarks/results/$(date -u +%Y-%m-%d)-${tag}-fwd"
 mkdir -p benchmarks/results
-{ echo '```'; python -m cuflash2 info; echo '```'; } > "$stem.md"
+{ echo '```'; ${PYTHON:-python3} -m cuflash2 info; echo '```'; } > "$stem.md"
 # The markdown report goes to stdout (and the file); per-row progress goes to stderr.
-python -m cuflash2 bench --compare torch --json "$stem.json" "$@" | tee -a "$stem.md"
+${PYTHON:-python3} -m cuflash2 bench --compare torch --json "$stem.json" "$@" | tee -a "$stem.md"
 echo "wrote $stem.md and $stem.json" >&2
