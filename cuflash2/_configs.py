@@ -8,6 +8,7 @@ boundary tiles, so making it a template flag would multiply compile time for no 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 #: Head dims the kernels are built for; a user head dim (multiple of 8, <= 256) is rounded up to
@@ -65,6 +66,7 @@ SMEM_PER_SM_KIB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 2
 SMEM_PER_SM_KIB_DEFAULT = 100
 
 
+@functools.lru_cache(maxsize=None)
 def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
     """Tile shape for the forward kernel, measured on an H200 (docs/PERF_NOTES.md).
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import math
 import numbers
+
+import ml_dtypes
+import numpy
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
+# dtype -> name by hash lookup: str(dtype) costs microseconds, and this runs on every call.
+_DTYPE_NAMES = {numpy.dtype(numpy.float16): "float16", numpy.dtype(ml_dtypes.bfloat16): "bfloat16"}
 MAX_HEAD_DIM = 256
 #: Rows are copied in 16-byte chunks, so every stride but the last must be a multiple of 8
 #: elements (16 bytes), as it always is for slices of a contiguous (..., headdim) array.
@@ -51,8 +56,9 @@ def _check_ndim(name: str, x, ndim: int | None) -> int:
 
 
 def _check_dtype(name: str, x, expected: str | None) -> str:
-    dtype = str(x.dtype)
-    if dtype not in SUPPORTED_DTYPES:
+    dtype = _DTYPE_NAMES.get(x.dtype)
+    if dtype is None:
+        dtype = str(x.dtype)
         raise TypeError(
             f"{name} must be float16 or bfloat16 (ml_dtypes.bfloat16); got {dtype}. "
             f"Cast explicitly, e.g. {name}.astype(cupy.float16)")

@@ -71,8 +71,11 @@ def _check_device(arrays: dict, cupy) -> int:
     return device_id
 
 
-def _element_strides(x) -> tuple[numpy.int64, ...]:
-    return tuple(numpy.int64(s // x.itemsize) for s in x.strides)
+def _element_strides(x) -> tuple[int, int, int]:
+    """(batch, row, head) strides in elements. Python ints reach the kernel as 64-bit values."""
+    itemsize = x.itemsize
+    s = x.strides
+    return (s[0] // itemsize, s[1] // itemsize, s[2] // itemsize)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None):
