@@ -133,3 +133,21 @@ CF2_DEVICE int thread_index_fresh() {
 
 CF2_DEVICE float neg_inf() { return __int_as_float(0xff800000u); }
 CF2_DEVICE float pos_inf() { return __int_as_float(0x7f800000u); }
+
+// 16-bit element -> fp32 (elements are raw 16-bit words, see the top of this file).
+template <typename Elem>
+CF2_DEVICE float to_float(u16 x) {
+    if constexpr (Elem::is_bf16) {
+        return __uint_as_float(static_cast<u32>(x) << 16);
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+        return f;
+    }
+}
+
+CF2_DEVICE void load_16B_global(u32 (&v)[4], const void* gmem_ptr) {
+    asm volatile("ld.global.nc.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "l"(gmem_ptr));
+}

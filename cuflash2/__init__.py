@@ -3,6 +3,6 @@
 __version__ = "0.1.0"
 
 from . import reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
-from .api import attention  # noqa: E402
+from .api import attention, attention_backward, attention_vjp  # noqa: E402
 
-__all__ = ["attention", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "reference", "__version__"]

@@ -98,3 +98,103 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
 def all_fwd_configs(arch: int) -> list[FwdConfig]:
     """Every forward specialisation the dispatcher can choose on `arch`."""
     return [fwd_config(dtype, d, arch) for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """One specialisation of the backward main kernel (flash_bwd.cu)."""
+
+    dtype: str
+    head_dim: int  # kernel head dim (one of KERNEL_HEAD_DIMS)
+    d_chunk: int  # head-dim columns of dK, dV, dQ per CTA (head_dim or head_dim / 2)
+    block_m: int  # query rows per step
+    block_n: int  # key rows per CTA (16 per warp)
+    q_stages: int  # 2: double-buffered Q/dO tiles
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def num_chunks(self) -> int:
+        return self.head_dim // self.d_chunk
+
+    @property
+    def smem_bytes(self) -> int:
+        kv = 2 * 2 * self.block_n * self.head_dim
+        stage = 2 * 2 * self.block_m * self.head_dim + 2 * 4 * self.block_m
+        ds = 2 * self.block_n * self.block_m
+        return kv + self.q_stages * stage + ds
+
+    @property
+    def source_file(self) -> str:
+        return "flash_bwd.cu"
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
+                f"{self.block_m}, {self.block_n}, {self.q_stages}>")
+
+
+@dataclass(frozen=True)
+class AuxKernel:
+    """A small kernel specialised on the dtype only (backward pre- and post-processing)."""
+
+    dtype: str
+    kernel: str  # "flash_bwd_preprocess_kernel" or "flash_bwd_convert_dq_kernel"
+    threads: int = 256
+    smem_bytes: int = 0
+
+    @property
+    def source_file(self) -> str:
+        return {"flash_bwd_preprocess_kernel": "flash_bwd_preprocess.cu",
+                "flash_bwd_convert_dq_kernel": "flash_bwd_convert_dq.cu"}[self.kernel]
+
+    @property
+    def name_expression(self) -> str:
+        return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}>"
+
+
+#: Padding of seqlen_q for the backward's per-row statistics and dQ accumulator: a multiple of
+#: every block_m the backward uses.
+BWD_ROW_PADDING = 128
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_config(dtype: str, head_dim: int, arch: int) -> BwdConfig:
+    """Tile shape of the backward main kernel.
+
+    Each warp owns 16 key rows and keeps their dK and dV (d_chunk columns each) in registers, so
+    d_chunk is at most 128: larger head dims are split in two chunks. The first candidate whose
+    shared memory fits one CTA per SM wins.
+    """
+    d = kernel_head_dim(head_dim)
+    d_chunk = d if d <= 128 else d // 2
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    if d <= 128:
+        shapes = [(64, 128, 2), (64, 128, 1), (64, 64, 1), (32, 64, 1)]
+    else:
+        shapes = [(64, 64, 1), (32, 64, 1), (32, 32, 1)]
+    for block_m, block_n, stages in shapes:
+        config = BwdConfig(dtype, d, d_chunk, block_m, block_n, stages)
+        if config.smem_bytes + 1024 <= smem_per_sm:
+            return config
+    return config
+
+
+def aux_kernels() -> list[AuxKernel]:
+    return [AuxKernel(dtype, kernel) for dtype in DTYPE_TAGS
+            for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")]
+
+
+def all_bwd_configs(arch: int) -> list[BwdConfig]:
+    """Every backward main-kernel specialisation the dispatcher can choose on `arch`."""
+    return [bwd_config(dtype, d, arch) for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]

@@ -144,3 +144,39 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> Attentio
 
     return AttentionProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype,
                             batched, scale)
+
+
+def _check_like(name: str, x, like_name: str, like, dtype: str) -> None:
+    if tuple(x.shape) != tuple(like.shape):
+        raise ValueError(
+            f"{name} must have the shape of {like_name} {tuple(like.shape)}; got {tuple(x.shape)}")
+    _check_dtype(name, x, dtype)
+    check_strides(name, x)
+
+
+def check_backward_inputs(problem: AttentionProblem, dout, q, k, v, out, lse, *, dq=None,
+                          dk=None, dv=None) -> None:
+    """Checks the backward's extra arguments against the forward problem `problem` (from
+    check_attention_inputs): dout and out like q, lse float32 (batch, nheads, seqlen_q) as the
+    forward returned it, and the optional dq / dk / dv outputs like q / k / v."""
+    _check_like("dout", dout, "q", q, problem.dtype)
+    _check_like("out", out, "q", q, problem.dtype)
+    lse_shape = ((problem.batch,) if problem.batched else ()) + (problem.nheads, problem.seqlen_q)
+    if tuple(lse.shape) != lse_shape:
+        raise ValueError(
+            f"lse must have shape {lse_shape} (batch, nheads, seqlen_q) as returned by "
+            f"attention(..., return_lse=True); got {tuple(lse.shape)}")
+    if str(lse.dtype) != "float32":
+        raise TypeError(f"lse must be float32 as returned by attention(..., return_lse=True); "
+                        f"got {lse.dtype}")
+    contiguous, size = [], 4
+    for dim in reversed(lse_shape):
+        contiguous.insert(0, size)
+        size *= dim
+    if 0 not in lse_shape and any(
+            s != c for s, c, n in zip(lse.strides, contiguous, lse_shape) if n > 1):
+        raise ValueError(f"lse must be C-contiguous; got strides {tuple(lse.strides)}. "
+                         f"Use cupy.ascontiguousarray(lse)")
+    for name, x, like_name, like in (("dq", dq, "q", q), ("dk", dk, "k", k), ("dv", dv, "v", v)):
+        if x is not None:
+            _check_like(name, x, like_name, like, problem.dtype)

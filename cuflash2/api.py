@@ -135,3 +135,98 @@ def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None):
         kernel(grid, (config.threads,),
                (q, k, v, out, lse, *strides, *scalars, numpy.int32(batch_offset)),
                shared_mem=config.smem_bytes)
+
+
+def _launch(config, device_id, grid, args):
+    """Launches `config`'s kernel, slicing gridDim.z (the batch) into chunks of 65535."""
+    kernel = _compile.get_kernel(config, device_id)
+    batch = grid[2]
+    for batch_offset in range(0, batch, _MAX_GRID_Z):
+        kernel((grid[0], grid[1], min(_MAX_GRID_Z, batch - batch_offset)), (config.threads,),
+               (*args, numpy.int32(batch_offset)), shared_mem=config.smem_bytes)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
+                       deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=...)` for the
+    output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`).
+
+    FlashAttention-2's backward: P is recomputed from lse, extra memory is O(seqlen) (an fp32 dq
+    accumulator and two fp32 values per query row), never O(seqlen_q * seqlen_k). dq, dk, dv have
+    the dtype and shapes of q, k, v (for GQA/MQA, dk and dv sum over the query heads sharing each
+    KV head); `dq=`, `dk=`, `dv=` receive them if given. `deterministic=True` gives bitwise
+    reproducible results (no floating-point atomics). Runs on the current CuPy stream.
+    """
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if x is not None:
+            arrays[name] = x
+    cupy = _require_cupy_arrays(arrays)
+    if not isinstance(causal, (bool, numpy.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if not isinstance(deterministic, (bool, numpy.bool_)):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
+    _validate.check_backward_inputs(problem, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
+    device_id = _check_device(arrays, cupy)
+    if deterministic:
+        raise NotImplementedError("deterministic=True is not implemented yet")
+
+    dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+    dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+    dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+    b = (lambda x: x) if problem.batched else (lambda x: x[None])
+    window = (-1, 0) if causal else (-1, -1)
+    _launch_backward(problem, b(dout), b(q), b(k), b(v), b(out), b(lse), b(dq), b(dk), b(dv),
+                     window, device_id, cupy)
+    return dq, dk, dv
+
+
+def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, device_id, cupy):
+    p = problem
+    if p.batch == 0 or p.nheads == 0:
+        return
+    arch = device_arch(device_id)
+    config = _configs.bwd_config(p.dtype, p.head_dim, arch)
+    pad = _configs.BWD_ROW_PADDING
+    seqlen_q_padded = -(-p.seqlen_q // pad) * pad
+    delta = cupy.empty((p.batch, p.nheads, seqlen_q_padded), dtype=cupy.float32)
+    lse_log2 = cupy.empty_like(delta)
+    dq_accum = cupy.zeros((p.batch, p.nheads, seqlen_q_padded, config.head_dim),
+                          dtype=cupy.float32)
+    i32 = numpy.int32
+    if seqlen_q_padded:
+        pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel")
+        rows_per_cta = pre.threads // 32 * 8  # 8 warps, 8 rows a warp (flash_bwd_preprocess.cu)
+        _launch(pre, device_id, (-(-seqlen_q_padded // rows_per_cta), p.nheads, p.batch),
+                (dout, out, lse, delta, lse_log2, *_element_strides(dout),
+                 *_element_strides(out), i32(p.seqlen_q), i32(seqlen_q_padded), i32(p.nheads),
+                 i32(p.head_dim)))
+    if p.seqlen_k:
+        num_kv_blocks = -(-p.seqlen_k // config.block_n)
+        _launch(config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch),
+                (q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, *_element_strides(q),
+                 *_element_strides(k), *_element_strides(v), *_element_strides(dout),
+                 *_element_strides(dk), *_element_strides(dv), i32(p.seqlen_q),
+                 i32(seqlen_q_padded), i32(p.seqlen_k), i32(p.nheads),
+                 i32(p.nheads // p.nheads_kv), i32(p.head_dim), numpy.float32(p.softmax_scale),
+                 numpy.float32(p.softmax_scale * _LOG2E), i32(window[0]), i32(window[1])))
+    if p.seqlen_q:
+        convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel")
+        chunks = p.seqlen_q * (p.head_dim // 8)
+        _launch(convert, device_id, (-(-chunks // convert.threads), p.nheads, p.batch),
+                (dq_accum, dq, *_element_strides(dq), i32(p.seqlen_q), i32(seqlen_q_padded),
+                 i32(p.nheads), i32(p.head_dim), i32(config.head_dim),
+                 numpy.float32(p.softmax_scale)))
+
+
+def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, deterministic=False):
+    """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`,
+    which keeps the forward's lse (and out) internally."""
+    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+    def vjp(dout):
+        return attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                  softmax_scale=softmax_scale, deterministic=deterministic)
+
+    return out, vjp

@@ -1,0 +1,31 @@
+// Backward postprocessing: dQ = softmax_scale * dq_accum (fp32, accumulated by the main kernel's
+// atomics, layout (batch, nheads, seqlen_q_padded, accum_dim)) converted to the input dtype and
+// written into the caller's (batch, seqlen_q, nheads, headdim) array with 16-byte stores.
+#include "mma_primitives.cuh"
+
+#define CF2_CONVERT_THREADS 256
+
+template <typename Elem>
+__global__ void __launch_bounds__(CF2_CONVERT_THREADS)
+flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq,
+                            i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
+                            int seqlen_q, int seqlen_q_padded, int nheads, int head_dim,
+                            int accum_dim, float softmax_scale, int batch_offset) {
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z + batch_offset;
+    const int chunks = head_dim / 8;
+    const int idx = blockIdx.x * CF2_CONVERT_THREADS + threadIdx.x;
+    const int row = idx / chunks;
+    const int chunk = idx % chunks;
+    if (row >= seqlen_q) return;
+    const float* src = dq_accum +
+                       ((static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row) * accum_dim +
+                       chunk * 8;
+    u32 packed[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        packed[i] = pack_pair<Elem>(src[2 * i] * softmax_scale, src[2 * i + 1] * softmax_scale);
+    store_16B_global(dq + batch * dq_batch_stride + head * dq_head_stride + row * dq_row_stride +
+                         chunk * 8,
+                     packed);
+}

@@ -1,0 +1,58 @@
+// Backward preprocessing (FA2, Algorithm 2, line 4): D_i = rowsum(dO_i * O_i) in fp32, and the
+// forward's logsumexp converted to log2 units (so the main kernel recomputes P with one FFMA and
+// one EX2, as the forward does). Both are written padded to whole Q blocks: padding rows get
+// D = 0 and lse = +inf, so P = exp2(s - inf) = 0 there and the main kernel needs no row masking.
+#include "mma_primitives.cuh"
+
+#define CF2_PREPROCESS_THREADS 256
+#define CF2_PREPROCESS_ROWS_PER_WARP 8
+
+// One warp per row (lane c reads the 16-byte chunk c of dO and O), 8 rows per warp.
+template <typename Elem>
+__global__ void __launch_bounds__(CF2_PREPROCESS_THREADS)
+flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out,
+                            const float* __restrict__ lse, float* __restrict__ delta,
+                            float* __restrict__ lse_log2,
+                            i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
+                            i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
+                            int seqlen_q, int seqlen_q_padded, int nheads, int head_dim,
+                            int batch_offset) {
+    constexpr float LOG2E = 1.4426950408889634f;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z + batch_offset;
+    const i64 stat_offset = (static_cast<i64>(batch) * nheads + head) * seqlen_q_padded;
+    const u16* dout_head = dout + batch * do_batch_stride + head * do_head_stride;
+    const u16* out_head = out + batch * o_batch_stride + head * o_head_stride;
+    const int row0 = (blockIdx.x * (CF2_PREPROCESS_THREADS / 32) + warp) * CF2_PREPROCESS_ROWS_PER_WARP;
+
+#pragma unroll 2
+    for (int r = 0; r < CF2_PREPROCESS_ROWS_PER_WARP; ++r) {
+        const int row = row0 + r;
+        if (row >= seqlen_q_padded) break;
+        float partial = 0.f;
+        if (row < seqlen_q && lane * 8 < head_dim) {
+            u32 a[4], b[4];
+            load_16B_global(a, dout_head + row * do_row_stride + lane * 8);
+            load_16B_global(b, out_head + row * o_row_stride + lane * 8);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                partial += to_float<Elem>(static_cast<u16>(a[i] & 0xffffu)) *
+                           to_float<Elem>(static_cast<u16>(b[i] & 0xffffu));
+                partial += to_float<Elem>(static_cast<u16>(a[i] >> 16)) *
+                           to_float<Elem>(static_cast<u16>(b[i] >> 16));
+            }
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            partial += __shfl_xor_sync(0xffffffffu, partial, offset);
+        if (lane == 0) {
+            delta[stat_offset + row] = partial;
+            // lse is +inf for a row that saw no key: it stays +inf (P = 0).
+            lse_log2[stat_offset + row] =
+                row < seqlen_q ? lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + row] * LOG2E
+                               : pos_inf();
+        }
+    }
+}
