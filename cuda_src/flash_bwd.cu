@@ -16,6 +16,9 @@
 // (Q rows x head dim) tile, and the partial dQ is added to an fp32 accumulator with atomics
 // (red.global.add), converted to the input dtype by a separate kernel at the end.
 //
+// With COMPUTE_DQ false (deterministic mode) the kernel computes dK and dV only, and
+// flash_bwd_dq.cu computes dQ without atomics.
+//
 // Head dims above 128 are split into two chunks (grid.x): each CTA recomputes S and dP over the
 // full head dim but accumulates dK, dV, dQ only for its chunk, which keeps dK and dV of 16 rows
 // in registers.
@@ -97,7 +100,8 @@ CF2_DEVICE void gemm_regs_by_tile(float (&acc)[T::DC_TILES][4], const float (&x)
     }
 }
 
-template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int Q_STAGES>
+template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int Q_STAGES,
+          bool COMPUTE_DQ>
 __global__ void __launch_bounds__(BLOCK_N * 2, 1)
 flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  const u16* __restrict__ dout, const float* __restrict__ lse_log2,
@@ -156,7 +160,10 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
 
+    // Per-thread copy addresses are rebuilt from a fresh thread index on each step rather than
+    // kept across the loop (registers the dK/dV accumulators need).
     auto load_step = [&](int step, u32 stage_offset) {
+        const int tid = thread_index_fresh();
         const int head = kv_head * heads_per_kv_head + step / m_count;
         const int row0 = (m_first + step % m_count) * BLOCK_M;
         const u16* q_rows = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
@@ -183,17 +190,6 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         cp_async_commit();
     }
 
-    // Fragment addressing (LdmatrixCursor): this warp's 16 key rows of K and V as A operands;
-    // Q and dO as non-transposed B operands (query rows are n) and transposed B operands (query
-    // rows are k); dS^T transposed as the A operand of dQ = dS K; K transposed as its B operand.
-    const LdmatrixCursor<KVTile> k_rows_frag(k_smem, warp * 16 + lane % 16, lane / 16);
-    const LdmatrixCursor<KVTile> v_rows_frag(v_smem, warp * 16 + lane % 16, lane / 16);
-    const LdmatrixCursor<QTile> qt_frag(q_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const LdmatrixCursor<QTile> q_frag(q_smem, lane % 16, lane / 16);
-    const int key0 = key_first + warp * 16 + lane / 4;  // this thread's first key row
-    const int dq_warp_m = warp % T::DQ_WARPS_M;
-    const int dq_warp_n = warp / T::DQ_WARPS_M;
-
     u32 stage_offset = 0;
     for (int step = 0; step < steps; ++step) {
         const int head = kv_head * heads_per_kv_head + step / m_count;
@@ -207,6 +203,17 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 cp_async_commit();
             }
         }
+        // Fragment addressing (LdmatrixCursor), rebuilt from a fresh thread index every step
+        // (a few integer ops) instead of held across the loop: this warp's 16 key rows of K
+        // and V as A operands; Q and dO as non-transposed B operands (query rows are n) and
+        // transposed B operands (query rows are k).
+        const int lane_now = thread_index_fresh() % 32;
+        const int warp_now = thread_index_fresh() / 32;
+        const LdmatrixCursor<KVTile> k_rows_frag(k_smem, warp_now * 16 + lane_now % 16, lane_now / 16);
+        const LdmatrixCursor<KVTile> v_rows_frag(v_smem, warp_now * 16 + lane_now % 16, lane_now / 16);
+        const LdmatrixCursor<QTile> qt_frag(q_smem, lane_now % 8 + (lane_now / 16) * 8, (lane_now / 8) % 2);
+        const LdmatrixCursor<QTile> q_frag(q_smem, lane_now % 16, lane_now / 16);
+        const int key0 = key_first + warp_now * 16 + lane_now / 4;  // this thread's first key
         const float* lse_s = stats + stage_offset / 4;
         const float* delta_s = lse_s + BLOCK_M;
 
@@ -256,6 +263,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         // dK_w += dS^T Q (the softmax scale is applied once, in the epilogue).
         gemm_regs_by_tile<Elem, T>(acc_dk, acc_dp, q_frag, stage_offset, col0 / 16);
 
+        if constexpr (COMPUTE_DQ) {
         // dS^T to shared memory for dQ = dS K, which needs every warp's key rows.
 #pragma unroll
         for (int nt = 0; nt < T::Q_TILES; ++nt) {
@@ -270,6 +278,8 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
         // dQ (rows row0 + 16 dq_warp_m .., columns col0 + DQ_COLS dq_warp_n ..) += dS K, added
         // to the fp32 accumulator with atomics: other KV blocks add to the same rows.
+        const int dq_warp_m = warp_now % T::DQ_WARPS_M;
+        const int dq_warp_n = warp_now / T::DQ_WARPS_M;
         const LdmatrixCursor<DSTile> ds_frag(ds_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
         const LdmatrixCursor<KVTile> k_frag(k_smem, lane % 16, lane / 16);
         float* dq_rows = dq_accum +
@@ -283,7 +293,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             for (int nt = 0; nt < T::DQ_PASS_COLS / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_dq[nt][e] = 0.f;
-#pragma unroll
+#pragma unroll 2
             for (int ks = 0; ks < T::KV_STEPS; ++ks) {
                 u32 a[4];
                 ldmatrix_x4_trans(a, ds_frag.at(2 * ks, dq_warp_m));
@@ -306,6 +316,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 atomicAdd(dst + 8 * HEAD_DIM + 1, acc_dq[nt][3]);
             }
         }
+        }  // COMPUTE_DQ (in deterministic mode flash_bwd_dq.cu computes dQ instead)
 
         if constexpr (Q_STAGES == 2) {
             stage_offset ^= T::STAGE_BYTES;

@@ -114,6 +114,7 @@ class BwdConfig:
     block_m: int  # query rows per step
     block_n: int  # key rows per CTA (16 per warp)
     q_stages: int  # 2: double-buffered Q/dO tiles
+    compute_dq: bool = True  # False in deterministic mode (flash_bwd_dq.cu computes dQ)
 
     @property
     def num_warps(self) -> int:
@@ -126,6 +127,15 @@ class BwdConfig:
     @property
     def num_chunks(self) -> int:
         return self.head_dim // self.d_chunk
+
+    @property
+    def dq_tiling_ok(self) -> bool:
+        """dQ = dS K splits (block_m x d_chunk) over the warps in 16-row, 16k-column pieces
+        (BwdTraits::DQ_WARPS_M/N in flash_bwd.cu)."""
+        warps_m = self.block_m // 16
+        if warps_m > self.num_warps or self.num_warps % warps_m:
+            return False
+        return (self.d_chunk // (self.num_warps // warps_m)) % 16 == 0
 
     @property
     def smem_bytes(self) -> int:
@@ -141,7 +151,33 @@ class BwdConfig:
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
-                f"{self.block_m}, {self.block_n}, {self.q_stages}>")
+                f"{self.block_m}, {self.block_n}, {self.q_stages}, "
+                f"{'true' if self.compute_dq else 'false'}>")
+
+
+@dataclass(frozen=True)
+class BwdDqConfig:
+    """One specialisation of the deterministic dQ kernel (flash_bwd_dq.cu): 4 warps of 16 rows."""
+
+    dtype: str
+    head_dim: int
+    block_n: int
+    kv_stages: int
+    block_m: int = 64
+    threads: int = 128
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * 2 * self.block_m * self.head_dim + self.kv_stages * 2 * 2 * self.block_n * self.head_dim
+
+    @property
+    def source_file(self) -> str:
+        return "flash_bwd_dq.cu"
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_dq_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
+                f"{self.kv_stages}>")
 
 
 @dataclass(frozen=True)
@@ -169,7 +205,7 @@ BWD_ROW_PADDING = 128
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_config(dtype: str, head_dim: int, arch: int) -> BwdConfig:
+def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False) -> BwdConfig:
     """Tile shape of the backward main kernel.
 
     Each warp owns 16 key rows and keeps their dK and dV (d_chunk columns each) in registers, so
@@ -184,8 +220,20 @@ def bwd_config(dtype: str, head_dim: int, arch: int) -> BwdConfig:
     else:
         shapes = [(64, 64, 1), (32, 64, 1), (32, 32, 1)]
     for block_m, block_n, stages in shapes:
-        config = BwdConfig(dtype, d, d_chunk, block_m, block_n, stages)
-        if config.smem_bytes + 1024 <= smem_per_sm:
+        config = BwdConfig(dtype, d, d_chunk, block_m, block_n, stages, not deterministic)
+        if config.dq_tiling_ok and config.smem_bytes + 1024 <= smem_per_sm:
+            return config
+    raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
+    """Tile shape of the deterministic dQ kernel: double-buffered K/V when two CTAs fit."""
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    for block_n, stages, ctas in ((64, 2, 2), (64, 1, 2), (64, 1, 1), (32, 1, 1)):
+        config = BwdDqConfig(dtype, d, block_n, stages)
+        if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
             return config
     return config
 
@@ -195,6 +243,9 @@ def aux_kernels() -> list[AuxKernel]:
             for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")]
 
 
-def all_bwd_configs(arch: int) -> list[BwdConfig]:
-    """Every backward main-kernel specialisation the dispatcher can choose on `arch`."""
-    return [bwd_config(dtype, d, arch) for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+def all_bwd_configs(arch: int) -> list:
+    """Every backward specialisation the dispatcher can choose on `arch` (main kernel with and
+    without dQ, deterministic dQ kernel)."""
+    return [cfg for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS
+            for cfg in (bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
+                        bwd_dq_config(dtype, d, arch))]

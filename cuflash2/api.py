@@ -169,8 +169,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
     _validate.check_backward_inputs(problem, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
     device_id = _check_device(arrays, cupy)
-    if deterministic:
-        raise NotImplementedError("deterministic=True is not implemented yet")
 
     dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
     dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
@@ -178,23 +176,26 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     b = (lambda x: x) if problem.batched else (lambda x: x[None])
     window = (-1, 0) if causal else (-1, -1)
     _launch_backward(problem, b(dout), b(q), b(k), b(v), b(out), b(lse), b(dq), b(dk), b(dv),
-                     window, device_id, cupy)
+                     window, bool(deterministic), device_id, cupy)
     return dq, dk, dv
 
 
-def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, device_id, cupy):
+def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deterministic,
+                     device_id, cupy):
     p = problem
     if p.batch == 0 or p.nheads == 0:
         return
     arch = device_arch(device_id)
-    config = _configs.bwd_config(p.dtype, p.head_dim, arch)
+    config = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
     pad = _configs.BWD_ROW_PADDING
     seqlen_q_padded = -(-p.seqlen_q // pad) * pad
     delta = cupy.empty((p.batch, p.nheads, seqlen_q_padded), dtype=cupy.float32)
     lse_log2 = cupy.empty_like(delta)
-    dq_accum = cupy.zeros((p.batch, p.nheads, seqlen_q_padded, config.head_dim),
-                          dtype=cupy.float32)
+    # The fp32 dQ accumulator of the atomic path: O(seqlen_q * headdim), like the inputs.
+    dq_accum = None if deterministic else cupy.zeros(
+        (p.batch, p.nheads, seqlen_q_padded, config.head_dim), dtype=cupy.float32)
     i32 = numpy.int32
+    scales = (numpy.float32(p.softmax_scale), numpy.float32(p.softmax_scale * _LOG2E))
     if seqlen_q_padded:
         pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel")
         rows_per_cta = pre.threads // 32 * 8  # 8 warps, 8 rows a warp (flash_bwd_preprocess.cu)
@@ -209,9 +210,19 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, devic
                  *_element_strides(k), *_element_strides(v), *_element_strides(dout),
                  *_element_strides(dk), *_element_strides(dv), i32(p.seqlen_q),
                  i32(seqlen_q_padded), i32(p.seqlen_k), i32(p.nheads),
-                 i32(p.nheads // p.nheads_kv), i32(p.head_dim), numpy.float32(p.softmax_scale),
-                 numpy.float32(p.softmax_scale * _LOG2E), i32(window[0]), i32(window[1])))
-    if p.seqlen_q:
+                 i32(p.nheads // p.nheads_kv), i32(p.head_dim), *scales, i32(window[0]),
+                 i32(window[1])))
+    if deterministic:
+        if p.seqlen_q:
+            dq_config = _configs.bwd_dq_config(p.dtype, p.head_dim, arch)
+            _launch(dq_config, device_id,
+                    (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch),
+                    (q, k, v, dout, lse_log2, delta, dq, *_element_strides(q),
+                     *_element_strides(k), *_element_strides(v), *_element_strides(dout),
+                     *_element_strides(dq), i32(p.seqlen_q), i32(seqlen_q_padded),
+                     i32(p.seqlen_k), i32(p.nheads), i32(p.nheads // p.nheads_kv),
+                     i32(p.head_dim), *scales, i32(window[0]), i32(window[1])))
+    elif p.seqlen_q:
         convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel")
         chunks = p.seqlen_q * (p.head_dim // 8)
         _launch(convert, device_id, (-(-chunks // convert.threads), p.nheads, p.batch),

@@ -1,0 +1,222 @@
+// FlashAttention-2 backward, deterministic dQ kernel.
+//
+// The main backward kernel adds each KV block's share of dQ with fp32 atomics, whose order (and
+// so the rounding) changes from run to run. In deterministic mode it leaves dQ out and this
+// kernel computes it instead, Q-block-parallel like the forward: grid (Q block, head, batch), each
+// warp owns 16 query rows and walks over the KV tiles its rows can see, recomputing
+//   S = Q K^T,  P = exp2(S * scale_log2 - lse_log2),  dP = dO V^T,  dS = P o (dP - D)
+// and accumulating dQ += dS K in registers, always in the same order. It costs two extra
+// products (S and dP are computed by both kernels) and writes dQ directly in the input dtype.
+#include "mma_primitives.cuh"
+#include "smem_swizzle.cuh"
+#include "masking.cuh"
+
+template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
+struct BwdDqTraits {
+    static constexpr int NUM_WARPS = 4;
+    static constexpr int BLOCK_M = 16 * NUM_WARPS;  // each warp owns 16 query rows
+    static constexpr int THREADS = NUM_WARPS * 32;
+    static constexpr int N_TILES = BLOCK_N / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    static constexpr int D_STEPS = HEAD_DIM / 16;
+    static constexpr int KV_STEPS = BLOCK_N / 16;
+    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
+    // Shared memory: Q, dO | KV_STAGES x (K, V)
+    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
+    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + KV_STAGES * STAGE_BYTES;
+};
+
+// acc (16 rows x BLOCK_N) = A (16 rows of a_frag's tile over the head dim) * B^T, B's rows the
+// n dimension: S = Q K^T and dP = dO V^T.
+template <typename Elem, class T, class ATile>
+CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<ATile>& a_frag,
+                             u32 a_offset, const LdmatrixCursor<typename T::KVTile>& b_frag,
+                             u32 b_offset) {
+#pragma unroll
+    for (int nt = 0; nt < T::N_TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll 2
+    for (int ks = 0; ks < T::D_STEPS; ++ks) {
+        u32 a[4];
+        ldmatrix_x4(a, a_frag.at(0, ks) + a_offset);
+#pragma unroll
+        for (int np = 0; np < T::N_TILES / 2; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, b_frag.at(2 * np, ks) + b_offset);
+            const u32 b_lo[2] = {b[0], b[1]};
+            const u32 b_hi[2] = {b[2], b[3]};
+            mma_m16n8k16<Elem>(acc[2 * np], a, b_lo);
+            mma_m16n8k16<Elem>(acc[2 * np + 1], a, b_hi);
+        }
+    }
+}
+
+template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
+__global__ void __launch_bounds__(128, 2)
+flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                    const u16* __restrict__ dout, const float* __restrict__ lse_log2,
+                    const float* __restrict__ delta, u16* __restrict__ dq,
+                    i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                    i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
+                    i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
+                    i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
+                    i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
+                    int seqlen_q, int seqlen_q_padded, int seqlen_k, int nheads,
+                    int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
+                    int window_left, int window_right, int batch_offset) {
+    using T = BwdDqTraits<Elem, HEAD_DIM, BLOCK_N, KV_STAGES>;
+    using QTile = typename T::QTile;
+    using KVTile = typename T::KVTile;
+    constexpr int BLOCK_M = T::BLOCK_M;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 q_smem = smem_address(smem);
+    const u32 do_smem = q_smem + QTile::BYTES;
+    const u32 k_smem = do_smem + QTile::BYTES;  // stage 0; V follows K in each stage
+    const u32 v_smem = k_smem + KVTile::BYTES;
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z + batch_offset;
+    const int kv_head = head / heads_per_kv_head;
+    const int row_first = blockIdx.x * BLOCK_M;
+    const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
+    const int head_chunks = head_dim / 8;
+
+    const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    int tile_first, tile_end;
+    vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
+
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+    auto load_kv = [&](int tile, u32 stage_offset) {
+        const int key0 = tile * BLOCK_N;
+        load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset, k_head + key0 * k_row_stride,
+                                             k_row_stride, seqlen_k - key0, head_chunks, tid);
+        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset, v_head + key0 * v_row_stride,
+                                             v_row_stride, seqlen_k - key0, head_chunks, tid);
+    };
+
+    if (tile_end > tile_first) {
+        load_tile_async<QTile, T::THREADS>(
+            q_smem, q + batch * q_batch_stride + head * q_head_stride + row_first * q_row_stride,
+            q_row_stride, seqlen_q - row_first, head_chunks, tid);
+        load_tile_async<QTile, T::THREADS>(
+            do_smem,
+            dout + batch * do_batch_stride + head * do_head_stride + row_first * do_row_stride,
+            do_row_stride, seqlen_q - row_first, head_chunks, tid);
+        load_kv(tile_end - 1, 0);
+        cp_async_commit();
+    }
+
+    // Per-row statistics of this thread's rows g and g + 8 (padded arrays: no predicate).
+    const i64 stat0 = (static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row_first +
+                      warp * 16 + lane / 4;
+    const float row_lse[2] = {lse_log2[stat0], lse_log2[stat0 + 8]};
+    const float row_delta[2] = {delta[stat0], delta[stat0 + 8]};
+
+    const LdmatrixCursor<QTile> rows_frag(q_smem, warp * 16 + lane % 16, lane / 16);  // Q, dO
+    const LdmatrixCursor<KVTile> kv_rows_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LdmatrixCursor<KVTile> k_trans_frag(k_smem, lane % 16, lane / 16);
+    const int thread_row0 = row_first + warp * 16 + lane / 4;
+
+    float acc_dq[T::D_TILES][4];
+#pragma unroll
+    for (int dt = 0; dt < T::D_TILES; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dq[dt][e] = 0.f;
+
+    u32 stage_offset = 0;
+    for (int tile = tile_end - 1; tile >= tile_first; --tile) {
+        const int key0 = tile * BLOCK_N;
+        cp_async_wait<0>();
+        __syncthreads();  // K, V of this tile landed; every warp is done with the other stage
+        if constexpr (KV_STAGES == 2) {
+            if (tile > tile_first) {
+                load_kv(tile - 1, stage_offset ^ T::STAGE_BYTES);
+                cp_async_commit();
+            }
+        }
+
+        float acc_s[T::N_TILES][4];
+        gemm_dq_rows<Elem, T>(acc_s, rows_frag, 0, kv_rows_frag, stage_offset);
+        const bool needs_mask =
+            key0 + BLOCK_N > seqlen_k ||
+            (window_right >= 0 && key0 + BLOCK_N - 1 > row_first + vis.diag + window_right) ||
+            (window_left >= 0 && key0 < row_last + vis.diag - window_left);
+        if (needs_mask) {
+            float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
+            mask_scores<1, T::N_TILES>(s, thread_row0, key0 + 2 * (lane % 4), vis);
+        }
+        float acc_dp[T::N_TILES][4];
+        gemm_dq_rows<Elem, T>(acc_dp, rows_frag, QTile::BYTES, kv_rows_frag,
+                              stage_offset + KVTile::BYTES);
+
+        // dS = P o (dP - D), packed as the A operand of dQ += dS K (the scale comes at the end).
+#pragma unroll
+        for (int ks = 0; ks < T::KV_STEPS; ++ks) {
+            float ds[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p =
+                        fast_exp2(fmaf(acc_s[2 * ks + j][e], scale_log2, -row_lse[e / 2]));
+                    ds[j][e] = p * (acc_dp[2 * ks + j][e] - row_delta[e / 2]);
+                }
+            }
+            u32 a[4];
+            a[0] = pack_pair<Elem>(ds[0][0], ds[0][1]);
+            a[1] = pack_pair<Elem>(ds[0][2], ds[0][3]);
+            a[2] = pack_pair<Elem>(ds[1][0], ds[1][1]);
+            a[3] = pack_pair<Elem>(ds[1][2], ds[1][3]);
+#pragma unroll
+            for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, k_trans_frag.at(2 * ks, dp) + stage_offset);
+                const u32 b_lo[2] = {b[0], b[1]};
+                const u32 b_hi[2] = {b[2], b[3]};
+                mma_m16n8k16<Elem>(acc_dq[2 * dp], a, b_lo);
+                mma_m16n8k16<Elem>(acc_dq[2 * dp + 1], a, b_hi);
+            }
+        }
+
+        if constexpr (KV_STAGES == 2) {
+            stage_offset ^= T::STAGE_BYTES;
+        } else if (tile > tile_first) {
+            __syncthreads();  // every warp is done with this K and V
+            load_kv(tile - 1, 0);
+            cp_async_commit();
+        }
+    }
+
+    // Epilogue: dQ *= softmax_scale, staged through this warp's own rows of the Q tile.
+    __syncwarp();
+#pragma unroll
+    for (int dt = 0; dt < T::D_TILES; ++dt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = warp * 16 + 8 * half + lane / 4;
+            store_4B_shared(q_smem + QTile::offset(row, dt) + 4 * (lane % 4),
+                            pack_pair<Elem>(acc_dq[dt][2 * half] * softmax_scale,
+                                            acc_dq[dt][2 * half + 1] * softmax_scale));
+        }
+    }
+    __syncwarp();
+    u16* dq_block = dq + batch * dq_batch_stride + head * dq_head_stride + row_first * dq_row_stride;
+#pragma unroll
+    for (int i = 0; i < 16 * QTile::CHUNKS / 32; ++i) {
+        const int idx = lane + 32 * i;
+        const int row = warp * 16 + idx / QTile::CHUNKS;
+        const int chunk = idx % QTile::CHUNKS;
+        if (row_first + row < seqlen_q && chunk < head_chunks) {
+            u32 vals[4];
+            load_16B_shared(vals, q_smem + QTile::offset(row, chunk));
+            store_16B_global(dq_block + row * dq_row_stride + chunk * 8, vals);
+        }
+    }
+}
