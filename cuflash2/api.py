@@ -120,21 +120,14 @@ def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None):
         return
     if config is None:
         config = _configs.fwd_config(problem.dtype, problem.head_dim, device_arch(device_id))
-    kernel = _compile.get_kernel(config, device_id)
-    num_m_blocks = -(-problem.seqlen_q // config.block_m)
-    strides = (_element_strides(q)[:3] + _element_strides(k)[:3] + _element_strides(v)[:3]
-               + _element_strides(out)[:3])
-    # (batch, seqlen, heads) strides reordered to the kernel's (batch, row, head) order: same.
-    scalars = (numpy.int32(problem.seqlen_q), numpy.int32(problem.seqlen_k),
-               numpy.int32(problem.nheads), numpy.int32(problem.nheads // problem.nheads_kv),
-               numpy.int32(problem.head_dim), numpy.float32(problem.softmax_scale),
-               numpy.float32(problem.softmax_scale * _LOG2E), numpy.int32(window[0]),
-               numpy.int32(window[1]))
-    for batch_offset in range(0, problem.batch, _MAX_GRID_Z):
-        grid = (num_m_blocks, problem.nheads, min(_MAX_GRID_Z, problem.batch - batch_offset))
-        kernel(grid, (config.threads,),
-               (q, k, v, out, lse, *strides, *scalars, numpy.int32(batch_offset)),
-               shared_mem=config.smem_bytes)
+    i32 = numpy.int32
+    _launch(config, device_id,
+            (-(-problem.seqlen_q // config.block_m), problem.nheads, problem.batch),
+            (q, k, v, out, lse, *_element_strides(q), *_element_strides(k),
+             *_element_strides(v), *_element_strides(out), i32(problem.seqlen_q),
+             i32(problem.seqlen_k), i32(problem.nheads), i32(problem.nheads // problem.nheads_kv),
+             i32(problem.head_dim), numpy.float32(problem.softmax_scale),
+             numpy.float32(problem.softmax_scale * _LOG2E), i32(window[0]), i32(window[1])))
 
 
 def _launch(config, device_id, grid, args):

@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--causal", choices=("both", "on", "off"), default="both")
     bench_cmd.add_argument("--seqlens", nargs="+", type=_positive_int,
                            default=list(bench.PAPER_SEQLENS))
-    bench_cmd.add_argument("--direction", choices=("fwd", "bwd", "both"), default="fwd",
-                           help="bwd needs cuflash2.attention_backward (planned)")
+    bench_cmd.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
+                           help="forward, backward (attention_backward) or both")
     bench_cmd.add_argument("--compare", choices=("torch",), default=None,
                            help="also time torch SDPA (FlashAttention-2 backend) on the same arrays")
     bench_cmd.add_argument("--json", metavar="PATH", default=None,

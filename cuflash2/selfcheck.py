@@ -1,4 +1,5 @@
-"""`python -m cuflash2 check`: the kernels against the reference, on this GPU, on fresh random inputs.
+"""`python -m cuflash2 check`: the kernels (forward and backward) against the reference, on this
+GPU, on fresh random inputs.
 
 The correctness rule is the one the GPU test suite uses (cuflash2.testing, design.md §5): the
 kernel's error against the float32 reference may be at most twice the error of the same reference
@@ -80,6 +81,12 @@ def run_case(cupy, case: Case, seed: int) -> tuple[bool, str]:
         )
         out, lse = cuflash2.attention(q, k, v, causal=case.causal, return_lse=True)
         results = testing.check_forward(q, k, v, out, lse, causal=case.causal)
+        # The backward on the same problem: dq, dk, dv against the reference gradients.
+        dout = testing.random_qkv(cupy, batch, case.seqlen_q, case.seqlen_q, case.nheads,
+                                  case.nheads, case.headdim, dtype_from_name(case.dtype_name),
+                                  seed + 1_000_000)[0]
+        dq, dk, dv = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=case.causal)
+        results += testing.check_backward(dout, q, k, v, dq, dk, dv, causal=case.causal)
     except Exception as exc:  # report and go on with the other cases
         return False, f"FAIL {case.describe()}  error: {exc.__class__.__name__}: {exc}"
     passed = all(result.ok for result in results)

@@ -160,13 +160,23 @@ def _attention_from_reference(q, k, v, *, causal=False, softmax_scale=None, retu
     return (result, lse) if return_lse else result
 
 
+def _backward_from_reference(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
+                             **kwargs):
+    # Stands in for the backward kernels: the exact reference gradients rounded once.
+    grads = reference.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                         softmax_scale=softmax_scale)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
 def test_check_logic_passes_a_correct_implementation(monkeypatch, capsys):
     # numpy stands in for cupy: the check's logic, minus the GPU.
     monkeypatch.setattr(cuflash2, "attention", _attention_from_reference)
+    monkeypatch.setattr(cuflash2, "attention_backward", _backward_from_reference)
     assert selfcheck.run(numpy, ["fp16", "bf16"], [64]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sum(line.startswith("PASS") for line in lines) == 2 * 2 * len(selfcheck.SHAPES)
     assert "out err" in lines[1] and "lse err" in lines[1]
+    assert all(f"{name} err" in lines[1] for name in ("dq", "dk", "dv"))
 
 
 def test_check_logic_fails_a_wrong_implementation(monkeypatch, capsys):
@@ -175,6 +185,7 @@ def test_check_logic_fails_a_wrong_implementation(monkeypatch, capsys):
         return (result * 1.01).astype(q.dtype), lse
 
     monkeypatch.setattr(cuflash2, "attention", off_by_a_bit)
+    monkeypatch.setattr(cuflash2, "attention_backward", _backward_from_reference)
     assert selfcheck.run(numpy, ["fp16"], [64]) == 1
     assert "FAIL" in capsys.readouterr().out
 

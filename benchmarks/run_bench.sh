@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Forward benchmark on the FlashAttention-2 paper grid next to torch SDPA-flash; writes
-# benchmarks/results/<date>-<gpu>-fwd.{json,md}. Usage: benchmarks/run_fwd_bench.sh [gpu-tag] [bench options]
+# Forward and backward benchmark on the FlashAttention-2 paper grid next to torch SDPA-flash;
+# writes benchmarks/results/<date>-<gpu>.{json,md}.
+# Usage: benchmarks/run_bench.sh [gpu-tag] [bench options, default --direction both]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-h200}
 shift || true
-stem="benchmarks/results/$(date -u +%Y-%m-%d)-${tag}-fwd"
+[[ $# -gt 0 ]] || set -- --direction both
+stem="benchmarks/results/$(date -u +%Y-%m-%d)-${tag}"
 mkdir -p benchmarks/results
 { echo '```'; ${PYTHON:-python3} -m cuflash2 info; echo '```'; } > "$stem.md"
 # The markdown report goes to stdout (and the file); per-row progress goes to stderr.
