@@ -62,7 +62,7 @@ def test_bench_defaults_are_the_paper_grid():
     assert args.dtype == ["fp16", "bf16"]
     assert args.causal == "both"
     assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
-    assert args.direction == "fwd"
+    assert args.direction == "both"
     assert args.compare is None and args.json is None
     assert args.warmup >= 1 and 10 <= args.iters <= 50
 
