@@ -180,3 +180,33 @@ def check_backward_inputs(problem: AttentionProblem, dout, q, k, v, out, lse, *,
     for name, x, like_name, like in (("dq", dq, "q", q), ("dk", dk, "k", k), ("dv", dv, "v", v)):
         if x is not None:
             _check_like(name, x, like_name, like, problem.dtype)
+
+
+def check_window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """The (left, right) key window the kernels get: -1 is unbounded, causal is right = 0.
+
+    Query row i sees keys j with i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q
+    + right (flash-attn's bottom-right alignment). A window edge beyond both sequences is the
+    same as no edge and is passed as -1, which also keeps the kernels' int32 index math in range.
+    """
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window_size must be a pair (left, right) of ints, -1 for unbounded; got "
+            f"{window_size!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int (-1 for unbounded); got {value!r}")
+        if value < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1 for unbounded); got {value}")
+    left, right = int(left), int(right)
+    if causal:
+        if right > 0:
+            raise ValueError(
+                f"causal=True already fixes the window's right edge at the diagonal; got "
+                f"window_size={tuple(window_size)}. Use window_size=({left}, 0) or ({left}, -1) "
+                f"with causal=True, or causal=False with window_size=({left}, {right})")
+        right = 0
+    reach = seqlen_q + seqlen_k
+    return (-1 if left >= reach else left, -1 if right >= reach else right)

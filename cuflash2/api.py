@@ -78,14 +78,17 @@ def _element_strides(x) -> tuple[int, int, int]:
     return (s[0] // itemsize, s[1] // itemsize, s[2] // itemsize)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+              return_lse=False, out=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
     the same without the batch dim; CuPy arrays of float16 or bfloat16 (ml_dtypes.bfloat16),
     headdim a multiple of 8 up to 256, nheads a multiple of nheads_kv (MQA/GQA), only the last
     dim contiguous. `causal` masks keys after the query, aligned to the bottom-right corner when
-    seqlen_q != seqlen_k (row i sees keys j <= i + seqlen_k - seqlen_q). `softmax_scale`
+    seqlen_q != seqlen_k (row i sees keys j <= i + seqlen_k - seqlen_q). `window_size=(left,
+    right)` restricts row i to keys i + seqlen_k - seqlen_q - left ... + right (sliding-window
+    attention, -1 unbounded; key tiles outside the window are skipped). `softmax_scale`
     defaults to 1/sqrt(headdim). `out` receives the result if given.
 
     Returns `out` (shape and dtype of q), or `(out, lse)` with `return_lse=True`: lse is float32
@@ -101,11 +104,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)
     device_id = _check_device(arrays, cupy)
 
+    window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
+
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
     lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
     as_batched = (lambda x: x) if problem.batched else (lambda x: x[None])
-    window = (-1, 0) if causal else (-1, -1)
     _launch_forward(problem, as_batched(q), as_batched(k), as_batched(v), as_batched(out), lse,
                     window, device_id)
     if not return_lse:
@@ -140,7 +144,7 @@ def _launch(config, device_id, grid, args):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                       deterministic=False, dq=None, dk=None, dv=None):
+                       window_size=(-1, -1), deterministic=False, dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`).
 
@@ -161,13 +165,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
     _validate.check_backward_inputs(problem, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
+    window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
     device_id = _check_device(arrays, cupy)
 
     dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
     dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
     dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
     b = (lambda x: x) if problem.batched else (lambda x: x[None])
-    window = (-1, 0) if causal else (-1, -1)
     _launch_backward(problem, b(dout), b(q), b(k), b(v), b(out), b(lse), b(dq), b(dk), b(dv),
                      window, bool(deterministic), device_id, cupy)
     return dq, dk, dv
@@ -224,13 +228,16 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
                  numpy.float32(p.softmax_scale)))
 
 
-def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, deterministic=False):
+def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                  deterministic=False):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`,
     which keeps the forward's lse (and out) internally."""
-    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                         window_size=window_size, return_lse=True)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                  softmax_scale=softmax_scale, deterministic=deterministic)
+                                  softmax_scale=softmax_scale, window_size=window_size,
+                                  deterministic=deterministic)
 
     return out, vjp

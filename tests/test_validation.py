@@ -136,3 +136,30 @@ def test_zero_size_shapes_are_valid():
     for b, sq, sk in [(0, 5, 7), (2, 0, 7), (2, 5, 0)]:
         p = check(*arrays(b=b, sq=sq, sk=sk))
         assert (p.batch, p.seqlen_q, p.seqlen_k) == (b, sq, sk)
+
+
+@pytest.mark.parametrize("window,causal,expected", [
+    ((-1, -1), False, (-1, -1)),
+    ((-1, -1), True, (-1, 0)),
+    ((16, 0), True, (16, 0)),
+    ((8, 4), False, (8, 4)),
+    ((0, 0), False, (0, 0)),
+    ((1000, 5), False, (-1, 5)),  # an edge beyond both sequences is no edge
+    ((np.int64(3), -1), False, (3, -1)),
+])
+def test_window(window, causal, expected):
+    assert _validate.check_window(window, causal, 100, 200) == expected
+
+
+@pytest.mark.parametrize("window,causal,exc,pattern", [
+    ((8, 4), True, ValueError, r"causal=True already fixes the window's right edge"),
+    ((-2, 0), False, ValueError, r"window_size left must be >= -1"),
+    ((0, -5), False, ValueError, r"window_size right must be >= -1"),
+    ((1.5, 0), False, TypeError, r"window_size left must be an int"),
+    ((True, 0), False, TypeError, r"window_size left must be an int"),
+    (8, False, TypeError, r"window_size must be a pair"),
+    ((1, 2, 3), False, TypeError, r"window_size must be a pair"),
+])
+def test_bad_window(window, causal, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        _validate.check_window(window, causal, 100, 200)
