@@ -1,6 +1,7 @@
 """Small launches of every kernel specialisation (forward and backward), run under compute-sanitizer by test_sanitizer.py.
 
-Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causal and not, every
+Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causal, a sliding
+window and neither, every
 kernel head dim and both dtypes: the shapes where an out-of-bounds access or a race would show.
 Pass `--quick` for a subset (racecheck is slow).
 """
@@ -28,12 +29,13 @@ def main(quick: bool) -> None:
             for batch, sq, sk, h, hk in shapes:
                 q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, d, dtype, seed=d + sq)
                 dout = testing.random_qkv(cupy, batch, sq, sq, h, h, d, dtype, seed=d + 1)[0]
-                for causal in (False, True):
-                    out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+                for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (17, 3))):
+                    out, lse = cuflash2.attention(q, k, v, causal=causal, window_size=window,
+                                                  return_lse=True)
                     assert not bool(cupy.isnan(out).any())
                     for deterministic in (False, True):
                         grads = cuflash2.attention_backward(dout, q, k, v, out, lse,
-                                                            causal=causal,
+                                                            causal=causal, window_size=window,
                                                             deterministic=deterministic)
                         assert not any(bool(cupy.isnan(g).any()) for g in grads)
     cupy.cuda.runtime.deviceSynchronize()
