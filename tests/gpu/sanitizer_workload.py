@@ -1,8 +1,9 @@
-"""Small launches of every kernel specialisation (forward and backward), run under compute-sanitizer by test_sanitizer.py.
+"""Small launches of every kernel specialisation (forward and backward), run under
+compute-sanitizer by test_sanitizer.py.
 
 Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causal, a sliding
-window and neither, every
-kernel head dim and both dtypes: the shapes where an out-of-bounds access or a race would show.
+window and neither, every kernel head dim and both dtypes: the shapes where an out-of-bounds
+access or a race would show.
 Pass `--quick` for a subset (racecheck is slow).
 """
 
