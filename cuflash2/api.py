@@ -178,12 +178,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
 
 def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deterministic,
-                     device_id, cupy):
+                     device_id, cupy, config=None):
+    """Launches the backward kernels on batched views. `config` overrides the main kernel's
+    tile configuration (for tuning; its compute_dq must be `not deterministic`)."""
     p = problem
     if p.batch == 0 or p.nheads == 0:
         return
     arch = device_arch(device_id)
-    config = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
+    if config is None:
+        config = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
     pad = _configs.BWD_ROW_PADDING
     seqlen_q_padded = -(-p.seqlen_q // pad) * pad
     delta = cupy.empty((p.batch, p.nheads, seqlen_q_padded), dtype=cupy.float32)

@@ -1,0 +1,82 @@
+"""Backward tuning on a GPU: candidate main-kernel tile configs, with dQ by atomics (default)
+and by the separate dQ kernel (deterministic mode), each checked once against the reference and
+timed on FA2-paper shapes next to torch SDPA-flash's backward.
+
+    python benchmarks/tune_bwd.py [--head-dims 64 128] [--seqlens 1024 4096 16384]
+"""
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy  # noqa: E402
+import numpy  # noqa: E402
+
+from cuflash2 import _configs, _validate, api, bench, testing  # noqa: E402
+
+CANDIDATES = [(64, 128, 2), (64, 64, 2), (64, 64, 1)]  # (block_m, block_n, q_stages)
+
+
+def run(cfg, deterministic, problem, dout, q, k, v, out, lse, dq, dk, dv, causal):
+    window = (-1, 0) if causal else (-1, -1)
+    api._launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deterministic, 0,
+                         cupy, cfg)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    args = ap.parse_args()
+    dtype = numpy.dtype(numpy.float16)
+    backlog = bench._Backlog(cupy)
+    import torch
+    sdpa_ref = bench.TorchSdpaFlash(torch, cupy, "fp16")
+    ratios = {}
+    for d in args.head_dims:
+        # torch once per shape
+        shapes = {}
+        for s in args.seqlens:
+            b, h = 16384 // s, 2048 // d
+            q, k, v = testing.random_qkv(cupy, b, s, s, h, h, d, dtype, seed=s)
+            dout = testing.random_qkv(cupy, b, s, s, h, h, d, dtype, seed=s + 1)[0]
+            for causal in (False, True):
+                fn = sdpa_ref.backward(q, k, v, dout, causal)
+                with sdpa_ref.flash_only():
+                    t_ms = bench.time_torch(torch, fn, 3, 15, backlog)
+                shapes[(s, causal)] = (q, k, v, dout, t_ms)
+        for bm, bn, stages in CANDIDATES:
+            for deterministic in (False, True):
+                cfg = _configs.BwdConfig("float16", d, d, bm, bn, stages, not deterministic)
+                name = f"d={d} {bm}x{bn}x{stages} {'split' if deterministic else 'atomic'}"
+                q, k, v = testing.random_qkv(cupy, 1, 333, 517, 4, 2, d, dtype, seed=d)
+                dout = testing.random_qkv(cupy, 1, 333, 333, 4, 4, d, dtype, seed=d + 1)[0]
+                out, lse = api.attention(q, k, v, causal=True, return_lse=True)
+                grads = [cupy.full(x.shape, numpy.nan, dtype) for x in (q, k, v)]
+                problem = _validate.check_attention_inputs(q, k, v)
+                run(cfg, deterministic, problem, dout, q, k, v, out, lse, *grads, True)
+                res = testing.check_backward(dout, q, k, v, *grads, causal=True)
+                print(name, "check:", "ok" if all(r.ok for r in res) else
+                      "FAIL " + "; ".join(map(str, res)), flush=True)
+                for (s, causal), (q, k, v, dout, t_ms) in shapes.items():
+                    out, lse = api.attention(q, k, v, causal=causal, return_lse=True)
+                    grads = [cupy.empty_like(x) for x in (q, k, v)]
+                    problem = _validate.check_attention_inputs(q, k, v)
+                    ms = bench.time_cupy(cupy, lambda: run(
+                        cfg, deterministic, problem, dout, q, k, v, out, lse, *grads, causal),
+                        3, 15, backlog)
+                    ratios.setdefault(name, []).append(t_ms / ms)
+                    flops = 2.5 * 4 * q.shape[0] * q.shape[2] * s * s * d / (2 if causal else 1)
+                    print(f"{name} s={s} causal={causal}: {flops / ms / 1e9:.0f} TFLOP/s, "
+                          f"torch {flops / t_ms / 1e9:.0f}, ratio {t_ms / ms:.3f}", flush=True)
+    print()
+    for name, r in ratios.items():
+        print(f"{name}: geomean {math.exp(statistics.mean(map(math.log, r))):.3f} min {min(r):.3f}")
+
+
+if __name__ == "__main__":
+    main()
