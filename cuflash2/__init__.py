@@ -3,6 +3,24 @@
 __version__ = "0.1.0"
 
 from . import reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
-from .api import attention, attention_backward, attention_vjp  # noqa: E402
+from .api import (  # noqa: E402
+    attention,
+    attention_backward,
+    attention_kvpacked,
+    attention_kvpacked_backward,
+    attention_qkvpacked,
+    attention_qkvpacked_backward,
+    attention_vjp,
+)
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "reference", "__version__"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_vjp",
+    "attention_qkvpacked",
+    "attention_qkvpacked_backward",
+    "attention_kvpacked",
+    "attention_kvpacked_backward",
+    "reference",
+    "__version__",
+]

@@ -244,3 +244,67 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
                                   deterministic=deterministic)
 
     return out, vjp
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed inputs: views into one array, no copies (the kernels take any strides whose last dim is
+# contiguous).
+
+
+def _unpack(name: str, packed, parts: int):
+    """(batch, seqlen, parts, nheads, headdim) -> `parts` strided views, batched or not."""
+    _require_cupy_arrays({name: packed})
+    if packed.ndim not in (4, 5) or packed.shape[-3] != parts:
+        layout = "(batch, seqlen, {p}, nheads, headdim) or (seqlen, {p}, nheads, headdim)"
+        raise ValueError(f"{name} must have shape {layout.format(p=parts)}; got "
+                         f"{tuple(packed.shape)}")
+    return tuple(packed[..., i, :, :] for i in range(parts))
+
+
+def attention_qkvpacked(qkv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                        return_lse=False, out=None):
+    """`attention` on q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim), without copies."""
+    q, k, v = _unpack("qkv", qkv, 3)
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, return_lse=return_lse, out=out)
+
+
+def attention_kvpacked(q, kv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                       return_lse=False, out=None):
+    """`attention` with k, v packed as kv (batch, seqlen_k, 2, nheads_kv, headdim)."""
+    k, v = _unpack("kv", kv, 2)
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, return_lse=return_lse, out=out)
+
+
+def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_scale=None,
+                                 window_size=(-1, -1), deterministic=False, dqkv=None):
+    """Gradient of `attention_qkvpacked`: dqkv shaped like qkv (written into `dqkv` if given)."""
+    q, k, v = _unpack("qkv", qkv, 3)
+    cupy = _cupy()
+    if dqkv is None:
+        dqkv = cupy.empty(qkv.shape, dtype=qkv.dtype)
+    elif not isinstance(dqkv, cupy.ndarray) or dqkv.shape != qkv.shape or dqkv.dtype != qkv.dtype:
+        raise ValueError(f"dqkv must be a cupy array shaped and typed like qkv "
+                         f"{tuple(qkv.shape)} {qkv.dtype}")
+    dq, dk, dv = _unpack("dqkv", dqkv, 3)
+    attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                       window_size=window_size, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    return dqkv
+
+
+def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_scale=None,
+                                window_size=(-1, -1), deterministic=False, dq=None, dkv=None):
+    """Gradient of `attention_kvpacked`: (dq, dkv), dkv shaped like kv."""
+    k, v = _unpack("kv", kv, 2)
+    cupy = _cupy()
+    if dkv is None:
+        dkv = cupy.empty(kv.shape, dtype=kv.dtype)
+    elif not isinstance(dkv, cupy.ndarray) or dkv.shape != kv.shape or dkv.dtype != kv.dtype:
+        raise ValueError(f"dkv must be a cupy array shaped and typed like kv "
+                         f"{tuple(kv.shape)} {kv.dtype}")
+    dk, dv = _unpack("dkv", dkv, 2)
+    dq, _, _ = attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                  softmax_scale=softmax_scale, window_size=window_size,
+                                  deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    return dq, dkv

@@ -163,3 +163,12 @@ def test_window(window, causal, expected):
 def test_bad_window(window, causal, exc, pattern):
     with pytest.raises(exc, match=pattern):
         _validate.check_window(window, causal, 100, 200)
+
+
+def test_packed_numpy_input_gets_a_hint():
+    qkv = np.zeros((1, 8, 3, 2, 64), np.float16)
+    with pytest.raises(TypeError, match=r"qkv is a numpy array.*cupy\.asarray\(qkv\)"):
+        cuflash2.attention_qkvpacked(qkv)
+    with pytest.raises(TypeError, match=r"kv is a numpy array"):
+        cuflash2.attention_kvpacked(np.zeros((1, 8, 2, 64), np.float16),
+                                    np.zeros((1, 8, 2, 2, 64), np.float16))
