@@ -67,10 +67,7 @@ CF2_DEVICE void gemm_rows_by_rows(float (&acc)[1][T::Q_TILES][4], const Ldmatrix
         for (int np = 0; np < T::Q_TILES / 2; ++np) {
             u32 b[4];
             ldmatrix_x4(b, b_frag.at(2 * np, ks) + b_offset);
-            const u32 b_lo[2] = {b[0], b[1]};
-            const u32 b_hi[2] = {b[2], b[3]};
-            mma_m16n8k16<Elem>(acc[0][2 * np], a, b_lo);
-            mma_m16n8k16<Elem>(acc[0][2 * np + 1], a, b_hi);
+            mma_m16n16k16<Elem>(acc[0][2 * np], acc[0][2 * np + 1], a, b);
         }
     }
 }
@@ -92,10 +89,7 @@ CF2_DEVICE void gemm_regs_by_tile(float (&acc)[T::DC_TILES][4], const float (&x)
         for (int dp = 0; dp < T::DC_TILES / 2; ++dp) {
             u32 b[4];
             ldmatrix_x4_trans(b, y_frag.at(2 * ks, chunk_pair0 + dp) + y_offset);
-            const u32 b_lo[2] = {b[0], b[1]};
-            const u32 b_hi[2] = {b[2], b[3]};
-            mma_m16n8k16<Elem>(acc[2 * dp], a, b_lo);
-            mma_m16n8k16<Elem>(acc[2 * dp + 1], a, b_hi);
+            mma_m16n16k16<Elem>(acc[2 * dp], acc[2 * dp + 1], a, b);
         }
     }
 }
@@ -301,10 +295,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 for (int dp = 0; dp < T::DQ_PASS_COLS / 16; ++dp) {
                     u32 b[4];
                     ldmatrix_x4_trans(b, k_frag.at(2 * ks, pass_col0 / 16 + dp));
-                    const u32 b_lo[2] = {b[0], b[1]};
-                    const u32 b_hi[2] = {b[2], b[3]};
-                    mma_m16n8k16<Elem>(acc_dq[2 * dp], a, b_lo);
-                    mma_m16n8k16<Elem>(acc_dq[2 * dp + 1], a, b_hi);
+                    mma_m16n16k16<Elem>(acc_dq[2 * dp], acc_dq[2 * dp + 1], a, b);
                 }
             }
 #pragma unroll

@@ -45,10 +45,7 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
         for (int np = 0; np < T::N_TILES / 2; ++np) {
             u32 b[4];
             ldmatrix_x4(b, b_frag.at(2 * np, ks) + b_offset);
-            const u32 b_lo[2] = {b[0], b[1]};
-            const u32 b_hi[2] = {b[2], b[3]};
-            mma_m16n8k16<Elem>(acc[2 * np], a, b_lo);
-            mma_m16n8k16<Elem>(acc[2 * np + 1], a, b_hi);
+            mma_m16n16k16<Elem>(acc[2 * np], acc[2 * np + 1], a, b);
         }
     }
 }
@@ -178,10 +175,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, k_trans_frag.at(2 * ks, dp) + stage_offset);
-                const u32 b_lo[2] = {b[0], b[1]};
-                const u32 b_hi[2] = {b[2], b[3]};
-                mma_m16n8k16<Elem>(acc_dq[2 * dp], a, b_lo);
-                mma_m16n8k16<Elem>(acc_dq[2 * dp + 1], a, b_hi);
+                mma_m16n16k16<Elem>(acc_dq[2 * dp], acc_dq[2 * dp + 1], a, b);
             }
         }
 

@@ -54,13 +54,9 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
         for (int np = 0; np < T::N_TILES / 2; ++np) {
             u32 b[4];
             ldmatrix_x4(b, k_frag.at(2 * np, ks) + stage_offset);
-            const u32 b_lo[2] = {b[0], b[1]};
-            const u32 b_hi[2] = {b[2], b[3]};
 #pragma unroll
-            for (int mt = 0; mt < T::M_TILES; ++mt) {
-                mma_m16n8k16<Elem>(acc_s[mt][2 * np], a[mt], b_lo);
-                mma_m16n8k16<Elem>(acc_s[mt][2 * np + 1], a[mt], b_hi);
-            }
+            for (int mt = 0; mt < T::M_TILES; ++mt)
+                mma_m16n16k16<Elem>(acc_s[mt][2 * np], acc_s[mt][2 * np + 1], a[mt], b);
         }
     }
 }
@@ -86,13 +82,9 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
         for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
             u32 b[4];
             ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp) + stage_offset);
-            const u32 b_lo[2] = {b[0], b[1]};
-            const u32 b_hi[2] = {b[2], b[3]};
 #pragma unroll
-            for (int mt = 0; mt < T::M_TILES; ++mt) {
-                mma_m16n8k16<Elem>(acc_o[mt][2 * dp], a[mt], b_lo);
-                mma_m16n8k16<Elem>(acc_o[mt][2 * dp + 1], a[mt], b_hi);
-            }
+            for (int mt = 0; mt < T::M_TILES; ++mt)
+                mma_m16n16k16<Elem>(acc_o[mt][2 * dp], acc_o[mt][2 * dp + 1], a[mt], b);
         }
     }
 }

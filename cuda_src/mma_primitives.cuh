@@ -40,6 +40,17 @@ CF2_DEVICE void mma_m16n8k16(float (&acc)[4], const u32 (&a)[4], const u32 (&b)[
     }
 }
 
+// Two adjacent n8 tiles that share the A fragment: `b` holds both tiles' B fragments in the order
+// ldmatrix.x4 returns them ({b0, b1} of the first tile, then of the second).
+template <typename Elem>
+CF2_DEVICE void mma_m16n16k16(float (&acc_lo)[4], float (&acc_hi)[4], const u32 (&a)[4],
+                              const u32 (&b)[4]) {
+    const u32 b_lo[2] = {b[0], b[1]};
+    const u32 b_hi[2] = {b[2], b[3]};
+    mma_m16n8k16<Elem>(acc_lo, a, b_lo);
+    mma_m16n8k16<Elem>(acc_hi, a, b_hi);
+}
+
 // ---- ldmatrix: four 8x8 16-bit matrices from shared memory ----------------------------------
 // Lanes 8i..8i+7 supply the row addresses of matrix i; register i receives matrix i, with lane l
 // holding row l/4, elements 2(l%4), 2(l%4)+1 (or, .trans, that element of the transpose).

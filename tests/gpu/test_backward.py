@@ -10,7 +10,6 @@ NaN so that anything left unwritten fails. Sizes are small: the file runs in wel
 minutes once the kernels are compiled.
 """
 
-import functools
 import time
 import zlib
 
@@ -399,25 +398,7 @@ def test_vjp_checks_dout():
 # --------------------------------------------------------------------------------------------
 # 6. Streams: results land on the current CuPy stream, with no host synchronisation.
 
-_SPIN_SOURCE = r"""
-extern "C" __global__ void spin(unsigned long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < nanoseconds);
-}
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _spin_kernel():
-    return cupy.RawKernel(_SPIN_SOURCE, "spin")
-
-
-def _spin(seconds):
-    """Keep the current stream busy for `seconds` of GPU time."""
-    _spin_kernel()((1,), (1,), (numpy.uint64(seconds * 1e9),))
+from busy_stream import copies_after_spin  # noqa: E402  (tests/gpu helper)
 
 
 def _backward_on_busy_stream(stream, inputs, spin_seconds, causal, deterministic):
@@ -430,13 +411,8 @@ def _backward_on_busy_stream(stream, inputs, spin_seconds, causal, deterministic
     Returns (grads, seconds the host spent in this function).
     """
     start = time.perf_counter()
+    copies = copies_after_spin(stream, inputs, spin_seconds)
     with stream:
-        _spin(spin_seconds)
-        copies = []
-        for x in inputs:
-            copy = cupy.empty_like(x)
-            copy.data.copy_from_device_async(x.data, x.nbytes, stream)
-            copies.append(copy)
         dout, q, k, v, _, _ = copies
         outputs = _poisoned_grads(q, k, v)
         grads = cuflash2.attention_backward(

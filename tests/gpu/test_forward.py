@@ -6,7 +6,6 @@ computed with CuPy on the same device. Inputs are fresh standard-normal draws; p
 kept small so the whole file runs in well under three minutes once the kernels are compiled.
 """
 
-import functools
 import math
 import time
 import zlib
@@ -230,25 +229,7 @@ def test_zero_size(dtype, causal, sizes):
 # --------------------------------------------------------------------------------------------
 # Streams: results land on the current CuPy stream, with no host synchronisation.
 
-_SPIN_SOURCE = r"""
-extern "C" __global__ void spin(unsigned long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < nanoseconds);
-}
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _spin_kernel():
-    return cupy.RawKernel(_SPIN_SOURCE, "spin")
-
-
-def _spin(seconds):
-    """Keep the current stream busy for `seconds` of GPU time."""
-    _spin_kernel()((1,), (1,), (numpy.uint64(seconds * 1e9),))
+from busy_stream import copies_after_spin  # noqa: E402  (tests/gpu helper)
 
 
 def _attention_on_busy_stream(stream, q, k, v, spin_seconds, causal):
@@ -260,13 +241,8 @@ def _attention_on_busy_stream(stream, q, k, v, spin_seconds, causal):
     Returns (out, seconds the host spent in this function).
     """
     start = time.perf_counter()
+    copies = copies_after_spin(stream, (q, k, v), spin_seconds)
     with stream:
-        _spin(spin_seconds)
-        copies = []
-        for x in (q, k, v):
-            copy = cupy.empty_like(x)
-            copy.data.copy_from_device_async(x.data, x.nbytes, stream)
-            copies.append(copy)
         out = testing.poison_like(cupy, q.shape, q.dtype)
         result = cuflash2.attention(*copies, causal=causal, out=out)
     return result, time.perf_counter() - start
