@@ -5,21 +5,53 @@ alignment, sliding windows relative to the same diagonal, GQA/MQA head mapping, 
 see no key giving output 0 and ``lse = +inf``. It materialises the (seqlen_q, seqlen_k) score
 matrix, so it is for tests and correctness checks, not for speed.
 
+flash-attn's optional features, all off by default:
+
+- ``softcap > 0``: the scaled scores become ``softcap * tanh(scores / softcap)``.
+- ``alibi_slopes`` (float32, ``(nheads,)`` or ``(batch, nheads)``): the bias
+  ``-slope[h] * |i + seqlen_k - seqlen_q - j|`` is added for query i, key j.
+- ``dropout_p`` with an explicit boolean keep-mask ``dropout_mask``: the normalised
+  probabilities are multiplied by ``mask / (1 - dropout_p)`` before ``P @ V``; lse is not
+  affected. The reference cannot draw the kernel's (Philox) random mask itself, so
+  ``dropout_p > 0`` without a mask is an error.
+- ``attention_varlen`` / ``attention_varlen_backward``: packed ``(total_tokens, nheads,
+  headdim)`` sequences delimited by int32 ``cu_seqlens``, computed sequence by sequence.
+
+Order of operations (flash-attn, csrc/flash_attn/src/flash_fwd_kernel.h
+``compute_attn_1rowblock``: ``apply_softcap(acc_s)`` then ``mask.apply_mask(acc_s, ...)``, which
+adds the ALiBi bias and then writes -inf; mask.h ``Mask::apply_mask``; the backward kernel
+flash_bwd_kernel.h does the same and multiplies dS by ``calculate_dtanh``)::
+
+    s = softmax_scale * q.k                     # scaled scores
+    s = softcap * tanh(s / softcap)             # if softcap > 0
+    s = s - slope * |i + seqlen_k - seqlen_q - j|   # if alibi_slopes is not None
+    s = -inf where masked (causal / window)
+    P = softmax(s); lse = logsumexp(s)          # lse of the capped, biased scores
+    out = (P * dropout_mask / (1 - dropout_p)) @ V
+
 ``compute_dtype`` float32/float64 computes everything in that dtype (the exact reference).
 ``compute_dtype`` float16/bfloat16 is the "low-precision reference" of the correctness rule:
 matmuls still accumulate in float32, but the values are rounded to ``compute_dtype`` where a
-low-precision implementation would round them: the inputs, the scaled scores, the
-probabilities P before ``P @ V`` and the output (and, in the backward, dP, dS and the
-gradients).
+low-precision implementation would round them: the inputs, the scores (once, after scaling,
+softcap and ALiBi bias), the probabilities P before ``P @ V`` and the output (and, in the
+backward, dP, dS and the gradients). The dropout factor ``mask / (1 - dropout_p)`` and the
+softcap derivative are applied in float32 without an extra rounding.
 """
 
 import math
+import numbers
+import operator
 import sys
 
 import ml_dtypes
 import numpy
 
-__all__ = ["attention", "attention_backward"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
+]
 
 _LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
 _HIGH_PRECISION = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))
@@ -36,7 +68,15 @@ def _array_module(*arrays):
     cupy = sys.modules.get("cupy")
     if cupy is None:
         return numpy
-    return cupy.get_array_module(*arrays)
+    return cupy.get_array_module(*(x for x in arrays if x is not None))
+
+
+def _to_host(x):
+    """A NumPy copy of x (a CuPy array is copied from the device: a synchronisation)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return cupy.asnumpy(x)
+    return numpy.asarray(x)
 
 
 class _Precision:
@@ -132,17 +172,141 @@ def _kv_heads_first(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def _probabilities(xp, q, k, scale, visible, group, prec):
-    """P = softmax(mask(q k^T * scale)) and its lse.
+# --------------------------------------------------------------------------------------------
+# Optional features: softcap, ALiBi, dropout with an explicit mask.
+
+
+def _check_softcap(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float (0 disables it); got {softcap!r}")
+    softcap = float(softcap)
+    if not (0.0 <= softcap < math.inf):  # also rejects nan
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it); got {softcap}")
+    return softcap
+
+
+def _check_dropout_p(dropout_p):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1); got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not (0.0 <= dropout_p < 1.0):  # also rejects nan
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    return dropout_p
+
+
+def _check_alibi_slopes(xp, alibi_slopes, batch, nheads, unbatched):
+    """alibi_slopes as a float32 (batch, nheads) array (a broadcast view), or None."""
+    if alibi_slopes is None:
+        return None
+    dtype = getattr(alibi_slopes, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.float32:
+        raise TypeError(
+            f"alibi_slopes must be a float32 array (as flash-attn); got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(alibi_slopes).__name__}"
+        )
+    slopes = xp.asarray(alibi_slopes)
+    allowed = [(nheads,), (batch, nheads)]
+    if slopes.shape not in allowed:
+        shapes = f"({nheads},) or ({'1' if unbatched else batch}, {nheads})"
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) or (batch, nheads) = {shapes}; "
+            f"got {slopes.shape}"
+        )
+    return xp.broadcast_to(slopes, (batch, nheads))
+
+
+def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):
+    """The keep-mask broadcast to ``shape`` (a view), or None without dropout."""
+    dropout_p = _check_dropout_p(dropout_p)
+    if dropout_mask is None:
+        if dropout_p > 0:
+            raise ValueError(
+                f"dropout_p={dropout_p} needs dropout_mask: the reference cannot reproduce the "
+                "kernel's random (Philox) dropout mask, so pass the boolean keep-mask the kernel "
+                "used (from its testing mode that returns the mask)"
+            )
+        return dropout_p, None
+    dtype = getattr(dropout_mask, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.bool_:
+        raise TypeError(
+            "dropout_mask must be a boolean keep-mask (True = kept); got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(dropout_mask).__name__}"
+        )
+    mask = xp.asarray(dropout_mask)
+    try:
+        mask = xp.broadcast_to(mask, shape)
+    except ValueError:
+        raise ValueError(
+            f"dropout_mask must be broadcastable to {shape_doc} = {shape}; got {mask.shape}"
+        ) from None
+    return dropout_p, mask
+
+
+class _Features:
+    """softcap, ALiBi and dropout of one dense (batched-form) call, checked."""
+
+    def __init__(self, xp, prec, shape, softcap, alibi_slopes, dropout_p, dropout_mask, unbatched):
+        batch, nheads, seqlen_q, seqlen_k = shape
+        self.xp, self.prec, self.nheads = xp, prec, nheads
+        self.softcap = _check_softcap(softcap)
+        self.slopes = _check_alibi_slopes(xp, alibi_slopes, batch, nheads, unbatched)
+        if self.slopes is not None:
+            # |i + seqlen_k - seqlen_q - j|: distance from the bottom-right aligned diagonal.
+            # flash-attn's kernel adds slope * j instead in causal (non-local) mode (mask.h:
+            # "Col_idx_only"), which differs from this by a per-row constant: the same P and
+            # output, but its lse is larger by slope * (i + seqlen_k - seqlen_q). This reference
+            # follows the formula flash-attn documents (flash_attn_func's docstring), for lse too.
+            rows = xp.arange(seqlen_q)[:, None]
+            cols = xp.arange(seqlen_k)[None, :]
+            self.distance = xp.abs(rows + (seqlen_k - seqlen_q) - cols).astype(prec.acc)
+        doc = "(nheads, seqlen_q, seqlen_k)" if unbatched else "(batch, nheads, seqlen_q, seqlen_k)"
+        self.dropout_p, self.mask = _check_dropout(xp, dropout_p, dropout_mask, shape, doc)
+
+    def bias(self, part, nheads_kv):
+        """ALiBi bias (b, nheads_kv, group, seqlen_q, seqlen_k) for a batch slice, or None."""
+        if self.slopes is None:
+            return None
+        slopes = self.slopes[part].astype(self.prec.acc)
+        b = slopes.shape[0]
+        slopes = slopes.reshape(b, nheads_kv, self.nheads // nheads_kv, 1, 1)
+        return -slopes * self.distance
+
+    def keep(self, part, nheads_kv):
+        """mask / (1 - p) as (b, nheads_kv, group * seqlen_q, seqlen_k) in prec.acc, or None."""
+        if self.mask is None:
+            return None
+        mask = self.mask[part]
+        b, nheads, seqlen_q, seqlen_k = mask.shape
+        # Query head h = kv * group + g, so splitting the head axis groups it like q.
+        mask = mask.reshape(b, nheads_kv, (nheads // nheads_kv) * seqlen_q, seqlen_k)
+        factor = self.prec.acc.type(1.0 / (1.0 - self.dropout_p))
+        return mask.astype(self.prec.acc) * factor
+
+
+def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=None):
+    """P = softmax(mask(bias + cap(q k^T * scale))), its lse and the softcap's tanh.
 
     q: (b, nheads_kv, group * seqlen_q, d) and k: (b, nheads_kv, seqlen_k, d), both in
-    prec.acc. Returns P (b, nheads_kv, group * seqlen_q, seqlen_k) and lse (b, nheads, seqlen_q)
-    in prec.acc. Rows that see no key get P = 0 and lse = +inf.
+    prec.acc; bias None or (b, nheads_kv, group, seqlen_q, seqlen_k). Returns P
+    (b, nheads_kv, group * seqlen_q, seqlen_k) and lse (b, nheads, seqlen_q) in prec.acc, and
+    tanh(scaled scores / softcap) shaped like P (None without softcap) for the backward. Rows
+    that see no key get P = 0 and lse = +inf.
     """
     b, nheads_kv = q.shape[:2]
     seqlen_q, seqlen_k = visible.shape
-    scores = prec.round(xp.matmul(q, k.swapaxes(-1, -2)) * scale)
+    scores = xp.matmul(q, k.swapaxes(-1, -2)) * scale
+    tanh = None
+    if softcap > 0:
+        # Before the bias and the mask, as flash-attn (the masked entries stay finite here, so
+        # the tanh of the backward never sees -inf).
+        tanh = xp.tanh(scores / softcap)
+        scores = softcap * tanh
     scores = scores.reshape(b, nheads_kv, group, seqlen_q, seqlen_k)
+    if bias is not None:
+        scores = scores + bias
+    # One rounding of the final scores: where the plain scaled scores are rounded without
+    # features.
+    scores = prec.round(scores)
     scores = xp.where(visible, scores, -math.inf)
 
     has_key = visible.any(axis=-1)[:, None]
@@ -159,6 +323,7 @@ def _probabilities(xp, q, k, scale, visible, group, prec):
     return (
         probs.reshape(b, nheads_kv, group * seqlen_q, seqlen_k),
         lse.reshape(b, nheads_kv * group, seqlen_q),
+        tanh,
     )
 
 
@@ -178,6 +343,10 @@ def attention(
     window_size=(-1, -1),
     return_lse=False,
     compute_dtype=numpy.float32,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_mask=None,
 ):
     """Reference attention forward.
 
@@ -185,8 +354,16 @@ def attention(
     the same without the batch dim. Any float dtype (float16, ml_dtypes.bfloat16, float32, ...).
     Returns out (shaped like q, dtype compute_dtype) or (out, lse) with lse float32
     (batch, nheads, seqlen_q) (or (nheads, seqlen_q) for unbatched inputs).
+
+    softcap: > 0 caps the scaled scores to ``softcap * tanh(scores / softcap)``; 0 = off.
+    alibi_slopes: float32 (nheads,) or (batch, nheads) (unbatched: (nheads,) or (1, nheads));
+    adds ``-slope * |i + seqlen_k - seqlen_q - j|`` to the (capped) scores.
+    dropout_p, dropout_mask: P is multiplied by ``dropout_mask / (1 - dropout_p)`` before
+    ``P @ V`` (lse unchanged); the mask is boolean (True = kept), broadcastable to
+    (batch, nheads, seqlen_q, seqlen_k) (unbatched: (nheads, seqlen_q, seqlen_k)), and required
+    when dropout_p > 0. A mask given with dropout_p = 0 is applied as is (factor 1).
     """
-    xp = _array_module(q, k, v)
+    xp = _array_module(q, k, v, alibi_slopes, dropout_mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
     _check_shapes(q, k, v)
     unbatched = q.ndim == 3
@@ -198,13 +375,23 @@ def attention(
     group = nheads // nheads_kv
     scale = _scale(softmax_scale, headdim)
     visible = _visible_keys(xp, seqlen_q, seqlen_k, causal, window_size)
+    features = _Features(
+        xp, prec, (batch, nheads, seqlen_q, seqlen_k), softcap, alibi_slopes, dropout_p,
+        dropout_mask, unbatched,
+    )
 
     outs, lses = [], []
     for part in _batch_slices(batch, nheads * seqlen_q * seqlen_k):
         q_part = _group_query_heads(prec.load(q[part]), nheads_kv)
         k_part = _kv_heads_first(prec.load(k[part]))
         v_part = _kv_heads_first(prec.load(v[part]))
-        probs, lse = _probabilities(xp, q_part, k_part, scale, visible, group, prec)
+        probs, lse, _ = _probabilities(
+            xp, q_part, k_part, scale, visible, group, prec,
+            features.softcap, features.bias(part, nheads_kv),
+        )
+        keep = features.keep(part, nheads_kv)
+        if keep is not None:
+            probs = probs * keep  # dropout after the softmax: lse is unaffected
         out = _ungroup_query_heads(xp.matmul(probs, v_part), group, seqlen_q)
         outs.append(out.astype(prec.result))
         lses.append(lse.astype(numpy.float32))
@@ -227,18 +414,24 @@ def attention_backward(
     softmax_scale=None,
     window_size=(-1, -1),
     compute_dtype=numpy.float32,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_mask=None,
 ):
     """Reference attention backward: (dq, dk, dv) in compute_dtype, shaped like q, k, v.
 
     The exact gradient of ``attention`` (same arguments) w.r.t. q, k and v for the upstream
     gradient ``dout``; with GQA, dk and dv sum over the query heads that share a KV head.
+    softcap, alibi_slopes and dropout (with the forward's mask) as in ``attention``; there is
+    no gradient w.r.t. the slopes.
 
     ``out`` and ``lse`` (the forward's results, may be None) are taken for signature parity with
     a kernel backward and are only shape-checked: the reference recomputes P from q, k, v so
     that a wrong ``out`` or ``lse`` from an implementation under test cannot leak into its
     reference.
     """
-    xp = _array_module(dout, q, k, v)
+    xp = _array_module(dout, q, k, v, alibi_slopes, dropout_mask)
     dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
     _check_shapes(q, k, v)
     out_shape = q.shape[:-1] + v.shape[-1:]
@@ -258,6 +451,10 @@ def attention_backward(
     group = nheads // nheads_kv
     scale = _scale(softmax_scale, headdim)
     visible = _visible_keys(xp, seqlen_q, seqlen_k, causal, window_size)
+    features = _Features(
+        xp, prec, (batch, nheads, seqlen_q, seqlen_k), softcap, alibi_slopes, dropout_p,
+        dropout_mask, unbatched,
+    )
 
     dqs, dks, dvs = [], [], []
     for part in _batch_slices(batch, nheads * seqlen_q * seqlen_k):
@@ -265,14 +462,27 @@ def attention_backward(
         dout_part = _group_query_heads(prec.load(dout[part]), nheads_kv)
         k_part = _kv_heads_first(prec.load(k[part]))
         v_part = _kv_heads_first(prec.load(v[part]))
-        probs, _ = _probabilities(xp, q_part, k_part, scale, visible, group, prec)
-        # out = P V, P = softmax(S), S = scale * q k^T. Key-less rows have P = 0, so every
-        # gradient term below is 0 for them.
-        dv = xp.matmul(probs.swapaxes(-1, -2), dout_part)
+        probs, _, tanh = _probabilities(
+            xp, q_part, k_part, scale, visible, group, prec,
+            features.softcap, features.bias(part, nheads_kv),
+        )
+        keep = features.keep(part, nheads_kv)
+        # out = (P * Z) V with Z = mask / (1 - p) (Z = 1 without dropout), P = softmax(S),
+        # S = bias + cap(scale * q k^T). Key-less rows have P = 0, so every gradient term below
+        # is 0 for them.
+        dv = xp.matmul((probs if keep is None else probs * keep).swapaxes(-1, -2), dout_part)
         dprobs = prec.round(xp.matmul(dout_part, v_part.swapaxes(-1, -2)))
-        # Softmax backward: dS = P * (dP - rowsum(P * dP)); rowsum(P * dP) = rowsum(dO * O).
+        if keep is not None:
+            dprobs = dprobs * keep  # gradient w.r.t. P (not P * Z)
+        # Softmax backward: dS = P * (dP - rowsum(P * dP)); rowsum(P * dP) = rowsum(dO * O),
+        # with O including the dropout, since P * dP = (P * Z) * (dO . V).
         delta = (probs * dprobs).sum(axis=-1, keepdims=True)
-        dscores = prec.round(probs * (dprobs - delta))
+        dscores = probs * (dprobs - delta)
+        if tanh is not None:
+            # d/dx softcap * tanh(x / softcap) = 1 - tanh(x / softcap)^2; the bias has
+            # derivative 1.
+            dscores = dscores * (1 - tanh * tanh)
+        dscores = prec.round(dscores)
         dq = xp.matmul(dscores, k_part) * scale
         dk = xp.matmul(dscores.swapaxes(-1, -2), q_part) * scale
         dqs.append(_ungroup_query_heads(dq, group, seqlen_q).astype(prec.result))
@@ -282,3 +492,213 @@ def attention_backward(
     if unbatched:
         grads = [g[0] for g in grads]
     return tuple(grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Variable length: packed sequences, one dense call per sequence.
+
+
+def _check_cu_seqlens(name, cu_seqlens, total, total_name):
+    """cu_seqlens as a host int64 array, checked: int32, 1-D, 0 first, non-decreasing, total."""
+    dtype = getattr(cu_seqlens, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.int32:
+        raise TypeError(
+            f"{name} must be an int32 array of cumulative sequence lengths (batch + 1 entries); "
+            f"got {'dtype ' + str(dtype) if dtype is not None else type(cu_seqlens).__name__}"
+        )
+    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(
+            f"{name} must be 1-D with batch + 1 >= 1 entries; got shape {tuple(cu_seqlens.shape)}"
+        )
+    # The reference needs the lengths on the host to slice the sequences (a device sync for
+    # CuPy; it is a test tool).
+    cu = _to_host(cu_seqlens).astype(numpy.int64)
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start with 0; got {name}[0] = {cu[0]}")
+    steps = numpy.diff(cu)
+    if numpy.any(steps < 0):
+        at = int(numpy.argmax(steps < 0))
+        raise ValueError(
+            f"{name} must be non-decreasing; got {name}[{at}] = {cu[at]} > "
+            f"{name}[{at + 1}] = {cu[at + 1]}"
+        )
+    if cu[-1] != total:
+        raise ValueError(
+            f"{name}[-1] ({cu[-1]}) must equal the packed length {total_name} ({total})"
+        )
+    return cu
+
+
+def _check_max_seqlen(name, max_seqlen, lengths, what):
+    try:
+        max_seqlen = operator.index(max_seqlen)
+    except TypeError:
+        raise TypeError(f"{name} must be an int; got {max_seqlen!r}") from None
+    longest = int(lengths.max()) if lengths.size else 0
+    if max_seqlen < longest:
+        raise ValueError(f"{name} ({max_seqlen}) is smaller than the longest {what} ({longest})")
+    return max_seqlen
+
+
+class _Varlen:
+    """The checked arguments of a varlen call and the per-sequence options."""
+
+    def __init__(
+        self, xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        alibi_slopes, dropout_p, dropout_mask,
+    ):
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim != 3:
+                raise ValueError(
+                    f"{name} must be packed (total_tokens, nheads, headdim) for varlen; got "
+                    f"shape {x.shape}"
+                )
+        _check_shapes(q, k, v)
+        self.cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0]")
+        self.cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0]")
+        if self.cu_q.shape != self.cu_k.shape:
+            raise ValueError(
+                "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+                f"{self.cu_q.shape[0]} and {self.cu_k.shape[0]}"
+            )
+        self.batch = self.cu_q.shape[0] - 1
+        nheads = q.shape[1]
+        self.max_seqlen_q = _check_max_seqlen(
+            "max_seqlen_q", max_seqlen_q, numpy.diff(self.cu_q), "query sequence"
+        )
+        self.max_seqlen_k = _check_max_seqlen(
+            "max_seqlen_k", max_seqlen_k, numpy.diff(self.cu_k), "key sequence"
+        )
+        self.slopes = _check_alibi_slopes(xp, alibi_slopes, self.batch, nheads, False)
+        shape = (self.batch, nheads, self.max_seqlen_q, self.max_seqlen_k)
+        self.dropout_p, self.mask = _check_dropout(
+            xp, dropout_p, dropout_mask, shape, "(batch, nheads, max_seqlen_q, max_seqlen_k)"
+        )
+
+    def sequences(self):
+        """(rows of q, rows of k, per-sequence feature options) for each sequence."""
+        for b in range(self.batch):
+            rows_q = slice(int(self.cu_q[b]), int(self.cu_q[b + 1]))
+            rows_k = slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
+            options = dict(dropout_p=self.dropout_p)
+            if self.slopes is not None:
+                options["alibi_slopes"] = self.slopes[b]
+            if self.mask is not None:
+                # Sequence b's block of the padded mask, top-left aligned (as flash-attn's
+                # varlen returns its dropout mask: padded to the max lengths).
+                seqlen_q, seqlen_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+                options["dropout_mask"] = self.mask[b, :, :seqlen_q, :seqlen_k]
+            yield rows_q, rows_k, options
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_lse=False,
+    compute_dtype=numpy.float32,
+    dropout_p=0.0,
+    dropout_mask=None,
+):
+    """Reference variable-length attention forward (flash-attn's ``flash_attn_varlen_func``).
+
+    q: (total_q, nheads, headdim), k and v: (total_k, nheads_kv, headdim): the sequences packed
+    one after another; sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v. cu_seqlens_q/k: int32 (batch + 1,),
+    starting at 0, non-decreasing, ending at total_q/total_k (zero-length sequences allowed).
+    max_seqlen_q/k: at least the longest sequence. Each sequence is one ``attention`` call
+    (causal and window bottom-right aligned per sequence). alibi_slopes: float32 (nheads,) or
+    (batch, nheads), row b for sequence b. dropout_mask: broadcastable to (batch, nheads,
+    max_seqlen_q, max_seqlen_k); sequence b uses ``[b, :, :seqlen_q_b, :seqlen_k_b]``.
+
+    Returns out (total_q, nheads, headdim) in compute_dtype, or (out, lse) with lse float32
+    (nheads, total_q) (flash-attn's varlen lse layout).
+    """
+    xp = _array_module(q, k, v, alibi_slopes, dropout_mask)
+    q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
+    prec = _Precision(compute_dtype)
+    _check_softcap(softcap)
+    varlen = _Varlen(
+        xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        alibi_slopes, dropout_p, dropout_mask,
+    )
+    # Filled sequence by sequence (every row belongs to exactly one), in the accumulation dtype
+    # and cast at the end: a cast is the bf16 operation CuPy is known to support.
+    out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=prec.acc)
+    lse = xp.zeros((q.shape[1], q.shape[0]), dtype=numpy.float32)
+    for rows_q, rows_k, options in varlen.sequences():
+        out_b, lse_b = attention(
+            q[rows_q], k[rows_k], v[rows_k], causal=causal, softmax_scale=softmax_scale,
+            window_size=window_size, return_lse=True, compute_dtype=compute_dtype,
+            softcap=softcap, **options,
+        )
+        out[rows_q] = out_b.astype(prec.acc)
+        lse[:, rows_q] = lse_b
+    out = out.astype(prec.result)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    compute_dtype=numpy.float32,
+    dropout_p=0.0,
+    dropout_mask=None,
+):
+    """Reference variable-length backward: packed (dq, dk, dv) in compute_dtype.
+
+    The gradient of ``attention_varlen`` (same arguments) for the upstream gradient dout
+    (total_q, nheads, headdim), sequence by sequence through ``attention_backward``. ``out``
+    (total_q, nheads, headdim) and ``lse`` (nheads, total_q) may be None and are only
+    shape-checked, as in ``attention_backward``.
+    """
+    xp = _array_module(dout, q, k, v, alibi_slopes, dropout_mask)
+    dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
+    prec = _Precision(compute_dtype)
+    _check_softcap(softcap)
+    varlen = _Varlen(
+        xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        alibi_slopes, dropout_p, dropout_mask,
+    )
+    out_shape = q.shape[:-1] + v.shape[-1:]
+    lse_shape = (q.shape[1], q.shape[0])
+    if dout.shape != out_shape:
+        raise ValueError(f"dout must have shape {out_shape}, got {dout.shape}")
+    if out is not None and tuple(out.shape) != out_shape:
+        raise ValueError(f"out must have shape {out_shape}, got {out.shape}")
+    if lse is not None and tuple(lse.shape) != lse_shape:
+        raise ValueError(f"lse must have shape (nheads, total_q) = {lse_shape}, got {lse.shape}")
+    grads = [xp.zeros(x.shape, dtype=prec.acc) for x in (q, k, v)]
+    for rows_q, rows_k, options in varlen.sequences():
+        parts = attention_backward(
+            dout[rows_q], q[rows_q], k[rows_k], v[rows_k], None, None, causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, compute_dtype=compute_dtype,
+            softcap=softcap, **options,
+        )
+        for grad, rows, part in zip(grads, (rows_q, rows_k, rows_k), parts):
+            grad[rows] = part.astype(prec.acc)
+    return tuple(grad.astype(prec.result) for grad in grads)

@@ -155,13 +155,36 @@ def poison_like(xp, shape, dtype):
 
 
 def check_forward(
-    q, k, v, out, lse=None, *, causal=False, softmax_scale=None, window_size=(-1, -1), atol=None
+    q,
+    k,
+    v,
+    out,
+    lse=None,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    atol=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_mask=None,
 ):
     """Check an implementation's forward result (and lse, if given) against the reference.
 
+    softcap, alibi_slopes, dropout_p and dropout_mask go to the reference as they are (with
+    dropout_p > 0, dropout_mask must be the keep-mask the implementation used).
     Returns a list of CheckResult: "out", then "lse" when lse is not None.
     """
-    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    options = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
+    )
     ref_hi, ref_lse = reference.attention(
         q, k, v, return_lse=True, compute_dtype=numpy.float32, **options
     )
@@ -185,12 +208,25 @@ def check_backward(
     softmax_scale=None,
     window_size=(-1, -1),
     atol=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_mask=None,
 ):
     """Check an implementation's gradients against the reference backward.
 
+    softcap, alibi_slopes, dropout_p and dropout_mask as in check_forward.
     Returns a list of CheckResult for "dq", "dk", "dv".
     """
-    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    options = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
+    )
     refs_hi = reference.attention_backward(
         dout, q, k, v, None, None, compute_dtype=numpy.float32, **options
     )
