@@ -8,6 +8,7 @@ import numpy
 import pytest
 
 from cuflash2 import reference, testing
+from finite_differences import finite_difference_grads  # tests/ helper
 
 FP16 = numpy.dtype(numpy.float16)
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
@@ -247,27 +248,6 @@ def test_bad_compute_dtype():
 # --------------------------------------------------------------------------------------------
 # Backward: against float64 central finite differences of sum(out * dout).
 
-
-def _finite_difference_grads(dout, q, k, v, step=1e-6, **options):
-    def loss():
-        out = reference.attention(q, k, v, compute_dtype=numpy.float64, **options)
-        return float(numpy.sum(out * dout))
-
-    grads = []
-    for x in (q, k, v):
-        grad = numpy.zeros_like(x)
-        for index in numpy.ndindex(x.shape):
-            saved = x[index]
-            x[index] = saved + step
-            up = loss()
-            x[index] = saved - step
-            down = loss()
-            x[index] = saved
-            grad[index] = (up - down) / (2 * step)
-        grads.append(grad)
-    return grads
-
-
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, window_size)
 BACKWARD_CASES = [
     (1, 3, 3, 2, 2, 4, False, (-1, -1)),
@@ -289,7 +269,7 @@ def test_backward_matches_finite_differences(case):
     grads = reference.attention_backward(
         dout, q, k, v, out, lse, compute_dtype=numpy.float64, **options
     )
-    want = _finite_difference_grads(dout, q, k, v, **options)
+    want = finite_difference_grads(dout, q, k, v, **options)
     for name, got, expected, x in zip("qkv", grads, want, (q, k, v)):
         assert got.dtype == numpy.float64 and got.shape == x.shape, name
         numpy.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7, err_msg=f"d{name}")

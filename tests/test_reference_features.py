@@ -9,6 +9,7 @@ import numpy
 import pytest
 
 from cuflash2 import reference, testing
+from finite_differences import finite_difference_grads  # tests/ helper
 
 FP16 = numpy.dtype(numpy.float16)
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
@@ -315,27 +316,6 @@ def test_low_precision_rounds_capped_biased_scores_once():
 # --------------------------------------------------------------------------------------------
 # Backward: against float64 central finite differences of sum(out * dout).
 
-
-def _finite_difference_grads(dout, q, k, v, step=1e-6, **options):
-    def loss():
-        out = reference.attention(q, k, v, compute_dtype=numpy.float64, **options)
-        return float(numpy.sum(out * dout))
-
-    grads = []
-    for x in (q, k, v):
-        grad = numpy.zeros_like(x)
-        for index in numpy.ndindex(x.shape):
-            saved = x[index]
-            x[index] = saved + step
-            up = loss()
-            x[index] = saved - step
-            down = loss()
-            x[index] = saved
-            grad[index] = (up - down) / (2 * step)
-        grads.append(grad)
-    return grads
-
-
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, window_size, feature options)
 BACKWARD_CASES = [
     ("softcap", (1, 3, 4, 2, 2, 4, False, (-1, -1)), dict(softcap=0.8, softmax_scale=1.0)),
@@ -370,7 +350,7 @@ def test_backward_matches_finite_differences(name, case, features):
     grads = reference.attention_backward(
         dout, q, k, v, out, lse, compute_dtype=numpy.float64, **options
     )
-    want = _finite_difference_grads(dout, q, k, v, **options)
+    want = finite_difference_grads(dout, q, k, v, **options)
     for grad_name, got, expected, x in zip("qkv", grads, want, (q, k, v)):
         assert got.dtype == numpy.float64 and got.shape == x.shape, grad_name
         assert numpy.abs(expected).max() > 1e-3, grad_name  # the check is not vacuous
