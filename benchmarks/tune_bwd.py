@@ -18,7 +18,8 @@ import numpy  # noqa: E402
 
 from cuflash2 import _configs, _validate, api, bench, testing  # noqa: E402
 
-CANDIDATES = [(64, 128, 2), (64, 64, 2), (64, 64, 1)]  # (block_m, block_n, q_stages)
+# (block_m, block_n, warps, q_stages); override with --candidates 64x128x8x2 ...
+CANDIDATES = [(64, 128, 8, 2), (128, 128, 8, 2), (64, 128, 8, 1)]
 
 
 def run(cfg, deterministic, problem, dout, q, k, v, out, lse, dq, dk, dv, causal):
@@ -31,7 +32,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--candidates", nargs="+", default=None, help="block_m x block_n x warps x stages")
+    ap.add_argument("--modes", nargs="+", default=["atomic", "split"])
     args = ap.parse_args()
+    candidates = ([tuple(map(int, c.split("x"))) for c in args.candidates] if args.candidates
+                  else CANDIDATES)
     dtype = numpy.dtype(numpy.float16)
     backlog = bench._Backlog(cupy)
     import torch
@@ -49,10 +54,13 @@ def main():
                 with sdpa_ref.flash_only():
                     t_ms = bench.time_torch(torch, fn, 3, 15, backlog)
                 shapes[(s, causal)] = (q, k, v, dout, t_ms)
-        for bm, bn, stages in CANDIDATES:
-            for deterministic in (False, True):
-                cfg = _configs.BwdConfig("float16", d, d, bm, bn, stages, not deterministic)
-                name = f"d={d} {bm}x{bn}x{stages} {'split' if deterministic else 'atomic'}"
+        for bm, bn, warps, stages in candidates:
+            for deterministic in [m == "split" for m in args.modes]:
+                cfg = _configs.BwdConfig("float16", d, d, bm, bn, warps, stages, not deterministic)
+                if not cfg.valid:
+                    print("skipped (no warp grid):", cfg)
+                    continue
+                name = f"d={d} {bm}x{bn}x{warps}x{stages} {'split' if deterministic else 'atomic'}"
                 q, k, v = testing.random_qkv(cupy, 1, 333, 517, 4, 2, d, dtype, seed=d)
                 dout = testing.random_qkv(cupy, 1, 333, 333, 4, 4, d, dtype, seed=d + 1)[0]
                 out, lse = api.attention(q, k, v, causal=True, return_lse=True)

@@ -6,97 +6,72 @@
 // whose rows can see its keys. P is recomputed from the saved logsumexp; nothing of size
 // seqlen_q x seqlen_k is ever stored in global memory.
 //
-// Each warp owns 16 key rows of the KV block and holds the transposed tiles S^T, P^T, dP^T, dS^T
-// of its rows, so four of the five products keep their operands in registers or shared memory
-// without any cross-warp exchange:
-//   S^T  = K_w Q^T             P^T = exp2(S^T * scale_log2 - lse_log2)
-//   dV_w += P^T dO             dP^T = V_w dO^T
-//   dS^T = P^T o (dP^T - D)    dK_w += dS^T Q
-// The fifth, dQ += dS K, needs all key rows: dS^T goes through shared memory, the warps split the
-// (Q rows x head dim) tile, and the partial dQ is added to an fp32 accumulator with atomics
-// (red.global.add), converted to the input dtype by a separate kernel at the end.
+// Each step (one Q block of BLOCK_M rows against the BLOCK_N keys) has three phases, each with its
+// own split of the (rows x columns) work over the warps, as in FA2, so that every warp's
+// fragments are reused by several mma (32 x 32 warp tiles where registers allow):
+//   A. warps tile (queries x keys):   S = Q K^T,  P = exp2(S * scale_log2 - lse_log2),
+//                                     dP = dO V^T, dS = P o (dP - D);  P and dS -> shared memory
+//   B. warps tile (keys x head dim):  dV += P^T dO,  dK += dS^T Q      (registers, whole loop)
+//   C. warps tile (queries x head dim): dQ = dS K, added to an fp32 accumulator with atomics
+//      (red.global.add; other KV blocks add to the same rows; layout in dq_accum.cuh),
+//      converted by a separate kernel.
+// With COMPUTE_DQ false (deterministic mode) phase C is left out and flash_bwd_dq.cu computes dQ
+// without atomics.
 //
-// With COMPUTE_DQ false (deterministic mode) the kernel computes dK and dV only, and
-// flash_bwd_dq.cu computes dQ without atomics.
-//
-// Head dims above 128 are split into two chunks (grid.x): each CTA recomputes S and dP over the
-// full head dim but accumulates dK, dV, dQ only for its chunk, which keeps dK and dV of 16 rows
-// in registers.
+// Head dims above 128 are split into chunks (grid.x): each CTA recomputes S and dP over the full
+// head dim but accumulates dK, dV, dQ only for its D_CHUNK columns, which keeps dK and dV in
+// registers.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
+#include "warp_gemm.cuh"
+#include "dq_accum.cuh"
 
-template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int Q_STAGES>
+template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
+          int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES>
 struct BwdTraits {
-    static constexpr int NUM_WARPS = BLOCK_N / 16;  // each warp owns 16 key rows
     static constexpr int THREADS = NUM_WARPS * 32;
-    static constexpr int Q_TILES = BLOCK_M / 8;        // n8 tiles of S^T (query columns)
-    static constexpr int DC_TILES = D_CHUNK / 8;       // n8 tiles of dK, dV (head-dim chunk)
-    static constexpr int D_STEPS = HEAD_DIM / 16;      // k16 steps over the full head dim
-    static constexpr int Q_STEPS = BLOCK_M / 16;       // k16 steps over query rows
-    static constexpr int KV_STEPS = BLOCK_N / 16;      // k16 steps over key rows
-    // dQ = dS K: warps form a DQ_WARPS_M x DQ_WARPS_N grid over (BLOCK_M x D_CHUNK); each warp
-    // covers 16 rows and DQ_COLS columns, DQ_PASS_COLS (<= 64) at a time.
-    static constexpr int DQ_WARPS_M = BLOCK_M / 16;
-    static constexpr int DQ_WARPS_N = NUM_WARPS / DQ_WARPS_M;
-    static constexpr int DQ_COLS = D_CHUNK / DQ_WARPS_N;
-    static constexpr int DQ_PASS_COLS = DQ_COLS > 64 && DQ_COLS % 64 == 0 ? 64 : DQ_COLS;
-    static constexpr int DQ_PASSES = DQ_COLS / DQ_PASS_COLS;
+    static constexpr int D_STEPS = HEAD_DIM / 16;  // k16 steps of S and dP (full head dim)
+    // Phase A: SDP_WARPS_M x SDP_WARPS_N warps over (BLOCK_M queries x BLOCK_N keys).
+    static constexpr int SDP_WARPS_N = NUM_WARPS / SDP_WARPS_M;
+    static constexpr int SDP_ROWS = BLOCK_M / SDP_WARPS_M;
+    static constexpr int SDP_KEYS = BLOCK_N / SDP_WARPS_N;
+    static constexpr int SDP_MT = SDP_ROWS / 16;
+    static constexpr int SDP_NT = SDP_KEYS / 8;
+    // Phase B: KV_WARPS_N x KV_WARPS_D warps over (BLOCK_N keys x D_CHUNK columns).
+    static constexpr int KV_WARPS_D = NUM_WARPS / KV_WARPS_N;
+    static constexpr int KV_KEYS = BLOCK_N / KV_WARPS_N;
+    static constexpr int KV_COLS = D_CHUNK / KV_WARPS_D;
+    static constexpr int KV_MT = KV_KEYS / 16;
+    static constexpr int KV_NT = KV_COLS / 8;
+    // Phase C: DQ_WARPS_M x DQ_WARPS_D warps over (BLOCK_M queries x D_CHUNK columns).
+    static constexpr int DQ_WARPS_D = NUM_WARPS / DQ_WARPS_M;
+    static constexpr int DQ_ROWS = BLOCK_M / DQ_WARPS_M;
+    static constexpr int DQ_COLS = D_CHUNK / DQ_WARPS_D;
+    static constexpr int DQ_MT = DQ_ROWS / 16;
+    static constexpr int DQ_NT = DQ_COLS / 8;
+
     using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
     using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
-    using DSTile = SwizzledTile<BLOCK_N, BLOCK_M>;  // dS^T: key rows x query columns
-    // Shared memory: K, V | Q_STAGES x (Q, dO, lse_log2, D) | dS^T
+    using PTile = SwizzledTile<BLOCK_M, BLOCK_N>;  // P and dS: query rows x key columns
+    // Shared memory: K, V | Q_STAGES x (Q, dO, lse_log2, D) | P, dS
     static constexpr int STAT_BYTES = BLOCK_M * 4;
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * STAT_BYTES;
-    static constexpr int SMEM_BYTES = 2 * KVTile::BYTES + Q_STAGES * STAGE_BYTES + DSTile::BYTES;
-    static_assert(DQ_WARPS_M * DQ_WARPS_N == NUM_WARPS, "dQ warp grid must use every warp");
-    static_assert(DQ_COLS % 16 == 0 && D_CHUNK % 16 == 0, "fragments are loaded in pairs");
+    static constexpr int SMEM_BYTES = 2 * KVTile::BYTES + Q_STAGES * STAGE_BYTES + 2 * PTile::BYTES;
+
+    static_assert(SDP_WARPS_M * SDP_WARPS_N == NUM_WARPS && KV_WARPS_N * KV_WARPS_D == NUM_WARPS &&
+                      DQ_WARPS_M * DQ_WARPS_D == NUM_WARPS,
+                  "each phase's warp grid must use every warp");
+    static_assert(SDP_ROWS % 16 == 0 && SDP_KEYS % 16 == 0, "phase A warp tiles are 16k x 16k");
+    static_assert(KV_KEYS % 16 == 0 && KV_COLS % 16 == 0, "phase B warp tiles are 16k x 16k");
+    static_assert(DQ_ROWS % 16 == 0 && DQ_COLS % 16 == 0, "phase C warp tiles are 16k x 16k");
     static_assert(Q_STAGES == 1 || Q_STAGES == 2, "single or double-buffered Q/dO");
+    static_assert(STAGE_BYTES % 128 == 0, "stages keep the 128-byte bank alignment of the tiles");
 };
 
-// acc[nt] += A (16 rows of `a_frag`'s tile, over the full head dim) * B^T, where B's rows
-// (`b_frag`'s tile, non-transposed) are the n dimension: S^T = K_w Q^T and dP^T = V_w dO^T.
-template <typename Elem, class T, class ATile, class BTile>
-CF2_DEVICE void gemm_rows_by_rows(float (&acc)[1][T::Q_TILES][4], const LdmatrixCursor<ATile>& a_frag,
-                                  const LdmatrixCursor<BTile>& b_frag, u32 b_offset) {
-#pragma unroll 1
-    for (int ks = 0; ks < T::D_STEPS; ++ks) {
-        u32 a[4];
-        ldmatrix_x4(a, a_frag.at(0, ks));
-#pragma unroll
-        for (int np = 0; np < T::Q_TILES / 2; ++np) {
-            u32 b[4];
-            ldmatrix_x4(b, b_frag.at(2 * np, ks) + b_offset);
-            mma_m16n16k16<Elem>(acc[0][2 * np], acc[0][2 * np + 1], a, b);
-        }
-    }
-}
-
-// acc (16 key rows x head-dim chunk) += X^T (registers, 16 x BLOCK_M, accumulator layout) * Y,
-// Y = a (BLOCK_M x head dim) tile read transposed: dV += P^T dO and dK += dS^T Q.
-template <typename Elem, class T, class YTile>
-CF2_DEVICE void gemm_regs_by_tile(float (&acc)[T::DC_TILES][4], const float (&x)[1][T::Q_TILES][4],
-                                  const LdmatrixCursor<YTile>& y_frag, u32 y_offset,
-                                  int chunk_pair0) {
-#pragma unroll
-    for (int ks = 0; ks < T::Q_STEPS; ++ks) {
-        u32 a[4];
-        a[0] = pack_pair<Elem>(x[0][2 * ks][0], x[0][2 * ks][1]);
-        a[1] = pack_pair<Elem>(x[0][2 * ks][2], x[0][2 * ks][3]);
-        a[2] = pack_pair<Elem>(x[0][2 * ks + 1][0], x[0][2 * ks + 1][1]);
-        a[3] = pack_pair<Elem>(x[0][2 * ks + 1][2], x[0][2 * ks + 1][3]);
-#pragma unroll
-        for (int dp = 0; dp < T::DC_TILES / 2; ++dp) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, y_frag.at(2 * ks, chunk_pair0 + dp) + y_offset);
-            mma_m16n16k16<Elem>(acc[2 * dp], acc[2 * dp + 1], a, b);
-        }
-    }
-}
-
-template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int Q_STAGES,
-          bool COMPUTE_DQ>
-__global__ void __launch_bounds__(BLOCK_N * 2, 1)
+template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
+          int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  const u16* __restrict__ dout, const float* __restrict__ lse_log2,
                  const float* __restrict__ delta, float* __restrict__ dq_accum,
@@ -110,10 +85,11 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  int seqlen_q, int seqlen_q_padded, int seqlen_k, int nheads,
                  int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
                  int window_left, int window_right, int batch_offset) {
-    using T = BwdTraits<Elem, HEAD_DIM, D_CHUNK, BLOCK_M, BLOCK_N, Q_STAGES>;
+    using T = BwdTraits<HEAD_DIM, D_CHUNK, BLOCK_M, BLOCK_N, NUM_WARPS, SDP_WARPS_M, KV_WARPS_N,
+                        DQ_WARPS_M, Q_STAGES>;
     using KVTile = typename T::KVTile;
     using QTile = typename T::QTile;
-    using DSTile = typename T::DSTile;
+    using PTile = typename T::PTile;
     constexpr int NUM_CHUNKS = HEAD_DIM / D_CHUNK;
 
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -121,15 +97,13 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const u32 v_smem = k_smem + KVTile::BYTES;
     const u32 q_smem = v_smem + KVTile::BYTES;  // stage 0: Q, dO, lse_log2, D
     const u32 do_smem = q_smem + QTile::BYTES;
-    const u32 ds_smem = q_smem + Q_STAGES * T::STAGE_BYTES;
-    float* const stats = reinterpret_cast<float*>(smem + 2 * KVTile::BYTES + 2 * QTile::BYTES);
+    const u32 p_smem = q_smem + Q_STAGES * T::STAGE_BYTES;
+    const u32 ds_smem = p_smem + PTile::BYTES;
+    const float* const stats = reinterpret_cast<const float*>(smem + 2 * KVTile::BYTES + 2 * QTile::BYTES);
 
     const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
     const int kv_block = blockIdx.x / NUM_CHUNKS;
-    const int chunk = blockIdx.x % NUM_CHUNKS;
-    const int col0 = chunk * D_CHUNK;  // first head-dim column of this CTA's dK, dV, dQ
+    const int col0 = (blockIdx.x % NUM_CHUNKS) * D_CHUNK;  // first column of this CTA's dK, dV, dQ
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z + batch_offset;
     const int key_first = kv_block * BLOCK_N;
@@ -145,14 +119,9 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int m_count = row_end > row_begin ? (row_end + BLOCK_M - 1) / BLOCK_M - m_first : 0;
     const int steps = m_count * heads_per_kv_head;  // (query head, Q block) pairs
 
-    const u16* k_block = k + batch * k_batch_stride + kv_head * k_head_stride + key_first * k_row_stride;
-    const u16* v_block = v + batch * v_batch_stride + kv_head * v_head_stride + key_first * v_row_stride;
-
-    float acc_dk[T::DC_TILES][4], acc_dv[T::DC_TILES][4];
-#pragma unroll
-    for (int dt = 0; dt < T::DC_TILES; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+    float acc_dk[T::KV_MT][T::KV_NT][4], acc_dv[T::KV_MT][T::KV_NT][4];
+    zero_fill(acc_dk);
+    zero_fill(acc_dv);
 
     // Per-thread copy addresses are rebuilt from a fresh thread index on each step rather than
     // kept across the loop (registers the dK/dV accumulators need).
@@ -176,6 +145,8 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     };
 
     if (steps > 0) {
+        const u16* k_block = k + batch * k_batch_stride + kv_head * k_head_stride + key_first * k_row_stride;
+        const u16* v_block = v + batch * v_batch_stride + kv_head * v_head_stride + key_first * v_row_stride;
         load_tile_async<KVTile, T::THREADS>(k_smem, k_block, k_row_stride, seqlen_k - key_first,
                                              head_chunks, tid);
         load_tile_async<KVTile, T::THREADS>(v_smem, v_block, v_row_stride, seqlen_k - key_first,
@@ -189,7 +160,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         const int head = kv_head * heads_per_kv_head + step / m_count;
         const int row0 = (m_first + step % m_count) * BLOCK_M;
         cp_async_wait<0>();
-        __syncthreads();  // this step's Q, dO, stats landed; every warp is done with dS^T and
+        __syncthreads();  // this step's Q, dO, stats landed; every warp is done with P, dS and
                           // with the other stage
         if constexpr (Q_STAGES == 2) {
             if (step + 1 < steps) {
@@ -197,117 +168,111 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 cp_async_commit();
             }
         }
-        // Fragment addressing (LdmatrixCursor), rebuilt from a fresh thread index every step
-        // (a few integer ops) instead of held across the loop: this warp's 16 key rows of K
-        // and V as A operands; Q and dO as non-transposed B operands (query rows are n) and
-        // transposed B operands (query rows are k).
-        const int lane_now = thread_index_fresh() % 32;
-        const int warp_now = thread_index_fresh() / 32;
-        const LdmatrixCursor<KVTile> k_rows_frag(k_smem, warp_now * 16 + lane_now % 16, lane_now / 16);
-        const LdmatrixCursor<KVTile> v_rows_frag(v_smem, warp_now * 16 + lane_now % 16, lane_now / 16);
-        const LdmatrixCursor<QTile> qt_frag(q_smem, lane_now % 8 + (lane_now / 16) * 8, (lane_now / 8) % 2);
-        const LdmatrixCursor<QTile> q_frag(q_smem, lane_now % 16, lane_now / 16);
-        const int key0 = key_first + warp_now * 16 + lane_now / 4;  // this thread's first key
-        const float* lse_s = stats + stage_offset / 4;
-        const float* delta_s = lse_s + BLOCK_M;
+        // Warp positions and fragment cursors are rebuilt from a fresh thread index every step
+        // (a few integer ops) instead of being held across the loop.
+        const int lane = thread_index_fresh() % 32;
+        const int warp = thread_index_fresh() / 32;
+        const u32 q_stage = q_smem + stage_offset;
+        const u32 do_stage = do_smem + stage_offset;
 
-        // S^T = K_w Q^T, then P^T = exp2(S^T * scale_log2 - lse_log2) in place.
-        float acc_s[1][T::Q_TILES][4];
+        // ---- Phase A: this warp's SDP_ROWS queries x SDP_KEYS keys of S, P, dP, dS -------------
+        {
+            const int a_row0 = (warp % SDP_WARPS_M) * T::SDP_ROWS;  // within the Q block
+            const int a_key0 = (warp / SDP_WARPS_M) * T::SDP_KEYS;  // within the KV block
+            float acc_s[T::SDP_MT][T::SDP_NT][4];
+            zero_fill(acc_s);
+            gemm_a_bt<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
+                acc_s, rows_cursor<QTile>(q_stage, a_row0, lane),
+                pairs_cursor<KVTile>(k_smem, a_key0, lane));
+            const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
+            const bool needs_mask =
+                key_first + BLOCK_N > seqlen_k ||
+                (window_right >= 0 && key_last > row0 + vis.diag + window_right) ||
+                (window_left >= 0 && key_first < row_last + vis.diag - window_left);
+            if (needs_mask)
+                mask_scores<T::SDP_MT, T::SDP_NT>(acc_s, row0 + a_row0 + lane / 4,
+                                                  key_first + a_key0 + 2 * (lane % 4), vis);
+            // P = exp2(S * scale_log2 - lse_log2[row]): rows 16 mt + 8 half + lane / 4.
+            const float* lse_s = stats + stage_offset / 4 + a_row0 + lane / 4;
 #pragma unroll
-        for (int nt = 0; nt < T::Q_TILES; ++nt)
+            for (int mt = 0; mt < T::SDP_MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
-        gemm_rows_by_rows<Elem, T>(acc_s, k_rows_frag, qt_frag, stage_offset);
-        const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
-        const bool needs_mask =
-            key_first + BLOCK_N > seqlen_k ||
-            (window_right >= 0 && key_last > row0 + vis.diag + window_right) ||
-            (window_left >= 0 && key_first < row_last + vis.diag - window_left);
-        if (needs_mask)
-            mask_scores_transposed<1, T::Q_TILES>(acc_s, key0, row0 + 2 * (lane % 4), vis);
+                for (int half = 0; half < 2; ++half) {
+                    const float row_lse = lse_s[16 * mt + 8 * half];
 #pragma unroll
-        for (int nt = 0; nt < T::Q_TILES; ++nt) {
+                    for (int nt = 0; nt < T::SDP_NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float lse_q = lse_s[8 * nt + 2 * (lane % 4) + e % 2];
-                acc_s[0][nt][e] = fast_exp2(fmaf(acc_s[0][nt][e], scale_log2, -lse_q));
-            }
-        }
-
-        // dV_w += P^T dO (this CTA's head-dim chunk).
-        const u32 do_offset = stage_offset + QTile::BYTES;
-        gemm_regs_by_tile<Elem, T>(acc_dv, acc_s, q_frag, do_offset, col0 / 16);
-
-        // dP^T = V_w dO^T, then dS^T = P^T o (dP^T - D) in place of dP^T.
-        float acc_dp[1][T::Q_TILES][4];
-#pragma unroll
-        for (int nt = 0; nt < T::Q_TILES; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = 0.f;
-        gemm_rows_by_rows<Elem, T>(acc_dp, v_rows_frag, qt_frag, do_offset);
-#pragma unroll
-        for (int nt = 0; nt < T::Q_TILES; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float d_q = delta_s[8 * nt + 2 * (lane % 4) + e % 2];
-                acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - d_q);
-            }
-        }
-
-        // dK_w += dS^T Q (the softmax scale is applied once, in the epilogue).
-        gemm_regs_by_tile<Elem, T>(acc_dk, acc_dp, q_frag, stage_offset, col0 / 16);
-
-        if constexpr (COMPUTE_DQ) {
-        // dS^T to shared memory for dQ = dS K, which needs every warp's key rows.
-#pragma unroll
-        for (int nt = 0; nt < T::Q_TILES; ++nt) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = warp * 16 + 8 * half + lane / 4;
-                store_4B_shared(ds_smem + DSTile::offset(row, nt) + 4 * (lane % 4),
-                                pack_pair<Elem>(acc_dp[0][nt][2 * half], acc_dp[0][nt][2 * half + 1]));
-            }
-        }
-        __syncthreads();  // dS^T complete
-
-        // dQ (rows row0 + 16 dq_warp_m .., columns col0 + DQ_COLS dq_warp_n ..) += dS K, added
-        // to the fp32 accumulator with atomics: other KV blocks add to the same rows.
-        const int dq_warp_m = warp_now % T::DQ_WARPS_M;
-        const int dq_warp_n = warp_now / T::DQ_WARPS_M;
-        const LdmatrixCursor<DSTile> ds_frag(ds_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-        const LdmatrixCursor<KVTile> k_frag(k_smem, lane % 16, lane / 16);
-        float* dq_rows = dq_accum +
-                         ((static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row0 +
-                          dq_warp_m * 16 + lane / 4) * HEAD_DIM;
-#pragma unroll
-        for (int pass = 0; pass < T::DQ_PASSES; ++pass) {
-            const int pass_col0 = col0 + dq_warp_n * T::DQ_COLS + pass * T::DQ_PASS_COLS;
-            float acc_dq[T::DQ_PASS_COLS / 8][4];
-#pragma unroll
-            for (int nt = 0; nt < T::DQ_PASS_COLS / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[nt][e] = 0.f;
-#pragma unroll 2
-            for (int ks = 0; ks < T::KV_STEPS; ++ks) {
-                u32 a[4];
-                ldmatrix_x4_trans(a, ds_frag.at(2 * ks, dq_warp_m));
-#pragma unroll
-                for (int dp = 0; dp < T::DQ_PASS_COLS / 16; ++dp) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, k_frag.at(2 * ks, pass_col0 / 16 + dp));
-                    mma_m16n16k16<Elem>(acc_dq[2 * dp], acc_dq[2 * dp + 1], a, b);
+                        for (int e = 0; e < 2; ++e) {
+                            float& s = acc_s[mt][nt][2 * half + e];
+                            s = fast_exp2(fmaf(s, scale_log2, -row_lse));
+                        }
                 }
-            }
+
+            float acc_dp[T::SDP_MT][T::SDP_NT][4];
+            zero_fill(acc_dp);
+            gemm_a_bt<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
+                acc_dp, rows_cursor<QTile>(do_stage, a_row0, lane),
+                pairs_cursor<KVTile>(v_smem, a_key0, lane));
+            // dS = P o (dP - D[row]) (the softmax scale is applied to dK and dQ at the end).
+            const float* delta_s = lse_s + BLOCK_M;
 #pragma unroll
-            for (int nt = 0; nt < T::DQ_PASS_COLS / 8; ++nt) {
-                float* dst = dq_rows + pass_col0 + 8 * nt + 2 * (lane % 4);
-                atomicAdd(dst, acc_dq[nt][0]);
-                atomicAdd(dst + 1, acc_dq[nt][1]);
-                atomicAdd(dst + 8 * HEAD_DIM, acc_dq[nt][2]);
-                atomicAdd(dst + 8 * HEAD_DIM + 1, acc_dq[nt][3]);
-            }
+            for (int mt = 0; mt < T::SDP_MT; ++mt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float row_delta = delta_s[16 * mt + 8 * half];
+#pragma unroll
+                    for (int nt = 0; nt < T::SDP_NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float& dp = acc_dp[mt][nt][2 * half + e];
+                            dp = acc_s[mt][nt][2 * half + e] * (dp - row_delta);
+                        }
+                }
+            // The stores come after both products: the compiler keeps shared-memory stores and
+            // ldmatrix in program order, so storing P earlier would keep the dP product from
+            // overlapping the exp2 work above.
+            store_accumulator<Elem, PTile>(p_smem, acc_s, a_row0, a_key0 / 8, lane);
+            store_accumulator<Elem, PTile>(ds_smem, acc_dp, a_row0, a_key0 / 8, lane);
         }
-        }  // COMPUTE_DQ (in deterministic mode flash_bwd_dq.cu computes dQ instead)
+        __syncthreads();  // P and dS complete
+
+        // ---- Phase B: this warp's KV_KEYS keys x KV_COLS columns of dV and dK ----------------
+        {
+            const int b_key_pair0 = (warp % KV_WARPS_N) * T::KV_KEYS / 16;
+            const int b_col_pair0 = (col0 + (warp / KV_WARPS_N) * T::KV_COLS) / 16;
+            gemm_at_b<Elem, T::KV_MT, T::KV_NT, BLOCK_M / 16>(
+                acc_dv, pairs_cursor<PTile>(p_smem, 0, lane), b_key_pair0,
+                rows_cursor<QTile>(do_stage, 0, lane), b_col_pair0);
+            gemm_at_b<Elem, T::KV_MT, T::KV_NT, BLOCK_M / 16>(
+                acc_dk, pairs_cursor<PTile>(ds_smem, 0, lane), b_key_pair0,
+                rows_cursor<QTile>(q_stage, 0, lane), b_col_pair0);
+        }
+
+        // ---- Phase C: this warp's DQ_ROWS queries x DQ_COLS columns of dQ = dS K -------------
+        if constexpr (COMPUTE_DQ) {
+            const int c_row0 = (warp % DQ_WARPS_M) * T::DQ_ROWS;
+            const int c_col0 = col0 + (warp / DQ_WARPS_M) * T::DQ_COLS;
+            float acc_dq[T::DQ_MT][T::DQ_NT][4];
+            zero_fill(acc_dq);
+            gemm_a_b<Elem, T::DQ_MT, T::DQ_NT, BLOCK_N / 16>(
+                acc_dq, rows_cursor<PTile>(ds_smem, c_row0, lane),
+                rows_cursor<KVTile>(k_smem, 0, lane), c_col0 / 16);
+            // Columns 16 np .. 16 np + 15 of a row: this thread's four values are adjacent in
+            // the accumulator's interleaved layout (dq_accum.cuh), one vector atomic.
+            float* dq_rows = dq_accum +
+                             ((static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row0 +
+                              c_row0 + lane / 4) * HEAD_DIM + c_col0 + 4 * (lane % 4);
+#pragma unroll
+            for (int mt = 0; mt < T::DQ_MT; ++mt)
+#pragma unroll
+                for (int np = 0; np < T::DQ_NT / 2; ++np)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        atomic_add_4(dq_rows + (16 * mt + 8 * half) * HEAD_DIM + 16 * np,
+                                     acc_dq[mt][2 * np][2 * half], acc_dq[mt][2 * np][2 * half + 1],
+                                     acc_dq[mt][2 * np + 1][2 * half],
+                                     acc_dq[mt][2 * np + 1][2 * half + 1]);
+        }
 
         if constexpr (Q_STAGES == 2) {
             stage_offset ^= T::STAGE_BYTES;
@@ -321,26 +286,23 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // Epilogue: dK *= softmax_scale; stage dK and dV of this chunk through the K and V tiles
     // (16-byte rows) and store the rows that exist. A block no query sees writes zeros.
     __syncthreads();  // every warp is done reading K and V
-    // > 0: the second chunk of a kernel head dim starts below every user head dim it serves.
-    const int chunk_cols = min(D_CHUNK, head_dim - col0);
-#pragma unroll
-    for (int dt = 0; dt < T::DC_TILES; ++dt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = warp * 16 + 8 * half + lane / 4;
-            store_4B_shared(k_smem + KVTile::offset(row, dt) + 4 * (lane % 4),
-                            pack_pair<Elem>(acc_dk[dt][2 * half] * softmax_scale,
-                                            acc_dk[dt][2 * half + 1] * softmax_scale));
-            store_4B_shared(v_smem + KVTile::offset(row, dt) + 4 * (lane % 4),
-                            pack_pair<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]));
-        }
+    {
+        const int lane = tid % 32;
+        const int warp = tid / 32;
+        const int e_key0 = (warp % KV_WARPS_N) * T::KV_KEYS;
+        const int e_chunk0 = (warp / KV_WARPS_N) * T::KV_COLS / 8;  // within the chunk
+        store_accumulator<Elem, KVTile>(k_smem, acc_dk, e_key0, e_chunk0, lane, softmax_scale);
+        store_accumulator<Elem, KVTile>(v_smem, acc_dv, e_key0, e_chunk0, lane);
     }
     __syncthreads();
+    // > 0: the second chunk of a kernel head dim starts below every user head dim it serves.
+    const int chunk_cols = min(D_CHUNK, head_dim - col0);
+    constexpr int CHUNK_CHUNKS = D_CHUNK / 8;
     u16* dk_block = dk + batch * dk_batch_stride + kv_head * dk_head_stride + key_first * dk_row_stride + col0;
     u16* dv_block = dv + batch * dv_batch_stride + kv_head * dv_head_stride + key_first * dv_row_stride + col0;
-    for (int idx = tid; idx < BLOCK_N * T::DC_TILES; idx += T::THREADS) {
-        const int row = idx / T::DC_TILES;
-        const int c = idx % T::DC_TILES;
+    for (int idx = tid; idx < BLOCK_N * CHUNK_CHUNKS; idx += T::THREADS) {
+        const int row = idx / CHUNK_CHUNKS;
+        const int c = idx % CHUNK_CHUNKS;
         if (key_first + row < seqlen_k && 8 * c < chunk_cols) {
             u32 vals[4];
             load_16B_shared(vals, k_smem + KVTile::offset(row, c));

@@ -1,7 +1,8 @@
 // Backward postprocessing: dQ = softmax_scale * dq_accum (fp32, accumulated by the main kernel's
-// atomics, layout (batch, nheads, seqlen_q_padded, accum_dim)) converted to the input dtype and
-// written into the caller's (batch, seqlen_q, nheads, headdim) array with 16-byte stores.
+// atomics, layout in dq_accum.cuh) converted to the input dtype and written into the caller's
+// (batch, seqlen_q, nheads, headdim) array with 16-byte stores.
 #include "mma_primitives.cuh"
+#include "dq_accum.cuh"
 
 #define CF2_CONVERT_THREADS 256
 
@@ -19,12 +20,14 @@ flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict_
     const int chunk = idx % chunks;
     if (row >= seqlen_q) return;
     const float* src = dq_accum +
-                       ((static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row) * accum_dim +
-                       chunk * 8;
+                       ((static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row) * accum_dim;
     u32 packed[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        packed[i] = pack_pair<Elem>(src[2 * i] * softmax_scale, src[2 * i + 1] * softmax_scale);
+    for (int i = 0; i < 4; ++i) {
+        // Columns 8 chunk + 2i and + 1 are adjacent in the interleaved layout too.
+        const float* pair = src + dq_accum_position(chunk * 8 + 2 * i);
+        packed[i] = pack_pair<Elem>(pair[0] * softmax_scale, pair[1] * softmax_scale);
+    }
     store_16B_global(dq + batch * dq_batch_stride + head * dq_head_stride + row * dq_row_stride +
                          chunk * 8,
                      packed);

@@ -162,3 +162,18 @@ CF2_DEVICE void load_16B_global(u32 (&v)[4], const void* gmem_ptr) {
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                  : "l"(gmem_ptr));
 }
+
+// dst[0..3] += v[0..3] in global memory (16-byte aligned), fire-and-forget (no return value:
+// `red`, not `atom`). sm_90 has a vector form: one instruction and one L2 transaction.
+CF2_DEVICE void atomic_add_4(float* dst, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b),
+                 "f"(c), "f"(d)
+                 : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+    atomicAdd(dst + 2, c);
+    atomicAdd(dst + 3, d);
+#endif
+}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 #: Head dims the kernels are built for; a user head dim (multiple of 8, <= 256) is rounded up to
@@ -104,21 +105,37 @@ def all_fwd_configs(arch: int) -> list[FwdConfig]:
 # Backward
 
 
+def _warp_grid(rows: int, cols: int, warps: int) -> int | None:
+    """Warps along the rows of a (rows x cols) product so that every warp tile is a multiple of
+    16 in both dimensions, or None. The most nearly square warp tile wins (shared-memory reads
+    per mma are lowest there), then the one closest to 32 rows (two m16 tiles share each B
+    fragment)."""
+    options = []
+    for warps_m in range(1, warps + 1):
+        if warps % warps_m:
+            continue
+        tile_m, tile_n = rows / warps_m, cols / (warps // warps_m)
+        if tile_m % 16 or tile_n % 16:
+            continue
+        options.append((abs(math.log2(tile_m / tile_n)), abs(tile_m - 32), warps_m))
+    return min(options)[2] if options else None
+
+
 @dataclass(frozen=True)
 class BwdConfig:
-    """One specialisation of the backward main kernel (flash_bwd.cu)."""
+    """One specialisation of the backward main kernel (flash_bwd.cu). Each of its three phases
+    splits its product over the warps in its own grid (BwdTraits): phase A (S, dP) over
+    (block_m x block_n), phase B (dK, dV) over (block_n x d_chunk), phase C (dQ) over
+    (block_m x d_chunk)."""
 
     dtype: str
     head_dim: int  # kernel head dim (one of KERNEL_HEAD_DIMS)
     d_chunk: int  # head-dim columns of dK, dV, dQ per CTA (head_dim or head_dim / 2)
     block_m: int  # query rows per step
-    block_n: int  # key rows per CTA (16 per warp)
+    block_n: int  # key rows per CTA
+    num_warps: int
     q_stages: int  # 2: double-buffered Q/dO tiles
     compute_dq: bool = True  # False in deterministic mode (flash_bwd_dq.cu computes dQ)
-
-    @property
-    def num_warps(self) -> int:
-        return self.block_n // 16
 
     @property
     def threads(self) -> int:
@@ -129,20 +146,37 @@ class BwdConfig:
         return self.head_dim // self.d_chunk
 
     @property
-    def dq_tiling_ok(self) -> bool:
-        """dQ = dS K splits (block_m x d_chunk) over the warps in 16-row, 16k-column pieces
-        (BwdTraits::DQ_WARPS_M/N in flash_bwd.cu)."""
-        warps_m = self.block_m // 16
-        if warps_m > self.num_warps or self.num_warps % warps_m:
-            return False
-        return (self.d_chunk // (self.num_warps // warps_m)) % 16 == 0
+    def sdp_warps_m(self) -> int | None:
+        return _warp_grid(self.block_m, self.block_n, self.num_warps)
+
+    @property
+    def kv_warps_n(self) -> int | None:
+        return _warp_grid(self.block_n, self.d_chunk, self.num_warps)
+
+    @property
+    def dq_warps_m(self) -> int | None:
+        return _warp_grid(self.block_m, self.d_chunk, self.num_warps)
+
+    @property
+    def valid(self) -> bool:
+        """Every phase has a warp grid (the static_asserts of BwdTraits)."""
+        return None not in (self.sdp_warps_m, self.kv_warps_n, self.dq_warps_m)
+
+    @property
+    def accumulator_registers(self) -> int:
+        """fp32 accumulator registers a thread keeps live: dK and dV for the whole loop, plus S and
+        dP (phase A) or dQ (phase C)."""
+        dkdv = 2 * self.block_n * self.d_chunk // self.threads
+        sdp = 2 * self.block_m * self.block_n // self.threads
+        dq = self.block_m * self.d_chunk // self.threads if self.compute_dq else 0
+        return dkdv + max(sdp, dq)
 
     @property
     def smem_bytes(self) -> int:
         kv = 2 * 2 * self.block_n * self.head_dim
         stage = 2 * 2 * self.block_m * self.head_dim + 2 * 4 * self.block_m
-        ds = 2 * self.block_n * self.block_m
-        return kv + self.q_stages * stage + ds
+        p_ds = 2 * 2 * self.block_m * self.block_n
+        return kv + self.q_stages * stage + p_ds
 
     @property
     def source_file(self) -> str:
@@ -151,7 +185,8 @@ class BwdConfig:
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
-                f"{self.block_m}, {self.block_n}, {self.q_stages}, "
+                f"{self.block_m}, {self.block_n}, {self.num_warps}, {self.sdp_warps_m}, "
+                f"{self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}>")
 
 
@@ -204,25 +239,33 @@ class AuxKernel:
 BWD_ROW_PADDING = 128
 
 
+#: Most fp32 accumulator registers a backward thread may keep (BwdConfig.accumulator_registers):
+#: the rest of the 255 go to fragments, addresses and statistics.
+BWD_MAX_ACCUMULATORS = 192
+
+
 @functools.lru_cache(maxsize=None)
 def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False) -> BwdConfig:
-    """Tile shape of the backward main kernel.
+    """Tile shape of the backward main kernel (docs/PERF_NOTES.md).
 
-    Each warp owns 16 key rows and keeps their dK and dV (d_chunk columns each) in registers, so
-    d_chunk is at most 128: larger head dims are split in two chunks. The first candidate whose
-    shared memory fits one CTA per SM wins.
+    FA2's shape where shared memory allows: 8 warps, a 128-key block (dQ atomics per FLOP fall
+    as 1/block_n), 64-query steps with Q/dO double-buffered. The first candidate that has a warp
+    grid for every phase, keeps its accumulators in registers and fits one CTA per SM wins;
+    above d=128 the dK/dV/dQ columns are split in two chunks (grid.x) when that is needed.
     """
     d = kernel_head_dim(head_dim)
-    d_chunk = d if d <= 128 else d // 2
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    if d <= 128:
-        shapes = [(64, 128, 2), (64, 128, 1), (64, 64, 1), (32, 64, 1)]
-    else:
-        shapes = [(64, 64, 1), (32, 64, 1), (32, 32, 1)]
-    for block_m, block_n, stages in shapes:
-        config = BwdConfig(dtype, d, d_chunk, block_m, block_n, stages, not deterministic)
-        if config.dq_tiling_ok and config.smem_bytes + 1024 <= smem_per_sm:
-            return config
+    # 128-query steps where the accumulators allow it (d <= 64): half the steps, same atomics.
+    shapes = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 2), (64, 64, 8, 1),
+              (32, 64, 4, 1), (32, 32, 4, 1)]
+    chunks = [d] if d <= 128 else [d, d // 2]
+    for block_m, block_n, warps, stages in shapes:
+        for d_chunk in chunks:
+            config = BwdConfig(dtype, d, d_chunk, block_m, block_n, warps, stages,
+                               not deterministic)
+            if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
+                    and config.smem_bytes + 1024 <= smem_per_sm):
+                return config
     raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
 
 
