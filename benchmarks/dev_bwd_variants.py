@@ -13,10 +13,54 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cupy  # noqa: E402
 import numpy  # noqa: E402
 
-from cuflash2 import _compile, _configs, _validate, api, bench, testing  # noqa: E402
+from cuflash2 import _compile, _configs  # noqa: E402
+
+_S_GEMM = """            gemm_a_bt<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
+                acc_s, rows_cursor<QTile>(q_stage, a_row0, lane),
+                pairs_cursor<KVTile>(k_smem, a_key0, lane));
+"""
+_DP_DECL = """            float acc_dp[T::SDP_MT][T::SDP_NT][4];
+            zero_fill(acc_dp);
+"""
+_DP_GEMM = """            gemm_a_bt<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
+                acc_dp, rows_cursor<QTile>(do_stage, a_row0, lane),
+                pairs_cursor<KVTile>(v_smem, a_key0, lane));
+"""
+_FUSED_CALL = """            gemm_a_bt_pair<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
+                acc_s, rows_cursor<QTile>(q_stage, a_row0, lane),
+                pairs_cursor<KVTile>(k_smem, a_key0, lane),
+                acc_dp, rows_cursor<QTile>(do_stage, a_row0, lane),
+                pairs_cursor<KVTile>(v_smem, a_key0, lane));
+"""
+_STORE_ANCHOR = "// Stores an accumulator tile as 16-bit pairs"
+_PAIR_GEMM = """template <typename Elem, int MT, int NT, int K_STEPS, class ATile, class BTile>
+CF2_DEVICE void gemm_a_bt_pair(float (&acc0)[MT][NT][4], const LdmatrixCursor<ATile>& a0,
+                               const LdmatrixCursor<BTile>& b0, float (&acc1)[MT][NT][4],
+                               const LdmatrixCursor<ATile>& a1, const LdmatrixCursor<BTile>& b1) {
+#pragma unroll
+    for (int ks = 0; ks < K_STEPS; ++ks) {
+        u32 af0[MT][4], af1[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af0[mt], a0.at(2 * mt, ks));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af1[mt], a1.at(2 * mt, ks));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            u32 bf0[4], bf1[4];
+            ldmatrix_x4(bf0, b0.at(2 * np, ks));
+            ldmatrix_x4(bf1, b1.at(2 * np, ks));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_m16n16k16<Elem>(acc0[mt][2 * np], acc0[mt][2 * np + 1], af0[mt], bf0);
+                mma_m16n16k16<Elem>(acc1[mt][2 * np], acc1[mt][2 * np + 1], af1[mt], bf1);
+            }
+        }
+    }
+}
+
+"""
 
 # name -> list of (file, old, new)
 VARIANTS = {
@@ -26,6 +70,21 @@ VARIANTS = {
                   "CF2_DEVICE void atomic_add_4(float* dst, float a, float b, float c, float d) {\n",
                   "CF2_DEVICE void atomic_add_4(float* dst, float a, float b, float c, float d) {\n"
                   "    if (a != -12345.f) return;\n")],
+    # dP = dO V^T issued right after S = Q K^T (before masking and exp2).
+    "dp_first": [("flash_bwd.cu", _DP_DECL + _DP_GEMM, ""),
+                 ("flash_bwd.cu", _S_GEMM, _S_GEMM + _DP_DECL + _DP_GEMM)],
+    # S and dP in one k loop (two independent mma chains per fragment step).
+    "fused_sdp": [("warp_gemm.cuh", _STORE_ANCHOR, _PAIR_GEMM + _STORE_ANCHOR),
+                  ("flash_bwd.cu", _DP_DECL + _DP_GEMM, ""),
+                  ("flash_bwd.cu", _S_GEMM, _DP_DECL + _FUSED_CALL)],
+    # Each KV block starts its Q-block loop at a different block (non-causal, no window), so the
+    # CTAs of a head do not add to the same dQ rows at the same time.
+    "rotate": [("flash_bwd.cu", "(m_first + step % m_count) * BLOCK_M",
+                "(m_first + (step + rotation) % m_count) * BLOCK_M"),
+               ("flash_bwd.cu", "    const int steps = m_count * heads_per_kv_head;",
+                "    const int rotation = window_left < 0 && window_right < 0 && m_count > 0\n"
+                "                             ? kv_block % m_count : 0;\n"
+                "    const int steps = m_count * heads_per_kv_head;")],
     "scalar_red": [("mma_primitives.cuh", "#if __CUDA_ARCH__ >= 900\n    asm volatile(\"red",
                     "#if 0\n    asm volatile(\"red")],
 }
@@ -50,10 +109,14 @@ def use_variant(name):
 
 
 def main():
+    import cupy
+
+    from cuflash2 import _validate, api, bench, testing
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="+", default=["base"])
     ap.add_argument("--configs", nargs="+", default=["64:128x128x8x2", "128:64x128x8x2"],
-                    help="head_dim:block_m x block_n x warps x q_stages")
+                    help="head_dim:block_m x block_n x warps x q_stages[x sdp x kv x dq row warps]")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--deterministic", action="store_true")
     args = ap.parse_args()
@@ -63,8 +126,10 @@ def main():
     for spec in args.configs:
         d, shape = spec.split(":")
         d = int(d)
-        bm, bn, warps, stages = map(int, shape.split("x"))
-        cfg = _configs.BwdConfig("float16", d, d, bm, bn, warps, stages, not args.deterministic)
+        bm, bn, warps, stages, *grids = map(int, shape.split("x"))
+        cfg = _configs.BwdConfig("float16", d, d, bm, bn, warps, stages, not args.deterministic,
+                                 *grids)
+        assert cfg.valid, cfg
         b, h = 16384 // s, 2048 // d
         q, k, v = testing.random_qkv(cupy, b, s, s, h, h, d, dtype, seed=s)
         dout = testing.random_qkv(cupy, b, s, s, h, h, d, dtype, seed=s + 1)[0]

@@ -125,10 +125,8 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
     // Per-thread copy addresses are rebuilt from a fresh thread index on each step rather than
     // kept across the loop (registers the dK/dV accumulators need).
-    auto load_step = [&](int step, u32 stage_offset) {
+    auto load_step = [&](int head, int row0, u32 stage_offset) {
         const int tid = thread_index_fresh();
-        const int head = kv_head * heads_per_kv_head + step / m_count;
-        const int row0 = (m_first + step % m_count) * BLOCK_M;
         const u16* q_rows = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
         const u16* do_rows = dout + batch * do_batch_stride + head * do_head_stride + row0 * do_row_stride;
         load_tile_async<QTile, T::THREADS>(q_smem + stage_offset, q_rows, q_row_stride,
@@ -151,20 +149,27 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                                              head_chunks, tid);
         load_tile_async<KVTile, T::THREADS>(v_smem, v_block, v_row_stride, seqlen_k - key_first,
                                              head_chunks, tid);
-        load_step(0, 0);
+        load_step(kv_head * heads_per_kv_head, m_first * BLOCK_M, 0);
         cp_async_commit();
     }
 
+    // The step's query head and Q block, advanced incrementally (no divisions in the loop).
+    int head = kv_head * heads_per_kv_head;
+    int m_block = m_first;
     u32 stage_offset = 0;
     for (int step = 0; step < steps; ++step) {
-        const int head = kv_head * heads_per_kv_head + step / m_count;
-        const int row0 = (m_first + step % m_count) * BLOCK_M;
+        const int row0 = m_block * BLOCK_M;
+        int next_head = head, next_m_block = m_block + 1;
+        if (next_m_block == m_first + m_count) {
+            next_m_block = m_first;
+            ++next_head;
+        }
         cp_async_wait<0>();
         __syncthreads();  // this step's Q, dO, stats landed; every warp is done with P, dS and
                           // with the other stage
         if constexpr (Q_STAGES == 2) {
             if (step + 1 < steps) {
-                load_step(step + 1, stage_offset ^ T::STAGE_BYTES);
+                load_step(next_head, next_m_block * BLOCK_M, stage_offset ^ T::STAGE_BYTES);
                 cp_async_commit();
             }
         }
@@ -278,9 +283,11 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             stage_offset ^= T::STAGE_BYTES;
         } else if (step + 1 < steps) {
             __syncthreads();  // every warp is done with Q and dO of this step
-            load_step(step + 1, 0);
+            load_step(next_head, next_m_block * BLOCK_M, 0);
             cp_async_commit();
         }
+        head = next_head;
+        m_block = next_m_block;
     }
 
     // Epilogue: dK *= softmax_scale; stage dK and dV of this chunk through the K and V tiles
