@@ -26,6 +26,7 @@
 #include "masking.cuh"
 #include "warp_gemm.cuh"
 #include "dq_accum.cuh"
+#include "score_mods.cuh"
 
 template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
           int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES>
@@ -69,8 +70,10 @@ struct BwdTraits {
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the 128-byte bank alignment of the tiles");
 };
 
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi); 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
-          int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ>
+          int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ,
+          int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  const u16* __restrict__ dout, const float* __restrict__ lse_log2,
@@ -84,7 +87,9 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  i64 dv_batch_stride, i64 dv_row_stride, i64 dv_head_stride,
                  int seqlen_q, int seqlen_q_padded, int seqlen_k, int nheads,
                  int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
-                 int window_left, int window_right, int batch_offset) {
+                 int window_left, int window_right, float softcap_scale,
+                 const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
+                 float alibi_to_units, int batch_offset) {
     using T = BwdTraits<HEAD_DIM, D_CHUNK, BLOCK_M, BLOCK_N, NUM_WARPS, SDP_WARPS_M, KV_WARPS_N,
                         DQ_WARPS_M, Q_STAGES>;
     using KVTile = typename T::KVTile;
@@ -189,6 +194,9 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             gemm_a_bt<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
                 acc_s, rows_cursor<QTile>(q_stage, a_row0, lane),
                 pairs_cursor<KVTile>(k_smem, a_key0, lane));
+            ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
+            mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
+            mods.apply_softcap(acc_s);  // t = tanh(...) with softcap; the bias comes with P
             const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
             const bool needs_mask =
                 key_first + BLOCK_N > seqlen_k ||
@@ -197,20 +205,33 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             if (needs_mask)
                 mask_scores<T::SDP_MT, T::SDP_NT>(acc_s, row0 + a_row0 + lane / 4,
                                                   key_first + a_key0 + 2 * (lane % 4), vis);
-            // P = exp2(S * scale_log2 - lse_log2[row]): rows 16 mt + 8 half + lane / 4.
+            // P = exp2((S + bias) * scale_log2 - lse_log2[row]): rows 16 mt + 8 half + lane / 4.
+            // With softcap, P is stored right away and acc_s keeps P * (1 - t^2), the factor dS
+            // needs (no extra registers for t).
             const float* lse_s = stats + stage_offset / 4 + a_row0 + lane / 4;
 #pragma unroll
             for (int mt = 0; mt < T::SDP_MT; ++mt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const float row_lse = lse_s[16 * mt + 8 * half];
+                    const int row_in_block = a_row0 + 16 * mt + 8 * half + lane / 4;
+                    const float row = static_cast<float>(row0 + row_in_block);
 #pragma unroll
-                    for (int nt = 0; nt < T::SDP_NT; ++nt)
+                    for (int nt = 0; nt < T::SDP_NT; ++nt) {
+                        float p[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             float& s = acc_s[mt][nt][2 * half + e];
-                            s = fast_exp2(fmaf(s, scale_log2, -row_lse));
+                            const float key = static_cast<float>(key_first + a_key0 + 8 * nt +
+                                                                 2 * (lane % 4) + e);
+                            p[e] = fast_exp2(fmaf(mods.biased(s, row, key), scale_log2, -row_lse));
+                            s = ScoreMods<FEATURES>::SOFTCAP ? p[e] * mods.dtanh(s) : p[e];
                         }
+                        if constexpr (ScoreMods<FEATURES>::SOFTCAP)
+                            store_4B_shared(p_smem + PTile::offset(row_in_block, a_key0 / 8 + nt) +
+                                                4 * (lane % 4),
+                                            pack_pair<Elem>(p[0], p[1]));
+                    }
                 }
 
             float acc_dp[T::SDP_MT][T::SDP_NT][4];
@@ -236,7 +257,8 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             // The stores come after both products: the compiler keeps shared-memory stores and
             // ldmatrix in program order, so storing P earlier would keep the dP product from
             // overlapping the exp2 work above.
-            store_accumulator<Elem, PTile>(p_smem, acc_s, a_row0, a_key0 / 8, lane);
+            if constexpr (!ScoreMods<FEATURES>::SOFTCAP)
+                store_accumulator<Elem, PTile>(p_smem, acc_s, a_row0, a_key0 / 8, lane);
             store_accumulator<Elem, PTile>(ds_smem, acc_dp, a_row0, a_key0 / 8, lane);
         }
         __syncthreads();  // P and dS complete

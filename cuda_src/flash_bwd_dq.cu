@@ -10,6 +10,7 @@
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
+#include "score_mods.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
 struct BwdDqTraits {
@@ -50,7 +51,8 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
     }
 }
 
-template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi); 0 for plain attention.
+template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
 __global__ void __launch_bounds__(128, 2)
 flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     const u16* __restrict__ dout, const float* __restrict__ lse_log2,
@@ -62,7 +64,9 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
                     int seqlen_q, int seqlen_q_padded, int seqlen_k, int nheads,
                     int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
-                    int window_left, int window_right, int batch_offset) {
+                    int window_left, int window_right, float softcap_scale,
+                    const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
+                    float alibi_to_units, int batch_offset) {
     using T = BwdDqTraits<Elem, HEAD_DIM, BLOCK_N, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -120,6 +124,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const LdmatrixCursor<KVTile> kv_rows_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const LdmatrixCursor<KVTile> k_trans_frag(k_smem, lane % 16, lane / 16);
     const int thread_row0 = row_first + warp * 16 + lane / 4;
+    ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
+    mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
 
     float acc_dq[T::D_TILES][4];
 #pragma unroll
@@ -141,6 +147,10 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
         float acc_s[T::N_TILES][4];
         gemm_dq_rows<Elem, T>(acc_s, rows_frag, 0, kv_rows_frag, stage_offset);
+        {
+            float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
+            mods.apply_softcap(s);  // t = tanh(...) with softcap; the bias comes with P
+        }
         const bool needs_mask =
             key0 + BLOCK_N > seqlen_k ||
             (window_right >= 0 && key0 + BLOCK_N - 1 > row_first + vis.diag + window_right) ||
@@ -153,7 +163,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         gemm_dq_rows<Elem, T>(acc_dp, rows_frag, QTile::BYTES, kv_rows_frag,
                               stage_offset + KVTile::BYTES);
 
-        // dS = P o (dP - D), packed as the A operand of dQ += dS K (the scale comes at the end).
+        // dS = P o (dP - D) (times 1 - t^2 with softcap), packed as the A operand of
+        // dQ += dS K (the scale comes at the end).
 #pragma unroll
         for (int ks = 0; ks < T::KV_STEPS; ++ks) {
             float ds[2][4];
@@ -161,9 +172,14 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
             for (int j = 0; j < 2; ++j) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
+                    const float s = acc_s[2 * ks + j][e];
+                    const float row = static_cast<float>(thread_row0 + 8 * (e / 2));
+                    const float key =
+                        static_cast<float>(key0 + 8 * (2 * ks + j) + 2 * (lane % 4) + e % 2);
                     const float p =
-                        fast_exp2(fmaf(acc_s[2 * ks + j][e], scale_log2, -row_lse[e / 2]));
+                        fast_exp2(fmaf(mods.biased(s, row, key), scale_log2, -row_lse[e / 2]));
                     ds[j][e] = p * (acc_dp[2 * ks + j][e] - row_delta[e / 2]);
+                    if constexpr (ScoreMods<FEATURES>::SOFTCAP) ds[j][e] *= mods.dtanh(s);
                 }
             }
             u32 a[4];

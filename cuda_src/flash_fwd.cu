@@ -17,6 +17,7 @@
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
 #include "online_softmax.cuh"
+#include "score_mods.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
 struct FwdTraits {
@@ -89,7 +90,9 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
     }
 }
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi); 0 for plain attention.
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
+          int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
 flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                  u16* __restrict__ out, float* __restrict__ lse,
@@ -99,7 +102,8 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
                  int seqlen_q, int seqlen_k, int nheads, int heads_per_kv_head, int head_dim,
                  float softmax_scale, float scale_log2, int window_left, int window_right,
-                 int batch_offset) {
+                 float softcap_scale, const float* __restrict__ alibi_slopes,
+                 i64 alibi_batch_stride, float alibi_to_units, int batch_offset) {
     using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -180,6 +184,8 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
     OnlineSoftmax<T::M_TILES> softmax;
+    ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
+    mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
 
     // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or the
     // sequence tail and need masking; the others run without any masking code.
@@ -212,6 +218,11 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
         gemm_qk<Elem, T>(acc_s, q_frag, k_frag, stage_offset);
+        if constexpr (FEATURES != 0) {
+            const int t = thread_index_fresh();
+            mods.apply(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
+                       key0 + 2 * (t % 4));
+        }
         if (tile < unmasked_lo || tile >= unmasked_hi) {
             // This thread's first accumulator row (query index) and key; from a fresh thread
             // index so that they take no registers across the loop.

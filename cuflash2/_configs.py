@@ -19,6 +19,12 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 #: Element types by the name the CUDA source uses for their tag type.
 DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 
+#: Score modifiers (template bits of the kernels, cuda_src/score_mods.cuh). Specialisations are
+#: per combination, so plain attention carries none of their code.
+FEATURE_SOFTCAP = 1
+FEATURE_ALIBI = 2
+ALL_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_SOFTCAP | FEATURE_ALIBI)
+
 #: Architectures the CPU compile tests build for (the GPU path compiles for the device's own).
 CPU_TEST_ARCHS = (80, 86, 89, 90)
 
@@ -33,6 +39,7 @@ class FwdConfig:
     block_n: int  # keys per KV tile
     num_warps: int
     kv_stages: int = 2  # 2: double-buffered K/V tiles; 1: FA2's single-buffered schedule
+    features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
 
     @property
     def threads(self) -> int:
@@ -51,7 +58,7 @@ class FwdConfig:
     def name_expression(self) -> str:
         tag = DTYPE_TAGS[self.dtype]
         return (f"flash_fwd_kernel<{tag}, {self.head_dim}, {self.block_m}, "
-                f"{self.block_n}, {self.num_warps}, {self.kv_stages}>")
+                f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}>")
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -96,9 +103,16 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
     return config
 
 
-def all_fwd_configs(arch: int) -> list[FwdConfig]:
-    """Every forward specialisation the dispatcher can choose on `arch`."""
-    return [fwd_config(dtype, d, arch) for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+def with_features(config, features: int):
+    """`config` with the score modifiers `features` compiled in (same tile shape)."""
+    return config if config.features == features else dataclasses.replace(config, features=features)
+
+
+def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
+    """Every forward specialisation the dispatcher can choose on `arch` (for each of `features`;
+    ALL_FEATURES for every score-modifier combination)."""
+    return [with_features(fwd_config(dtype, d, arch), f) for f in features
+            for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +157,7 @@ class BwdConfig:
     sdp_rows_warps: int = 0
     kv_rows_warps: int = 0
     dq_rows_warps: int = 0
+    features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
 
     @property
     def threads(self) -> int:
@@ -195,7 +210,7 @@ class BwdConfig:
         return (f"flash_bwd_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
                 f"{self.block_m}, {self.block_n}, {self.num_warps}, {self.sdp_warps_m}, "
                 f"{self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
-                f"{'true' if self.compute_dq else 'false'}>")
+                f"{'true' if self.compute_dq else 'false'}, {self.features}>")
 
 
 @dataclass(frozen=True)
@@ -208,6 +223,7 @@ class BwdDqConfig:
     kv_stages: int
     block_m: int = 64
     threads: int = 128
+    features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
 
     @property
     def smem_bytes(self) -> int:
@@ -220,7 +236,7 @@ class BwdDqConfig:
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_dq_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
-                f"{self.kv_stages}>")
+                f"{self.kv_stages}, {self.features}>")
 
 
 @dataclass(frozen=True)
@@ -294,9 +310,10 @@ def aux_kernels() -> list[AuxKernel]:
             for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")]
 
 
-def all_bwd_configs(arch: int) -> list:
+def all_bwd_configs(arch: int, features=(0,)) -> list:
     """Every backward specialisation the dispatcher can choose on `arch` (main kernel with and
-    without dQ, deterministic dQ kernel)."""
-    return [cfg for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS
+    without dQ, deterministic dQ kernel), for each of `features`."""
+    return [with_features(cfg, f) for f in features for dtype in DTYPE_TAGS
+            for d in KERNEL_HEAD_DIMS
             for cfg in (bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
                         bwd_dq_config(dtype, d, arch))]

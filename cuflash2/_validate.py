@@ -210,3 +210,38 @@ def check_window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tup
         right = 0
     reach = seqlen_q + seqlen_k
     return (-1 if left >= reach else left, -1 if right >= reach else right)
+
+
+def check_softcap(softcap) -> float:
+    """softcap as a float: 0 disables it, > 0 caps the scaled scores to softcap * tanh(s / softcap)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float (0 disables it); got {softcap!r}")
+    softcap = float(softcap)
+    if not (0.0 <= softcap < math.inf):  # also rejects nan
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it); got {softcap}")
+    return softcap
+
+
+def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, batched: bool,
+                       contiguous: bool = True) -> int | None:
+    """Checks ALiBi slopes: float32, shape (nheads,) or (batch, nheads) (unbatched: (nheads,) or
+    (1, nheads)), last dim contiguous (for the kernels; `contiguous=False` for the reference).
+    Returns the batch stride in elements (0 for one slope per
+    head), or None without slopes."""
+    if alibi_slopes is None:
+        return None
+    dtype = getattr(alibi_slopes, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.float32:
+        raise TypeError(
+            f"alibi_slopes must be a float32 array (as flash-attn); got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(alibi_slopes).__name__}")
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((nheads,), (batch, nheads)):
+        shapes = f"({nheads},) or ({batch if batched else 1}, {nheads})"
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) or (batch, nheads) = {shapes}; got {shape}")
+    if contiguous and nheads > 1 and alibi_slopes.strides[-1] != 4:
+        raise ValueError(
+            f"alibi_slopes must be contiguous along heads (stride 4 bytes); got strides "
+            f"{alibi_slopes.strides}; use cupy.ascontiguousarray(alibi_slopes)")
+    return alibi_slopes.strides[0] // 4 if len(shape) == 2 and batch > 1 else 0

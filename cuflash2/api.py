@@ -6,6 +6,8 @@ import math
 
 import numpy
 
+from dataclasses import dataclass
+
 from . import _compile, _configs, _validate
 
 _LOG2E = math.log2(math.e)
@@ -71,6 +73,36 @@ def _check_device(arrays: dict, cupy) -> int:
     return device_id
 
 
+@dataclass(frozen=True)
+class _ScoreMods:
+    """softcap / ALiBi of one call, as the kernels take them (cuda_src/score_mods.cuh)."""
+
+    features: int  # FEATURE_SOFTCAP | FEATURE_ALIBI template bits
+    softmax_scale: float  # scale of the scores the softmax sees: softcap, or the softmax scale
+    kernel_args: tuple  # softcap_scale, alibi_slopes, alibi_batch_stride, alibi_to_units
+
+
+def _score_mods(problem, softcap, alibi_slopes, placeholder) -> _ScoreMods:
+    """Checks softcap and alibi_slopes (before any launch) and builds the kernel arguments.
+    `placeholder` stands in for absent slopes (never read by the kernels then)."""
+    softcap = _validate.check_softcap(softcap)
+    stride = _validate.check_alibi_slopes(alibi_slopes, problem.batch, problem.nheads,
+                                          problem.batched)
+    features = ((_configs.FEATURE_SOFTCAP if softcap > 0 else 0)
+                | (_configs.FEATURE_ALIBI if alibi_slopes is not None else 0))
+    effective = softcap if softcap > 0 else problem.softmax_scale
+    args = (numpy.float32(problem.softmax_scale / softcap if softcap > 0 else 0.0),
+            placeholder if alibi_slopes is None else alibi_slopes, int(stride or 0),
+            numpy.float32(1.0 / effective))
+    return _ScoreMods(features, effective, args)
+
+
+def _check_slopes_device(alibi_slopes, device_id: int):
+    if alibi_slopes is not None and alibi_slopes.device.id != device_id:
+        raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id} but the current "
+                         f"CuPy device is {device_id}")
+
+
 def _element_strides(x) -> tuple[int, int, int]:
     """(batch, row, head) strides in elements. Python ints reach the kernel as 64-bit values."""
     itemsize = x.itemsize
@@ -78,8 +110,8 @@ def _element_strides(x) -> tuple[int, int, int]:
     return (s[0] // itemsize, s[1] // itemsize, s[2] // itemsize)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-              return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, return_lse=False, out=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -89,20 +121,27 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     seqlen_q != seqlen_k (row i sees keys j <= i + seqlen_k - seqlen_q). `window_size=(left,
     right)` restricts row i to keys i + seqlen_k - seqlen_q - left ... + right (sliding-window
     attention, -1 unbounded; key tiles outside the window are skipped). `softmax_scale`
-    defaults to 1/sqrt(headdim). `out` receives the result if given.
+    defaults to 1/sqrt(headdim). `softcap > 0` caps the scaled scores to
+    softcap * tanh(scores / softcap) (0: off). `alibi_slopes`, a float32 CuPy array (nheads,) or
+    (batch, nheads), adds the bias -slope * |i + seqlen_k - seqlen_q - j| to the scores of query
+    i and key j (after softcap, before masking), as flash-attn. `out` receives the result if given.
 
     Returns `out` (shape and dtype of q), or `(out, lse)` with `return_lse=True`: lse is float32
-    (batch, nheads, seqlen_q), the natural-log logsumexp of each row's scaled scores (+inf, with
-    out 0, for a row that sees no key). Runs on the current CuPy stream, without host syncs.
+    (batch, nheads, seqlen_q), the natural-log logsumexp of each row's scores as the softmax sees
+    them (scaled, capped, biased; +inf, with out 0, for a row that sees no key). Runs on the
+    current CuPy stream, without host syncs.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
         arrays["out"] = out
-    cupy = _require_cupy_arrays(arrays)
+    cupy = _require_cupy_arrays(
+        arrays if alibi_slopes is None else {**arrays, "alibi_slopes": alibi_slopes})
     if not isinstance(causal, (bool, numpy.bool_)):
         raise TypeError(f"causal must be a bool; got {causal!r}")
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)
+    mods = _score_mods(problem, softcap, alibi_slopes, q)
     device_id = _check_device(arrays, cupy)
+    _check_slopes_device(alibi_slopes, device_id)
 
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
 
@@ -111,27 +150,31 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
     as_batched = (lambda x: x) if problem.batched else (lambda x: x[None])
     _launch_forward(problem, as_batched(q), as_batched(k), as_batched(v), as_batched(out), lse,
-                    window, device_id)
+                    window, device_id, mods=mods)
     if not return_lse:
         return out
     return out, (lse if problem.batched else lse[0])
 
 
-def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None):
+def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None, mods=None):
     """Launches the forward kernel on batched (b, s, h, d) views. `config` overrides the tile
-    configuration (for tuning); by default the dispatcher picks it."""
+    configuration (for tuning); by default the dispatcher picks it. `mods`: softcap / ALiBi."""
     if problem.batch == 0 or problem.seqlen_q == 0 or problem.nheads == 0:
         return
+    if mods is None:
+        mods = _score_mods(problem, 0.0, None, q)
     if config is None:
         config = _configs.fwd_config(problem.dtype, problem.head_dim, device_arch(device_id))
+    config = _configs.with_features(config, mods.features)
     i32 = numpy.int32
     _launch(config, device_id,
             (-(-problem.seqlen_q // config.block_m), problem.nheads, problem.batch),
             (q, k, v, out, lse, *_element_strides(q), *_element_strides(k),
              *_element_strides(v), *_element_strides(out), i32(problem.seqlen_q),
              i32(problem.seqlen_k), i32(problem.nheads), i32(problem.nheads // problem.nheads_kv),
-             i32(problem.head_dim), numpy.float32(problem.softmax_scale),
-             numpy.float32(problem.softmax_scale * _LOG2E), i32(window[0]), i32(window[1])))
+             i32(problem.head_dim), numpy.float32(mods.softmax_scale),
+             numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
+             *mods.kernel_args))
 
 
 def _launch(config, device_id, grid, args):
@@ -144,9 +187,11 @@ def _launch(config, device_id, grid, args):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                       window_size=(-1, -1), deterministic=False, dq=None, dk=None, dv=None):
-    """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=...)` for the
-    output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`).
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
+    output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
+    forward's causal, softmax_scale, window_size, softcap and alibi_slopes.
 
     FlashAttention-2's backward: P is recomputed from lse, extra memory is O(seqlen) (an fp32 dq
     accumulator and two fp32 values per query row), never O(seqlen_q * seqlen_k). dq, dk, dv have
@@ -158,7 +203,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
         if x is not None:
             arrays[name] = x
-    cupy = _require_cupy_arrays(arrays)
+    cupy = _require_cupy_arrays(
+        arrays if alibi_slopes is None else {**arrays, "alibi_slopes": alibi_slopes})
     if not isinstance(causal, (bool, numpy.bool_)):
         raise TypeError(f"causal must be a bool; got {causal!r}")
     if not isinstance(deterministic, (bool, numpy.bool_)):
@@ -166,27 +212,33 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
     _validate.check_backward_inputs(problem, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
+    mods = _score_mods(problem, softcap, alibi_slopes, q)
     device_id = _check_device(arrays, cupy)
+    _check_slopes_device(alibi_slopes, device_id)
 
     dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
     dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
     dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
     b = (lambda x: x) if problem.batched else (lambda x: x[None])
     _launch_backward(problem, b(dout), b(q), b(k), b(v), b(out), b(lse), b(dq), b(dk), b(dv),
-                     window, bool(deterministic), device_id, cupy)
+                     window, bool(deterministic), device_id, cupy, mods=mods)
     return dq, dk, dv
 
 
 def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deterministic,
-                     device_id, cupy, config=None):
+                     device_id, cupy, config=None, mods=None):
     """Launches the backward kernels on batched views. `config` overrides the main kernel's
-    tile configuration (for tuning; its compute_dq must be `not deterministic`)."""
+    tile configuration (for tuning; its compute_dq must be `not deterministic`). `mods`:
+    softcap / ALiBi."""
     p = problem
     if p.batch == 0 or p.nheads == 0:
         return
+    if mods is None:
+        mods = _score_mods(p, 0.0, None, q)
     arch = device_arch(device_id)
     if config is None:
         config = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
+    config = _configs.with_features(config, mods.features)
     pad = _configs.BWD_ROW_PADDING
     seqlen_q_padded = -(-p.seqlen_q // pad) * pad
     delta = cupy.empty((p.batch, p.nheads, seqlen_q_padded), dtype=cupy.float32)
@@ -195,7 +247,9 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
     dq_accum = None if deterministic else cupy.zeros(
         (p.batch, p.nheads, seqlen_q_padded, config.head_dim), dtype=cupy.float32)
     i32 = numpy.int32
-    scales = (numpy.float32(p.softmax_scale), numpy.float32(p.softmax_scale * _LOG2E))
+    # The final dK / dQ scaling uses the softmax scale (d(scaled scores) / d(q.k)); P is
+    # recomputed with the scale the softmax saw (softcap's, with softcap).
+    scales = (numpy.float32(p.softmax_scale), numpy.float32(mods.softmax_scale * _LOG2E))
     if seqlen_q_padded:
         pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel")
         rows_per_cta = pre.threads // 32 * 8  # 8 warps, 8 rows a warp (flash_bwd_preprocess.cu)
@@ -211,17 +265,19 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
                  *_element_strides(dk), *_element_strides(dv), i32(p.seqlen_q),
                  i32(seqlen_q_padded), i32(p.seqlen_k), i32(p.nheads),
                  i32(p.nheads // p.nheads_kv), i32(p.head_dim), *scales, i32(window[0]),
-                 i32(window[1])))
+                 i32(window[1]), *mods.kernel_args))
     if deterministic:
         if p.seqlen_q:
-            dq_config = _configs.bwd_dq_config(p.dtype, p.head_dim, arch)
+            dq_config = _configs.with_features(_configs.bwd_dq_config(p.dtype, p.head_dim, arch),
+                                               mods.features)
             _launch(dq_config, device_id,
                     (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch),
                     (q, k, v, dout, lse_log2, delta, dq, *_element_strides(q),
                      *_element_strides(k), *_element_strides(v), *_element_strides(dout),
                      *_element_strides(dq), i32(p.seqlen_q), i32(seqlen_q_padded),
                      i32(p.seqlen_k), i32(p.nheads), i32(p.nheads // p.nheads_kv),
-                     i32(p.head_dim), *scales, i32(window[0]), i32(window[1])))
+                     i32(p.head_dim), *scales, i32(window[0]), i32(window[1]),
+                     *mods.kernel_args))
     elif p.seqlen_q:
         convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel")
         chunks = p.seqlen_q * (p.head_dim // 8)
@@ -232,15 +288,17 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
 
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                  deterministic=False):
+                  softcap=0.0, alibi_slopes=None, deterministic=False):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`,
     which keeps the forward's lse (and out) internally."""
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                         window_size=window_size, return_lse=True)
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                         return_lse=True)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal,
                                   softmax_scale=softmax_scale, window_size=window_size,
+                                  softcap=softcap, alibi_slopes=alibi_slopes,
                                   deterministic=deterministic)
 
     return out, vjp
@@ -262,49 +320,58 @@ def _unpack(name: str, packed, parts: int):
 
 
 def attention_qkvpacked(qkv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                        return_lse=False, out=None):
+                        softcap=0.0, alibi_slopes=None, return_lse=False, out=None):
     """`attention` on q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim), without copies."""
     q, k, v = _unpack("qkv", qkv, 3)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                     window_size=window_size, return_lse=return_lse, out=out)
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                     return_lse=return_lse, out=out)
 
 
 def attention_kvpacked(q, kv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       return_lse=False, out=None):
+                       softcap=0.0, alibi_slopes=None, return_lse=False, out=None):
     """`attention` with k, v packed as kv (batch, seqlen_k, 2, nheads_kv, headdim)."""
     k, v = _unpack("kv", kv, 2)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                     window_size=window_size, return_lse=return_lse, out=out)
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                     return_lse=return_lse, out=out)
+
+
+def _packed_gradient(name: str, given, packed):
+    """The packed gradient array `name` (`given`, checked, or a new one shaped like `packed`)."""
+    cupy = _cupy()
+    if given is None:
+        return cupy.empty(packed.shape, dtype=packed.dtype)
+    if (not isinstance(given, cupy.ndarray) or given.shape != packed.shape
+            or given.dtype != packed.dtype):
+        like = "qkv" if name == "dqkv" else "kv"
+        raise ValueError(f"{name} must be a cupy array shaped and typed like {like} "
+                         f"{tuple(packed.shape)} {packed.dtype}")
+    return given
 
 
 def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_scale=None,
-                                 window_size=(-1, -1), deterministic=False, dqkv=None):
+                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                 deterministic=False, dqkv=None):
     """Gradient of `attention_qkvpacked`: dqkv shaped like qkv (written into `dqkv` if given)."""
     q, k, v = _unpack("qkv", qkv, 3)
-    cupy = _cupy()
-    if dqkv is None:
-        dqkv = cupy.empty(qkv.shape, dtype=qkv.dtype)
-    elif not isinstance(dqkv, cupy.ndarray) or dqkv.shape != qkv.shape or dqkv.dtype != qkv.dtype:
-        raise ValueError(f"dqkv must be a cupy array shaped and typed like qkv "
-                         f"{tuple(qkv.shape)} {qkv.dtype}")
+    dqkv = _packed_gradient("dqkv", dqkv, qkv)
     dq, dk, dv = _unpack("dqkv", dqkv, 3)
     attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                       window_size=window_size, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     return dqkv
 
 
 def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_scale=None,
-                                window_size=(-1, -1), deterministic=False, dq=None, dkv=None):
+                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                deterministic=False, dq=None, dkv=None):
     """Gradient of `attention_kvpacked`: (dq, dkv), dkv shaped like kv."""
     k, v = _unpack("kv", kv, 2)
-    cupy = _cupy()
-    if dkv is None:
-        dkv = cupy.empty(kv.shape, dtype=kv.dtype)
-    elif not isinstance(dkv, cupy.ndarray) or dkv.shape != kv.shape or dkv.dtype != kv.dtype:
-        raise ValueError(f"dkv must be a cupy array shaped and typed like kv "
-                         f"{tuple(kv.shape)} {kv.dtype}")
+    dkv = _packed_gradient("dkv", dkv, kv)
     dk, dv = _unpack("dkv", dkv, 2)
     dq, _, _ = attention_backward(dout, q, k, v, out, lse, causal=causal,
                                   softmax_scale=softmax_scale, window_size=window_size,
+                                  softcap=softcap, alibi_slopes=alibi_slopes,
                                   deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     return dq, dkv

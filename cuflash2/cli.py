@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also time torch SDPA (FlashAttention-2 backend) on the same arrays")
     bench_cmd.add_argument("--json", metavar="PATH", default=None,
                            help="save every row and the environment as JSON")
+    bench_cmd.add_argument("--windows", nargs="+", type=_positive_int, default=None,
+                           metavar="W",
+                           help="also time causal sliding windows (W, 0) at the longest seqlen, "
+                                "next to plain causal attention (first --dtype)")
     bench_cmd.add_argument("--warmup", type=int, default=3)
     bench_cmd.add_argument("--iters", type=_positive_int, default=25)
     bench_cmd.add_argument("--tokens", type=_positive_int, default=bench.PAPER_TOKENS,

@@ -46,6 +46,9 @@ import sys
 import ml_dtypes
 import numpy
 
+from . import _validate
+from ._validate import check_softcap as _check_softcap
+
 __all__ = [
     "attention",
     "attention_backward",
@@ -176,15 +179,6 @@ def _kv_heads_first(x):
 # Optional features: softcap, ALiBi, dropout with an explicit mask.
 
 
-def _check_softcap(softcap):
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a float (0 disables it); got {softcap!r}")
-    softcap = float(softcap)
-    if not (0.0 <= softcap < math.inf):  # also rejects nan
-        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it); got {softcap}")
-    return softcap
-
-
 def _check_dropout_p(dropout_p):
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1); got {dropout_p!r}")
@@ -198,21 +192,8 @@ def _check_alibi_slopes(xp, alibi_slopes, batch, nheads, unbatched):
     """alibi_slopes as a float32 (batch, nheads) array (a broadcast view), or None."""
     if alibi_slopes is None:
         return None
-    dtype = getattr(alibi_slopes, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.float32:
-        raise TypeError(
-            f"alibi_slopes must be a float32 array (as flash-attn); got "
-            f"{'dtype ' + str(dtype) if dtype is not None else type(alibi_slopes).__name__}"
-        )
-    slopes = xp.asarray(alibi_slopes)
-    allowed = [(nheads,), (batch, nheads)]
-    if slopes.shape not in allowed:
-        shapes = f"({nheads},) or ({'1' if unbatched else batch}, {nheads})"
-        raise ValueError(
-            f"alibi_slopes must have shape (nheads,) or (batch, nheads) = {shapes}; "
-            f"got {slopes.shape}"
-        )
-    return xp.broadcast_to(slopes, (batch, nheads))
+    _validate.check_alibi_slopes(alibi_slopes, batch, nheads, not unbatched, contiguous=False)
+    return xp.broadcast_to(xp.asarray(alibi_slopes), (batch, nheads))
 
 
 def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):

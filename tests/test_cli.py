@@ -197,3 +197,15 @@ def test_check_reports_an_exception_as_a_failure(monkeypatch):
     monkeypatch.setattr(cuflash2, "attention", broken)
     passed, line = selfcheck.run_case(numpy, selfcheck.grid(("fp16",), (64,))[0], seed=0)
     assert not passed and "RuntimeError: launch failed" in line
+
+
+def test_window_pairs_match_a_direct_count():
+    for seqlen, left in ((10, 3), (10, 0), (10, 9), (10, 50), (1, 0), (7, 6)):
+        direct = sum(min(i, left) + 1 for i in range(seqlen))
+        assert bench.window_pairs(seqlen, left) == direct
+    assert bench.window_pairs(16384, 16384) == 16384 * 16385 // 2
+
+
+def test_bench_windows_option_parses():
+    args = build_parser().parse_args(["bench", "--windows", "256", "4096"])
+    assert args.windows == [256, 4096]

@@ -172,3 +172,40 @@ def test_packed_numpy_input_gets_a_hint():
     with pytest.raises(TypeError, match=r"kv is a numpy array"):
         cuflash2.attention_kvpacked(np.zeros((1, 8, 2, 64), np.float16),
                                     np.zeros((1, 8, 2, 2, 64), np.float16))
+
+
+# softcap / ALiBi (checked before any launch; the GPU tests check the API raises them)
+
+
+@pytest.mark.parametrize("softcap,expected", [(0, 0.0), (0.0, 0.0), (30, 30.0), (2.5, 2.5)])
+def test_softcap(softcap, expected):
+    assert _validate.check_softcap(softcap) == expected
+
+
+@pytest.mark.parametrize("softcap,exc", [(-1.0, ValueError), (float("nan"), ValueError),
+                                         (float("inf"), ValueError), ("2", TypeError),
+                                         (True, TypeError), (None, TypeError)])
+def test_bad_softcap(softcap, exc):
+    with pytest.raises(exc, match="softcap"):
+        _validate.check_softcap(softcap)
+
+
+def test_alibi_slopes_strides():
+    assert _validate.check_alibi_slopes(None, 2, 4, True) is None
+    assert _validate.check_alibi_slopes(np.ones(4, np.float32), 2, 4, True) == 0
+    assert _validate.check_alibi_slopes(np.ones((2, 4), np.float32), 2, 4, True) == 4
+    padded = np.ones((2, 8), np.float32)[:, :4]  # rows 8 floats apart
+    assert _validate.check_alibi_slopes(padded, 2, 4, True) == 8
+    assert _validate.check_alibi_slopes(np.ones((1, 4), np.float32), 1, 4, False) == 0
+
+
+@pytest.mark.parametrize("slopes,exc,pattern", [
+    (np.ones(4, np.float64), TypeError, "float32"),
+    ([0.5] * 4, TypeError, "float32 array"),
+    (np.ones(5, np.float32), ValueError, r"\(nheads,\) or \(batch, nheads\) = \(4,\) or \(2, 4\)"),
+    (np.ones((3, 4), np.float32), ValueError, "got \\(3, 4\\)"),
+    (np.ones(8, np.float32)[::2], ValueError, "contiguous along heads"),
+])
+def test_bad_alibi_slopes(slopes, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        _validate.check_alibi_slopes(slopes, 2, 4, True)
