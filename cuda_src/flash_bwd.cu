@@ -27,6 +27,7 @@
 #include "warp_gemm.cuh"
 #include "dq_accum.cuh"
 #include "score_mods.cuh"
+#include "varlen.cuh"
 
 template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
           int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES>
@@ -70,7 +71,8 @@ struct BwdTraits {
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the 128-byte bank alignment of the tiles");
 };
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi); 0 for plain attention.
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi) and varlen batches (varlen.cuh);
+// 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
           int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ,
           int FEATURES>
@@ -89,7 +91,9 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
                  int window_left, int window_right, float softcap_scale,
                  const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
-                 float alibi_to_units, int batch_offset) {
+                 float alibi_to_units, const int* __restrict__ cu_seqlens_q,
+                 const int* __restrict__ cu_seqlens_k, int total_q, int total_k,
+                 int batch_offset) {
     using T = BwdTraits<HEAD_DIM, D_CHUNK, BLOCK_M, BLOCK_N, NUM_WARPS, SDP_WARPS_M, KV_WARPS_N,
                         DQ_WARPS_M, Q_STAGES>;
     using KVTile = typename T::KVTile;
@@ -112,6 +116,17 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z + batch_offset;
     const int key_first = kv_block * BLOCK_N;
+    // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
+    constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
+    const SequenceRows seq_q = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
+    const SequenceRows seq_k = sequence_rows<VARLEN>(cu_seqlens_k, batch, seqlen_k, total_k);
+    seqlen_q = seq_q.length;
+    seqlen_k = seq_k.length;
+    if (VARLEN && key_first >= seqlen_k) return;
+    // First row of this sequence's per-row statistics / dQ accumulator for query head `head`.
+    auto stats_first = [&](int head) {
+        return stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq_q.start);
+    };
     const int key_last = min(key_first + BLOCK_N, seqlen_k) - 1;
     const int head_chunks = head_dim / 8;
 
@@ -132,14 +147,16 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // kept across the loop (registers the dK/dV accumulators need).
     auto load_step = [&](int head, int row0, u32 stage_offset) {
         const int tid = thread_index_fresh();
-        const u16* q_rows = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
-        const u16* do_rows = dout + batch * do_batch_stride + head * do_head_stride + row0 * do_row_stride;
+        const u16* q_rows = q + batch * q_batch_stride + head * q_head_stride +
+                            (seq_q.start + row0) * q_row_stride;
+        const u16* do_rows = dout + batch * do_batch_stride + head * do_head_stride +
+                             (seq_q.start + row0) * do_row_stride;
         load_tile_async<QTile, T::THREADS>(q_smem + stage_offset, q_rows, q_row_stride,
                                             seqlen_q - row0, head_chunks, tid);
         load_tile_async<QTile, T::THREADS>(do_smem + stage_offset, do_rows, do_row_stride,
                                             seqlen_q - row0, head_chunks, tid);
         // lse_log2 and D are padded to whole Q blocks (+inf / 0), so they need no predicate.
-        const i64 stat0 = (static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row0;
+        const i64 stat0 = stats_first(head) + row0;
         const u32 stat_smem = q_smem + stage_offset + 2 * QTile::BYTES;
         for (int i = tid; i < 2 * BLOCK_M / 4; i += T::THREADS) {
             const float* src = (i < BLOCK_M / 4 ? lse_log2 : delta) + stat0 + 4 * (i % (BLOCK_M / 4));
@@ -148,8 +165,10 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     };
 
     if (steps > 0) {
-        const u16* k_block = k + batch * k_batch_stride + kv_head * k_head_stride + key_first * k_row_stride;
-        const u16* v_block = v + batch * v_batch_stride + kv_head * v_head_stride + key_first * v_row_stride;
+        const u16* k_block = k + batch * k_batch_stride + kv_head * k_head_stride +
+                             (seq_k.start + key_first) * k_row_stride;
+        const u16* v_block = v + batch * v_batch_stride + kv_head * v_head_stride +
+                             (seq_k.start + key_first) * v_row_stride;
         load_tile_async<KVTile, T::THREADS>(k_smem, k_block, k_row_stride, seqlen_k - key_first,
                                              head_chunks, tid);
         load_tile_async<KVTile, T::THREADS>(v_smem, v_block, v_row_stride, seqlen_k - key_first,
@@ -287,7 +306,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             // Columns 16 np .. 16 np + 15 of a row: this thread's four values are adjacent in
             // the accumulator's interleaved layout (dq_accum.cuh), one vector atomic.
             float* dq_rows = dq_accum +
-                             ((static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row0 +
+                             (stats_first(head) + row0 +
                               c_row0 + lane / 4) * HEAD_DIM + c_col0 + 4 * (lane % 4);
 #pragma unroll
             for (int mt = 0; mt < T::DQ_MT; ++mt)
@@ -327,8 +346,10 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // > 0: the second chunk of a kernel head dim starts below every user head dim it serves.
     const int chunk_cols = min(D_CHUNK, head_dim - col0);
     constexpr int CHUNK_CHUNKS = D_CHUNK / 8;
-    u16* dk_block = dk + batch * dk_batch_stride + kv_head * dk_head_stride + key_first * dk_row_stride + col0;
-    u16* dv_block = dv + batch * dv_batch_stride + kv_head * dv_head_stride + key_first * dv_row_stride + col0;
+    u16* dk_block = dk + batch * dk_batch_stride + kv_head * dk_head_stride +
+                    (seq_k.start + key_first) * dk_row_stride + col0;
+    u16* dv_block = dv + batch * dv_batch_stride + kv_head * dv_head_stride +
+                    (seq_k.start + key_first) * dv_row_stride + col0;
     for (int idx = tid; idx < BLOCK_N * CHUNK_CHUNKS; idx += T::THREADS) {
         const int row = idx / CHUNK_CHUNKS;
         const int c = idx % CHUNK_CHUNKS;

@@ -11,6 +11,7 @@
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
 #include "score_mods.cuh"
+#include "varlen.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
 struct BwdDqTraits {
@@ -51,7 +52,8 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
     }
 }
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi); 0 for plain attention.
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi) and varlen batches (varlen.cuh);
+// 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
 __global__ void __launch_bounds__(128, 2)
 flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -66,7 +68,9 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
                     int window_left, int window_right, float softcap_scale,
                     const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
-                    float alibi_to_units, int batch_offset) {
+                    float alibi_to_units, const int* __restrict__ cu_seqlens_q,
+                    const int* __restrict__ cu_seqlens_k, int total_q, int total_k,
+                    int batch_offset) {
     using T = BwdDqTraits<Elem, HEAD_DIM, BLOCK_N, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -85,6 +89,13 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const int batch = blockIdx.z + batch_offset;
     const int kv_head = head / heads_per_kv_head;
     const int row_first = blockIdx.x * BLOCK_M;
+    // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
+    constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
+    const SequenceRows seq_q = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
+    const SequenceRows seq_k = sequence_rows<VARLEN>(cu_seqlens_k, batch, seqlen_k, total_k);
+    seqlen_q = seq_q.length;
+    seqlen_k = seq_k.length;
+    if (VARLEN && row_first >= seqlen_q) return;
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
     const int head_chunks = head_dim / 8;
 
@@ -92,8 +103,10 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
 
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride +
+                        seq_k.start * k_row_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride +
+                        seq_k.start * v_row_stride;
     auto load_kv = [&](int tile, u32 stage_offset) {
         const int key0 = tile * BLOCK_N;
         load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset, k_head + key0 * k_row_stride,
@@ -104,19 +117,21 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
 
     if (tile_end > tile_first) {
         load_tile_async<QTile, T::THREADS>(
-            q_smem, q + batch * q_batch_stride + head * q_head_stride + row_first * q_row_stride,
+            q_smem,
+            q + batch * q_batch_stride + head * q_head_stride + (seq_q.start + row_first) * q_row_stride,
             q_row_stride, seqlen_q - row_first, head_chunks, tid);
         load_tile_async<QTile, T::THREADS>(
             do_smem,
-            dout + batch * do_batch_stride + head * do_head_stride + row_first * do_row_stride,
+            dout + batch * do_batch_stride + head * do_head_stride +
+                (seq_q.start + row_first) * do_row_stride,
             do_row_stride, seqlen_q - row_first, head_chunks, tid);
         load_kv(tile_end - 1, 0);
         cp_async_commit();
     }
 
     // Per-row statistics of this thread's rows g and g + 8 (padded arrays: no predicate).
-    const i64 stat0 = (static_cast<i64>(batch) * nheads + head) * seqlen_q_padded + row_first +
-                      warp * 16 + lane / 4;
+    const i64 stat0 = stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq_q.start) +
+                      row_first + warp * 16 + lane / 4;
     const float row_lse[2] = {lse_log2[stat0], lse_log2[stat0 + 8]};
     const float row_delta[2] = {delta[stat0], delta[stat0 + 8]};
 
@@ -217,7 +232,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         }
     }
     __syncwarp();
-    u16* dq_block = dq + batch * dq_batch_stride + head * dq_head_stride + row_first * dq_row_stride;
+    u16* dq_block = dq + batch * dq_batch_stride + head * dq_head_stride +
+                    (seq_q.start + row_first) * dq_row_stride;
 #pragma unroll
     for (int i = 0; i < 16 * QTile::CHUNKS / 32; ++i) {
         const int idx = lane + 32 * i;

@@ -3,12 +3,14 @@
 // one EX2, as the forward does). Both are written padded to whole Q blocks: padding rows get
 // D = 0 and lse = +inf, so P = exp2(s - inf) = 0 there and the main kernel needs no row masking.
 #include "mma_primitives.cuh"
+#include "varlen.cuh"
 
 #define CF2_PREPROCESS_THREADS 256
 #define CF2_PREPROCESS_ROWS_PER_WARP 8
 
-// One warp per row (lane c reads the 16-byte chunk c of dO and O), 8 rows per warp.
-template <typename Elem>
+// One warp per row (lane c reads the 16-byte chunk c of dO and O), 8 rows per warp. VARLEN:
+// packed sequences (varlen.cuh), grid z over the sequences.
+template <typename Elem, bool VARLEN>
 __global__ void __launch_bounds__(CF2_PREPROCESS_THREADS)
 flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out,
                             const float* __restrict__ lse, float* __restrict__ delta,
@@ -16,21 +18,28 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict_
                             i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
                             i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
                             int seqlen_q, int seqlen_q_padded, int nheads, int head_dim,
+                            const int* __restrict__ cu_seqlens_q, int total_q,
                             int batch_offset) {
     constexpr float LOG2E = 1.4426950408889634f;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int head = blockIdx.y;
     const int batch = blockIdx.z + batch_offset;
-    const i64 stat_offset = (static_cast<i64>(batch) * nheads + head) * seqlen_q_padded;
-    const u16* dout_head = dout + batch * do_batch_stride + head * do_head_stride;
-    const u16* out_head = out + batch * o_batch_stride + head * o_head_stride;
+    const SequenceRows seq = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
+    const i64 stat_offset = stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq.start);
+    const i64 lse_offset = lse_row0<VARLEN>(batch, head, nheads, seqlen_q, total_q, seq.start);
+    seqlen_q = seq.length;
+    const int rows_padded = (seqlen_q + 127) / 128 * 128;  // whole blocks of every block_m
+    const u16* dout_head = dout + batch * do_batch_stride + head * do_head_stride +
+                           seq.start * do_row_stride;
+    const u16* out_head = out + batch * o_batch_stride + head * o_head_stride +
+                          seq.start * o_row_stride;
     const int row0 = (blockIdx.x * (CF2_PREPROCESS_THREADS / 32) + warp) * CF2_PREPROCESS_ROWS_PER_WARP;
 
 #pragma unroll 2
     for (int r = 0; r < CF2_PREPROCESS_ROWS_PER_WARP; ++r) {
         const int row = row0 + r;
-        if (row >= seqlen_q_padded) break;
+        if (row >= rows_padded) break;
         float partial = 0.f;
         if (row < seqlen_q && lane * 8 < head_dim) {
             u32 a[4], b[4];
@@ -51,8 +60,7 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict_
             delta[stat_offset + row] = partial;
             // lse is +inf for a row that saw no key: it stays +inf (P = 0).
             lse_log2[stat_offset + row] =
-                row < seqlen_q ? lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + row] * LOG2E
-                               : pos_inf();
+                row < seqlen_q ? lse[lse_offset + row] * LOG2E : pos_inf();
         }
     }
 }

@@ -18,6 +18,7 @@
 #include "masking.cuh"
 #include "online_softmax.cuh"
 #include "score_mods.cuh"
+#include "varlen.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
 struct FwdTraits {
@@ -90,7 +91,8 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
     }
 }
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi); 0 for plain attention.
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi) and varlen batches (varlen.cuh);
+// 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
           int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
@@ -103,7 +105,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  int seqlen_q, int seqlen_k, int nheads, int heads_per_kv_head, int head_dim,
                  float softmax_scale, float scale_log2, int window_left, int window_right,
                  float softcap_scale, const float* __restrict__ alibi_slopes,
-                 i64 alibi_batch_stride, float alibi_to_units, int batch_offset) {
+                 i64 alibi_batch_stride, float alibi_to_units,
+                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                 int total_q, int total_k, int batch_offset) {
     using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -123,15 +127,27 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int batch = blockIdx.z + batch_offset;
     const int kv_head = head / heads_per_kv_head;
     const int row_first = m_block * BLOCK_M;
+    // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
+    constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
+    const SequenceRows seq_q = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
+    const SequenceRows seq_k = sequence_rows<VARLEN>(cu_seqlens_k, batch, seqlen_k, total_k);
+    const i64 lse_first = lse_row0<VARLEN>(batch, head, nheads, seqlen_q, total_q, seq_q.start);
+    seqlen_q = seq_q.length;
+    seqlen_k = seq_k.length;
+    if (VARLEN && row_first >= seqlen_q) return;
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
     const int head_chunks = head_dim / 8;  // 16-byte chunks actually present in each row
 
     // 64-bit offsets: batch * seqlen * heads * dim can pass 2^31 elements.
-    const u16* q_block = q + batch * q_batch_stride + head * q_head_stride + row_first * q_row_stride;
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
-    u16* o_block = out + batch * o_batch_stride + head * o_head_stride + row_first * o_row_stride;
-    float* lse_block = lse + (static_cast<i64>(batch) * nheads + head) * seqlen_q + row_first;
+    const u16* q_block = q + batch * q_batch_stride + head * q_head_stride +
+                         (seq_q.start + row_first) * q_row_stride;
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride +
+                        seq_k.start * k_row_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride +
+                        seq_k.start * v_row_stride;
+    u16* o_block = out + batch * o_batch_stride + head * o_head_stride +
+                   (seq_q.start + row_first) * o_row_stride;
+    float* lse_block = lse + lse_first + row_first;
 
     const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
     int tile_first, tile_end;

@@ -10,6 +10,8 @@ from .api import (  # noqa: E402
     attention_kvpacked_backward,
     attention_qkvpacked,
     attention_qkvpacked_backward,
+    attention_varlen,
+    attention_varlen_backward,
     attention_vjp,
 )
 
@@ -21,6 +23,8 @@ __all__ = [
     "attention_qkvpacked_backward",
     "attention_kvpacked",
     "attention_kvpacked_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
     "reference",
     "__version__",
 ]

@@ -19,11 +19,13 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 #: Element types by the name the CUDA source uses for their tag type.
 DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 
-#: Score modifiers (template bits of the kernels, cuda_src/score_mods.cuh). Specialisations are
-#: per combination, so plain attention carries none of their code.
+#: Optional features (template bits of the kernels: score modifiers in cuda_src/score_mods.cuh,
+#: varlen in cuda_src/varlen.cuh). Specialisations are per combination, so plain attention
+#: carries none of their code.
 FEATURE_SOFTCAP = 1
 FEATURE_ALIBI = 2
-ALL_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_SOFTCAP | FEATURE_ALIBI)
+FEATURE_VARLEN = 4  # packed variable-length sequences (cuda_src/varlen.cuh)
+ALL_FEATURES = tuple(range(8))
 
 #: Architectures the CPU compile tests build for (the GPU path compiles for the device's own).
 CPU_TEST_ARCHS = (80, 86, 89, 90)
@@ -245,6 +247,7 @@ class AuxKernel:
 
     dtype: str
     kernel: str  # "flash_bwd_preprocess_kernel" or "flash_bwd_convert_dq_kernel"
+    varlen: bool = False  # packed variable-length sequences
     threads: int = 256
     smem_bytes: int = 0
 
@@ -255,7 +258,7 @@ class AuxKernel:
 
     @property
     def name_expression(self) -> str:
-        return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}>"
+        return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}, {'true' if self.varlen else 'false'}>"
 
 
 #: Padding of seqlen_q for the backward's per-row statistics and dQ accumulator: a multiple of
@@ -306,8 +309,9 @@ def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
 
 
 def aux_kernels() -> list[AuxKernel]:
-    return [AuxKernel(dtype, kernel) for dtype in DTYPE_TAGS
-            for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")]
+    return [AuxKernel(dtype, kernel, varlen) for dtype in DTYPE_TAGS
+            for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")
+            for varlen in (False, True)]
 
 
 def all_bwd_configs(arch: int, features=(0,)) -> list:

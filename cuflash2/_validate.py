@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 import ml_dtypes
 import numpy
@@ -245,3 +246,50 @@ def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, batched: bool,
             f"alibi_slopes must be contiguous along heads (stride 4 bytes); got strides "
             f"{alibi_slopes.strides}; use cupy.ascontiguousarray(alibi_slopes)")
     return alibi_slopes.strides[0] // 4 if len(shape) == 2 and batch > 1 else 0
+
+
+# Variable-length batches
+
+
+def check_cu_seqlens(name: str, cu_seqlens, total: int, total_name: str, to_host):
+    """cu_seqlens as a host int64 array, checked: int32, 1-D, 0 first, non-decreasing, ending at
+    `total`. `to_host` copies the values to the host (for CuPy arrays, a device sync); with
+    `to_host=None` only the dtype and shape are checked and None is returned."""
+    dtype = getattr(cu_seqlens, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.int32:
+        raise TypeError(
+            f"{name} must be an int32 array of cumulative sequence lengths (batch + 1 entries); "
+            f"got {'dtype ' + str(dtype) if dtype is not None else type(cu_seqlens).__name__}")
+    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(
+            f"{name} must be 1-D with batch + 1 >= 1 entries; got shape {tuple(cu_seqlens.shape)}")
+    if to_host is None:  # values not checked
+        return None
+    cu = numpy.asarray(to_host(cu_seqlens)).astype(numpy.int64)
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start with 0; got {name}[0] = {cu[0]}")
+    steps = numpy.diff(cu)
+    if numpy.any(steps < 0):
+        at = int(numpy.argmax(steps < 0))
+        raise ValueError(
+            f"{name} must be non-decreasing; got {name}[{at}] = {cu[at]} > "
+            f"{name}[{at + 1}] = {cu[at + 1]}")
+    if cu[-1] != total:
+        raise ValueError(
+            f"{name}[-1] ({cu[-1]}) must equal the packed length {total_name} ({total})")
+    return cu
+
+
+def check_max_seqlen(name: str, max_seqlen, lengths, what: str) -> int:
+    """max_seqlen as an int, at least the longest of `lengths` (host array; None: not checked)."""
+    try:
+        max_seqlen = operator.index(max_seqlen)
+    except TypeError:
+        raise TypeError(f"{name} must be an int; got {max_seqlen!r}") from None
+    if max_seqlen < 0:
+        raise ValueError(f"{name} must be >= 0; got {max_seqlen}")
+    if lengths is not None:
+        longest = int(lengths.max()) if lengths.size else 0
+        if max_seqlen < longest:
+            raise ValueError(f"{name} ({max_seqlen}) is smaller than the longest {what} ({longest})")
+    return max_seqlen

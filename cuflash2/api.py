@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy
@@ -97,6 +98,39 @@ def _score_mods(problem, softcap, alibi_slopes, placeholder) -> _ScoreMods:
     return _ScoreMods(features, effective, args)
 
 
+@dataclass(frozen=True)
+class _Varlen:
+    """Packed variable-length sequences of one call, as the kernels take them (varlen.cuh)."""
+
+    cu_seqlens_q: object  # int32 CuPy arrays (batch + 1,)
+    cu_seqlens_k: object
+    total_q: int
+    total_k: int
+
+    @property
+    def kernel_args(self) -> tuple:
+        return (self.cu_seqlens_q, self.cu_seqlens_k, numpy.int32(self.total_q),
+                numpy.int32(self.total_k))
+
+    @property
+    def stats_rows(self) -> int:
+        """Rows per head of the backward's per-row arrays (varlen.cuh, stats_row0): each
+        sequence's start moves VARLEN_STATS_GAP rows further, plus one padded block, rounded
+        to 4."""
+        batch = self.cu_seqlens_q.shape[0] - 1
+        return -(-(self.total_q + _VARLEN_STATS_GAP * batch + _configs.BWD_ROW_PADDING) // 4) * 4
+
+
+#: varlen.cuh's VARLEN_STATS_GAP.
+_VARLEN_STATS_GAP = 132
+#: Kernel arguments standing for "no varlen" (never read).
+_DENSE = (None, None, numpy.int32(0), numpy.int32(0))
+
+
+def _varlen_args(varlen) -> tuple:
+    return _DENSE if varlen is None else varlen.kernel_args
+
+
 def _check_slopes_device(alibi_slopes, device_id: int):
     if alibi_slopes is not None and alibi_slopes.device.id != device_id:
         raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id} but the current "
@@ -156,16 +190,20 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     return out, (lse if problem.batched else lse[0])
 
 
-def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None, mods=None):
+def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None, mods=None,
+                    varlen=None):
     """Launches the forward kernel on batched (b, s, h, d) views. `config` overrides the tile
-    configuration (for tuning); by default the dispatcher picks it. `mods`: softcap / ALiBi."""
+    configuration (for tuning); by default the dispatcher picks it. `mods`: softcap / ALiBi.
+    `varlen`: packed sequences (the views then have a zero batch stride, batch = sequences,
+    seqlens = the maximum lengths)."""
     if problem.batch == 0 or problem.seqlen_q == 0 or problem.nheads == 0:
         return
     if mods is None:
         mods = _score_mods(problem, 0.0, None, q)
     if config is None:
         config = _configs.fwd_config(problem.dtype, problem.head_dim, device_arch(device_id))
-    config = _configs.with_features(config, mods.features)
+    features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+    config = _configs.with_features(config, features)
     i32 = numpy.int32
     _launch(config, device_id,
             (-(-problem.seqlen_q // config.block_m), problem.nheads, problem.batch),
@@ -174,7 +212,7 @@ def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None, 
              i32(problem.seqlen_k), i32(problem.nheads), i32(problem.nheads // problem.nheads_kv),
              i32(problem.head_dim), numpy.float32(mods.softmax_scale),
              numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
-             *mods.kernel_args))
+             *mods.kernel_args, *_varlen_args(varlen)))
 
 
 def _launch(config, device_id, grid, args):
@@ -226,10 +264,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
 
 def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deterministic,
-                     device_id, cupy, config=None, mods=None):
+                     device_id, cupy, config=None, mods=None, varlen=None):
     """Launches the backward kernels on batched views. `config` overrides the main kernel's
     tile configuration (for tuning; its compute_dq must be `not deterministic`). `mods`:
-    softcap / ALiBi."""
+    softcap / ALiBi. `varlen`: packed sequences, as in `_launch_forward`."""
     p = problem
     if p.batch == 0 or p.nheads == 0:
         return
@@ -238,25 +276,33 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
     arch = device_arch(device_id)
     if config is None:
         config = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
-    config = _configs.with_features(config, mods.features)
+    features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+    config = _configs.with_features(config, features)
     pad = _configs.BWD_ROW_PADDING
-    seqlen_q_padded = -(-p.seqlen_q // pad) * pad
-    delta = cupy.empty((p.batch, p.nheads, seqlen_q_padded), dtype=cupy.float32)
+    max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
+    if varlen is None:
+        seqlen_q_padded = max_rows_padded
+        stats_shape = (p.batch, p.nheads, seqlen_q_padded)
+    else:  # (nheads, rows) with every sequence padded in place (varlen.cuh, stats_row0)
+        seqlen_q_padded = varlen.stats_rows
+        stats_shape = (p.nheads, seqlen_q_padded)
+    delta = cupy.empty(stats_shape, dtype=cupy.float32)
     lse_log2 = cupy.empty_like(delta)
     # The fp32 dQ accumulator of the atomic path: O(seqlen_q * headdim), like the inputs.
     dq_accum = None if deterministic else cupy.zeros(
-        (p.batch, p.nheads, seqlen_q_padded, config.head_dim), dtype=cupy.float32)
+        (*stats_shape, config.head_dim), dtype=cupy.float32)
+    varlen_args = _varlen_args(varlen)
     i32 = numpy.int32
     # The final dK / dQ scaling uses the softmax scale (d(scaled scores) / d(q.k)); P is
     # recomputed with the scale the softmax saw (softcap's, with softcap).
     scales = (numpy.float32(p.softmax_scale), numpy.float32(mods.softmax_scale * _LOG2E))
-    if seqlen_q_padded:
-        pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel")
+    if max_rows_padded:
+        pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel", varlen is not None)
         rows_per_cta = pre.threads // 32 * 8  # 8 warps, 8 rows a warp (flash_bwd_preprocess.cu)
-        _launch(pre, device_id, (-(-seqlen_q_padded // rows_per_cta), p.nheads, p.batch),
+        _launch(pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch),
                 (dout, out, lse, delta, lse_log2, *_element_strides(dout),
                  *_element_strides(out), i32(p.seqlen_q), i32(seqlen_q_padded), i32(p.nheads),
-                 i32(p.head_dim)))
+                 i32(p.head_dim), varlen_args[0], varlen_args[2]))
     if p.seqlen_k:
         num_kv_blocks = -(-p.seqlen_k // config.block_n)
         _launch(config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch),
@@ -265,11 +311,11 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
                  *_element_strides(dk), *_element_strides(dv), i32(p.seqlen_q),
                  i32(seqlen_q_padded), i32(p.seqlen_k), i32(p.nheads),
                  i32(p.nheads // p.nheads_kv), i32(p.head_dim), *scales, i32(window[0]),
-                 i32(window[1]), *mods.kernel_args))
+                 i32(window[1]), *mods.kernel_args, *varlen_args))
     if deterministic:
         if p.seqlen_q:
             dq_config = _configs.with_features(_configs.bwd_dq_config(p.dtype, p.head_dim, arch),
-                                               mods.features)
+                                               features)
             _launch(dq_config, device_id,
                     (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch),
                     (q, k, v, dout, lse_log2, delta, dq, *_element_strides(q),
@@ -277,14 +323,14 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
                      *_element_strides(dq), i32(p.seqlen_q), i32(seqlen_q_padded),
                      i32(p.seqlen_k), i32(p.nheads), i32(p.nheads // p.nheads_kv),
                      i32(p.head_dim), *scales, i32(window[0]), i32(window[1]),
-                     *mods.kernel_args))
+                     *mods.kernel_args, *varlen_args))
     elif p.seqlen_q:
-        convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel")
+        convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel", varlen is not None)
         chunks = p.seqlen_q * (p.head_dim // 8)
         _launch(convert, device_id, (-(-chunks // convert.threads), p.nheads, p.batch),
                 (dq_accum, dq, *_element_strides(dq), i32(p.seqlen_q), i32(seqlen_q_padded),
                  i32(p.nheads), i32(p.head_dim), i32(config.head_dim),
-                 numpy.float32(p.softmax_scale)))
+                 numpy.float32(p.softmax_scale), varlen_args[0], varlen_args[2]))
 
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -375,3 +421,125 @@ def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_
                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                   deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     return dq, dkv
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable-length sequences packed into (total_tokens, nheads, headdim): flash-attn's varlen
+# interface. The kernels get zero-batch-stride views with one batch entry per sequence and read
+# each sequence's rows from cu_seqlens (cuda_src/varlen.cuh); no padding token is computed.
+
+
+def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, out, check_cu_seqlens, cupy):
+    """Checks a varlen call. Returns (problem of the packed arrays as one unbatched call,
+    problem the kernels see: batch = sequences and the maximum lengths, _Varlen)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be packed (total_tokens, nheads, headdim) for varlen; "
+                             f"got shape {tuple(x.shape)}")
+    packed = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)
+    to_host = cupy.asnumpy if check_cu_seqlens else None  # the one host sync (see README)
+    cus = []
+    for name, cu, total, total_name in (("cu_seqlens_q", cu_seqlens_q, packed.seqlen_q, "q.shape[0]"),
+                                        ("cu_seqlens_k", cu_seqlens_k, packed.seqlen_k, "k.shape[0]")):
+        if not isinstance(cu, cupy.ndarray):
+            raise TypeError(f"{name} must be an int32 cupy.ndarray; got {type(cu).__name__}")
+        cus.append(_validate.check_cu_seqlens(name, cu, total, total_name, to_host))
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); "
+                         f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    lengths = [None if cu is None else numpy.diff(cu) for cu in cus]
+    max_q = _validate.check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths[0], "query sequence")
+    max_k = _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths[1], "key sequence")
+    batch = cu_seqlens_q.shape[0] - 1
+    problem = dataclasses.replace(packed, batch=batch, seqlen_q=max_q, seqlen_k=max_k,
+                                  batched=True)
+    return packed, problem, _Varlen(cu_seqlens_q, cu_seqlens_k, packed.seqlen_q, packed.seqlen_k)
+
+
+def _per_sequence(x, batch: int, cupy):
+    """A (batch, total, nheads, headdim) view of a packed array with batch stride 0."""
+    return cupy.broadcast_to(x[None], (batch, *x.shape))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, return_lse=False, out=None, check_cu_seqlens=True):
+    """`attention` on variable-length sequences packed one after another (flash-attn's
+    `flash_attn_varlen_func`).
+
+    q: (total_q, nheads, headdim), k and v: (total_k, nheads_kv, headdim); sequence b is rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and cu_seqlens_k[b] .. of k and v.
+    cu_seqlens_q/k: int32 CuPy arrays (batch + 1,), 0 first, non-decreasing, ending at
+    total_q/total_k. max_seqlen_q/k: ints, at least the longest sequence (they size the grid).
+    Causal masks and windows are bottom-right aligned per sequence; alibi_slopes may be
+    (batch, nheads), row b for sequence b. Returns out (total_q, nheads, headdim), or
+    (out, lse) with lse float32 (nheads, total_q) as flash-attn.
+
+    `check_cu_seqlens=True` copies cu_seqlens to the host to check their values and the max
+    lengths: one device synchronisation. With False nothing is synchronised and bad values give
+    undefined results (never out-of-bounds accesses: the kernels clamp to the packed lengths).
+    """
+    arrays = {"q": q, "k": k, "v": v}
+    if out is not None:
+        arrays["out"] = out
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    cupy = _require_cupy_arrays({**arrays, **extra})
+    if not isinstance(causal, (bool, numpy.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    packed, problem, varlen = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, softmax_scale, out, check_cu_seqlens,
+                                            cupy)
+    mods = _score_mods(problem, softcap, alibi_slopes, q)
+    device_id = _check_device(arrays, cupy)
+    _check_slopes_device(alibi_slopes, device_id)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.device.id != device_id:
+            raise ValueError(f"{name} is on device {cu.device.id}, not the current device "
+                             f"{device_id}")
+    window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((packed.nheads, packed.seqlen_q), dtype=cupy.float32)
+    b = problem.batch
+    _launch_forward(problem, *(_per_sequence(x, b, cupy) for x in (q, k, v, out)), lse, window,
+                    device_id, mods=mods, varlen=varlen)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, *, causal=False, softmax_scale=None,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, dq=None, dk=None, dv=None,
+                              check_cu_seqlens=True):
+    """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
+    the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
+    As `attention_backward` otherwise."""
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if x is not None:
+            arrays[name] = x
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    cupy = _require_cupy_arrays({**arrays, **extra})
+    if not isinstance(causal, (bool, numpy.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if not isinstance(deterministic, (bool, numpy.bool_)):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    packed, problem, varlen = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, softmax_scale, None, check_cu_seqlens,
+                                            cupy)
+    _validate.check_backward_inputs(packed, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
+    window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
+    mods = _score_mods(problem, softcap, alibi_slopes, q)
+    device_id = _check_device(arrays, cupy)
+    _check_slopes_device(alibi_slopes, device_id)
+
+    dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+    dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+    dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+    b = problem.batch
+    seq = (lambda x: _per_sequence(x, b, cupy))
+    _launch_backward(problem, seq(dout), seq(q), seq(k), seq(v), seq(out), lse, seq(dq), seq(dk),
+                     seq(dv), window, bool(deterministic), device_id, cupy, mods=mods,
+                     varlen=varlen)
+    return dq, dk, dv

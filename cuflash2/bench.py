@@ -421,6 +421,72 @@ def windows_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: Sequence lengths of the varlen rows: ragged, 16k tokens in all.
+VARLEN_LENGTHS = (3072, 512, 1536, 4096, 1024, 2048, 768, 3328)
+
+
+def measure_varlen(cupy, headdims, dtype_name, lengths, wanted, hidden, warmup, iters,
+                   progress=sys.stderr) -> list[dict]:
+    """Varlen rows: `attention_varlen` on ragged sequences packed together, next to the dense call
+    a user without varlen would make (every sequence padded to the longest). TFLOP/s count only
+    the real tokens' pairs (causal halves them)."""
+    import ml_dtypes
+    import numpy
+
+    import cuflash2
+
+    dtype = numpy.dtype(numpy.float16 if dtype_name == "fp16" else ml_dtypes.bfloat16)
+    backlog = _Backlog(cupy)
+    rows = []
+    cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32))
+    total, longest, batch = int(sum(lengths)), max(lengths), len(lengths)
+    for headdim in headdims:
+        nheads = max(1, hidden // headdim)
+        rng = cupy.random.default_rng(headdim)
+        q, k, v, dout = (rng.standard_normal((total, nheads, headdim), dtype=cupy.float32)
+                         .astype(dtype) for _ in range(4))
+        padded = [rng.standard_normal((batch, longest, nheads, headdim), dtype=cupy.float32)
+                  .astype(dtype) for _ in range(4)]
+        for causal in (False, True):
+            args = (cu, cu, longest, longest)
+            out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=causal, return_lse=True)
+            out_p, lse_p = cuflash2.attention(*padded[:3], causal=causal, return_lse=True)
+            for direction in wanted:
+                if direction == "fwd":
+                    fn = lambda: cuflash2.attention_varlen(  # noqa: E731
+                        q, k, v, *args, causal=causal, check_cu_seqlens=False)
+                    fn_padded = lambda: cuflash2.attention(*padded[:3], causal=causal)  # noqa: E731
+                else:
+                    fn = lambda: cuflash2.attention_varlen_backward(  # noqa: E731
+                        dout, q, k, v, out, lse, *args, causal=causal, check_cu_seqlens=False)
+                    fn_padded = lambda: cuflash2.attention_backward(  # noqa: E731
+                        padded[3], *padded[:3], out_p, lse_p, causal=causal)
+                ms = time_cupy(cupy, fn, warmup, iters, backlog)
+                ms_padded = time_cupy(cupy, fn_padded, warmup, iters, backlog)
+                flops = sum(attention_flops(1, nheads, n, n, headdim, causal, direction)
+                            for n in lengths)
+                row = {"direction": direction, "dtype": dtype_name, "headdim": headdim,
+                       "causal": causal, "lengths": list(lengths), "nheads": nheads, "ms": ms,
+                       "tflops": flops / ms / 1e9, "padded_ms": ms_padded,
+                       "speedup_vs_padded": ms_padded / ms}
+                rows.append(row)
+                print(f"varlen {direction} {dtype_name} d={headdim} causal={causal}: {ms:.3f} ms "
+                      f"({row['tflops']:.0f} TFLOP/s), padded dense {ms_padded:.3f} ms",
+                      file=progress, flush=True)
+    return rows
+
+
+def varlen_table(rows: list[dict]) -> str:
+    lines = ["| dir | dtype | d | causal | sequences (tokens) | heads | ms | TFLOP/s (real tokens) "
+             "| padded dense ms | speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['direction']} | {r['dtype']} | {r['headdim']} | "
+                     f"{'yes' if r['causal'] else 'no'} | {len(r['lengths'])} ({sum(r['lengths'])}) "
+                     f"| {r['nheads']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['padded_ms']:.3f} "
+                     f"| {r['speedup_vs_padded']:.2f}x |")
+    return "\n".join(lines)
+
+
 def run(cupy, args) -> int:
     """Measure, print the markdown report on stdout (progress goes to stderr), save --json."""
     import json
@@ -447,6 +513,10 @@ def run(cupy, args) -> int:
         windows = measure_windows(cupy, args.headdim, args.dtype[0], max(args.seqlens),
                                   args.windows, wanted, args.tokens, args.hidden, args.warmup,
                                   args.iters)
+    varlen = []
+    if getattr(args, "varlen", False):
+        varlen = measure_varlen(cupy, args.headdim, args.dtype[0], VARLEN_LENGTHS, wanted,
+                                args.hidden, args.warmup, args.iters)
 
     print(f"\n{environment_header(env)}\n")
     print(f"Median of {args.iters} calls after {args.warmup} warm-up calls, CUDA events; "
@@ -458,9 +528,13 @@ def run(cupy, args) -> int:
     if windows:
         print("\nSliding windows (causal, window (w, 0)), next to plain causal attention:\n")
         print(windows_table(windows))
+    if varlen:
+        print(f"\nVariable-length sequences (attention_varlen, lengths {list(VARLEN_LENGTHS)}), "
+              "next to the same sequences padded to the longest:\n")
+        print(varlen_table(varlen))
     if args.json:
         report = {"environment": env, "settings": _settings(args), "rows": [r.to_json() for r in rows],
-                  "summary": summary, "windows": windows}
+                  "summary": summary, "windows": windows, "varlen": varlen}
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)
         print(f"saved {len(rows)} rows to {args.json}", file=sys.stderr)

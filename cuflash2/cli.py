@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                            metavar="W",
                            help="also time causal sliding windows (W, 0) at the longest seqlen, "
                                 "next to plain causal attention (first --dtype)")
+    bench_cmd.add_argument("--varlen", action="store_true",
+                           help="also time attention_varlen on ragged sequences (16k tokens) next "
+                                "to the same sequences padded (first --dtype)")
     bench_cmd.add_argument("--warmup", type=int, default=3)
     bench_cmd.add_argument("--iters", type=_positive_int, default=25)
     bench_cmd.add_argument("--tokens", type=_positive_int, default=bench.PAPER_TOKENS,

@@ -40,7 +40,6 @@ softcap derivative are applied in float32 without an extra rounding.
 
 import math
 import numbers
-import operator
 import sys
 
 import ml_dtypes
@@ -480,45 +479,12 @@ def attention_backward(
 
 
 def _check_cu_seqlens(name, cu_seqlens, total, total_name):
-    """cu_seqlens as a host int64 array, checked: int32, 1-D, 0 first, non-decreasing, total."""
-    dtype = getattr(cu_seqlens, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.int32:
-        raise TypeError(
-            f"{name} must be an int32 array of cumulative sequence lengths (batch + 1 entries); "
-            f"got {'dtype ' + str(dtype) if dtype is not None else type(cu_seqlens).__name__}"
-        )
-    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(
-            f"{name} must be 1-D with batch + 1 >= 1 entries; got shape {tuple(cu_seqlens.shape)}"
-        )
     # The reference needs the lengths on the host to slice the sequences (a device sync for
     # CuPy; it is a test tool).
-    cu = _to_host(cu_seqlens).astype(numpy.int64)
-    if cu[0] != 0:
-        raise ValueError(f"{name} must start with 0; got {name}[0] = {cu[0]}")
-    steps = numpy.diff(cu)
-    if numpy.any(steps < 0):
-        at = int(numpy.argmax(steps < 0))
-        raise ValueError(
-            f"{name} must be non-decreasing; got {name}[{at}] = {cu[at]} > "
-            f"{name}[{at + 1}] = {cu[at + 1]}"
-        )
-    if cu[-1] != total:
-        raise ValueError(
-            f"{name}[-1] ({cu[-1]}) must equal the packed length {total_name} ({total})"
-        )
-    return cu
+    return _validate.check_cu_seqlens(name, cu_seqlens, total, total_name, _to_host)
 
 
-def _check_max_seqlen(name, max_seqlen, lengths, what):
-    try:
-        max_seqlen = operator.index(max_seqlen)
-    except TypeError:
-        raise TypeError(f"{name} must be an int; got {max_seqlen!r}") from None
-    longest = int(lengths.max()) if lengths.size else 0
-    if max_seqlen < longest:
-        raise ValueError(f"{name} ({max_seqlen}) is smaller than the longest {what} ({longest})")
-    return max_seqlen
+_check_max_seqlen = _validate.check_max_seqlen
 
 
 class _Varlen:

@@ -209,3 +209,8 @@ def test_window_pairs_match_a_direct_count():
 def test_bench_windows_option_parses():
     args = build_parser().parse_args(["bench", "--windows", "256", "4096"])
     assert args.windows == [256, 4096]
+
+
+def test_bench_varlen_lengths_total_the_paper_tokens():
+    assert sum(bench.VARLEN_LENGTHS) == bench.PAPER_TOKENS
+    assert build_parser().parse_args(["bench", "--varlen"]).varlen

@@ -2,8 +2,8 @@
 compute-sanitizer by test_sanitizer.py.
 
 Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causal, a sliding
-window and neither, every kernel head dim and both dtypes: the shapes where an out-of-bounds
-access or a race would show.
+window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes: the shapes
+where an out-of-bounds access or a race would show.
 Pass `--quick` for a subset (racecheck is slow).
 """
 
@@ -18,6 +18,34 @@ import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
 from cuflash2 import testing  # noqa: E402
+
+
+def _features(dtype, d) -> None:
+    """softcap + ALiBi, and varlen (ragged, empty and partial-tile sequences), forward and both
+    backward modes."""
+    q, k, v = testing.random_qkv(cupy, 2, 45, 77, 4, 2, d, dtype, seed=d + 7)
+    dout = testing.random_qkv(cupy, 2, 45, 45, 4, 4, d, dtype, seed=d + 8)[0]
+    slopes = cupy.linspace(0.05, 0.5, 8, dtype=cupy.float32).reshape(2, 4)
+    options = dict(causal=True, softcap=3.0, alibi_slopes=slopes)
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    for deterministic in (False, True):
+        grads = cuflash2.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                            **options)
+        assert not any(bool(cupy.isnan(g).any()) for g in grads)
+    lengths_q, lengths_k = (45, 0, 131, 1), (77, 0, 20, 130)
+    cu_q = cupy.asarray(numpy.cumsum((0,) + lengths_q).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.cumsum((0,) + lengths_k).astype(numpy.int32))
+    q, k, v = testing.random_qkv(cupy, None, sum(lengths_q), sum(lengths_k), 4, 2, d, dtype,
+                                 seed=d + 9)
+    dout = testing.random_qkv(cupy, None, sum(lengths_q), sum(lengths_q), 4, 4, d, dtype,
+                              seed=d + 10)[0]
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    for causal in (False, True):
+        out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=causal, return_lse=True)
+        for deterministic in (False, True):
+            grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args,
+                                                       causal=causal, deterministic=deterministic)
+            assert not any(bool(cupy.isnan(g).any()) for g in grads)
 
 
 def main(quick: bool) -> None:
@@ -39,6 +67,8 @@ def main(quick: bool) -> None:
                                                             causal=causal, window_size=window,
                                                             deterministic=deterministic)
                         assert not any(bool(cupy.isnan(g).any()) for g in grads)
+            if d in (32, 64, 128, 256):
+                _features(dtype, d)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")
 

@@ -1,0 +1,49 @@
+"""Compiles kernel specialisations into CuPy's disk cache in parallel processes, so that a test or
+benchmark run that follows finds them compiled (CuPy compiles one kernel at a time, in-process).
+
+    CUPY_CACHE_DIR=/tmp/cc python benchmarks/prewarm_cache.py [--jobs 16] [--features 0 1 2 3 4 7]
+"""
+
+import argparse
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cuflash2 import _configs  # noqa: E402
+
+
+def _compile(configs):
+    from cuflash2 import _compile as compile_module
+
+    for cfg in configs:
+        compile_module.get_kernel(cfg, 0)
+    return len(configs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--features", type=int, nargs="+", default=list(_configs.ALL_FEATURES))
+    ap.add_argument("--arch", type=int, default=None, help="default: device 0's")
+    args = ap.parse_args()
+    if args.arch is None:
+        import cupy
+
+        args.arch = int(cupy.cuda.Device(0).compute_capability)
+    configs = list(dict.fromkeys(
+        _configs.all_fwd_configs(args.arch, args.features)
+        + _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()))
+    start = time.time()
+    chunks = [configs[i::args.jobs] for i in range(args.jobs)]
+    # spawn: the parent may hold a CUDA context, which forked children cannot use.
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = sum(pool.map(_compile, chunks))
+    print(f"compiled {done} specialisations for sm_{args.arch} in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Variable-length sequences (`attention_varlen`, `attention_varlen_backward`): bitwise equal to
+a loop of dense calls over the sequences (deterministic backward), within the 2x rule of the
+reference (default backward), with ragged and empty sequences, seqlen_q != seqlen_k per
+sequence, GQA, causal masks, windows, softcap and per-sequence ALiBi slopes, both dtypes."""
+
+import zlib
+
+import ml_dtypes
+import numpy
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import _configs, reference, testing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [pytest.param(numpy.dtype(numpy.float16), id="fp16"),
+          pytest.param(numpy.dtype(ml_dtypes.bfloat16), id="bf16")]
+# (lengths_q, lengths_k, nheads, nheads_kv)
+LAYOUTS = {
+    "ragged": ([97, 1, 0, 300, 64], [97, 1, 0, 300, 64], 4, 4),
+    "sq!=sk-gqa": ([33, 250, 129], [200, 17, 129], 6, 2),
+    "one": ([513], [513], 2, 1),
+}
+OPTIONS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(48, 16)),
+    "softcap-alibi-causal": dict(causal=True, softcap=4.0, alibi_slopes="batch"),
+}
+
+
+def _inputs(layout, headdim, dtype, seed):
+    lengths_q, lengths_k, h, hk = LAYOUTS[layout]
+    rng = numpy.random.default_rng(seed)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = cupy.asarray(rng.standard_normal((total_q, h, headdim)).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((total_k, hk, headdim)).astype(dtype))
+    v = cupy.asarray(rng.standard_normal((total_k, hk, headdim)).astype(dtype))
+    dout = cupy.asarray(rng.standard_normal((total_q, h, headdim)).astype(dtype))
+    cu_q = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_q)]).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_k)]).astype(numpy.int32))
+    return q, k, v, dout, cu_q, cu_k, max(lengths_q), max(lengths_k)
+
+
+def _options(name, batch, nheads, seed):
+    options = dict(OPTIONS[name])
+    if options.get("alibi_slopes") == "batch":
+        rng = numpy.random.default_rng(seed)
+        options["alibi_slopes"] = cupy.asarray(
+            rng.uniform(0.01, 0.5, size=(batch, nheads)).astype(numpy.float32))
+    return options
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_varlen_matches_dense_loop_and_reference(dtype, headdim, layout, option):
+    seed = zlib.crc32(repr((layout, headdim, option, str(dtype))).encode())
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = _inputs(layout, headdim, dtype, seed)
+    batch, nheads = cu_q.shape[0] - 1, q.shape[1]
+    options = _options(option, batch, nheads, seed + 1)
+    args = (cu_q, cu_k, max_q, max_k)
+    out = testing.poison_like(cupy, q.shape, dtype)
+    out, lse = cuflash2.attention_varlen(q, k, v, *args, return_lse=True, out=out, **options)
+    assert lse.shape == (nheads, q.shape[0])
+
+    # Against the reference (2x rule), forward and default (atomic) backward.
+    ref_hi = reference.attention_varlen(q, k, v, *args, return_lse=True,
+                                        compute_dtype=numpy.float32, **options)
+    ref_lo = reference.attention_varlen(q, k, v, *args, compute_dtype=q.dtype, **options)
+    result = testing.check_close("out", out, ref_hi[0], ref_lo)
+    assert result.ok, str(result)
+    assert testing.lse_close(lse, ref_hi[1]).ok
+    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, **options)
+    refs_hi = reference.attention_varlen_backward(dout, q, k, v, None, None, *args,
+                                                  compute_dtype=numpy.float32, **options)
+    refs_lo = reference.attention_varlen_backward(dout, q, k, v, None, None, *args,
+                                                  compute_dtype=q.dtype, **options)
+    for name, got, hi, lo in zip(("dq", "dk", "dv"), grads, refs_hi, refs_lo):
+        result = testing.check_close(name, got, hi, lo)
+        assert result.ok, str(result)
+
+    # Against a loop of dense calls: the same tiles in the same order, so bitwise equal
+    # (deterministic backward; dK and dV never use atomics).
+    det = [testing.poison_like(cupy, x.shape, dtype) for x in (q, k, v)]
+    cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, deterministic=True,
+                                       dq=det[0], dk=det[1], dv=det[2], **options)
+    cu_q_h, cu_k_h = cu_q.get(), cu_k.get()
+    for b in range(batch):
+        rq, rk = slice(int(cu_q_h[b]), int(cu_q_h[b + 1])), slice(int(cu_k_h[b]), int(cu_k_h[b + 1]))
+        seq_options = dict(options)
+        if "alibi_slopes" in seq_options:
+            seq_options["alibi_slopes"] = cupy.ascontiguousarray(options["alibi_slopes"][b])
+        o_b, lse_b = cuflash2.attention(q[rq], k[rk], v[rk], return_lse=True, **seq_options)
+        assert bool((o_b.view(cupy.uint16) == out[rq].view(cupy.uint16)).all()), b
+        assert bool((lse_b == lse[:, rq]).all()), b
+        g_b = cuflash2.attention_backward(dout[rq], q[rq], k[rk], v[rk], o_b, lse_b,
+                                          deterministic=True, **seq_options)
+        for name, got, want in zip(("dq", "dk", "dv"), (det[0][rq], det[1][rk], det[2][rk]), g_b):
+            assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all()), (b, name)
+
+
+@pytest.mark.parametrize("headdim", [d for d in _configs.KERNEL_HEAD_DIMS if d not in (64, 128)])
+def test_varlen_every_head_dim(headdim):
+    dtype = numpy.dtype(numpy.float16)
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = _inputs("sq!=sk-gqa", headdim, dtype, headdim)
+    args = (cu_q, cu_k, max_q, max_k)
+    out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+    ref_hi = reference.attention_varlen(q, k, v, *args, causal=True, compute_dtype=numpy.float32)
+    ref_lo = reference.attention_varlen(q, k, v, *args, causal=True, compute_dtype=q.dtype)
+    assert testing.check_close("out", out, ref_hi, ref_lo).ok
+    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True)
+    refs_hi = reference.attention_varlen_backward(dout, q, k, v, None, None, *args, causal=True,
+                                                  compute_dtype=numpy.float32)
+    refs_lo = reference.attention_varlen_backward(dout, q, k, v, None, None, *args, causal=True,
+                                                  compute_dtype=q.dtype)
+    for name, got, hi, lo in zip(("dq", "dk", "dv"), grads, refs_hi, refs_lo):
+        assert testing.check_close(name, got, hi, lo).ok, name
+
+
+def test_varlen_unchecked_cu_seqlens_run_without_sync_and_agree():
+    dtype = numpy.dtype(numpy.float16)
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = _inputs("ragged", 64, dtype, 1)
+    a = cuflash2.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    b = cuflash2.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, check_cu_seqlens=False)
+    assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+
+
+def _bad(cu_q_values, max_q=100, dtype=numpy.int32):
+    q, k, v, *_ = _inputs("ragged", 64, numpy.dtype(numpy.float16), 2)
+    cu_q = cupy.asarray(numpy.asarray(cu_q_values, dtype=dtype))
+    cu_k = cupy.asarray(numpy.asarray([0, 97, 98, 98, 398, 462], dtype=numpy.int32))
+    return q, k, v, cu_q, cu_k, max_q, 300
+
+
+@pytest.mark.parametrize("values,max_q,dtype,error,match", [
+    ([0, 97, 98, 98, 398, 462], 300, numpy.int64, TypeError, "int32"),
+    ([1, 97, 98, 98, 398, 462], 300, numpy.int32, ValueError, "must start with 0"),
+    ([0, 97, 90, 98, 398, 462], 300, numpy.int32, ValueError, "non-decreasing"),
+    ([0, 97, 98, 98, 398, 461], 300, numpy.int32, ValueError, "must equal the packed length"),
+    ([0, 97, 98, 98, 398, 462], 299, numpy.int32, ValueError, "smaller than the longest"),
+    ([0, 97, 98, 398, 462], 300, numpy.int32, ValueError, "same length"),
+])
+def test_bad_cu_seqlens_are_rejected(values, max_q, dtype, error, match):
+    q, k, v, cu_q, cu_k, _, max_k = _bad(values, max_q, dtype)
+    with pytest.raises(error, match=match):
+        cuflash2.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+def test_varlen_needs_packed_inputs():
+    q, k, v = testing.random_qkv(cupy, 2, 16, 16, 2, 2, 64, numpy.float16, seed=1)
+    cu = cupy.asarray(numpy.array([0, 16, 32], numpy.int32))
+    with pytest.raises(ValueError, match="packed"):
+        cuflash2.attention_varlen(q, k, v, cu, cu, 16, 16)
