@@ -26,6 +26,10 @@ FEATURE_SOFTCAP = 1
 FEATURE_ALIBI = 2
 FEATURE_VARLEN = 4  # packed variable-length sequences (cuda_src/varlen.cuh)
 ALL_FEATURES = tuple(range(8))
+#: The combinations the CPU compile tests build for every kernel, head dim and arch: none, each
+#: feature alone and all together (each feature is its own `if constexpr` branch, so these
+#: compile every line of every branch); sm_90 at d=64/128 builds ALL_FEATURES.
+TESTED_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_VARLEN, 7)
 
 #: Architectures the CPU compile tests build for (the GPU path compiles for the device's own).
 CPU_TEST_ARCHS = (80, 86, 89, 90)

@@ -11,11 +11,20 @@ from cuflash2 import _compile, _configs
 # Shared memory a block may use (opt-in limit): sm_80 163 KiB, sm_86/89 99 KiB, sm_90 227 KiB.
 MAX_SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
-# Every specialisation, plain and with each softcap / ALiBi combination.
+# Every specialisation, plain and with the feature combinations of TESTED_FEATURES (each feature
+# alone and all together); on sm_90, every combination at head dims 64 and 128.
+def _all_combinations_sm90(configs):
+    return [(cfg, 90) for cfg in configs if cfg.head_dim in (64, 128)
+            and cfg.features not in _configs.TESTED_FEATURES]
+
+
 FWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-             for cfg in _configs.all_fwd_configs(arch, _configs.ALL_FEATURES)]
+             for cfg in _configs.all_fwd_configs(arch, _configs.TESTED_FEATURES)]
+FWD_CASES += _all_combinations_sm90(_configs.all_fwd_configs(90, _configs.ALL_FEATURES))
 BWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-             for cfg in dict.fromkeys(_configs.all_bwd_configs(arch, _configs.ALL_FEATURES))]
+             for cfg in dict.fromkeys(_configs.all_bwd_configs(arch, _configs.TESTED_FEATURES))]
+BWD_CASES += _all_combinations_sm90(
+    dict.fromkeys(_configs.all_bwd_configs(90, _configs.ALL_FEATURES)))
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
 #: Every plain forward and backward main kernel must be spill-free. The deterministic dQ kernel
@@ -85,9 +94,9 @@ def test_every_head_dim_has_a_kernel(head_dim):
             cfg = _configs.fwd_config(dtype, head_dim, arch)
             assert cfg.head_dim >= head_dim and cfg.head_dim % 32 == 0
             assert cfg in _configs.all_fwd_configs(arch)
-            for features in _configs.ALL_FEATURES:
+            for features in _configs.TESTED_FEATURES:
                 assert _configs.with_features(cfg, features) in _configs.all_fwd_configs(
-                    arch, _configs.ALL_FEATURES)
+                    arch, _configs.TESTED_FEATURES)
             assert cfg.block_m % (16 * cfg.num_warps) == 0
 
 
