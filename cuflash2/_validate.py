@@ -293,3 +293,124 @@ def check_max_seqlen(name: str, max_seqlen, lengths, what: str) -> int:
         if max_seqlen < longest:
             raise ValueError(f"{name} ({max_seqlen}) is smaller than the longest {what} ({longest})")
     return max_seqlen
+
+
+# Inference with a KV cache (flash-attn's flash_attn_with_kvcache)
+
+
+@dataclass(frozen=True)
+class KVCacheProblem:
+    """The sizes of one attention-with-KV-cache call."""
+
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    seqlen_new: int  # tokens appended (0 without k, v)
+    paged: bool
+    page_size: int  # paged: rows per block; contiguous: the cache length
+    capacity: int  # positions a sequence can hold (max_blocks * page_size, or the cache length)
+    num_blocks: int  # paged: blocks in the cache; contiguous: cache batch entries
+
+
+def _int32_vector(name: str, x, length: int, what: str) -> None:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.int32:
+        raise TypeError(f"{name} must be an int32 array ({what}); got "
+                        f"{'dtype ' + str(dtype) if dtype is not None else type(x).__name__}")
+    if tuple(x.shape) != (length,):
+        raise ValueError(f"{name} must have shape ({length},) ({what}); got {tuple(x.shape)}")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                         cache_batch_idx=None, block_table=None, to_host=None) -> KVCacheProblem:
+    """Shapes and dtypes of a KV-cache call; with `to_host` (a function copying an array to the
+    host: for CuPy arrays a device sync) also the values: cache_seqlens + the new tokens within
+    the capacity, cache_batch_idx and the used block_table entries in range."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D; got shape {tuple(x.shape)}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape; got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    rows, cache_len, nheads_kv, cache_dim = k_cache.shape
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+    if cache_dim != head_dim:
+        raise ValueError(f"k_cache's head dim ({cache_dim}) must equal q's ({head_dim})")
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of the cache's nheads_kv "
+                         f"({nheads_kv})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together")
+    seqlen_new = 0
+    if k is not None:
+        seqlen_new = k.shape[1] if len(k.shape) == 4 else -1
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != (batch, seqlen_new, nheads_kv, head_dim):
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, nheads_kv, headdim) "
+                                 f"= ({batch}, {seqlen_new}, {nheads_kv}, {head_dim}); got "
+                                 f"{tuple(x.shape)}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx and block_table exclude each other (a paged cache "
+                             "maps sequences to blocks through block_table)")
+        dtype = getattr(block_table, "dtype", None)
+        if dtype is None or numpy.dtype(dtype) != numpy.int32 or len(block_table.shape) != 2 \
+                or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be an int32 (batch, max_blocks) = ({batch}, ...) "
+                             f"array; got {dtype} {tuple(getattr(block_table, 'shape', ()))}")
+        capacity = block_table.shape[1] * cache_len
+    else:
+        if cache_batch_idx is None and rows != batch:
+            raise ValueError(f"k_cache has {rows} sequences but q has batch {batch}; pass "
+                             f"cache_batch_idx to pick cache rows")
+        if cache_batch_idx is not None:
+            _int32_vector("cache_batch_idx", cache_batch_idx, batch, "a cache row per sequence")
+        capacity = cache_len
+    if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
+        _int32_vector("cache_seqlens", cache_seqlens, batch, "tokens already cached per sequence")
+    problem = KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_new, paged,
+                             cache_len, capacity, rows)
+    if to_host is not None:
+        _check_kvcache_values(problem, cache_seqlens, cache_batch_idx, block_table, to_host)
+    return problem
+
+
+def kvcache_lengths(problem: KVCacheProblem, cache_seqlens, to_host):
+    """Host int64 (batch,) of the tokens cached before the call (default: full capacity)."""
+    if cache_seqlens is None:
+        return numpy.full(problem.batch, problem.capacity - problem.seqlen_new, numpy.int64)
+    if isinstance(cache_seqlens, numbers.Integral):
+        return numpy.full(problem.batch, int(cache_seqlens), numpy.int64)
+    return numpy.asarray(to_host(cache_seqlens)).astype(numpy.int64)
+
+
+def _check_kvcache_values(problem, cache_seqlens, cache_batch_idx, block_table, to_host):
+    lengths = kvcache_lengths(problem, cache_seqlens, to_host)
+    total = lengths + problem.seqlen_new
+    if problem.batch and (lengths.min() < 0 or total.max() > problem.capacity):
+        b = int(numpy.argmax((lengths < 0) | (total > problem.capacity)))
+        raise ValueError(
+            f"cache_seqlens[{b}] = {lengths[b]} plus the {problem.seqlen_new} new tokens must be "
+            f"within [0, {problem.capacity}] (the cache's capacity per sequence)")
+    if cache_batch_idx is not None:
+        idx = numpy.asarray(to_host(cache_batch_idx))
+        if idx.size and (idx.min() < 0 or idx.max() >= problem.num_blocks):
+            raise ValueError(f"cache_batch_idx entries must be in [0, {problem.num_blocks}); got "
+                             f"{int(idx.min())} .. {int(idx.max())}")
+    if block_table is not None and problem.batch:
+        table = numpy.asarray(to_host(block_table))
+        used = (total[:, None] > numpy.arange(table.shape[1])[None, :] * problem.page_size)
+        bad = used & ((table < 0) | (table >= problem.num_blocks))
+        if bad.any():
+            b, j = (int(i) for i in numpy.argwhere(bad)[0])
+            raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is used (sequence {b} "
+                             f"holds {total[b]} tokens) but is not a block of the cache "
+                             f"[0, {problem.num_blocks})")

@@ -52,6 +52,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "attention_varlen",
+    "attention_with_kvcache",
     "attention_varlen_backward",
 ]
 
@@ -649,3 +650,76 @@ def attention_varlen_backward(
         for grad, rows, part in zip(grads, (rows_q, rows_k, rows_k), parts):
             grad[rows] = part.astype(prec.acc)
     return tuple(grad.astype(prec.result) for grad in grads)
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    k=None,
+    v=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_lse=False,
+    compute_dtype=numpy.float32,
+):
+    """Reference attention with a KV cache (flash-attn's ``flash_attn_with_kvcache``), for
+    inference: a few query tokens against a long cache.
+
+    q: (batch, seqlen_q, nheads, headdim). The cache is either contiguous, k_cache and v_cache
+    (batch_cache, seqlen_cache, nheads_kv, headdim) with sequence b in cache row
+    ``cache_batch_idx[b]`` (default b), or paged, (num_blocks, page_size, nheads_kv, headdim)
+    with ``block_table`` int32 (batch, max_blocks): logical position p of sequence b is row
+    ``p % page_size`` of block ``block_table[b, p // page_size]``.
+    cache_seqlens: int or int32 (batch,), the tokens already cached per sequence (default: the
+    whole capacity, less the new tokens). k, v: optional new tokens (batch, seqlen_new,
+    nheads_kv, headdim), written **into the cache arrays in place** at positions
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before the attention, which runs over
+    the first cache_seqlens[b] + seqlen_new positions (causal and windows bottom-right aligned,
+    as ``attention``; alibi_slopes (nheads,) or (batch, nheads)).
+
+    Returns out (batch, seqlen_q, nheads, headdim) in compute_dtype, or (out, lse) with lse
+    float32 (batch, nheads, seqlen_q).
+    """
+    xp = _array_module(q, k_cache, v_cache, k, v, alibi_slopes)
+    problem = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
+                                             cache_batch_idx, block_table, _to_host)
+    lengths = _validate.kvcache_lengths(problem, cache_seqlens, _to_host)
+    rows = (numpy.arange(problem.batch) if cache_batch_idx is None
+            else _to_host(cache_batch_idx).astype(numpy.int64))
+    table = _to_host(block_table).astype(numpy.int64) if problem.paged else None
+    slopes = _check_alibi_slopes(xp, alibi_slopes, problem.batch, problem.nheads, False)
+
+    def cache_index(b, positions):
+        if problem.paged:
+            return (xp.asarray(table[b, positions // problem.page_size]),
+                    xp.asarray(positions % problem.page_size))
+        return (int(rows[b]), xp.asarray(positions))
+
+    outs, lses = [], []
+    for b in range(problem.batch):
+        cached, total = int(lengths[b]), int(lengths[b]) + problem.seqlen_new
+        if k is not None:
+            new = cache_index(b, numpy.arange(cached, total))
+            k_cache[new] = k[b]
+            v_cache[new] = v[b]
+        everything = cache_index(b, numpy.arange(total))
+        options = {} if slopes is None else {"alibi_slopes": slopes[b]}
+        out, lse = attention(q[b], k_cache[everything], v_cache[everything], causal=causal,
+                             softmax_scale=softmax_scale, window_size=window_size,
+                             softcap=softcap, return_lse=True, compute_dtype=compute_dtype,
+                             **options)
+        outs.append(out)
+        lses.append(lse)
+    shape = (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim)
+    out = xp.stack(outs) if outs else xp.zeros(shape, dtype=_Precision(compute_dtype).result)
+    lse = (xp.stack(lses) if lses
+           else xp.zeros((problem.batch, problem.nheads, problem.seqlen_q), numpy.float32))
+    return (out, lse) if return_lse else out
