@@ -11,11 +11,11 @@ minutes once the kernels are compiled.
 """
 
 import time
-import zlib
 
-import ml_dtypes
 import numpy
 import pytest
+from grids import BF16, CAUSAL, DTYPES, FP16, HEAD_DIMS, HEAD_LAYOUTS, SEQLENS  # tests/gpu helper
+from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
 
@@ -24,23 +24,12 @@ from cuflash2 import testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-FP16 = numpy.dtype(numpy.float16)
-BF16 = numpy.dtype(ml_dtypes.bfloat16)
-DTYPES = [pytest.param(FP16, id="fp16"), pytest.param(BF16, id="bf16")]
-CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 DETERMINISTIC = [pytest.param(False, id="atomic"), pytest.param(True, id="deterministic")]
-HEAD_DIMS = [32, 40, 64, 72, 96, 128, 160, 192, 224, 256]
-SEQLENS = [1, 17, 97, 128, 255, 1023, 1025]
 GRAD_NAMES = ("dq", "dk", "dv")
 
 
 # --------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def _seed(*parts):
-    """A stable seed per test case (Python's hash() of strings changes between runs)."""
-    return zlib.crc32(repr(parts).encode())
 
 
 def _standard_normal(xp, shape, dtype, seed):
@@ -132,14 +121,6 @@ def _backward_and_check(
 
 # --------------------------------------------------------------------------------------------
 # 1. Coverage grids: the 2x rule for dq, dk, dv.
-
-# name: (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
-HEAD_LAYOUTS = {
-    "mha": (2, 113, 113, 4, 4),
-    "gqa": (1, 97, 255, 6, 2),  # query heads 0-2 read KV head 0, 3-5 read KV head 1
-    "mqa": (1, 255, 97, 4, 1),  # causal: rows 0..157 see no key
-}
-
 
 @pytest.mark.parametrize("layout", list(HEAD_LAYOUTS))
 @pytest.mark.parametrize("causal", CAUSAL)

@@ -8,11 +8,11 @@ kept small so the whole file runs in well under three minutes once the kernels a
 
 import math
 import time
-import zlib
 
-import ml_dtypes
 import numpy
 import pytest
+from grids import CAUSAL, DTYPES, FP16, HEAD_DIMS, HEAD_LAYOUTS, SEQLENS  # tests/gpu helper
+from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
 
@@ -20,18 +20,6 @@ import cuflash2  # noqa: E402  (after the CuPy skip: the package is only usable 
 from cuflash2 import testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-FP16 = numpy.dtype(numpy.float16)
-BF16 = numpy.dtype(ml_dtypes.bfloat16)
-DTYPES = [pytest.param(FP16, id="fp16"), pytest.param(BF16, id="bf16")]
-CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
-HEAD_DIMS = [32, 40, 64, 72, 96, 128, 160, 192, 224, 256]
-SEQLENS = [1, 17, 97, 128, 255, 1023, 1025]
-
-
-def _seed(*parts):
-    """A stable seed per test case (Python's hash() of strings changes between runs)."""
-    return zlib.crc32(repr(parts).encode())
 
 
 def _random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype):
@@ -79,14 +67,6 @@ def test_seqlen_grid(dtype, headdim, causal, seqlen_q, seqlen_k):
     """Every pair of sequence lengths (tile tails, sq != sk both ways) at two head dims."""
     q, k, v = _random_qkv(1, seqlen_q, seqlen_k, 2, 2, headdim, dtype)
     _attention_and_check(q, k, v, causal=causal)
-
-
-# name: (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
-HEAD_LAYOUTS = {
-    "mha": (2, 113, 113, 4, 4),
-    "gqa": (1, 97, 255, 6, 2),  # query heads 0-2 read KV head 0, 3-5 read KV head 1
-    "mqa": (1, 255, 97, 4, 1),  # causal: rows 0..157 see no key
-}
 
 
 @pytest.mark.parametrize("layout", list(HEAD_LAYOUTS))

@@ -2,9 +2,9 @@
 same kernels on strided views of the packed array, so they must agree bitwise with the unpacked
 calls (deterministic backward), write gradients into the packed layout, and copy nothing."""
 
-import ml_dtypes
 import numpy
 import pytest
+from grids import DTYPES  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -13,8 +13,6 @@ from cuflash2 import testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [pytest.param(numpy.dtype(numpy.float16), id="fp16"),
-          pytest.param(numpy.dtype(ml_dtypes.bfloat16), id="bf16")]
 
 
 def _same(a, b):

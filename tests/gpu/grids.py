@@ -1,0 +1,26 @@
+"""Parameter grids and seeds shared by the GPU tests (tests/gpu helper, no CuPy needed)."""
+
+import zlib
+
+import ml_dtypes
+import numpy
+import pytest
+
+FP16 = numpy.dtype(numpy.float16)
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+DTYPES = [pytest.param(FP16, id="fp16"), pytest.param(BF16, id="bf16")]
+CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
+HEAD_DIMS = [32, 40, 64, 72, 96, 128, 160, 192, 224, 256]
+SEQLENS = [1, 17, 97, 128, 255, 1023, 1025]
+
+# name: (batch, seqlen_q, seqlen_k, nheads, nheads_kv)
+HEAD_LAYOUTS = {
+    "mha": (2, 113, 113, 4, 4),
+    "gqa": (1, 97, 255, 6, 2),  # query heads 0-2 read KV head 0, 3-5 read KV head 1
+    "mqa": (1, 255, 97, 4, 1),  # causal: rows 0..157 see no key
+}
+
+
+def seed_of(*parts) -> int:
+    """A stable seed per test case (Python's hash() of strings changes between runs)."""
+    return zlib.crc32(repr(parts).encode())
