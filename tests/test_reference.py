@@ -1,6 +1,5 @@
 """CPU tests of cuflash2.reference and cuflash2.testing (NumPy only: no CuPy, no GPU)."""
 
-import itertools
 import math
 
 import ml_dtypes
@@ -9,55 +8,11 @@ import pytest
 
 from cuflash2 import reference, testing
 from finite_differences import finite_difference_grads  # tests/ helper
+from naive_attention import naive_attention
+from naive_attention import random_inputs as _inputs
 
 FP16 = numpy.dtype(numpy.float16)
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
-
-
-# --------------------------------------------------------------------------------------------
-# An independent per-element formula: loops over rows, float64, math.exp. It implements the
-# rules of design.md §1 as written (causal and window as separate conditions), so it also checks
-# how the reference combines them.
-
-
-def _sees(i, j, seqlen_q, seqlen_k, causal, window_size):
-    diagonal = i + seqlen_k - seqlen_q
-    left, right = window_size
-    if causal and j > diagonal:
-        return False
-    if left >= 0 and j < diagonal - left:
-        return False
-    if right >= 0 and j > diagonal + right:
-        return False
-    return True
-
-
-def naive_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
-    """(out, lse) in float64 for batched q, k, v."""
-    q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (q, k, v))
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
-    out = numpy.zeros((batch, seqlen_q, nheads, v.shape[-1]))
-    lse = numpy.full((batch, nheads, seqlen_q), math.inf)
-    for b, h, i in itertools.product(range(batch), range(nheads), range(seqlen_q)):
-        kv_head = h // (nheads // nheads_kv)
-        keys = [j for j in range(seqlen_k) if _sees(i, j, seqlen_q, seqlen_k, causal, window_size)]
-        if not keys:
-            continue  # out 0, lse +inf
-        scores = [scale * float(numpy.dot(q[b, i, h], k[b, j, kv_head])) for j in keys]
-        top = max(scores)
-        weights = [math.exp(s - top) for s in scores]
-        total = sum(weights)
-        out[b, i, h] = sum(w * v[b, j, kv_head] for w, j in zip(weights, keys)) / total
-        lse[b, h, i] = top + math.log(total)
-    return out, lse
-
-
-def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype=numpy.float64, seed=0):
-    return testing.random_qkv(
-        numpy, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype, seed
-    )
 
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, window_size)

@@ -1,7 +1,6 @@
 """CPU tests of the reference's flash-attn features: softcap, ALiBi, dropout given its mask,
 variable length (NumPy only: no CuPy, no GPU)."""
 
-import itertools
 import math
 
 import ml_dtypes
@@ -10,72 +9,11 @@ import pytest
 
 from cuflash2 import reference, testing
 from finite_differences import finite_difference_grads  # tests/ helper
+from naive_attention import naive_attention
+from naive_attention import random_inputs as _inputs
 
 FP16 = numpy.dtype(numpy.float16)
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
-
-
-# --------------------------------------------------------------------------------------------
-# An independent per-element formula: loops over rows, float64, math.tanh/math.exp. It applies
-# the features in flash-attn's order as written: scale, softcap, ALiBi bias, mask, softmax (lse
-# here), dropout on the normalised probabilities.
-
-
-def _sees(i, j, seqlen_q, seqlen_k, causal, window_size):
-    diagonal = i + seqlen_k - seqlen_q
-    left, right = window_size
-    if causal and j > diagonal:
-        return False
-    if left >= 0 and j < diagonal - left:
-        return False
-    if right >= 0 and j > diagonal + right:
-        return False
-    return True
-
-
-def naive_attention(
-    q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
-    slopes=None, keep=None, dropout_p=0.0,
-):
-    """(out, lse) in float64 for batched q, k, v.
-
-    slopes: None or (batch, nheads); keep: None or a boolean (batch, nheads, seqlen_q, seqlen_k).
-    """
-    q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (q, k, v))
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
-    out = numpy.zeros((batch, seqlen_q, nheads, v.shape[-1]))
-    lse = numpy.full((batch, nheads, seqlen_q), math.inf)
-    for b, h, i in itertools.product(range(batch), range(nheads), range(seqlen_q)):
-        kv_head = h // (nheads // nheads_kv)
-        keys = [j for j in range(seqlen_k) if _sees(i, j, seqlen_q, seqlen_k, causal, window_size)]
-        if not keys:
-            continue  # out 0, lse +inf
-        scores = []
-        for j in keys:
-            s = scale * float(numpy.dot(q[b, i, h], k[b, j, kv_head]))
-            if softcap > 0:
-                s = softcap * math.tanh(s / softcap)
-            if slopes is not None:
-                s -= float(slopes[b, h]) * abs(i + seqlen_k - seqlen_q - j)
-            scores.append(s)
-        top = max(scores)
-        weights = [math.exp(s - top) for s in scores]
-        total = sum(weights)
-        for w, j in zip(weights, keys):
-            p = w / total
-            if keep is not None:
-                p = p * float(keep[b, h, i, j]) / (1 - dropout_p)
-            out[b, i, h] += p * v[b, j, kv_head]
-        lse[b, h, i] = top + math.log(total)
-    return out, lse
-
-
-def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype=numpy.float64, seed=0):
-    return testing.random_qkv(
-        numpy, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype, seed
-    )
 
 
 def _slopes(shape, seed=0):
