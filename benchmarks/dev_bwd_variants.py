@@ -77,14 +77,6 @@ VARIANTS = {
     "fused_sdp": [("warp_gemm.cuh", _STORE_ANCHOR, _PAIR_GEMM + _STORE_ANCHOR),
                   ("flash_bwd.cu", _DP_DECL + _DP_GEMM, ""),
                   ("flash_bwd.cu", _S_GEMM, _DP_DECL + _FUSED_CALL)],
-    # Each KV block starts its Q-block loop at a different block (non-causal, no window), so the
-    # CTAs of a head do not add to the same dQ rows at the same time.
-    "rotate": [("flash_bwd.cu", "(m_first + step % m_count) * BLOCK_M",
-                "(m_first + (step + rotation) % m_count) * BLOCK_M"),
-               ("flash_bwd.cu", "    const int steps = m_count * heads_per_kv_head;",
-                "    const int rotation = window_left < 0 && window_right < 0 && m_count > 0\n"
-                "                             ? kv_block % m_count : 0;\n"
-                "    const int steps = m_count * heads_per_kv_head;")],
     "scalar_red": [("mma_primitives.cuh", "#if __CUDA_ARCH__ >= 900\n    asm volatile(\"red",
                     "#if 0\n    asm volatile(\"red")],
 }
