@@ -372,12 +372,10 @@ def measure_windows(cupy, headdims, dtype_name, seqlen, windows, wanted, tokens,
     """Sliding-window rows: causal attention restricted to window (w, 0) at one long seqlen, next to
     plain causal attention on the same arrays. TFLOP/s count only the pairs inside the window;
     `time_vs_causal` against `pairs_vs_causal` shows the time is proportional to the window."""
-    import ml_dtypes
-    import numpy
-
     import cuflash2
+    from cuflash2.selfcheck import dtype_from_name
 
-    dtype = numpy.dtype(numpy.float16 if dtype_name == "fp16" else ml_dtypes.bfloat16)
+    dtype = dtype_from_name(dtype_name)
     backlog = _Backlog(cupy)
     rows = []
     for headdim in headdims:
@@ -430,12 +428,12 @@ def measure_varlen(cupy, headdims, dtype_name, lengths, wanted, hidden, warmup, 
     """Varlen rows: `attention_varlen` on ragged sequences packed together, next to the dense call
     a user without varlen would make (every sequence padded to the longest). TFLOP/s count only
     the real tokens' pairs (causal halves them)."""
-    import ml_dtypes
     import numpy
 
     import cuflash2
+    from cuflash2.selfcheck import dtype_from_name
 
-    dtype = numpy.dtype(numpy.float16 if dtype_name == "fp16" else ml_dtypes.bfloat16)
+    dtype = dtype_from_name(dtype_name)
     backlog = _Backlog(cupy)
     rows = []
     cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32))
