@@ -72,26 +72,3 @@ CF2_DEVICE void mask_scores(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
     }
 }
 
-// The same for a transposed score tile (rows are keys, columns are queries), as the backward
-// kernel holds it: s[mt][nt][2*half + e] is key key0 + 16*mt + 8*half, query q0 + 8*nt + e.
-template <int M_TILES, int N_TILES>
-CF2_DEVICE void mask_scores_transposed(float (&s)[M_TILES][N_TILES][4], int key0, int q0,
-                                       const KeyVisibility& vis) {
-#pragma unroll
-    for (int nt = 0; nt < N_TILES; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int q = q0 + 8 * nt + e;
-            const int key_lo = vis.lo(q);
-            const int key_hi = vis.hi(q);
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int key = key0 + 16 * mt + 8 * half;
-                    if (key < key_lo || key >= key_hi) s[mt][nt][2 * half + e] = neg_inf();
-                }
-            }
-        }
-    }
-}
