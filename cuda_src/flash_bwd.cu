@@ -28,6 +28,7 @@
 #include "dq_accum.cuh"
 #include "score_mods.cuh"
 #include "varlen.cuh"
+#include "dropout.cuh"
 
 template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
           int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES>
@@ -71,8 +72,8 @@ struct BwdTraits {
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the 128-byte bank alignment of the tiles");
 };
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi) and varlen batches (varlen.cuh);
-// 0 for plain attention.
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
+// dropout (dropout.cuh); 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
           int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ,
           int FEATURES>
@@ -93,7 +94,8 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
                  float alibi_to_units, const int* __restrict__ cu_seqlens_q,
                  const int* __restrict__ cu_seqlens_k, int total_q, int total_k,
-                 int batch_offset) {
+                 u32 dropout_seed_lo, u32 dropout_seed_hi, u32 dropout_offset,
+                 u32 dropout_keep_threshold, float dropout_scale, int batch_offset) {
     using T = BwdTraits<HEAD_DIM, D_CHUNK, BLOCK_M, BLOCK_N, NUM_WARPS, SDP_WARPS_M, KV_WARPS_N,
                         DQ_WARPS_M, Q_STAGES>;
     using KVTile = typename T::KVTile;
@@ -226,10 +228,22 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                                                   key_first + a_key0 + 2 * (lane % 4), vis);
             // P = exp2((S + bias) * scale_log2 - lse_log2[row]): rows 16 mt + 8 half + lane / 4.
             // With softcap, P is stored right away and acc_s keeps P * (1 - t^2), the factor dS
-            // needs (no extra registers for t).
+            // needs (no extra registers for t). With dropout, the keep bits of each 16 x 16
+            // block are drawn here; acc_s carries them in its sign bit (a dropped value is
+            // stored negated; P >= 0, and -0.f keeps the bit) until dS is formed, and the P
+            // tile gets P * Z, Z = keep / (1 - p): dV = (P o Z)^T dO.
+            constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
+            const Dropout dropout{dropout_seed_lo, dropout_seed_hi, dropout_offset,
+                                  dropout_keep_threshold, static_cast<u32>(batch * nheads + head)};
             const float* lse_s = stats + stage_offset / 4 + a_row0 + lane / 4;
 #pragma unroll
-            for (int mt = 0; mt < T::SDP_MT; ++mt)
+            for (int mt = 0; mt < T::SDP_MT; ++mt) {
+                u32 keep[T::SDP_NT / 2];
+#pragma unroll
+                for (int np = 0; np < T::SDP_NT / 2; ++np)
+                    keep[np] = DROPOUT ? dropout.keep_bits(row0 + a_row0 + 16 * mt,
+                                                           key_first + a_key0 + 16 * np, lane)
+                                       : 0xffu;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const float row_lse = lse_s[16 * mt + 8 * half];
@@ -245,6 +259,12 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                                                                  2 * (lane % 4) + e);
                             p[e] = fast_exp2(fmaf(mods.biased(s, row, key), scale_log2, -row_lse));
                             s = ScoreMods<FEATURES>::SOFTCAP ? p[e] * mods.dtanh(s) : p[e];
+                            if constexpr (DROPOUT) {
+                                const bool kept =
+                                    (keep[nt / 2] >> dropout_index(half, nt % 2, e)) & 1u;
+                                if (!kept) s = -s;
+                                p[e] = kept ? p[e] * dropout_scale : 0.f;
+                            }
                         }
                         if constexpr (ScoreMods<FEATURES>::SOFTCAP)
                             store_4B_shared(p_smem + PTile::offset(row_in_block, a_key0 / 8 + nt) +
@@ -252,6 +272,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                                             pack_pair<Elem>(p[0], p[1]));
                     }
                 }
+            }
 
             float acc_dp[T::SDP_MT][T::SDP_NT][4];
             zero_fill(acc_dp);
@@ -270,7 +291,16 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             float& dp = acc_dp[mt][nt][2 * half + e];
-                            dp = acc_s[mt][nt][2 * half + e] * (dp - row_delta);
+                            float& s = acc_s[mt][nt][2 * half + e];
+                            if constexpr (DROPOUT) {
+                                // dS = P o (dP o Z - D); the P tile gets P o Z.
+                                const float z = signbit(s) ? 0.f : dropout_scale;
+                                s = fabsf(s);
+                                dp = s * (dp * z - row_delta);
+                                s *= z;
+                            } else {
+                                dp = s * (dp - row_delta);
+                            }
                         }
                 }
             // The stores come after both products: the compiler keeps shared-memory stores and

@@ -12,6 +12,7 @@
 #include "masking.cuh"
 #include "score_mods.cuh"
 #include "varlen.cuh"
+#include "dropout.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
 struct BwdDqTraits {
@@ -52,8 +53,8 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
     }
 }
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi) and varlen batches (varlen.cuh);
-// 0 for plain attention.
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
+// dropout (dropout.cuh); 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
 __global__ void __launch_bounds__(128, 2)
 flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -70,7 +71,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
                     float alibi_to_units, const int* __restrict__ cu_seqlens_q,
                     const int* __restrict__ cu_seqlens_k, int total_q, int total_k,
-                    int batch_offset) {
+                    u32 dropout_seed_lo, u32 dropout_seed_hi, u32 dropout_offset,
+                    u32 dropout_keep_threshold, float dropout_scale, int batch_offset) {
     using T = BwdDqTraits<Elem, HEAD_DIM, BLOCK_N, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -141,6 +143,9 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const int thread_row0 = row_first + warp * 16 + lane / 4;
     ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
     mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
+    constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
+    const Dropout dropout{dropout_seed_lo, dropout_seed_hi, dropout_offset, dropout_keep_threshold,
+                          static_cast<u32>(batch * nheads + head)};
 
     float acc_dq[T::D_TILES][4];
 #pragma unroll
@@ -182,6 +187,9 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         // dQ += dS K (the scale comes at the end).
 #pragma unroll
         for (int ks = 0; ks < T::KV_STEPS; ++ks) {
+            // Dropout: dS = P o (dP o Z - D), Z = keep / (1 - p) of this 16 x 16 block.
+            const u32 keep = DROPOUT ? dropout.keep_bits(row_first + warp * 16, key0 + 16 * ks, lane)
+                                     : 0xffu;
             float ds[2][4];
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
@@ -193,7 +201,10 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                         static_cast<float>(key0 + 8 * (2 * ks + j) + 2 * (lane % 4) + e % 2);
                     const float p =
                         fast_exp2(fmaf(mods.biased(s, row, key), scale_log2, -row_lse[e / 2]));
-                    ds[j][e] = p * (acc_dp[2 * ks + j][e] - row_delta[e / 2]);
+                    float dp = acc_dp[2 * ks + j][e];
+                    if constexpr (DROPOUT)
+                        dp = (keep >> dropout_index(e / 2, j, e % 2)) & 1u ? dp * dropout_scale : 0.f;
+                    ds[j][e] = p * (dp - row_delta[e / 2]);
                     if constexpr (ScoreMods<FEATURES>::SOFTCAP) ds[j][e] *= mods.dtanh(s);
                 }
             }

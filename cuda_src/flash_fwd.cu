@@ -19,6 +19,7 @@
 #include "online_softmax.cuh"
 #include "score_mods.cuh"
 #include "varlen.cuh"
+#include "dropout.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
 struct FwdTraits {
@@ -67,19 +68,27 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
 // before its mma (online softmax step 2), so the scores die as P is consumed and the SFU work of
 // one slice overlaps the tensor-core work of the previous one. V is the transposed B operand
 // (ldmatrix.trans); each V fragment feeds all m-tiles.
-template <typename Elem, class T>
+// With DROPOUT, each 16 x 16 block of P draws its keep bits (dropout.cuh); this warp's rows
+// start at q_warp0, the tile's keys at key0.
+template <typename Elem, class T, bool DROPOUT = false>
 CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
                                 const float (&acc_s)[T::M_TILES][T::N_TILES][4],
                                 OnlineSoftmax<T::M_TILES>& softmax, float scale_log2,
                                 const LdmatrixCursor<typename T::KVTile>& v_frag,
-                                u32 stage_offset) {
+                                u32 stage_offset, const Dropout& dropout = Dropout{},
+                                int q_warp0 = 0, int key0 = 0) {
 #pragma unroll
     for (int ks = 0; ks < T::PV_STEPS; ++ks) {
         u32 a[T::M_TILES][4];
 #pragma unroll
-        for (int mt = 0; mt < T::M_TILES; ++mt)
-            softmax.template exp_pack<Elem>(a[mt], acc_s[mt][2 * ks], acc_s[mt][2 * ks + 1], mt,
-                                            scale_log2);
+        for (int mt = 0; mt < T::M_TILES; ++mt) {
+            u32 keep = 0xffu;
+            if constexpr (DROPOUT)
+                keep = dropout.keep_bits(q_warp0 + 16 * mt, key0 + 16 * ks,
+                                         thread_index_fresh() % 32);
+            softmax.template exp_pack<Elem, DROPOUT>(a[mt], acc_s[mt][2 * ks],
+                                                     acc_s[mt][2 * ks + 1], mt, scale_log2, keep);
+        }
 #pragma unroll
         for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
             u32 b[4];
@@ -91,8 +100,8 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
     }
 }
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi) and varlen batches (varlen.cuh);
-// 0 for plain attention.
+// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
+// dropout (dropout.cuh); 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
           int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
@@ -107,7 +116,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                  float softcap_scale, const float* __restrict__ alibi_slopes,
                  i64 alibi_batch_stride, float alibi_to_units,
                  const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                 int total_q, int total_k, int batch_offset) {
+                 int total_q, int total_k, u32 dropout_seed_lo, u32 dropout_seed_hi,
+                 u32 dropout_offset, u32 dropout_keep_threshold, float dropout_scale,
+                 int batch_offset) {
     using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -202,6 +213,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     OnlineSoftmax<T::M_TILES> softmax;
     ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
     mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
+    constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
+    const Dropout dropout{dropout_seed_lo, dropout_seed_hi, dropout_offset, dropout_keep_threshold,
+                          static_cast<u32>(batch * nheads + head)};
 
     // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or the
     // sequence tail and need masking; the others run without any masking code.
@@ -258,7 +272,13 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 cp_async_commit();
             }
         }
-        softmax_gemm_pv<Elem, T>(acc_o, acc_s, softmax, scale_log2, v_frag, stage_offset);
+        if constexpr (DROPOUT) {
+            const int t = thread_index_fresh();
+            softmax_gemm_pv<Elem, T, true>(acc_o, acc_s, softmax, scale_log2, v_frag, stage_offset,
+                                           dropout, row_first + (t / 32) * T::ROWS_PER_WARP, key0);
+        } else {
+            softmax_gemm_pv<Elem, T>(acc_o, acc_s, softmax, scale_log2, v_frag, stage_offset);
+        }
         if constexpr (KV_STAGES == 2) stage_offset ^= T::STAGE_BYTES;
     }
 
@@ -273,7 +293,9 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = warp_row0 + 16 * mt + 8 * half + lane / 4;
-            const float scale = inv_sum[2 * mt + half];
+            // 1 / l, and the dropout's 1 / (1 - p) for the kept probabilities.
+            const float scale = DROPOUT ? inv_sum[2 * mt + half] * dropout_scale
+                                        : inv_sum[2 * mt + half];
 #pragma unroll
             for (int dt = 0; dt < T::D_TILES; ++dt) {
                 const u32 packed = pack_pair<Elem>(acc_o[mt][dt][2 * half] * scale,

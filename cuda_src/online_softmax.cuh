@@ -74,9 +74,12 @@ struct OnlineSoftmax {
     // scale_log2 - max_scaled) added to the row sums and packed to 16 bits in the A-operand
     // layout of m16n8k16 (the m16n8 accumulator layout of two adjacent n8 tiles is exactly that
     // layout once pairs are packed), so P goes from the score registers straight into P V.
-    template <typename Elem>
+    // With DROPOUT, `keep` holds the dropout keep bits of this 16 x 16 block (dropout.cuh's
+    // order): dropped probabilities still count in the row sums (the softmax normalisation) but
+    // enter P V as 0; the 1 / (1 - p) factor is applied to the output at the end.
+    template <typename Elem, bool DROPOUT = false>
     CF2_DEVICE void exp_pack(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4], int mt,
-                             float scale_log2) {
+                             float scale_log2, u32 keep = 0xffu) {
         float p[8];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -86,6 +89,14 @@ struct OnlineSoftmax {
         }
         row_sum[2 * mt] += (p[0] + p[1]) + (p[4] + p[5]);
         row_sum[2 * mt + 1] += (p[2] + p[3]) + (p[6] + p[7]);
+        if constexpr (DROPOUT) {
+            // p[e] is row half e / 2, tile 0 (lo), key e % 2; p[4 + e] the same of tile 1 (hi).
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (!((keep >> (4 * (e / 2) + e % 2)) & 1u)) p[e] = 0.f;
+                if (!((keep >> (4 * (e / 2) + 2 + e % 2)) & 1u)) p[4 + e] = 0.f;
+            }
+        }
         a[0] = pack_pair<Elem>(p[0], p[1]);  // row g,     keys 2t, 2t+1
         a[1] = pack_pair<Elem>(p[2], p[3]);  // row g + 8, keys 2t, 2t+1
         a[2] = pack_pair<Elem>(p[4], p[5]);  // row g,     keys 8 + 2t, 8 + 2t + 1

@@ -13,6 +13,7 @@ from .api import (  # noqa: E402
     attention_varlen,
     attention_varlen_backward,
     attention_vjp,
+    dropout_mask,
 )
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "attention_kvpacked_backward",
     "attention_varlen",
     "attention_varlen_backward",
+    "dropout_mask",
     "reference",
     "__version__",
 ]

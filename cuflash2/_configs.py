@@ -25,11 +25,12 @@ DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 FEATURE_SOFTCAP = 1
 FEATURE_ALIBI = 2
 FEATURE_VARLEN = 4  # packed variable-length sequences (cuda_src/varlen.cuh)
-ALL_FEATURES = tuple(range(8))
+FEATURE_DROPOUT = 8  # Philox dropout on P (cuda_src/dropout.cuh)
+ALL_FEATURES = tuple(range(16))
 #: The combinations the CPU compile tests build for every kernel, head dim and arch: none, each
 #: feature alone and all together (each feature is its own `if constexpr` branch, so these
 #: compile every line of every branch); sm_90 at d=64/128 builds ALL_FEATURES.
-TESTED_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_VARLEN, 7)
+TESTED_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_VARLEN, FEATURE_DROPOUT, 15)
 
 #: Architectures the CPU compile tests build for (the GPU path compiles for the device's own).
 CPU_TEST_ARCHS = (80, 86, 89, 90)
@@ -310,6 +311,17 @@ def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
         if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
             return config
     return config
+
+
+@dataclass(frozen=True)
+class DropoutMaskKernel:
+    """cuflash2.dropout_mask's kernel (cuda_src/dropout_mask.cu): 8 warps, one 16 x 16 block each."""
+
+    threads: int = 256
+    smem_bytes: int = 0
+    source_file: str = "dropout_mask.cu"
+    name_expression: str = "flash_dropout_mask_kernel"
+    blocks_per_cta: int = 8
 
 
 def aux_kernels() -> list[AuxKernel]:

@@ -295,6 +295,30 @@ def check_max_seqlen(name: str, max_seqlen, lengths, what: str) -> int:
     return max_seqlen
 
 
+def check_dropout(dropout_p, seed, offset) -> tuple[float, int, int]:
+    """dropout_p in [0, 1); with dropout_p > 0 an int seed (the Philox key, 64 bits) is required
+    so that the backward can redraw the forward's mask; offset an int in [0, 2^32)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1); got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not (0.0 <= dropout_p < 1.0):  # also rejects nan
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    if dropout_p > 0:
+        if seed is None:
+            raise ValueError(
+                f"dropout_p={dropout_p} needs seed=<int>: the backward must redraw the forward's "
+                "dropout mask from the same seed (and offset)")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int; got {seed!r}")
+        if not (0 <= int(seed) < 2**64):
+            raise ValueError(f"seed must be in [0, 2^64); got {seed}")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset must be an int; got {offset!r}")
+    if not (0 <= int(offset) < 2**32):
+        raise ValueError(f"offset must be in [0, 2^32); got {offset}")
+    return dropout_p, int(seed or 0), int(offset)
+
+
 # Inference with a KV cache (flash-attn's flash_attn_with_kvcache)
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy
 
 from dataclasses import dataclass
 
-from . import _compile, _configs, _validate
+from . import _compile, _configs, _validate, dropout
 
 _LOG2E = math.log2(math.e)
 #: gridDim.z (the batch) is limited to 65535 blocks; larger batches are launched in slices.
@@ -78,24 +79,43 @@ def _check_device(arrays: dict, cupy) -> int:
 class _ScoreMods:
     """softcap / ALiBi of one call, as the kernels take them (cuda_src/score_mods.cuh)."""
 
-    features: int  # FEATURE_SOFTCAP | FEATURE_ALIBI template bits
+    features: int  # FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_DROPOUT template bits
     softmax_scale: float  # scale of the scores the softmax sees: softcap, or the softmax scale
     kernel_args: tuple  # softcap_scale, alibi_slopes, alibi_batch_stride, alibi_to_units
+    dropout_args: tuple = ()  # seed low, seed high, offset, keep threshold, 1 / (1 - p)
 
 
-def _score_mods(problem, softcap, alibi_slopes, placeholder) -> _ScoreMods:
-    """Checks softcap and alibi_slopes (before any launch) and builds the kernel arguments.
-    `placeholder` stands in for absent slopes (never read by the kernels then)."""
+#: Kernel arguments of "no dropout" (never read: the plain kernels have no dropout code).
+_NO_DROPOUT = (numpy.uint32(0), numpy.uint32(0), numpy.uint32(0), numpy.uint32(65536),
+               numpy.float32(1.0))
+
+
+def _dropout_args(dropout_p, seed, offset) -> tuple[int, tuple]:
+    """(FEATURE_DROPOUT or 0, the kernels' dropout arguments), checked."""
+    dropout_p, seed, offset = _validate.check_dropout(dropout_p, seed, offset)
+    if dropout_p == 0:
+        return 0, _NO_DROPOUT
+    lo, hi = dropout.split_seed(seed)
+    return _configs.FEATURE_DROPOUT, (
+        numpy.uint32(lo), numpy.uint32(hi), numpy.uint32(offset),
+        numpy.uint32(dropout.keep_threshold(dropout_p)), numpy.float32(1.0 / (1.0 - dropout_p)))
+
+
+def _score_mods(problem, softcap, alibi_slopes, placeholder, dropout_p=0.0, seed=None,
+                offset=0) -> _ScoreMods:
+    """Checks softcap, alibi_slopes and the dropout arguments (before any launch) and builds the
+    kernel arguments. `placeholder` stands in for absent slopes (never read by the kernels then)."""
+    dropout_feature, dropout_args = _dropout_args(dropout_p, seed, offset)
     softcap = _validate.check_softcap(softcap)
     stride = _validate.check_alibi_slopes(alibi_slopes, problem.batch, problem.nheads,
                                           problem.batched)
     features = ((_configs.FEATURE_SOFTCAP if softcap > 0 else 0)
-                | (_configs.FEATURE_ALIBI if alibi_slopes is not None else 0))
+                | (_configs.FEATURE_ALIBI if alibi_slopes is not None else 0) | dropout_feature)
     effective = softcap if softcap > 0 else problem.softmax_scale
     args = (numpy.float32(problem.softmax_scale / softcap if softcap > 0 else 0.0),
             placeholder if alibi_slopes is None else alibi_slopes, int(stride or 0),
             numpy.float32(1.0 / effective))
-    return _ScoreMods(features, effective, args)
+    return _ScoreMods(features, effective, args, dropout_args)
 
 
 @dataclass(frozen=True)
@@ -145,7 +165,7 @@ def _element_strides(x) -> tuple[int, int, int]:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, return_lse=False, out=None):
+              alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, return_lse=False, out=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -158,7 +178,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     defaults to 1/sqrt(headdim). `softcap > 0` caps the scaled scores to
     softcap * tanh(scores / softcap) (0: off). `alibi_slopes`, a float32 CuPy array (nheads,) or
     (batch, nheads), adds the bias -slope * |i + seqlen_k - seqlen_q - j| to the scores of query
-    i and key j (after softcap, before masking), as flash-attn. `out` receives the result if given.
+    i and key j (after softcap, before masking), as flash-attn. `dropout_p > 0` drops attention
+    probabilities with a counter-based (Philox) mask drawn from `seed` (an int, required) and
+    `offset`, the same in the backward; `cuflash2.dropout_mask` returns that mask. `out` receives
+    the result if given.
 
     Returns `out` (shape and dtype of q), or `(out, lse)` with `return_lse=True`: lse is float32
     (batch, nheads, seqlen_q), the natural-log logsumexp of each row's scores as the softmax sees
@@ -173,7 +196,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if not isinstance(causal, (bool, numpy.bool_)):
         raise TypeError(f"causal must be a bool; got {causal!r}")
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)
-    mods = _score_mods(problem, softcap, alibi_slopes, q)
+    mods = _score_mods(problem, softcap, alibi_slopes, q, dropout_p, seed, offset)
     device_id = _check_device(arrays, cupy)
     _check_slopes_device(alibi_slopes, device_id)
 
@@ -212,7 +235,7 @@ def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None, 
              i32(problem.seqlen_k), i32(problem.nheads), i32(problem.nheads // problem.nheads_kv),
              i32(problem.head_dim), numpy.float32(mods.softmax_scale),
              numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
-             *mods.kernel_args, *_varlen_args(varlen)))
+             *mods.kernel_args, *_varlen_args(varlen), *mods.dropout_args))
 
 
 def _launch(config, device_id, grid, args):
@@ -225,11 +248,12 @@ def _launch(config, device_id, grid, args):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       deterministic=False, dq=None, dk=None, dv=None):
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                       seed=None, offset=0, deterministic=False, dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
-    forward's causal, softmax_scale, window_size, softcap and alibi_slopes.
+    forward's causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed and
+    offset.
 
     FlashAttention-2's backward: P is recomputed from lse, extra memory is O(seqlen) (an fp32 dq
     accumulator and two fp32 values per query row), never O(seqlen_q * seqlen_k). dq, dk, dv have
@@ -250,7 +274,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
     _validate.check_backward_inputs(problem, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
-    mods = _score_mods(problem, softcap, alibi_slopes, q)
+    mods = _score_mods(problem, softcap, alibi_slopes, q, dropout_p, seed, offset)
     device_id = _check_device(arrays, cupy)
     _check_slopes_device(alibi_slopes, device_id)
 
@@ -311,7 +335,7 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
                  *_element_strides(dk), *_element_strides(dv), i32(p.seqlen_q),
                  i32(seqlen_q_padded), i32(p.seqlen_k), i32(p.nheads),
                  i32(p.nheads // p.nheads_kv), i32(p.head_dim), *scales, i32(window[0]),
-                 i32(window[1]), *mods.kernel_args, *varlen_args))
+                 i32(window[1]), *mods.kernel_args, *varlen_args, *mods.dropout_args))
     if deterministic:
         if p.seqlen_q:
             dq_config = _configs.with_features(_configs.bwd_dq_config(p.dtype, p.head_dim, arch),
@@ -323,7 +347,7 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
                      *_element_strides(dq), i32(p.seqlen_q), i32(seqlen_q_padded),
                      i32(p.seqlen_k), i32(p.nheads), i32(p.nheads // p.nheads_kv),
                      i32(p.head_dim), *scales, i32(window[0]), i32(window[1]),
-                     *mods.kernel_args, *varlen_args))
+                     *mods.kernel_args, *varlen_args, *mods.dropout_args))
     elif p.seqlen_q:
         convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel", varlen is not None)
         chunks = p.seqlen_q * (p.head_dim // 8)
@@ -334,17 +358,21 @@ def _launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deter
 
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                  softcap=0.0, alibi_slopes=None, deterministic=False):
+                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                  deterministic=False):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`,
     which keeps the forward's lse (and out) internally."""
+    if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
+        seed = int.from_bytes(os.urandom(8), "little")
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         return_lse=True)
+                         dropout_p=dropout_p, seed=seed, offset=offset, return_lse=True)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal,
                                   softmax_scale=softmax_scale, window_size=window_size,
                                   softcap=softcap, alibi_slopes=alibi_slopes,
+                                  dropout_p=dropout_p, seed=seed, offset=offset,
                                   deterministic=deterministic)
 
     return out, vjp
@@ -366,21 +394,25 @@ def _unpack(name: str, packed, parts: int):
 
 
 def attention_qkvpacked(qkv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, return_lse=False, out=None):
+                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                        return_lse=False, out=None):
     """`attention` on q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim), without copies."""
     q, k, v = _unpack("qkv", qkv, 3)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                     return_lse=return_lse, out=out)
+                     dropout_p=dropout_p, seed=seed, offset=offset, return_lse=return_lse,
+                     out=out)
 
 
 def attention_kvpacked(q, kv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, return_lse=False, out=None):
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                       return_lse=False, out=None):
     """`attention` with k, v packed as kv (batch, seqlen_k, 2, nheads_kv, headdim)."""
     k, v = _unpack("kv", kv, 2)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                     return_lse=return_lse, out=out)
+                     dropout_p=dropout_p, seed=seed, offset=offset, return_lse=return_lse,
+                     out=out)
 
 
 def _packed_gradient(name: str, given, packed):
@@ -398,20 +430,23 @@ def _packed_gradient(name: str, given, packed):
 
 def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_scale=None,
                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                 deterministic=False, dqkv=None):
+                                 dropout_p=0.0, seed=None, offset=0, deterministic=False,
+                                 dqkv=None):
     """Gradient of `attention_qkvpacked`: dqkv shaped like qkv (written into `dqkv` if given)."""
     q, k, v = _unpack("qkv", qkv, 3)
     dqkv = _packed_gradient("dqkv", dqkv, qkv)
     dq, dk, dv = _unpack("dqkv", dqkv, 3)
     attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       dropout_p=dropout_p, seed=seed, offset=offset,
                        deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     return dqkv
 
 
 def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_scale=None,
                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                deterministic=False, dq=None, dkv=None):
+                                dropout_p=0.0, seed=None, offset=0, deterministic=False,
+                                dq=None, dkv=None):
     """Gradient of `attention_kvpacked`: (dq, dkv), dkv shaped like kv."""
     k, v = _unpack("kv", kv, 2)
     dkv = _packed_gradient("dkv", dkv, kv)
@@ -419,6 +454,7 @@ def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_
     dq, _, _ = attention_backward(dout, q, k, v, out, lse, causal=causal,
                                   softmax_scale=softmax_scale, window_size=window_size,
                                   softcap=softcap, alibi_slopes=alibi_slopes,
+                                  dropout_p=dropout_p, seed=seed, offset=offset,
                                   deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     return dq, dkv
 
@@ -464,7 +500,8 @@ def _per_sequence(x, batch: int, cupy):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, return_lse=False, out=None, check_cu_seqlens=True):
+                     alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, return_lse=False,
+                     out=None, check_cu_seqlens=True):
     """`attention` on variable-length sequences packed one after another (flash-attn's
     `flash_attn_varlen_func`).
 
@@ -490,7 +527,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     packed, problem, varlen = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                             max_seqlen_k, softmax_scale, out, check_cu_seqlens,
                                             cupy)
-    mods = _score_mods(problem, softcap, alibi_slopes, q)
+    mods = _score_mods(problem, softcap, alibi_slopes, q, dropout_p, seed, offset)
     device_id = _check_device(arrays, cupy)
     _check_slopes_device(alibi_slopes, device_id)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -510,8 +547,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, *, causal=False, softmax_scale=None,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, dq=None, dk=None, dv=None,
-                              check_cu_seqlens=True):
+                              dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
+                              dk=None, dv=None, check_cu_seqlens=True):
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
     As `attention_backward` otherwise."""
@@ -530,7 +567,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                             cupy)
     _validate.check_backward_inputs(packed, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
-    mods = _score_mods(problem, softcap, alibi_slopes, q)
+    mods = _score_mods(problem, softcap, alibi_slopes, q, dropout_p, seed, offset)
     device_id = _check_device(arrays, cupy)
     _check_slopes_device(alibi_slopes, device_id)
 
@@ -543,3 +580,30 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                      seq(dv), window, bool(deterministic), device_id, cupy, mods=mods,
                      varlen=varlen)
     return dq, dk, dv
+
+
+def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
+    """The dropout keep-mask that `attention(..., dropout_p=dropout_p, seed=seed, offset=offset)`
+    applies, as a bool CuPy array (batch, nheads, seqlen_q, seqlen_k) (True = kept): for tests
+    (`cuflash2.reference.attention(..., dropout_p=..., dropout_mask=mask)` reproduces the call)
+    and small shapes, since it materialises every (query, key) pair. For varlen calls, pass the
+    number of sequences and the maximum lengths; sequence b uses [b, :, :seqlen_q_b, :seqlen_k_b].
+    """
+    for name, value in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q),
+                        ("seqlen_k", seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+    feature, args = _dropout_args(dropout_p, seed, offset)
+    if not feature:
+        raise ValueError("dropout_mask needs dropout_p > 0 (with dropout_p = 0 every element is "
+                         "kept)")
+    cupy = _cupy()
+    mask = cupy.empty((batch, nheads, seqlen_q, seqlen_k), dtype=cupy.bool_)
+    if mask.size == 0:
+        return mask
+    config = _configs.DropoutMaskKernel()
+    blocks = -(-seqlen_q // 16) * -(-seqlen_k // 16)
+    _launch(config, cupy.cuda.Device().id, (-(-blocks // config.blocks_per_cta), nheads, batch),
+            (mask, numpy.int32(nheads), numpy.int32(seqlen_q), numpy.int32(seqlen_k),
+             *args[:4]))
+    return mask

@@ -25,6 +25,7 @@ BWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in dict.fromkeys(_configs.all_bwd_configs(arch, _configs.TESTED_FEATURES))]
 BWD_CASES += _all_combinations_sm90(
     dict.fromkeys(_configs.all_bwd_configs(90, _configs.ALL_FEATURES)))
+AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
 #: Every plain forward and backward main kernel must be spill-free. The deterministic dQ kernel
@@ -124,6 +125,12 @@ def test_backward_main_configs_on_sm90():
     d128 = _configs.bwd_config("bfloat16", 128, 90)
     assert (d128.block_m, d128.block_n, d128.num_warps, d128.q_stages) == (64, 128, 8, 2)
     assert (d128.sdp_warps_m, d128.kv_warps_n, d128.dq_warps_m) == (2, 4, 2)
+
+
+@pytest.mark.parametrize("config,arch", AUX_CASES_EXTRA, ids=[f"sm{a}-dropout-mask" for _, a in AUX_CASES_EXTRA])
+def test_dropout_mask_kernel_compiles(config, arch, nvrtc_available):
+    report = _compile.compile_report(config, arch)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
 
 def test_sources_inline_their_headers():

@@ -21,17 +21,18 @@ from cuflash2 import testing  # noqa: E402
 
 
 def _features(dtype, d) -> None:
-    """softcap + ALiBi, and varlen (ragged, empty and partial-tile sequences), forward and both
-    backward modes."""
+    """softcap + ALiBi + dropout, and varlen (ragged, empty and partial-tile sequences, with and
+    without dropout), forward and both backward modes; the dropout mask kernel."""
     q, k, v = testing.random_qkv(cupy, 2, 45, 77, 4, 2, d, dtype, seed=d + 7)
     dout = testing.random_qkv(cupy, 2, 45, 45, 4, 4, d, dtype, seed=d + 8)[0]
     slopes = cupy.linspace(0.05, 0.5, 8, dtype=cupy.float32).reshape(2, 4)
-    options = dict(causal=True, softcap=3.0, alibi_slopes=slopes)
+    options = dict(causal=True, softcap=3.0, alibi_slopes=slopes, dropout_p=0.2, seed=d)
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     for deterministic in (False, True):
         grads = cuflash2.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                             **options)
         assert not any(bool(cupy.isnan(g).any()) for g in grads)
+    assert cuflash2.dropout_mask(2, 3, 45, 77, 0.3, d).shape == (2, 3, 45, 77)
     lengths_q, lengths_k = (45, 0, 131, 1), (77, 0, 20, 130)
     cu_q = cupy.asarray(numpy.cumsum((0,) + lengths_q).astype(numpy.int32))
     cu_k = cupy.asarray(numpy.cumsum((0,) + lengths_k).astype(numpy.int32))
@@ -41,10 +42,13 @@ def _features(dtype, d) -> None:
                               seed=d + 10)[0]
     args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     for causal in (False, True):
-        out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=causal, return_lse=True)
+        drop = dict(dropout_p=0.1, seed=d) if causal else {}
+        out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=causal, return_lse=True,
+                                             **drop)
         for deterministic in (False, True):
             grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args,
-                                                       causal=causal, deterministic=deterministic)
+                                                       causal=causal, deterministic=deterministic,
+                                                       **drop)
             assert not any(bool(cupy.isnan(g).any()) for g in grads)
 
 
