@@ -36,7 +36,9 @@ def main():
         args.arch = int(cupy.cuda.Device(0).compute_capability)
     configs = list(dict.fromkeys(
         _configs.all_fwd_configs(args.arch, args.features)
-        + _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()))
+        + _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
+        + _configs.all_decode_configs(args.arch, [f for f in args.features
+                                                  if f in _configs.SCORE_MOD_FEATURES])))
     start = time.time()
     chunks = [configs[i::args.jobs] for i in range(args.jobs)]
     # spawn: the parent may hold a CUDA context, which forked children cannot use.

@@ -13,6 +13,7 @@ from .api import (  # noqa: E402
     attention_varlen,
     attention_varlen_backward,
     attention_vjp,
+    attention_with_kvcache,
     dropout_mask,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "attention_kvpacked_backward",
     "attention_varlen",
     "attention_varlen_backward",
+    "attention_with_kvcache",
     "dropout_mask",
     "reference",
     "__version__",

@@ -27,6 +27,8 @@ FEATURE_ALIBI = 2
 FEATURE_VARLEN = 4  # packed variable-length sequences (cuda_src/varlen.cuh)
 FEATURE_DROPOUT = 8  # Philox dropout on P (cuda_src/dropout.cuh)
 ALL_FEATURES = tuple(range(16))
+#: The features the decode kernel takes (softcap, ALiBi: no varlen, no backward).
+SCORE_MOD_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_SOFTCAP | FEATURE_ALIBI)
 #: The combinations the CPU compile tests build for every kernel, head dim and arch: none, each
 #: feature alone and all together (each feature is its own `if constexpr` branch, so these
 #: compile every line of every branch); sm_90 at d=64/128 builds ALL_FEATURES.
@@ -337,3 +339,93 @@ def all_bwd_configs(arch: int, features=(0,)) -> list:
             for d in KERNEL_HEAD_DIMS
             for cfg in (bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
                         bwd_dq_config(dtype, d, arch))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference with a KV cache (issue 5; docs/DECODE_DESIGN.md)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One specialisation of flash_decode.cu: 16 packed query rows a CTA, warps splitting each
+    KV tile by keys."""
+
+    dtype: str
+    head_dim: int
+    num_warps: int
+    keys_per_warp: int
+    kv_stages: int
+    features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
+
+    block_m = 16
+
+    @property
+    def block_n(self) -> int:
+        return self.num_warps * self.keys_per_warp
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        q = 2 * self.block_m * self.head_dim
+        stages = self.kv_stages * 2 * 2 * self.block_n * self.head_dim
+        merge = self.num_warps * self.block_m * (self.head_dim + 2) * 4
+        return q + max(stages, merge)
+
+    @property
+    def source_file(self) -> str:
+        return "flash_decode.cu"
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_decode_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.num_warps}, "
+                f"{self.keys_per_warp}, {self.kv_stages}, {self.features}>")
+
+
+@functools.lru_cache(maxsize=None)
+def decode_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
+    """4 warps of 16 keys (64-key tiles) and as many cp.async stages (up to 4) as leave room for
+    two CTAs per SM, so that enough cache bytes are in flight; 2 warps where even two stages of
+    64 keys do not fit (large head dims on 100 KiB parts)."""
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    for warps, ctas in ((4, 2), (4, 1), (2, 1)):
+        for stages in (4, 3, 2):
+            config = DecodeConfig(dtype, d, warps, 16, stages)
+            if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
+                return config
+    raise AssertionError(f"no decode tile fits head dim {d} on sm_{arch}")
+
+
+@dataclass(frozen=True)
+class DecodeAuxKernel:
+    """The KV-cache append kernel, or the split-KV combine kernel (per dtype)."""
+
+    dtype: str
+    kernel: str  # "kvcache_append_kernel" or "flash_decode_combine_kernel"
+    smem_bytes: int = 0
+
+    @property
+    def threads(self) -> int:
+        return 32 if self.kernel == "kvcache_append_kernel" else 256
+
+    @property
+    def source_file(self) -> str:
+        return {"kvcache_append_kernel": "kvcache_append.cu",
+                "flash_decode_combine_kernel": "flash_decode_combine.cu"}[self.kernel]
+
+    @property
+    def name_expression(self) -> str:
+        if self.kernel == "kvcache_append_kernel":
+            return self.kernel  # extern "C", the same for both dtypes (16-bit copies)
+        return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}>"
+
+
+def all_decode_configs(arch: int, features=(0,)) -> list:
+    """Every decode specialisation the dispatcher can choose on `arch`."""
+    configs = [with_features(decode_config(dtype, d, arch), f) for f in features
+               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+    aux = [DecodeAuxKernel(dtype, "flash_decode_combine_kernel") for dtype in DTYPE_TAGS]
+    return configs + aux + [DecodeAuxKernel("float16", "kvcache_append_kernel")]

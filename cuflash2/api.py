@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import numbers
 
 import numpy
 
@@ -607,3 +608,116 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
             (mask, numpy.int32(nheads), numpy.int32(seqlen_q), numpy.int32(seqlen_k),
              *args[:4]))
     return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference with a KV cache (flash-attn's flash_attn_with_kvcache): append the new tokens in place,
+# then split-KV attention of the few query tokens over the cache (docs/DECODE_DESIGN.md).
+
+_MAX_SPLITS = 128
+
+
+def _num_splits(requested, ctas: int, tiles: int, num_sms: int) -> int:
+    """`requested` (0: fill about two waves of the GPU, each split keeping >= 4 KV tiles)."""
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic); got {requested!r}")
+    if requested == 0:
+        requested = min(-(-2 * num_sms // max(1, ctas)), max(1, tiles // 4), _MAX_SPLITS)
+    return max(1, min(requested, max(1, tiles), _MAX_SPLITS))
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
+                           cache_batch_idx=None, block_table=None, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           num_splits=0, return_lse=False, check_cache=False):
+    """Attention of q against a KV cache, for inference (flash-attn's `flash_attn_with_kvcache`).
+
+    q: (batch, seqlen_q, nheads, headdim). Contiguous cache: k_cache, v_cache (batch_cache,
+    seqlen_cache, nheads_kv, headdim), sequence b in row `cache_batch_idx[b]` (int32, default b).
+    Paged cache: (num_blocks, page_size, nheads_kv, headdim) with `block_table` int32
+    (batch, max_blocks): position p of sequence b is row p % page_size of block
+    block_table[b, p // page_size]. `cache_seqlens`: int or int32 (batch,), the tokens already
+    cached (default: the whole capacity). `k`, `v` (batch, seqlen_new, nheads_kv, headdim): new
+    tokens, written into the cache **in place** at cache_seqlens[b] .. before the attention over
+    the first cache_seqlens[b] + seqlen_new positions (causal / windows bottom-right aligned).
+    `num_splits`: KV splits (0: chosen to fill the GPU; 1: none); partial results are merged
+    with their lse in fp32. Returns out (shaped like q), or (out, lse (batch, nheads, seqlen_q)).
+
+    No host synchronisation: values are not checked unless `check_cache=True` (one sync), and
+    out-of-range values never cause out-of-bounds accesses: positions past the capacity are
+    neither written nor read; block_table entries must index the cache (unchecked ones are read
+    as given).
+    """
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    for name, x in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+                    ("cache_batch_idx", cache_batch_idx), ("block_table", block_table)):
+        if x is not None:
+            arrays[name] = x
+    if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
+        arrays["cache_seqlens"] = cache_seqlens
+    cupy = _require_cupy_arrays(arrays)
+    if not isinstance(causal, (bool, numpy.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    kv = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
+                                        cache_batch_idx, block_table,
+                                        cupy.asnumpy if check_cache else None)
+    # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
+    problem = _validate.check_attention_inputs(q, q, q, softmax_scale=softmax_scale)
+    for name in ("k_cache", "v_cache", "k", "v"):
+        if name in arrays:
+            _validate.check_strides(name, arrays[name])
+    problem = dataclasses.replace(problem, nheads_kv=kv.nheads_kv, seqlen_k=kv.capacity)
+    mods = _score_mods(problem, softcap, alibi_slopes, q)
+    device_id = _check_device({n: x for n, x in arrays.items()
+                               if n in ("q", "k_cache", "v_cache", "k", "v")}, cupy)
+    for name, x in arrays.items():
+        if x.device.id != device_id:
+            raise ValueError(f"{name} is on device {x.device.id}, not the current device "
+                             f"{device_id}")
+    window = _validate.check_window(window_size, causal, kv.seqlen_q, kv.capacity)
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((kv.batch, kv.nheads, kv.seqlen_q), dtype=cupy.float32)
+    if kv.batch == 0 or kv.seqlen_q == 0 or kv.nheads == 0:
+        return (out, lse) if return_lse else out
+    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
+        fill = kv.capacity - kv.seqlen_new if cache_seqlens is None else cache_seqlens
+        cache_seqlens = cupy.full((kv.batch,), fill, dtype=cupy.int32)
+    i32, i64 = numpy.int32, int
+    page_size = kv.page_size
+    table_stride = block_table.strides[0] // 4 if block_table is not None else 0
+    if k is not None and kv.seqlen_new:
+        append = _configs.DecodeAuxKernel(problem.dtype, "kvcache_append_kernel")
+        _launch(append, device_id, (kv.seqlen_new, kv.nheads_kv, kv.batch),
+                (k, v, k_cache, v_cache, *_element_strides(k), *_element_strides(v),
+                 *_element_strides(k_cache), *_element_strides(v_cache), cache_seqlens,
+                 cache_batch_idx, block_table, i64(table_stride), i32(page_size),
+                 i32(kv.capacity), i32(kv.head_dim)))
+    config = _configs.with_features(
+        _configs.decode_config(problem.dtype, kv.head_dim, device_arch(device_id)), mods.features)
+    group = kv.nheads // kv.nheads_kv
+    m_blocks = -(-kv.seqlen_q * group // config.block_m)
+    tiles = -(-kv.capacity // config.block_n)
+    num_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    splits = _num_splits(num_splits, m_blocks * kv.nheads_kv * kv.batch, tiles, num_sms)
+    tiles_per_split = -(-tiles // splits)
+    splits = -(-tiles // tiles_per_split)
+    o_partial = lse_partial = None
+    if splits > 1:
+        o_partial = cupy.empty((splits, kv.batch, kv.nheads, kv.seqlen_q, config.head_dim),
+                               dtype=cupy.float32)
+        lse_partial = cupy.empty((splits, kv.batch, kv.nheads, kv.seqlen_q), dtype=cupy.float32)
+    _launch(config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch),
+            (q, k_cache, v_cache, out, lse, o_partial, lse_partial, *_element_strides(q),
+             *_element_strides(k_cache), *_element_strides(v_cache), *_element_strides(out),
+             cache_seqlens, i32(kv.seqlen_new), cache_batch_idx, block_table, i64(table_stride),
+             i32(page_size), i32(kv.capacity), i32(kv.seqlen_q), i32(kv.nheads), i32(group),
+             i32(kv.head_dim), i32(m_blocks), i32(splits), i32(tiles_per_split),
+             numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
+             *mods.kernel_args, i32(kv.batch)))
+    if splits > 1:
+        combine = _configs.DecodeAuxKernel(problem.dtype, "flash_decode_combine_kernel")
+        _launch(combine, device_id, (kv.seqlen_q, kv.nheads, kv.batch),
+                (o_partial, lse_partial, out, lse, *_element_strides(out), i32(splits),
+                 i32(kv.batch), i32(kv.nheads), i32(kv.seqlen_q), i32(kv.head_dim),
+                 i32(config.head_dim)))
+    return (out, lse) if return_lse else out

@@ -26,6 +26,8 @@ BWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
 BWD_CASES += _all_combinations_sm90(
     dict.fromkeys(_configs.all_bwd_configs(90, _configs.ALL_FEATURES)))
 AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
+DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
+                for cfg in _configs.all_decode_configs(arch, _configs.SCORE_MOD_FEATURES)]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
 #: Every plain forward and backward main kernel must be spill-free. The deterministic dQ kernel
@@ -130,6 +132,14 @@ def test_backward_main_configs_on_sm90():
 @pytest.mark.parametrize("config,arch", AUX_CASES_EXTRA, ids=[f"sm{a}-dropout-mask" for _, a in AUX_CASES_EXTRA])
 def test_dropout_mask_kernel_compiles(config, arch, nvrtc_available):
     report = _compile.compile_report(config, arch)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
+@pytest.mark.parametrize("config,arch", DECODE_CASES,
+                         ids=[f"sm{a}-{c.name_expression}" for c, a in DECODE_CASES])
+def test_decode_kernel_compiles_without_spills(config, arch, nvrtc_available):
+    report = _report(config, arch) if hasattr(config, "head_dim") else _compile.compile_report(
+        config, arch)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
 

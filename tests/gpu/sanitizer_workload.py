@@ -52,6 +52,26 @@ def _features(dtype, d) -> None:
             assert not any(bool(cupy.isnan(g).any()) for g in grads)
 
 
+def _decode(dtype, d) -> None:
+    """attention_with_kvcache: contiguous and paged caches (page 16), append, splits."""
+    rng = numpy.random.default_rng(d)
+    q = cupy.asarray(rng.standard_normal((2, 3, 8, d)).astype(dtype))
+    k_cache = cupy.asarray(rng.standard_normal((2, 96, 2, d)).astype(dtype))
+    v_cache = cupy.asarray(rng.standard_normal((2, 96, 2, d)).astype(dtype))
+    k_new = cupy.asarray(rng.standard_normal((2, 2, 2, d)).astype(dtype))
+    lengths = cupy.asarray(numpy.array([90, 5], numpy.int32))
+    for splits in (1, 3):
+        out = cuflash2.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new,
+                                              cache_seqlens=lengths, causal=True,
+                                              num_splits=splits)
+        assert not bool(cupy.isnan(out).any())
+    pages = k_cache.reshape(12, 16, 2, d)
+    table = cupy.asarray(numpy.arange(12, dtype=numpy.int32).reshape(2, 6)[:, ::-1].copy())
+    out = cuflash2.attention_with_kvcache(q, pages, pages.copy(), k=k_new, v=k_new,
+                                          cache_seqlens=lengths, block_table=table)
+    assert not bool(cupy.isnan(out).any())
+
+
 def main(quick: bool) -> None:
     head_dims = (64, 128) if quick else (32, 40, 64, 96, 128, 160, 192, 224, 256)
     dtypes = (numpy.float16,) if quick else (numpy.float16, ml_dtypes.bfloat16)
@@ -73,6 +93,7 @@ def main(quick: bool) -> None:
                         assert not any(bool(cupy.isnan(g).any()) for g in grads)
             if d in (32, 64, 128, 256):
                 _features(dtype, d)
+                _decode(dtype, d)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")
 

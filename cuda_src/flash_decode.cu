@@ -1,0 +1,270 @@
+// Attention of a few query tokens against a long KV cache (inference decoding), split over the
+// keys ("flash-decoding"): grid (row block x KV split, KV head, batch).
+//
+// Decoding is bound by reading the cache, so the kernel is built around reading it once:
+// - The query heads that share a KV head are packed into the rows (row rr = query position
+//   rr / group, head kv_head * group + rr % group), so each K/V byte serves the whole group; a CTA
+//   owns one m16 tile of such rows.
+// - Its warps (4, or 2 where shared memory is short) split every KV tile by keys (KEYS_PER_WARP each) instead of splitting the rows:
+//   each warp keeps its own online softmax (m, l) and unnormalised O for the 16 rows, and the four
+//   partial states are merged through shared memory once, after the last tile.
+// - K/V tiles stream through KV_STAGES cp.async stages; rows come from a contiguous or paged
+//   cache (kv_cache.cuh), positions past the sequence's cache length are never read.
+// - With more than one split, each CTA writes its normalised partial O (fp32) and lse to a
+//   workspace and flash_decode_combine.cu merges them; with one split it writes out and lse.
+#include "mma_primitives.cuh"
+#include "smem_swizzle.cuh"
+#include "masking.cuh"
+#include "online_softmax.cuh"
+#include "warp_gemm.cuh"
+#include "score_mods.cuh"
+#include "kv_cache.cuh"
+
+template <int HEAD_DIM, int NUM_WARPS_, int KEYS_PER_WARP, int KV_STAGES>
+struct DecodeTraits {
+    static constexpr int NUM_WARPS = NUM_WARPS_;
+    static constexpr int THREADS = NUM_WARPS * 32;
+    static constexpr int BLOCK_M = 16;
+    static constexpr int BLOCK_N = NUM_WARPS * KEYS_PER_WARP;
+    static constexpr int N_TILES = KEYS_PER_WARP / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    static constexpr int D_STEPS = HEAD_DIM / 16;
+    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
+    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
+    // The merge of the warps' states reuses the stage buffers: O (fp32) and (m, l) per warp.
+    static constexpr int MERGE_BYTES = NUM_WARPS * BLOCK_M * (HEAD_DIM + 2) * 4;
+    static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
+                                                          ? KV_STAGES * STAGE_BYTES
+                                                          : MERGE_BYTES);
+    static_assert(KEYS_PER_WARP % 16 == 0, "a warp's keys are whole k16 steps of P V");
+    static_assert(KV_STAGES >= 2, "the KV loop is pipelined");
+};
+
+// Copies KV tile rows [0, BLOCK_N) (positions key0 + row) into a swizzled tile; rows at or past
+// seqlen_k and chunks past head_dim are zero-filled without being read.
+template <class Tile, int THREADS>
+CF2_DEVICE void load_cache_tile_async(u32 tile_smem, const KVCacheRows& rows, int key0,
+                                      int seqlen_k, int head_chunks, int tid) {
+    constexpr int TOTAL = Tile::ROWS * Tile::CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+        const int idx = tid + i * THREADS;
+        if (TOTAL % THREADS == 0 || idx < TOTAL) {
+            const int row = idx / Tile::CHUNKS;
+            const int chunk = idx % Tile::CHUNKS;
+            const bool valid = key0 + row < seqlen_k && chunk < head_chunks;
+            const u16* src = valid ? rows.row(key0 + row) + chunk * 8 : rows.head_base;
+            cp_async_16(tile_smem + Tile::offset(row, chunk), src, valid);
+        }
+    }
+}
+
+template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES>
+__global__ void __launch_bounds__(NUM_WARPS * 32)
+flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache,
+                    const u16* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ lse,
+                    float* __restrict__ o_partial, float* __restrict__ lse_partial,
+                    i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                    i64 kc_batch_stride, i64 kc_row_stride, i64 kc_head_stride,
+                    i64 vc_batch_stride, i64 vc_row_stride, i64 vc_head_stride,
+                    i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
+                    const int* __restrict__ cache_seqlens, int seqlen_new,
+                    const int* __restrict__ cache_batch_idx, const int* __restrict__ block_table,
+                    i64 block_table_stride, int page_size, int capacity, int seqlen_q, int nheads,
+                    int heads_per_kv_head, int head_dim, int num_m_blocks, int num_splits,
+                    int tiles_per_split, float scale_log2, int window_left, int window_right,
+                    float softcap_scale, const float* __restrict__ alibi_slopes,
+                    i64 alibi_batch_stride, float alibi_to_units, int batch_total,
+                    int batch_offset) {
+    using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES>;
+    using QTile = typename T::QTile;
+    using KVTile = typename T::KVTile;
+    constexpr float LN2 = 0.6931471805599453f;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 q_smem = smem_address(smem);
+    const u32 stage0 = q_smem + QTile::BYTES;  // stage s: K at + s * STAGE_BYTES, V after K
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int m_block = blockIdx.x % num_m_blocks;
+    const int split = blockIdx.x / num_m_blocks;
+    const int kv_head = blockIdx.y;
+    const int batch = blockIdx.z + batch_offset;
+    const int group = heads_per_kv_head;
+    const int rows_total = seqlen_q * group;
+    const int row_first = m_block * T::BLOCK_M;  // packed row
+    const int row_last = min(row_first + T::BLOCK_M, rows_total) - 1;
+    // Keys: the cached tokens plus the appended ones, never past the cache's capacity.
+    const int seqlen_k = min(max(cache_seqlens[batch] + seqlen_new, 0), capacity);
+    const int head_chunks = head_dim / 8;
+
+    const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    int tile_first, tile_end;
+    vis.tile_range(row_first / group, row_last / group, T::BLOCK_N, tile_first, tile_end);
+    tile_first = max(tile_first, split * tiles_per_split);
+    tile_end = min(tile_end, (split + 1) * tiles_per_split);
+
+    const KVCacheRows k_rows = kv_cache_rows(k_cache, kc_batch_stride, kc_row_stride, kc_head_stride,
+                                             cache_batch_idx, block_table, block_table_stride,
+                                             page_size, batch, kv_head);
+    const KVCacheRows v_rows = kv_cache_rows(v_cache, vc_batch_stride, vc_row_stride, vc_head_stride,
+                                             cache_batch_idx, block_table, block_table_stride,
+                                             page_size, batch, kv_head);
+
+    // Q: packed row r of this block is position p = (row_first + r) / group, head
+    // kv_head * group + (row_first + r) % group; rows past the end are zero-filled.
+    for (int idx = tid; idx < T::BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
+        const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
+        const int packed = row_first + r;
+        const bool valid = packed < rows_total && chunk < head_chunks;
+        const u16* src = q + batch * q_batch_stride + (packed / group) * q_row_stride +
+                         (kv_head * group + packed % group) * q_head_stride + chunk * 8;
+        cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : q, valid);
+    }
+    auto load_tile = [&](int tile, int stage) {
+        const u32 k_smem = stage0 + stage * T::STAGE_BYTES;
+        load_cache_tile_async<KVTile, T::THREADS>(k_smem, k_rows, tile * T::BLOCK_N, seqlen_k,
+                                                  head_chunks, thread_index_fresh());
+        load_cache_tile_async<KVTile, T::THREADS>(k_smem + KVTile::BYTES, v_rows,
+                                                  tile * T::BLOCK_N, seqlen_k, head_chunks,
+                                                  thread_index_fresh());
+    };
+    // Prologue: the first KV_STAGES - 1 tiles (one commit group each, empty past the end).
+#pragma unroll
+    for (int s = 0; s < KV_STAGES - 1; ++s) {
+        if (tile_first + s < tile_end) load_tile(tile_first + s, s);
+        cp_async_commit();
+    }
+
+    // This thread's two rows (g and g + 8 of the m16 tile): query position and head.
+    int row_position[2], row_head[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int packed = row_first + lane / 4 + 8 * half;
+        row_position[half] = packed / group;
+        row_head[half] = kv_head * group + packed % group;
+    }
+    float row_slope[2] = {0.f, 0.f};  // ALiBi slopes in score units, per row (rows span heads)
+    if constexpr ((FEATURES & FEATURE_ALIBI) != 0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            if (row_head[half] < nheads)
+                row_slope[half] = -alibi_slopes[batch * alibi_batch_stride + row_head[half]] *
+                                  alibi_to_units;
+    }
+    const ScoreMods<FEATURES & FEATURE_SOFTCAP> softcap(softcap_scale, seqlen_q, seqlen_k);
+
+    float acc_o[1][T::D_TILES][4];
+    zero_fill(acc_o);
+    OnlineSoftmax<1> softmax;
+    const int warp_key0 = warp * KEYS_PER_WARP;  // within the tile
+
+    for (int tile = tile_first; tile < tile_end; ++tile) {
+        const int i = tile - tile_first;
+        cp_async_wait<KV_STAGES - 2>();
+        __syncthreads();  // this tile landed; every warp is done with the stage refilled below
+        if (tile + KV_STAGES - 1 < tile_end) load_tile(tile + KV_STAGES - 1, (i + KV_STAGES - 1) % KV_STAGES);
+        cp_async_commit();
+        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;
+        const u32 v_smem = k_smem + KVTile::BYTES;
+
+        // S = Q K_w^T for this warp's keys.
+        float acc_s[1][T::N_TILES][4];
+        zero_fill(acc_s);
+        gemm_a_bt<Elem, 1, T::N_TILES, T::D_STEPS>(acc_s, rows_cursor<QTile>(q_smem, 0, lane),
+                                                   pairs_cursor<KVTile>(k_smem, warp_key0, lane));
+        softcap.apply_softcap(acc_s);
+        const int key_base = tile * T::BLOCK_N + warp_key0 + 2 * (lane % 4);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float position = static_cast<float>(row_position[half]);
+            const int lo = vis.lo(row_position[half]);
+            const int hi = vis.hi(row_position[half]);
+#pragma unroll
+            for (int nt = 0; nt < T::N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = key_base + 8 * nt + e;
+                    float& s = acc_s[0][nt][2 * half + e];
+                    if constexpr ((FEATURES & FEATURE_ALIBI) != 0)
+                        s = fmaf(row_slope[half],
+                                 fabsf(position + static_cast<float>(vis.diag) - static_cast<float>(key)), s);
+                    if (key < lo || key >= hi) s = neg_inf();
+                }
+        }
+        softmax.update_max(acc_s, acc_o, scale_log2);
+        // O_w += P V_w, one k16 slice of this warp's keys at a time.
+#pragma unroll
+        for (int ks = 0; ks < KEYS_PER_WARP / 16; ++ks) {
+            u32 a[4];
+            softmax.template exp_pack<Elem>(a, acc_s[0][2 * ks], acc_s[0][2 * ks + 1], 0, scale_log2);
+            const LdmatrixCursor<KVTile> v_frag = rows_cursor<KVTile>(v_smem, warp_key0, lane);
+#pragma unroll
+            for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp));
+                mma_m16n16k16<Elem>(acc_o[0][2 * dp], acc_o[0][2 * dp + 1], a, b);
+            }
+        }
+    }
+
+    // Merge the four warps' states: (m, l) in log2 units and O, through shared memory.
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages
+    float* merge_o = reinterpret_cast<float*>(smem + QTile::BYTES);  // [warp][row][HEAD_DIM]
+    float* merge_ml = merge_o + T::NUM_WARPS * T::BLOCK_M * HEAD_DIM;  // [warp][row][2]
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = lane / 4 + 8 * half;
+        const float sum = quad_sum(softmax.row_sum[half]);
+        if (lane % 4 == 0) {
+            const bool seen = softmax.row_max[half] != neg_inf() && sum > 0.f;
+            merge_ml[(warp * T::BLOCK_M + r) * 2] = seen ? softmax.row_max[half] * scale_log2 : neg_inf();
+            merge_ml[(warp * T::BLOCK_M + r) * 2 + 1] = sum;
+        }
+#pragma unroll
+        for (int dt = 0; dt < T::D_TILES; ++dt) {
+            float* dst = merge_o + (warp * T::BLOCK_M + r) * HEAD_DIM + 8 * dt + 2 * (lane % 4);
+            dst[0] = acc_o[0][dt][2 * half];
+            dst[1] = acc_o[0][dt][2 * half + 1];
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < T::BLOCK_M * head_dim; idx += T::THREADS) {
+        const int r = idx / head_dim, c = idx % head_dim;
+        const int packed = row_first + r;
+        if (packed >= rows_total) continue;
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < T::NUM_WARPS; ++w) m = fmaxf(m, merge_ml[(w * T::BLOCK_M + r) * 2]);
+        float o = 0.f, l = 0.f;
+        if (m != neg_inf()) {
+#pragma unroll
+            for (int w = 0; w < T::NUM_WARPS; ++w) {
+                const float mw = merge_ml[(w * T::BLOCK_M + r) * 2];
+                const float f = mw == neg_inf() ? 0.f : fast_exp2(mw - m);
+                o += f * merge_o[(w * T::BLOCK_M + r) * HEAD_DIM + c];
+                l += f * merge_ml[(w * T::BLOCK_M + r) * 2 + 1];
+            }
+        }
+        const bool seen = l > 0.f;
+        const float result = seen ? o / l : 0.f;
+        const float row_lse = seen ? (m + __log2f(l)) * LN2 : neg_inf();  // natural log; -inf: no key
+        const int position = packed / group, head = kv_head * group + packed % group;
+        if (num_splits == 1) {
+            u16* dst = out + batch * o_batch_stride + position * o_row_stride + head * o_head_stride;
+            dst[c] = static_cast<u16>(pack_pair<Elem>(result, 0.f) & 0xffffu);
+            if (c == 0)
+                lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + position] =
+                    seen ? row_lse : pos_inf();  // +inf: the row saw no key (attention's convention)
+        } else {
+            const i64 row = ((static_cast<i64>(split) * batch_total + batch) * nheads + head) *
+                                seqlen_q + position;
+            o_partial[row * HEAD_DIM + c] = result;
+            if (c == 0) lse_partial[row] = row_lse;
+        }
+    }
+}

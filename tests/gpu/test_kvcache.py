@@ -1,0 +1,148 @@
+"""attention_with_kvcache (issue 5): split-KV decoding over contiguous and paged caches, against
+the reference (2x rule), in-place append verified bit for bit, paged == contiguous bitwise, GQA,
+causal and windowed, ragged cache lengths, forced split counts, softcap / ALiBi."""
+
+import zlib
+
+import ml_dtypes
+import numpy
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import _configs, reference, testing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [pytest.param(numpy.dtype(numpy.float16), id="fp16"),
+          pytest.param(numpy.dtype(ml_dtypes.bfloat16), id="bf16")]
+
+
+def _randn(rng, shape, dtype):
+    return cupy.asarray(rng.standard_normal(shape).astype(dtype))
+
+
+def _paged(k_cache, v_cache, page_size, rng):
+    """The same logical cache scattered over shuffled pages (+1 spare), and its block table."""
+    batch, capacity = k_cache.shape[:2]
+    per_seq = capacity // page_size
+    blocks = batch * per_seq + 1
+    order = rng.permutation(blocks)[: batch * per_seq].reshape(batch, per_seq)
+    shape = (blocks, page_size) + k_cache.shape[2:]
+    k_paged, v_paged = cupy.zeros(shape, k_cache.dtype), cupy.zeros(shape, v_cache.dtype)
+    for b in range(batch):
+        for j in range(per_seq):
+            rows = slice(j * page_size, (j + 1) * page_size)
+            k_paged[int(order[b, j])] = k_cache[b, rows]
+            v_paged[int(order[b, j])] = v_cache[b, rows]
+    return k_paged, v_paged, cupy.asarray(order.astype(numpy.int32))
+
+
+def _check(out, lse, q, k_cache, v_cache, kwargs):
+    """out/lse against the reference run on copies of the cache (before the kernel's append)."""
+    hi = reference.attention_with_kvcache(q, k_cache[0], v_cache[0], return_lse=True,
+                                          compute_dtype=numpy.float32, **kwargs)
+    lo = reference.attention_with_kvcache(q, k_cache[0], v_cache[0], compute_dtype=q.dtype,
+                                          **kwargs)
+    result = testing.check_close("out", out, hi[0], lo)
+    assert result.ok, str(result)
+    assert testing.lse_close(lse, hi[1]).ok
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (2, 0), (8, 8), (64, 3)])
+@pytest.mark.parametrize("heads", [(8, 1), (4, 4)], ids=["gqa8", "mha"])
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+def test_kvcache_against_reference(dtype, headdim, seqlen_q, seqlen_new, heads, mask):
+    h, hk = heads
+    batch, capacity = 3, 700
+    seed = zlib.crc32(repr((str(dtype), headdim, seqlen_q, seqlen_new, heads, mask)).encode())
+    rng = numpy.random.default_rng(seed)
+    q = _randn(rng, (batch, seqlen_q, h, headdim), dtype)
+    k_cache = _randn(rng, (batch, capacity, hk, headdim), dtype)
+    v_cache = _randn(rng, (batch, capacity, hk, headdim), dtype)
+    new = {}
+    if seqlen_new:
+        new = dict(k=_randn(rng, (batch, seqlen_new, hk, headdim), dtype),
+                   v=_randn(rng, (batch, seqlen_new, hk, headdim), dtype))
+    cache_seqlens = cupy.asarray(numpy.array([500, 70, 0], numpy.int32))
+    kwargs = dict(cache_seqlens=cache_seqlens, causal=mask == "causal",
+                  window_size=(40, 0) if mask == "window" else (-1, -1), **new)
+    ref_caches = ([k_cache.copy()], [v_cache.copy()])
+    for splits in (0, 1, 5):
+        k_run, v_run = k_cache.copy(), v_cache.copy()
+        out, lse = cuflash2.attention_with_kvcache(q, k_run, v_run, num_splits=splits,
+                                                   return_lse=True, **kwargs)
+        _check(out, lse, q, *ref_caches, kwargs)
+        # The append wrote exactly the new tokens (the reference appended the same).
+        assert bool((k_run.view(cupy.uint16) == ref_caches[0][0].view(cupy.uint16)).all())
+        assert bool((v_run.view(cupy.uint16) == ref_caches[1][0].view(cupy.uint16)).all())
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+def test_paged_equals_contiguous(page_size):
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(page_size)
+    batch, capacity, h, hk, d = 2, 1024, 16, 2, 128
+    q = _randn(rng, (batch, 1, h, d), dtype)
+    k_cache, v_cache = _randn(rng, (batch, capacity, hk, d), dtype), _randn(rng, (batch, capacity, hk, d), dtype)
+    k_new, v_new = _randn(rng, (batch, 1, hk, d), dtype), _randn(rng, (batch, 1, hk, d), dtype)
+    lengths = cupy.asarray(numpy.array([1000, 333], numpy.int32))
+    k_paged, v_paged, table = _paged(k_cache, v_cache, page_size, rng)
+    for splits in (1, 4):
+        want = cuflash2.attention_with_kvcache(q, k_cache.copy(), v_cache.copy(), k=k_new, v=v_new,
+                                               cache_seqlens=lengths, num_splits=splits)
+        kp, vp = k_paged.copy(), v_paged.copy()
+        got = cuflash2.attention_with_kvcache(q, kp, vp, k=k_new, v=v_new, cache_seqlens=lengths,
+                                              block_table=table, num_splits=splits)
+        assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all()), splits
+        # The appended tokens landed in their pages.
+        for b, n in enumerate(lengths.get()):
+            page, row = int(table[b, n // page_size]), int(n % page_size)
+            assert bool((kp[page, row].view(cupy.uint16) == k_new[b, 0].view(cupy.uint16)).all())
+
+
+def test_long_cache_64k_and_features():
+    dtype = numpy.dtype(ml_dtypes.bfloat16)
+    rng = numpy.random.default_rng(7)
+    batch, capacity, h, hk, d = 1, 65536, 8, 1, 128
+    q = _randn(rng, (batch, 2, h, d), dtype)
+    k_cache, v_cache = _randn(rng, (batch, capacity, hk, d), dtype), _randn(rng, (batch, capacity, hk, d), dtype)
+    slopes = cupy.asarray(numpy.linspace(0.001, 0.01, h).astype(numpy.float32))
+    kwargs = dict(cache_seqlens=65000, causal=True, softcap=20.0, alibi_slopes=slopes)
+    out, lse = cuflash2.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **kwargs)
+    _check(out, lse, q, [k_cache], [v_cache], kwargs)
+
+
+@pytest.mark.parametrize("headdim", [d for d in _configs.KERNEL_HEAD_DIMS if d not in (64, 128)])
+def test_every_head_dim(headdim):
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(headdim)
+    q = _randn(rng, (2, 3, 4, headdim), dtype)
+    k_cache, v_cache = _randn(rng, (2, 300, 2, headdim), dtype), _randn(rng, (2, 300, 2, headdim), dtype)
+    kwargs = dict(cache_seqlens=cupy.asarray(numpy.array([299, 17], numpy.int32)), causal=True)
+    out, lse = cuflash2.attention_with_kvcache(q, k_cache, v_cache, num_splits=3, return_lse=True,
+                                               **kwargs)
+    _check(out, lse, q, [k_cache], [v_cache], kwargs)
+
+
+def test_cache_batch_idx_and_bad_values():
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(1)
+    q = _randn(rng, (2, 1, 4, 64), dtype)
+    k_cache, v_cache = _randn(rng, (5, 100, 4, 64), dtype), _randn(rng, (5, 100, 4, 64), dtype)
+    idx = cupy.asarray(numpy.array([3, 0], numpy.int32))
+    kwargs = dict(cache_seqlens=60, cache_batch_idx=idx)
+    out, lse = cuflash2.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **kwargs)
+    _check(out, lse, q, [k_cache], [v_cache], kwargs)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 101"):
+        cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=101, cache_batch_idx=idx,
+                                        check_cache=True)
+    # Unchecked: lengths past the capacity are clamped, never read out of bounds.
+    clamped = cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=10**6,
+                                              cache_batch_idx=idx)
+    full = cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=100,
+                                           cache_batch_idx=idx)
+    assert bool((clamped.view(cupy.uint16) == full.view(cupy.uint16)).all())
