@@ -485,6 +485,83 @@ def varlen_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: Decode rows (issue 5): batch sizes, cache lengths and (nheads, nheads_kv) at d=128.
+DECODE_BATCHES = (1, 8, 64)
+DECODE_CACHES = (4096, 16384, 65536)
+DECODE_HEADS = ((32, 4), (32, 32))  # GQA 8:1 and MHA
+
+
+def decode_bytes(batch, cache_len, nheads, nheads_kv, headdim, seqlen_q=1, itemsize=2) -> int:
+    """Bytes a decode step must move: the K and V cache read once, q read and out written."""
+    kv = 2 * batch * cache_len * nheads_kv * headdim * itemsize
+    return kv + 2 * batch * seqlen_q * nheads * headdim * itemsize
+
+
+def copy_ceiling(cupy, nbytes=1 << 30, iters=10) -> float:
+    """Device copy bandwidth (bytes read + written per second) of a large buffer."""
+    src = cupy.empty(nbytes // 2, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    backlog = _Backlog(cupy)
+    ms = time_cupy(cupy, lambda: dst.__setitem__(slice(None), src), 2, iters, backlog)
+    return 2 * src.nbytes / ms * 1e3
+
+
+def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.stderr) -> list[dict]:
+    """Decode rows: one query token against caches of 4k-64k tokens (a token appended), batch
+    1/8/64, GQA 8:1 and MHA; achieved bandwidth next to the copy ceiling, and at batch 1 the time
+    of a dense `attention` call on the same q, K, V."""
+    import ml_dtypes
+    import numpy
+
+    import cuflash2
+
+    dtype = numpy.dtype(numpy.float16 if dtype_name == "fp16" else ml_dtypes.bfloat16)
+    backlog = _Backlog(cupy)
+    ceiling = copy_ceiling(cupy)
+    rows = []
+    for nheads, nheads_kv in DECODE_HEADS:
+        for cache_len in DECODE_CACHES:
+            for batch in DECODE_BATCHES:
+                if batch * cache_len * nheads_kv * headdim * 4 > (24 << 30):
+                    continue  # K and V over 24 GiB
+                rng = cupy.random.default_rng(cache_len + batch)
+                kc = rng.standard_normal((batch, cache_len, nheads_kv, headdim),
+                                         dtype=cupy.float32).astype(dtype)
+                vc = rng.standard_normal(kc.shape, dtype=cupy.float32).astype(dtype)
+                q = rng.standard_normal((batch, 1, nheads, headdim), dtype=cupy.float32).astype(dtype)
+                k1 = rng.standard_normal((batch, 1, nheads_kv, headdim), dtype=cupy.float32).astype(dtype)
+                lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
+                fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
+                    q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
+                ms = time_cupy(cupy, fn, warmup, iters, backlog)
+                moved = decode_bytes(batch, cache_len, nheads, nheads_kv, headdim)
+                row = {"dtype": dtype_name, "headdim": headdim, "batch": batch,
+                       "cache": cache_len, "nheads": nheads, "nheads_kv": nheads_kv, "ms": ms,
+                       "gb_per_s": moved / ms / 1e6, "fraction_of_copy": moved / ms * 1e3 / ceiling,
+                       "dense_ms": None}
+                if batch == 1:
+                    dense = lambda: cuflash2.attention(q, kc, vc, causal=True)  # noqa: E731
+                    row["dense_ms"] = time_cupy(cupy, dense, warmup, iters, backlog)
+                rows.append(row)
+                print(f"decode b={batch} cache={cache_len} h={nheads}/{nheads_kv}: {ms:.3f} ms, "
+                      f"{row['gb_per_s']:.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)",
+                      file=progress, flush=True)
+    for row in rows:
+        row["copy_ceiling_gb_per_s"] = ceiling / 1e9
+    return rows
+
+
+def decode_table(rows: list[dict]) -> str:
+    lines = ["| dtype | d | heads (q/kv) | batch | cache | ms | GB/s | of copy ceiling | dense "
+             "attention ms (batch 1) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        dense = "–" if r["dense_ms"] is None else f"{r['dense_ms']:.3f} ({r['dense_ms'] / r['ms']:.2f}x)"
+        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['nheads']}/{r['nheads_kv']} | "
+                     f"{r['batch']} | {r['cache']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | "
+                     f"{r['fraction_of_copy']:.0%} | {dense} |")
+    return "\n".join(lines)
+
+
 def run(cupy, args) -> int:
     """Measure, print the markdown report on stdout (progress goes to stderr), save --json."""
     import json
@@ -511,6 +588,9 @@ def run(cupy, args) -> int:
         windows = measure_windows(cupy, args.headdim, args.dtype[0], max(args.seqlens),
                                   args.windows, wanted, args.tokens, args.hidden, args.warmup,
                                   args.iters)
+    decode = []
+    if getattr(args, "decode", False):
+        decode = measure_decode(cupy, args.dtype[0], args.warmup, args.iters)
     varlen = []
     if getattr(args, "varlen", False):
         varlen = measure_varlen(cupy, args.headdim, args.dtype[0], VARLEN_LENGTHS, wanted,
@@ -530,9 +610,13 @@ def run(cupy, args) -> int:
         print(f"\nVariable-length sequences (attention_varlen, lengths {list(VARLEN_LENGTHS)}), "
               "next to the same sequences padded to the longest:\n")
         print(varlen_table(varlen))
+    if decode:
+        print(f"\nDecoding with a KV cache (attention_with_kvcache, one query token, a token "
+              f"appended; copy ceiling {decode[0]['copy_ceiling_gb_per_s']:.0f} GB/s):\n")
+        print(decode_table(decode))
     if args.json:
         report = {"environment": env, "settings": _settings(args), "rows": [r.to_json() for r in rows],
-                  "summary": summary, "windows": windows, "varlen": varlen}
+                  "summary": summary, "windows": windows, "varlen": varlen, "decode": decode}
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)
         print(f"saved {len(rows)} rows to {args.json}", file=sys.stderr)

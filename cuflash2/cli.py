@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--varlen", action="store_true",
                            help="also time attention_varlen on ragged sequences (16k tokens) next "
                                 "to the same sequences padded (first --dtype)")
+    bench_cmd.add_argument("--decode", action="store_true",
+                           help="also time attention_with_kvcache decoding (batch 1/8/64, caches "
+                                "4k-64k, d=128, GQA 8:1 and MHA) against the copy bandwidth")
     bench_cmd.add_argument("--warmup", type=int, default=3)
     bench_cmd.add_argument("--iters", type=_positive_int, default=25)
     bench_cmd.add_argument("--tokens", type=_positive_int, default=bench.PAPER_TOKENS,

@@ -214,3 +214,9 @@ def test_bench_windows_option_parses():
 def test_bench_varlen_lengths_total_the_paper_tokens():
     assert sum(bench.VARLEN_LENGTHS) == bench.PAPER_TOKENS
     assert build_parser().parse_args(["bench", "--varlen"]).varlen
+
+
+def test_decode_bytes():
+    # batch 1, 4096 cached tokens, 4 KV heads of 128: K and V are 2 x 4 MiB, plus q and out.
+    assert bench.decode_bytes(1, 4096, 32, 4, 128) == 2 * 4096 * 4 * 128 * 2 + 2 * 32 * 128 * 2
+    assert build_parser().parse_args(["bench", "--decode"]).decode
