@@ -42,7 +42,8 @@ struct DecodeTraits {
 };
 
 // Copies KV tile rows [0, BLOCK_N) (positions key0 + row) into a swizzled tile; rows at or past
-// seqlen_k and chunks past head_dim are zero-filled without being read.
+// seqlen_k, rows outside the cache (bad block ids) and chunks past head_dim are zero-filled
+// without being read.
 template <class Tile, int THREADS>
 CF2_DEVICE void load_cache_tile_async(u32 tile_smem, const KVCacheRows& rows, int key0,
                                       int seqlen_k, int head_chunks, int tid) {
@@ -53,9 +54,10 @@ CF2_DEVICE void load_cache_tile_async(u32 tile_smem, const KVCacheRows& rows, in
         if (TOTAL % THREADS == 0 || idx < TOTAL) {
             const int row = idx / Tile::CHUNKS;
             const int chunk = idx % Tile::CHUNKS;
-            const bool valid = key0 + row < seqlen_k && chunk < head_chunks;
-            const u16* src = valid ? rows.row(key0 + row) + chunk * 8 : rows.head_base;
-            cp_async_16(tile_smem + Tile::offset(row, chunk), src, valid);
+            const u16* row_ptr = key0 + row < seqlen_k ? rows.row(key0 + row) : nullptr;
+            const bool valid = row_ptr != nullptr && chunk < head_chunks;
+            cp_async_16(tile_smem + Tile::offset(row, chunk),
+                        valid ? row_ptr + chunk * 8 : rows.head_base, valid);
         }
     }
 }
@@ -71,7 +73,8 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                     i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
                     const int* __restrict__ cache_seqlens, int seqlen_new,
                     const int* __restrict__ cache_batch_idx, const int* __restrict__ block_table,
-                    i64 block_table_stride, int page_size, int capacity, int seqlen_q, int nheads,
+                    i64 block_table_stride, int page_size, int num_blocks, int capacity,
+                    int seqlen_q, int nheads,
                     int heads_per_kv_head, int head_dim, int num_m_blocks, int num_splits,
                     int tiles_per_split, float scale_log2, int window_left, int window_right,
                     float softcap_scale, const float* __restrict__ alibi_slopes,
@@ -109,10 +112,10 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 
     const KVCacheRows k_rows = kv_cache_rows(k_cache, kc_batch_stride, kc_row_stride, kc_head_stride,
                                              cache_batch_idx, block_table, block_table_stride,
-                                             page_size, batch, kv_head);
+                                             page_size, num_blocks, batch, kv_head);
     const KVCacheRows v_rows = kv_cache_rows(v_cache, vc_batch_stride, vc_row_stride, vc_head_stride,
                                              cache_batch_idx, block_table, block_table_stride,
-                                             page_size, batch, kv_head);
+                                             page_size, num_blocks, batch, kv_head);
 
     // Q: packed row r of this block is position p = (row_first + r) / group, head
     // kv_head * group + (row_first + r) % group; rows past the end are zero-filled.

@@ -644,9 +644,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     with their lse in fp32. Returns out (shaped like q), or (out, lse (batch, nheads, seqlen_q)).
 
     No host synchronisation: values are not checked unless `check_cache=True` (one sync), and
-    out-of-range values never cause out-of-bounds accesses: positions past the capacity are
-    neither written nor read; block_table entries must index the cache (unchecked ones are read
-    as given).
+    unchecked bad values never cause out-of-bounds accesses: positions past the capacity are
+    neither written nor read, and a block id or cache row outside the cache reads as zeros and
+    is not written.
     """
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
@@ -691,7 +691,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                 (k, v, k_cache, v_cache, *_element_strides(k), *_element_strides(v),
                  *_element_strides(k_cache), *_element_strides(v_cache), cache_seqlens,
                  cache_batch_idx, block_table, i64(table_stride), i32(page_size),
-                 i32(kv.capacity), i32(kv.head_dim)))
+                 i32(kv.num_blocks), i32(kv.capacity), i32(kv.head_dim)))
     config = _configs.with_features(
         _configs.decode_config(problem.dtype, kv.head_dim, device_arch(device_id)), mods.features)
     group = kv.nheads // kv.nheads_kv
@@ -710,7 +710,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             (q, k_cache, v_cache, out, lse, o_partial, lse_partial, *_element_strides(q),
              *_element_strides(k_cache), *_element_strides(v_cache), *_element_strides(out),
              cache_seqlens, i32(kv.seqlen_new), cache_batch_idx, block_table, i64(table_stride),
-             i32(page_size), i32(kv.capacity), i32(kv.seqlen_q), i32(kv.nheads), i32(group),
+             i32(page_size), i32(kv.num_blocks), i32(kv.capacity), i32(kv.seqlen_q),
+             i32(kv.nheads), i32(group),
              i32(kv.head_dim), i32(m_blocks), i32(splits), i32(tiles_per_split),
              numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
              *mods.kernel_args, i32(kv.batch)))

@@ -70,6 +70,14 @@ def _decode(dtype, d) -> None:
     out = cuflash2.attention_with_kvcache(q, pages, pages.copy(), k=k_new, v=k_new,
                                           cache_seqlens=lengths, block_table=table)
     assert not bool(cupy.isnan(out).any())
+    # Unchecked bad values: block ids outside the cache, lengths past the capacity.
+    table[0, 2] = 999
+    table[1, 0] = -5
+    out = cuflash2.attention_with_kvcache(q, pages, pages.copy(), k=k_new, v=k_new,
+                                          cache_seqlens=cupy.asarray(numpy.array([10**6, 40],
+                                                                                 numpy.int32)),
+                                          block_table=table)
+    assert not bool(cupy.isnan(out).any())
 
 
 def main(quick: bool) -> None:

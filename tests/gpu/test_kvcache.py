@@ -146,3 +146,21 @@ def test_cache_batch_idx_and_bad_values():
     full = cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=100,
                                            cache_batch_idx=idx)
     assert bool((clamped.view(cupy.uint16) == full.view(cupy.uint16)).all())
+
+
+def test_bad_block_ids_read_as_zeros_unchecked():
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(2)
+    q = _randn(rng, (1, 1, 4, 64), dtype)
+    pages = _randn(rng, (4, 16, 1, 64), dtype)
+    table = cupy.asarray(numpy.array([[0, 1, 7]], numpy.int32))  # block 7 is not in the cache
+    out = cuflash2.attention_with_kvcache(q, pages, pages, cache_seqlens=40, block_table=table)
+    # Positions 32..39 read as zero keys and values: the same as a cache holding zeros there.
+    zeros = cupy.zeros_like(pages)
+    zeros[:2] = pages[:2]
+    table_ok = cupy.asarray(numpy.array([[0, 1, 2]], numpy.int32))
+    want = cuflash2.attention_with_kvcache(q, zeros, zeros, cache_seqlens=40, block_table=table_ok)
+    assert bool((out.view(cupy.uint16) == want.view(cupy.uint16)).all())
+    with pytest.raises(ValueError, match=r"block_table\[0, 2\] = 7 is used"):
+        cuflash2.attention_with_kvcache(q, pages, pages, cache_seqlens=40, block_table=table,
+                                        check_cache=True)
