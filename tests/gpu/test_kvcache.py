@@ -9,7 +9,7 @@ cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
 from cuflash2 import _configs, reference, testing  # noqa: E402
-from grids import DTYPES, seed_of  # noqa: E402  (tests/gpu helper)
+from grids import BF16, DTYPES, seed_of  # noqa: E402  (tests/gpu helper)
 
 pytestmark = pytest.mark.gpu
 
@@ -101,7 +101,7 @@ def test_paged_equals_contiguous(page_size):
 
 
 def test_long_cache_64k_and_features():
-    dtype = numpy.dtype(ml_dtypes.bfloat16)
+    dtype = BF16
     rng = numpy.random.default_rng(7)
     batch, capacity, h, hk, d = 1, 65536, 8, 1, 128
     q = _randn(rng, (batch, 2, h, d), dtype)
