@@ -4,6 +4,8 @@ Drives NVRTC directly (cuda.bindings.nvrtc) for sm_80 and sm_90 and reads ptxas'
 the kernels must compile, fit the register file, and not spill.
 """
 
+import types
+
 import pytest
 
 from cuflash2 import _compile, _configs
@@ -155,3 +157,11 @@ def test_sources_inline_their_headers():
     for marker in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async.cg.shared.global",
                    "ex2.approx", "struct OnlineSoftmax", "struct KeyVisibility"):
         assert marker in source
+
+
+@pytest.mark.parametrize("arch", _configs.CPU_TEST_ARCHS)
+def test_benchmark_spin_kernel_compiles(arch, nvrtc_available):
+    """bench.py's backlog kernel (cuda_src/gpu_spin.cu)."""
+    spin = types.SimpleNamespace(source_file="gpu_spin.cu", name_expression="gpu_spin_kernel")
+    report = _compile.compile_report(spin, arch)
+    assert report.spill_stores == 0 and report.registers <= 32, report.log
