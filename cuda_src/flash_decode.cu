@@ -10,6 +10,9 @@
 //   partial states are merged through shared memory once, after the last tile.
 // - K/V tiles stream through KV_STAGES cp.async stages; rows come from a contiguous or paged
 //   cache (kv_cache.cuh), positions past the sequence's cache length are never read.
+// - New tokens (k, v) are appended here, not by a kernel of their own: the CTAs read positions
+//   cache_len .. cache_len + seqlen_new from k_new / v_new directly, and one CTA per (sequence,
+//   KV head) writes them into the cache, which no CTA reads at those positions.
 // - With more than one split, each CTA writes its normalised partial O (fp32) and lse to a
 //   workspace and flash_decode_combine.cu merges them; with one split it writes out and lse.
 #include "mma_primitives.cuh"
@@ -41,33 +44,94 @@ struct DecodeTraits {
     static_assert(KV_STAGES >= 2, "the KV loop is pipelined");
 };
 
-// Copies KV tile rows [0, BLOCK_N) (positions key0 + row) into a swizzled tile; rows at or past
-// seqlen_k, rows outside the cache (bad block ids) and chunks past head_dim are zero-filled
-// without being read.
+// Copies the K and V rows of positions key0 .. key0 + BLOCK_N - 1 into swizzled tiles: positions
+// from cache_len on are new tokens, read from k_new_rows / v_new_rows; rows at or past seqlen_k,
+// rows outside the cache (bad block ids) and chunks past head_dim are zero-filled without being
+// read. Working out a row's address (block table, page arithmetic) costs far more instructions
+// than the 16-byte copy, so it is done once per position for K and V together, and where the
+// row's chunks divide the threads each thread keeps one chunk and walks the rows, locating each
+// of its rows once.
 template <class Tile, int THREADS>
-CF2_DEVICE void load_cache_tile_async(u32 tile_smem, const KVCacheRows& rows, int key0,
-                                      int seqlen_k, int head_chunks, int tid) {
-    constexpr int TOTAL = Tile::ROWS * Tile::CHUNKS;
+CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& index,
+                                   const KVCacheRows& k_rows, const KVCacheRows& v_rows,
+                                   const u16* k_new_rows, i64 kn_row_stride,
+                                   const u16* v_new_rows, i64 vn_row_stride, int cache_len,
+                                   int key0, int seqlen_k, int head_chunks, int tid) {
+    auto copy_row = [&](int row, int chunk) {
+        const int key = key0 + row;
+        const u16* k_src = nullptr;
+        const u16* v_src = nullptr;
+        int block, cache_row;
+        if (key >= seqlen_k) {
+        } else if (key >= cache_len) {
+            k_src = k_new_rows + (key - cache_len) * kn_row_stride;
+            v_src = v_new_rows + (key - cache_len) * vn_row_stride;
+        } else if (index.locate(key, block, cache_row)) {
+            k_src = k_rows.at(block, cache_row);
+            v_src = v_rows.at(block, cache_row);
+        }
+        const bool valid = k_src != nullptr && chunk < head_chunks;
+        const u32 offset = Tile::offset(row, chunk);
+        cp_async_16(k_smem + offset, valid ? k_src + chunk * 8 : k_rows.head_base, valid);
+        cp_async_16(v_smem + offset, valid ? v_src + chunk * 8 : v_rows.head_base, valid);
+    };
+    if constexpr (THREADS % Tile::CHUNKS == 0 && Tile::ROWS % (THREADS / Tile::CHUNKS) == 0) {
+        constexpr int ROW_STEP = THREADS / Tile::CHUNKS;
+        const int chunk = tid % Tile::CHUNKS;
+        const int row0 = tid / Tile::CHUNKS;
+        // (Above d=128 the accumulators leave no registers for the stepped addresses.)
+        if (Tile::COLS <= 128 && index.block_table == nullptr) {
+            // Contiguous: this thread's rows are ROW_STEP positions apart, so its addresses step
+            // by a constant; only new-token rows take the general path.
+            const int cached_end = index.valid ? min(seqlen_k, cache_len) : 0;
+            const u16* k_src = k_rows.head_base + (key0 + row0) * k_rows.row_stride + chunk * 8;
+            const u16* v_src = v_rows.head_base + (key0 + row0) * v_rows.row_stride + chunk * 8;
+            const i64 k_step = ROW_STEP * k_rows.row_stride, v_step = ROW_STEP * v_rows.row_stride;
 #pragma unroll
-    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-        const int idx = tid + i * THREADS;
-        if (TOTAL % THREADS == 0 || idx < TOTAL) {
-            const int row = idx / Tile::CHUNKS;
-            const int chunk = idx % Tile::CHUNKS;
-            const u16* row_ptr = key0 + row < seqlen_k ? rows.row(key0 + row) : nullptr;
-            const bool valid = row_ptr != nullptr && chunk < head_chunks;
-            cp_async_16(tile_smem + Tile::offset(row, chunk),
-                        valid ? row_ptr + chunk * 8 : rows.head_base, valid);
+            for (int i = 0; i < Tile::ROWS / ROW_STEP; ++i) {
+                const int row = row0 + i * ROW_STEP;
+                const int key = key0 + row;
+                if (key < cached_end || key >= seqlen_k) {
+                    const bool valid = key < cached_end && chunk < head_chunks;
+                    const u32 offset = Tile::offset(row, chunk);
+                    cp_async_16(k_smem + offset, valid ? k_src : k_rows.head_base, valid);
+                    cp_async_16(v_smem + offset, valid ? v_src : v_rows.head_base, valid);
+                } else {
+                    copy_row(row, chunk);  // a new token (or a cache row that does not exist)
+                }
+                k_src += k_step;
+                v_src += v_step;
+            }
+        } else {
+#pragma unroll 4
+            for (int i = 0; i < Tile::ROWS / ROW_STEP; ++i) copy_row(row0 + i * ROW_STEP, chunk);
+        }
+    } else {
+        constexpr int TOTAL = Tile::ROWS * Tile::CHUNKS;
+#pragma unroll
+        for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+            const int idx = tid + i * THREADS;
+            if (TOTAL % THREADS == 0 || idx < TOTAL) copy_row(idx / Tile::CHUNKS, idx % Tile::CHUNKS);
         }
     }
 }
 
+// Up to d=128 three CTAs share an SM (configs.decode_config: the cache bytes in flight), so the
+// registers must allow three (168 a thread); larger head dims need the register file of one.
+template <int HEAD_DIM>
+__host__ __device__ constexpr int decode_min_ctas() {
+    return HEAD_DIM > 128 ? 1 : 3;
+}
+
 template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
-flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache,
-                    const u16* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ lse,
+__global__ void __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM>())
+flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
+                    const u16* __restrict__ k_new, const u16* __restrict__ v_new,
+                    u16* __restrict__ out, float* __restrict__ lse,
                     float* __restrict__ o_partial, float* __restrict__ lse_partial,
                     i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                    i64 kn_batch_stride, i64 kn_row_stride, i64 kn_head_stride,
+                    i64 vn_batch_stride, i64 vn_row_stride, i64 vn_head_stride,
                     i64 kc_batch_stride, i64 kc_row_stride, i64 kc_head_stride,
                     i64 vc_batch_stride, i64 vc_row_stride, i64 vc_head_stride,
                     i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
@@ -101,7 +165,8 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     const int row_first = m_block * T::BLOCK_M;  // packed row
     const int row_last = min(row_first + T::BLOCK_M, rows_total) - 1;
     // Keys: the cached tokens plus the appended ones, never past the cache's capacity.
-    const int seqlen_k = min(max(cache_seqlens[batch] + seqlen_new, 0), capacity);
+    const int cache_len = cache_seqlens[batch];
+    const int seqlen_k = min(max(cache_len + seqlen_new, 0), capacity);
     const int head_chunks = head_dim / 8;
 
     const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
@@ -110,12 +175,23 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     tile_first = max(tile_first, split * tiles_per_split);
     tile_end = min(tile_end, (split + 1) * tiles_per_split);
 
-    const KVCacheRows k_rows = kv_cache_rows(k_cache, kc_batch_stride, kc_row_stride, kc_head_stride,
-                                             cache_batch_idx, block_table, block_table_stride,
-                                             page_size, num_blocks, batch, kv_head);
-    const KVCacheRows v_rows = kv_cache_rows(v_cache, vc_batch_stride, vc_row_stride, vc_head_stride,
-                                             cache_batch_idx, block_table, block_table_stride,
-                                             page_size, num_blocks, batch, kv_head);
+    int cache_row;
+    const KVCacheIndex index = kv_cache_index(cache_batch_idx, block_table, block_table_stride,
+                                              page_size, num_blocks, batch, cache_row);
+    const KVCacheRows k_rows =
+        kv_cache_rows(k_cache, kc_batch_stride, kc_row_stride, kc_head_stride, cache_row, kv_head);
+    const KVCacheRows v_rows =
+        kv_cache_rows(v_cache, vc_batch_stride, vc_row_stride, vc_head_stride, cache_row, kv_head);
+
+    const u16* k_new_rows = k_new + batch * kn_batch_stride + kv_head * kn_head_stride;
+    const u16* v_new_rows = v_new + batch * vn_batch_stride + kv_head * vn_head_stride;
+
+    // The append: split 0's first row block writes the new tokens into the cache (no CTA reads
+    // the cache at those positions: they read k_new / v_new instead).
+    if (seqlen_new > 0 && blockIdx.x == 0) {
+        append_new_rows(index, k_rows, v_rows, k_new_rows, kn_row_stride, v_new_rows,
+                        vn_row_stride, seqlen_new, cache_len, capacity, head_dim, tid, T::THREADS);
+    }
 
     // Q: packed row r of this block is position p = (row_first + r) / group, head
     // kv_head * group + (row_first + r) % group; rows past the end are zero-filled.
@@ -129,11 +205,10 @@ flash_decode_kernel(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     }
     auto load_tile = [&](int tile, int stage) {
         const u32 k_smem = stage0 + stage * T::STAGE_BYTES;
-        load_cache_tile_async<KVTile, T::THREADS>(k_smem, k_rows, tile * T::BLOCK_N, seqlen_k,
-                                                  head_chunks, thread_index_fresh());
-        load_cache_tile_async<KVTile, T::THREADS>(k_smem + KVTile::BYTES, v_rows,
-                                                  tile * T::BLOCK_N, seqlen_k, head_chunks,
-                                                  thread_index_fresh());
+        load_kv_tile_async<KVTile, T::THREADS>(k_smem, k_smem + KVTile::BYTES, index, k_rows,
+                                               v_rows, k_new_rows, kn_row_stride, v_new_rows,
+                                               vn_row_stride, cache_len, tile * T::BLOCK_N,
+                                               seqlen_k, head_chunks, thread_index_fresh());
     };
     // Prologue: the first KV_STAGES - 1 tiles (one commit group each, empty past the end).
 #pragma unroll

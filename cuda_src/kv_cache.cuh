@@ -1,49 +1,94 @@
 // Where a sequence's cached keys and values live: a contiguous cache (batch_cache, seqlen_cache,
 // nheads_kv, headdim) read at row cache_batch_idx[b], or a paged one (num_blocks, page_size,
-// nheads_kv, headdim) read through block_table[b, position / page_size]. Either way the kernels
-// see one function from a logical key position to the address of its row. A block id or cache row
-// outside the cache gives nullptr (the kernels then neither read nor write that row), so unchecked
-// bad indices never reach memory outside the cache.
+// nheads_kv, headdim) read through block_table[b, position / page_size].
+//
+// A position is located once for K and V (KVCacheIndex: the block, 0 when contiguous, and the row
+// inside it), then each tensor turns (block, row) into an address (KVCacheRows). A block id or
+// cache row outside the cache locates nothing (the kernels then neither read nor write that
+// row), so unchecked bad indices never reach memory outside the cache.
 #pragma once
 #include "mma_primitives.cuh"
 
-struct KVCacheRows {
-    const u16* head_base;     // cache + kv_head * head_stride (+ cache row * batch stride if contiguous)
-    i64 block_stride;         // paged: elements between blocks
-    i64 row_stride;           // elements between positions (inside a block when paged)
-    const int* block_table;   // paged: this sequence's row of block_table; nullptr if contiguous
+struct KVCacheIndex {
+    const int* block_table;  // paged: this sequence's row of block_table; nullptr if contiguous
     int page_size;
-    int num_blocks;           // paged: blocks in the cache
-    bool valid;               // contiguous: the cache row exists
+    int page_shift;          // log2(page_size) when a power of two (shift and mask), else -1
+    int num_blocks;          // paged: blocks in the cache
+    bool valid;              // contiguous: the cache row exists
 
-    CF2_DEVICE const u16* row(int position) const {
-        if (block_table == nullptr) return valid ? head_base + position * row_stride : nullptr;
-        const int block = block_table[position / page_size];
-        if (block < 0 || block >= num_blocks) return nullptr;
-        return head_base + block * block_stride + (position % page_size) * row_stride;
+    // The block and the row inside it that hold `position`; false if outside the cache.
+    CF2_DEVICE bool locate(int position, int& block, int& row) const {
+        if (block_table == nullptr) {
+            block = 0;
+            row = position;
+            return valid;
+        }
+        const int slot = page_shift >= 0 ? position >> page_shift : position / page_size;
+        row = position - slot * page_size;
+        block = block_table[slot];
+        return block >= 0 && block < num_blocks;
     }
 };
 
-// The cache rows of batch entry `batch`, KV head `kv_head`.
-CF2_DEVICE KVCacheRows kv_cache_rows(const u16* cache, i64 batch_stride, i64 row_stride,
-                                     i64 head_stride, const int* cache_batch_idx,
-                                     const int* block_table, i64 block_table_stride,
-                                     int page_size, int num_blocks, int batch, int kv_head) {
-    // num_blocks: blocks of a paged cache, or rows (batch entries) of a contiguous one.
-    KVCacheRows rows;
-    rows.row_stride = row_stride;
-    rows.page_size = page_size;
-    rows.block_stride = batch_stride;
-    rows.num_blocks = num_blocks;
-    rows.valid = true;
-    if (block_table != nullptr) {
-        rows.block_table = block_table + batch * block_table_stride;
-        rows.head_base = cache + kv_head * head_stride;
-    } else {
-        rows.block_table = nullptr;
-        const int cache_row = cache_batch_idx != nullptr ? cache_batch_idx[batch] : batch;
-        rows.valid = cache_row >= 0 && cache_row < num_blocks;
-        rows.head_base = cache + (rows.valid ? cache_row : 0) * batch_stride + kv_head * head_stride;
+// One cache tensor (K or V) at one KV head.
+struct KVCacheRows {
+    const u16* head_base;  // cache + kv_head * head_stride (+ cache row * batch stride if contiguous)
+    i64 block_stride;      // paged: elements between blocks
+    i64 row_stride;        // elements between positions (inside a block when paged)
+
+    CF2_DEVICE const u16* at(int block, int row) const {
+        return head_base + block * block_stride + row * row_stride;
     }
-    return rows;
+};
+
+// The index of batch entry `batch`; `cache_row` is the contiguous cache's row (0 when paged).
+// num_blocks: blocks of a paged cache, or rows (batch entries) of a contiguous one.
+CF2_DEVICE KVCacheIndex kv_cache_index(const int* cache_batch_idx, const int* block_table,
+                                       i64 block_table_stride, int page_size, int num_blocks,
+                                       int batch, int& cache_row) {
+    KVCacheIndex index;
+    index.page_size = page_size;
+    index.page_shift = __popc(page_size) == 1 ? __ffs(page_size) - 1 : -1;
+    index.num_blocks = num_blocks;
+    if (block_table != nullptr) {
+        index.block_table = block_table + batch * block_table_stride;
+        index.valid = true;
+        cache_row = 0;
+    } else {
+        index.block_table = nullptr;
+        cache_row = cache_batch_idx != nullptr ? cache_batch_idx[batch] : batch;
+        index.valid = cache_row >= 0 && cache_row < num_blocks;
+        if (!index.valid) cache_row = 0;
+    }
+    return index;
+}
+
+CF2_DEVICE KVCacheRows kv_cache_rows(const u16* cache, i64 batch_stride, i64 row_stride,
+                                     i64 head_stride, int cache_row, int kv_head) {
+    return KVCacheRows{cache + cache_row * batch_stride + kv_head * head_stride, batch_stride,
+                       row_stride};
+}
+
+// Appends the new tokens of one (sequence, KV head) in place: token i goes to position
+// cache_len + i. Positions outside [0, capacity) and rows outside the cache are skipped, so
+// unchecked bad values never write out of bounds. The decode kernel calls this from one CTA per
+// (sequence, KV head) and reads the new tokens from k_new / v_new itself, so no CTA reads a cache
+// row that is being written.
+CF2_DEVICE void append_new_rows(const KVCacheIndex& index, const KVCacheRows& k_rows,
+                                const KVCacheRows& v_rows, const u16* k_new_rows,
+                                i64 kn_row_stride, const u16* v_new_rows, i64 vn_row_stride,
+                                int seqlen_new, int cache_len, int capacity, int head_dim,
+                                int tid, int threads) {
+    const int chunks = head_dim / 8;
+    for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
+        const int token = idx / chunks, chunk = idx % chunks;
+        const int position = cache_len + token;
+        int block, row;
+        if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
+        u32 vals[4];
+        load_16B_global(vals, k_new_rows + token * kn_row_stride + chunk * 8);
+        store_16B_global(const_cast<u16*>(k_rows.at(block, row)) + chunk * 8, vals);
+        load_16B_global(vals, v_new_rows + token * vn_row_stride + chunk * 8);
+        store_16B_global(const_cast<u16*>(v_rows.at(block, row)) + chunk * 8, vals);
+    }
 }

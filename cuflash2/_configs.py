@@ -386,12 +386,13 @@ class DecodeConfig:
 
 @functools.lru_cache(maxsize=None)
 def decode_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
-    """4 warps of 16 keys (64-key tiles) and as many cp.async stages (up to 4) as leave room for
-    two CTAs per SM, so that enough cache bytes are in flight; 2 warps where even two stages of
-    64 keys do not fit (large head dims on 100 KiB parts)."""
+    """4 warps of 16 keys (64-key tiles) with as many cp.async stages (up to 4) as leave room for
+    three CTAs per SM, else two, else one: decoding is bound by the cache bytes in flight, and
+    three CTAs of two stages beat two CTAs of three (H200, d=128: 87-94% against 79-84% of the
+    copy ceiling; docs/PERF_NOTES.md). 2 warps where even one CTA of two stages does not fit."""
     d = kernel_head_dim(head_dim)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    for warps, ctas in ((4, 2), (4, 1), (2, 1)):
+    for warps, ctas in ((4, 3), (4, 2), (4, 1), (2, 1)):
         for stages in (4, 3, 2):
             config = DecodeConfig(dtype, d, warps, 16, stages)
             if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
@@ -400,32 +401,21 @@ def decode_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
 
 
 @dataclass(frozen=True)
-class DecodeAuxKernel:
-    """The KV-cache append kernel, or the split-KV combine kernel (per dtype)."""
+class DecodeCombineKernel:
+    """The split-KV combine kernel (cuda_src/flash_decode_combine.cu), per dtype."""
 
     dtype: str
-    kernel: str  # "kvcache_append_kernel" or "flash_decode_combine_kernel"
+    threads: int = 256  # COMBINE_THREADS
     smem_bytes: int = 0
-
-    @property
-    def threads(self) -> int:
-        return 32 if self.kernel == "kvcache_append_kernel" else 256
-
-    @property
-    def source_file(self) -> str:
-        return {"kvcache_append_kernel": "kvcache_append.cu",
-                "flash_decode_combine_kernel": "flash_decode_combine.cu"}[self.kernel]
+    source_file: str = "flash_decode_combine.cu"
 
     @property
     def name_expression(self) -> str:
-        if self.kernel == "kvcache_append_kernel":
-            return self.kernel  # extern "C", the same for both dtypes (16-bit copies)
-        return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}>"
+        return f"flash_decode_combine_kernel<{DTYPE_TAGS[self.dtype]}>"
 
 
 def all_decode_configs(arch: int, features=(0,)) -> list:
     """Every decode specialisation the dispatcher can choose on `arch`."""
     configs = [with_features(decode_config(dtype, d, arch), f) for f in features
                for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
-    aux = [DecodeAuxKernel(dtype, "flash_decode_combine_kernel") for dtype in DTYPE_TAGS]
-    return configs + aux + [DecodeAuxKernel("float16", "kvcache_append_kernel")]
+    return configs + [DecodeCombineKernel(dtype) for dtype in DTYPE_TAGS]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import os
 import numbers
+import os
 
 import numpy
 
@@ -617,13 +618,52 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
 _MAX_SPLITS = 128
 
 
-def _num_splits(requested, ctas: int, tiles: int, num_sms: int) -> int:
-    """`requested` (0: fill about two waves of the GPU, each split keeping >= 4 KV tiles)."""
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: automatic); got {requested!r}")
+def _check_num_splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic); got {num_splits!r}")
+    return num_splits
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(requested: int, ctas: int, tiles: int, slots: int) -> int:
+    """The KV split count: `requested`, or for 0 the smallest count whose grid of `ctas` x splits
+    CTAs fills the GPU's `slots` (SMs x resident CTAs per SM) within 95% of the best wave
+    efficiency (as flash-attn's heuristic): decoding is bound by reading the cache, so a last
+    wave that leaves SMs idle costs its share of the bandwidth. Counts are those that give
+    every split the same number of KV tiles (others leave trailing splits empty)."""
     if requested == 0:
-        requested = min(-(-2 * num_sms // max(1, ctas)), max(1, tiles // 4), _MAX_SPLITS)
+        if ctas >= 0.8 * slots:
+            return 1
+        candidates = sorted({-(-tiles // -(-tiles // s)) for s in range(1, _MAX_SPLITS + 1)})
+
+        def efficiency(splits):
+            grid = ctas * splits
+            return grid / (-(-grid // slots) * slots)
+
+        best = max(efficiency(s) for s in candidates)
+        requested = next(s for s in candidates if efficiency(s) >= 0.95 * best)
     return max(1, min(requested, max(1, tiles), _MAX_SPLITS))
+
+
+_slots_cache: dict = {}
+
+
+def _decode_slots(config, device_id: int) -> int:
+    """SMs x CTAs of `config`'s decode kernel resident per SM, as its threads, registers (in
+    units of 256 a warp) and shared memory (plus the 1 KiB the system reserves a CTA) allow."""
+    slots = _slots_cache.get((config, device_id))
+    if slots is None:
+        cupy = _cupy()
+        kernel = _compile.get_kernel(config, device_id)
+        attributes = cupy.cuda.Device(device_id).attributes
+        warps = config.threads // 32
+        regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
+        per_sm = min(32, attributes["MaxThreadsPerMultiProcessor"] // config.threads,
+                     attributes["MaxRegistersPerMultiprocessor"] // (warps * regs_per_warp),
+                     attributes["MaxSharedMemoryPerMultiprocessor"] // (config.smem_bytes + 1024))
+        slots = _slots_cache[(config, device_id)] = max(1, per_sm) * attributes[
+            "MultiProcessorCount"]
+    return slots
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
@@ -658,6 +698,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     cupy = _require_cupy_arrays(arrays)
     if not isinstance(causal, (bool, numpy.bool_)):
         raise TypeError(f"causal must be a bool; got {causal!r}")
+    num_splits = _check_num_splits(num_splits)
     kv = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
                                         cache_batch_idx, block_table,
                                         cupy.asnumpy if check_cache else None)
@@ -682,32 +723,30 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
         fill = kv.capacity - kv.seqlen_new if cache_seqlens is None else cache_seqlens
         cache_seqlens = cupy.full((kv.batch,), fill, dtype=cupy.int32)
-    i32, i64 = numpy.int32, int
-    page_size = kv.page_size
-    table_stride = block_table.strides[0] // 4 if block_table is not None else 0
-    if k is not None and kv.seqlen_new:
-        append = _configs.DecodeAuxKernel(problem.dtype, "kvcache_append_kernel")
-        _launch(append, device_id, (kv.seqlen_new, kv.nheads_kv, kv.batch),
-                (k, v, k_cache, v_cache, *_element_strides(k), *_element_strides(v),
-                 *_element_strides(k_cache), *_element_strides(v_cache), cache_seqlens,
-                 cache_batch_idx, block_table, i64(table_stride), i32(page_size),
-                 i32(kv.num_blocks), i32(kv.capacity), i32(kv.head_dim)))
+    # The decode kernel (compiled here if need be) and its split count.
     config = _configs.with_features(
         _configs.decode_config(problem.dtype, kv.head_dim, device_arch(device_id)), mods.features)
     group = kv.nheads // kv.nheads_kv
     m_blocks = -(-kv.seqlen_q * group // config.block_m)
     tiles = -(-kv.capacity // config.block_n)
-    num_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-    splits = _num_splits(num_splits, m_blocks * kv.nheads_kv * kv.batch, tiles, num_sms)
+    splits = _num_splits(num_splits, m_blocks * kv.nheads_kv * kv.batch, tiles,
+                         _decode_slots(config, device_id))
+    i32, i64 = numpy.int32, int
+    page_size = kv.page_size
+    table_stride = block_table.strides[0] // 4 if block_table is not None else 0
+    # New tokens: the decode kernel appends them (and reads them from k, v); without any, q
+    # stands in for the never-read pointers.
+    k_new, v_new = (k, v) if k is not None and kv.seqlen_new else (q, q)
     tiles_per_split = -(-tiles // splits)
     splits = -(-tiles // tiles_per_split)
     o_partial = lse_partial = None
-    if splits > 1:
-        o_partial = cupy.empty((splits, kv.batch, kv.nheads, kv.seqlen_q, config.head_dim),
-                               dtype=cupy.float32)
-        lse_partial = cupy.empty((splits, kv.batch, kv.nheads, kv.seqlen_q), dtype=cupy.float32)
+    if splits > 1:  # fp32 workspace: the splits' normalised O (padded head dim), then their lse
+        rows = splits * kv.batch * kv.nheads * kv.seqlen_q
+        workspace = cupy.empty(rows * (config.head_dim + 1), dtype=cupy.float32)
+        o_partial, lse_partial = workspace[:rows * config.head_dim], workspace[rows * config.head_dim:]
     _launch(config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch),
-            (q, k_cache, v_cache, out, lse, o_partial, lse_partial, *_element_strides(q),
+            (q, k_cache, v_cache, k_new, v_new, out, lse, o_partial, lse_partial,
+             *_element_strides(q), *_element_strides(k_new), *_element_strides(v_new),
              *_element_strides(k_cache), *_element_strides(v_cache), *_element_strides(out),
              cache_seqlens, i32(kv.seqlen_new), cache_batch_idx, block_table, i64(table_stride),
              i32(page_size), i32(kv.num_blocks), i32(kv.capacity), i32(kv.seqlen_q),
@@ -716,7 +755,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
              numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
              *mods.kernel_args, i32(kv.batch)))
     if splits > 1:
-        combine = _configs.DecodeAuxKernel(problem.dtype, "flash_decode_combine_kernel")
+        combine = _configs.DecodeCombineKernel(problem.dtype)
         _launch(combine, device_id, (kv.seqlen_q, kv.nheads, kv.batch),
                 (o_partial, lse_partial, out, lse, *_element_strides(out), i32(splits),
                  i32(kv.batch), i32(kv.nheads), i32(kv.seqlen_q), i32(kv.head_dim),
