@@ -249,6 +249,30 @@ def _launch(config, device_id, grid, args):
                (*args, numpy.int32(batch_offset)), shared_mem=config.smem_bytes)
 
 
+def _backward_arrays(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, causal, deterministic):
+    """A backward call's arrays by name (the given gradient buffers included; the slopes are
+    checked to be a CuPy array but kept out, as their device is checked apart), and its flags
+    checked. Returns (arrays, cupy)."""
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if x is not None:
+            arrays[name] = x
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    cupy = _require_cupy_arrays({**arrays, **extra})
+    if not isinstance(causal, (bool, numpy.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if not isinstance(deterministic, (bool, numpy.bool_)):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    return arrays, cupy
+
+
+def _gradient_buffers(cupy, q, k, v, dq, dk, dv):
+    """dq, dk, dv: the given buffers, or new arrays shaped like q, k, v."""
+    return (cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq,
+            cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk,
+            cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv)
+
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                        seed=None, offset=0, deterministic=False, dq=None, dk=None, dv=None):
@@ -263,16 +287,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     KV head); `dq=`, `dk=`, `dv=` receive them if given. `deterministic=True` gives bitwise
     reproducible results (no floating-point atomics). Runs on the current CuPy stream.
     """
-    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
-        if x is not None:
-            arrays[name] = x
-    cupy = _require_cupy_arrays(
-        arrays if alibi_slopes is None else {**arrays, "alibi_slopes": alibi_slopes})
-    if not isinstance(causal, (bool, numpy.bool_)):
-        raise TypeError(f"causal must be a bool; got {causal!r}")
-    if not isinstance(deterministic, (bool, numpy.bool_)):
-        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    arrays, cupy = _backward_arrays(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, causal,
+                                    deterministic)
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
     _validate.check_backward_inputs(problem, dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
@@ -280,9 +296,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     device_id = _check_device(arrays, cupy)
     _check_slopes_device(alibi_slopes, device_id)
 
-    dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
-    dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
-    dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+    dq, dk, dv = _gradient_buffers(cupy, q, k, v, dq, dk, dv)
     b = (lambda x: x) if problem.batched else (lambda x: x[None])
     _launch_backward(problem, b(dout), b(q), b(k), b(v), b(out), b(lse), b(dq), b(dk), b(dv),
                      window, bool(deterministic), device_id, cupy, mods=mods)
@@ -554,16 +568,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
     As `attention_backward` otherwise."""
-    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
-        if x is not None:
-            arrays[name] = x
-    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
-    cupy = _require_cupy_arrays({**arrays, **extra})
-    if not isinstance(causal, (bool, numpy.bool_)):
-        raise TypeError(f"causal must be a bool; got {causal!r}")
-    if not isinstance(deterministic, (bool, numpy.bool_)):
-        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    arrays, cupy = _backward_arrays(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, causal,
+                                    deterministic)
     packed, problem, varlen = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                             max_seqlen_k, softmax_scale, None, check_cu_seqlens,
                                             cupy)
@@ -573,9 +579,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     device_id = _check_device(arrays, cupy)
     _check_slopes_device(alibi_slopes, device_id)
 
-    dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
-    dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
-    dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+    dq, dk, dv = _gradient_buffers(cupy, q, k, v, dq, dk, dv)
     b = problem.batch
     seq = (lambda x: _per_sequence(x, b, cupy))
     _launch_backward(problem, seq(dout), seq(q), seq(k), seq(v), seq(out), lse, seq(dq), seq(dk),
