@@ -29,16 +29,22 @@ def main():
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--features", type=int, nargs="+", default=list(_configs.ALL_FEATURES))
     ap.add_argument("--arch", type=int, default=None, help="default: device 0's")
+    ap.add_argument("--kernels", nargs="+", choices=("fwd", "bwd", "decode"),
+                    default=["fwd", "bwd", "decode"])
     args = ap.parse_args()
     if args.arch is None:
         import cupy
 
         args.arch = int(cupy.cuda.Device(0).compute_capability)
-    configs = list(dict.fromkeys(
-        _configs.all_fwd_configs(args.arch, args.features)
-        + _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
-        + _configs.all_decode_configs(args.arch, [f for f in args.features
-                                                  if f in _configs.SCORE_MOD_FEATURES])))
+    configs = []
+    if "fwd" in args.kernels:
+        configs += _configs.all_fwd_configs(args.arch, args.features)
+    if "bwd" in args.kernels:
+        configs += _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
+    if "decode" in args.kernels:
+        configs += _configs.all_decode_configs(
+            args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
+    configs = list(dict.fromkeys(configs))
     start = time.time()
     chunks = [configs[i::args.jobs] for i in range(args.jobs)]
     # spawn: the parent may hold a CUDA context, which forked children cannot use.
