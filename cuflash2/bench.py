@@ -189,8 +189,11 @@ class _Backlog:
 
 def time_cupy(cupy, fn, warmup: int, iters: int, backlog: _Backlog, before=None) -> float:
     """Median milliseconds of fn() on the current CuPy stream; `before()`, if given, runs
-    before each call, untimed."""
+    before each call, untimed (and in the warm-up, so that its own first-call costs are paid
+    there)."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
     backlog.queue(iters)
@@ -526,11 +529,12 @@ def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.st
     dtype = numpy.dtype(numpy.float16 if dtype_name == "fp16" else ml_dtypes.bfloat16)
     backlog = _Backlog(cupy)
     ceiling = copy_ceiling(cupy)
-    # The smaller caches (from 32 MB) fit in the 50 MB L2: writing a larger buffer before each
+    # The smaller caches (from 32 MB) fit in the 50 MB L2: reading a larger buffer before each
     # timed call evicts them, so every call reads its cache from HBM, as a decode step would
-    # after the other layers' steps.
-    scratch = cupy.empty(L2_FLUSH_BYTES, dtype=cupy.uint8)
-    flush_l2 = lambda: scratch.fill(1)  # noqa: E731
+    # after the other layers' steps. Reading, not writing: evicting dirty lines would charge the
+    # timed call ~10 us of write-back that is not its own.
+    scratch = cupy.zeros(L2_FLUSH_BYTES, dtype=cupy.uint8)
+    flush_l2 = scratch.max
     rows = []
     for nheads, nheads_kv in DECODE_HEADS:
         for cache_len in DECODE_CACHES:
@@ -626,7 +630,7 @@ def run(cupy, args) -> int:
         print(varlen_table(varlen))
     if decode:
         print(f"\nDecoding with a KV cache (attention_with_kvcache, one query token, a token "
-              f"appended, causal; L2 flushed before each call; copy ceiling "
+              f"appended, causal; L2 flushed by a 256 MB read before each call; copy ceiling "
               f"{decode[0]['copy_ceiling_gb_per_s']:.0f} GB/s, bytes read + written per second "
               f"by a device copy):\n")
         print(decode_table(decode))
