@@ -5,9 +5,10 @@
 // - The query heads that share a KV head are packed into the rows (row rr = query position
 //   rr / group, head kv_head * group + rr % group), so each K/V byte serves the whole group; a CTA
 //   owns one m16 tile of such rows.
-// - Its warps (4, or 2 where shared memory is short) split every KV tile by keys (KEYS_PER_WARP each) instead of splitting the rows:
-//   each warp keeps its own online softmax (m, l) and unnormalised O for the 16 rows, and the four
-//   partial states are merged through shared memory once, after the last tile.
+// - Its warps (4, or 2 where shared memory is short) split every KV tile by keys (KEYS_PER_WARP
+//   each) instead of splitting the rows: each warp keeps its own online softmax (m, l) and
+//   unnormalised O for the 16 rows, and the warps' partial states are merged through shared
+//   memory once, after the last tile.
 // - K/V tiles stream through KV_STAGES cp.async stages; rows come from a contiguous or paged
 //   cache (kv_cache.cuh), positions past the sequence's cache length are never read.
 // - New tokens (k, v) are appended here, not by a kernel of their own: the CTAs read positions
@@ -289,7 +290,7 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
         }
     }
 
-    // Merge the four warps' states: (m, l) in log2 units and O, through shared memory.
+    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the stages
     float* merge_o = reinterpret_cast<float*>(smem + QTile::BYTES);  // [warp][row][HEAD_DIM]
