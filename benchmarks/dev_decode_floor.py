@@ -1,0 +1,63 @@
+"""What a decoding step costs when it moves almost nothing: the time, with CUDA events, of one
+and two back-to-back empty launches, and of attention_with_kvcache on a 256-token cache (batch
+1, 32 query heads on 4 KV heads, d=128) with one split (the decode kernel alone) and with four
+(decode and combine kernels); then batch-1 steps on 16k and 64k caches (L2 flushed before each,
+as `bench --decode`). Each row is timed with the kernels' default shared-memory carveout and
+with the decode and combine kernels preferring the largest (no L1/shared reconfiguration
+between them). The floor under the batch-1 rows of `bench --decode`.
+
+    python benchmarks/dev_decode_floor.py
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy  # noqa: E402
+
+import cuflash2  # noqa: E402
+from cuflash2 import _compile, _configs, bench  # noqa: E402
+
+
+def main():
+    backlog = bench._Backlog(cupy)
+    scratch = cupy.zeros(bench.L2_FLUSH_BYTES, dtype=cupy.uint8)
+    spin = cupy.RawModule(code=_compile.kernel_source("gpu_spin.cu")).get_function(
+        "gpu_spin_kernel")
+    zero = cupy.uint64(0)
+    rows = [("one empty launch", lambda: spin((1,), (1,), (zero,)), None),
+            ("two empty launches",
+             lambda: (spin((1,), (1,), (zero,)), spin((1,), (1,), (zero,))), None)]
+    rng = cupy.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 32, 128), dtype=cupy.float32).astype(cupy.float16)
+    for cache_len, splits_list in ((256, (1, 4)), (16384, (0,)), (65536, (0,))):
+        kc, vc = (rng.standard_normal((1, cache_len, 4, 128), dtype=cupy.float32)
+                  .astype(cupy.float16) for _ in range(2))
+        lengths = cupy.full((1,), cache_len - 1, dtype=cupy.int32)
+        k1 = kc[:, :1].copy()
+        for splits in splits_list:
+            rows.append((f"attention_with_kvcache, cache {cache_len}, num_splits={splits}",
+                         lambda kc=kc, vc=vc, lengths=lengths, k1=k1, splits=splits:
+                         cuflash2.attention_with_kvcache(q, kc, vc, k=k1, v=k1,
+                                                         cache_seqlens=lengths, causal=True,
+                                                         num_splits=splits),
+                         scratch.max if cache_len > 256 else None))
+    print("| call | us, default carveout | us, decode and combine at max shared |")
+    print("|---|---|---|")
+    results = {}
+    for carveout in (None, 100):
+        if carveout is not None:
+            device = cupy.cuda.Device().id
+            for config in [_configs.decode_config(d, 128, 90) for d in ("float16",)] + [
+                    _configs.DecodeCombineKernel("float16")]:
+                _compile.get_kernel(config, device).preferred_shared_memory_carveout = carveout
+        for label, call, before in rows:
+            results.setdefault(label, []).append(
+                bench.time_cupy(cupy, call, 5, 50, backlog, before) * 1e3)
+    for label, (a, b) in results.items():
+        print(f"| {label} | {a:.1f} | {b:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
