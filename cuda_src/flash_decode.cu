@@ -312,38 +312,62 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < T::BLOCK_M * head_dim; idx += T::THREADS) {
-        const int r = idx / head_dim, c = idx % head_dim;
-        const int packed = row_first + r;
-        if (packed >= rows_total) continue;
-        float m = neg_inf();
+    // Each row is merged by THREADS / 16 threads: the row's weights once per thread, then 4-float
+    // column chunks interleaved across the row's threads (conflict-free shared loads, coalesced
+    // stores). Index arithmetic is compile-time except the one division by the group: this
+    // epilogue is on every CTA's critical path, and short CTAs (batch 1, many splits) are mostly
+    // epilogue.
+    constexpr int ROW_THREADS = T::THREADS / T::BLOCK_M;
+    constexpr int ROW_CHUNKS = HEAD_DIM / 4 / ROW_THREADS;  // float4 chunks per thread
+    static_assert(T::THREADS % T::BLOCK_M == 0 && (HEAD_DIM / 4) % ROW_THREADS == 0,
+                  "the rows' column chunks divide between their threads");
+    const int r = tid / ROW_THREADS, t = tid % ROW_THREADS;
+    const int packed = row_first + r;
+    if (packed >= rows_total) return;
+    float m = neg_inf();
 #pragma unroll
-        for (int w = 0; w < T::NUM_WARPS; ++w) m = fmaxf(m, merge_ml[(w * T::BLOCK_M + r) * 2]);
-        float o = 0.f, l = 0.f;
-        if (m != neg_inf()) {
+    for (int w = 0; w < T::NUM_WARPS; ++w) m = fmaxf(m, merge_ml[(w * T::BLOCK_M + r) * 2]);
+    float weight[T::NUM_WARPS];
+    float l = 0.f;
 #pragma unroll
-            for (int w = 0; w < T::NUM_WARPS; ++w) {
-                const float mw = merge_ml[(w * T::BLOCK_M + r) * 2];
-                const float f = mw == neg_inf() ? 0.f : fast_exp2(mw - m);
-                o += f * merge_o[(w * T::BLOCK_M + r) * HEAD_DIM + c];
-                l += f * merge_ml[(w * T::BLOCK_M + r) * 2 + 1];
-            }
-        }
-        const bool seen = l > 0.f;
-        const float result = seen ? o / l : 0.f;
-        const float row_lse = seen ? (m + __log2f(l)) * LN2 : neg_inf();  // natural log; -inf: no key
-        const int position = packed / group, head = kv_head * group + packed % group;
-        if (num_splits == 1) {
-            u16* dst = out + batch * o_batch_stride + position * o_row_stride + head * o_head_stride;
-            dst[c] = static_cast<u16>(pack_pair<Elem>(result, 0.f) & 0xffffu);
-            if (c == 0)
-                lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + position] =
-                    seen ? row_lse : pos_inf();  // +inf: the row saw no key (attention's convention)
-        } else {
-            const i64 row = ((static_cast<i64>(split) * batch_total + batch) * nheads + head) *
+    for (int w = 0; w < T::NUM_WARPS; ++w) {
+        const float mw = merge_ml[(w * T::BLOCK_M + r) * 2];
+        weight[w] = (m == neg_inf() || mw == neg_inf()) ? 0.f : fast_exp2(mw - m);
+        l = fmaf(weight[w], merge_ml[(w * T::BLOCK_M + r) * 2 + 1], l);
+    }
+    const bool seen = l > 0.f;
+    const float inv_l = seen ? 1.f / l : 0.f;
+    const float row_lse = seen ? (m + __log2f(l)) * LN2 : neg_inf();  // natural log; -inf: no key
+    const int position = packed / group, head = kv_head * group + packed % group;
+    const i64 partial_row = ((static_cast<i64>(split) * batch_total + batch) * nheads + head) *
                                 seqlen_q + position;
-            o_partial[row * HEAD_DIM + c] = result;
-            if (c == 0) lse_partial[row] = row_lse;
+    u16* out_row = out + batch * o_batch_stride + position * o_row_stride + head * o_head_stride;
+#pragma unroll
+    for (int j = 0; j < ROW_CHUNKS; ++j) {
+        const int c = 4 * (t + ROW_THREADS * j);
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < T::NUM_WARPS; ++w) {
+            const float4 x =
+                *reinterpret_cast<const float4*>(merge_o + (w * T::BLOCK_M + r) * HEAD_DIM + c);
+            o.x = fmaf(weight[w], x.x, o.x);
+            o.y = fmaf(weight[w], x.y, o.y);
+            o.z = fmaf(weight[w], x.z, o.z);
+            o.w = fmaf(weight[w], x.w, o.w);
         }
+        o = make_float4(o.x * inv_l, o.y * inv_l, o.z * inv_l, o.w * inv_l);
+        if (c >= head_dim) continue;  // head_dim is a multiple of 8: a chunk is all in or out
+        if (num_splits == 1)
+            *reinterpret_cast<uint2*>(out_row + c) =
+                make_uint2(pack_pair<Elem>(o.x, o.y), pack_pair<Elem>(o.z, o.w));
+        else
+            *reinterpret_cast<float4*>(o_partial + partial_row * HEAD_DIM + c) = o;
+    }
+    if (t == 0) {
+        if (num_splits == 1)
+            lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + position] =
+                seen ? row_lse : pos_inf();  // +inf: the row saw no key (attention's convention)
+        else
+            lse_partial[partial_row] = row_lse;
     }
 }
