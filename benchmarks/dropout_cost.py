@@ -19,30 +19,24 @@ def main():
     backlog = bench._Backlog(cupy)
     print("| d | seqlen | causal | fwd ms | fwd ms, p=0.1 | cost | bwd ms | bwd ms, p=0.1 | cost |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for d in (64, 128):
-        for s in (1024, 4096, 16384):
-            b, h = 16384 // s, 2048 // d
-            rng = cupy.random.default_rng(s + d)
-            q, k, v, dout = (rng.standard_normal((b, s, h, d), dtype=cupy.float32)
-                             .astype(cupy.float16) for _ in range(4))
-            for causal in (False, True):
-                cells = []
-                for direction in ("fwd", "bwd"):
-                    ms = []
-                    for p in (0.0, 0.1):
-                        drop = dict(causal=causal, dropout_p=p, seed=7)
-                        if direction == "fwd":
-                            def call():
-                                return cuflash2.attention(q, k, v, **drop)
-                        else:
-                            out, lse = cuflash2.attention(q, k, v, return_lse=True, **drop)
+    for d, s, (q, k, v, dout) in bench.paper_grid_arrays(cupy):
+        for causal in (False, True):
+            cells = []
+            for direction in ("fwd", "bwd"):
+                ms = []
+                for p in (0.0, 0.1):
+                    drop = dict(causal=causal, dropout_p=p, seed=7)
+                    if direction == "fwd":
+                        def call():
+                            return cuflash2.attention(q, k, v, **drop)
+                    else:
+                        out, lse = cuflash2.attention(q, k, v, return_lse=True, **drop)
 
-                            def call():
-                                return cuflash2.attention_backward(dout, q, k, v, out, lse, **drop)
-                        ms.append(bench.time_cupy(cupy, call, 3, 15, backlog))
-                    cells += [f"{ms[0]:.3f}", f"{ms[1]:.3f}", f"{ms[1] / ms[0]:.2f}x"]
-                print(f"| {d} | {s} | {causal} | " + " | ".join(cells) + " |", flush=True)
-
+                        def call():
+                            return cuflash2.attention_backward(dout, q, k, v, out, lse, **drop)
+                    ms.append(bench.time_cupy(cupy, call, 3, 15, backlog))
+                cells += [f"{ms[0]:.3f}", f"{ms[1]:.3f}", f"{ms[1] / ms[0]:.2f}x"]
+            print(f"| {d} | {s} | {causal} | " + " | ".join(cells) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

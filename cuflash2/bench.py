@@ -227,6 +227,18 @@ def time_torch(torch, fn, warmup: int, iters: int, backlog: _Backlog) -> float:
 # The two implementations on the same data
 # ---------------------------------------------------------------------------------------------
 
+def paper_grid_arrays(cupy, headdims=(64, 128), seqlens=(1024, 4096, 16384), count=4):
+    """For each (headdim, seqlen): `count` fresh fp16 standard-normal (batch, seqlen, nheads,
+    headdim) arrays at the paper grid's size (PAPER_TOKENS tokens, hidden PAPER_HIDDEN), for the
+    cost scripts in benchmarks/. Yields (headdim, seqlen, arrays)."""
+    for d in headdims:
+        for s in seqlens:
+            shape = (PAPER_TOKENS // s, s, PAPER_HIDDEN // d, d)
+            rng = cupy.random.default_rng(s + d)
+            yield d, s, tuple(rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+                              for _ in range(count))
+
+
 def random_inputs(cupy, config: Config, dtype, seed: int):
     """Fresh standard-normal q, k, v (never zeros: zeros flatter tensor cores)."""
     rng = cupy.random.default_rng(seed)

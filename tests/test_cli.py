@@ -94,6 +94,17 @@ def test_paper_grid_keeps_tokens_and_hidden_fixed():
         assert config.nheads * config.headdim == 2048
 
 
+def test_cost_scripts_arrays_are_paper_grid_sized():
+    # NumPy stands in for CuPy: the same default_rng / standard_normal / astype calls.
+    points = list(bench.paper_grid_arrays(numpy, headdims=(64,), seqlens=(1024, 4096), count=2))
+    assert [(d, s) for d, s, _ in points] == [(64, 1024), (64, 4096)]
+    for d, s, arrays in points:
+        assert len(arrays) == 2
+        for x in arrays:
+            assert x.shape == (16384 // s, s, 2048 // d, d) and x.dtype == numpy.float16
+            assert float(numpy.abs(x).max()) > 0  # fresh random values, never zeros
+
+
 def test_grid_size_follows_the_options():
     configs = bench.paper_grid((64, 128), ("fp16", "bf16"), bench.causal_modes("both"),
                                bench.PAPER_SEQLENS, bench.directions("both"))
