@@ -22,9 +22,8 @@ from cuflash2 import _compile, _configs, bench  # noqa: E402
 
 def main():
     backlog = bench._Backlog(cupy)
-    scratch = cupy.zeros(bench.L2_FLUSH_BYTES, dtype=cupy.uint8)
-    spin = cupy.RawModule(code=_compile.kernel_source("gpu_spin.cu")).get_function(
-        "gpu_spin_kernel")
+    flush_l2 = bench.l2_flush(cupy)
+    spin = bench.spin_kernel(cupy)
     zero = cupy.uint64(0)
     rows = [("one empty launch", lambda: spin((1,), (1,), (zero,)), None),
             ("two empty launches",
@@ -42,7 +41,7 @@ def main():
                          cuflash2.attention_with_kvcache(q, kc, vc, k=k1, v=k1,
                                                          cache_seqlens=lengths, causal=True,
                                                          num_splits=splits),
-                         scratch.max if cache_len > 256 else None))
+                         flush_l2 if cache_len > 256 else None))
     print("| call | us, default carveout | us, decode and combine at max shared |")
     print("|---|---|---|")
     results = {}

@@ -167,6 +167,22 @@ def environment_header(env: dict) -> str:
 # Timing (GPU)
 # ---------------------------------------------------------------------------------------------
 
+def spin_kernel(cupy):
+    """cuda_src/gpu_spin.cu's kernel: spin((1,), (1,), (cupy.uint64(nanoseconds),))."""
+    from . import _compile
+
+    return cupy.RawModule(code=_compile.kernel_source("gpu_spin.cu")).get_function(
+        "gpu_spin_kernel")
+
+
+def l2_flush(cupy):
+    """A call that evicts the L2 cache by reading a buffer much larger than it (untimed, before
+    each timed decode call): the smaller caches (from 32 MB) fit in the 50 MB L2, and a decode
+    step after the other layers' steps reads its cache from HBM. Reading, not writing: evicting
+    dirty lines would charge the timed call ~10 us of write-back that is not its own."""
+    return cupy.zeros(L2_FLUSH_BYTES, dtype=cupy.uint8).max
+
+
 class _Backlog:
     """A spinning kernel queued before the timed calls, long enough to cover the host-side cost
     of launching all of them (up to HOST_US_PER_CALL each): the calls then queue while the GPU
@@ -176,10 +192,7 @@ class _Backlog:
     HOST_US_PER_CALL = 400
 
     def __init__(self, cupy):
-        from . import _compile
-
-        module = cupy.RawModule(code=_compile.kernel_source("gpu_spin.cu"))
-        self._spin = module.get_function("gpu_spin_kernel")
+        self._spin = spin_kernel(cupy)
         self._cupy = cupy
 
     def queue(self, calls: int = 1):
@@ -541,12 +554,7 @@ def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.st
     dtype = numpy.dtype(numpy.float16 if dtype_name == "fp16" else ml_dtypes.bfloat16)
     backlog = _Backlog(cupy)
     ceiling = copy_ceiling(cupy)
-    # The smaller caches (from 32 MB) fit in the 50 MB L2: reading a larger buffer before each
-    # timed call evicts them, so every call reads its cache from HBM, as a decode step would
-    # after the other layers' steps. Reading, not writing: evicting dirty lines would charge the
-    # timed call ~10 us of write-back that is not its own.
-    scratch = cupy.zeros(L2_FLUSH_BYTES, dtype=cupy.uint8)
-    flush_l2 = scratch.max
+    flush_l2 = l2_flush(cupy)
     rows = []
     for nheads, nheads_kv in DECODE_HEADS:
         for cache_len in DECODE_CACHES:
