@@ -79,7 +79,8 @@ def _check_device(arrays: dict, cupy) -> int:
 
 @dataclass(frozen=True)
 class _ScoreMods:
-    """softcap / ALiBi of one call, as the kernels take them (cuda_src/score_mods.cuh)."""
+    """softcap / ALiBi / dropout of one call, as the kernels take them (cuda_src/score_mods.cuh,
+    cuda_src/dropout.cuh)."""
 
     features: int  # FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_DROPOUT template bits
     softmax_scale: float  # scale of the scores the softmax sees: softcap, or the softmax scale
@@ -713,10 +714,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             _validate.check_strides(name, arrays[name])
     problem = dataclasses.replace(problem, nheads_kv=kv.nheads_kv, seqlen_k=kv.capacity)
     mods = _score_mods(problem, softcap, alibi_slopes, q)
-    device_id = _check_device({n: x for n, x in arrays.items()
-                               if n in ("q", "k_cache", "v_cache", "k", "v")}, cupy)
-    for name, x in arrays.items():
-        if x.device.id != device_id:
+    tensors = ("q", "k_cache", "v_cache", "k", "v")  # device and 16-byte alignment checked
+    device_id = _check_device({n: x for n, x in arrays.items() if n in tensors}, cupy)
+    for name, x in arrays.items():  # the slopes and int32 indices: device only
+        if name not in tensors and x.device.id != device_id:
             raise ValueError(f"{name} is on device {x.device.id}, not the current device "
                              f"{device_id}")
     window = _validate.check_window(window_size, causal, kv.seqlen_q, kv.capacity)
