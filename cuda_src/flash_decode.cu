@@ -48,10 +48,14 @@ struct DecodeTraits {
 // Copies the K and V rows of positions key0 .. key0 + BLOCK_N - 1 into swizzled tiles: positions
 // from cache_len on are new tokens, read from k_new_rows / v_new_rows; rows at or past seqlen_k,
 // rows outside the cache (bad block ids) and chunks past head_dim are zero-filled without being
-// read. Working out a row's address (block table, page arithmetic) costs far more instructions
-// than the 16-byte copy, so it is done once per position for K and V together, and where the
-// row's chunks divide the threads each thread keeps one chunk and walks the rows, locating each
-// of its rows once.
+// read.
+//
+// A decoding step runs this code once or a few times per CTA, cold: the instruction fetches, not
+// the arithmetic, are what a short CTA waits on, so the code is kept small. Tiles whose rows all
+// lie in one block of the cache (a contiguous cache, or pages of a multiple of BLOCK_N positions)
+// and all precede cache_len take the fast path: one lookup for the tile, then each thread keeps
+// one 16-byte chunk and steps its K and V addresses by a constant. The other tiles (the last one,
+// with the new tokens; pages shorter than a tile) locate each row once for K and V.
 template <class Tile, int THREADS>
 CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& index,
                                    const KVCacheRows& k_rows, const KVCacheRows& v_rows,
@@ -80,36 +84,30 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
         constexpr int ROW_STEP = THREADS / Tile::CHUNKS;
         const int chunk = tid % Tile::CHUNKS;
         const int row0 = tid / Tile::CHUNKS;
+        int block, cache_row;
         // (Above d=128 the accumulators leave no registers for the stepped addresses.)
-        if (Tile::COLS <= 128 && index.block_table == nullptr) {
-            // Contiguous: this thread's rows are ROW_STEP positions apart, so its addresses step
-            // by a constant; only new-token rows take the general path.
-            const int cached_end = index.valid ? min(seqlen_k, cache_len) : 0;
-            const u16* k_src = k_rows.head_base + (key0 + row0) * k_rows.row_stride + chunk * 8;
-            const u16* v_src = v_rows.head_base + (key0 + row0) * v_rows.row_stride + chunk * 8;
+        if (Tile::COLS <= 128 && key0 + Tile::ROWS <= min(seqlen_k, cache_len) &&
+            (index.block_table == nullptr || index.page_size % Tile::ROWS == 0) &&
+            index.locate(key0, block, cache_row)) {
+            const bool valid = chunk < head_chunks;
+            const u16* k_src = k_rows.at(block, cache_row + row0) + chunk * 8;
+            const u16* v_src = v_rows.at(block, cache_row + row0) + chunk * 8;
             const i64 k_step = ROW_STEP * k_rows.row_stride, v_step = ROW_STEP * v_rows.row_stride;
 #pragma unroll
             for (int i = 0; i < Tile::ROWS / ROW_STEP; ++i) {
-                const int row = row0 + i * ROW_STEP;
-                const int key = key0 + row;
-                if (key < cached_end || key >= seqlen_k) {
-                    const bool valid = key < cached_end && chunk < head_chunks;
-                    const u32 offset = Tile::offset(row, chunk);
-                    cp_async_16(k_smem + offset, valid ? k_src : k_rows.head_base, valid);
-                    cp_async_16(v_smem + offset, valid ? v_src : v_rows.head_base, valid);
-                } else {
-                    copy_row(row, chunk);  // a new token (or a cache row that does not exist)
-                }
+                const u32 offset = Tile::offset(row0 + i * ROW_STEP, chunk);
+                cp_async_16(k_smem + offset, valid ? k_src : k_rows.head_base, valid);
+                cp_async_16(v_smem + offset, valid ? v_src : v_rows.head_base, valid);
                 k_src += k_step;
                 v_src += v_step;
             }
         } else {
-#pragma unroll 4
+#pragma unroll 2
             for (int i = 0; i < Tile::ROWS / ROW_STEP; ++i) copy_row(row0 + i * ROW_STEP, chunk);
         }
     } else {
         constexpr int TOTAL = Tile::ROWS * Tile::CHUNKS;
-#pragma unroll
+#pragma unroll 2
         for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
             const int idx = tid + i * THREADS;
             if (TOTAL % THREADS == 0 || idx < TOTAL) copy_row(idx / Tile::CHUNKS, idx % Tile::CHUNKS);
@@ -211,12 +209,6 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
                                                vn_row_stride, cache_len, tile * T::BLOCK_N,
                                                seqlen_k, head_chunks, thread_index_fresh());
     };
-    // Prologue: the first KV_STAGES - 1 tiles (one commit group each, empty past the end).
-#pragma unroll
-    for (int s = 0; s < KV_STAGES - 1; ++s) {
-        if (tile_first + s < tile_end) load_tile(tile_first + s, s);
-        cp_async_commit();
-    }
 
     // This thread's two rows (g and g + 8 of the m16 tile): query position and head.
     int row_position[2], row_head[2];
@@ -241,12 +233,21 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
     OnlineSoftmax<1> softmax;
     const int warp_key0 = warp * KEYS_PER_WARP;  // within the tile
 
-    for (int tile = tile_first; tile < tile_end; ++tile) {
-        const int i = tile - tile_first;
-        cp_async_wait<KV_STAGES - 2>();
-        __syncthreads();  // this tile landed; every warp is done with the stage refilled below
-        if (tile + KV_STAGES - 1 < tile_end) load_tile(tile + KV_STAGES - 1, (i + KV_STAGES - 1) % KV_STAGES);
+    // The KV loop, KV_STAGES - 1 tiles ahead: step i loads tile i + KV_STAGES - 1 and computes
+    // tile i; the first KV_STAGES - 1 steps only load. One place issues the loads, so their code
+    // is fetched once (see load_kv_tile_async).
+    const int num_tiles = tile_end - tile_first;
+#pragma unroll 1
+    for (int i = 1 - KV_STAGES; i < num_tiles; ++i) {
+        if (i >= 0) {
+            cp_async_wait<KV_STAGES - 2>();
+            __syncthreads();  // tile i landed; every warp is done with the stage refilled below
+        }
+        const int ahead = i + KV_STAGES - 1;  // one commit group a step, empty past the end
+        if (ahead < num_tiles) load_tile(tile_first + ahead, ahead % KV_STAGES);
         cp_async_commit();
+        if (i < 0) continue;
+        const int tile = tile_first + i;
         const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;
         const u32 v_smem = k_smem + KVTile::BYTES;
 
