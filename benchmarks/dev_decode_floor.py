@@ -1,10 +1,10 @@
 """What a decoding step costs when it moves almost nothing: the time, with CUDA events, of one
 and two back-to-back empty launches, and of attention_with_kvcache on a 256-token cache (batch
-1, 32 query heads on 4 KV heads, d=128) with one split (the decode kernel alone) and with four
-(decode and combine kernels); then batch-1 steps on 16k and 64k caches (L2 flushed before each,
-as `bench --decode`). Each row is timed with the kernels' default shared-memory carveout and
-with the decode and combine kernels preferring the largest (no L1/shared reconfiguration
-between them). The floor under the batch-1 rows of `bench --decode`.
+1, 32 query heads on 4 KV heads, d=128) with one split and with four (whose CTAs meet at the
+split barrier and merge); then batch-1 steps on 16k and 64k caches (L2 flushed before each, as
+`bench --decode`). Each row is timed with the kernel's default shared-memory carveout and with
+it preferring the largest (no L1/shared reconfiguration between launches). The floor under the
+batch-1 rows of `bench --decode`.
 
     python benchmarks/dev_decode_floor.py
 """
@@ -42,15 +42,14 @@ def main():
                                                          cache_seqlens=lengths, causal=True,
                                                          num_splits=splits),
                          flush_l2 if cache_len > 256 else None))
-    print("| call | us, default carveout | us, decode and combine at max shared |")
+    print("| call | us, default carveout | us, decode kernel at max shared |")
     print("|---|---|---|")
     results = {}
     for carveout in (None, 100):
         if carveout is not None:
             device = cupy.cuda.Device().id
-            for config in [_configs.decode_config(d, 128, 90) for d in ("float16",)] + [
-                    _configs.DecodeCombineKernel("float16")]:
-                _compile.get_kernel(config, device).preferred_shared_memory_carveout = carveout
+            config = _configs.decode_config("float16", 128, 90)
+            _compile.get_kernel(config, device).preferred_shared_memory_carveout = carveout
         for label, call, before in rows:
             results.setdefault(label, []).append(
                 bench.time_cupy(cupy, call, 5, 50, backlog, before) * 1e3)

@@ -1,7 +1,7 @@
 """Development sweep of the split-KV decode kernel (attention_with_kvcache): tile shapes
 (warps x keys per warp, cp.async stages) and split counts, on the bench's decode grid, as achieved
-HBM bandwidth against the copy ceiling. Also times the call without the append (k=None) and a
-single split, to separate the append and combine launches from the decode kernel itself.
+HBM bandwidth against the copy ceiling. Also times the call without the append (k=None) and with
+a single split, to separate the append and the split merge from the rest of the kernel.
 
     CUPY_CACHE_DIR=/tmp/cc PYTHONPATH=. python benchmarks/dev_decode_sweep.py \
         [--variants 4x16x3 4x32x3 8x16x4] [--splits 0 16 32]

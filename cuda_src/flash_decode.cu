@@ -15,7 +15,9 @@
 //   cache_len .. cache_len + seqlen_new from k_new / v_new directly, and one CTA per (sequence,
 //   KV head) writes them into the cache, which no CTA reads at those positions.
 // - With more than one split, each CTA writes its normalised partial O (fp32) and lse to a
-//   workspace and flash_decode_combine.cu merges them; with one split it writes out and lse.
+//   workspace; the splits of a row block then wait for each other (a cooperative launch keeps
+//   them all resident) and each merges a share of the block's output (split_merge.cuh). With
+//   one split the CTA writes out and lse itself.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
@@ -23,6 +25,7 @@
 #include "warp_gemm.cuh"
 #include "score_mods.cuh"
 #include "kv_cache.cuh"
+#include "split_merge.cuh"
 
 template <int HEAD_DIM, int NUM_WARPS_, int KEYS_PER_WARP, int KV_STAGES>
 struct DecodeTraits {
@@ -128,6 +131,7 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
                     const u16* __restrict__ k_new, const u16* __restrict__ v_new,
                     u16* __restrict__ out, float* __restrict__ lse,
                     float* __restrict__ o_partial, float* __restrict__ lse_partial,
+                    int* __restrict__ split_counters,
                     i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
                     i64 kn_batch_stride, i64 kn_row_stride, i64 kn_head_stride,
                     i64 vn_batch_stride, i64 vn_row_stride, i64 vn_head_stride,
@@ -323,52 +327,70 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
     static_assert(T::THREADS % T::BLOCK_M == 0 && (HEAD_DIM / 4) % ROW_THREADS == 0,
                   "the rows' column chunks divide between their threads");
     const int r = tid / ROW_THREADS, t = tid % ROW_THREADS;
-    const int packed = row_first + r;
-    if (packed >= rows_total) return;
-    float m = neg_inf();
+    const int rows = row_last - row_first + 1;  // of this block
+    const int group_id = (batch * gridDim.y + kv_head) * num_m_blocks + m_block;
+    const i64 partial_row = (static_cast<i64>(group_id) * num_splits + split) * T::BLOCK_M + r;
+    // Writes 4-float column chunk `chunk` of row r's output and, with the first chunk, its lse
+    // (log2 units in, natural log out; +inf for a row that saw no key, attention's convention).
+    auto store_chunk = [&](int r, int chunk, float4 o, float lse2) {
+        const int packed = row_first + r;
+        const int position = packed / group, head = kv_head * group + packed % group;
+        *reinterpret_cast<uint2*>(out + batch * o_batch_stride + position * o_row_stride +
+                                  head * o_head_stride + 4 * chunk) =
+            make_uint2(pack_pair<Elem>(o.x, o.y), pack_pair<Elem>(o.z, o.w));
+        if (chunk == 0)
+            lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + position] =
+                lse2 == neg_inf() ? pos_inf() : lse2 * LN2;
+    };
+    if (r < rows) {
+        float m = neg_inf();
 #pragma unroll
-    for (int w = 0; w < T::NUM_WARPS; ++w) m = fmaxf(m, merge_ml[(w * T::BLOCK_M + r) * 2]);
-    float weight[T::NUM_WARPS];
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < T::NUM_WARPS; ++w) {
-        const float mw = merge_ml[(w * T::BLOCK_M + r) * 2];
-        weight[w] = (m == neg_inf() || mw == neg_inf()) ? 0.f : fast_exp2(mw - m);
-        l = fmaf(weight[w], merge_ml[(w * T::BLOCK_M + r) * 2 + 1], l);
-    }
-    const bool seen = l > 0.f;
-    const float inv_l = seen ? 1.f / l : 0.f;
-    const float row_lse = seen ? (m + __log2f(l)) * LN2 : neg_inf();  // natural log; -inf: no key
-    const int position = packed / group, head = kv_head * group + packed % group;
-    const i64 partial_row = ((static_cast<i64>(split) * batch_total + batch) * nheads + head) *
-                                seqlen_q + position;
-    u16* out_row = out + batch * o_batch_stride + position * o_row_stride + head * o_head_stride;
-#pragma unroll
-    for (int j = 0; j < ROW_CHUNKS; ++j) {
-        const int c = 4 * (t + ROW_THREADS * j);
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int w = 0; w < T::NUM_WARPS; ++w) m = fmaxf(m, merge_ml[(w * T::BLOCK_M + r) * 2]);
+        float weight[T::NUM_WARPS];
+        float l = 0.f;
 #pragma unroll
         for (int w = 0; w < T::NUM_WARPS; ++w) {
-            const float4 x =
-                *reinterpret_cast<const float4*>(merge_o + (w * T::BLOCK_M + r) * HEAD_DIM + c);
-            o.x = fmaf(weight[w], x.x, o.x);
-            o.y = fmaf(weight[w], x.y, o.y);
-            o.z = fmaf(weight[w], x.z, o.z);
-            o.w = fmaf(weight[w], x.w, o.w);
+            const float mw = merge_ml[(w * T::BLOCK_M + r) * 2];
+            weight[w] = (m == neg_inf() || mw == neg_inf()) ? 0.f : fast_exp2(mw - m);
+            l = fmaf(weight[w], merge_ml[(w * T::BLOCK_M + r) * 2 + 1], l);
         }
-        o = make_float4(o.x * inv_l, o.y * inv_l, o.z * inv_l, o.w * inv_l);
-        if (c >= head_dim) continue;  // head_dim is a multiple of 8: a chunk is all in or out
-        if (num_splits == 1)
-            *reinterpret_cast<uint2*>(out_row + c) =
-                make_uint2(pack_pair<Elem>(o.x, o.y), pack_pair<Elem>(o.z, o.w));
-        else
-            *reinterpret_cast<float4*>(o_partial + partial_row * HEAD_DIM + c) = o;
+        const bool seen = l > 0.f;
+        float4 o[ROW_CHUNKS];
+#pragma unroll
+        for (int j = 0; j < ROW_CHUNKS; ++j) {
+            const int c = 4 * (t + ROW_THREADS * j);
+            o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int w = 0; w < T::NUM_WARPS; ++w) {
+                const float4 x =
+                    *reinterpret_cast<const float4*>(merge_o + (w * T::BLOCK_M + r) * HEAD_DIM + c);
+                o[j].x = fmaf(weight[w], x.x, o[j].x);
+                o[j].y = fmaf(weight[w], x.y, o[j].y);
+                o[j].z = fmaf(weight[w], x.z, o[j].z);
+                o[j].w = fmaf(weight[w], x.w, o[j].w);
+            }
+        }
+        const float inv_l = seen ? 1.f / l : 0.f;
+        const float lse2 = seen ? m + __log2f(l) : neg_inf();
+#pragma unroll
+        for (int j = 0; j < ROW_CHUNKS; ++j) {
+            const int chunk = t + ROW_THREADS * j;
+            if (4 * chunk >= head_dim) continue;  // head_dim is a multiple of 8
+            const float4 scaled = make_float4(o[j].x * inv_l, o[j].y * inv_l, o[j].z * inv_l,
+                                              o[j].w * inv_l);
+            if (num_splits == 1)
+                store_chunk(r, chunk, scaled, lse2);
+            else  // this split's normalised partial result, merged below
+                *reinterpret_cast<float4*>(o_partial + partial_row * HEAD_DIM + 4 * chunk) = scaled;
+        }
+        if (num_splits > 1 && t == 0) lse_partial[partial_row] = lse2;
     }
-    if (t == 0) {
-        if (num_splits == 1)
-            lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + position] =
-                seen ? row_lse : pos_inf();  // +inf: the row saw no key (attention's convention)
-        else
-            lse_partial[partial_row] = row_lse;
-    }
+    if (num_splits == 1) return;
+    // The splits of this row block wait for each other, then merge its rows together
+    // (split_merge.cuh; the launch is cooperative).
+    split_barrier(split_counters + 2 * group_id, num_splits);
+    const i64 group_row0 = static_cast<i64>(group_id) * num_splits * T::BLOCK_M;
+    merge_split_share<HEAD_DIM, T::THREADS, T::BLOCK_M>(o_partial + group_row0 * HEAD_DIM,
+                                                        lse_partial + group_row0, num_splits,
+                                                        split, rows, head_dim, tid, store_chunk);
 }

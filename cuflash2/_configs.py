@@ -416,6 +416,5 @@ class DecodeCombineKernel:
 
 def all_decode_configs(arch: int, features=(0,)) -> list:
     """Every decode specialisation the dispatcher can choose on `arch`."""
-    configs = [with_features(decode_config(dtype, d, arch), f) for f in features
-               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
-    return configs + [DecodeCombineKernel(dtype) for dtype in DTYPE_TAGS]
+    return [with_features(decode_config(dtype, d, arch), f) for f in features
+            for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]

@@ -241,9 +241,13 @@ def _launch_forward(problem, q, k, v, out, lse, window, device_id, config=None, 
              *mods.kernel_args, *_varlen_args(varlen), *mods.dropout_args))
 
 
-def _launch(config, device_id, grid, args):
-    """Launches `config`'s kernel, slicing gridDim.z (the batch) into chunks of 65535."""
+def _launch(config, device_id, grid, args, cooperative=False):
+    """Launches `config`'s kernel, slicing gridDim.z (the batch) into chunks of 65535.
+    `cooperative`: all CTAs resident at once (their grid fits the GPU; the decode kernel's
+    splits wait for each other)."""
     kernel = _compile.get_kernel(config, device_id)
+    if cooperative:
+        kernel = functools.partial(kernel.kernel, enable_cooperative_groups=True)  # its Function
     batch = grid[2]
     for batch_offset in range(0, batch, _MAX_GRID_Z):
         kernel((grid[0], grid[1], min(_MAX_GRID_Z, batch - batch_offset)), (config.threads,),
@@ -631,43 +635,51 @@ def _check_num_splits(num_splits) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _num_splits(requested: int, ctas: int, tiles: int, slots: int) -> int:
-    """The KV split count: `requested`, or for 0 the smallest count whose grid of `ctas` x splits
-    CTAs fills the GPU's `slots` (SMs x resident CTAs per SM) within 95% of the best wave
-    efficiency (as flash-attn's heuristic): decoding is bound by reading the cache, so a last
-    wave that leaves SMs idle costs its share of the bandwidth. Counts are those that give
-    every split the same number of KV tiles (others leave trailing splits empty)."""
+    """The KV split count for a grid of `ctas` CTAs (row blocks x KV heads x sequences) over
+    `tiles` KV tiles, on a GPU that holds `slots` such CTAs at once (SMs x CTAs per SM).
+
+    The splits of a row block wait for each other to merge their results, so a split grid must
+    fit the GPU in one wave: at most slots // ctas splits, `requested` included. For 0 (auto):
+    none if the grid already covers 80% of the slots; else the largest count that fits, among
+    those that give every split the same number of tiles (others leave trailing splits short).
+    Decoding is bound by reading the cache, and every resident CTA keeps reads in flight."""
+    fit = max(1, min(slots // max(ctas, 1), _MAX_SPLITS, tiles))
     if requested == 0:
         if ctas >= 0.8 * slots:
             return 1
-        candidates = sorted({-(-tiles // -(-tiles // s)) for s in range(1, _MAX_SPLITS + 1)})
+        return max(-(-tiles // -(-tiles // s)) for s in range(1, fit + 1))
+    return max(1, min(requested, fit))
 
-        def efficiency(splits):
-            grid = ctas * splits
-            return grid / (-(-grid // slots) * slots)
 
-        best = max(efficiency(s) for s in candidates)
-        requested = next(s for s in candidates if efficiency(s) >= 0.95 * best)
-    return max(1, min(requested, max(1, tiles), _MAX_SPLITS))
+_counters: dict = {}
+
+
+def _split_counters(groups: int, cupy):
+    """The decode kernel's split barrier counters, two per row block (zero between launches: the
+    last split to leave resets them). One buffer per (device, stream), since launches on one
+    stream run in order and never share a counter; grown, zeroed, when a call needs more."""
+    stream = cupy.cuda.get_current_stream()
+    key = (cupy.cuda.Device().id, stream.ptr)
+    counters = _counters.get(key)
+    if counters is None or counters.size < 2 * groups:
+        counters = _counters[key] = cupy.zeros(max(2 * groups, 1024), dtype=cupy.int32)
+    return counters
 
 
 _slots_cache: dict = {}
 
 
 def _decode_slots(config, device_id: int) -> int:
-    """SMs x CTAs of `config`'s decode kernel resident per SM, as its threads, registers (in
-    units of 256 a warp) and shared memory (plus the 1 KiB the system reserves a CTA) allow."""
+    """SMs x CTAs of `config`'s decode kernel resident per SM (the driver's occupancy: what a
+    cooperative launch of the kernel allows)."""
     slots = _slots_cache.get((config, device_id))
     if slots is None:
         cupy = _cupy()
         kernel = _compile.get_kernel(config, device_id)
-        attributes = cupy.cuda.Device(device_id).attributes
-        warps = config.threads // 32
-        regs_per_warp = -(-kernel.num_regs * 32 // 256) * 256
-        per_sm = min(32, attributes["MaxThreadsPerMultiProcessor"] // config.threads,
-                     attributes["MaxRegistersPerMultiprocessor"] // (warps * regs_per_warp),
-                     attributes["MaxSharedMemoryPerMultiprocessor"] // (config.smem_bytes + 1024))
-        slots = _slots_cache[(config, device_id)] = max(1, per_sm) * attributes[
-            "MultiProcessorCount"]
+        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, config.threads, config.smem_bytes)
+        slots = _slots_cache[(config, device_id)] = max(1, per_sm) * cupy.cuda.Device(
+            device_id).attributes["MultiProcessorCount"]
     return slots
 
 
@@ -744,13 +756,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     k_new, v_new = (k, v) if k is not None and kv.seqlen_new else (q, q)
     tiles_per_split = -(-tiles // splits)
     splits = -(-tiles // tiles_per_split)
-    o_partial = lse_partial = None
-    if splits > 1:  # fp32 workspace: the splits' normalised O (padded head dim), then their lse
-        rows = splits * kv.batch * kv.nheads * kv.seqlen_q
+    o_partial = lse_partial = counters = None
+    if splits > 1:  # fp32 workspace per (row block, split): O (padded head dim), then lse
+        groups = m_blocks * kv.nheads_kv * kv.batch
+        rows = groups * splits * config.block_m
         workspace = cupy.empty(rows * (config.head_dim + 1), dtype=cupy.float32)
         o_partial, lse_partial = workspace[:rows * config.head_dim], workspace[rows * config.head_dim:]
+        counters = _split_counters(groups, cupy)
     _launch(config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch),
-            (q, k_cache, v_cache, k_new, v_new, out, lse, o_partial, lse_partial,
+            (q, k_cache, v_cache, k_new, v_new, out, lse, o_partial, lse_partial, counters,
              *_element_strides(q), *_element_strides(k_new), *_element_strides(v_new),
              *_element_strides(k_cache), *_element_strides(v_cache), *_element_strides(out),
              cache_seqlens, i32(kv.seqlen_new), cache_batch_idx, block_table, i64(table_stride),
@@ -758,11 +772,5 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
              i32(kv.nheads), i32(group),
              i32(kv.head_dim), i32(m_blocks), i32(splits), i32(tiles_per_split),
              numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
-             *mods.kernel_args, i32(kv.batch)))
-    if splits > 1:
-        combine = _configs.DecodeCombineKernel(problem.dtype)
-        _launch(combine, device_id, (kv.seqlen_q, kv.nheads, kv.batch),
-                (o_partial, lse_partial, out, lse, *_element_strides(out), i32(splits),
-                 i32(kv.batch), i32(kv.nheads), i32(kv.seqlen_q), i32(kv.head_dim),
-                 i32(config.head_dim)))
+             *mods.kernel_args, i32(kv.batch)), cooperative=splits > 1)
     return (out, lse) if return_lse else out

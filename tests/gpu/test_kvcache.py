@@ -160,3 +160,37 @@ def test_bad_block_ids_read_as_zeros_unchecked():
     with pytest.raises(ValueError, match=r"block_table\[0, 2\] = 7 is used"):
         cuflash2.attention_with_kvcache(q, pages, pages, cache_seqlens=40, block_table=table,
                                         check_cache=True)
+
+
+def test_split_barrier_counters_reset_and_streams_apart():
+    """The splits of a row block meet at a barrier on counters kept between calls: after every
+    call they are back to zero, and calls on several streams at once (each its own counters)
+    give the single-stream results bit for bit."""
+    from cuflash2 import api
+
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(11)
+    batch, capacity, h, hk, d = 2, 8192, 8, 2, 128
+    q = _randn(rng, (batch, 1, h, d), dtype)
+    k_cache, v_cache = _randn(rng, (batch, capacity, hk, d), dtype), _randn(rng, (batch, capacity, hk, d), dtype)
+    kwargs = dict(cache_seqlens=cupy.asarray(numpy.array([8000, 3000], numpy.int32)), causal=True)
+    want = {s: cuflash2.attention_with_kvcache(q, k_cache, v_cache, num_splits=s, **kwargs)
+            for s in (0, 2, 7, 64)}
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+    got = []
+    for _ in range(4):
+        for stream in streams:
+            with stream:
+                got.append((stream, {s: cuflash2.attention_with_kvcache(q, k_cache, v_cache,
+                                                                        num_splits=s, **kwargs)
+                                     for s in (0, 2, 7, 64)}))
+    cupy.cuda.Device().synchronize()
+    for _, outs in got:
+        for s, out in outs.items():
+            assert bool((out.view(cupy.uint16) == want[s].view(cupy.uint16)).all()), s
+    _check(want[0], cuflash2.attention_with_kvcache(q, k_cache, v_cache, return_lse=True,
+                                                    **kwargs)[1], q, [k_cache], [v_cache], kwargs)
+    used = [c for key, c in api._counters.items() if key[0] == cupy.cuda.Device().id]
+    assert len(used) >= 4  # the default stream's and the three others'
+    for counters in used:
+        assert int(cupy.count_nonzero(counters)) == 0
