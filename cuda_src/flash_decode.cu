@@ -118,8 +118,9 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
     }
 }
 
-// Up to d=128 three CTAs share an SM (configs.decode_config: the cache bytes in flight), so the
-// registers must allow three (168 a thread); larger head dims need the register file of one.
+// Up to d=128 two or three CTAs share an SM (configs.decode_config: the cache bytes in flight),
+// so the registers must allow three (168 a thread); larger head dims need the register file of
+// one.
 template <int HEAD_DIM>
 __host__ __device__ constexpr int decode_min_ctas() {
     return HEAD_DIM > 128 ? 1 : 3;

@@ -386,32 +386,24 @@ class DecodeConfig:
 
 @functools.lru_cache(maxsize=None)
 def decode_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
-    """4 warps of 16 keys (64-key tiles) with as many cp.async stages (up to 4) as leave room for
-    three CTAs per SM, else two, else one: decoding is bound by the cache bytes in flight, and
-    three CTAs of two stages beat two CTAs of three (H200, d=128: 87-94% against 79-84% of the
-    copy ceiling; docs/PERF_NOTES.md). 2 warps where even one CTA of two stages does not fit."""
+    """4 warps of 16 keys (64-key tiles); of the cp.async stage counts (2 to 4) and CTAs per SM
+    that fit, the one with the most KV tiles in flight per SM (CTAs x (stages - 1)), at least two
+    CTAs per SM where possible, more CTAs on a tie: decoding is bound by the cache bytes in
+    flight, and a single CTA per SM leaves mid-sized grids short of them (H200, d=128: two CTAs
+    of three stages beat three of two and one of four, docs/DECODE_DESIGN.md). 2 warps where
+    even one CTA of two stages does not fit."""
     d = kernel_head_dim(head_dim)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    for warps, ctas in ((4, 3), (4, 2), (4, 1), (2, 1)):
-        for stages in (4, 3, 2):
+    for warps, min_ctas in ((4, 2), (4, 1), (2, 1)):
+        fitting = []
+        for stages in (2, 3, 4):
             config = DecodeConfig(dtype, d, warps, 16, stages)
-            if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
-                return config
+            ctas = min(3, smem_per_sm // (config.smem_bytes + 1024))  # 3: the register budget
+            if ctas >= min_ctas:
+                fitting.append((ctas * (stages - 1), ctas, config))
+        if fitting:
+            return max(fitting, key=lambda f: f[:2])[2]
     raise AssertionError(f"no decode tile fits head dim {d} on sm_{arch}")
-
-
-@dataclass(frozen=True)
-class DecodeCombineKernel:
-    """The split-KV combine kernel (cuda_src/flash_decode_combine.cu), per dtype."""
-
-    dtype: str
-    threads: int = 256  # COMBINE_THREADS
-    smem_bytes: int = 0
-    source_file: str = "flash_decode_combine.cu"
-
-    @property
-    def name_expression(self) -> str:
-        return f"flash_decode_combine_kernel<{DTYPE_TAGS[self.dtype]}>"
 
 
 def all_decode_configs(arch: int, features=(0,)) -> list:
