@@ -37,8 +37,9 @@ __device__ unsigned long long cf2_timeline[8 * 16384];
 _STAMPS = (
     ("    const int tid = threadIdx.x;\n", "    const int tid = threadIdx.x;\n    CF2_STAMP(0)\n"),
     # Stamped in a branch on the value, so after the load has returned.
-    ("    const int cache_len = cache_seqlens[batch];\n",
-     "    const int cache_len = cache_seqlens[batch];\n    if (cache_len != -123456789) { CF2_STAMP(1) }\n"),
+    ("    const int cache_len = cache_seqlens != nullptr ? cache_seqlens[batch] : cache_len_all;\n",
+     "    const int cache_len = cache_seqlens != nullptr ? cache_seqlens[batch] : cache_len_all;\n"
+     "    if (cache_len != -123456789) { CF2_STAMP(1) }\n"),
     ("        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n",
      "        if (i == 0) { CF2_STAMP(2) }\n        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n"),
     ("    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.\n",

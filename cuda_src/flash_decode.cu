@@ -139,7 +139,7 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
                     i64 kc_batch_stride, i64 kc_row_stride, i64 kc_head_stride,
                     i64 vc_batch_stride, i64 vc_row_stride, i64 vc_head_stride,
                     i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
-                    const int* __restrict__ cache_seqlens, int seqlen_new,
+                    const int* __restrict__ cache_seqlens, int cache_len_all, int seqlen_new,
                     const int* __restrict__ cache_batch_idx, const int* __restrict__ block_table,
                     i64 block_table_stride, int page_size, int num_blocks, int capacity,
                     int seqlen_q, int nheads,
@@ -168,8 +168,9 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
     const int rows_total = seqlen_q * group;
     const int row_first = m_block * T::BLOCK_M;  // packed row
     const int row_last = min(row_first + T::BLOCK_M, rows_total) - 1;
-    // Keys: the cached tokens plus the appended ones, never past the cache's capacity.
-    const int cache_len = cache_seqlens[batch];
+    // Keys: the cached tokens (cache_seqlens, or cache_len_all for every sequence) plus the
+    // appended ones, never past the cache's capacity.
+    const int cache_len = cache_seqlens != nullptr ? cache_seqlens[batch] : cache_len_all;
     const int seqlen_k = min(max(cache_len + seqlen_new, 0), capacity);
     const int head_chunks = head_dim / 8;
 

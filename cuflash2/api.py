@@ -58,6 +58,13 @@ def device_arch(device_id: int) -> int:
     return arch
 
 
+def _check_aligned(name: str, x) -> None:
+    if x.size and x.data.ptr % 16:
+        raise ValueError(
+            f"{name} must start at a 16-byte aligned address (got offset "
+            f"{x.data.ptr % 16} bytes); use cupy.ascontiguousarray({name})")
+
+
 def _check_device(arrays: dict, cupy) -> int:
     device_id = cupy.cuda.Device().id
     for name, x in arrays.items():
@@ -65,10 +72,7 @@ def _check_device(arrays: dict, cupy) -> int:
             raise ValueError(
                 f"{name} is on device {x.device.id} but the current CuPy device is {device_id}; "
                 f"run the call under `with cupy.cuda.Device({x.device.id}):` or move the arrays")
-        if x.size and x.data.ptr % 16:
-            raise ValueError(
-                f"{name} must start at a 16-byte aligned address (got offset "
-                f"{x.data.ptr % 16} bytes); use cupy.ascontiguousarray({name})")
+        _check_aligned(name, x)
     arch = device_arch(device_id)
     if arch < 80:
         raise RuntimeError(
@@ -705,6 +709,89 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     neither written nor read, and a block id or cache row outside the cache reads as zeros and
     is not written.
     """
+    key = None if check_cache else _kvcache_key(
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, num_splits)
+    plan = _kvcache_plans.get(key) if key is not None else None
+    if plan is None:
+        plan = _kvcache_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                             block_table, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, num_splits, check_cache)
+        if key is not None:
+            if len(_kvcache_plans) >= _KVCACHE_PLANS_MAX:
+                _kvcache_plans.clear()
+            _kvcache_plans[key] = plan
+    else:  # same signature as a checked call; the addresses are this call's own
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            if x is not None:
+                _check_aligned(name, x)
+    return _kvcache_launch(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                           block_table, alibi_slopes, return_lse)
+
+
+@dataclass(frozen=True)
+class _KVCachePlan:
+    """What attention_with_kvcache derives from the shapes, dtypes, strides and devices of its
+    arrays and from its other arguments, not from the arrays' contents: checked and worked out
+    once per signature (`_kvcache_key`), then reused by calls of the same signature."""
+
+    device_id: int
+    config: object  # the decode kernel's _configs.DecodeConfig (features included)
+    grid: tuple
+    splits: int
+    groups: int  # row blocks x KV heads x sequences: the split barriers
+    out_shape: tuple
+    lse_shape: tuple
+    new_tokens: bool  # k, v hold tokens to append (else q stands in for their pointers)
+    default_cache_len: int  # cache_seqlens=None: the whole capacity is cached
+    strides: tuple  # element strides of q, k_new, v_new, k_cache, v_cache, out
+    seqlen_new: object  # numpy.int32
+    sizes: tuple  # the kernel's arguments from block_table's stride to the window
+    softcap_scale: object  # numpy.float32
+    alibi_args: tuple  # the slopes' batch stride and their scale to score units
+    batch: object  # numpy.int32
+    empty: bool  # no query row: nothing to launch
+
+
+_KVCACHE_PLANS_MAX = 256
+_kvcache_plans: dict = {}
+
+
+def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                 softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits):
+    """The signature of an attention_with_kvcache call: for each array its shape, strides, dtype
+    and device, and the other arguments with their types, on the current device; None where the
+    call has no such signature (non-CuPy arguments, unhashable values): it is then checked in
+    full, which reports what is wrong. An int cache_seqlens enters as "an int", its value being
+    passed to the kernel per call."""
+    cupy = _cupy()
+    arrays = []
+    for x in (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes,
+              None if isinstance(cache_seqlens, numbers.Integral) else cache_seqlens):
+        if x is None:
+            arrays.append(None)
+        elif type(x) is cupy.ndarray:
+            arrays.append((x.shape, x.strides, x.dtype, x.data.device_id))
+        else:
+            return None
+    if not isinstance(window_size, (tuple, list)):
+        return None
+    key = (cupy.cuda.runtime.getDevice(), tuple(arrays),
+           type(cache_seqlens), type(softmax_scale), softmax_scale, type(causal), causal,
+           tuple((type(w), w) for w in window_size), type(softcap), softcap, type(num_splits),
+           num_splits)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _kvcache_plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                  softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+                  check_cache) -> _KVCachePlan:
+    """Checks an attention_with_kvcache call in full (values too with `check_cache`) and works
+    out its launch."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
                     ("cache_batch_idx", cache_batch_idx), ("block_table", block_table)):
@@ -733,44 +820,75 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             raise ValueError(f"{name} is on device {x.device.id}, not the current device "
                              f"{device_id}")
     window = _validate.check_window(window_size, causal, kv.seqlen_q, kv.capacity)
-    out = cupy.empty(q.shape, dtype=q.dtype)
-    lse = cupy.empty((kv.batch, kv.nheads, kv.seqlen_q), dtype=cupy.float32)
-    if kv.batch == 0 or kv.seqlen_q == 0 or kv.nheads == 0:
-        return (out, lse) if return_lse else out
-    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
-        fill = kv.capacity - kv.seqlen_new if cache_seqlens is None else cache_seqlens
-        cache_seqlens = cupy.full((kv.batch,), fill, dtype=cupy.int32)
     # The decode kernel (compiled here if need be) and its split count.
     config = _configs.with_features(
         _configs.decode_config(problem.dtype, kv.head_dim, device_arch(device_id)), mods.features)
-    group = kv.nheads // kv.nheads_kv
+    group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
     m_blocks = -(-kv.seqlen_q * group // config.block_m)
     tiles = -(-kv.capacity // config.block_n)
-    splits = _num_splits(num_splits, m_blocks * kv.nheads_kv * kv.batch, tiles,
-                         _decode_slots(config, device_id))
-    i32, i64 = numpy.int32, int
-    page_size = kv.page_size
-    table_stride = block_table.strides[0] // 4 if block_table is not None else 0
-    # New tokens: the decode kernel appends them (and reads them from k, v); without any, q
-    # stands in for the never-read pointers.
-    k_new, v_new = (k, v) if k is not None and kv.seqlen_new else (q, q)
+    groups = m_blocks * kv.nheads_kv * kv.batch
+    empty = kv.batch == 0 or kv.seqlen_q == 0 or kv.nheads == 0
+    splits = 1 if empty else _num_splits(num_splits, groups, tiles,
+                                         _decode_slots(config, device_id))
     tiles_per_split = -(-tiles // splits)
-    splits = -(-tiles // tiles_per_split)
+    splits = max(1, -(-tiles // tiles_per_split)) if tiles else 1
+    i32 = numpy.int32
+    new_tokens = k is not None and kv.seqlen_new > 0
+    k_new, v_new = (k, v) if new_tokens else (q, q)
+    table_stride = block_table.strides[0] // 4 if block_table is not None else 0
+    return _KVCachePlan(
+        device_id=device_id, config=config, grid=(m_blocks * splits, kv.nheads_kv, kv.batch),
+        splits=splits, groups=groups, out_shape=tuple(q.shape),
+        lse_shape=(kv.batch, kv.nheads, kv.seqlen_q), new_tokens=new_tokens,
+        default_cache_len=kv.capacity - kv.seqlen_new,
+        strides=(*_element_strides(q), *_element_strides(k_new), *_element_strides(v_new),
+                 *_element_strides(k_cache), *_element_strides(v_cache),
+                 *_contiguous_strides(q.shape)[:3]),  # out: a new array shaped like q
+        seqlen_new=i32(kv.seqlen_new),
+        sizes=(int(table_stride), i32(kv.page_size), i32(kv.num_blocks), i32(kv.capacity),
+               i32(kv.seqlen_q), i32(kv.nheads), i32(group), i32(kv.head_dim), i32(m_blocks),
+               i32(splits), i32(tiles_per_split), numpy.float32(mods.softmax_scale * _LOG2E),
+               i32(window[0]), i32(window[1])),
+        softcap_scale=mods.kernel_args[0], alibi_args=tuple(mods.kernel_args[2:]),
+        batch=i32(kv.batch), empty=empty)
+
+
+def _contiguous_strides(shape) -> tuple:
+    """Element strides of a C-contiguous array of `shape` (as CuPy gives cupy.empty(shape))."""
+    strides, size = [], 1
+    for dim in reversed(shape):
+        strides.append(size)
+        size *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def _kvcache_launch(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                    block_table, alibi_slopes, return_lse):
+    """Allocates the outputs and launches the decode kernel of a checked call."""
+    cupy = _cupy()
+    out = cupy.empty(plan.out_shape, dtype=q.dtype)
+    lse = cupy.empty(plan.lse_shape, dtype=cupy.float32)
+    if plan.empty:
+        return (out, lse) if return_lse else out
+    # An int (or no) cache_seqlens goes to the kernel as one length for every sequence.
+    lengths, length_all = cache_seqlens, 0
+    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
+        length_all = plan.default_cache_len if cache_seqlens is None else int(cache_seqlens)
+        if not -2**31 <= length_all < 2**31:
+            raise ValueError(f"cache_seqlens must fit in int32; got {length_all}")
+        lengths = None
+    k_new, v_new = (k, v) if plan.new_tokens else (q, q)
     o_partial = lse_partial = counters = None
-    if splits > 1:  # fp32 workspace per (row block, split): O (padded head dim), then lse
-        groups = m_blocks * kv.nheads_kv * kv.batch
-        rows = groups * splits * config.block_m
-        workspace = cupy.empty(rows * (config.head_dim + 1), dtype=cupy.float32)
-        o_partial, lse_partial = workspace[:rows * config.head_dim], workspace[rows * config.head_dim:]
-        counters = _split_counters(groups, cupy)
-    _launch(config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch),
+    if plan.splits > 1:  # fp32 workspace per (row block, split): O (padded head dim), then lse
+        rows = plan.groups * plan.splits * plan.config.block_m
+        workspace = cupy.empty(rows * (plan.config.head_dim + 1), dtype=cupy.float32)
+        o_partial = workspace[:rows * plan.config.head_dim]
+        lse_partial = workspace[rows * plan.config.head_dim:]
+        counters = _split_counters(plan.groups, cupy)
+    _launch(plan.config, plan.device_id, plan.grid,
             (q, k_cache, v_cache, k_new, v_new, out, lse, o_partial, lse_partial, counters,
-             *_element_strides(q), *_element_strides(k_new), *_element_strides(v_new),
-             *_element_strides(k_cache), *_element_strides(v_cache), *_element_strides(out),
-             cache_seqlens, i32(kv.seqlen_new), cache_batch_idx, block_table, i64(table_stride),
-             i32(page_size), i32(kv.num_blocks), i32(kv.capacity), i32(kv.seqlen_q),
-             i32(kv.nheads), i32(group),
-             i32(kv.head_dim), i32(m_blocks), i32(splits), i32(tiles_per_split),
-             numpy.float32(mods.softmax_scale * _LOG2E), i32(window[0]), i32(window[1]),
-             *mods.kernel_args, i32(kv.batch)), cooperative=splits > 1)
+             *plan.strides, lengths, numpy.int32(length_all), plan.seqlen_new, cache_batch_idx,
+             block_table, *plan.sizes, plan.softcap_scale,
+             q if alibi_slopes is None else alibi_slopes, *plan.alibi_args, plan.batch),
+            cooperative=plan.splits > 1)
     return (out, lse) if return_lse else out

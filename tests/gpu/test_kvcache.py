@@ -194,3 +194,39 @@ def test_split_barrier_counters_reset_and_streams_apart():
     assert len(used) >= 4  # the default stream's and the three others'
     for counters in used:
         assert int(cupy.count_nonzero(counters)) == 0
+
+
+def test_repeated_signature_reuses_the_checked_plan():
+    """Calls whose arrays have the shapes, strides, dtypes and devices of a checked call, with the
+    same other arguments, skip the checks (api._kvcache_plans); what depends on the data itself
+    is still checked or taken per call: the 16-byte alignment of the addresses, and the value of
+    an int cache_seqlens (passed to the kernel as one length for every sequence)."""
+    from cuflash2 import api
+
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(12)
+    q = _randn(rng, (2, 1, 8, 128), dtype)
+    k_cache, v_cache = _randn(rng, (2, 2048, 2, 128), dtype), _randn(rng, (2, 2048, 2, 128), dtype)
+    for length in (2000, 37, 0):
+        as_int = cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length)
+        as_array = cuflash2.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cupy.full((2,), length, dtype=cupy.int32))
+        assert bool((as_int.view(cupy.uint16) == as_array.view(cupy.uint16)).all()), length
+    default = cuflash2.attention_with_kvcache(q, k_cache, v_cache)
+    full = cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=2048)
+    assert bool((default.view(cupy.uint16) == full.view(cupy.uint16)).all())
+    assert len(api._kvcache_plans) >= 2  # int / array lengths are two signatures
+    with pytest.raises(ValueError, match="int32"):
+        cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=2**31)
+    # Same shape and strides as q, but 2 bytes past an aligned address.
+    base = _randn(rng, (2, 1, 8, 136), dtype)
+    aligned, shifted = base[..., :128], base[..., 1:129]
+    assert aligned.strides == shifted.strides
+    cuflash2.attention_with_kvcache(aligned, k_cache, v_cache, cache_seqlens=100)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        cuflash2.attention_with_kvcache(shifted, k_cache, v_cache, cache_seqlens=100)
+    # A new signature is checked in full again.
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):
+        cuflash2.attention_with_kvcache(q, k_cache.astype(BF16), v_cache, cache_seqlens=100)
+    with pytest.raises(ValueError, match="num_splits"):
+        cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=100, num_splits=-1)
