@@ -29,6 +29,10 @@ def cuda_src_dir() -> Path:
     raise FileNotFoundError(f"cuflash2 CUDA sources not found next to {here}")
 
 
+#: The header of shared constants, generated from cuflash2/_configs.py (no file on disk).
+GENERATED_HEADER = "constants.cuh"
+
+
 @lru_cache(maxsize=None)
 def kernel_source(filename: str) -> str:
     """The source of `filename` with its local includes inlined (each header once).
@@ -36,6 +40,8 @@ def kernel_source(filename: str) -> str:
     Inlining makes the source string the whole truth: CuPy's disk cache keys on the string, so a
     changed header can never be served from a stale cache entry.
     """
+    from . import _configs
+
     root = cuda_src_dir()
     seen: set[str] = set()
 
@@ -43,11 +49,19 @@ def kernel_source(filename: str) -> str:
         if name in seen:
             return ""
         seen.add(name)
+        if name == GENERATED_HEADER:
+            return _configs.cuda_constants_header()
         text = (root / name).read_text()
         text = text.replace("#pragma once", "")
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
     return expand(filename)
+
+
+def specialisation_source(config) -> str:
+    """The source compiled for `config`: its file, then static_asserts that the kernel's traits
+    agree with what the host derives from `config` (threads, shared memory)."""
+    return kernel_source(config.source_file) + config.probes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +83,7 @@ def get_kernel(config, device_id: int):
         if fn is None:
             import cupy
 
-            module = cupy.RawModule(code=kernel_source(config.source_file),
+            module = cupy.RawModule(code=specialisation_source(config),
                                     options=NVRTC_OPTIONS,
                                     name_expressions=[config.name_expression])
             fn = module.get_function(config.name_expression)
@@ -119,7 +133,7 @@ def compile_report(config, arch: int) -> CompileReport:
     """Compiles `config` to a cubin for sm_`arch` with NVRTC and returns ptxas's report."""
     from cuda.bindings import nvrtc
 
-    source = kernel_source(config.source_file).encode()
+    source = specialisation_source(config).encode()
     (prog,) = _nvrtc_check(
         nvrtc.nvrtcCreateProgram(source, config.source_file.encode(), 0, [], []), "create")
     try:

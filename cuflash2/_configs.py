@@ -38,6 +38,48 @@ TESTED_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_VARLEN, FEATURE_DR
 CPU_TEST_ARCHS = (80, 86, 89, 90)
 
 
+# ---------------------------------------------------------------------------------------------
+# Facts the kernels and Python share. This is their one definition: `cuda_constants_header`
+# writes them into every kernel source as the header "constants.cuh" (cuflash2/_compile.py).
+
+#: Padding of seqlen_q for the backward's per-row statistics and dQ accumulator: a multiple of
+#: every block_m the backward uses.
+BWD_ROW_PADDING = 128
+#: Rows between the starts of consecutive sequences in the backward's per-row arrays (varlen),
+#: beyond the sequence itself: BWD_ROW_PADDING rows of padding plus alignment of each start to 4.
+VARLEN_STATS_GAP = BWD_ROW_PADDING + 4
+#: Most KV splits of one decoding step (split_merge.cuh: four splits per lane in the merge).
+MAX_SPLITS = 128
+#: The backward preprocess (flash_bwd_preprocess.cu): threads a CTA, query rows a warp.
+PREPROCESS_THREADS = 256
+PREPROCESS_ROWS_PER_WARP = 8
+#: The dQ conversion (flash_bwd_convert_dq.cu): threads a CTA, one 8-column chunk each.
+CONVERT_THREADS = 256
+#: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
+MASK_WARPS = 8
+#: The deterministic dQ kernel: 4 warps of 16 query rows.
+BWD_DQ_WARPS = 4
+#: The decode kernel's packed query rows a CTA.
+DECODE_BLOCK_M = 16
+
+CUDA_CONSTANTS = {
+    "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
+    "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
+    "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
+    "MAX_SPLITS": MAX_SPLITS, "PREPROCESS_THREADS": PREPROCESS_THREADS,
+    "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
+    "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
+}
+
+
+def cuda_constants_header() -> str:
+    """The kernels' "constants.cuh": CUDA_CONSTANTS as constexpr ints."""
+    lines = ["// Generated from cuflash2/_configs.py (CUDA_CONSTANTS): the facts Python and the",
+             "// kernels share. Edit them there.", "#pragma once"]
+    lines += [f"constexpr int {name} = {value};" for name, value in CUDA_CONSTANTS.items()]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass(frozen=True)
 class FwdConfig:
     """One forward-kernel specialisation."""
@@ -68,6 +110,23 @@ class FwdConfig:
         tag = DTYPE_TAGS[self.dtype]
         return (f"flash_fwd_kernel<{tag}, {self.head_dim}, {self.block_m}, "
                 f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}>")
+
+    @property
+    def probes(self) -> str:
+        return _traits_probes(
+            f"FwdTraits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.num_warps}, {self.kv_stages}>", self)
+
+
+def _traits_probes(traits: str, config, block_m: bool = False) -> str:
+    """static_asserts that the kernel's traits agree with `config` on what the host sizes from
+    it (the launch's threads and dynamic shared memory, and the rows of a CTA where the kernel
+    fixes them); appended to the specialisation's source, so a mismatch fails its compilation."""
+    lines = [f"static_assert({traits}::THREADS == {config.threads}, \"threads\");",
+             f"static_assert({traits}::SMEM_BYTES == {config.smem_bytes}, \"shared memory\");"]
+    if block_m:
+        lines.append(f"static_assert({traits}::BLOCK_M == {config.block_m}, \"rows a CTA\");")
+    return "\n".join(lines) + "\n"
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -221,6 +280,13 @@ class BwdConfig:
                 f"{self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}, {self.features}>")
 
+    @property
+    def probes(self) -> str:
+        return _traits_probes(
+            f"BwdTraits<{self.head_dim}, {self.d_chunk}, {self.block_m}, {self.block_n}, "
+            f"{self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, "
+            f"{self.q_stages}>", self)
+
 
 @dataclass(frozen=True)
 class BwdDqConfig:
@@ -230,8 +296,8 @@ class BwdDqConfig:
     head_dim: int
     block_n: int
     kv_stages: int
-    block_m: int = 64
-    threads: int = 128
+    block_m: int = 16 * BWD_DQ_WARPS
+    threads: int = 32 * BWD_DQ_WARPS
     features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
 
     @property
@@ -247,6 +313,12 @@ class BwdDqConfig:
         return (f"flash_bwd_dq_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.kv_stages}, {self.features}>")
 
+    @property
+    def probes(self) -> str:
+        return _traits_probes(
+            f"BwdDqTraits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
+            f"{self.kv_stages}>", self, block_m=True)
+
 
 @dataclass(frozen=True)
 class AuxKernel:
@@ -255,8 +327,12 @@ class AuxKernel:
     dtype: str
     kernel: str  # "flash_bwd_preprocess_kernel" or "flash_bwd_convert_dq_kernel"
     varlen: bool = False  # packed variable-length sequences
-    threads: int = 256
     smem_bytes: int = 0
+
+    @property
+    def threads(self) -> int:
+        return (PREPROCESS_THREADS if self.kernel == "flash_bwd_preprocess_kernel"
+                else CONVERT_THREADS)
 
     @property
     def source_file(self) -> str:
@@ -267,10 +343,7 @@ class AuxKernel:
     def name_expression(self) -> str:
         return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}, {'true' if self.varlen else 'false'}>"
 
-
-#: Padding of seqlen_q for the backward's per-row statistics and dQ accumulator: a multiple of
-#: every block_m the backward uses.
-BWD_ROW_PADDING = 128
+    probes = ""
 
 
 #: Most fp32 accumulator registers a backward thread may keep (BwdConfig.accumulator_registers):
@@ -319,11 +392,12 @@ def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
 class DropoutMaskKernel:
     """cuflash2.dropout_mask's kernel (cuda_src/dropout_mask.cu): 8 warps, one 16 x 16 block each."""
 
-    threads: int = 256
+    threads: int = 32 * MASK_WARPS
     smem_bytes: int = 0
     source_file: str = "dropout_mask.cu"
     name_expression: str = "flash_dropout_mask_kernel"
-    blocks_per_cta: int = 8
+    blocks_per_cta: int = MASK_WARPS
+    probes: str = ""
 
 
 def aux_kernels() -> list[AuxKernel]:
@@ -357,7 +431,7 @@ class DecodeConfig:
     kv_stages: int
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
 
-    block_m = 16
+    block_m = DECODE_BLOCK_M
 
     @property
     def block_n(self) -> int:
@@ -382,6 +456,12 @@ class DecodeConfig:
     def name_expression(self) -> str:
         return (f"flash_decode_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.num_warps}, "
                 f"{self.keys_per_warp}, {self.kv_stages}, {self.features}>")
+
+    @property
+    def probes(self) -> str:
+        return _traits_probes(
+            f"DecodeTraits<{self.head_dim}, {self.num_warps}, {self.keys_per_warp}, "
+            f"{self.kv_stages}>", self, block_m=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -410,3 +490,4 @@ def all_decode_configs(arch: int, features=(0,)) -> list:
     """Every decode specialisation the dispatcher can choose on `arch`."""
     return [with_features(decode_config(dtype, d, arch), f) for f in features
             for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+

@@ -1,0 +1,190 @@
+// Kernel parameters: one struct per kernel family, passed by value as a `__grid_constant__`
+// kernel parameter (it stays in the constant bank: no copy, field reads are constant loads).
+//
+// This file is the one definition of these layouts. cuflash2/_params.py reads it to lay out the
+// same bytes on the host (a plan fills the sizes once and patches the per-call pointers), and a
+// CPU test compiles `offsetof` / `sizeof` probes that check Python's offsets against the
+// compiler's. Keep to what that reader understands: one field per line, `type name;`, the types
+// below (pointers, i64, int, float, u32) or a struct defined earlier in this file.
+//
+// Strides are in elements; a tensor's (batch, row, head) strides follow its pointer's name.
+#pragma once
+#include "mma_primitives.cuh"
+
+// softcap and ALiBi (score_mods.cuh); read only by specialisations that compile them in.
+struct ScoreModParams {
+    float softcap_scale;        // softmax_scale / softcap: raw score -> tanh argument
+    const float* alibi_slopes;  // (nheads,) or (batch, nheads)
+    i64 alibi_batch_stride;     // 0 for (nheads,) slopes
+    float alibi_to_units;       // 1 / the effective softmax scale
+};
+
+// Packed variable-length sequences (varlen.cuh); read only by FEATURE_VARLEN specialisations.
+struct VarlenParams {
+    const int* cu_seqlens_q;  // (batch + 1,)
+    const int* cu_seqlens_k;
+    int total_q;              // rows of the packed q / k arrays
+    int total_k;
+};
+
+// Philox dropout on P (dropout.cuh); read only by FEATURE_DROPOUT specialisations.
+struct DropoutParams {
+    u32 seed_lo;
+    u32 seed_hi;
+    u32 offset;
+    u32 keep_threshold;  // keep iff the 16-bit uniform is below it
+    float scale;         // 1 / (1 - dropout_p)
+};
+
+// flash_fwd.cu
+struct FwdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    u16* out;
+    float* lse;
+    i64 q_batch_stride;
+    i64 q_row_stride;
+    i64 q_head_stride;
+    i64 k_batch_stride;
+    i64 k_row_stride;
+    i64 k_head_stride;
+    i64 v_batch_stride;
+    i64 v_row_stride;
+    i64 v_head_stride;
+    i64 o_batch_stride;
+    i64 o_row_stride;
+    i64 o_head_stride;
+    int seqlen_q;
+    int seqlen_k;
+    int nheads;
+    int heads_per_kv_head;
+    int head_dim;
+    float softmax_scale;  // the scale the softmax sees (softcap's, with softcap): lse units
+    float scale_log2;     // softmax_scale * log2(e): scores -> exp2 arguments
+    int window_left;      // -1: unbounded
+    int window_right;
+    ScoreModParams mods;
+    VarlenParams varlen;
+    DropoutParams dropout;
+    int batch_offset;  // first sequence of this launch (grids of more than 65535 sequences)
+};
+
+// The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)
+// and flash_bwd_convert_dq.cu all take one struct, filled once per call; each reads its part.
+struct BwdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    const u16* out;
+    const u16* dout;
+    const float* lse;  // the forward's, natural log
+    float* lse_log2;   // per-row statistics, rows padded (varlen.cuh, stats_row0)
+    float* delta;      // D = rowsum(dO * O)
+    float* dq_accum;   // fp32 dQ of the atomic path, (stats rows, accum_dim), interleaved
+    u16* dq;
+    u16* dk;
+    u16* dv;
+    i64 q_batch_stride;
+    i64 q_row_stride;
+    i64 q_head_stride;
+    i64 k_batch_stride;
+    i64 k_row_stride;
+    i64 k_head_stride;
+    i64 v_batch_stride;
+    i64 v_row_stride;
+    i64 v_head_stride;
+    i64 o_batch_stride;
+    i64 o_row_stride;
+    i64 o_head_stride;
+    i64 do_batch_stride;
+    i64 do_row_stride;
+    i64 do_head_stride;
+    i64 dq_batch_stride;
+    i64 dq_row_stride;
+    i64 dq_head_stride;
+    i64 dk_batch_stride;
+    i64 dk_row_stride;
+    i64 dk_head_stride;
+    i64 dv_batch_stride;
+    i64 dv_row_stride;
+    i64 dv_head_stride;
+    int seqlen_q;
+    int seqlen_q_padded;  // rows per head of the per-row arrays
+    int seqlen_k;
+    int nheads;
+    int heads_per_kv_head;
+    int head_dim;
+    int accum_dim;        // columns of dq_accum: the kernel head dim
+    float softmax_scale;  // d(scaled scores) / d(q.k): the final dQ, dK scaling
+    float scale_log2;     // the scale the softmax saw (softcap's, with softcap) times log2(e)
+    int window_left;
+    int window_right;
+    ScoreModParams mods;
+    VarlenParams varlen;
+    DropoutParams dropout;
+    int batch_offset;
+};
+
+// flash_decode.cu
+struct DecodeParams {
+    const u16* q;
+    u16* k_cache;
+    u16* v_cache;
+    const u16* k_new;  // tokens to append (q when there are none: never read then)
+    const u16* v_new;
+    u16* out;
+    float* lse;
+    float* o_partial;     // split-KV workspace, (row block, split, row, head dim)
+    float* lse_partial;
+    int* split_counters;  // two per row block, zero between launches (split_merge.cuh)
+    const int* cache_seqlens;  // (batch,), or null: cache_len_all for every sequence
+    const int* cache_batch_idx;
+    const int* block_table;
+    i64 q_batch_stride;
+    i64 q_row_stride;
+    i64 q_head_stride;
+    i64 kn_batch_stride;
+    i64 kn_row_stride;
+    i64 kn_head_stride;
+    i64 vn_batch_stride;
+    i64 vn_row_stride;
+    i64 vn_head_stride;
+    i64 kc_batch_stride;
+    i64 kc_row_stride;
+    i64 kc_head_stride;
+    i64 vc_batch_stride;
+    i64 vc_row_stride;
+    i64 vc_head_stride;
+    i64 o_batch_stride;
+    i64 o_row_stride;
+    i64 o_head_stride;
+    i64 block_table_stride;
+    int cache_len_all;
+    int seqlen_new;
+    int page_size;
+    int num_blocks;
+    int capacity;
+    int seqlen_q;
+    int nheads;
+    int heads_per_kv_head;
+    int head_dim;
+    int num_m_blocks;
+    int num_splits;
+    int tiles_per_split;
+    float scale_log2;
+    int window_left;
+    int window_right;
+    ScoreModParams mods;
+    int batch_offset;
+};
+
+// dropout_mask.cu
+struct DropoutMaskParams {
+    unsigned char* mask;  // (batch, nheads, seqlen_q, seqlen_k)
+    int nheads;
+    int seqlen_q;
+    int seqlen_k;
+    DropoutParams dropout;
+    int batch_offset;
+};
