@@ -154,3 +154,18 @@ def compile_report(config, arch: int) -> CompileReport:
     stack, stores, loads = (int(x) for x in spills.groups())
     return CompileReport(config.name_expression, arch, int(regs.group(1)), stores, loads, stack,
                          int(cubin_size), log)
+
+
+def compile_probe(source: str, arch: int = 80) -> None:
+    """Compiles `source` (no kernels needed: static_assert probes) to PTX for compute_`arch`;
+    raises RuntimeError with NVRTC's log if it does not compile."""
+    from cuda.bindings import nvrtc
+
+    (prog,) = _nvrtc_check(nvrtc.nvrtcCreateProgram(source.encode(), b"probe.cu", 0, [], []),
+                           "create")
+    try:
+        options = [o.encode() for o in NVRTC_OPTIONS] + [f"-arch=compute_{arch}".encode()]
+        _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog,
+                     nvrtc)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

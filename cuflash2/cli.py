@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--decode", action="store_true",
                            help="also time attention_with_kvcache decoding (batch 1/8/64, caches "
                                 "4k-64k, d=128, GQA 8:1 and MHA) against the copy bandwidth")
+    bench_cmd.add_argument("--host", action="store_true",
+                           help="instead of the grid: the host cost per call of each entry point "
+                                "and the short-sequence rows timed call by call (with --compare "
+                                "torch, next to SDPA's flash and cuDNN backends)")
     bench_cmd.add_argument("--warmup", type=int, default=3)
     bench_cmd.add_argument("--iters", type=_positive_int, default=25)
     bench_cmd.add_argument("--tokens", type=_positive_int, default=bench.PAPER_TOKENS,
@@ -111,8 +115,10 @@ def _bench(args) -> int:
     cupy = _require_gpu("bench")
     if cupy is None:
         return EXIT_NO_GPU
-    from cuflash2 import bench
+    from cuflash2 import bench, bench_host
 
+    if args.host:
+        return bench_host.run(cupy, args)
     return bench.run(cupy, args)
 
 

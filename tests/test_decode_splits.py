@@ -2,7 +2,7 @@
 
 import pytest
 
-from cuflash2.api import _MAX_SPLITS, _check_num_splits, _num_splits
+from cuflash2._kvcache import MAX_SPLITS as _MAX_SPLITS, check_num_splits as _check_num_splits, num_splits_for as _num_splits
 
 SLOTS = 132 * 3  # H200, three decode CTAs per SM
 

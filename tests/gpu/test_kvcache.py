@@ -166,7 +166,7 @@ def test_split_barrier_counters_reset_and_streams_apart():
     """The splits of a row block meet at a barrier on counters kept between calls: after every
     call they are back to zero, and calls on several streams at once (each its own counters)
     give the single-stream results bit for bit."""
-    from cuflash2 import api
+    from cuflash2 import _kvcache
 
     dtype = numpy.dtype(numpy.float16)
     rng = numpy.random.default_rng(11)
@@ -190,7 +190,7 @@ def test_split_barrier_counters_reset_and_streams_apart():
             assert bool((out.view(cupy.uint16) == want[s].view(cupy.uint16)).all()), s
     _check(want[0], cuflash2.attention_with_kvcache(q, k_cache, v_cache, return_lse=True,
                                                     **kwargs)[1], q, [k_cache], [v_cache], kwargs)
-    used = [c for key, c in api._counters.items() if key[0] == cupy.cuda.Device().id]
+    used = [c for key, c in _kvcache._counters.items() if key[0] == cupy.cuda.Device().id]
     assert len(used) >= 4  # the default stream's and the three others'
     for counters in used:
         assert int(cupy.count_nonzero(counters)) == 0
@@ -198,10 +198,10 @@ def test_split_barrier_counters_reset_and_streams_apart():
 
 def test_repeated_signature_reuses_the_checked_plan():
     """Calls whose arrays have the shapes, strides, dtypes and devices of a checked call, with the
-    same other arguments, skip the checks (api._kvcache_plans); what depends on the data itself
+    same other arguments, skip the checks (their plan is reused); what depends on the data itself
     is still checked or taken per call: the 16-byte alignment of the addresses, and the value of
     an int cache_seqlens (passed to the kernel as one length for every sequence)."""
-    from cuflash2 import api
+    from cuflash2 import _kvcache
 
     dtype = numpy.dtype(numpy.float16)
     rng = numpy.random.default_rng(12)
@@ -215,7 +215,7 @@ def test_repeated_signature_reuses_the_checked_plan():
     default = cuflash2.attention_with_kvcache(q, k_cache, v_cache)
     full = cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=2048)
     assert bool((default.view(cupy.uint16) == full.view(cupy.uint16)).all())
-    assert len(api._kvcache_plans) >= 2  # int / array lengths are two signatures
+    assert len(_kvcache._plans_by_key) >= 2  # int / array lengths are two signatures
     with pytest.raises(ValueError, match="int32"):
         cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=2**31)
     # Same shape and strides as q, but 2 bytes past an aligned address.

@@ -1,0 +1,158 @@
+"""Plans of the attention forward and backward (dense, packed and varlen calls alike).
+
+A builder gets a fully checked call: its arrays as the kernels see them (`views`, by the name of
+their struct field) and, for each, where a later call of the same signature finds it (`sources`:
+the position of its array in the call's input tuple and the byte offset of the view in it; a
+packed qkv feeds q, k and v from one array). It returns the `_plans.Plan` of the call.
+"""
+
+from __future__ import annotations
+
+from . import _configs, _launch, _plans
+from ._prepare import LOG2E, element_strides, output_strides
+
+
+def _input_fields(views: dict, sources: dict) -> list:
+    """(field, input position, byte offset) of every array given to the call."""
+    fields = []
+    for name, x in views.items():
+        if x is None:
+            continue
+        pos, base = sources[name]
+        fields.append((name, pos, x.data.ptr - base.data.ptr))
+    return fields
+
+
+def _stride_fields(prefix: str, strides) -> dict:
+    return {f"{prefix}_batch_stride": strides[0], f"{prefix}_row_stride": strides[1],
+            f"{prefix}_head_stride": strides[2]}
+
+
+def _varlen_fields(varlen) -> dict:
+    if varlen is None:
+        return {}
+    return {"varlen.total_q": varlen.total_q, "varlen.total_k": varlen.total_k}
+
+
+def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: int, arch: int,
+                 out_shape, lse_shape, varlen=None, config=None) -> _plans.Plan:
+    """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes,
+    varlen.cu_seqlens_q, varlen.cu_seqlens_k (None where absent). Outputs: [out if not given,
+    lse]."""
+    p = problem
+    if config is None:
+        config = _configs.fwd_config(p.dtype, p.head_dim, arch)
+    features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+    config = _configs.with_features(config, features)
+    q, k, v, out = views["q"], views["k"], views["v"], views["out"]
+    fields = {
+        **_stride_fields("q", element_strides(q)), **_stride_fields("k", element_strides(k)),
+        **_stride_fields("v", element_strides(v)),
+        **_stride_fields("o", element_strides(out) if out is not None
+                         else output_strides(out_shape)),
+        "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "nheads": p.nheads,
+        "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
+        "head_dim": p.head_dim, "softmax_scale": mods.softmax_scale,
+        "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
+        "window_right": window[1], **mods.fields(), **_varlen_fields(varlen)}
+    outputs, output_fields = [], []
+    if out is None:
+        outputs.append((tuple(out_shape), q.dtype))
+        output_fields.append(("out", 0, 0))
+    output_fields.append(("lse", len(outputs), 0))
+    outputs.append((tuple(lse_shape), "float32"))
+    launches = []
+    if p.batch and p.seqlen_q and p.nheads:
+        launches.append(_launch.kernel_launch(
+            config, device_id, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch)))
+    inputs = _input_fields(views, sources)
+    aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
+    return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs, output_fields,
+                       aligned=aligned, per_call=_dropout_slots(mods))
+
+
+def _dropout_slots(mods) -> tuple:
+    return tuple(f"dropout.{name}" for name in mods.dropout)
+
+
+def backward_plan(views: dict, sources: dict, problem, mods, window, deterministic: bool,
+                  device_id: int, arch: int, grad_shapes: dict, varlen=None,
+                  config=None) -> _plans.Plan:
+    """views, by struct field: dout, q, k, v, out, lse, dq, dk, dv (None: allocated, in that
+    order, shaped `grad_shapes[name]`), mods.alibi_slopes, varlen.cu_seqlens_q/_k. Outputs: the
+    gradients not given."""
+    p = problem
+    if config is None:
+        config = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
+    features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+    config = _configs.with_features(config, features)
+    pad = _configs.BWD_ROW_PADDING
+    max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
+    if varlen is None:
+        seqlen_q_padded = max_rows_padded
+        stats_rows = p.batch * p.nheads * seqlen_q_padded
+    else:  # (nheads, rows) with every sequence padded in place (varlen.cuh, stats_row0)
+        seqlen_q_padded = varlen.stats_rows
+        stats_rows = p.nheads * seqlen_q_padded
+    # Scratch: lse in log2 units, D, and the fp32 dQ accumulator of the atomic path (zeroed by
+    # the preprocess): O(seqlen_q * headdim), like the inputs.
+    pieces = [4 * stats_rows, 4 * stats_rows]
+    if not deterministic:
+        pieces.append(4 * stats_rows * config.head_dim)
+    offsets, workspace_bytes = _plans.carve(pieces)
+    workspace_fields = [("lse_log2", offsets[0]), ("delta", offsets[1])]
+    if not deterministic:
+        workspace_fields.append(("dq_accum", offsets[2]))
+
+    outputs, output_fields, strides = [], [], {}
+    for name, prefix in (("dq", "dq"), ("dk", "dk"), ("dv", "dv")):
+        x = views[name]
+        if x is None:
+            output_fields.append((name, len(outputs), 0))
+            outputs.append((tuple(grad_shapes[name]), views["q"].dtype))
+            strides[prefix] = output_strides(grad_shapes[name])
+        else:
+            strides[prefix] = element_strides(x)
+    fields = {
+        **_stride_fields("q", element_strides(views["q"])),
+        **_stride_fields("k", element_strides(views["k"])),
+        **_stride_fields("v", element_strides(views["v"])),
+        **_stride_fields("o", element_strides(views["out"])),
+        **_stride_fields("do", element_strides(views["dout"])),
+        **{f: s for prefix, st in strides.items() for f, s in _stride_fields(prefix, st).items()},
+        "seqlen_q": p.seqlen_q, "seqlen_q_padded": seqlen_q_padded, "seqlen_k": p.seqlen_k,
+        "nheads": p.nheads, "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
+        "head_dim": p.head_dim, "accum_dim": config.head_dim,
+        # The final dK / dQ scaling uses the softmax scale (d(scaled scores) / d(q.k)); P is
+        # recomputed with the scale the softmax saw (softcap's, with softcap).
+        "softmax_scale": p.softmax_scale, "scale_log2": mods.softmax_scale * LOG2E,
+        "window_left": window[0], "window_right": window[1], **mods.fields(),
+        **_varlen_fields(varlen)}
+
+    launches = []
+    if p.batch and p.nheads:
+        if max_rows_padded:
+            pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel", varlen is not None)
+            rows_per_cta = _configs.PREPROCESS_THREADS // 32 * _configs.PREPROCESS_ROWS_PER_WARP
+            launches.append(_launch.kernel_launch(
+                pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch)))
+        if p.seqlen_k:
+            num_kv_blocks = -(-p.seqlen_k // config.block_n)
+            launches.append(_launch.kernel_launch(
+                config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch)))
+        if p.seqlen_q and deterministic:
+            dq_config = _configs.with_features(
+                _configs.bwd_dq_config(p.dtype, p.head_dim, arch), features)
+            launches.append(_launch.kernel_launch(
+                dq_config, device_id, (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch)))
+        elif p.seqlen_q:
+            convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel",
+                                         varlen is not None)
+            chunks = p.seqlen_q * (p.head_dim // 8)
+            launches.append(_launch.kernel_launch(
+                convert, device_id, (-(-chunks // convert.threads), p.nheads, p.batch)))
+    inputs = _input_fields(views, sources)
+    aligned = [(sources[n][0], n) for n in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
+               if views[n] is not None]
+    return _plans.Plan(device_id, "BwdParams", fields, launches, inputs, outputs, output_fields,
+                       workspace_bytes, workspace_fields, aligned, per_call=_dropout_slots(mods))

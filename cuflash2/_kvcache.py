@@ -1,0 +1,210 @@
+"""attention_with_kvcache: append the new tokens in place, then split-KV attention of the few
+query tokens over the cache, in one kernel (cuda_src/flash_decode.cu; docs/DECODE_DESIGN.md).
+
+A call signature is checked and planned once (`_plans`); the split count comes from the decode
+kernel's occupancy, and the splits of a row block meet at a barrier in per-stream counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+
+from . import _configs, _launch, _plans, _prepare, _validate
+from ._plans import NoSignature, array_signature, optional_signature, value_key, window_key
+from ._prepare import LOG2E, element_strides, output_strides
+
+MAX_SPLITS = _configs.MAX_SPLITS
+
+_plans_by_key = _plans.PlanCache()
+
+
+def check_num_splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic); got {num_splits!r}")
+    return num_splits
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits_for(requested: int, ctas: int, tiles: int, slots: int) -> int:
+    """The KV split count for a grid of `ctas` CTAs (row blocks x KV heads x sequences) over
+    `tiles` KV tiles, on a GPU that holds `slots` such CTAs at once (SMs x CTAs per SM).
+
+    The splits of a row block wait for each other to merge their results, so a split grid must
+    fit the GPU in one wave: at most slots // ctas splits, `requested` included. For 0 (auto):
+    none if the grid already covers 80% of the slots; else the largest count that fits, among
+    those that give every split the same number of tiles (others leave trailing splits short).
+    Decoding is bound by reading the cache, and every resident CTA keeps reads in flight."""
+    fit = max(1, min(slots // max(ctas, 1), MAX_SPLITS, tiles))
+    if requested == 0:
+        if ctas >= 0.8 * slots:
+            return 1
+        return max(-(-tiles // -(-tiles // s)) for s in range(1, fit + 1))
+    return max(1, min(requested, fit))
+
+
+_counters: dict = {}
+
+
+def split_counters(groups: int, cupy, stream_ptr: int):
+    """The decode kernel's split barrier counters, two per row block (zero between launches: the
+    last split to leave resets them). One buffer per (device, stream), since launches on one
+    stream run in order and never share a counter; grown, zeroed, when a call needs more."""
+    key = (cupy.cuda.runtime.getDevice(), stream_ptr)
+    counters = _counters.get(key)
+    if counters is None or counters.size < 2 * groups:
+        counters = _counters[key] = cupy.zeros(max(2 * groups, 1024), dtype=cupy.int32)
+    return counters
+
+
+_slots_cache: dict = {}
+
+
+def decode_slots(config, device_id: int) -> int:
+    """SMs x CTAs of `config`'s decode kernel resident per SM (what a cooperative launch of the
+    kernel allows)."""
+    slots = _slots_cache.get((config, device_id))
+    if slots is None:
+        slots = _slots_cache[(config, device_id)] = _launch.occupancy_slots(config, device_id)
+    return slots
+
+
+@dataclasses.dataclass
+class KVCachePlan:
+    """A checked attention_with_kvcache signature: its Plan, and what a call adds to it."""
+
+    plan: _plans.Plan
+    splits: int
+    groups: int  # row blocks x KV heads x sequences: the split barriers
+    default_cache_len: int  # cache_seqlens=None: the whole capacity is cached
+
+
+def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits):
+    """The signature of a call; None where it has none (checked in full then). An int
+    cache_seqlens enters as "an int", its value going to the kernel on each call."""
+    try:
+        nd = cupy.ndarray
+        lengths = (None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral)
+                   else array_signature(cache_seqlens, nd))
+        key = (cupy.cuda.runtime.getDevice(), array_signature(q, nd),
+               array_signature(k_cache, nd), array_signature(v_cache, nd),
+               optional_signature(k, nd), optional_signature(v, nd),
+               optional_signature(cache_batch_idx, nd), optional_signature(block_table, nd),
+               optional_signature(alibi_slopes, nd), type(cache_seqlens), lengths,
+               value_key(softmax_scale), value_key(causal), window_key(window_size),
+               value_key(softcap), value_key(num_splits))
+    except NoSignature:
+        return None
+    return key
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                           block_table, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, num_splits, return_lse, check_cache):
+    cupy = _prepare.cupy_module()
+    key = None if check_cache else _key(
+        cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
+    planned = _plans_by_key.get(key)
+    if planned is None:
+        planned = _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+                        check_cache)
+        _plans_by_key.put(key, planned)
+    # An int (or no) cache_seqlens goes to the kernel as one length for every sequence.
+    length_all = 0
+    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
+        length_all = planned.default_cache_len if cache_seqlens is None else int(cache_seqlens)
+        if not -2**31 <= length_all < 2**31:
+            raise ValueError(f"cache_seqlens must fit in int32; got {length_all}")
+        cache_seqlens = None
+    scalars = {"cache_len_all": length_all}
+    if planned.splits > 1:
+        stream = cupy.cuda.get_current_stream().ptr
+        scalars["split_counters"] = split_counters(planned.groups, cupy, stream).data.ptr
+    out, lse = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                 block_table, alibi_slopes), cupy, scalars)
+    return (out, lse) if return_lse else out
+
+
+def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+          causal, window_size, softcap, alibi_slopes, num_splits, check_cache) -> KVCachePlan:
+    """Checks a call in full (values too with `check_cache`) and plans its launch."""
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    for name, x in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+                    ("cache_batch_idx", cache_batch_idx), ("block_table", block_table)):
+        if x is not None:
+            arrays[name] = x
+    if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
+        arrays["cache_seqlens"] = cache_seqlens
+    cupy = _prepare.require_cupy_arrays(arrays)
+    _prepare.check_flag("causal", causal)
+    num_splits = check_num_splits(num_splits)
+    kv = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
+                                        cache_batch_idx, block_table,
+                                        cupy.asnumpy if check_cache else None)
+    # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
+    problem = _validate.check_attention_inputs(q, q, q, softmax_scale=softmax_scale)
+    for name in ("k_cache", "v_cache", "k", "v"):
+        if name in arrays:
+            _validate.check_strides(name, arrays[name])
+    problem = dataclasses.replace(problem, nheads_kv=kv.nheads_kv, seqlen_k=kv.capacity)
+    mods = _prepare.score_mods(problem, softcap, alibi_slopes)
+    tensors = {n: x for n, x in arrays.items() if n in ("q", "k_cache", "v_cache", "k", "v")}
+    others = {n: x for n, x in arrays.items() if n not in tensors}
+    device_id = _prepare.check_device(tensors, others, cupy)
+    window = _validate.check_window(window_size, causal, kv.seqlen_q, kv.capacity)
+    # The decode kernel (compiled here if need be) and its split count.
+    config = _configs.with_features(
+        _configs.decode_config(problem.dtype, kv.head_dim, _prepare.device_arch(device_id)),
+        mods.features)
+    group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
+    m_blocks = -(-kv.seqlen_q * group // config.block_m)
+    tiles = -(-kv.capacity // config.block_n)
+    groups = m_blocks * kv.nheads_kv * kv.batch
+    empty = kv.batch == 0 or kv.seqlen_q == 0 or kv.nheads == 0
+    splits = 1 if empty else num_splits_for(num_splits, groups, tiles,
+                                            decode_slots(config, device_id))
+    tiles_per_split = -(-tiles // splits)
+    splits = max(1, -(-tiles // tiles_per_split)) if tiles else 1
+    new_tokens = k is not None and kv.seqlen_new > 0
+    table_stride = block_table.strides[0] // 4 if block_table is not None else 0
+
+    def strides(prefix, x):
+        s = element_strides(x) if x is not None else (0, 0, 0)
+        return {f"{prefix}_batch_stride": s[0], f"{prefix}_row_stride": s[1],
+                f"{prefix}_head_stride": s[2]}
+
+    out_strides = output_strides(q.shape)
+    fields = {
+        **strides("q", q), **strides("kn", k if new_tokens else None),
+        **strides("vn", v if new_tokens else None), **strides("kc", k_cache),
+        **strides("vc", v_cache), "o_batch_stride": out_strides[0],
+        "o_row_stride": out_strides[1], "o_head_stride": out_strides[2],
+        "block_table_stride": table_stride, "seqlen_new": kv.seqlen_new,
+        "page_size": kv.page_size, "num_blocks": kv.num_blocks, "capacity": kv.capacity,
+        "seqlen_q": kv.seqlen_q, "nheads": kv.nheads, "heads_per_kv_head": group,
+        "head_dim": kv.head_dim, "num_m_blocks": m_blocks, "num_splits": splits,
+        "tiles_per_split": tiles_per_split, "scale_log2": mods.softmax_scale * LOG2E,
+        "window_left": window[0], "window_right": window[1], **mods.fields()}
+    inputs = [("q", 0, 0), ("k_cache", 1, 0), ("v_cache", 2, 0), ("cache_seqlens", 5, 0),
+              ("cache_batch_idx", 6, 0), ("block_table", 7, 0), ("mods.alibi_slopes", 8, 0)]
+    if new_tokens:
+        inputs += [("k_new", 3, 0), ("v_new", 4, 0)]
+    workspace_bytes, workspace_fields = 0, []
+    if splits > 1:  # fp32 workspace per (row block, split): O (padded head dim), then lse
+        rows = groups * splits * config.block_m
+        offsets, workspace_bytes = _plans.carve([4 * rows * config.head_dim, 4 * rows])
+        workspace_fields = [("o_partial", offsets[0]), ("lse_partial", offsets[1])]
+    launches = [] if empty else [_launch.kernel_launch(
+        config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=splits > 1)]
+    aligned = [(pos, name) for name, pos in (("q", 0), ("k_cache", 1), ("v_cache", 2), ("k", 3),
+                                             ("v", 4))]
+    per_call = ("cache_len_all",) + (("split_counters",) if splits > 1 else ())
+    plan = _plans.Plan(device_id, "DecodeParams", fields, launches, inputs,
+                       [(tuple(q.shape), q.dtype), ((kv.batch, kv.nheads, kv.seqlen_q), "float32")],
+                       [("out", 0, 0), ("lse", 1, 0)], workspace_bytes, workspace_fields,
+                       aligned, per_call)
+    return KVCachePlan(plan, splits, groups, kv.capacity - kv.seqlen_new)

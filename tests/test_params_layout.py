@@ -1,0 +1,69 @@
+"""The host layout of every kernel parameter struct agrees with the compiler's (CPU, NVRTC).
+
+cuflash2/_params.py reads cuda_src/kernel_params.cuh and lays the structs out with C's rules;
+here NVRTC compiles `offsetof` / `sizeof` static_asserts of those offsets, one per field (nested
+fields too), so any disagreement fails this test.
+"""
+
+import pytest
+
+from cuflash2 import _compile, _params
+
+STRUCTS = sorted(_params.layouts())
+
+
+def _probe(struct: str) -> str:
+    layout = _params.layout(struct)
+    lines = [_compile.kernel_source(_params.PARAMS_HEADER),
+             "#define CF2_OFFSETOF(type, path) __builtin_offsetof(type, path)",
+             f'static_assert(sizeof({struct}) == {layout.size}, "sizeof {struct}");',
+             f'static_assert(alignof({struct}) == {layout.alignment}, "alignof {struct}");']
+    lines += [f'static_assert(CF2_OFFSETOF({struct}, {path}) == {offset}, "{struct}.{path}");'
+              for path, offset in layout.offsets.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_every_kernel_family_has_a_struct():
+    assert {"FwdParams", "BwdParams", "DecodeParams", "DropoutMaskParams"} <= set(STRUCTS)
+
+
+def test_nested_fields_are_flattened():
+    fwd = _params.layout("FwdParams")
+    assert fwd.offsets["mods.alibi_slopes"] == fwd.offsets["mods"] + 8
+    assert "mods.alibi_slopes" in fwd.pointers and "q" in fwd.pointers
+    assert "seqlen_q" not in fwd.pointers
+
+
+def test_param_block_writes_fields_where_the_layout_says():
+    block = _params.ParamBlock("FwdParams", {"seqlen_k": 77, "mods.alibi_batch_stride": -5,
+                                             "dropout.scale": 2.0})
+    fwd = block.layout
+    assert block.words32[fwd.offsets["seqlen_k"] // 4] == 77
+    assert int(block.bytes[fwd.offsets["mods.alibi_batch_stride"]:][:8].view("<i8")[0]) == -5
+    view, index = block.slot("dropout.scale")
+    assert view[index] == 2.0
+    view, index = block.slot("q")
+    view[index] = 0x1234_5678_9ABC
+    assert int(block.bytes[fwd.offsets["q"]:][:8].view("<u8")[0]) == 0x1234_5678_9ABC
+
+
+def test_parser_rejects_what_it_cannot_read():
+    with pytest.raises(ValueError, match="unknown type"):
+        _params.parse_layouts("struct S {\n    double x;\n};\n")
+    with pytest.raises(ValueError, match="cannot read"):
+        _params.parse_layouts("struct S {\n    int a, b;\n};\n")
+
+
+@pytest.mark.parametrize("struct", STRUCTS)
+def test_layout_matches_the_compiler(struct):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="install the test extra: pip install '.[test]'")
+    _compile.compile_probe(_probe(struct))
+
+
+def test_a_wrong_offset_fails_the_probe():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="install the test extra: pip install '.[test]'")
+    source = _probe("FwdParams").replace(
+        f'CF2_OFFSETOF(FwdParams, seqlen_q) == {_params.layout("FwdParams").offsets["seqlen_q"]}',
+        f'CF2_OFFSETOF(FwdParams, seqlen_q) == {_params.layout("FwdParams").offsets["seqlen_q"] + 4}')
+    with pytest.raises(RuntimeError, match="FwdParams.seqlen_q"):
+        _compile.compile_probe(source)
