@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     args = ap.parse_args()
     dtype = numpy.dtype(numpy.float16)
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     s = args.seqlen
     for spec in args.configs:
         d, shape = spec.split(":")

@@ -21,7 +21,7 @@ from cuflash2 import _compile, _configs, bench  # noqa: E402
 
 
 def main():
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     flush_l2 = bench.l2_flush(cupy)
     spin = bench.spin_kernel(cupy)
     zero = cupy.uint64(0)

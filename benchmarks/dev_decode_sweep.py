@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     dispatcher = _configs.decode_config
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     ceiling = bench.copy_ceiling(cupy)
     flush_l2 = bench.l2_flush(cupy)  # as the bench's decode rows
     print(f"copy ceiling {ceiling / 1e9:.0f} GB/s")

@@ -77,7 +77,7 @@ def main():
     _compile.get_kernel = lambda cfg, device: kernel if cfg == config else original(cfg, device)
     stamps = cupy.ndarray((8 * 16384,), cupy.uint64, module.get_global("cf2_timeline"))
 
-    backlog, flush = bench._Backlog(cupy), bench.l2_flush(cupy)
+    backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
     rng = cupy.random.default_rng(0)
     q = rng.standard_normal((args.batch, 1, nheads, 128), dtype=cupy.float32).astype(cupy.float16)
     for cache_len in args.caches:

@@ -38,7 +38,7 @@ def main():
     candidates = ([tuple(map(int, c.split("x"))) for c in args.candidates] if args.candidates
                   else CANDIDATES)
     dtype = numpy.dtype(numpy.float16)
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     import torch
     sdpa_ref = bench.TorchSdpaFlash(torch, cupy, "fp16")
     ratios = {}

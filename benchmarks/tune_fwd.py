@@ -36,7 +36,7 @@ def time_ms(fn, warmup=3, iters=30):
     """Median of back-to-back launches behind a GPU backlog (host launch cost hidden)."""
     global _backlog
     if _backlog is None:
-        _backlog = bench._Backlog(cupy)
+        _backlog = bench.Backlog(cupy)
     return bench.time_cupy(cupy, fn, warmup, iters, _backlog)
 
 
