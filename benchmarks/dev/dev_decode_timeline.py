@@ -8,14 +8,14 @@ One step runs after the L2 flush of `bench --decode`; the table gives each point
 / max over the CTAs, in microseconds from the first CTA's start, after the step's CUDA-event
 time.
 
-    python benchmarks/dev_decode_timeline.py [--caches 256 16384 65536] [--heads 32 4]
+    python benchmarks/dev/dev_decode_timeline.py [--caches 256 16384 65536] [--heads 32 4]
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 import numpy  # noqa: E402

@@ -3,7 +3,7 @@
 HBM bandwidth against the copy ceiling. Also times the call without the append (k=None) and with
 a single split, to separate the append and the split merge from the rest of the kernel.
 
-    CUPY_CACHE_DIR=/tmp/cc PYTHONPATH=. python benchmarks/dev_decode_sweep.py \
+    python benchmarks/dev/dev_decode_sweep.py \
         [--variants 4x16x3 4x32x3 8x16x4] [--splits 0 16 32]
 """
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 

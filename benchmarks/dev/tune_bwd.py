@@ -2,7 +2,7 @@
 and by the separate dQ kernel (deterministic mode), each checked once against the reference and
 timed on FA2-paper shapes next to torch SDPA-flash's backward.
 
-    python benchmarks/tune_bwd.py [--head-dims 64 128] [--seqlens 1024 4096 16384]
+    python benchmarks/dev/tune_bwd.py [--head-dims 64 128] [--seqlens 1024 4096 16384]
 """
 
 import argparse
@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 import numpy  # noqa: E402
