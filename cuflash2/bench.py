@@ -1,4 +1,4 @@
-"""`python -m cuflash2 bench`: TFLOP/s on the FlashAttention-2 paper's grid (design.md §6).
+"""`python -m cuflash2 bench`: TFLOP/s on the FlashAttention-2 paper's grid (docs/DESIGN.md §6).
 
 The grid keeps 16k tokens per batch (batch = tokens // seqlen) and a hidden size of 2048
 (nheads = hidden // headdim), so every configuration's inputs are far larger than the 60 MB L2 of
