@@ -71,10 +71,10 @@ def test_console_script_help_says_cuflash2(capsys):
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("usage: cuflash2 ")
     # The installed script itself, where this environment has one (pip install puts it next to
-    # the interpreter).
+    # the interpreter), running this checkout's code (PYTHONPATH), not an older installed copy.
     script = Path(sys.executable).parent / "cuflash2"
     if script.exists():
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
         result = subprocess.run([str(script), "info", "--help"], env=env, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0, result.stderr
