@@ -16,7 +16,7 @@ from cuflash2 import bench  # noqa: E402
 
 
 def main():
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     print("| d | seqlen | causal | atomic ms | deterministic ms | cost |")
     print("|---|---|---|---|---|---|")
     for d, s, (q, k, v, dout) in bench.paper_grid_arrays(cupy):

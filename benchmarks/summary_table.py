@@ -1,7 +1,7 @@
 """Compact table (one row per direction/dtype/headdim/causal, one column per seqlen) of a
 `bench --json` result, as used in README.md and the issue notes.
 
-    python benchmarks/summary_table.py benchmarks/results/2026-11-29-h200-s2.json
+    python benchmarks/summary_table.py benchmarks/results/2026-11-29-h200.json
 """
 
 import json

@@ -15,7 +15,6 @@ import ml_dtypes
 import numpy
 from dataclasses import dataclass
 
-SUPPORTED_DTYPES = ("float16", "bfloat16")
 # dtype -> name by hash lookup: str(dtype) costs microseconds, and this runs on every call.
 _DTYPE_NAMES = {numpy.dtype(numpy.float16): "float16", numpy.dtype(ml_dtypes.bfloat16): "bfloat16"}
 MAX_HEAD_DIM = 256

@@ -1,4 +1,4 @@
-"""`python -m cuflash2 bench`: TFLOP/s on the FlashAttention-2 paper's grid (design.md §6).
+"""`python -m cuflash2 bench`: TFLOP/s on the FlashAttention-2 paper's grid (docs/DESIGN.md §6).
 
 The grid keeps 16k tokens per batch (batch = tokens // seqlen) and a hidden size of 2048
 (nheads = hidden // headdim), so every configuration's inputs are far larger than the 60 MB L2 of
@@ -183,7 +183,7 @@ def l2_flush(cupy):
     return cupy.zeros(L2_FLUSH_BYTES, dtype=cupy.uint8).max
 
 
-class _Backlog:
+class Backlog:
     """A spinning kernel queued before the timed calls, long enough to cover the host-side cost
     of launching all of them (up to HOST_US_PER_CALL each): the calls then queue while the GPU
     is busy, and the events around each one measure its GPU time, not the host's. Decode calls
@@ -200,7 +200,7 @@ class _Backlog:
         self._spin((1,), (1,), (nanoseconds,))
 
 
-def time_cupy(cupy, fn, warmup: int, iters: int, backlog: _Backlog, before=None) -> float:
+def time_cupy(cupy, fn, warmup: int, iters: int, backlog: Backlog, before=None) -> float:
     """Median milliseconds of fn() on the current CuPy stream; `before()`, if given, runs
     before each call, untimed (and in the warm-up, so that its own first-call costs are paid
     there)."""
@@ -220,7 +220,7 @@ def time_cupy(cupy, fn, warmup: int, iters: int, backlog: _Backlog, before=None)
     return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
 
 
-def time_torch(torch, fn, warmup: int, iters: int, backlog: _Backlog) -> float:
+def time_torch(torch, fn, warmup: int, iters: int, backlog: Backlog) -> float:
     """Median milliseconds of fn() on torch's current stream, with torch's CUDA events."""
     for _ in range(warmup):
         fn()
@@ -316,7 +316,7 @@ def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progres
     import cuflash2
     from cuflash2.selfcheck import dtype_from_name
 
-    backlog = _Backlog(cupy)
+    backlog = Backlog(cupy)
     has_backward = hasattr(cuflash2, "attention_backward")
     rows = {config: Row(config) for config in configs}
     groups = {}
@@ -411,7 +411,7 @@ def measure_windows(cupy, headdims, dtype_name, seqlen, windows, wanted, tokens,
     from cuflash2.selfcheck import dtype_from_name
 
     dtype = dtype_from_name(dtype_name)
-    backlog = _Backlog(cupy)
+    backlog = Backlog(cupy)
     rows = []
     for headdim in headdims:
         batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
@@ -469,7 +469,7 @@ def measure_varlen(cupy, headdims, dtype_name, lengths, wanted, hidden, warmup, 
     from cuflash2.selfcheck import dtype_from_name
 
     dtype = dtype_from_name(dtype_name)
-    backlog = _Backlog(cupy)
+    backlog = Backlog(cupy)
     rows = []
     cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32))
     total, longest, batch = int(sum(lengths)), max(lengths), len(lengths)
@@ -537,7 +537,7 @@ def copy_ceiling(cupy, nbytes=1 << 30, iters=10) -> float:
     """Device copy bandwidth (bytes read + written per second) of a large buffer."""
     src = cupy.empty(nbytes // 2, dtype=cupy.uint8)
     dst = cupy.empty_like(src)
-    backlog = _Backlog(cupy)
+    backlog = Backlog(cupy)
     ms = time_cupy(cupy, lambda: dst.__setitem__(slice(None), src), 2, iters, backlog)
     return 2 * src.nbytes / ms * 1e3
 
@@ -552,7 +552,7 @@ def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.st
     import cuflash2
 
     dtype = numpy.dtype(numpy.float16 if dtype_name == "fp16" else ml_dtypes.bfloat16)
-    backlog = _Backlog(cupy)
+    backlog = Backlog(cupy)
     ceiling = copy_ceiling(cupy)
     flush_l2 = l2_flush(cupy)
     rows = []

@@ -1,4 +1,5 @@
-"""Command line: `python -m cuflash2 info | check | bench`.
+"""Command line: `cuflash2 info | check | bench` (the console script), or
+`python -m cuflash2 info | check | bench`.
 
 CuPy (and torch) are imported only inside the commands that need them, so `info` and `--help`
 work on a machine without CuPy or without a GPU.
@@ -21,11 +22,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
+    """`prog`: the command as the user typed it, for usage and help lines."""
     from cuflash2 import bench, selfcheck
 
     parser = argparse.ArgumentParser(
-        prog="python -m cuflash2",
+        prog=prog,
         description="FlashAttention-2 for CuPy: environment report, self-check, benchmark.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -122,6 +124,7 @@ def _bench(args) -> int:
     return bench.run(cupy, args)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "cuflash2") -> int:
+    """The console script `cuflash2`; `python -m cuflash2` passes its own `prog`."""
+    args = build_parser(prog).parse_args(argv)
     return args.func(args)

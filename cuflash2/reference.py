@@ -1,8 +1,8 @@
 """Reference attention, forward and backward, for NumPy and CuPy arrays alike.
 
-Plain ``softmax(mask(Q K^T * scale)) V`` with the semantics of design.md §1: bottom-right causal
-alignment, sliding windows relative to the same diagonal, GQA/MQA head mapping, and rows that
-see no key giving output 0 and ``lse = +inf``. It materialises the (seqlen_q, seqlen_k) score
+Plain ``softmax(mask(Q K^T * scale)) V`` with the semantics of docs/DESIGN.md §1: bottom-right
+causal alignment, sliding windows relative to the same diagonal, GQA/MQA head mapping, and rows
+that see no key giving output 0 and ``lse = +inf``. It materialises the (seqlen_q, seqlen_k) score
 matrix, so it is for tests and correctness checks, not for speed.
 
 flash-attn's optional features, all off by default:

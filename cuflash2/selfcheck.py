@@ -1,7 +1,7 @@
 """`python -m cuflash2 check`: the kernels (forward and backward) against the reference, on this
 GPU, on fresh random inputs.
 
-The correctness rule is the one the GPU test suite uses (cuflash2.testing, design.md §5): the
+The correctness rule is the one the GPU test suite uses (cuflash2.testing, docs/DESIGN.md §5): the
 kernel's error against the float32 reference may be at most twice the error of the same reference
 computed in the input dtype, plus a small atol; lse (float32) is compared directly, and rows that
 see no key must give +inf.

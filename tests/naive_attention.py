@@ -1,5 +1,5 @@
 """An independent per-element attention oracle for the reference's CPU tests (tests/ helper):
-loops over rows in float64 with math.tanh/math.exp, applying the rules of design.md §1 and
+loops over rows in float64 with math.tanh/math.exp, applying the rules of docs/DESIGN.md §1 and
 flash-attn's feature order as written: scale, softcap, ALiBi bias, mask (causal and window as
 separate conditions), softmax (lse here), dropout on the normalised probabilities."""
 

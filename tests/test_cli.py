@@ -12,7 +12,7 @@ import pytest
 
 import cuflash2
 from cuflash2 import bench, reference, selfcheck
-from cuflash2.cli import EXIT_NO_GPU, build_parser
+from cuflash2.cli import EXIT_NO_GPU, build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,6 +54,31 @@ def test_help_lists_the_commands():
     assert result.returncode == 0
     for command in ("info", "check", "bench"):
         assert command in result.stdout
+
+
+def test_help_names_the_command_as_invoked():
+    # `python -m cuflash2` says so; the console script (cli.main, no prog) says `cuflash2`.
+    assert run_cli("--help").stdout.startswith("usage: python -m cuflash2 ")
+    assert run_cli("bench", "--help").stdout.startswith("usage: python -m cuflash2 bench ")
+    assert build_parser().format_usage().startswith("usage: cuflash2 ")
+    assert build_parser("python -m cuflash2").format_usage().startswith(
+        "usage: python -m cuflash2 ")
+
+
+def test_console_script_help_says_cuflash2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: cuflash2 ")
+    # The installed script itself, where this environment has one (pip install puts it next to
+    # the interpreter), running this checkout's code (PYTHONPATH), not an older installed copy.
+    script = Path(sys.executable).parent / "cuflash2"
+    if script.exists():
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+        result = subprocess.run([str(script), "info", "--help"], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("usage: cuflash2 info ")
 
 
 def test_bench_defaults_are_the_paper_grid():

@@ -99,18 +99,42 @@ def test_wheel_metadata_lists_the_extras(wheel_path, wheel_names):
                 and (extra is None) == (r.marker is None)]
 
     assert needed("numpy") and needed("ml-dtypes")
-    for extra, cupy in (("cuda12", "cupy-cuda12x"), ("cuda13", "cupy-cuda13x")):
+    for extra, cupy, major in (("cuda12", "cupy-cuda12x", "12"), ("cuda13", "cupy-cuda13x", "13")):
         assert needed(cupy, extra)
         (toolkit,) = needed("cuda-toolkit", extra)
         assert {"nvrtc", "cudart"} <= Requirement(toolkit).extras
+        assert str(Requirement(toolkit).specifier) == f"=={major}.*"
+        (bindings,) = needed("cuda-bindings", extra)
+        assert str(Requirement(bindings).specifier) == f"=={major}.*"
     for name in ("pytest", "pytest-benchmark", "cuda-bindings", "cuda-toolkit", "build",
                  "hatchling"):
         assert needed(name, "test"), name
+    # Unpinned, so that `.[cuda12,test]` resolves to CUDA 12 and `.[test]` to the newest.
+    for name in ("cuda-bindings", "cuda-toolkit"):
+        (requirement,) = needed(name, "test")
+        assert not Requirement(requirement).specifier, requirement
+
+
+def test_wheel_metadata_license_and_urls(wheel_path, wheel_names):
+    (metadata_name,) = [n for n in wheel_names if n.endswith(".dist-info/METADATA")]
+    with zipfile.ZipFile(wheel_path) as wheel:
+        metadata = Parser().parsestr(wheel.read(metadata_name).decode())
+    assert metadata["License-Expression"] == "BSD-3-Clause"
+    assert metadata.get_all("License-File") == ["LICENSE"]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in wheel_names)
+    # PEP 639: with a license expression, no License :: classifier.
+    classifiers = metadata.get_all("Classifier")
+    assert not [c for c in classifiers if c.startswith("License ::")]
+    assert "Development Status :: 4 - Beta" in classifiers
+    for version in ("3.10", "3.11", "3.12", "3.13"):
+        assert f"Programming Language :: Python :: {version}" in classifiers
+    urls = dict(url.split(", ", 1) for url in metadata.get_all("Project-URL"))
+    assert {"Homepage", "Source", "Issues", "Documentation"} <= set(urls)
 
 
 def test_sdist_carries_cuda_sources_and_tests(dists):
     with tarfile.open(dists["sdist"]) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
     assert {f"cuda_src/{source}" for source in CUDA_SOURCES} <= names
-    assert "pyproject.toml" in names and "README.md" in names
+    assert "pyproject.toml" in names and "README.md" in names and "LICENSE" in names
     assert any(name.startswith("tests/") for name in names)

@@ -67,7 +67,7 @@ def test_mismatched_batch_headdim_seqlen_k():
     q, k, v = arrays()
     with pytest.raises(ValueError, match=r"same batch size"):
         check(q, k[:1], v[:1])
-    q2, k2, v2 = arrays(d=32)
+    _, k2, v2 = arrays(d=32)
     with pytest.raises(ValueError, match=r"k and v must have the same headdim as q \(64\)"):
         check(q, k2, v2)
     with pytest.raises(ValueError, match=r"v must have the same shape as k"):

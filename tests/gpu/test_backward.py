@@ -1,4 +1,4 @@
-"""GPU tests of cuflash2.attention_backward and cuflash2.attention_vjp (design.md §3, §5).
+"""GPU tests of cuflash2.attention_backward and cuflash2.attention_vjp (docs/DESIGN.md §3, §5).
 
 dq, dk and dv are judged by cuflash2.testing's rule against the reference backward:
 max|grad - ref_hi| <= 2 max|ref_lo - ref_hi| + atol, with ref_hi the float32 reference gradient

@@ -1,4 +1,4 @@
-"""GPU tests of cuflash2.attention (forward) against cuflash2.reference (design.md §5).
+"""GPU tests of cuflash2.attention (forward) against cuflash2.reference (docs/DESIGN.md §5).
 
 Every result is judged by cuflash2.testing's rule: max|out - ref_hi| <= 2 max|ref_lo - ref_hi|
 + atol, with ref_hi the float32 reference and ref_lo the reference in the input dtype, both

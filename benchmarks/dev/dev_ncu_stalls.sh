@@ -6,4 +6,4 @@ for r in barrier short_scoreboard long_scoreboard mio_throttle math_pipe_throttl
 done
 M="${M#,},sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum"
 ncu --clock-control none --kernel-name regex:flash_bwd_kernel --launch-count 1 --metrics "$M" \
-    python benchmarks/dev_ncu_one.py "$1"
+    python benchmarks/dev/dev_ncu_one.py "$1"

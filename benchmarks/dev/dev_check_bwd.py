@@ -1,13 +1,13 @@
 """Quick backward check on a GPU: a handful of shapes against the reference, then timings of
 the d=64/128 paper shapes next to torch SDPA-flash backward. For development runs.
 
-    python benchmarks/dev_check_bwd.py [--no-bench]
+    python benchmarks/dev/dev_check_bwd.py [--no-bench]
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402

@@ -1,7 +1,7 @@
 """Forward-kernel tuning on a GPU: every candidate tile config of a head dim, checked against the
 reference once and timed on the FA2-paper shapes next to torch SDPA-flash (when importable).
 
-    python benchmarks/tune_fwd.py --head-dims 64 128 --seqlens 1024 4096 16384
+    python benchmarks/dev/tune_fwd.py --head-dims 64 128 --seqlens 1024 4096 16384
 
 Not a test: it prints a table to pick `cuflash2/_configs.py` entries from.
 """
@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 import numpy  # noqa: E402
@@ -36,7 +36,7 @@ def time_ms(fn, warmup=3, iters=30):
     """Median of back-to-back launches behind a GPU backlog (host launch cost hidden)."""
     global _backlog
     if _backlog is None:
-        _backlog = bench._Backlog(cupy)
+        _backlog = bench.Backlog(cupy)
     return bench.time_cupy(cupy, fn, warmup, iters, _backlog)
 
 

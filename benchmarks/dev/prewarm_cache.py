@@ -1,7 +1,7 @@
 """Compiles kernel specialisations into CuPy's disk cache in parallel processes, so that a test or
 benchmark run that follows finds them compiled (CuPy compiles one kernel at a time, in-process).
 
-    CUPY_CACHE_DIR=/tmp/cc python benchmarks/prewarm_cache.py [--jobs 16] [--features 0 1 2 3 4 7]
+    CUPY_CACHE_DIR=/tmp/cc python benchmarks/dev/prewarm_cache.py [--jobs 16] [--features 0 1 2 3 4 7]
 """
 
 import argparse
@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cuflash2 import _configs  # noqa: E402
 

@@ -8,14 +8,14 @@ One step runs after the L2 flush of `bench --decode`; the table gives each point
 / max over the CTAs, in microseconds from the first CTA's start, after the step's CUDA-event
 time.
 
-    python benchmarks/dev_decode_timeline.py [--caches 256 16384 65536] [--heads 32 4]
+    python benchmarks/dev/dev_decode_timeline.py [--caches 256 16384 65536] [--heads 32 4]
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 import numpy  # noqa: E402
@@ -77,7 +77,7 @@ def main():
     _compile.get_kernel = lambda cfg, device: kernel if cfg == config else original(cfg, device)
     stamps = cupy.ndarray((8 * 16384,), cupy.uint64, module.get_global("cf2_timeline"))
 
-    backlog, flush = bench._Backlog(cupy), bench.l2_flush(cupy)
+    backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
     rng = cupy.random.default_rng(0)
     q = rng.standard_normal((args.batch, 1, nheads, 128), dtype=cupy.float32).astype(cupy.float16)
     for cache_len in args.caches:

@@ -3,7 +3,7 @@
 HBM bandwidth against the copy ceiling. Also times the call without the append (k=None) and with
 a single split, to separate the append and the split merge from the rest of the kernel.
 
-    CUPY_CACHE_DIR=/tmp/cc PYTHONPATH=. python benchmarks/dev_decode_sweep.py \
+    python benchmarks/dev/dev_decode_sweep.py \
         [--variants 4x16x3 4x32x3 8x16x4] [--splits 0 16 32]
 """
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 
@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     dispatcher = _configs.decode_config
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     ceiling = bench.copy_ceiling(cupy)
     flush_l2 = bench.l2_flush(cupy)  # as the bench's decode rows
     print(f"copy ceiling {ceiling / 1e9:.0f} GB/s")

@@ -4,14 +4,14 @@ A variant is a named text substitution applied to the kernel sources before comp
 measure what the dQ atomics cost by skipping them. Times the whole backward call at one shape per
 (head dim, causal), next to the unmodified kernel.
 
-    python benchmarks/dev_bwd_variants.py --variants base noatomic scalar_red --configs 128:64x128x8x2
+    python benchmarks/dev/dev_bwd_variants.py --variants base noatomic scalar_red --configs 128:64x128x8x2
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy  # noqa: E402
 
@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     args = ap.parse_args()
     dtype = numpy.dtype(numpy.float16)
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     s = args.seqlen
     for spec in args.configs:
         d, shape = spec.split(":")

@@ -6,13 +6,13 @@ split barrier and merge); then batch-1 steps on 16k and 64k caches (L2 flushed b
 it preferring the largest (no L1/shared reconfiguration between launches). The floor under the
 batch-1 rows of `bench --decode`.
 
-    python benchmarks/dev_decode_floor.py
+    python benchmarks/dev/dev_decode_floor.py
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 
@@ -21,7 +21,7 @@ from cuflash2 import _compile, _configs, bench  # noqa: E402
 
 
 def main():
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     flush_l2 = bench.l2_flush(cupy)
     spin = bench.spin_kernel(cupy)
     zero = cupy.uint64(0)

@@ -2,7 +2,7 @@
 and by the separate dQ kernel (deterministic mode), each checked once against the reference and
 timed on FA2-paper shapes next to torch SDPA-flash's backward.
 
-    python benchmarks/tune_bwd.py [--head-dims 64 128] [--seqlens 1024 4096 16384]
+    python benchmarks/dev/tune_bwd.py [--head-dims 64 128] [--seqlens 1024 4096 16384]
 """
 
 import argparse
@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
 import numpy  # noqa: E402
@@ -38,7 +38,7 @@ def main():
     candidates = ([tuple(map(int, c.split("x"))) for c in args.candidates] if args.candidates
                   else CANDIDATES)
     dtype = numpy.dtype(numpy.float16)
-    backlog = bench._Backlog(cupy)
+    backlog = bench.Backlog(cupy)
     import torch
     sdpa_ref = bench.TorchSdpaFlash(torch, cupy, "fp16")
     ratios = {}

@@ -1,7 +1,7 @@
 """Cold JIT compile time of one kernel specialisation and its warm (CuPy disk cache) load time.
 
 Each measurement runs in a fresh process; the cold one in an empty CUPY_CACHE_DIR.
-    python benchmarks/compile_time.py [--dtype float16 --head-dim 128]
+    python benchmarks/dev/compile_time.py [--dtype float16 --head-dim 128]
 """
 
 import argparse
@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import time, cupy, sys
