@@ -11,6 +11,9 @@ from __future__ import annotations
 from . import _configs, _launch, _plans
 from ._prepare import LOG2E, element_strides, output_strides
 
+#: Tile configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
+FORCED: dict = {}
+
 
 def _input_fields(views: dict, sources: dict) -> list:
     """(field, input position, byte offset) of every array given to the call."""
@@ -41,7 +44,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     lse]."""
     p = problem
     if config is None:
-        config = _configs.fwd_config(p.dtype, p.head_dim, arch)
+        config = FORCED.get("fwd") or _configs.fwd_config(p.dtype, p.head_dim, arch)
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
     config = _configs.with_features(config, features)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
@@ -83,7 +86,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     gradients not given."""
     p = problem
     if config is None:
-        config = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
+        config = FORCED.get("bwd") or _configs.bwd_config(p.dtype, p.head_dim, arch,
+                                                          deterministic)
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
     config = _configs.with_features(config, features)
     pad = _configs.BWD_ROW_PADDING

@@ -7,6 +7,7 @@ ones reuse the plan and only read their arrays' addresses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from . import _attention_plans, _configs, _kvcache, _launch, _params, _plans, _prepare, _validate
@@ -530,3 +531,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     return _kvcache.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
         causal, window_size, softcap, alibi_slopes, num_splits, return_lse, check_cache)
+
+
+@contextlib.contextmanager
+def _forced_config(config):
+    """For tuning scripts: calls inside run `config` (a FwdConfig or BwdConfig; a BwdConfig's
+    compute_dq must match the calls' `not deterministic`) instead of the dispatcher's choice."""
+    kind = "fwd" if isinstance(config, _configs.FwdConfig) else "bwd"
+    _attention_plans.FORCED[kind] = config
+    _forward_plans.plans.clear()
+    _backward_plans.plans.clear()
+    try:
+        yield
+    finally:
+        del _attention_plans.FORCED[kind]
+        _forward_plans.plans.clear()
+        _backward_plans.plans.clear()

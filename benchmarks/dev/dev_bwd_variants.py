@@ -103,7 +103,7 @@ def use_variant(name):
 def main():
     import cupy
 
-    from cuflash2 import _validate, api, bench, testing
+    from cuflash2 import api, bench, testing
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="+", default=["base"])
@@ -125,17 +125,19 @@ def main():
         b, h = 16384 // s, 2048 // d
         q, k, v = testing.random_qkv(cupy, b, s, s, h, h, d, dtype, seed=s)
         dout = testing.random_qkv(cupy, b, s, s, h, h, d, dtype, seed=s + 1)[0]
-        problem = _validate.check_attention_inputs(q, k, v)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
         for causal in (False, True):
-            window = (-1, 0) if causal else (-1, -1)
             out, lse = api.attention(q, k, v, causal=causal, return_lse=True)
             flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
             for name in args.variants:
                 use_variant(name)
-                ms = bench.time_cupy(cupy, lambda: api._launch_backward(
-                    problem, dout, q, k, v, out, lse, *grads, window, args.deterministic, 0,
-                    cupy, cfg), 3, 20, backlog)
+                def backward():
+                    with api._forced_config(cfg):
+                        api.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                               deterministic=args.deterministic, dq=grads[0],
+                                               dk=grads[1], dv=grads[2])
+
+                ms = bench.time_cupy(cupy, backward, 3, 20, backlog)
                 print(f"d={d} {shape} causal={causal} {name}: {ms:.3f} ms "
                       f"{flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 

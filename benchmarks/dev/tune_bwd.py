@@ -23,9 +23,10 @@ CANDIDATES = [(64, 128, 8, 2), (128, 128, 8, 2), (64, 128, 8, 1)]
 
 
 def run(cfg, deterministic, problem, dout, q, k, v, out, lse, dq, dk, dv, causal):
-    window = (-1, 0) if causal else (-1, -1)
-    api._launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, window, deterministic, 0,
-                         cupy, cfg)
+    """cuflash2.attention_backward into dq, dk, dv with the main kernel's configuration `cfg`."""
+    with api._forced_config(cfg):
+        api.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                               deterministic=deterministic, dq=dq, dk=dk, dv=dv)
 
 
 def main():

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 import numpy  # noqa: E402
 
-from cuflash2 import _configs, _validate, api, bench, reference, testing  # noqa: E402
+from cuflash2 import _configs, api, bench, reference, testing  # noqa: E402
 
 CANDIDATES = {  # (block_m, block_n, num_warps, kv_stages)
     32: [(128, 128, 4, 2), (128, 128, 4, 1), (128, 64, 4, 2)],
@@ -41,8 +41,9 @@ def time_ms(fn, warmup=3, iters=30):
 
 
 def run(cfg, q, k, v, out, lse, causal):
-    problem = _validate.check_attention_inputs(q, k, v)
-    api._launch_forward(problem, q, k, v, out, lse, (-1, 0) if causal else (-1, -1), 0, cfg)
+    """cuflash2.attention into `out` with the tile configuration `cfg` (lse is not kept)."""
+    with api._forced_config(cfg):
+        api.attention(q, k, v, causal=causal, out=out)
 
 
 def torch_flash(q, k, v, causal):
