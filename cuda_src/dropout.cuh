@@ -15,8 +15,7 @@
 // cuflash2/dropout.py has a NumPy implementation of it.
 #pragma once
 #include "mma_primitives.cuh"
-
-constexpr int FEATURE_DROPOUT = 8;
+#include "constants.cuh"
 
 struct Philox4x32 {
     u32 c0, c1, c2, c3;

@@ -3,10 +3,9 @@
 // block with the kernels' own function (dropout.cuh), each lane its eight elements.
 #include "mma_primitives.cuh"
 #include "dropout.cuh"
+#include "constants.cuh"
 
-#define CF2_MASK_WARPS 8
-
-extern "C" __global__ void __launch_bounds__(CF2_MASK_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(MASK_WARPS * 32)
 flash_dropout_mask_kernel(unsigned char* __restrict__ mask, int nheads, int seqlen_q,
                           int seqlen_k, u32 seed_lo, u32 seed_hi, u32 offset, u32 keep_threshold,
                           int batch_offset) {
@@ -14,7 +13,7 @@ flash_dropout_mask_kernel(unsigned char* __restrict__ mask, int nheads, int seql
     const int head = blockIdx.y;
     const int batch = blockIdx.z + batch_offset;
     const int blocks_k = (seqlen_k + 15) / 16;
-    const int block = blockIdx.x * CF2_MASK_WARPS + threadIdx.x / 32;
+    const int block = blockIdx.x * MASK_WARPS + threadIdx.x / 32;
     if (block >= blocks_k * ((seqlen_q + 15) / 16)) return;
     const int q0 = block / blocks_k * 16;
     const int k0 = block % blocks_k * 16;

@@ -29,6 +29,7 @@
 #include "score_mods.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
+#include "constants.cuh"
 
 template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
           int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES>
@@ -69,6 +70,7 @@ struct BwdTraits {
     static_assert(KV_KEYS % 16 == 0 && KV_COLS % 16 == 0, "phase B warp tiles are 16k x 16k");
     static_assert(DQ_ROWS % 16 == 0 && DQ_COLS % 16 == 0, "phase C warp tiles are 16k x 16k");
     static_assert(Q_STAGES == 1 || Q_STAGES == 2, "single or double-buffered Q/dO");
+    static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the 128-byte bank alignment of the tiles");
 };
 

@@ -4,12 +4,11 @@
 #include "mma_primitives.cuh"
 #include "dq_accum.cuh"
 #include "varlen.cuh"
-
-#define CF2_CONVERT_THREADS 256
+#include "constants.cuh"
 
 // VARLEN: packed sequences (varlen.cuh), grid z over the sequences.
 template <typename Elem, bool VARLEN>
-__global__ void __launch_bounds__(CF2_CONVERT_THREADS)
+__global__ void __launch_bounds__(CONVERT_THREADS)
 flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq,
                             i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
                             int seqlen_q, int seqlen_q_padded, int nheads, int head_dim,
@@ -20,7 +19,7 @@ flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict_
     const SequenceRows seq = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
     seqlen_q = seq.length;
     const int chunks = head_dim / 8;
-    const int idx = blockIdx.x * CF2_CONVERT_THREADS + threadIdx.x;
+    const int idx = blockIdx.x * CONVERT_THREADS + threadIdx.x;
     const int row = idx / chunks;
     const int chunk = idx % chunks;
     if (row >= seqlen_q) return;

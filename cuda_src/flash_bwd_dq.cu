@@ -13,10 +13,11 @@
 #include "score_mods.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
+#include "constants.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
 struct BwdDqTraits {
-    static constexpr int NUM_WARPS = 4;
+    static constexpr int NUM_WARPS = BWD_DQ_WARPS;
     static constexpr int BLOCK_M = 16 * NUM_WARPS;  // each warp owns 16 query rows
     static constexpr int THREADS = NUM_WARPS * 32;
     static constexpr int N_TILES = BLOCK_N / 8;
@@ -28,6 +29,7 @@ struct BwdDqTraits {
     // Shared memory: Q, dO | KV_STAGES x (K, V)
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
     static constexpr int SMEM_BYTES = 2 * QTile::BYTES + KV_STAGES * STAGE_BYTES;
+    static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
 };
 
 // acc (16 rows x BLOCK_N) = A (16 rows of a_frag's tile over the head dim) * B^T, B's rows the
@@ -56,7 +58,7 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
 // FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
 // dropout (dropout.cuh); 0 for plain attention.
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
-__global__ void __launch_bounds__(128, 2)
+__global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
 flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     const u16* __restrict__ dout, const float* __restrict__ lse_log2,
                     const float* __restrict__ delta, u16* __restrict__ dq,

@@ -4,14 +4,12 @@
 // D = 0 and lse = +inf, so P = exp2(s - inf) = 0 there and the main kernel needs no row masking.
 #include "mma_primitives.cuh"
 #include "varlen.cuh"
+#include "constants.cuh"
 
-#define CF2_PREPROCESS_THREADS 256
-#define CF2_PREPROCESS_ROWS_PER_WARP 8
-
-// One warp per row (lane c reads the 16-byte chunk c of dO and O), 8 rows per warp. VARLEN:
-// packed sequences (varlen.cuh), grid z over the sequences.
+// One warp per row (lane c reads the 16-byte chunk c of dO and O), PREPROCESS_ROWS_PER_WARP
+// rows per warp. VARLEN: packed sequences (varlen.cuh), grid z over the sequences.
 template <typename Elem, bool VARLEN>
-__global__ void __launch_bounds__(CF2_PREPROCESS_THREADS)
+__global__ void __launch_bounds__(PREPROCESS_THREADS)
 flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out,
                             const float* __restrict__ lse, float* __restrict__ delta,
                             float* __restrict__ lse_log2,
@@ -29,15 +27,16 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict_
     const i64 stat_offset = stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq.start);
     const i64 lse_offset = lse_row0<VARLEN>(batch, head, nheads, seqlen_q, total_q, seq.start);
     seqlen_q = seq.length;
-    const int rows_padded = (seqlen_q + 127) / 128 * 128;  // whole blocks of every block_m
+    // Whole blocks of every block_m.
+    const int rows_padded = (seqlen_q + BWD_ROW_PADDING - 1) / BWD_ROW_PADDING * BWD_ROW_PADDING;
     const u16* dout_head = dout + batch * do_batch_stride + head * do_head_stride +
                            seq.start * do_row_stride;
     const u16* out_head = out + batch * o_batch_stride + head * o_head_stride +
                           seq.start * o_row_stride;
-    const int row0 = (blockIdx.x * (CF2_PREPROCESS_THREADS / 32) + warp) * CF2_PREPROCESS_ROWS_PER_WARP;
+    const int row0 = (blockIdx.x * (PREPROCESS_THREADS / 32) + warp) * PREPROCESS_ROWS_PER_WARP;
 
 #pragma unroll 2
-    for (int r = 0; r < CF2_PREPROCESS_ROWS_PER_WARP; ++r) {
+    for (int r = 0; r < PREPROCESS_ROWS_PER_WARP; ++r) {
         const int row = row0 + r;
         if (row >= rows_padded) break;
         float partial = 0.f;

@@ -26,12 +26,13 @@
 #include "score_mods.cuh"
 #include "kv_cache.cuh"
 #include "split_merge.cuh"
+#include "constants.cuh"
 
 template <int HEAD_DIM, int NUM_WARPS_, int KEYS_PER_WARP, int KV_STAGES>
 struct DecodeTraits {
     static constexpr int NUM_WARPS = NUM_WARPS_;
     static constexpr int THREADS = NUM_WARPS * 32;
-    static constexpr int BLOCK_M = 16;
+    static constexpr int BLOCK_M = DECODE_BLOCK_M;  // one m16 tile
     static constexpr int BLOCK_N = NUM_WARPS * KEYS_PER_WARP;
     static constexpr int N_TILES = KEYS_PER_WARP / 8;
     static constexpr int D_TILES = HEAD_DIM / 8;
@@ -44,6 +45,7 @@ struct DecodeTraits {
     static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
                                                           ? KV_STAGES * STAGE_BYTES
                                                           : MERGE_BYTES);
+    static_assert(BLOCK_M == 16, "a CTA's rows are one m16 tile");
     static_assert(KEYS_PER_WARP % 16 == 0, "a warp's keys are whole k16 steps of P V");
     static_assert(KV_STAGES >= 2, "the KV loop is pipelined");
 };
@@ -319,11 +321,11 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
         }
     }
     __syncthreads();
-    // Each row is merged by THREADS / 16 threads: the row's weights once per thread, then 4-float
-    // column chunks interleaved across the row's threads (conflict-free shared loads, coalesced
-    // stores). Index arithmetic is compile-time except the one division by the group: this
-    // epilogue is on every CTA's critical path, and short CTAs (batch 1, many splits) are mostly
-    // epilogue.
+    // Each row is merged by THREADS / BLOCK_M threads: the row's weights once per thread, then
+    // 4-float column chunks interleaved across the row's threads (conflict-free shared loads,
+    // coalesced stores). Index arithmetic is compile-time except the one division by the group:
+    // this epilogue is on every CTA's critical path, and short CTAs (batch 1, many splits) are
+    // mostly epilogue.
     constexpr int ROW_THREADS = T::THREADS / T::BLOCK_M;
     constexpr int ROW_CHUNKS = HEAD_DIM / 4 / ROW_THREADS;  // float4 chunks per thread
     static_assert(T::THREADS % T::BLOCK_M == 0 && (HEAD_DIM / 4) % ROW_THREADS == 0,

@@ -9,9 +9,7 @@
 // (slope_units). Masking comes after both (-inf stays -inf).
 #pragma once
 #include "mma_primitives.cuh"
-
-constexpr int FEATURE_SOFTCAP = 1;
-constexpr int FEATURE_ALIBI = 2;
+#include "constants.cuh"
 
 // tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): absolute error ~1e-7 (tanh.approx.f32's relative
 // 2^-11 would be multiplied by the softcap). Saturates to +-1 through ex2's +inf / 0.
