@@ -13,8 +13,8 @@
 //                                     dP = dO V^T, dS = P o (dP - D);  P and dS -> shared memory
 //   B. warps tile (keys x head dim):  dV += P^T dO,  dK += dS^T Q      (registers, whole loop)
 //   C. warps tile (queries x head dim): dQ = dS K, added to an fp32 accumulator with atomics
-//      (red.global.add; other KV blocks add to the same rows; layout in dq_accum.cuh),
-//      converted by a separate kernel.
+//      (red.global.add; other KV blocks add to the same rows; layout in dq_accum.cuh), zeroed
+//      by the preprocess kernel before and converted by a separate kernel after.
 // With COMPUTE_DQ false (deterministic mode) phase C is left out and flash_bwd_dq.cu computes dQ
 // without atomics.
 //

@@ -2,13 +2,18 @@
 // forward's logsumexp converted to log2 units (so the main kernel recomputes P with one FFMA and
 // one EX2, as the forward does). Both are written padded to whole Q blocks: padding rows get
 // D = 0 and lse = +inf, so P = exp2(s - inf) = 0 there and the main kernel needs no row masking.
+// With the atomic dQ path (dq_accum set) the same rows of the fp32 dQ accumulator are zeroed
+// here, which the main kernel then adds to (same stream): no memset of its own before it.
 #include "mma_primitives.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"
 
-// One warp per row (lane c reads the 16-byte chunk c of dO and O), PREPROCESS_ROWS_PER_WARP
-// rows per warp. VARLEN: packed sequences (varlen.cuh), grid z over the sequences.
+// One warp per row (lane c reads the 16-byte chunk c of dO and O), PREPROCESS_ROWS_PER_WARP rows
+// per warp; then the CTA zeroes its rows of dq_accum, 16 bytes a thread. VARLEN: packed
+// sequences (varlen.cuh), grid z over the sequences. The parameters: BwdParams
+// (kernel_params.cuh), of which this kernel reads dout, out, lse and writes delta, lse_log2 and
+// dq_accum.
 template <typename Elem, bool VARLEN>
 __global__ void __launch_bounds__(PREPROCESS_THREADS)
 flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
@@ -58,5 +63,17 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
             p.lse_log2[stat_offset + row] =
                 row < seqlen_q ? p.lse[lse_offset + row] * LOG2E : pos_inf();
         }
+    }
+
+    // The CTA's rows of the dQ accumulator, contiguous there (accum_dim floats a row). The stores
+    // wait on nothing, so they come after the loads of the statistics.
+    if (p.dq_accum != nullptr) {
+        constexpr int CTA_ROWS = PREPROCESS_THREADS / 32 * PREPROCESS_ROWS_PER_WARP;
+        const int cta_row0 = blockIdx.x * CTA_ROWS;
+        const u32 zeros[4] = {0u, 0u, 0u, 0u};
+        float* accum_rows = p.dq_accum + (stat_offset + cta_row0) * p.accum_dim;
+        const int chunks = max(0, min(CTA_ROWS, rows_padded - cta_row0)) * (p.accum_dim / 4);
+        for (int chunk = threadIdx.x; chunk < chunks; chunk += PREPROCESS_THREADS)
+            store_16B_global(accum_rows + 4 * chunk, zeros);
     }
 }
