@@ -1,6 +1,7 @@
-// Layout of the backward's fp32 dQ accumulator: (batch, nheads, seqlen_q_padded, accum_dim), with
-// the columns of every group of 16 interleaved so that each thread's share of an mma
-// accumulator pair is contiguous.
+// Layout of the backward's fp32 dQ accumulator: (batch, nheads, seqlen_q_padded, accum_dim), rows
+// as the per-row statistics (varlen.cuh, stats_row0), with the columns of every group of 16
+// interleaved so that each thread's share of an mma accumulator pair is contiguous. The
+// preprocess kernel zeroes the rows the main kernel adds to.
 //
 // For two adjacent n8 tiles (columns 16g .. 16g+15), lane t of a quad holds columns 2t, 2t+1 of
 // the first tile and 2t, 2t+1 of the second (8 + 2t, 9 + 2t). Stored at positions 4t .. 4t+3 of

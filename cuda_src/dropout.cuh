@@ -15,8 +15,8 @@
 // cuflash2/dropout.py has a NumPy implementation of it.
 #pragma once
 #include "mma_primitives.cuh"
-
-constexpr int FEATURE_DROPOUT = 8;
+#include "constants.cuh"
+#include "kernel_params.cuh"
 
 struct Philox4x32 {
     u32 c0, c1, c2, c3;
@@ -38,6 +38,11 @@ struct Dropout {
     u32 seed_lo, seed_hi, offset;
     u32 keep_threshold;  // keep iff the 16-bit uniform is below it (65536: keep all)
     u32 batch_head;      // b * nheads + h
+
+    Dropout() = default;
+    CF2_DEVICE Dropout(const DropoutParams& params, u32 batch_head_)
+        : seed_lo(params.seed_lo), seed_hi(params.seed_hi), offset(params.offset),
+          keep_threshold(params.keep_threshold), batch_head(batch_head_) {}
 
     // Keep bits (bit j = uniform j above) of the 16 x 16 block whose first row is q0 and first
     // key k0 (multiples of 16), for lane `lane`.

@@ -3,25 +3,25 @@
 // block with the kernels' own function (dropout.cuh), each lane its eight elements.
 #include "mma_primitives.cuh"
 #include "dropout.cuh"
+#include "constants.cuh"
+#include "kernel_params.cuh"
 
-#define CF2_MASK_WARPS 8
-
-extern "C" __global__ void __launch_bounds__(CF2_MASK_WARPS * 32)
-flash_dropout_mask_kernel(unsigned char* __restrict__ mask, int nheads, int seqlen_q,
-                          int seqlen_k, u32 seed_lo, u32 seed_hi, u32 offset, u32 keep_threshold,
-                          int batch_offset) {
+// The parameters: DropoutMaskParams (kernel_params.cuh).
+extern "C" __global__ void __launch_bounds__(MASK_WARPS * 32)
+flash_dropout_mask_kernel(const __grid_constant__ DropoutMaskParams p) {
     const int lane = threadIdx.x % 32;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z + batch_offset;
+    const int batch = blockIdx.z + p.batch_offset;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
     const int blocks_k = (seqlen_k + 15) / 16;
-    const int block = blockIdx.x * CF2_MASK_WARPS + threadIdx.x / 32;
+    const int block = blockIdx.x * MASK_WARPS + threadIdx.x / 32;
     if (block >= blocks_k * ((seqlen_q + 15) / 16)) return;
     const int q0 = block / blocks_k * 16;
     const int k0 = block % blocks_k * 16;
-    const Dropout dropout{seed_lo, seed_hi, offset, keep_threshold,
-                          static_cast<u32>(batch * nheads + head)};
+    const Dropout dropout(p.dropout, static_cast<u32>(batch * p.nheads + head));
     const u32 keep = dropout.keep_bits(q0, k0, lane);
-    unsigned char* plane = mask + (static_cast<i64>(batch) * nheads + head) * seqlen_q * seqlen_k;
+    unsigned char* plane =
+        p.mask + (static_cast<i64>(batch) * p.nheads + head) * seqlen_q * seqlen_k;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll

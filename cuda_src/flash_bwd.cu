@@ -13,8 +13,8 @@
 //                                     dP = dO V^T, dS = P o (dP - D);  P and dS -> shared memory
 //   B. warps tile (keys x head dim):  dV += P^T dO,  dK += dS^T Q      (registers, whole loop)
 //   C. warps tile (queries x head dim): dQ = dS K, added to an fp32 accumulator with atomics
-//      (red.global.add; other KV blocks add to the same rows; layout in dq_accum.cuh),
-//      converted by a separate kernel.
+//      (red.global.add; other KV blocks add to the same rows; layout in dq_accum.cuh), zeroed
+//      by the preprocess kernel before and converted by a separate kernel after.
 // With COMPUTE_DQ false (deterministic mode) phase C is left out and flash_bwd_dq.cu computes dQ
 // without atomics.
 //
@@ -29,6 +29,8 @@
 #include "score_mods.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
+#include "kernel_params.cuh"
+#include "constants.cuh"
 
 template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
           int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES>
@@ -69,33 +71,17 @@ struct BwdTraits {
     static_assert(KV_KEYS % 16 == 0 && KV_COLS % 16 == 0, "phase B warp tiles are 16k x 16k");
     static_assert(DQ_ROWS % 16 == 0 && DQ_COLS % 16 == 0, "phase C warp tiles are 16k x 16k");
     static_assert(Q_STAGES == 1 || Q_STAGES == 2, "single or double-buffered Q/dO");
+    static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the 128-byte bank alignment of the tiles");
 };
 
 // FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
-// dropout (dropout.cuh); 0 for plain attention.
+// dropout (dropout.cuh); 0 for plain attention. The parameters: BwdParams (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
           int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ,
           int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                 const u16* __restrict__ dout, const float* __restrict__ lse_log2,
-                 const float* __restrict__ delta, float* __restrict__ dq_accum,
-                 u16* __restrict__ dk, u16* __restrict__ dv,
-                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
-                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
-                 i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
-                 i64 dk_batch_stride, i64 dk_row_stride, i64 dk_head_stride,
-                 i64 dv_batch_stride, i64 dv_row_stride, i64 dv_head_stride,
-                 int seqlen_q, int seqlen_q_padded, int seqlen_k, int nheads,
-                 int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
-                 int window_left, int window_right, float softcap_scale,
-                 const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
-                 float alibi_to_units, const int* __restrict__ cu_seqlens_q,
-                 const int* __restrict__ cu_seqlens_k, int total_q, int total_k,
-                 u32 dropout_seed_lo, u32 dropout_seed_hi, u32 dropout_offset,
-                 u32 dropout_keep_threshold, float dropout_scale, int batch_offset) {
+flash_bwd_kernel(const __grid_constant__ BwdParams p) {
     using T = BwdTraits<HEAD_DIM, D_CHUNK, BLOCK_M, BLOCK_N, NUM_WARPS, SDP_WARPS_M, KV_WARPS_N,
                         DQ_WARPS_M, Q_STAGES>;
     using KVTile = typename T::KVTile;
@@ -116,30 +102,32 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int kv_block = blockIdx.x / NUM_CHUNKS;
     const int col0 = (blockIdx.x % NUM_CHUNKS) * D_CHUNK;  // first column of this CTA's dK, dV, dQ
     const int kv_head = blockIdx.y;
-    const int batch = blockIdx.z + batch_offset;
+    const int batch = blockIdx.z + p.batch_offset;
     const int key_first = kv_block * BLOCK_N;
     // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    const SequenceRows seq_q = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
-    const SequenceRows seq_k = sequence_rows<VARLEN>(cu_seqlens_k, batch, seqlen_k, total_k);
-    seqlen_q = seq_q.length;
-    seqlen_k = seq_k.length;
+    const SequenceRows seq_q =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const SequenceRows seq_k =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+    const int seqlen_q = seq_q.length;
+    const int seqlen_k = seq_k.length;
     if (VARLEN && key_first >= seqlen_k) return;
     // First row of this sequence's per-row statistics / dQ accumulator for query head `head`.
     auto stats_first = [&](int head) {
-        return stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq_q.start);
+        return stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq_q.start);
     };
     const int key_last = min(key_first + BLOCK_N, seqlen_k) - 1;
-    const int head_chunks = head_dim / 8;
+    const int head_chunks = p.head_dim / 8;
 
     // Q blocks whose rows can see keys [key_first, key_last] (causal / window).
-    const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
     int row_begin = 0, row_end = seqlen_q;
-    if (window_right >= 0) row_begin = max(0, key_first - vis.diag - window_right);
-    if (window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + window_left + 1);
+    if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
+    if (p.window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + p.window_left + 1);
     const int m_first = row_begin / BLOCK_M;
     const int m_count = row_end > row_begin ? (row_end + BLOCK_M - 1) / BLOCK_M - m_first : 0;
-    const int steps = m_count * heads_per_kv_head;  // (query head, Q block) pairs
+    const int steps = m_count * p.heads_per_kv_head;  // (query head, Q block) pairs
 
     float acc_dk[T::KV_MT][T::KV_NT][4], acc_dv[T::KV_MT][T::KV_NT][4];
     zero_fill(acc_dk);
@@ -149,38 +137,39 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // kept across the loop (registers the dK/dV accumulators need).
     auto load_step = [&](int head, int row0, u32 stage_offset) {
         const int tid = thread_index_fresh();
-        const u16* q_rows = q + batch * q_batch_stride + head * q_head_stride +
-                            (seq_q.start + row0) * q_row_stride;
-        const u16* do_rows = dout + batch * do_batch_stride + head * do_head_stride +
-                             (seq_q.start + row0) * do_row_stride;
-        load_tile_async<QTile, T::THREADS>(q_smem + stage_offset, q_rows, q_row_stride,
+        const u16* q_rows = p.q + batch * p.q_batch_stride + head * p.q_head_stride +
+                            (seq_q.start + row0) * p.q_row_stride;
+        const u16* do_rows = p.dout + batch * p.do_batch_stride + head * p.do_head_stride +
+                             (seq_q.start + row0) * p.do_row_stride;
+        load_tile_async<QTile, T::THREADS>(q_smem + stage_offset, q_rows, p.q_row_stride,
                                             seqlen_q - row0, head_chunks, tid);
-        load_tile_async<QTile, T::THREADS>(do_smem + stage_offset, do_rows, do_row_stride,
+        load_tile_async<QTile, T::THREADS>(do_smem + stage_offset, do_rows, p.do_row_stride,
                                             seqlen_q - row0, head_chunks, tid);
         // lse_log2 and D are padded to whole Q blocks (+inf / 0), so they need no predicate.
         const i64 stat0 = stats_first(head) + row0;
         const u32 stat_smem = q_smem + stage_offset + 2 * QTile::BYTES;
         for (int i = tid; i < 2 * BLOCK_M / 4; i += T::THREADS) {
-            const float* src = (i < BLOCK_M / 4 ? lse_log2 : delta) + stat0 + 4 * (i % (BLOCK_M / 4));
+            const float* src =
+                (i < BLOCK_M / 4 ? p.lse_log2 : p.delta) + stat0 + 4 * (i % (BLOCK_M / 4));
             cp_async_16(stat_smem + 16 * i, src, true);
         }
     };
 
     if (steps > 0) {
-        const u16* k_block = k + batch * k_batch_stride + kv_head * k_head_stride +
-                             (seq_k.start + key_first) * k_row_stride;
-        const u16* v_block = v + batch * v_batch_stride + kv_head * v_head_stride +
-                             (seq_k.start + key_first) * v_row_stride;
-        load_tile_async<KVTile, T::THREADS>(k_smem, k_block, k_row_stride, seqlen_k - key_first,
-                                             head_chunks, tid);
-        load_tile_async<KVTile, T::THREADS>(v_smem, v_block, v_row_stride, seqlen_k - key_first,
-                                             head_chunks, tid);
-        load_step(kv_head * heads_per_kv_head, m_first * BLOCK_M, 0);
+        const u16* k_block = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                             (seq_k.start + key_first) * p.k_row_stride;
+        const u16* v_block = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                             (seq_k.start + key_first) * p.v_row_stride;
+        load_tile_async<KVTile, T::THREADS>(k_smem, k_block, p.k_row_stride,
+                                             seqlen_k - key_first, head_chunks, tid);
+        load_tile_async<KVTile, T::THREADS>(v_smem, v_block, p.v_row_stride,
+                                             seqlen_k - key_first, head_chunks, tid);
+        load_step(kv_head * p.heads_per_kv_head, m_first * BLOCK_M, 0);
         cp_async_commit();
     }
 
     // The step's query head and Q block, advanced incrementally (no divisions in the loop).
-    int head = kv_head * heads_per_kv_head;
+    int head = kv_head * p.heads_per_kv_head;
     int m_block = m_first;
     u32 stage_offset = 0;
     for (int step = 0; step < steps; ++step) {
@@ -215,14 +204,14 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             gemm_a_bt<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
                 acc_s, rows_cursor<QTile>(q_stage, a_row0, lane),
                 pairs_cursor<KVTile>(k_smem, a_key0, lane));
-            ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
-            mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
+            ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
+            mods.select_head(p.mods, batch, head);
             mods.apply_softcap(acc_s);  // t = tanh(...) with softcap; the bias comes with P
             const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
             const bool needs_mask =
                 key_first + BLOCK_N > seqlen_k ||
-                (window_right >= 0 && key_last > row0 + vis.diag + window_right) ||
-                (window_left >= 0 && key_first < row_last + vis.diag - window_left);
+                (p.window_right >= 0 && key_last > row0 + vis.diag + p.window_right) ||
+                (p.window_left >= 0 && key_first < row_last + vis.diag - p.window_left);
             if (needs_mask)
                 mask_scores<T::SDP_MT, T::SDP_NT>(acc_s, row0 + a_row0 + lane / 4,
                                                   key_first + a_key0 + 2 * (lane % 4), vis);
@@ -233,8 +222,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             // stored negated; P >= 0, and -0.f keeps the bit) until dS is formed, and the P
             // tile gets P * Z, Z = keep / (1 - p): dV = (P o Z)^T dO.
             constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
-            const Dropout dropout{dropout_seed_lo, dropout_seed_hi, dropout_offset,
-                                  dropout_keep_threshold, static_cast<u32>(batch * nheads + head)};
+            const Dropout dropout(p.dropout, static_cast<u32>(batch * p.nheads + head));
             const float* lse_s = stats + stage_offset / 4 + a_row0 + lane / 4;
 #pragma unroll
             for (int mt = 0; mt < T::SDP_MT; ++mt) {
@@ -251,25 +239,26 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                     const float row = static_cast<float>(row0 + row_in_block);
 #pragma unroll
                     for (int nt = 0; nt < T::SDP_NT; ++nt) {
-                        float p[2];
+                        float prob[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             float& s = acc_s[mt][nt][2 * half + e];
                             const float key = static_cast<float>(key_first + a_key0 + 8 * nt +
                                                                  2 * (lane % 4) + e);
-                            p[e] = fast_exp2(fmaf(mods.biased(s, row, key), scale_log2, -row_lse));
-                            s = ScoreMods<FEATURES>::SOFTCAP ? p[e] * mods.dtanh(s) : p[e];
+                            prob[e] = fast_exp2(
+                                fmaf(mods.biased(s, row, key), p.scale_log2, -row_lse));
+                            s = ScoreMods<FEATURES>::SOFTCAP ? prob[e] * mods.dtanh(s) : prob[e];
                             if constexpr (DROPOUT) {
                                 const bool kept =
                                     (keep[nt / 2] >> dropout_index(half, nt % 2, e)) & 1u;
                                 if (!kept) s = -s;
-                                p[e] = kept ? p[e] * dropout_scale : 0.f;
+                                prob[e] = kept ? prob[e] * p.dropout.scale : 0.f;
                             }
                         }
                         if constexpr (ScoreMods<FEATURES>::SOFTCAP)
                             store_4B_shared(p_smem + PTile::offset(row_in_block, a_key0 / 8 + nt) +
                                                 4 * (lane % 4),
-                                            pack_pair<Elem>(p[0], p[1]));
+                                            pack_pair<Elem>(prob[0], prob[1]));
                     }
                 }
             }
@@ -294,7 +283,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                             float& s = acc_s[mt][nt][2 * half + e];
                             if constexpr (DROPOUT) {
                                 // dS = P o (dP o Z - D); the P tile gets P o Z.
-                                const float z = signbit(s) ? 0.f : dropout_scale;
+                                const float z = signbit(s) ? 0.f : p.dropout.scale;
                                 s = fabsf(s);
                                 dp = s * (dp * z - row_delta);
                                 s *= z;
@@ -335,7 +324,7 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
                 rows_cursor<KVTile>(k_smem, 0, lane), c_col0 / 16);
             // Columns 16 np .. 16 np + 15 of a row: this thread's four values are adjacent in
             // the accumulator's interleaved layout (dq_accum.cuh), one vector atomic.
-            float* dq_rows = dq_accum +
+            float* dq_rows = p.dq_accum +
                              (stats_first(head) + row0 +
                               c_row0 + lane / 4) * HEAD_DIM + c_col0 + 4 * (lane % 4);
 #pragma unroll
@@ -369,26 +358,27 @@ flash_bwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         const int warp = tid / 32;
         const int e_key0 = (warp % KV_WARPS_N) * T::KV_KEYS;
         const int e_chunk0 = (warp / KV_WARPS_N) * T::KV_COLS / 8;  // within the chunk
-        store_accumulator<Elem, KVTile>(k_smem, acc_dk, e_key0, e_chunk0, lane, softmax_scale);
+        store_accumulator<Elem, KVTile>(k_smem, acc_dk, e_key0, e_chunk0, lane,
+                                        p.softmax_scale);
         store_accumulator<Elem, KVTile>(v_smem, acc_dv, e_key0, e_chunk0, lane);
     }
     __syncthreads();
     // > 0: the second chunk of a kernel head dim starts below every user head dim it serves.
-    const int chunk_cols = min(D_CHUNK, head_dim - col0);
+    const int chunk_cols = min(D_CHUNK, p.head_dim - col0);
     constexpr int CHUNK_CHUNKS = D_CHUNK / 8;
-    u16* dk_block = dk + batch * dk_batch_stride + kv_head * dk_head_stride +
-                    (seq_k.start + key_first) * dk_row_stride + col0;
-    u16* dv_block = dv + batch * dv_batch_stride + kv_head * dv_head_stride +
-                    (seq_k.start + key_first) * dv_row_stride + col0;
+    u16* dk_block = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
+                    (seq_k.start + key_first) * p.dk_row_stride + col0;
+    u16* dv_block = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
+                    (seq_k.start + key_first) * p.dv_row_stride + col0;
     for (int idx = tid; idx < BLOCK_N * CHUNK_CHUNKS; idx += T::THREADS) {
         const int row = idx / CHUNK_CHUNKS;
         const int c = idx % CHUNK_CHUNKS;
         if (key_first + row < seqlen_k && 8 * c < chunk_cols) {
             u32 vals[4];
             load_16B_shared(vals, k_smem + KVTile::offset(row, c));
-            store_16B_global(dk_block + row * dk_row_stride + 8 * c, vals);
+            store_16B_global(dk_block + row * p.dk_row_stride + 8 * c, vals);
             load_16B_shared(vals, v_smem + KVTile::offset(row, c));
-            store_16B_global(dv_block + row * dv_row_stride + 8 * c, vals);
+            store_16B_global(dv_block + row * p.dv_row_stride + 8 * c, vals);
         }
     }
 }

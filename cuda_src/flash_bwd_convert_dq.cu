@@ -4,37 +4,36 @@
 #include "mma_primitives.cuh"
 #include "dq_accum.cuh"
 #include "varlen.cuh"
+#include "constants.cuh"
+#include "kernel_params.cuh"
 
-#define CF2_CONVERT_THREADS 256
-
-// VARLEN: packed sequences (varlen.cuh), grid z over the sequences.
+// VARLEN: packed sequences (varlen.cuh), grid z over the sequences. The parameters: BwdParams
+// (kernel_params.cuh), of which this kernel reads dq_accum, dq and their layouts.
 template <typename Elem, bool VARLEN>
-__global__ void __launch_bounds__(CF2_CONVERT_THREADS)
-flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum, u16* __restrict__ dq,
-                            i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
-                            int seqlen_q, int seqlen_q_padded, int nheads, int head_dim,
-                            int accum_dim, float softmax_scale,
-                            const int* __restrict__ cu_seqlens_q, int total_q, int batch_offset) {
+__global__ void __launch_bounds__(CONVERT_THREADS)
+flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int head = blockIdx.y;
-    const int batch = blockIdx.z + batch_offset;
-    const SequenceRows seq = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
-    seqlen_q = seq.length;
-    const int chunks = head_dim / 8;
-    const int idx = blockIdx.x * CF2_CONVERT_THREADS + threadIdx.x;
+    const int batch = blockIdx.z + p.batch_offset;
+    const SequenceRows seq =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const int seqlen_q = seq.length;
+    const int chunks = p.head_dim / 8;
+    const int idx = blockIdx.x * CONVERT_THREADS + threadIdx.x;
     const int row = idx / chunks;
     const int chunk = idx % chunks;
     if (row >= seqlen_q) return;
     const float* src =
-        dq_accum +
-        (stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq.start) + row) * accum_dim;
+        p.dq_accum +
+        (stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq.start) + row) *
+            p.accum_dim;
     u32 packed[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         // Columns 8 chunk + 2i and + 1 are adjacent in the interleaved layout too.
         const float* pair = src + dq_accum_position(chunk * 8 + 2 * i);
-        packed[i] = pack_pair<Elem>(pair[0] * softmax_scale, pair[1] * softmax_scale);
+        packed[i] = pack_pair<Elem>(pair[0] * p.softmax_scale, pair[1] * p.softmax_scale);
     }
-    store_16B_global(dq + batch * dq_batch_stride + head * dq_head_stride +
-                         (seq.start + row) * dq_row_stride + chunk * 8,
+    store_16B_global(p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride +
+                         (seq.start + row) * p.dq_row_stride + chunk * 8,
                      packed);
 }

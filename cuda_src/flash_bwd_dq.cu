@@ -13,10 +13,12 @@
 #include "score_mods.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
+#include "kernel_params.cuh"
+#include "constants.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
 struct BwdDqTraits {
-    static constexpr int NUM_WARPS = 4;
+    static constexpr int NUM_WARPS = BWD_DQ_WARPS;
     static constexpr int BLOCK_M = 16 * NUM_WARPS;  // each warp owns 16 query rows
     static constexpr int THREADS = NUM_WARPS * 32;
     static constexpr int N_TILES = BLOCK_N / 8;
@@ -28,6 +30,7 @@ struct BwdDqTraits {
     // Shared memory: Q, dO | KV_STAGES x (K, V)
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
     static constexpr int SMEM_BYTES = 2 * QTile::BYTES + KV_STAGES * STAGE_BYTES;
+    static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
 };
 
 // acc (16 rows x BLOCK_N) = A (16 rows of a_frag's tile over the head dim) * B^T, B's rows the
@@ -54,25 +57,10 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
 }
 
 // FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
-// dropout (dropout.cuh); 0 for plain attention.
+// dropout (dropout.cuh); 0 for plain attention. The parameters: BwdParams (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
-__global__ void __launch_bounds__(128, 2)
-flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                    const u16* __restrict__ dout, const float* __restrict__ lse_log2,
-                    const float* __restrict__ delta, u16* __restrict__ dq,
-                    i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                    i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
-                    i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
-                    i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
-                    i64 dq_batch_stride, i64 dq_row_stride, i64 dq_head_stride,
-                    int seqlen_q, int seqlen_q_padded, int seqlen_k, int nheads,
-                    int heads_per_kv_head, int head_dim, float softmax_scale, float scale_log2,
-                    int window_left, int window_right, float softcap_scale,
-                    const float* __restrict__ alibi_slopes, i64 alibi_batch_stride,
-                    float alibi_to_units, const int* __restrict__ cu_seqlens_q,
-                    const int* __restrict__ cu_seqlens_k, int total_q, int total_k,
-                    u32 dropout_seed_lo, u32 dropout_seed_hi, u32 dropout_offset,
-                    u32 dropout_keep_threshold, float dropout_scale, int batch_offset) {
+__global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
+flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     using T = BwdDqTraits<Elem, HEAD_DIM, BLOCK_N, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -88,64 +76,69 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
     const int warp = tid / 32;
     const int lane = tid % 32;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z + batch_offset;
-    const int kv_head = head / heads_per_kv_head;
+    const int batch = blockIdx.z + p.batch_offset;
+    const int kv_head = head / p.heads_per_kv_head;
     const int row_first = blockIdx.x * BLOCK_M;
     // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    const SequenceRows seq_q = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
-    const SequenceRows seq_k = sequence_rows<VARLEN>(cu_seqlens_k, batch, seqlen_k, total_k);
-    seqlen_q = seq_q.length;
-    seqlen_k = seq_k.length;
+    const SequenceRows seq_q =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const SequenceRows seq_k =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+    const int seqlen_q = seq_q.length;
+    const int seqlen_k = seq_k.length;
     if (VARLEN && row_first >= seqlen_q) return;
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
-    const int head_chunks = head_dim / 8;
+    const int head_chunks = p.head_dim / 8;
 
-    const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
 
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride +
-                        seq_k.start * k_row_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride +
-                        seq_k.start * v_row_stride;
+    const u16* k_head = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                        seq_k.start * p.k_row_stride;
+    const u16* v_head = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                        seq_k.start * p.v_row_stride;
     auto load_kv = [&](int tile, u32 stage_offset) {
         const int key0 = tile * BLOCK_N;
-        load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset, k_head + key0 * k_row_stride,
-                                             k_row_stride, seqlen_k - key0, head_chunks, tid);
-        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset, v_head + key0 * v_row_stride,
-                                             v_row_stride, seqlen_k - key0, head_chunks, tid);
+        load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset,
+                                             k_head + key0 * p.k_row_stride, p.k_row_stride,
+                                             seqlen_k - key0, head_chunks, tid);
+        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset,
+                                             v_head + key0 * p.v_row_stride, p.v_row_stride,
+                                             seqlen_k - key0, head_chunks, tid);
     };
 
     if (tile_end > tile_first) {
         load_tile_async<QTile, T::THREADS>(
             q_smem,
-            q + batch * q_batch_stride + head * q_head_stride + (seq_q.start + row_first) * q_row_stride,
-            q_row_stride, seqlen_q - row_first, head_chunks, tid);
+            p.q + batch * p.q_batch_stride + head * p.q_head_stride +
+                (seq_q.start + row_first) * p.q_row_stride,
+            p.q_row_stride, seqlen_q - row_first, head_chunks, tid);
         load_tile_async<QTile, T::THREADS>(
             do_smem,
-            dout + batch * do_batch_stride + head * do_head_stride +
-                (seq_q.start + row_first) * do_row_stride,
-            do_row_stride, seqlen_q - row_first, head_chunks, tid);
+            p.dout + batch * p.do_batch_stride + head * p.do_head_stride +
+                (seq_q.start + row_first) * p.do_row_stride,
+            p.do_row_stride, seqlen_q - row_first, head_chunks, tid);
         load_kv(tile_end - 1, 0);
         cp_async_commit();
     }
 
     // Per-row statistics of this thread's rows g and g + 8 (padded arrays: no predicate).
-    const i64 stat0 = stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq_q.start) +
-                      row_first + warp * 16 + lane / 4;
-    const float row_lse[2] = {lse_log2[stat0], lse_log2[stat0 + 8]};
-    const float row_delta[2] = {delta[stat0], delta[stat0 + 8]};
+    const i64 stat0 =
+        stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq_q.start) + row_first +
+        warp * 16 + lane / 4;
+    const float row_lse[2] = {p.lse_log2[stat0], p.lse_log2[stat0 + 8]};
+    const float row_delta[2] = {p.delta[stat0], p.delta[stat0 + 8]};
 
     const LdmatrixCursor<QTile> rows_frag(q_smem, warp * 16 + lane % 16, lane / 16);  // Q, dO
     const LdmatrixCursor<KVTile> kv_rows_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const LdmatrixCursor<KVTile> k_trans_frag(k_smem, lane % 16, lane / 16);
     const int thread_row0 = row_first + warp * 16 + lane / 4;
-    ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
-    mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
+    ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
+    mods.select_head(p.mods, batch, head);
     constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
-    const Dropout dropout{dropout_seed_lo, dropout_seed_hi, dropout_offset, dropout_keep_threshold,
-                          static_cast<u32>(batch * nheads + head)};
+    const Dropout dropout(p.dropout, static_cast<u32>(batch * p.nheads + head));
 
     float acc_dq[T::D_TILES][4];
 #pragma unroll
@@ -173,8 +166,8 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         }
         const bool needs_mask =
             key0 + BLOCK_N > seqlen_k ||
-            (window_right >= 0 && key0 + BLOCK_N - 1 > row_first + vis.diag + window_right) ||
-            (window_left >= 0 && key0 < row_last + vis.diag - window_left);
+            (p.window_right >= 0 && key0 + BLOCK_N - 1 > row_first + vis.diag + p.window_right) ||
+            (p.window_left >= 0 && key0 < row_last + vis.diag - p.window_left);
         if (needs_mask) {
             float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
             mask_scores<1, T::N_TILES>(s, thread_row0, key0 + 2 * (lane % 4), vis);
@@ -199,12 +192,13 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
                     const float row = static_cast<float>(thread_row0 + 8 * (e / 2));
                     const float key =
                         static_cast<float>(key0 + 8 * (2 * ks + j) + 2 * (lane % 4) + e % 2);
-                    const float p =
-                        fast_exp2(fmaf(mods.biased(s, row, key), scale_log2, -row_lse[e / 2]));
+                    const float prob =
+                        fast_exp2(fmaf(mods.biased(s, row, key), p.scale_log2, -row_lse[e / 2]));
                     float dp = acc_dp[2 * ks + j][e];
                     if constexpr (DROPOUT)
-                        dp = (keep >> dropout_index(e / 2, j, e % 2)) & 1u ? dp * dropout_scale : 0.f;
-                    ds[j][e] = p * (dp - row_delta[e / 2]);
+                        dp = (keep >> dropout_index(e / 2, j, e % 2)) & 1u ? dp * p.dropout.scale
+                                                                           : 0.f;
+                    ds[j][e] = prob * (dp - row_delta[e / 2]);
                     if constexpr (ScoreMods<FEATURES>::SOFTCAP) ds[j][e] *= mods.dtanh(s);
                 }
             }
@@ -238,13 +232,13 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         for (int half = 0; half < 2; ++half) {
             const int row = warp * 16 + 8 * half + lane / 4;
             store_4B_shared(q_smem + QTile::offset(row, dt) + 4 * (lane % 4),
-                            pack_pair<Elem>(acc_dq[dt][2 * half] * softmax_scale,
-                                            acc_dq[dt][2 * half + 1] * softmax_scale));
+                            pack_pair<Elem>(acc_dq[dt][2 * half] * p.softmax_scale,
+                                            acc_dq[dt][2 * half + 1] * p.softmax_scale));
         }
     }
     __syncwarp();
-    u16* dq_block = dq + batch * dq_batch_stride + head * dq_head_stride +
-                    (seq_q.start + row_first) * dq_row_stride;
+    u16* dq_block = p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride +
+                    (seq_q.start + row_first) * p.dq_row_stride;
 #pragma unroll
     for (int i = 0; i < 16 * QTile::CHUNKS / 32; ++i) {
         const int idx = lane + 32 * i;
@@ -253,7 +247,7 @@ flash_bwd_dq_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const 
         if (row_first + row < seqlen_q && chunk < head_chunks) {
             u32 vals[4];
             load_16B_shared(vals, q_smem + QTile::offset(row, chunk));
-            store_16B_global(dq_block + row * dq_row_stride + chunk * 8, vals);
+            store_16B_global(dq_block + row * p.dq_row_stride + chunk * 8, vals);
         }
     }
 }

@@ -2,49 +2,50 @@
 // forward's logsumexp converted to log2 units (so the main kernel recomputes P with one FFMA and
 // one EX2, as the forward does). Both are written padded to whole Q blocks: padding rows get
 // D = 0 and lse = +inf, so P = exp2(s - inf) = 0 there and the main kernel needs no row masking.
+// With the atomic dQ path (dq_accum set) the same rows of the fp32 dQ accumulator are zeroed
+// here, which the main kernel then adds to (same stream): no memset of its own before it.
 #include "mma_primitives.cuh"
 #include "varlen.cuh"
+#include "constants.cuh"
+#include "kernel_params.cuh"
 
-#define CF2_PREPROCESS_THREADS 256
-#define CF2_PREPROCESS_ROWS_PER_WARP 8
-
-// One warp per row (lane c reads the 16-byte chunk c of dO and O), 8 rows per warp. VARLEN:
-// packed sequences (varlen.cuh), grid z over the sequences.
+// One warp per row (lane c reads the 16-byte chunk c of dO and O), PREPROCESS_ROWS_PER_WARP rows
+// per warp; then the CTA zeroes its rows of dq_accum, 16 bytes a thread. VARLEN: packed
+// sequences (varlen.cuh), grid z over the sequences. The parameters: BwdParams
+// (kernel_params.cuh), of which this kernel reads dout, out, lse and writes delta, lse_log2 and
+// dq_accum.
 template <typename Elem, bool VARLEN>
-__global__ void __launch_bounds__(CF2_PREPROCESS_THREADS)
-flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict__ out,
-                            const float* __restrict__ lse, float* __restrict__ delta,
-                            float* __restrict__ lse_log2,
-                            i64 do_batch_stride, i64 do_row_stride, i64 do_head_stride,
-                            i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
-                            int seqlen_q, int seqlen_q_padded, int nheads, int head_dim,
-                            const int* __restrict__ cu_seqlens_q, int total_q,
-                            int batch_offset) {
+__global__ void __launch_bounds__(PREPROCESS_THREADS)
+flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     constexpr float LOG2E = 1.4426950408889634f;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z + batch_offset;
-    const SequenceRows seq = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
-    const i64 stat_offset = stats_row0<VARLEN>(batch, head, nheads, seqlen_q_padded, seq.start);
-    const i64 lse_offset = lse_row0<VARLEN>(batch, head, nheads, seqlen_q, total_q, seq.start);
-    seqlen_q = seq.length;
-    const int rows_padded = (seqlen_q + 127) / 128 * 128;  // whole blocks of every block_m
-    const u16* dout_head = dout + batch * do_batch_stride + head * do_head_stride +
-                           seq.start * do_row_stride;
-    const u16* out_head = out + batch * o_batch_stride + head * o_head_stride +
-                          seq.start * o_row_stride;
-    const int row0 = (blockIdx.x * (CF2_PREPROCESS_THREADS / 32) + warp) * CF2_PREPROCESS_ROWS_PER_WARP;
+    const int batch = blockIdx.z + p.batch_offset;
+    const SequenceRows seq =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const i64 stat_offset =
+        stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq.start);
+    const i64 lse_offset =
+        lse_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q, p.varlen.total_q, seq.start);
+    const int seqlen_q = seq.length;
+    // Whole blocks of every block_m.
+    const int rows_padded = (seqlen_q + BWD_ROW_PADDING - 1) / BWD_ROW_PADDING * BWD_ROW_PADDING;
+    const u16* dout_head = p.dout + batch * p.do_batch_stride + head * p.do_head_stride +
+                           seq.start * p.do_row_stride;
+    const u16* out_head = p.out + batch * p.o_batch_stride + head * p.o_head_stride +
+                          seq.start * p.o_row_stride;
+    const int row0 = (blockIdx.x * (PREPROCESS_THREADS / 32) + warp) * PREPROCESS_ROWS_PER_WARP;
 
 #pragma unroll 2
-    for (int r = 0; r < CF2_PREPROCESS_ROWS_PER_WARP; ++r) {
+    for (int r = 0; r < PREPROCESS_ROWS_PER_WARP; ++r) {
         const int row = row0 + r;
         if (row >= rows_padded) break;
         float partial = 0.f;
-        if (row < seqlen_q && lane * 8 < head_dim) {
+        if (row < seqlen_q && lane * 8 < p.head_dim) {
             u32 a[4], b[4];
-            load_16B_global(a, dout_head + row * do_row_stride + lane * 8);
-            load_16B_global(b, out_head + row * o_row_stride + lane * 8);
+            load_16B_global(a, dout_head + row * p.do_row_stride + lane * 8);
+            load_16B_global(b, out_head + row * p.o_row_stride + lane * 8);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 partial += to_float<Elem>(static_cast<u16>(a[i] & 0xffffu)) *
@@ -57,10 +58,22 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout, const u16* __restrict_
         for (int offset = 16; offset > 0; offset /= 2)
             partial += __shfl_xor_sync(0xffffffffu, partial, offset);
         if (lane == 0) {
-            delta[stat_offset + row] = partial;
+            p.delta[stat_offset + row] = partial;
             // lse is +inf for a row that saw no key: it stays +inf (P = 0).
-            lse_log2[stat_offset + row] =
-                row < seqlen_q ? lse[lse_offset + row] * LOG2E : pos_inf();
+            p.lse_log2[stat_offset + row] =
+                row < seqlen_q ? p.lse[lse_offset + row] * LOG2E : pos_inf();
         }
+    }
+
+    // The CTA's rows of the dQ accumulator, contiguous there (accum_dim floats a row). The stores
+    // wait on nothing, so they come after the loads of the statistics.
+    if (p.dq_accum != nullptr) {
+        constexpr int CTA_ROWS = PREPROCESS_THREADS / 32 * PREPROCESS_ROWS_PER_WARP;
+        const int cta_row0 = blockIdx.x * CTA_ROWS;
+        const u32 zeros[4] = {0u, 0u, 0u, 0u};
+        float* accum_rows = p.dq_accum + (stat_offset + cta_row0) * p.accum_dim;
+        const int chunks = max(0, min(CTA_ROWS, rows_padded - cta_row0)) * (p.accum_dim / 4);
+        for (int chunk = threadIdx.x; chunk < chunks; chunk += PREPROCESS_THREADS)
+            store_16B_global(accum_rows + 4 * chunk, zeros);
     }
 }

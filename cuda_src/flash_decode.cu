@@ -26,12 +26,14 @@
 #include "score_mods.cuh"
 #include "kv_cache.cuh"
 #include "split_merge.cuh"
+#include "constants.cuh"
+#include "kernel_params.cuh"
 
 template <int HEAD_DIM, int NUM_WARPS_, int KEYS_PER_WARP, int KV_STAGES>
 struct DecodeTraits {
     static constexpr int NUM_WARPS = NUM_WARPS_;
     static constexpr int THREADS = NUM_WARPS * 32;
-    static constexpr int BLOCK_M = 16;
+    static constexpr int BLOCK_M = DECODE_BLOCK_M;  // one m16 tile
     static constexpr int BLOCK_N = NUM_WARPS * KEYS_PER_WARP;
     static constexpr int N_TILES = KEYS_PER_WARP / 8;
     static constexpr int D_TILES = HEAD_DIM / 8;
@@ -44,6 +46,7 @@ struct DecodeTraits {
     static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
                                                           ? KV_STAGES * STAGE_BYTES
                                                           : MERGE_BYTES);
+    static_assert(BLOCK_M == 16, "a CTA's rows are one m16 tile");
     static_assert(KEYS_PER_WARP % 16 == 0, "a warp's keys are whole k16 steps of P V");
     static_assert(KV_STAGES >= 2, "the KV loop is pipelined");
 };
@@ -126,28 +129,10 @@ __host__ __device__ constexpr int decode_min_ctas() {
     return HEAD_DIM > 128 ? 1 : 3;
 }
 
+// FEATURES: softcap and ALiBi (score_mods.cuh). The parameters: DecodeParams (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM>())
-flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
-                    const u16* __restrict__ k_new, const u16* __restrict__ v_new,
-                    u16* __restrict__ out, float* __restrict__ lse,
-                    float* __restrict__ o_partial, float* __restrict__ lse_partial,
-                    int* __restrict__ split_counters,
-                    i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                    i64 kn_batch_stride, i64 kn_row_stride, i64 kn_head_stride,
-                    i64 vn_batch_stride, i64 vn_row_stride, i64 vn_head_stride,
-                    i64 kc_batch_stride, i64 kc_row_stride, i64 kc_head_stride,
-                    i64 vc_batch_stride, i64 vc_row_stride, i64 vc_head_stride,
-                    i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
-                    const int* __restrict__ cache_seqlens, int cache_len_all, int seqlen_new,
-                    const int* __restrict__ cache_batch_idx, const int* __restrict__ block_table,
-                    i64 block_table_stride, int page_size, int num_blocks, int capacity,
-                    int seqlen_q, int nheads,
-                    int heads_per_kv_head, int head_dim, int num_m_blocks, int num_splits,
-                    int tiles_per_split, float scale_log2, int window_left, int window_right,
-                    float softcap_scale, const float* __restrict__ alibi_slopes,
-                    i64 alibi_batch_stride, float alibi_to_units, int batch_total,
-                    int batch_offset) {
+flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -160,42 +145,46 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
     const int tid = threadIdx.x;
     const int warp = tid / 32;
     const int lane = tid % 32;
-    const int m_block = blockIdx.x % num_m_blocks;
-    const int split = blockIdx.x / num_m_blocks;
+    const int m_block = blockIdx.x % p.num_m_blocks;
+    const int split = blockIdx.x / p.num_m_blocks;
     const int kv_head = blockIdx.y;
-    const int batch = blockIdx.z + batch_offset;
-    const int group = heads_per_kv_head;
-    const int rows_total = seqlen_q * group;
+    const int batch = blockIdx.z + p.batch_offset;
+    const int group = p.heads_per_kv_head;
+    const int rows_total = p.seqlen_q * group;
     const int row_first = m_block * T::BLOCK_M;  // packed row
     const int row_last = min(row_first + T::BLOCK_M, rows_total) - 1;
     // Keys: the cached tokens (cache_seqlens, or cache_len_all for every sequence) plus the
     // appended ones, never past the cache's capacity.
-    const int cache_len = cache_seqlens != nullptr ? cache_seqlens[batch] : cache_len_all;
-    const int seqlen_k = min(max(cache_len + seqlen_new, 0), capacity);
-    const int head_chunks = head_dim / 8;
+    const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_len_all;
+    const int seqlen_k = min(max(cache_len + p.seqlen_new, 0), p.capacity);
+    const int head_chunks = p.head_dim / 8;
 
-    const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    const KeyVisibility vis{seqlen_k - p.seqlen_q, p.window_left, p.window_right, seqlen_k};
     int tile_first, tile_end;
     vis.tile_range(row_first / group, row_last / group, T::BLOCK_N, tile_first, tile_end);
-    tile_first = max(tile_first, split * tiles_per_split);
-    tile_end = min(tile_end, (split + 1) * tiles_per_split);
+    tile_first = max(tile_first, split * p.tiles_per_split);
+    tile_end = min(tile_end, (split + 1) * p.tiles_per_split);
 
     int cache_row;
-    const KVCacheIndex index = kv_cache_index(cache_batch_idx, block_table, block_table_stride,
-                                              page_size, num_blocks, batch, cache_row);
+    const KVCacheIndex index = kv_cache_index(p.cache_batch_idx, p.block_table,
+                                              p.block_table_stride, p.page_size, p.num_blocks,
+                                              batch, cache_row);
     const KVCacheRows k_rows =
-        kv_cache_rows(k_cache, kc_batch_stride, kc_row_stride, kc_head_stride, cache_row, kv_head);
+        kv_cache_rows(p.k_cache, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride, cache_row,
+                      kv_head);
     const KVCacheRows v_rows =
-        kv_cache_rows(v_cache, vc_batch_stride, vc_row_stride, vc_head_stride, cache_row, kv_head);
+        kv_cache_rows(p.v_cache, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride, cache_row,
+                      kv_head);
 
-    const u16* k_new_rows = k_new + batch * kn_batch_stride + kv_head * kn_head_stride;
-    const u16* v_new_rows = v_new + batch * vn_batch_stride + kv_head * vn_head_stride;
+    const u16* k_new_rows = p.k_new + batch * p.kn_batch_stride + kv_head * p.kn_head_stride;
+    const u16* v_new_rows = p.v_new + batch * p.vn_batch_stride + kv_head * p.vn_head_stride;
 
     // The append: split 0's first row block writes the new tokens into the cache (no CTA reads
     // the cache at those positions: they read k_new / v_new instead).
-    if (seqlen_new > 0 && blockIdx.x == 0) {
-        append_new_rows(index, k_rows, v_rows, k_new_rows, kn_row_stride, v_new_rows,
-                        vn_row_stride, seqlen_new, cache_len, capacity, head_dim, tid, T::THREADS);
+    if (p.seqlen_new > 0 && blockIdx.x == 0) {
+        append_new_rows(index, k_rows, v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
+                        p.vn_row_stride, p.seqlen_new, cache_len, p.capacity, p.head_dim, tid,
+                        T::THREADS);
     }
 
     // Q: packed row r of this block is position p = (row_first + r) / group, head
@@ -204,15 +193,15 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
         const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
         const int packed = row_first + r;
         const bool valid = packed < rows_total && chunk < head_chunks;
-        const u16* src = q + batch * q_batch_stride + (packed / group) * q_row_stride +
-                         (kv_head * group + packed % group) * q_head_stride + chunk * 8;
-        cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : q, valid);
+        const u16* src = p.q + batch * p.q_batch_stride + (packed / group) * p.q_row_stride +
+                         (kv_head * group + packed % group) * p.q_head_stride + chunk * 8;
+        cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : p.q, valid);
     }
     auto load_tile = [&](int tile, int stage) {
         const u32 k_smem = stage0 + stage * T::STAGE_BYTES;
         load_kv_tile_async<KVTile, T::THREADS>(k_smem, k_smem + KVTile::BYTES, index, k_rows,
-                                               v_rows, k_new_rows, kn_row_stride, v_new_rows,
-                                               vn_row_stride, cache_len, tile * T::BLOCK_N,
+                                               v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
+                                               p.vn_row_stride, cache_len, tile * T::BLOCK_N,
                                                seqlen_k, head_chunks, thread_index_fresh());
     };
 
@@ -228,11 +217,12 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
     if constexpr ((FEATURES & FEATURE_ALIBI) != 0) {
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            if (row_head[half] < nheads)
-                row_slope[half] = -alibi_slopes[batch * alibi_batch_stride + row_head[half]] *
-                                  alibi_to_units;
+            if (row_head[half] < p.nheads)
+                row_slope[half] =
+                    -p.mods.alibi_slopes[batch * p.mods.alibi_batch_stride + row_head[half]] *
+                    p.mods.alibi_to_units;
     }
-    const ScoreMods<FEATURES & FEATURE_SOFTCAP> softcap(softcap_scale, seqlen_q, seqlen_k);
+    const ScoreMods<FEATURES & FEATURE_SOFTCAP> softcap(p.mods, p.seqlen_q, seqlen_k);
 
     float acc_o[1][T::D_TILES][4];
     zero_fill(acc_o);
@@ -281,12 +271,13 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
                     if (key < lo || key >= hi) s = neg_inf();
                 }
         }
-        softmax.update_max(acc_s, acc_o, scale_log2);
+        softmax.update_max(acc_s, acc_o, p.scale_log2);
         // O_w += P V_w, one k16 slice of this warp's keys at a time.
 #pragma unroll
         for (int ks = 0; ks < KEYS_PER_WARP / 16; ++ks) {
             u32 a[4];
-            softmax.template exp_pack<Elem>(a, acc_s[0][2 * ks], acc_s[0][2 * ks + 1], 0, scale_log2);
+            softmax.template exp_pack<Elem>(a, acc_s[0][2 * ks], acc_s[0][2 * ks + 1], 0,
+                                            p.scale_log2);
             const LdmatrixCursor<KVTile> v_frag = rows_cursor<KVTile>(v_smem, warp_key0, lane);
 #pragma unroll
             for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
@@ -308,7 +299,8 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
         const float sum = quad_sum(softmax.row_sum[half]);
         if (lane % 4 == 0) {
             const bool seen = softmax.row_max[half] != neg_inf() && sum > 0.f;
-            merge_ml[(warp * T::BLOCK_M + r) * 2] = seen ? softmax.row_max[half] * scale_log2 : neg_inf();
+            merge_ml[(warp * T::BLOCK_M + r) * 2] =
+                seen ? softmax.row_max[half] * p.scale_log2 : neg_inf();
             merge_ml[(warp * T::BLOCK_M + r) * 2 + 1] = sum;
         }
 #pragma unroll
@@ -319,29 +311,29 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
         }
     }
     __syncthreads();
-    // Each row is merged by THREADS / 16 threads: the row's weights once per thread, then 4-float
-    // column chunks interleaved across the row's threads (conflict-free shared loads, coalesced
-    // stores). Index arithmetic is compile-time except the one division by the group: this
-    // epilogue is on every CTA's critical path, and short CTAs (batch 1, many splits) are mostly
-    // epilogue.
+    // Each row is merged by THREADS / BLOCK_M threads: the row's weights once per thread, then
+    // 4-float column chunks interleaved across the row's threads (conflict-free shared loads,
+    // coalesced stores). Index arithmetic is compile-time except the one division by the group:
+    // this epilogue is on every CTA's critical path, and short CTAs (batch 1, many splits) are
+    // mostly epilogue.
     constexpr int ROW_THREADS = T::THREADS / T::BLOCK_M;
     constexpr int ROW_CHUNKS = HEAD_DIM / 4 / ROW_THREADS;  // float4 chunks per thread
     static_assert(T::THREADS % T::BLOCK_M == 0 && (HEAD_DIM / 4) % ROW_THREADS == 0,
                   "the rows' column chunks divide between their threads");
     const int r = tid / ROW_THREADS, t = tid % ROW_THREADS;
     const int rows = row_last - row_first + 1;  // of this block
-    const int group_id = (batch * gridDim.y + kv_head) * num_m_blocks + m_block;
-    const i64 partial_row = (static_cast<i64>(group_id) * num_splits + split) * T::BLOCK_M + r;
+    const int group_id = (batch * gridDim.y + kv_head) * p.num_m_blocks + m_block;
+    const i64 partial_row = (static_cast<i64>(group_id) * p.num_splits + split) * T::BLOCK_M + r;
     // Writes 4-float column chunk `chunk` of row r's output and, with the first chunk, its lse
     // (log2 units in, natural log out; +inf for a row that saw no key, attention's convention).
     auto store_chunk = [&](int r, int chunk, float4 o, float lse2) {
         const int packed = row_first + r;
         const int position = packed / group, head = kv_head * group + packed % group;
-        *reinterpret_cast<uint2*>(out + batch * o_batch_stride + position * o_row_stride +
-                                  head * o_head_stride + 4 * chunk) =
+        *reinterpret_cast<uint2*>(p.out + batch * p.o_batch_stride + position * p.o_row_stride +
+                                  head * p.o_head_stride + 4 * chunk) =
             make_uint2(pack_pair<Elem>(o.x, o.y), pack_pair<Elem>(o.z, o.w));
         if (chunk == 0)
-            lse[(static_cast<i64>(batch) * nheads + head) * seqlen_q + position] =
+            p.lse[(static_cast<i64>(batch) * p.nheads + head) * p.seqlen_q + position] =
                 lse2 == neg_inf() ? pos_inf() : lse2 * LN2;
     };
     if (r < rows) {
@@ -377,22 +369,23 @@ flash_decode_kernel(const u16* __restrict__ q, u16* k_cache, u16* v_cache,
 #pragma unroll
         for (int j = 0; j < ROW_CHUNKS; ++j) {
             const int chunk = t + ROW_THREADS * j;
-            if (4 * chunk >= head_dim) continue;  // head_dim is a multiple of 8
+            if (4 * chunk >= p.head_dim) continue;  // head_dim is a multiple of 8
             const float4 scaled = make_float4(o[j].x * inv_l, o[j].y * inv_l, o[j].z * inv_l,
                                               o[j].w * inv_l);
-            if (num_splits == 1)
+            if (p.num_splits == 1)
                 store_chunk(r, chunk, scaled, lse2);
             else  // this split's normalised partial result, merged below
-                *reinterpret_cast<float4*>(o_partial + partial_row * HEAD_DIM + 4 * chunk) = scaled;
+                *reinterpret_cast<float4*>(p.o_partial + partial_row * HEAD_DIM + 4 * chunk) =
+                    scaled;
         }
-        if (num_splits > 1 && t == 0) lse_partial[partial_row] = lse2;
+        if (p.num_splits > 1 && t == 0) p.lse_partial[partial_row] = lse2;
     }
-    if (num_splits == 1) return;
+    if (p.num_splits == 1) return;
     // The splits of this row block wait for each other, then merge its rows together
     // (split_merge.cuh; the launch is cooperative).
-    split_barrier(split_counters + 2 * group_id, num_splits);
-    const i64 group_row0 = static_cast<i64>(group_id) * num_splits * T::BLOCK_M;
-    merge_split_share<HEAD_DIM, T::THREADS, T::BLOCK_M>(o_partial + group_row0 * HEAD_DIM,
-                                                        lse_partial + group_row0, num_splits,
-                                                        split, rows, head_dim, tid, store_chunk);
+    split_barrier(p.split_counters + 2 * group_id, p.num_splits);
+    const i64 group_row0 = static_cast<i64>(group_id) * p.num_splits * T::BLOCK_M;
+    merge_split_share<HEAD_DIM, T::THREADS, T::BLOCK_M>(p.o_partial + group_row0 * HEAD_DIM,
+                                                        p.lse_partial + group_row0, p.num_splits,
+                                                        split, rows, p.head_dim, tid, store_chunk);
 }

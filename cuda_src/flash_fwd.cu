@@ -20,6 +20,7 @@
 #include "score_mods.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
+#include "kernel_params.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
 struct FwdTraits {
@@ -101,24 +102,11 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
 }
 
 // FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
-// dropout (dropout.cuh); 0 for plain attention.
+// dropout (dropout.cuh); 0 for plain attention. The parameters: FwdParams (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
           int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
-flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                 u16* __restrict__ out, float* __restrict__ lse,
-                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
-                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
-                 i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
-                 int seqlen_q, int seqlen_k, int nheads, int heads_per_kv_head, int head_dim,
-                 float softmax_scale, float scale_log2, int window_left, int window_right,
-                 float softcap_scale, const float* __restrict__ alibi_slopes,
-                 i64 alibi_batch_stride, float alibi_to_units,
-                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                 int total_q, int total_k, u32 dropout_seed_lo, u32 dropout_seed_hi,
-                 u32 dropout_offset, u32 dropout_keep_threshold, float dropout_scale,
-                 int batch_offset) {
+flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -133,34 +121,37 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     const int lane = tid % 32;
     // With an upper limit on keys (causal), later Q blocks see more keys: start those first so
     // that the long CTAs do not form the tail of the grid.
-    const int m_block = window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z + batch_offset;
-    const int kv_head = head / heads_per_kv_head;
+    const int batch = blockIdx.z + p.batch_offset;
+    const int kv_head = head / p.heads_per_kv_head;
     const int row_first = m_block * BLOCK_M;
     // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    const SequenceRows seq_q = sequence_rows<VARLEN>(cu_seqlens_q, batch, seqlen_q, total_q);
-    const SequenceRows seq_k = sequence_rows<VARLEN>(cu_seqlens_k, batch, seqlen_k, total_k);
-    const i64 lse_first = lse_row0<VARLEN>(batch, head, nheads, seqlen_q, total_q, seq_q.start);
-    seqlen_q = seq_q.length;
-    seqlen_k = seq_k.length;
+    const SequenceRows seq_q =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const SequenceRows seq_k =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+    const i64 lse_first =
+        lse_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q, p.varlen.total_q, seq_q.start);
+    const int seqlen_q = seq_q.length;
+    const int seqlen_k = seq_k.length;
     if (VARLEN && row_first >= seqlen_q) return;
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
-    const int head_chunks = head_dim / 8;  // 16-byte chunks actually present in each row
+    const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in each row
 
     // 64-bit offsets: batch * seqlen * heads * dim can pass 2^31 elements.
-    const u16* q_block = q + batch * q_batch_stride + head * q_head_stride +
-                         (seq_q.start + row_first) * q_row_stride;
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride +
-                        seq_k.start * k_row_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride +
-                        seq_k.start * v_row_stride;
-    u16* o_block = out + batch * o_batch_stride + head * o_head_stride +
-                   (seq_q.start + row_first) * o_row_stride;
-    float* lse_block = lse + lse_first + row_first;
+    const u16* q_block = p.q + batch * p.q_batch_stride + head * p.q_head_stride +
+                         (seq_q.start + row_first) * p.q_row_stride;
+    const u16* k_head = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                        seq_k.start * p.k_row_stride;
+    const u16* v_head = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                        seq_k.start * p.v_row_stride;
+    u16* o_block = p.out + batch * p.o_batch_stride + head * p.o_head_stride +
+                   (seq_q.start + row_first) * p.o_row_stride;
+    float* lse_block = p.lse + lse_first + row_first;
 
-    const KeyVisibility vis{seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
 
@@ -170,7 +161,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         for (int idx = tid; idx < BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
             const int row = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
             if (row_first + row < seqlen_q && chunk < head_chunks)
-                store_16B_global(o_block + row * o_row_stride + chunk * 8, zeros);
+                store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
         }
         for (int row = tid; row < BLOCK_M; row += T::THREADS)
             if (row_first + row < seqlen_q) lse_block[row] = pos_inf();
@@ -179,18 +170,18 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 
     auto load_k = [&](int tile, u32 stage_offset) {
         const int key0 = tile * BLOCK_N;
-        load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset, k_head + key0 * k_row_stride,
-                                             k_row_stride, seqlen_k - key0, head_chunks,
-                                             thread_index_fresh());
+        load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset,
+                                             k_head + key0 * p.k_row_stride, p.k_row_stride,
+                                             seqlen_k - key0, head_chunks, thread_index_fresh());
     };
     auto load_v = [&](int tile, u32 stage_offset) {
         const int key0 = tile * BLOCK_N;
-        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset, v_head + key0 * v_row_stride,
-                                             v_row_stride, seqlen_k - key0, head_chunks,
-                                             thread_index_fresh());
+        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset,
+                                             v_head + key0 * p.v_row_stride, p.v_row_stride,
+                                             seqlen_k - key0, head_chunks, thread_index_fresh());
     };
 
-    load_tile_async<QTile, T::THREADS>(q_smem, q_block, q_row_stride, seqlen_q - row_first,
+    load_tile_async<QTile, T::THREADS>(q_smem, q_block, p.q_row_stride, seqlen_q - row_first,
                                         head_chunks, tid);
     load_k(tile_end - 1, 0);
     if constexpr (KV_STAGES == 2) load_v(tile_end - 1, 0);
@@ -211,11 +202,10 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
     OnlineSoftmax<T::M_TILES> softmax;
-    ScoreMods<FEATURES> mods(softcap_scale, seqlen_q, seqlen_k);
-    mods.select_head(alibi_slopes, alibi_batch_stride, alibi_to_units, batch, head);
+    ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
+    mods.select_head(p.mods, batch, head);
     constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
-    const Dropout dropout{dropout_seed_lo, dropout_seed_hi, dropout_offset, dropout_keep_threshold,
-                          static_cast<u32>(batch * nheads + head)};
+    const Dropout dropout(p.dropout, static_cast<u32>(batch * p.nheads + head));
 
     // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or the
     // sequence tail and need masking; the others run without any masking code.
@@ -262,7 +252,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
             mask_scores<T::M_TILES, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
         }
 
-        softmax.update_max(acc_s, acc_o, scale_log2);
+        softmax.update_max(acc_s, acc_o, p.scale_log2);
 
         if constexpr (KV_STAGES == 1) {
             cp_async_wait<0>();
@@ -274,10 +264,11 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         }
         if constexpr (DROPOUT) {
             const int t = thread_index_fresh();
-            softmax_gemm_pv<Elem, T, true>(acc_o, acc_s, softmax, scale_log2, v_frag, stage_offset,
-                                           dropout, row_first + (t / 32) * T::ROWS_PER_WARP, key0);
+            softmax_gemm_pv<Elem, T, true>(acc_o, acc_s, softmax, p.scale_log2, v_frag,
+                                           stage_offset, dropout,
+                                           row_first + (t / 32) * T::ROWS_PER_WARP, key0);
         } else {
-            softmax_gemm_pv<Elem, T>(acc_o, acc_s, softmax, scale_log2, v_frag, stage_offset);
+            softmax_gemm_pv<Elem, T>(acc_o, acc_s, softmax, p.scale_log2, v_frag, stage_offset);
         }
         if constexpr (KV_STAGES == 2) stage_offset ^= T::STAGE_BYTES;
     }
@@ -285,7 +276,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
     // Epilogue: divide by l once, stage the tile through this warp's own rows of the Q buffer
     // (no other warp reads them) and write 16-byte rows to global memory.
     float inv_sum[2 * T::M_TILES], row_lse[2 * T::M_TILES];
-    softmax.finalize(softmax_scale, inv_sum, row_lse);
+    softmax.finalize(p.softmax_scale, inv_sum, row_lse);
     __syncwarp();
     const int warp_row0 = warp * T::ROWS_PER_WARP;
 #pragma unroll
@@ -294,7 +285,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         for (int half = 0; half < 2; ++half) {
             const int row = warp_row0 + 16 * mt + 8 * half + lane / 4;
             // 1 / l, and the dropout's 1 / (1 - p) for the kept probabilities.
-            const float scale = DROPOUT ? inv_sum[2 * mt + half] * dropout_scale
+            const float scale = DROPOUT ? inv_sum[2 * mt + half] * p.dropout.scale
                                         : inv_sum[2 * mt + half];
 #pragma unroll
             for (int dt = 0; dt < T::D_TILES; ++dt) {
@@ -314,7 +305,7 @@ flash_fwd_kernel(const u16* __restrict__ q, const u16* __restrict__ k, const u16
         if (row_first + row < seqlen_q && chunk < head_chunks) {
             u32 vals[4];
             load_16B_shared(vals, q_smem + QTile::offset(row, chunk));
-            store_16B_global(o_block + row * o_row_stride + chunk * 8, vals);
+            store_16B_global(o_block + row * p.o_row_stride + chunk * 8, vals);
         }
     }
 }

@@ -49,17 +49,18 @@ struct KeyVisibility {
 
 // Sets the invisible scores of a warp's accumulator tile to -inf. Accumulator layout (mma
 // m16n8): s[mt][nt][2*half + e] is row row0 + 16*mt + 8*half, key key0 + 8*nt + e, where row0
-// and key0 are this thread's first row and first key.
-template <int M_TILES, int N_TILES>
-CF2_DEVICE void mask_scores(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
-                            const KeyVisibility& vis) {
+// and key0 are this thread's first row and first key. LEFT / RIGHT: the window has that edge.
+template <bool LEFT, bool RIGHT, int M_TILES, int N_TILES>
+CF2_DEVICE void mask_scores_edges(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
+                                  const KeyVisibility& vis) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = row0 + 16 * mt + 8 * half;
-            const int key_lo = vis.lo(row);
-            const int key_hi = vis.hi(row);
+            const int key_lo = LEFT ? row + vis.diag - vis.window_left : 0;
+            const int key_hi =
+                RIGHT ? min(vis.seqlen_k, row + vis.diag + vis.window_right + 1) : vis.seqlen_k;
 #pragma unroll
             for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
@@ -72,3 +73,22 @@ CF2_DEVICE void mask_scores(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
     }
 }
 
+// The copy of the loops for this launch's window edges. The edges are the same for every thread,
+// but the kernels read them from their parameter struct, which the compiler does not know to be
+// uniform: left to itself it evaluates vis.lo / vis.hi with selects on every row (more registers
+// in the backward) instead of branching once, as it does for scalar kernel parameters.
+template <int M_TILES, int N_TILES>
+CF2_DEVICE void mask_scores(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
+                            const KeyVisibility& vis) {
+    if (vis.window_left < 0) {
+        if (vis.window_right < 0)
+            mask_scores_edges<false, false>(s, row0, key0, vis);
+        else
+            mask_scores_edges<false, true>(s, row0, key0, vis);
+    } else {
+        if (vis.window_right < 0)
+            mask_scores_edges<true, false>(s, row0, key0, vis);
+        else
+            mask_scores_edges<true, true>(s, row0, key0, vis);
+    }
+}

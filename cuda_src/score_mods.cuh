@@ -9,9 +9,8 @@
 // (slope_units). Masking comes after both (-inf stays -inf).
 #pragma once
 #include "mma_primitives.cuh"
-
-constexpr int FEATURE_SOFTCAP = 1;
-constexpr int FEATURE_ALIBI = 2;
+#include "constants.cuh"
+#include "kernel_params.cuh"
 
 // tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): absolute error ~1e-7 (tanh.approx.f32's relative
 // 2^-11 would be multiplied by the softcap). Saturates to +-1 through ex2's +inf / 0.
@@ -31,16 +30,16 @@ struct ScoreMods {
     float slope_units;    // -slope / effective softmax scale, for the current (batch, head)
     float diag;           // seqlen_k - seqlen_q
 
-    CF2_DEVICE ScoreMods(float softcap_scale_, int seqlen_q, int seqlen_k)
-        : softcap_scale(softcap_scale_), slope_units(0.f),
+    CF2_DEVICE ScoreMods(const ScoreModParams& params, int seqlen_q, int seqlen_k)
+        : softcap_scale(params.softcap_scale), slope_units(0.f),
           diag(static_cast<float>(seqlen_k - seqlen_q)) {}
 
     // Loads the slope of (batch, head): alibi_slopes[batch * alibi_batch_stride + head], times
     // alibi_to_units = 1 / effective softmax scale, negated.
-    CF2_DEVICE void select_head(const float* alibi_slopes, i64 alibi_batch_stride,
-                                float alibi_to_units, int batch, int head) {
+    CF2_DEVICE void select_head(const ScoreModParams& params, int batch, int head) {
         if constexpr (ALIBI)
-            slope_units = -alibi_slopes[batch * alibi_batch_stride + head] * alibi_to_units;
+            slope_units = -params.alibi_slopes[batch * params.alibi_batch_stride + head] *
+                          params.alibi_to_units;
     }
 
     // Score `s` of query `row`, key `key` plus its ALiBi bias (score units); `s` itself without

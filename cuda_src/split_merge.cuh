@@ -5,8 +5,7 @@
 // by itself: microseconds either way, which a batch-1 decoding step cannot spare.
 #pragma once
 #include "mma_primitives.cuh"
-
-constexpr int MAX_SPLITS = 128;  // api._MAX_SPLITS: four splits per lane in merge_split_share
+#include "constants.cuh"
 
 CF2_DEVICE int load_acquire_gpu(const int* ptr) {
     int value;

@@ -8,12 +8,7 @@
 // them before launching anyway).
 #pragma once
 #include "mma_primitives.cuh"
-
-constexpr int FEATURE_VARLEN = 4;
-
-// Rows between the starts of consecutive sequences in the backward's per-row arrays, beyond the
-// sequence itself: 128-row padding (whole Q blocks) plus alignment of each start to 4 rows.
-constexpr int VARLEN_STATS_GAP = 132;
+#include "constants.cuh"
 
 struct SequenceRows {
     int start;   // first row of the sequence in the packed array (0 for dense batches)
@@ -34,8 +29,9 @@ CF2_DEVICE SequenceRows sequence_rows(const int* cu_seqlens, int batch, int dens
 // First row of (batch, head) in the backward's per-row arrays (lse_log2, D, the fp32 dQ
 // accumulator). Dense: (batch, nheads, rows_padded). Varlen: (nheads, rows_padded), sequence b
 // starting at row (cu_seqlens_q[b] + VARLEN_STATS_GAP * b) rounded down to a multiple of 4 (so
-// that 16-byte copies of the statistics stay aligned); consecutive starts are at least
-// length + 129 rows apart, room for the sequence padded to whole 128-row blocks.
+// that 16-byte copies of the statistics stay aligned); VARLEN_STATS_GAP is BWD_ROW_PADDING + 4,
+// so consecutive starts are at least length + BWD_ROW_PADDING + 1 rows apart, room for the
+// sequence padded to whole BWD_ROW_PADDING-row blocks.
 template <bool VARLEN>
 CF2_DEVICE i64 stats_row0(int batch, int head, int nheads, int rows_padded, int seq_start) {
     if constexpr (VARLEN)

@@ -37,18 +37,18 @@ __device__ unsigned long long cf2_timeline[8 * 16384];
 _STAMPS = (
     ("    const int tid = threadIdx.x;\n", "    const int tid = threadIdx.x;\n    CF2_STAMP(0)\n"),
     # Stamped in a branch on the value, so after the load has returned.
-    ("    const int cache_len = cache_seqlens != nullptr ? cache_seqlens[batch] : cache_len_all;\n",
-     "    const int cache_len = cache_seqlens != nullptr ? cache_seqlens[batch] : cache_len_all;\n"
+    ("    const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_len_all;\n",
+     "    const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_len_all;\n"
      "    if (cache_len != -123456789) { CF2_STAMP(1) }\n"),
     ("        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n",
      "        if (i == 0) { CF2_STAMP(2) }\n        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n"),
     ("    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.\n",
      "    CF2_STAMP(3)\n    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.\n"),
-    ("    if (num_splits == 1) return;\n", "    CF2_STAMP(4)\n    if (num_splits == 1) return;\n"),
-    ("    split_barrier(split_counters + 2 * group_id, num_splits);\n",
-     "    split_barrier(split_counters + 2 * group_id, num_splits);\n    CF2_STAMP(5)\n"),
-    ("split, rows, head_dim, tid, store_chunk);\n}",
-     "split, rows, head_dim, tid, store_chunk);\n    CF2_STAMP(6)\n}"),
+    ("    if (p.num_splits == 1) return;\n", "    CF2_STAMP(4)\n    if (p.num_splits == 1) return;\n"),
+    ("    split_barrier(p.split_counters + 2 * group_id, p.num_splits);\n",
+     "    split_barrier(p.split_counters + 2 * group_id, p.num_splits);\n    CF2_STAMP(5)\n"),
+    ("split, rows, p.head_dim, tid, store_chunk);\n}",
+     "split, rows, p.head_dim, tid, store_chunk);\n    CF2_STAMP(6)\n}"),
 )
 
 
