@@ -1,10 +1,15 @@
-"""NVRTC compilation of every kernel specialisation the dispatcher can choose (CPU, no GPU).
+"""NVRTC compilation of the kernel specialisations the dispatcher can choose (CPU, no GPU).
 
-Drives NVRTC directly (cuda.bindings.nvrtc) for sm_80 and sm_90 and reads ptxas's resource report:
-the kernels must compile, fit the register file, and not spill.
+Drives NVRTC directly (cuda.bindings.nvrtc) for every architecture of CPU_TEST_ARCHS and reads
+ptxas's resource report: the kernels must compile, fit the register file and shared memory, and
+not spill. By default a representative sample is compiled (`_sampled`); `--exhaustive` (see
+tests/conftest.py) compiles every case below. The compiles run in a process pool (`compiled`),
+one process per CPU unless `--compile-jobs` says otherwise.
 """
 
+import multiprocessing
 import types
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -32,6 +37,48 @@ DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
                 for cfg in _configs.all_decode_configs(arch, _configs.SCORE_MOD_FEATURES)]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
+# The default sample, as (arch, dtype, kernel head dim) points of every kernel family (forward;
+# backward main kernel with and without dQ; deterministic dQ; decode):
+# - plain kernels at the main head dims 64 and 128 on every architecture, in both dtypes;
+# - plain kernels at head dim 256 on every architecture, the dtype alternating: the > 128 path,
+#   whose tiles differ by architecture (8-warp forward tiles, 4-warp ones on the 100 KiB parts;
+#   the backward's dK/dV/dQ in two column chunks on sm_90; 2-warp decode tiles on 100 KiB parts);
+# - every other kernel head dim once, plain, the architecture and dtype rotating (192 on sm_90:
+#   the largest head dim whose deterministic dQ kernel must be spill-free);
+# - each feature alone and all together (TESTED_FEATURES; SCORE_MOD_FEATURES for decode) at
+#   d=128 on sm_90 and d=64 on sm_80.
+# The small kernels (preprocess, convert_dq, dropout mask, the benchmark's spin kernel) are
+# compiled for every case. The other sm_90 feature combinations and the remaining head dim /
+# architecture / dtype points are compiled under --exhaustive.
+SAMPLE_PLAIN = {(arch, dtype, d) for arch in _configs.CPU_TEST_ARCHS
+                for dtype in _configs.DTYPE_TAGS for d in (64, 128)}
+SAMPLE_PLAIN |= {(80, "float16", 256), (86, "bfloat16", 256), (89, "float16", 256),
+                 (90, "bfloat16", 256)}
+SAMPLE_PLAIN |= {(80, "float16", 32), (86, "bfloat16", 96), (89, "float16", 160),
+                 (90, "bfloat16", 192), (90, "float16", 224)}
+SAMPLE_FEATURES = {(90, "bfloat16", 128), (80, "float16", 64)}
+
+
+def _sampled(cfg, arch) -> bool:
+    """Whether (cfg, arch) is compiled without --exhaustive."""
+    if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, dropout mask: every case
+        return True
+    point = (arch, cfg.dtype, cfg.head_dim)
+    if cfg.features == 0:
+        return point in SAMPLE_PLAIN
+    features = (_configs.SCORE_MOD_FEATURES if isinstance(cfg, _configs.DecodeConfig)
+                else _configs.TESTED_FEATURES)
+    return cfg.features in features and point in SAMPLE_FEATURES
+
+
+def _cases(cases, ids):
+    """pytest params: the cases outside the sample are marked `exhaustive` (deselected by
+    tests/conftest.py unless --exhaustive)."""
+    return [pytest.param(cfg, arch, id=case_id,
+                         marks=() if _sampled(cfg, arch) else pytest.mark.exhaustive)
+            for (cfg, arch), case_id in zip(cases, ids)]
+
+
 #: Every plain forward and backward main kernel must be spill-free. The deterministic dQ kernel
 #: (flash_bwd_dq.cu, 16 rows a warp with a whole dQ row block in registers) must be spill-free on
 #: sm_90 (the GPU it is measured on) up to head dim 192. Elsewhere, and in the softcap / ALiBi
@@ -50,8 +97,8 @@ def _case_id(cfg, arch):
     return f"sm{arch}-{kind}-{cfg.dtype}-{detail}{extra}"
 
 
-def _report(cfg, arch):
-    report = _compile.compile_report(cfg, arch)
+def _report(compiled, cfg, arch):
+    report = compiled(cfg, arch)
     print(f"sm_{arch} {cfg.name_expression}: {report.registers} registers, "
           f"{report.spill_stores}/{report.spill_loads} bytes spilled, "
           f"{report.stack_bytes} bytes stack, {cfg.smem_bytes} bytes smem")
@@ -66,19 +113,48 @@ def nvrtc_available():
     pytest.importorskip("cuda.bindings.nvrtc", reason="install the test extra: pip install '.[test]'")
 
 
-@pytest.mark.parametrize("config,arch", FWD_CASES,
-                         ids=[f"sm{a}-{c.dtype}-d{c.head_dim}-f{c.features}" for c, a in FWD_CASES])
-def test_forward_kernel_compiles_without_spills(config, arch, nvrtc_available):
-    report = _report(config, arch)
+@pytest.fixture(scope="module")
+def compiled(request, nvrtc_available, compile_jobs):
+    """compiled(config, arch) -> ptxas's report. Every (config, arch) the selected tests of this
+    module compile is submitted at once to a pool of `compile_jobs` processes, in test order, so
+    each test waits for its own compile only; a compile error is raised in the test it belongs to.
+    """
+    cases = list(dict.fromkeys(
+        (item.callspec.params["config"], item.callspec.params["arch"])
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+        and {"config", "arch"} <= item.callspec.params.keys()))
+    if compile_jobs <= 1 or len(cases) <= 1:
+        yield _compile.compile_report
+        return
+    # spawn: the workers import cuflash2 and cuda.bindings afresh, nothing of pytest's state.
+    pool = ProcessPoolExecutor(min(compile_jobs, len(cases)),
+                               mp_context=multiprocessing.get_context("spawn"))
+    futures = {case: pool.submit(_compile.compile_report, *case) for case in cases}
+
+    def report(config, arch):
+        future = futures.get((config, arch))
+        return future.result() if future else _compile.compile_report(config, arch)
+
+    try:
+        yield report
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("config,arch", _cases(
+    FWD_CASES, [f"sm{a}-{c.dtype}-d{c.head_dim}-f{c.features}" for c, a in FWD_CASES]))
+def test_forward_kernel_compiles_without_spills(config, arch, compiled):
+    report = _report(compiled, config, arch)
     if config.features == 0:
         assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     else:
         assert report.spill_stores <= BWD_SPILL_LIMIT, report.log
 
 
-@pytest.mark.parametrize("config,arch", BWD_CASES, ids=[_case_id(c, a) for c, a in BWD_CASES])
-def test_backward_kernel_compiles(config, arch, nvrtc_available):
-    report = _report(config, arch)
+@pytest.mark.parametrize("config,arch", _cases(BWD_CASES, [_case_id(c, a) for c, a in BWD_CASES]))
+def test_backward_kernel_compiles(config, arch, compiled):
+    report = _report(compiled, config, arch)
     if config.features == 0 and (isinstance(config, _configs.BwdConfig) or (
             arch == BWD_SPILL_FREE_ARCH and config.head_dim <= BWD_SPILL_FREE_MAX_HEAD_DIM)):
         assert report.spill_stores == 0 and report.spill_loads == 0, report.log
@@ -86,9 +162,9 @@ def test_backward_kernel_compiles(config, arch, nvrtc_available):
         assert report.spill_stores <= BWD_SPILL_LIMIT, report.log
 
 
-@pytest.mark.parametrize("config,arch", AUX_CASES, ids=[_case_id(c, a) for c, a in AUX_CASES])
-def test_backward_aux_kernel_compiles_without_spills(config, arch, nvrtc_available):
-    report = _report(config, arch)
+@pytest.mark.parametrize("config,arch", _cases(AUX_CASES, [_case_id(c, a) for c, a in AUX_CASES]))
+def test_backward_aux_kernel_compiles_without_spills(config, arch, compiled):
+    report = _report(compiled, config, arch)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
 
@@ -131,21 +207,43 @@ def test_backward_main_configs_on_sm90():
     assert (d128.sdp_warps_m, d128.kv_warps_n, d128.dq_warps_m) == (2, 4, 2)
 
 
-@pytest.mark.parametrize("config,arch", AUX_CASES_EXTRA, ids=[f"sm{a}-dropout-mask" for _, a in AUX_CASES_EXTRA])
-def test_dropout_mask_kernel_compiles(config, arch, nvrtc_available):
-    report = _compile.compile_report(config, arch)
+@pytest.mark.parametrize("config,arch", _cases(
+    AUX_CASES_EXTRA, [f"sm{a}-dropout-mask" for _, a in AUX_CASES_EXTRA]))
+def test_dropout_mask_kernel_compiles(config, arch, compiled):
+    report = compiled(config, arch)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
 
-@pytest.mark.parametrize("config,arch", DECODE_CASES,
-                         ids=[f"sm{a}-{c.name_expression}" for c, a in DECODE_CASES])
-def test_decode_kernel_compiles(config, arch, nvrtc_available):
-    report = _report(config, arch) if hasattr(config, "head_dim") else _compile.compile_report(
+@pytest.mark.parametrize("config,arch", _cases(
+    DECODE_CASES, [f"sm{a}-{c.name_expression}" for c, a in DECODE_CASES]))
+def test_decode_kernel_compiles(config, arch, compiled):
+    report = _report(compiled, config, arch) if hasattr(config, "head_dim") else compiled(
         config, arch)
     if arch == BWD_SPILL_FREE_ARCH:
         assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     else:
         assert report.spill_stores <= BWD_SPILL_LIMIT, report.log
+
+
+def test_sample_covers_every_family_feature_architecture_and_main_head_dim():
+    """The default sample keeps what the brief of the CPU suite asks for (tests/conftest.py)."""
+    sample = [c for c in FWD_CASES + BWD_CASES + DECODE_CASES if _sampled(*c)]
+    families = {(type(cfg), getattr(cfg, "compute_dq", None)) for cfg, _ in FWD_CASES + BWD_CASES
+                + DECODE_CASES}
+    for family in families:
+        cases = [(cfg, arch) for cfg, arch in sample
+                 if (type(cfg), getattr(cfg, "compute_dq", None)) == family]
+        features = (_configs.SCORE_MOD_FEATURES if family[0] is _configs.DecodeConfig
+                    else _configs.TESTED_FEATURES)
+        assert {cfg.features for cfg, _ in cases} == set(features), family
+        plain = [(cfg, arch) for cfg, arch in cases if cfg.features == 0]
+        assert {cfg.head_dim for cfg, _ in plain} == set(_configs.KERNEL_HEAD_DIMS), family
+        for d in (64, 128):
+            assert {(arch, cfg.dtype) for cfg, arch in plain if cfg.head_dim == d} == {
+                (arch, dtype) for arch in _configs.CPU_TEST_ARCHS for dtype in _configs.DTYPE_TAGS}
+        assert {arch for cfg, arch in plain if cfg.head_dim == 256} == set(_configs.CPU_TEST_ARCHS)
+    for cases in (AUX_CASES, AUX_CASES_EXTRA):
+        assert all(_sampled(*c) for c in cases)
 
 
 def test_sources_inline_their_headers():
