@@ -124,9 +124,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     if planned.splits > 1:
         stream = cupy.cuda.get_current_stream().ptr
         scalars["split_counters"] = split_counters(planned.groups, cupy, stream).data.ptr
-    out, lse = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                 block_table, alibi_slopes), cupy, scalars)
-    return (out, lse) if return_lse else out
+    outputs = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                block_table, alibi_slopes), cupy, scalars,
+                               wrap=2 if return_lse else 1)
+    return tuple(outputs) if return_lse else outputs[0]
 
 
 def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,

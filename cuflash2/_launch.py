@@ -1,34 +1,71 @@
 """Launching a compiled kernel with its parameter struct.
 
 Every kernel takes one struct by value (cuda_src/kernel_params.cuh), so a launch is the function,
-the grid, and the address of a kernelParams array that a plan built once. Measured from Python on
-an H200 (docs/PERF_NOTES.md, "Host cost of a call"): `cuda.bindings.driver.cuLaunchKernel` with
-such a prebuilt array costs about half of CuPy's launch of the same struct as an argument, so the
-driver path is used wherever cuda-bindings is installed (the `cuda12` / `cuda13` extras bring it);
-without it, CuPy launches the struct as a `numpy.void`.
+the grid, and the address of a kernelParams array that a plan built once. Three ways to launch,
+by host cost per launch as measured from Python on an H200 (docs/PERF_NOTES.md, "Host cost of a
+call"; `benchmarks/dev/launch_paths.py`):
+- "libcuda": the driver's `cuLaunchKernel` called through ctypes with the plan's prebuilt array
+  (the driver library is loaded anyway: CuPy runs on it);
+- "bindings": the same call through `cuda.bindings.driver`, whose argument conversion costs more;
+- "cupy": CuPy's launch with the struct as a `numpy.void` argument, the fallback.
+The first that loads is used; CUFLASH2_LAUNCH=libcuda|bindings|cupy picks one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from dataclasses import dataclass
 
 from . import _compile
 
 #: gridDim.z (the batch) is limited to 65535 blocks; larger batches are launched in slices.
 MAX_GRID_Z = 65535
-
-try:  # pragma: no cover - depends on the install
-    from cuda.bindings import driver as _driver
-
-    _SUCCESS = _driver.CUresult.CUDA_SUCCESS
-    _INVALID_CONTEXT = _driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
-except ImportError:  # pragma: no cover
-    _driver = None
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
-def driver_launches() -> bool:
-    """Whether kernels are launched through cuda.bindings.driver (else through CuPy)."""
-    return _driver is not None
+def _load_libcuda():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None, None
+    args = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 2
+    launch = lib.cuLaunchKernel
+    launch.argtypes = args + [ctypes.c_void_p]  # ..., hStream, kernelParams, extra
+    launch.restype = ctypes.c_int
+    cooperative = lib.cuLaunchCooperativeKernel
+    cooperative.argtypes = args  # ..., hStream, kernelParams
+    cooperative.restype = ctypes.c_int
+    return launch, cooperative
+
+
+def _load_bindings():
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    return driver
+
+
+def _choose() -> str:
+    wanted = os.environ.get("CUFLASH2_LAUNCH", "")
+    if wanted not in ("", "libcuda", "bindings", "cupy"):
+        raise ValueError(f"CUFLASH2_LAUNCH must be libcuda, bindings or cupy; got {wanted!r}")
+    for method in ((wanted,) if wanted else ("libcuda", "bindings", "cupy")):
+        if method == "libcuda" and _libcuda_launch is not None:
+            return method
+        if method == "bindings" and _bindings is not None:
+            return method
+        if method == "cupy":
+            return method
+    raise RuntimeError(f"CUFLASH2_LAUNCH={wanted}: that launch path is not available here")
+
+
+_libcuda_launch, _libcuda_cooperative = _load_libcuda()
+_bindings = _load_bindings()
+#: The launch path in use.
+METHOD = _choose()
 
 
 @dataclass(frozen=True)
@@ -37,7 +74,7 @@ class Launch:
     resident at once (the decode kernel's splits wait for each other)."""
 
     function: object  # cupy RawKernel
-    handle: object  # its CUfunction for the driver path (None without cuda-bindings)
+    handle: object  # its CUfunction: an int for libcuda, a CUfunction for bindings
     grid: tuple  # (x, y, batch)
     threads: int
     smem_bytes: int
@@ -47,7 +84,9 @@ class Launch:
 def kernel_launch(config, device_id: int, grid, cooperative: bool = False) -> Launch:
     """The Launch of `config`'s kernel on `grid` (compiled here if need be)."""
     function = _compile.get_kernel(config, device_id)
-    handle = _driver.CUfunction(function.kernel.ptr) if _driver is not None else None
+    handle = function.kernel.ptr
+    if METHOD == "bindings":
+        handle = _bindings.CUfunction(handle)
     return Launch(function, handle, tuple(int(g) for g in grid), config.threads,
                   config.smem_bytes, cooperative)
 
@@ -70,28 +109,34 @@ def run(launch: Launch, block, stream_ptr: int, batch_offset_slot) -> None:
 
 
 def _launch_once(launch: Launch, block, stream_ptr: int, gx: int, gy: int, gz: int) -> None:
-    if launch.handle is None:
-        _cupy_launch(launch, block, stream_ptr, gx, gy, gz)
-        return
-    if launch.cooperative:
-        (err,) = _driver.cuLaunchCooperativeKernel(
-            launch.handle, gx, gy, gz, launch.threads, 1, 1, launch.smem_bytes, stream_ptr,
-            block.kernel_params_address)
+    if METHOD == "libcuda":
+        if launch.cooperative:
+            err = _libcuda_cooperative(launch.handle, gx, gy, gz, launch.threads, 1, 1,
+                                       launch.smem_bytes, stream_ptr, block.kernel_params_address)
+        else:
+            err = _libcuda_launch(launch.handle, gx, gy, gz, launch.threads, 1, 1,
+                                  launch.smem_bytes, stream_ptr, block.kernel_params_address, None)
+    elif METHOD == "bindings":
+        launch_fn = (_bindings.cuLaunchCooperativeKernel if launch.cooperative
+                     else _bindings.cuLaunchKernel)
+        extra = () if launch.cooperative else (0,)
+        (err,) = launch_fn(launch.handle, gx, gy, gz, launch.threads, 1, 1, launch.smem_bytes,
+                           stream_ptr, block.kernel_params_address, *extra)
+        err = int(err)
     else:
-        (err,) = _driver.cuLaunchKernel(
-            launch.handle, gx, gy, gz, launch.threads, 1, 1, launch.smem_bytes, stream_ptr,
-            block.kernel_params_address, 0)
-    if err != _SUCCESS:
-        if err == _INVALID_CONTEXT:
+        _cupy_launch(launch, block, gx, gy, gz)
+        return
+    if err != _CUDA_SUCCESS:
+        if err == _CUDA_ERROR_INVALID_CONTEXT:
             # A thread whose CUDA context CuPy has not made current yet: CuPy's own launch sets
             # it (once a thread), then the driver path works there too.
-            _cupy_launch(launch, block, stream_ptr, gx, gy, gz)
+            _cupy_launch(launch, block, gx, gy, gz)
             return
-        raise RuntimeError(f"launching {launch.function.name} failed: {err!r}")
+        raise RuntimeError(f"launching {launch.function.name} failed: CUresult {err}")
 
 
-def _cupy_launch(launch: Launch, block, stream_ptr: int, gx: int, gy: int, gz: int) -> None:
-    """CuPy's launch, on its current stream (the one `stream_ptr` was read from)."""
+def _cupy_launch(launch: Launch, block, gx: int, gy: int, gz: int) -> None:
+    """CuPy's launch, on its current stream (the one the plan read `stream_ptr` from)."""
     launch.function.kernel((gx, gy, gz), (launch.threads,), (block.as_void(),),
                            shared_mem=launch.smem_bytes,
                            enable_cooperative_groups=launch.cooperative)

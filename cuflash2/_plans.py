@@ -97,7 +97,7 @@ class Plan:
         self.launches = tuple(launches)
         self.batch_offset_slot = self.block.slot("batch_offset")
         self.input_slots = tuple((*self.block.slot(f), pos, off) for f, pos, off in inputs)
-        self.outputs = tuple(outputs)
+        self.outputs = tuple((tuple(shape), numpy.dtype(dtype)) for shape, dtype in outputs)
         self.output_offsets, self.output_bytes = _carve(
             [numpy.dtype(dtype).itemsize * _size(shape) for shape, dtype in outputs])
         self.output_slots = tuple((*self.block.slot(f), i, off) for f, i, off in output_fields)
@@ -108,9 +108,11 @@ class Plan:
         self.per_call = {f: self.block.slot(f) for f in per_call}
         self.lock = threading.Lock()
 
-    def run(self, inputs: tuple, cupy, scalars: dict | None = None) -> list:
+    def run(self, inputs: tuple, cupy, scalars: dict | None = None, wrap: int | None = None):
         """Checks the inputs' alignment, allocates the outputs, fills in the struct, launches.
-        Returns the outputs."""
+        Returns the first `wrap` outputs (all by default) as arrays; the others are written in
+        the same allocation, which lives as long as the returned arrays (or, with none, until
+        the launches have run: CuPy's pool reuses memory in stream order)."""
         if cupy is None:
             from ._prepare import cupy_module
 
@@ -121,7 +123,7 @@ class Plan:
                 from ._prepare import check_aligned
 
                 check_aligned(name, inputs[pos])
-        outputs, out_ptrs = self._allocate(cupy)
+        outputs, out_ptrs = self._allocate(cupy, len(self.outputs) if wrap is None else wrap)
         if not self.launches:
             return outputs
         workspace = cupy.cuda.alloc(self.workspace_bytes) if self.workspace_bytes else None
@@ -143,19 +145,17 @@ class Plan:
                 _launch.run(launch, self.block, stream, self.batch_offset_slot)
         return outputs
 
-    def _allocate(self, cupy):
+    def _allocate(self, cupy, wrap: int):
         if not self.outputs:
             return [], []
         if not self.output_bytes:
-            arrays = [cupy.empty(shape, dtype=dtype) for shape, dtype in self.outputs]
-            return arrays, [0] * len(arrays)
+            arrays = [cupy.empty(shape, dtype=dtype) for shape, dtype in self.outputs[:wrap]]
+            return arrays, [0] * len(self.outputs)
         memory = cupy.cuda.alloc(self.output_bytes)
         base = memory.ptr
-        arrays, ptrs = [], []
-        for (shape, dtype), offset in zip(self.outputs, self.output_offsets):
-            arrays.append(cupy.ndarray(shape, dtype, memory + offset if offset else memory))
-            ptrs.append(base + offset)
-        return arrays, ptrs
+        arrays = [cupy.ndarray(shape, dtype, memory + offset if offset else memory)
+                  for (shape, dtype), offset in zip(self.outputs[:wrap], self.output_offsets)]
+        return arrays, [base + offset for offset in self.output_offsets]
 
 
 def _size(shape) -> int:

@@ -100,12 +100,13 @@ def _plan_forward(views, sources, names, causal, softmax_scale, window_size, sof
 
 
 def _forward_result(plan, inputs, out, return_lse, dropout_p, seed, offset, cupy):
-    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset))
-    if out is None:
-        out, lse = outputs
-    else:
-        (lse,) = outputs
-    return (out, lse) if return_lse else out
+    """Runs a forward plan, whose outputs are [out unless given, lse]."""
+    given = out is not None
+    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset),
+                       wrap=None if return_lse else 1 - given)
+    if not given:
+        out = outputs[0]
+    return (out, outputs[-1]) if return_lse else out
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,

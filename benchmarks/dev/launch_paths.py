@@ -70,6 +70,23 @@ def main():
             driver_launch
     except ImportError:
         print("cuda-bindings not installed: driver rows skipped")
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    launch = libcuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    launch.restype = ctypes.c_int
+    struct_ptr = struct.kernel.ptr
+    ctypes_params = numpy.array([params.ctypes.data], dtype=numpy.uint64)
+    ctypes_address = ctypes_params.ctypes.data
+
+    def ctypes_launch():
+        params[0] = x.data.ptr
+        launch(struct_ptr, 1, 1, 1, 32, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
+               ctypes_address, None)
+
+    rows["libcuda cuLaunchKernel through ctypes, prebuilt kernelParams, one pointer patched"] = \
+        ctypes_launch
     rows["cupy.cuda.get_current_stream().ptr"] = lambda: cupy.cuda.get_current_stream().ptr
     rows["cupy.empty((4096, 64), float16)"] = lambda: cupy.empty((4096, 64), dtype=cupy.float16)
     rows["cupy.cuda.alloc(1 MiB)"] = lambda: cupy.cuda.alloc(1 << 20)

@@ -9,6 +9,7 @@ still checked, and that both launch paths (the driver's and CuPy's) agree bit fo
 
 import threading
 
+import ml_dtypes
 import numpy
 import pytest
 
@@ -54,7 +55,7 @@ def test_a_plan_hit_still_checks_alignment_and_a_new_signature_is_checked_in_ful
     with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
         cuflash2.attention(shifted, aligned, aligned)
     with pytest.raises(TypeError, match="k must have the same dtype as q"):
-        cuflash2.attention(aligned, aligned.astype(cupy.float32), aligned)
+        cuflash2.attention(aligned, aligned.astype(ml_dtypes.bfloat16), aligned)
     with pytest.raises(TypeError, match="causal must be a bool"):
         cuflash2.attention(aligned, aligned, aligned, causal=1)
 
@@ -136,8 +137,12 @@ def test_batches_beyond_one_grid_are_launched_in_slices():
     assert all(r.ok for r in testing.check_backward(dout, q, k, v, dq, dk, dv))
 
 
-@pytest.mark.skipif(not _launch.driver_launches(), reason="cuda-bindings not installed")
-def test_the_cupy_launch_path_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("method", ["libcuda", "bindings", "cupy"])
+def test_every_launch_path_gives_the_same_bits(method, monkeypatch):
+    if method == "libcuda" and _launch._libcuda_launch is None:
+        pytest.skip("libcuda.so.1 not loadable")
+    if method == "bindings" and _launch._bindings is None:
+        pytest.skip("cuda-bindings not installed")
     q, k, v = _qkv((2, 150, 150, 4, 2, 64), 7)
     cache = testing.random_qkv(cupy, 2, 1, 4096, 8, 2, 128, FP16, 8)
     kwargs = dict(cache_seqlens=4000, num_splits=4, causal=True)
@@ -146,12 +151,11 @@ def test_the_cupy_launch_path_gives_the_same_bits(monkeypatch):
     bwd = cuflash2.attention_backward(cupy.ones_like(out), q, k, v, out, lse, causal=True,
                                       deterministic=True)
     dec = cuflash2.attention_with_kvcache(cache[0], cache[1], cache[2], **kwargs)
-    monkeypatch.setattr(_launch, "_driver", None)
-    for cache_of_plans in (api._forward_plans, api._backward_plans):
-        monkeypatch.setattr(cache_of_plans, "plans", {})
     from cuflash2 import _kvcache
 
-    monkeypatch.setattr(_kvcache._plans_by_key, "plans", {})
+    monkeypatch.setattr(_launch, "METHOD", method)
+    for cache_of_plans in (api._forward_plans, api._backward_plans, _kvcache._plans_by_key):
+        monkeypatch.setattr(cache_of_plans, "plans", {})
     assert _same_bits(fwd, cuflash2.attention(q, k, v, causal=True))
     got = cuflash2.attention_backward(cupy.ones_like(out), q, k, v, out, lse, causal=True,
                                       deterministic=True)

@@ -1,0 +1,108 @@
+"""Where the host time of a call goes: the parts of a plan hit timed one by one (one GPU).
+
+    python benchmarks/dev/host_breakdown.py
+
+Times, per call, on tiny inputs: the whole call; its signature key and plan lookup; Plan.run;
+the output allocation; one kernel launch by each launch path (_launch.METHOD); and a cProfile
+listing of the whole call. Uses private modules (api, _plans, _launch).
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import cupy  # noqa: E402
+
+import cuflash2  # noqa: E402
+from cuflash2 import _kvcache, _launch, api  # noqa: E402
+
+CALLS = 3000
+
+
+def per_call_us(fn, calls=CALLS):
+    best = float("inf")
+    for _ in range(3):
+        fn()
+        cupy.cuda.runtime.deviceSynchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        cupy.cuda.runtime.deviceSynchronize()
+    return best
+
+
+def main():
+    spin = cupy.zeros(1 << 28, dtype=cupy.uint8)
+    for _ in range(20):  # raise the GPU clocks before timing
+        spin += 1
+    rng = cupy.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 128, 8, 64), dtype=cupy.float32)
+                     .astype(cupy.float16) for _ in range(4))
+    buf = cupy.empty_like(q)
+    out, lse = cuflash2.attention(q, k, v, return_lse=True)
+    args = (q, k, v, buf, None)
+
+    def key():
+        return api._forward_key("attention", cupy, args, False, None, (-1, -1), 0.0, 0.0)
+
+    plan = api._forward_plans.get(key())
+    stream = cupy.cuda.get_current_stream().ptr
+    launch = plan.launches[0]
+    rows = {
+        "attention(q, k, v)": lambda: cuflash2.attention(q, k, v),
+        "attention(q, k, v, out=buf)": lambda: cuflash2.attention(q, k, v, out=buf),
+        "attention(q, k, v, return_lse=True)": lambda: cuflash2.attention(q, k, v,
+                                                                          return_lse=True),
+        "attention_backward": lambda: cuflash2.attention_backward(dout, q, k, v, out, lse),
+        "  signature key (forward)": key,
+        "  key + plan lookup": lambda: api._forward_plans.get(key()),
+        "  Plan.run (out given)": lambda: plan.run(args, cupy, None, wrap=0),
+        "  Plan._allocate (lse, not wrapped)": lambda: plan._allocate(cupy, 0),
+        "  Plan._allocate (lse wrapped)": lambda: plan._allocate(cupy, 1),
+        "  cupy.cuda.get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
+    }
+    for method in ("libcuda", "bindings", "cupy"):
+        if method == "bindings" and _launch._bindings is None:
+            continue
+        def one_launch(method=method):
+            _launch._launch_once(launch, plan.block, stream, *launch.grid)
+        _launch.METHOD = method
+        handle = launch.function.kernel.ptr
+        if method == "bindings":
+            handle = _launch._bindings.CUfunction(handle)
+        object.__setattr__(launch, "handle", handle)
+        rows[f"  one launch, {method}"] = one_launch
+        print(f"{per_call_us(one_launch):7.2f} us  one launch, {method}")
+    _launch.METHOD = "libcuda"
+    object.__setattr__(launch, "handle", launch.function.kernel.ptr)
+    q1 = rng.standard_normal((1, 1, 32, 128), dtype=cupy.float32).astype(cupy.float16)
+    cache = rng.standard_normal((1, 4096, 4, 128), dtype=cupy.float32).astype(cupy.float16)
+    v_cache, new = cache.copy(), cache[:, :1].copy()
+    lengths = cupy.full((1,), 4000, dtype=cupy.int32)
+    rows["attention_with_kvcache"] = lambda: cuflash2.attention_with_kvcache(
+        q1, cache, v_cache, k=new, v=new, cache_seqlens=lengths)
+    rows["  kvcache key"] = lambda: _kvcache._key(
+        cupy, q1, cache, v_cache, new, new, lengths, None, None, None, False, (-1, -1), 0.0,
+        None, 0)
+    for label, fn in rows.items():
+        if "one launch" in label:
+            continue
+        print(f"{per_call_us(fn):7.2f} us  {label}")
+    for label in ("attention(q, k, v)", "attention_backward", "attention_with_kvcache"):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(CALLS):
+            rows[label]()
+        profiler.disable()
+        cupy.cuda.runtime.deviceSynchronize()
+        print(f"\n--- cProfile of {label} ({CALLS} calls)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()
