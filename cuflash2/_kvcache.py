@@ -12,7 +12,6 @@ import functools
 import numbers
 
 from . import _configs, _launch, _plans, _prepare, _validate
-from ._plans import NoSignature, array_signature, optional_signature, value_key, window_key
 from ._prepare import LOG2E, element_strides, output_strides
 
 MAX_SPLITS = _configs.MAX_SPLITS
@@ -47,17 +46,21 @@ def num_splits_for(requested: int, ctas: int, tiles: int, slots: int) -> int:
 _counters: dict = {}
 
 
-def split_counters(groups: int, cupy, stream_ptr: int):
-    """The decode kernel's split barrier counters, two per row block (zero between launches: the
-    last split to leave resets them). One buffer per (device, stream), since launches on one
-    stream run in order and never share a counter; grown, zeroed, when a call needs more."""
-    key = (cupy.cuda.runtime.getDevice(), stream_ptr)
+def split_counters(groups: int, device_id: int, stream_ptr: int, cupy) -> int:
+    """The address of the decode kernel's split barrier counters, two per row block (zero
+    between launches: the last split to leave resets them). One buffer per (device, stream),
+    since launches on one stream run in order and never share a counter; grown, zeroed, when a
+    call needs more (the outgrown one is kept: queued work may still use it)."""
+    key = (device_id, stream_ptr)
     counters = _counters.get(key)
     if counters is None or counters.size < 2 * groups:
+        if counters is not None:
+            _outgrown_counters.append(counters)
         counters = _counters[key] = cupy.zeros(max(2 * groups, 1024), dtype=cupy.int32)
-    return counters
+    return counters.data.ptr
 
 
+_outgrown_counters: list = []
 _slots_cache: dict = {}
 
 
@@ -82,22 +85,29 @@ class KVCachePlan:
 
 def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
          softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits):
-    """The signature of a call; None where it has none (checked in full then). An int
-    cache_seqlens enters as "an int", its value going to the kernel on each call."""
+    """The signature of a call (as api._forward_key); None where it has none (checked in full
+    then). An int cache_seqlens enters as "an int", its value going to the kernel per call."""
+    ndarray = cupy.ndarray
+    key = [cupy.cuda.runtime.getDevice(), type(cache_seqlens)]
+    if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
+        if type(cache_seqlens) is not ndarray:
+            return None
+        key.append((cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
+                    cache_seqlens.data.device_id))
+    for x in (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes):
+        if x is None:
+            key.append(None)
+        elif type(x) is ndarray:
+            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
+        else:
+            return None
     try:
-        nd = cupy.ndarray
-        lengths = (None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral)
-                   else array_signature(cache_seqlens, nd))
-        key = (cupy.cuda.runtime.getDevice(), array_signature(q, nd),
-               array_signature(k_cache, nd), array_signature(v_cache, nd),
-               optional_signature(k, nd), optional_signature(v, nd),
-               optional_signature(cache_batch_idx, nd), optional_signature(block_table, nd),
-               optional_signature(alibi_slopes, nd), type(cache_seqlens), lengths,
-               value_key(softmax_scale), value_key(causal), window_key(window_size),
-               value_key(softcap), value_key(num_splits))
-    except NoSignature:
+        left, right = window_size
+    except (TypeError, ValueError):
         return None
-    return key
+    key += (type(softmax_scale), softmax_scale, type(causal), causal, type(left), left,
+            type(right), right, type(softcap), softcap, type(num_splits), num_splits)
+    return tuple(key)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
@@ -121,12 +131,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
             raise ValueError(f"cache_seqlens must fit in int32; got {length_all}")
         cache_seqlens = None
     scalars = {"cache_len_all": length_all}
+    stream = cupy.cuda.get_current_stream().ptr
     if planned.splits > 1:
-        stream = cupy.cuda.get_current_stream().ptr
-        scalars["split_counters"] = split_counters(planned.groups, cupy, stream).data.ptr
+        scalars["split_counters"] = split_counters(planned.groups, planned.plan.device_id,
+                                                   stream, cupy)
     outputs = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                 block_table, alibi_slopes), cupy, scalars,
-                               wrap=2 if return_lse else 1)
+                               wrap=2 if return_lse else 1, stream=stream)
     return tuple(outputs) if return_lse else outputs[0]
 
 

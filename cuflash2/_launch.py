@@ -2,13 +2,14 @@
 
 Every kernel takes one struct by value (cuda_src/kernel_params.cuh), so a launch is the function,
 the grid, and the address of a kernelParams array that a plan built once. Three ways to launch,
-by host cost per launch as measured from Python on an H200 (docs/PERF_NOTES.md, "Host cost of a
-call"; `benchmarks/dev/launch_paths.py`):
-- "libcuda": the driver's `cuLaunchKernel` called through ctypes with the plan's prebuilt array
-  (the driver library is loaded anyway: CuPy runs on it);
-- "bindings": the same call through `cuda.bindings.driver`, whose argument conversion costs more;
-- "cupy": CuPy's launch with the struct as a `numpy.void` argument, the fallback.
-The first that loads is used; CUFLASH2_LAUNCH=libcuda|bindings|cupy picks one.
+cheapest first as measured from Python on an H200 (docs/PERF_NOTES.md, "Host cost of a call";
+`benchmarks/dev/launch_paths.py`):
+- "bindings": the driver's `cuLaunchKernel` through `cuda.bindings.driver` (the `cuda12` /
+  `cuda13` extras install it) with the plan's prebuilt kernelParams array;
+- "libcuda": the same call through ctypes (the driver library is loaded anyway: CuPy runs on
+  it), whose argument conversion costs about a microsecond more;
+- "cupy": CuPy's launch with the struct as a `numpy.void` argument.
+The first that loads is used; CUFLASH2_LAUNCH=bindings|libcuda|cupy picks one.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def _load_bindings():
 def _choose() -> str:
     wanted = os.environ.get("CUFLASH2_LAUNCH", "")
     if wanted not in ("", "libcuda", "bindings", "cupy"):
-        raise ValueError(f"CUFLASH2_LAUNCH must be libcuda, bindings or cupy; got {wanted!r}")
-    for method in ((wanted,) if wanted else ("libcuda", "bindings", "cupy")):
+        raise ValueError(f"CUFLASH2_LAUNCH must be bindings, libcuda or cupy; got {wanted!r}")
+    for method in ((wanted,) if wanted else ("bindings", "libcuda", "cupy")):
         if method == "libcuda" and _libcuda_launch is not None:
             return method
         if method == "bindings" and _bindings is not None:

@@ -1,7 +1,8 @@
 """Plans: a call signature checked and worked out once, then launched cheaply.
 
-A call's signature is, for every array, its shape, strides, dtype and device, and the other
-arguments with their types (`signature_key`). The first call of a signature is checked in full
+A call's signature is, for every array, its shape, strides, dtype and device, the current
+device, and the other arguments with their types (the entry points build it: api._forward_key,
+_kvcache._key). The first call of a signature is checked in full
 (`_prepare`, `_validate`) and its launches are worked out into a `Plan`: the kernel parameter
 struct with every size, stride and scale filled in, the compiled kernels and their grids, and the
 outputs and workspace to allocate. A later call of the same signature only reads its arrays'
@@ -20,32 +21,12 @@ from . import _launch, _params
 
 #: Plans kept per entry point; the cache is emptied when it fills (a workload has few shapes).
 MAX_PLANS = 256
-#: Outputs and workspace carved out of one allocation start at multiples of this.
+#: Outputs, and pieces of the workspace, carved out of one allocation start at multiples of this.
 _ALLOCATION_ALIGNMENT = 256
 
 
-class NoSignature(Exception):
-    """The call has no cacheable signature (a non-CuPy argument, an unhashable value): it is
-    checked in full, which reports what is wrong."""
-
-
-def array_signature(x, ndarray) -> tuple:
-    if type(x) is not ndarray:
-        raise NoSignature
-    return (x.shape, x.strides, x.dtype, x.data.device_id)
-
-
-def optional_signature(x, ndarray):
-    return None if x is None else array_signature(x, ndarray)
-
-
-def window_key(window_size) -> tuple:
-    if not isinstance(window_size, (tuple, list)):
-        raise NoSignature
-    return tuple((type(w), w) for w in window_size)
-
-
 def value_key(value) -> tuple:
+    """A scalar argument in a signature key: with its type, so that 1 and True differ."""
     return (type(value), value)
 
 
@@ -79,6 +60,35 @@ class PlanCache:
         return len(self.plans)
 
 
+#: Scratch of at most this many bytes (workspace, outputs a call does not return) comes from a
+#: buffer kept per device and stream rather than from an allocation per call: small calls,
+#: where the host cost shows, save an allocation; large ones free their scratch on return.
+SCRATCH_MAX_BYTES = 8 << 20
+
+
+class _StreamScratch:
+    """Scratch buffers by (device, stream), grown on demand. Launches on one stream run in
+    order, so calls on a stream can share one buffer. Outgrown buffers are kept, not freed:
+    work queued on the stream (or captured in a graph) may still use them."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.outgrown: list = []
+
+    def get(self, nbytes: int, device_id: int, stream_ptr: int, cupy) -> int:
+        key = (device_id, stream_ptr)
+        memory = self.buffers.get(key)
+        if memory is None or memory.mem.size < nbytes:
+            if memory is not None:
+                self.outgrown.append(memory)
+            memory = self.buffers[key] = cupy.cuda.alloc(
+                max(nbytes, 2 * memory.mem.size if memory is not None else 1 << 16))
+        return memory.ptr
+
+
+_scratch = _StreamScratch()
+
+
 class Plan:
     """The launches of one call signature and what each call fills in.
 
@@ -86,8 +96,8 @@ class Plan:
     that array's start): packed arrays feed several fields. outputs: (shape, dtype) of the arrays
     a call returns, allocated together; output_fields: (field, output index, byte offset).
     workspace_fields: (field, byte offset) into scratch memory of `workspace_bytes` that lives
-    for the call only (kernels on one stream run in order, and CuPy's pool reuses memory in
-    stream order). aligned: (input position, name) of the arrays read in 16-byte chunks."""
+    for the call only (kernels on one stream run in order). aligned: (input position, name) of
+    the arrays read in 16-byte chunks. per_call: fields set from each call's `scalars`."""
 
     def __init__(self, device_id: int, struct: str, fields: dict, launches, inputs=(),
                  outputs=(), output_fields=(), workspace_bytes: int = 0, workspace_fields=(),
@@ -98,21 +108,22 @@ class Plan:
         self.batch_offset_slot = self.block.slot("batch_offset")
         self.input_slots = tuple((*self.block.slot(f), pos, off) for f, pos, off in inputs)
         self.outputs = tuple((tuple(shape), numpy.dtype(dtype)) for shape, dtype in outputs)
-        self.output_offsets, self.output_bytes = _carve(
-            [numpy.dtype(dtype).itemsize * _size(shape) for shape, dtype in outputs])
+        # Output i starts at offsets[i]; the first n outputs fill the first prefix[n] bytes.
+        self.output_offsets, output_bytes = _carve(
+            [dtype.itemsize * _size(shape) for shape, dtype in self.outputs])
+        self.output_prefix = self.output_offsets + [output_bytes]
         self.output_slots = tuple((*self.block.slot(f), i, off) for f, i, off in output_fields)
         self.workspace_bytes = workspace_bytes
         self.workspace_slots = tuple((*self.block.slot(f), off) for f, off in workspace_fields)
         self.aligned = tuple(aligned)
-        # Per-call scalars (dropout seeds, a decode step's cache length): field -> slot.
         self.per_call = {f: self.block.slot(f) for f in per_call}
         self.lock = threading.Lock()
 
-    def run(self, inputs: tuple, cupy, scalars: dict | None = None, wrap: int | None = None):
-        """Checks the inputs' alignment, allocates the outputs, fills in the struct, launches.
-        Returns the first `wrap` outputs (all by default) as arrays; the others are written in
-        the same allocation, which lives as long as the returned arrays (or, with none, until
-        the launches have run: CuPy's pool reuses memory in stream order)."""
+    def run(self, inputs: tuple, cupy, scalars: dict | None = None, wrap: int | None = None,
+            stream: int | None = None):
+        """Checks the inputs' alignment, allocates, fills in the struct, launches. Returns the
+        first `wrap` outputs (all by default) as arrays; the others, which the call does not
+        return, are written to scratch memory with the workspace."""
         if cupy is None:
             from ._prepare import cupy_module
 
@@ -123,20 +134,31 @@ class Plan:
                 from ._prepare import check_aligned
 
                 check_aligned(name, inputs[pos])
-        outputs, out_ptrs = self._allocate(cupy, len(self.outputs) if wrap is None else wrap)
+        n = len(self.outputs) if wrap is None else wrap
+        outputs, chunk = self._allocate(cupy, n)
         if not self.launches:
             return outputs
-        workspace = cupy.cuda.alloc(self.workspace_bytes) if self.workspace_bytes else None
-        stream = cupy.cuda.get_current_stream().ptr
+        if stream is None:
+            stream = cupy.cuda.get_current_stream().ptr
+        # Scratch: the workspace, then the outputs not returned.
+        scratch_bytes = self.workspace_bytes + self.output_prefix[-1] - self.output_prefix[n]
+        memory = None
+        if not scratch_bytes:
+            scratch = 0
+        elif scratch_bytes <= SCRATCH_MAX_BYTES:
+            scratch = _scratch.get(scratch_bytes, self.device_id, stream, cupy)
+        else:
+            memory = cupy.cuda.alloc(scratch_bytes)  # freed on return, in stream order
+            scratch = memory.ptr
+        unreturned = scratch + self.workspace_bytes - self.output_prefix[n]
         with self.lock:
             for view, index, pos, off in self.input_slots:
                 view[index] = ptrs[pos] + off if ptrs[pos] else 0
+            offsets = self.output_offsets
             for view, index, i, off in self.output_slots:
-                view[index] = out_ptrs[i] + off
-            if workspace is not None:
-                base = workspace.ptr
-                for view, index, off in self.workspace_slots:
-                    view[index] = base + off
+                view[index] = (chunk if i < n else unreturned) + offsets[i] + off
+            for view, index, off in self.workspace_slots:
+                view[index] = scratch + off
             if scalars:
                 for field, value in scalars.items():
                     view, index = self.per_call[field]
@@ -145,17 +167,15 @@ class Plan:
                 _launch.run(launch, self.block, stream, self.batch_offset_slot)
         return outputs
 
-    def _allocate(self, cupy, wrap: int):
-        if not self.outputs:
-            return [], []
-        if not self.output_bytes:
-            arrays = [cupy.empty(shape, dtype=dtype) for shape, dtype in self.outputs[:wrap]]
-            return arrays, [0] * len(self.outputs)
-        memory = cupy.cuda.alloc(self.output_bytes)
-        base = memory.ptr
+    def _allocate(self, cupy, n: int):
+        """The first n outputs as arrays in one allocation, and its address."""
+        nbytes = self.output_prefix[n]
+        if not nbytes:
+            return [cupy.empty(shape, dtype=dtype) for shape, dtype in self.outputs[:n]], 0
+        memory = cupy.cuda.alloc(nbytes)
         arrays = [cupy.ndarray(shape, dtype, memory + offset if offset else memory)
-                  for (shape, dtype), offset in zip(self.outputs[:wrap], self.output_offsets)]
-        return arrays, [base + offset for offset in self.output_offsets]
+                  for (shape, dtype), offset in zip(self.outputs[:n], self.output_offsets)]
+        return arrays, memory.ptr
 
 
 def _size(shape) -> int:

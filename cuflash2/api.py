@@ -11,7 +11,7 @@ import contextlib
 import os
 
 from . import _attention_plans, _configs, _kvcache, _launch, _params, _plans, _prepare, _validate
-from ._plans import NoSignature, optional_signature, value_key, window_key
+from ._plans import value_key
 from ._prepare import device_arch  # noqa: F401  (part of the module's interface for tools)
 
 _forward_plans = _plans.PlanCache()
@@ -30,11 +30,6 @@ def _cupy_module():
             return None
         _cupy = cupy
     return _cupy
-
-
-def _key(*parts):
-    """A signature key (PlanCache treats an unhashable one as no signature)."""
-    return parts
 
 
 def _dropout_scalars(dropout_p, seed, offset):
@@ -59,16 +54,27 @@ def _typed(names: dict) -> dict:
 
 def _forward_key(kind, cupy, arrays, causal, softmax_scale, window_size, softcap, dropout_p,
                  extra=()):
+    """The signature of an attention call: each array's shape, strides, dtype and device, the
+    current device, and every other argument with its type (so that 1 and True differ). None
+    where the call has none (a non-CuPy argument; the full check then says what is wrong)."""
     if cupy is None:
         return None
+    ndarray = cupy.ndarray
+    key = [kind, cupy.cuda.runtime.getDevice()]
+    for x in arrays:
+        if x is None:
+            key.append(None)
+        elif type(x) is ndarray:
+            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
+        else:
+            return None
     try:
-        nd = cupy.ndarray
-        return _key(kind, cupy.cuda.runtime.getDevice(),
-                    *[optional_signature(x, nd) for x in arrays], value_key(causal),
-                    value_key(softmax_scale), window_key(window_size), value_key(softcap),
-                    value_key(dropout_p), *extra)
-    except NoSignature:
+        left, right = window_size
+    except (TypeError, ValueError):
         return None
+    key += (type(causal), causal, type(softmax_scale), softmax_scale, type(left), left,
+            type(right), right, type(softcap), softcap, type(dropout_p), dropout_p, *extra)
+    return tuple(key)
 
 
 def _plan_forward(views, sources, names, causal, softmax_scale, window_size, softcap,

@@ -45,6 +45,7 @@ def main():
                      .astype(cupy.float16) for _ in range(4))
     buf = cupy.empty_like(q)
     out, lse = cuflash2.attention(q, k, v, return_lse=True)
+    cuflash2.attention(q, k, v, out=buf)
     args = (q, k, v, buf, None)
 
     def key():
@@ -86,6 +87,21 @@ def main():
     lengths = cupy.full((1,), 4000, dtype=cupy.int32)
     rows["attention_with_kvcache"] = lambda: cuflash2.attention_with_kvcache(
         q1, cache, v_cache, k=new, v=new, cache_seqlens=lengths)
+    rows["attention_with_kvcache"]()
+    decode = _kvcache._plans_by_key.get(_kvcache._key(
+        cupy, q1, cache, v_cache, new, new, lengths, None, None, None, False, (-1, -1), 0.0,
+        None, 0))
+    print(f"decode plan: {decode.splits} splits, grid {decode.plan.launches[0].grid}")
+    dlaunch = decode.plan.launches[0]
+    for cooperative in (True, False):
+        object.__setattr__(dlaunch, "cooperative", cooperative)
+        print(f"{per_call_us(lambda: _launch._launch_once(dlaunch, decode.plan.block, stream, *dlaunch.grid)):7.2f} us"
+              f"  one decode launch, cooperative={cooperative}")
+    object.__setattr__(dlaunch, "cooperative", True)
+    rows["  kvcache Plan.run"] = lambda: decode.plan.run(
+        (q1, cache, v_cache, new, new, lengths, None, None, None), cupy,
+        {"cache_len_all": 0, "split_counters": _kvcache.split_counters(
+            decode.groups, 0, stream, cupy)}, wrap=1)
     rows["  kvcache key"] = lambda: _kvcache._key(
         cupy, q1, cache, v_cache, new, new, lengths, None, None, None, False, (-1, -1), 0.0,
         None, 0)

@@ -1,0 +1,130 @@
+"""The host side of a plan (cuflash2/_plans.py) without a GPU: a stand-in for the few CuPy calls
+Plan.run makes (allocation, arrays over an allocation, the current stream) and for the launch,
+which records the parameter struct it would have passed. Checks where every pointer of the
+struct comes from: inputs at byte offsets, returned outputs in one allocation, unreturned
+outputs and the workspace in per-stream scratch, per-call scalars."""
+
+import types
+
+import numpy
+import pytest
+
+from cuflash2 import _launch, _plans
+
+
+class _Memory:
+    def __init__(self, ptr, size):
+        self.ptr, self.mem = ptr, types.SimpleNamespace(size=size)
+
+    def __add__(self, offset):
+        return _Memory(self.ptr + offset, self.mem.size - offset)
+
+
+class _Array:
+    def __init__(self, shape, dtype, memory=None, ptr=0x1000):
+        self.shape, self.dtype = shape, numpy.dtype(dtype)
+        self.data = types.SimpleNamespace(ptr=memory.ptr if memory is not None else ptr)
+        self.size = int(numpy.prod(shape))
+
+
+def _fake_cupy():
+    state = {"next": 0x10_0000_0000, "allocations": []}
+
+    def alloc(nbytes):
+        memory = _Memory(state["next"], nbytes)
+        state["allocations"].append(nbytes)
+        state["next"] += -(-nbytes // 4096) * 4096 + 4096
+        return memory
+
+    cuda = types.SimpleNamespace(alloc=alloc, get_current_stream=lambda: types.SimpleNamespace(
+        ptr=0x77))
+    return types.SimpleNamespace(cuda=cuda, ndarray=_Array, empty=lambda shape, dtype: _Array(
+        shape, dtype)), state
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    recorded = []
+
+    def record(launch, block, stream, slot):
+        recorded.append((launch, stream, block.record.copy()))
+
+    monkeypatch.setattr(_launch, "run", record)
+    monkeypatch.setattr(_plans, "_scratch", _plans._StreamScratch())
+    return recorded
+
+
+def _plan(**kwargs):
+    return _plans.Plan(0, "FwdParams", {"seqlen_q": 5, "nheads": 2}, ["kernel"], **kwargs)
+
+
+def test_pointers_come_from_inputs_outputs_and_scratch(launches):
+    cupy, state = _fake_cupy()
+    plan = _plan(inputs=[("q", 0, 0), ("k", 0, 256), ("v", 1, 0)],
+                 outputs=[((4, 8), "float16"), ((2, 5), "float32")],
+                 output_fields=[("out", 0, 0), ("lse", 1, 0)], aligned=[(0, "qkv"), (1, "v")])
+    qkv, v = _Array((3, 64), "float16", ptr=0x5000), _Array((64,), "float16", ptr=0x9000)
+    out, lse = plan.run((qkv, v), cupy)
+    (_, stream, record), = launches
+    assert stream == 0x77 and record["seqlen_q"] == 5 and record["nheads"] == 2
+    assert (record["q"], record["k"], record["v"]) == (0x5000, 0x5100, 0x9000)
+    assert record["out"] == out.data.ptr and record["lse"] == lse.data.ptr
+    assert lse.data.ptr - out.data.ptr == 256  # one allocation, pieces 256-byte aligned
+    assert state["allocations"] == [512]
+    assert out.shape == (4, 8) and lse.dtype == numpy.float32
+
+
+def test_unreturned_outputs_go_to_scratch_after_the_workspace(launches):
+    cupy, state = _fake_cupy()
+    plan = _plan(outputs=[((4, 8), "float16"), ((2, 5), "float32")],
+                 output_fields=[("out", 0, 0), ("lse", 1, 0)], workspace_bytes=1024,
+                 workspace_fields=[("varlen.cu_seqlens_q", 0), ("varlen.cu_seqlens_k", 512)])
+    (out,) = plan.run((), cupy, wrap=1)
+    (_, _, record), = launches
+    scratch = record["varlen"]["cu_seqlens_q"][()]
+    assert record["varlen"]["cu_seqlens_k"] == scratch + 512
+    assert record["lse"] == scratch + 1024  # after the workspace
+    assert record["out"] == out.data.ptr
+    assert state["allocations"] == [256, 1 << 16]  # out; then the stream's scratch buffer
+    plan.run((), cupy, wrap=1)
+    assert launches[1][2]["varlen"]["cu_seqlens_q"] == scratch  # the scratch is kept
+    assert state["allocations"] == [256, 1 << 16, 256]
+
+
+def test_large_scratch_is_allocated_per_call(launches):
+    cupy, state = _fake_cupy()
+    plan = _plan(workspace_bytes=_plans.SCRATCH_MAX_BYTES + 1,
+                 workspace_fields=[("varlen.cu_seqlens_q", 0)])
+    plan.run((), cupy)
+    plan.run((), cupy)
+    assert state["allocations"] == [_plans.SCRATCH_MAX_BYTES + 1] * 2
+
+
+def test_per_call_scalars_and_absent_inputs(launches):
+    cupy, _ = _fake_cupy()
+    plan = _plan(inputs=[("q", 0, 0), ("mods.alibi_slopes", 1, 0)],
+                 per_call=("dropout.seed_lo", "dropout.scale"))
+    plan.run((_Array((8,), "float16", ptr=0x4000), None), cupy,
+             {"dropout.seed_lo": 2**32 - 1, "dropout.scale": 1.25})
+    (_, _, record), = launches
+    assert record["q"] == 0x4000 and record["mods"]["alibi_slopes"] == 0
+    assert record["dropout"]["seed_lo"] == 2**32 - 1 and record["dropout"]["scale"] == 1.25
+
+
+def test_a_misaligned_input_raises_before_any_launch(launches):
+    cupy, _ = _fake_cupy()
+    plan = _plan(inputs=[("q", 0, 0)], aligned=[(0, "q")])
+    bad = _Array((8,), "float16", ptr=0x4002)
+    bad.data.ptr = 0x4002
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
+        plan.run((bad,), cupy)
+    assert launches == []
+
+
+def test_plan_cache_ignores_unhashable_keys_and_is_bounded():
+    cache = _plans.PlanCache()
+    cache.put(("a", [1]), "plan")  # unhashable: not kept
+    assert cache.get(("a", [1])) is None and len(cache) == 0
+    for i in range(_plans.MAX_PLANS + 1):
+        cache.put(("k", i), i)
+    assert len(cache) == 1 and cache.get(("k", _plans.MAX_PLANS)) == _plans.MAX_PLANS
