@@ -17,6 +17,11 @@ from ._prepare import LOG2E, element_strides, output_strides
 MAX_SPLITS = _configs.MAX_SPLITS
 
 _plans_by_key = _plans.PlanCache()
+_cupy = None
+
+
+def _is_int(x) -> bool:
+    return type(x) is int or isinstance(x, numbers.Integral)
 
 
 def check_num_splits(num_splits) -> int:
@@ -89,7 +94,7 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     then). An int cache_seqlens enters as "an int", its value going to the kernel per call."""
     ndarray = cupy.ndarray
     key = [cupy.cuda.runtime.getDevice(), type(cache_seqlens)]
-    if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
+    if cache_seqlens is not None and not _is_int(cache_seqlens):
         if type(cache_seqlens) is not ndarray:
             return None
         key.append((cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
@@ -113,7 +118,9 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                            block_table, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, num_splits, return_lse, check_cache):
-    cupy = _prepare.cupy_module()
+    global _cupy
+    cupy = _cupy or _prepare.cupy_module()
+    _cupy = cupy
     key = None if check_cache else _key(
         cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
@@ -125,7 +132,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         _plans_by_key.put(key, planned)
     # An int (or no) cache_seqlens goes to the kernel as one length for every sequence.
     length_all = 0
-    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
+    if cache_seqlens is None or _is_int(cache_seqlens):
         length_all = planned.default_cache_len if cache_seqlens is None else int(cache_seqlens)
         if not -2**31 <= length_all < 2**31:
             raise ValueError(f"cache_seqlens must fit in int32; got {length_all}")
