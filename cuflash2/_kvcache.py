@@ -208,10 +208,15 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "head_dim": kv.head_dim, "num_m_blocks": m_blocks, "num_splits": splits,
         "tiles_per_split": tiles_per_split, "scale_log2": mods.softmax_scale * LOG2E,
         "window_left": window[0], "window_right": window[1], **mods.fields()}
-    inputs = [("q", 0, 0), ("k_cache", 1, 0), ("v_cache", 2, 0), ("cache_seqlens", 5, 0),
-              ("cache_batch_idx", 6, 0), ("block_table", 7, 0), ("mods.alibi_slopes", 8, 0)]
-    if new_tokens:
-        inputs += [("k_new", 3, 0), ("v_new", 4, 0)]
+    # Pointer fields by position in the call's input tuple; an int or absent cache_seqlens leaves
+    # its field null (the kernel then reads cache_len_all).
+    given = {"cache_seqlens": 5 if "cache_seqlens" in arrays else None,
+             "cache_batch_idx": 6 if cache_batch_idx is not None else None,
+             "block_table": 7 if block_table is not None else None,
+             "mods.alibi_slopes": 8 if alibi_slopes is not None else None,
+             "k_new": 3 if new_tokens else None, "v_new": 4 if new_tokens else None}
+    inputs = [("q", 0, 0), ("k_cache", 1, 0), ("v_cache", 2, 0)]
+    inputs += [(field, pos, 0) for field, pos in given.items() if pos is not None]
     workspace_bytes, workspace_fields = 0, []
     if splits > 1:  # fp32 workspace per (row block, split): O (padded head dim), then lse
         rows = groups * splits * config.block_m
@@ -220,7 +225,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     launches = [] if empty else [_launch.kernel_launch(
         config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=splits > 1)]
     aligned = [(pos, name) for name, pos in (("q", 0), ("k_cache", 1), ("v_cache", 2), ("k", 3),
-                                             ("v", 4))]
+                                             ("v", 4)) if name in arrays]
     per_call = ("cache_len_all",) + (("split_counters",) if splits > 1 else ())
     plan = _plans.Plan(device_id, "DecodeParams", fields, launches, inputs,
                        [(tuple(q.shape), q.dtype), ((kv.batch, kv.nheads, kv.seqlen_q), "float32")],

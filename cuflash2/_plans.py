@@ -93,7 +93,8 @@ class Plan:
     """The launches of one call signature and what each call fills in.
 
     inputs: (struct field, position of the array in the call's input tuple, byte offset from
-    that array's start): packed arrays feed several fields. outputs: (shape, dtype) of the arrays
+    that array's start) for the arrays the signature has (absent ones leave their field null):
+    packed arrays feed several fields. outputs: (shape, dtype) of the arrays
     a call returns, allocated together; output_fields: (field, output index, byte offset).
     workspace_fields: (field, byte offset) into scratch memory of `workspace_bytes` that lives
     for the call only (kernels on one stream run in order). aligned: (input position, name) of
@@ -128,12 +129,12 @@ class Plan:
             from ._prepare import cupy_module
 
             cupy = cupy_module()
-        ptrs = [0 if x is None else x.data.ptr for x in inputs]
         for pos, name in self.aligned:
-            if ptrs[pos] & 15 and inputs[pos].size:
+            x = inputs[pos]
+            if x.data.ptr & 15 and x.size:
                 from ._prepare import check_aligned
 
-                check_aligned(name, inputs[pos])
+                check_aligned(name, x)
         n = len(self.outputs) if wrap is None else wrap
         outputs, chunk = self._allocate(cupy, n)
         if not self.launches:
@@ -153,7 +154,7 @@ class Plan:
         unreturned = scratch + self.workspace_bytes - self.output_prefix[n]
         with self.lock:
             for view, index, pos, off in self.input_slots:
-                view[index] = ptrs[pos] + off if ptrs[pos] else 0
+                view[index] = inputs[pos].data.ptr + off
             offsets = self.output_offsets
             for view, index, i, off in self.output_slots:
                 view[index] = (chunk if i < n else unreturned) + offsets[i] + off

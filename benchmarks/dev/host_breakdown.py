@@ -18,19 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _kvcache, _launch, api, bench  # noqa: E402
+from cuflash2 import _kvcache, _launch, api  # noqa: E402
 
-CALLS = 500
+CALLS = 2000
 
 
 def per_call_us(fn, calls=CALLS):
-    """Best of three runs of `calls` calls queued behind a spinning kernel (host time only)."""
-    spin = bench.spin_kernel(cupy)
+    """Best of three runs of `calls` back-to-back calls (small inputs: the GPU keeps up)."""
     best = float("inf")
     for _ in range(3):
         fn()
         cupy.cuda.runtime.deviceSynchronize()
-        spin((1,), (1,), (cupy.uint64(calls * 100_000),))
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -86,9 +84,9 @@ def main():
     _launch.METHOD = default_method
     object.__setattr__(launch, "handle", default_handle)
     q1 = rng.standard_normal((1, 1, 32, 128), dtype=cupy.float32).astype(cupy.float16)
-    cache = rng.standard_normal((1, 4096, 4, 128), dtype=cupy.float32).astype(cupy.float16)
+    cache = rng.standard_normal((1, 512, 4, 128), dtype=cupy.float32).astype(cupy.float16)
     v_cache, new = cache.copy(), cache[:, :1].copy()
-    lengths = cupy.full((1,), 4000, dtype=cupy.int32)
+    lengths = cupy.full((1,), 500, dtype=cupy.int32)
     rows["attention_with_kvcache"] = lambda: cuflash2.attention_with_kvcache(
         q1, cache, v_cache, k=new, v=new, cache_seqlens=lengths)
     rows["attention_with_kvcache"]()
