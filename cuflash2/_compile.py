@@ -61,7 +61,7 @@ def kernel_source(filename: str) -> str:
 def specialisation_source(config) -> str:
     """The source compiled for `config`: its file, then static_asserts that the kernel's traits
     agree with what the host derives from `config` (threads, shared memory)."""
-    return kernel_source(config.source_file) + config.probes
+    return kernel_source(config.source_file) + getattr(config, "probes", "")
 
 
 # ---------------------------------------------------------------------------------------------
