@@ -17,8 +17,12 @@ def _sanitize(tool: str, *workload_args: str) -> None:
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer is not on the PATH")
-    cmd = [exe, "--tool", tool, "--error-exitcode", "99", sys.executable, str(WORKLOAD),
-           *workload_args]
+    # API errors are not reported: cuda.bindings resolves the driver's entry points with
+    # cuGetProcAddress, which answers "invalid value" for the ones this driver lacks. Memory
+    # errors and hazards in kernels are what these tools check here; a failed launch raises in
+    # the workload, which then never prints its last line.
+    cmd = [exe, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99",
+           sys.executable, str(WORKLOAD), *workload_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     report = proc.stdout[-6000:] + proc.stderr[-6000:]
