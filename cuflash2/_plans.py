@@ -21,7 +21,7 @@ from . import _launch, _params
 
 #: Plans kept per entry point; the cache is emptied when it fills (a workload has few shapes).
 MAX_PLANS = 256
-#: Outputs, and pieces of the workspace, carved out of one allocation start at multiples of this.
+#: Pieces carved out of one allocation (outputs, workspace) start at multiples of this.
 _ALLOCATION_ALIGNMENT = 256
 
 
@@ -110,7 +110,7 @@ class Plan:
         self.input_slots = tuple((*self.block.slot(f), pos, off) for f, pos, off in inputs)
         self.outputs = tuple((tuple(shape), numpy.dtype(dtype)) for shape, dtype in outputs)
         # Output i starts at offsets[i]; the first n outputs fill the first prefix[n] bytes.
-        self.output_offsets, output_bytes = _carve(
+        self.output_offsets, output_bytes = carve(
             [dtype.itemsize * _size(shape) for shape, dtype in self.outputs])
         self.output_prefix = self.output_offsets + [output_bytes]
         self.output_slots = tuple((*self.block.slot(f), i, off) for f, i, off in output_fields)
@@ -186,14 +186,10 @@ def _size(shape) -> int:
     return n
 
 
-def _carve(sizes) -> tuple[list, int]:
+def carve(sizes) -> tuple[list, int]:
     """Offsets of consecutive pieces of `sizes` bytes in one allocation, and its size."""
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
         total += -(-size // _ALLOCATION_ALIGNMENT) * _ALLOCATION_ALIGNMENT
     return offsets, total
-
-
-def carve(sizes) -> tuple[list, int]:
-    return _carve(sizes)
