@@ -10,7 +10,6 @@ listing of the whole call. Uses private modules (api, _plans, _launch).
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -18,23 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _kvcache, _launch, api  # noqa: E402
+from cuflash2 import _kvcache, _launch, api, bench_host  # noqa: E402
 
 CALLS = 2000
 
 
 def per_call_us(fn, calls=CALLS):
-    """Best of three runs of `calls` back-to-back calls (small inputs: the GPU keeps up)."""
-    best = float("inf")
-    for _ in range(3):
-        fn()
-        cupy.cuda.runtime.deviceSynchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        cupy.cuda.runtime.deviceSynchronize()
-    return best
+    """Microseconds per call over `calls` back-to-back calls (bench --host's measurement)."""
+    return bench_host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
+                                   repeats=3)
 
 
 def main():
@@ -97,8 +88,9 @@ def main():
     dlaunch = decode.plan.launches[0]
     for cooperative in (True, False):
         object.__setattr__(dlaunch, "cooperative", cooperative)
-        print(f"{per_call_us(lambda: _launch._launch_once(dlaunch, decode.plan.block, stream, *dlaunch.grid)):7.2f} us"
-              f"  one decode launch, cooperative={cooperative}")
+        us = per_call_us(lambda: _launch._launch_once(dlaunch, decode.plan.block, stream,
+                                                       *dlaunch.grid))
+        print(f"{us:7.2f} us  one decode launch, cooperative={cooperative}")
     object.__setattr__(dlaunch, "cooperative", True)
     rows["  kvcache Plan.run"] = lambda: decode.plan.run(
         (q1, cache, v_cache, new, new, lengths, None, None, None), cupy,

@@ -7,10 +7,15 @@ holds the host back). The numbers behind cuflash2/_launch.py's choice of the dri
 _plans.py's one allocation per call (docs/PERF_NOTES.md, "Host cost of a call").
 """
 
-import time
+import sys
+from pathlib import Path
 
 import cupy
 import numpy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cuflash2 import bench_host  # noqa: E402
 
 SOURCE = r"""
 struct Params { unsigned long long words[32]; };
@@ -28,14 +33,9 @@ CALLS = 5000
 
 
 def per_call_us(fn, calls=CALLS):
-    fn()
-    cupy.cuda.runtime.deviceSynchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    cupy.cuda.runtime.deviceSynchronize()
-    return elapsed / calls * 1e6
+    """Microseconds per call over `calls` back-to-back calls (bench --host's measurement)."""
+    return bench_host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
+                                   repeats=1)
 
 
 def main():

@@ -11,11 +11,16 @@ conversion), by three ways of launching them (one GPU, its own empty kernels).
 Each row: microseconds per call over back-to-back calls, best of three runs.
 """
 
-import time
+import sys
+from pathlib import Path
 
 import cupy
 import numpy
 from cuda.bindings import driver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cuflash2 import bench_host  # noqa: E402
 
 SOURCE = r"""
 struct Params { unsigned long long words[52]; };  // 416 bytes, as BwdParams
@@ -26,16 +31,9 @@ CALLS = 3000
 
 
 def per_call_us(fn, calls=CALLS):
-    best = float("inf")
-    for _ in range(3):
-        fn()
-        cupy.cuda.runtime.deviceSynchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - start)
-        cupy.cuda.runtime.deviceSynchronize()
-    return best / calls * 1e6
+    """Microseconds per call over `calls` back-to-back calls (bench --host's measurement)."""
+    return bench_host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
+                                   repeats=3)
 
 
 def main():
