@@ -5,7 +5,8 @@
 // same bytes on the host (a plan fills the sizes once and patches the per-call pointers), and a
 // CPU test compiles `offsetof` / `sizeof` probes that check Python's offsets against the
 // compiler's. Keep to what that reader understands: one field per line, `type name;`, the types
-// below (pointers, i64, int, float, u32) or a struct defined earlier in this file.
+// below (pointers, i64, int, float, u32), a fixed-size `unsigned long long name[N];` array, or a
+// struct defined earlier in this file (which may carry an `__align__(N)`).
 //
 // Strides are in elements; a tensor's (batch, row, head) strides follow its pointer's name.
 #pragma once
@@ -34,6 +35,12 @@ struct DropoutParams {
     u32 offset;
     u32 keep_threshold;  // keep iff the 16-bit uniform is below it
     float scale;         // 1 / (1 - dropout_p)
+};
+
+// The 128 bytes of a CUtensorMap (cuTensorMapEncodeTiled's output, opaque here), 64-byte aligned
+// as the driver's type is. cp.async.bulk.tensor reads it from the kernel parameter space.
+struct __align__(64) TensorMap {
+    unsigned long long v[16];
 };
 
 // flash_fwd.cu
@@ -68,6 +75,17 @@ struct FwdParams {
     VarlenParams varlen;
     DropoutParams dropout;
     int batch_offset;  // first sequence of this launch (grids of more than 65535 sequences)
+};
+
+// flash_fwd_sm90.cu: the forward's parameters plus the TMA descriptors of q, k and v, each over
+// the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with 128-byte
+// swizzle (cuflash2/_hopper.py builds them). The maps come first: at offsets 0, 128 and 256 they
+// keep their 64-byte alignment whatever FwdParams holds.
+struct FwdSm90Params {
+    TensorMap q_map;
+    TensorMap k_map;
+    TensorMap v_map;
+    FwdParams base;
 };
 
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)

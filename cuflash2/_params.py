@@ -21,10 +21,14 @@ PARAMS_HEADER = "kernel_params.cuh"
 
 #: Scalar field types: (numpy format, size = alignment in bytes).
 _SCALARS = {"i64": ("<i8", 8), "int": ("<i4", 4), "float": ("<f4", 4), "u32": ("<u4", 4)}
+#: Element types of fixed-size array fields (`unsigned long long v[16];`: a TensorMap's bytes).
+_ARRAY_ELEMENTS = {"unsigned long long": ("<u8", 8)}
 _POINTER = ("<u8", 8)
 
-_STRUCT = re.compile(r"^struct\s+(\w+)\s*\{(.*?)^\};", re.MULTILINE | re.DOTALL)
-_FIELD = re.compile(r"^(?:const\s+)?([A-Za-z_][\w ]*?)\s*(\*?)\s*([A-Za-z_]\w*)\s*;$")
+_STRUCT = re.compile(r"^struct\s+(?:__align__\((\d+)\)\s+)?(\w+)\s*\{(.*?)^\};",
+                     re.MULTILINE | re.DOTALL)
+_FIELD = re.compile(
+    r"^(?:const\s+)?([A-Za-z_][\w ]*?)\s*(\*?)\s*([A-Za-z_]\w*)\s*(?:\[(\d+)\])?\s*;$")
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,10 @@ def parse_layouts(text: str) -> dict[str, StructLayout]:
     """Every struct of a kernel_params.cuh text, in order of definition."""
     layouts: dict[str, StructLayout] = {}
     for match in _STRUCT.finditer(text):
-        name, body = match.groups()
+        declared_alignment, name, body = match.groups()
         names, formats, offsets = [], [], []
         flat, pointers = {}, set()
-        offset, alignment = 0, 1
+        offset, alignment = 0, int(declared_alignment or 1)
         for raw in body.splitlines():
             line = raw.split("//", 1)[0].strip()
             if not line:
@@ -59,8 +63,14 @@ def parse_layouts(text: str) -> dict[str, StructLayout]:
             if field is None:
                 raise ValueError(f"{PARAMS_HEADER}: struct {name}: cannot read the field "
                                  f"{line!r} (one `type name;` a line)")
-            ctype, star, fname = field.groups()
-            if star:
+            ctype, star, fname, length = field.groups()
+            if length is not None:
+                if star or ctype not in _ARRAY_ELEMENTS:
+                    raise ValueError(f"{PARAMS_HEADER}: struct {name}: arrays of {ctype!r}{star} "
+                                     "are not supported")
+                element, field_align = _ARRAY_ELEMENTS[ctype]
+                fmt = numpy.dtype((element, (int(length),)))
+            elif star:
                 fmt, size_align = _POINTER
                 field_align = size_align
                 pointers.add(fname)

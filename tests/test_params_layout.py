@@ -67,3 +67,24 @@ def test_a_wrong_offset_fails_the_probe():
         f'CF2_OFFSETOF(FwdParams, seqlen_q) == {_params.layout("FwdParams").offsets["seqlen_q"] + 4}')
     with pytest.raises(RuntimeError, match="FwdParams.seqlen_q"):
         _compile.compile_probe(source)
+
+
+def test_parser_reads_declared_alignment_and_fixed_arrays():
+    text = ("struct __align__(64) Map {\n    unsigned long long v[16];\n};\n"
+            "struct P {\n    Map a;\n    int n;\n};\n")
+    parsed = _params.parse_layouts(text)
+    assert (parsed["Map"].size, parsed["Map"].alignment) == (128, 64)
+    assert parsed["Map"].dtype.fields["v"][0].shape == (16,)
+    assert parsed["P"].offsets == {"a": 0, "a.v": 0, "n": 128}
+    assert (parsed["P"].size, parsed["P"].alignment) == (192, 64)
+    with pytest.raises(ValueError, match="not supported"):
+        _params.parse_layouts("struct S {\n    int v[4];\n};\n")
+
+
+def test_hopper_params_keep_the_tensor_maps_aligned():
+    sm90 = _params.layout("FwdSm90Params")
+    assert sm90.alignment == 64
+    assert [sm90.offsets[m] for m in ("q_map", "k_map", "v_map")] == [0, 128, 256]
+    base = sm90.offsets["base"]
+    assert sm90.offsets["base.seqlen_q"] == base + _params.layout("FwdParams").offsets["seqlen_q"]
+    assert "base.q" in sm90.pointers and "base.out" in sm90.pointers
