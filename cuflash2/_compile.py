@@ -72,6 +72,23 @@ _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
+def arch_options(config) -> tuple:
+    """Options a config adds to NVRTC_OPTIONS: `-arch=sm_90a` for one with `arch_suffix` "a"
+    (wgmma and setmaxnreg need the architecture-specific target). On the GPU path CuPy appends its
+    own `-arch=sm_<cc>`; NVRTC 13 given both keeps `.target sm_90a` (seen on the H200)."""
+    suffix = getattr(config, "arch_suffix", "")
+    return (f"-arch=sm_{config.arch}{suffix}",) if suffix else ()
+
+
+def target_arch(config, arch: int) -> str:
+    """The `-arch` value of a CPU compile of `config` for sm_`arch`: `90a` where the config asks
+    for the architecture-specific target (it must then be built for its own `arch`)."""
+    suffix = getattr(config, "arch_suffix", "")
+    if suffix and arch != config.arch:
+        raise ValueError(f"{config.name_expression} is built for sm_{config.arch}{suffix} only")
+    return f"{arch}{suffix}"
+
+
 def get_kernel(config, device_id: int):
     """The compiled kernel function for `config` on device `device_id` (compiled once)."""
     key = (config, device_id)
@@ -84,7 +101,7 @@ def get_kernel(config, device_id: int):
             import cupy
 
             module = cupy.RawModule(code=specialisation_source(config),
-                                    options=NVRTC_OPTIONS,
+                                    options=NVRTC_OPTIONS + arch_options(config),
                                     name_expressions=[config.name_expression])
             fn = module.get_function(config.name_expression)
             if config.smem_bytes > 48 * 1024:
@@ -130,7 +147,8 @@ def _nvrtc_log(prog, nvrtc) -> str:
 
 
 def compile_report(config, arch: int) -> CompileReport:
-    """Compiles `config` to a cubin for sm_`arch` with NVRTC and returns ptxas's report."""
+    """Compiles `config` to a cubin for sm_`arch` (sm_90a for a config whose `arch_suffix` is
+    "a") with NVRTC and returns ptxas's report."""
     from cuda.bindings import nvrtc
 
     source = specialisation_source(config).encode()
@@ -140,7 +158,7 @@ def compile_report(config, arch: int) -> CompileReport:
         _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, config.name_expression.encode()),
                      "add name expression", prog, nvrtc)
         options = [o.encode() for o in NVRTC_OPTIONS] + [
-            f"-arch=sm_{arch}".encode(), b"--ptxas-options=-v"]
+            f"-arch=sm_{target_arch(config, arch)}".encode(), b"--ptxas-options=-v"]
         _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog,
                      nvrtc)
         log = _nvrtc_log(prog, nvrtc)

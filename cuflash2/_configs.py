@@ -184,6 +184,79 @@ def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Hopper forward (cuda_src/flash_fwd_sm90.cu; docs/HOPPER_FWD.md): compiled for sm_90a, not yet
+# dispatched (it has not run on a GPU).
+
+#: Head dims of the Hopper forward so far.
+SM90_FWD_HEAD_DIMS = (64, 128)
+#: The features it takes: the score modifiers (varlen and dropout stay on the mma.sync kernel).
+SM90_FWD_FEATURES = SCORE_MOD_FEATURES
+
+
+@dataclass(frozen=True)
+class FwdSm90Config:
+    """One specialisation of the Hopper forward: a producer warpgroup (TMA) and block_m / 64
+    consumer warpgroups (wgmma) of 128 threads; K/V tiles in a ring of `stages`."""
+
+    dtype: str
+    head_dim: int  # 64 or 128
+    block_m: int = 128  # query rows per CTA: 64 per consumer warpgroup
+    block_n: int = 128  # keys per K/V tile
+    stages: int = 2
+    features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
+
+    #: The compile target's suffix: sm_90a (wgmma, setmaxnreg), never plain sm_90.
+    arch_suffix = "a"
+    #: The architecture it is built for.
+    arch = 90
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.block_m // 64)
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q tile + stages x (K tile + V tile), 2 bytes an element, + 1 KiB to align the base to
+        # 1024 B by hand (FwdSm90Traits::SMEM_BYTES). The mbarriers are static shared memory.
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + 1024
+
+    @property
+    def source_file(self) -> str:
+        return "flash_fwd_sm90.cu"
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_fwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}>")
+
+    @property
+    def probes(self) -> str:
+        traits = (f"FwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
+                  f"{self.block_n}, {self.stages}>")
+        return _traits_probes(traits, self) + (
+            f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
+            "\"setmaxnreg budget\");\n")
+
+
+#: Registers of a consumer thread after setmaxnreg.inc (FwdSm90Traits::CONSUMER_REGISTERS).
+SM90_CONSUMER_REGISTERS = 240
+
+
+def fwd_sm90_config(dtype: str, head_dim: int) -> FwdSm90Config:
+    """The Hopper forward's tile for `head_dim` (64 or 128): 128 x 128, two stages (FA3's
+    non-causal d=128 tile is 128 x 176; the ping-pong schedule that needs is a later step)."""
+    if head_dim not in SM90_FWD_HEAD_DIMS:
+        raise ValueError(f"the Hopper forward has head dims {SM90_FWD_HEAD_DIMS}, not {head_dim}")
+    return FwdSm90Config(dtype, head_dim)
+
+
+def all_fwd_sm90_configs(features=(0,)) -> list[FwdSm90Config]:
+    """Every Hopper forward specialisation (for each of `features`)."""
+    return [with_features(fwd_sm90_config(dtype, d), f) for f in features
+            for dtype in DTYPE_TAGS for d in SM90_FWD_HEAD_DIMS]
+
+
+# ---------------------------------------------------------------------------------------------
 # Backward
 
 

@@ -1,0 +1,332 @@
+// FlashAttention-2 forward (Dao, 2023, Algorithm 1) for Hopper (sm_90a): wgmma, TMA and warp
+// specialisation.
+//
+// The algorithm is the one of flash_fwd.cu: Q is the outer loop, one CTA owns BLOCK_M query rows
+// of one head and walks over the KV tiles those rows can see, from the last one down (under
+// causal masking the masked diagonal tiles come first); per KV tile j
+//   S = Q K_j^T -> score modifiers, mask (boundary tiles only) -> online softmax on the
+//   unnormalised output (exp2 with the folded scale; online_softmax.cuh) -> O += P V_j,
+// and 1 / l is applied once, after the last tile, with the lse written beside O.
+//
+// What Hopper changes is who does what:
+//  - warpgroup 0 is the producer: it gives most of its registers away (setmaxnreg.dec) and one
+//    of its threads issues TMA loads: the Q tile once, then K_j and V_j into a STAGES-deep ring
+//    of shared-memory stages. Each stage has three mbarriers: k_full and v_full complete when
+//    the TMA has written the tile (arrive.expect_tx + the copy's bytes), kv_empty when every
+//    consumer thread has finished reading the stage.
+//  - warpgroups 1 .. BLOCK_M / 64 are consumers (setmaxnreg.inc). Each owns 64 query rows, each
+//    of its warps 16 of them (per-warp Q partitioning, as in the mma.sync kernel): K and V tiles
+//    are shared read-only, no output is ever reduced across warps. S = Q K_j^T is a wgmma with
+//    both operands from shared-memory descriptors; P goes from the S accumulator into A-operand
+//    registers (the same packing as the mma.sync kernel: the accumulator and A layouts agree, see
+//    hopper_primitives.cuh) and O += P V_j is a wgmma with A from registers.
+// Out-of-range rows need no code in the loads: the tensor maps cover each (batch, head)'s own
+// rows and head dim, and the TMA zero-fills what lies outside (query rows past seqlen_q, keys
+// past seqlen_k, columns past the head dim). A zero K row scores 0 and is masked (the last tile
+// is a boundary tile); a zero V row adds nothing. Stores of O and lse are guarded by row (and O
+// by head-dim chunk).
+//
+// Verified so far: it compiles for sm_90a (tests/test_compile_sm90.py: no spills, setmaxnreg
+// honoured). It has not yet run on a GPU (benchmarks/dev/hopper_fwd_check.py is the first run).
+//
+// TODO (next steps, docs/HOPPER_FWD.md):
+//  - ping-pong between the consumer warpgroups (named barriers: one's softmax under the other's
+//    GEMMs);
+//  - overlap inside a warpgroup: issue S_{j+1} = Q K_{j+1}^T before the softmax of tile j and
+//    wait for it after (wgmma.wait_group 1), releasing K and V of a stage separately;
+//  - head dims 96, 192, 256; varlen; dropout; dispatch from cuflash2.attention.
+#include "hopper_primitives.cuh"
+#include "masking.cuh"
+#include "online_softmax.cuh"
+#include "score_mods.cuh"
+#include "kernel_params.cuh"
+
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
+struct FwdSm90Traits {
+    static constexpr int WARPGROUP_THREADS = 128;
+    static constexpr int ROWS_PER_WARPGROUP = 64;  // the M of wgmma
+    static constexpr int CONSUMER_WARPGROUPS = BLOCK_M / ROWS_PER_WARPGROUP;
+    static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
+    static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
+    // Registers a thread: what ptxas may use at entry (the register file over the threads), and
+    // the split after setmaxnreg. 24 x 128 + 240 x 256 = 64512 <= 65536.
+    static constexpr int ENTRY_REGISTERS = (65536 / THREADS) / 8 * 8;
+    static constexpr int PRODUCER_REGISTERS = 24;
+    static constexpr int CONSUMER_REGISTERS = 240;
+
+    // Tiles in shared memory are what the TMA writes with 128-byte swizzle: panels of 64 columns
+    // (128-byte rows), one after the other; a tile of R rows is HEAD_DIM / 64 panels of R * 128 B.
+    static constexpr int PANEL_COLS = 64;
+    static constexpr int ROW_BYTES = PANEL_COLS * 2;
+    static constexpr int PANELS = HEAD_DIM / PANEL_COLS;
+    static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;
+    static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
+    static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
+    static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
+    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile, then V tile
+    // The dynamic shared memory base is aligned to 1024 B by hand (the swizzle pattern repeats
+    // every 8 rows = 1024 B, and the descriptors' base offset is 0): 1024 B of slack.
+    static constexpr int SMEM_ALIGN = 1024;
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES + SMEM_ALIGN;
+
+    static constexpr int DIM = HEAD_DIM;
+    static constexpr int KEYS_PER_TILE = BLOCK_N;
+    static constexpr int N_TILES = BLOCK_N / 8;    // n8 column groups of S (accumulator layout)
+    static constexpr int D_TILES = HEAD_DIM / 8;   // n8 column groups of O
+    static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of Q K^T (over the head dim)
+    static constexpr int PV_STEPS = BLOCK_N / 16;   // k16 steps of P V (over the keys)
+
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "wgmma N of P V: 64 or 128");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of Q K^T: 64 or 128");
+    static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
+    static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
+    static_assert(STAGES >= 2, "a ring of at least two K/V stages");
+    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS +
+                          CONSUMER_REGISTERS * CONSUMER_THREADS <= 65536,
+                  "the setmaxnreg split fits the register file");
+    static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
+};
+
+// Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the
+// 128-byte-swizzled panel layout: panels of PANEL_BYTES, 128-byte rows, chunk c of row r at slot
+// c ^ (r % 8) of its row (what the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B).
+template <int PANEL_BYTES>
+CF2_DEVICE u32 swizzled_chunk(u32 tile, int row, int chunk) {
+    return tile + (chunk / 8) * PANEL_BYTES + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+// S = Q K^T for this warpgroup's 64 rows: QK_STEPS wgmmas, both operands K-major from their
+// descriptors. The k16 step kk lies in panel kk / 4, 32 * (kk % 4) bytes into its 128-byte rows.
+template <typename Elem, class T>
+CF2_DEVICE void gemm_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
+    pin_registers(acc_s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T::QK_STEPS; ++kk) {
+        const u32 step = 32 * (kk % 4);
+        const u64 a = smem_matrix_descriptor(q_rows + (kk / 4) * T::Q_PANEL_BYTES + step, 16, 1024);
+        const u64 b = smem_matrix_descriptor(k_tile + (kk / 4) * T::KV_PANEL_BYTES + step, 16, 1024);
+        wgmma_ss<Elem, T::KEYS_PER_TILE>(acc_s, a, b, kk > 0);  // k-step 0 overwrites S
+    }
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    pin_registers(acc_s);
+}
+
+// O += P V: PV_STEPS wgmmas, P (this warp's 16 rows x 16 keys per step) from registers, V from
+// its descriptor as the MN-major B operand: the k16 step ks (keys 16 ks ..) starts 16 * 128 B
+// further, SBO = 1024 B between groups of 8 keys, LBO = one panel between groups of 64 columns.
+template <typename Elem, class T>
+CF2_DEVICE void gemm_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
+    pin_registers(acc_o);
+    pin_registers(p);
+    wgmma_fence();  // P and the rescaled O were written by ordinary instructions
+#pragma unroll
+    for (int ks = 0; ks < T::PV_STEPS; ++ks) {
+        const u64 b = smem_matrix_descriptor(v_tile + 16 * 128 * ks, T::KV_PANEL_BYTES, 1024);
+        wgmma_rs_trans_b<Elem, T::DIM>(acc_o, p[ks], b, 1);
+    }
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    pin_registers(acc_o);
+    pin_registers(p);
+}
+
+// The mbarriers of the CTA (static shared memory, 8-byte aligned).
+template <int STAGES>
+struct FwdSm90Barriers {
+    u64 q_full;             // the Q tile landed
+    u64 k_full[STAGES];     // K tile of the stage landed
+    u64 v_full[STAGES];     // V tile of the stage landed
+    u64 kv_empty[STAGES];   // every consumer thread is done with the stage's K and V
+};
+
+// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0. Varlen and dropout
+// stay on the mma.sync kernel for now. The parameters: FwdSm90Params (kernel_params.cuh).
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES>
+__global__ void __launch_bounds__(FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::THREADS, 1)
+flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
+    using T = FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
+    static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
+                  "varlen and dropout run on the mma.sync kernel");
+    const FwdParams& p = params.base;
+
+    extern __shared__ unsigned char smem[];
+    __shared__ FwdSm90Barriers<STAGES> bars;
+    const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
+    const u32 q_smem = smem_base;
+    const u32 kv_smem = q_smem + T::Q_BYTES;  // stage s: K at + s * STAGE_BYTES, V after it
+    const u32 q_full = smem_address(&bars.q_full);
+
+    // With an upper limit on keys (causal), later Q blocks see more keys: start those first so
+    // that the long CTAs do not form the tail of the grid.
+    const int m_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z + p.batch_offset;
+    const int kv_head = head / p.heads_per_kv_head;
+    const int row_first = m_block * BLOCK_M;
+    const int row_last = min(row_first + BLOCK_M, p.seqlen_q) - 1;
+
+    const KeyVisibility vis{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
+    int tile_first, tile_end;
+    vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
+
+    u16* o_block = p.out + batch * p.o_batch_stride + head * p.o_head_stride +
+                   row_first * p.o_row_stride;
+    float* lse_block = p.lse + (static_cast<i64>(batch) * p.nheads + head) * p.seqlen_q + row_first;
+    const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in each row
+
+    if (tile_end <= tile_first) {
+        // No row of this block sees any key: output 0, lse +inf (the whole CTA, before any role).
+        const u32 zeros[4] = {0u, 0u, 0u, 0u};
+        for (int idx = threadIdx.x; idx < BLOCK_M * (HEAD_DIM / 8); idx += T::THREADS) {
+            const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
+            if (row_first + row < p.seqlen_q && chunk < head_chunks)
+                store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
+        }
+        for (int row = threadIdx.x; row < BLOCK_M; row += T::THREADS)
+            if (row_first + row < p.seqlen_q) lse_block[row] = pos_inf();
+        return;
+    }
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(q_full, 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(smem_address(&bars.k_full[s]), 1);  // the producer's expect_tx arrival
+            mbarrier_init(smem_address(&bars.v_full[s]), 1);
+            mbarrier_init(smem_address(&bars.kv_empty[s]), T::CONSUMER_THREADS);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    // Ring position of the j-th tile visited (tile = tile_end - 1 - j): stage j % STAGES, whose
+    // barriers are in their (j / STAGES)-th phase.
+    const int warpgroup = threadIdx.x / T::WARPGROUP_THREADS;
+    if (warpgroup == 0) {
+        // ---- producer ----
+        setmaxnreg_dec<T::PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) {
+            mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
+#pragma unroll
+            for (int panel = 0; panel < T::PANELS; ++panel)
+                tma_load_4d(q_smem + panel * T::Q_PANEL_BYTES, params.q_map, q_full,
+                            T::PANEL_COLS * panel, row_first, head, batch);
+            for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
+                const int stage = j % STAGES;
+                const u32 phase = (j / STAGES) & 1;
+                // Wait until the consumers released the stage's previous tile (the first pass
+                // over the ring waits for parity 1 of fresh barriers: it passes at once).
+                mbarrier_wait(smem_address(&bars.kv_empty[stage]), phase ^ 1);
+                const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
+                const u32 v_tile = k_tile + T::KV_TILE_BYTES;
+                const u32 k_full = smem_address(&bars.k_full[stage]);
+                const u32 v_full = smem_address(&bars.v_full[stage]);
+                mbarrier_arrive_expect_tx(k_full, T::KV_TILE_BYTES);
+#pragma unroll
+                for (int panel = 0; panel < T::PANELS; ++panel)
+                    tma_load_4d(k_tile + panel * T::KV_PANEL_BYTES, params.k_map, k_full,
+                                T::PANEL_COLS * panel, tile * BLOCK_N, kv_head, batch);
+                mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
+#pragma unroll
+                for (int panel = 0; panel < T::PANELS; ++panel)
+                    tma_load_4d(v_tile + panel * T::KV_PANEL_BYTES, params.v_map, v_full,
+                                T::PANEL_COLS * panel, tile * BLOCK_N, kv_head, batch);
+            }
+        }
+    } else {
+        // ---- consumers: warpgroup 1 + c owns rows 64 c .. 64 c + 63 of the tile ----
+        setmaxnreg_inc<T::CONSUMER_REGISTERS>();
+        const int consumer = warpgroup - 1;
+        const int warp = (threadIdx.x / 32) % 4;  // in the warpgroup: rows 16 warp .. + 15
+        const int lane = threadIdx.x % 32;
+        const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;  // in the tile
+        // This warpgroup's rows in every panel of Q (A operand of S = Q K^T).
+        const u32 q_rows = q_smem + wg_row0 * T::ROW_BYTES;
+
+        // The unnormalised output, as one m16 tile a warp (the layout online_softmax.cuh takes).
+        float acc_o[1][T::D_TILES][4];
+#pragma unroll
+        for (int dt = 0; dt < T::D_TILES; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+        OnlineSoftmax<1> softmax;  // one m16 tile a warp: this thread's rows g and g + 8
+        ScoreMods<FEATURES> mods(p.mods, p.seqlen_q, p.seqlen_k);
+        mods.select_head(p.mods, batch, head);
+
+        // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or
+        // the sequence tail and need masking; the others run without any masking code. The range
+        // is the CTA's (the producer loads the same tiles for both warpgroups).
+        int unmasked_lo, unmasked_hi;
+        vis.unmasked_tile_range(row_first, row_last, BLOCK_N, unmasked_lo, unmasked_hi);
+
+        mbarrier_wait(q_full, 0);
+        for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
+            const int stage = j % STAGES;
+            const u32 phase = (j / STAGES) & 1;
+            const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
+            const u32 v_tile = k_tile + T::KV_TILE_BYTES;
+            const int key0 = tile * BLOCK_N;
+
+            // S = Q K_j^T, in the mma.sync accumulator layout of one m16 tile per warp.
+            float acc_s[1][T::N_TILES][4];
+            mbarrier_wait(smem_address(&bars.k_full[stage]), phase);
+            gemm_qk<Elem, T>(acc_s[0], q_rows, k_tile);
+
+            // This thread's first accumulator row (query index) and key.
+            const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
+            const int thread_key0 = key0 + 2 * (lane % 4);
+            if constexpr (FEATURES != 0) mods.apply(acc_s, thread_row0, thread_key0);
+            if (tile < unmasked_lo || tile >= unmasked_hi)
+                mask_scores<1, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
+
+            // Online softmax: new running max (O and l rescaled where it moved), then P = exp2(S
+            // * scale_log2 - m) packed to 16 bits as the A operand of P V, one k16 slice at a time.
+            softmax.update_max(acc_s, acc_o, p.scale_log2);
+            u32 p_frag[T::PV_STEPS][4];
+#pragma unroll
+            for (int ks = 0; ks < T::PV_STEPS; ++ks)
+                softmax.template exp_pack<Elem>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1],
+                                                0, p.scale_log2);
+
+            // O += P V_j, then hand the stage back to the producer.
+            mbarrier_wait(smem_address(&bars.v_full[stage]), phase);
+            gemm_pv<Elem, T>(acc_o[0], p_frag, v_tile);
+            mbarrier_arrive(smem_address(&bars.kv_empty[stage]));
+        }
+
+        // Epilogue: divide by l once; stage the tile through this warpgroup's own rows of the Q
+        // buffer (no other warpgroup reads them, and its last wgmma reading them has completed),
+        // in the same swizzled layout, then write 16-byte row chunks to global memory.
+        float inv_sum[2], row_lse[2];
+        softmax.finalize(p.softmax_scale, inv_sum, row_lse);
+        fence_proxy_async_shared();  // Q was last read by wgmma (async proxy); now plain stores
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = wg_row0 + 16 * warp + 8 * half + lane / 4;  // in the tile
+#pragma unroll
+            for (int dt = 0; dt < T::D_TILES; ++dt) {
+                const u32 packed = pack_pair<Elem>(acc_o[0][dt][2 * half] * inv_sum[half],
+                                                   acc_o[0][dt][2 * half + 1] * inv_sum[half]);
+                store_4B_shared(swizzled_chunk<T::Q_PANEL_BYTES>(q_smem, row, dt) + 4 * (lane % 4),
+                                packed);
+            }
+            if (lane % 4 == 0 && row_first + row < p.seqlen_q) lse_block[row] = row_lse[half];
+        }
+        named_barrier_sync(1 + consumer, T::WARPGROUP_THREADS);
+        const int tid = threadIdx.x % T::WARPGROUP_THREADS;
+        constexpr int CHUNKS = HEAD_DIM / 8;
+#pragma unroll
+        for (int i = 0; i < T::ROWS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
+            const int idx = tid + T::WARPGROUP_THREADS * i;
+            const int row = wg_row0 + idx / CHUNKS;
+            const int chunk = idx % CHUNKS;
+            if (row_first + row < p.seqlen_q && chunk < head_chunks) {
+                u32 vals[4];
+                load_16B_shared(vals, swizzled_chunk<T::Q_PANEL_BYTES>(q_smem, row, chunk));
+                store_16B_global(o_block + row * p.o_row_stride + chunk * 8, vals);
+            }
+        }
+    }
+}

@@ -1,0 +1,91 @@
+"""NVRTC compilation of the Hopper forward (cuda_src/flash_fwd_sm90.cu) for sm_90a (CPU, no GPU).
+
+Every FwdSm90Config is compiled with ptxas's resource report. The kernel relies on two things
+ptxas can silently take away: the setmaxnreg register split (ptxas ignores it, printing C7508 as
+an *info* line, unless it knows the register count at entry) and spill-free consumers. So: it
+compiles, uses no more registers at entry than 384 threads may have, spills nothing, and the log
+has no C7508.
+"""
+
+import re
+
+import pytest
+
+from cuflash2 import _compile, _configs
+
+CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES)
+MAX_SMEM_SM90 = 227 * 1024
+
+
+@pytest.fixture(scope="module")
+def nvrtc_available():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="install the test extra: pip install '.[test]'")
+
+
+def _entry_registers(config) -> int:
+    """What ptxas may give a thread at entry: the register file over the CTA's threads, in
+    multiples of 8; setmaxnreg moves registers between warpgroups from there."""
+    return 65536 // config.threads // 8 * 8
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.dtype}-d{c.head_dim}-f{c.features}")
+def test_hopper_forward_compiles_without_spills(config, nvrtc_available):
+    report = _compile.compile_report(config, 90)
+    print(f"sm_90a {config.name_expression}: {report.registers} registers, "
+          f"{report.spill_stores}/{report.spill_loads} bytes spilled, "
+          f"{report.stack_bytes} bytes stack, {config.smem_bytes} bytes smem")
+    assert report.cubin_bytes > 0
+    assert report.registers <= _entry_registers(config), report.log
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert "C7508" not in report.log, report.log  # setmaxnreg honoured
+    assert config.smem_bytes <= MAX_SMEM_SM90
+
+
+def test_setmaxnreg_check_detects_c7508(nvrtc_available):
+    """The control: without __launch_bounds__ ptxas ignores setmaxnreg and says so with C7508,
+    so the assertion above can fail."""
+    config = _configs.fwd_sm90_config("bfloat16", 64)
+    source = _compile.specialisation_source(config)
+    stripped, n = re.subn(r"__launch_bounds__\(FwdSm90Traits<[^\n]*?>::THREADS, 1\)", "", source)
+    assert n == 1
+    from cuda.bindings import nvrtc
+
+    _, prog = nvrtc.nvrtcCreateProgram(stripped.encode(), b"flash_fwd_sm90.cu", 0, [], [])
+    try:
+        nvrtc.nvrtcAddNameExpression(prog, config.name_expression.encode())
+        options = [b"-std=c++17", b"-arch=sm_90a", b"--ptxas-options=-v"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        log = _compile._nvrtc_log(prog, nvrtc)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    assert int(err) == 0, log
+    assert "C7508" in log
+
+
+def test_hopper_configs_target_sm90a_only():
+    config = _configs.fwd_sm90_config("float16", 128)
+    assert _compile.target_arch(config, 90) == "90a"
+    assert _compile.arch_options(config) == ("-arch=sm_90a",)
+    with pytest.raises(ValueError, match="sm_90a only"):
+        _compile.target_arch(config, 80)
+    plain = _configs.fwd_config("float16", 128, 90)
+    assert _compile.target_arch(plain, 90) == "90" and _compile.arch_options(plain) == ()
+
+
+def test_hopper_config_shapes():
+    for config in CONFIGS:
+        assert config.threads == 384 and config.block_m == 128 and config.block_n == 128
+        assert config.stages == 2 and config.head_dim in (64, 128)
+        assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
+    with pytest.raises(ValueError):
+        _configs.fwd_sm90_config("float16", 96)
+
+
+def test_hopper_source_uses_the_hopper_instructions():
+    source = _compile.kernel_source("flash_fwd_sm90.cu")
+    assert '#include "' not in source
+    for marker in ("wgmma.mma_async.sync.aligned.", "wgmma.fence.sync.aligned",
+                   "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes",
+                   "mbarrier.try_wait.parity.shared::cta.b64", "setmaxnreg.inc.sync.aligned.u32",
+                   "struct OnlineSoftmax", "struct KeyVisibility", "struct FwdSm90Params"):
+        assert marker in source
