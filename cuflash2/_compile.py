@@ -73,11 +73,13 @@ _modules_lock = threading.Lock()
 
 
 def arch_options(config) -> tuple:
-    """Options a config adds to NVRTC_OPTIONS: `-arch=sm_90a` for one with `arch_suffix` "a"
-    (wgmma and setmaxnreg need the architecture-specific target). On the GPU path CuPy appends its
-    own `-arch=sm_<cc>`; NVRTC 13 given both keeps `.target sm_90a` (seen on the H200)."""
+    """Options a config adds to NVRTC_OPTIONS on the GPU path: `-arch=sm_90a` for one with
+    `arch_suffix` "a" (wgmma and setmaxnreg need the architecture-specific target; CuPy appends
+    its own `-arch=sm_<cc>`, and NVRTC 13 given both keeps `.target sm_90a`, seen on the H200),
+    and the config's `extra_options` (debugging defines), if any."""
     suffix = getattr(config, "arch_suffix", "")
-    return (f"-arch=sm_{config.arch}{suffix}",) if suffix else ()
+    arch = (f"-arch=sm_{config.arch}{suffix}",) if suffix else ()
+    return arch + tuple(getattr(config, "extra_options", ()))
 
 
 def target_arch(config, arch: int) -> str:
@@ -157,8 +159,8 @@ def compile_report(config, arch: int) -> CompileReport:
     try:
         _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, config.name_expression.encode()),
                      "add name expression", prog, nvrtc)
-        options = [o.encode() for o in NVRTC_OPTIONS] + [
-            f"-arch=sm_{target_arch(config, arch)}".encode(), b"--ptxas-options=-v"]
+        options = [o.encode() for o in NVRTC_OPTIONS + tuple(getattr(config, "extra_options", ()))]
+        options += [f"-arch=sm_{target_arch(config, arch)}".encode(), b"--ptxas-options=-v"]
         _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog,
                      nvrtc)
         log = _nvrtc_log(prog, nvrtc)

@@ -204,6 +204,9 @@ class FwdSm90Config:
     block_n: int = 128  # keys per K/V tile
     stages: int = 2
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
+    #: Debugging build: mbarrier waits trap after ~2 s instead of hanging (hopper_primitives.cuh;
+    #: its trap makes ptxas spill, so never for timing).
+    watchdog: bool = False
 
     #: The compile target's suffix: sm_90a (wgmma, setmaxnreg), never plain sm_90.
     arch_suffix = "a"
@@ -213,6 +216,10 @@ class FwdSm90Config:
     @property
     def threads(self) -> int:
         return 128 * (1 + self.block_m // 64)
+
+    @property
+    def extra_options(self) -> tuple:
+        return ("-DCF2_MBARRIER_WATCHDOG",) if self.watchdog else ()
 
     @property
     def smem_bytes(self) -> int:

@@ -1,0 +1,161 @@
+"""First GPU run of the Hopper forward (cuda_src/flash_fwd_sm90.cu; docs/HOPPER_FWD.md).
+
+On an H100/H200 (sm_90), from the repository root:
+
+    python benchmarks/dev/hopper_fwd_check.py              # correctness, then timing
+    python benchmarks/dev/hopper_fwd_check.py --watchdog   # debugging build: a stuck mbarrier
+                                                           # wait traps after ~2 s, no hang
+    python benchmarks/dev/hopper_fwd_check.py --no-time
+
+1. Correctness: the kernel (through cuflash2._hopper.prepare_forward_sm90, not the public API:
+   it is not dispatched yet) on random inputs of a few shapes (head dim 64/128 and 96 padded to
+   128, fp16/bf16, causal on/off, a window, odd lengths, seqlen_q != seqlen_k both ways, GQA,
+   MQA, q/k/v as strided views of a packed qkv, a one-token problem), outputs poisoned with NaN
+   first, checked against cuflash2.reference with cuflash2.testing.check_forward (out and lse).
+2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 1k, 4k and 16k
+   tokens, fp16/bf16, d 64/128, causal on/off, next to cuflash2.attention (the mma.sync kernel).
+
+Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+import numpy
+
+# (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, dtype, causal, window, packed qkv)
+CASES = [
+    (2, 1024, 1024, 8, 8, 128, "bfloat16", False, (-1, -1), False),
+    (2, 1024, 1024, 8, 8, 64, "float16", True, (-1, -1), False),
+    (2, 1024, 1024, 8, 8, 128, "float16", True, (-1, -1), False),
+    (2, 1024, 1024, 8, 8, 64, "bfloat16", False, (-1, -1), False),
+    (1, 333, 517, 4, 4, 128, "float16", False, (-1, -1), False),
+    (1, 517, 333, 4, 4, 64, "bfloat16", True, (-1, -1), False),  # rows that see no key
+    (1, 333, 517, 4, 4, 128, "bfloat16", True, (-1, -1), False),
+    (2, 1000, 1000, 8, 2, 128, "bfloat16", True, (-1, -1), False),  # GQA
+    (1, 257, 257, 4, 1, 64, "float16", False, (-1, -1), False),  # MQA
+    (1, 700, 900, 4, 4, 128, "bfloat16", False, (128, 64), False),  # window
+    (1, 700, 900, 4, 4, 64, "float16", False, (200, -1), False),  # left edge only
+    (1, 300, 300, 2, 2, 96, "float16", True, (-1, -1), False),  # d=96 through the d=128 kernel
+    (2, 129, 129, 4, 4, 64, "bfloat16", True, (-1, -1), True),  # strided views of packed qkv
+    (1, 1, 1, 1, 1, 64, "float16", False, (-1, -1), False),
+]
+
+TIMING_SEQLENS = (1024, 4096, 16384)
+TOKENS = 16384
+HIDDEN = 2048
+
+
+def _dtype(name):
+    import ml_dtypes
+
+    return numpy.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else numpy.dtype(name)
+
+
+def _inputs(cupy, case, seed):
+    from cuflash2 import testing
+
+    batch, sq, sk, h, hkv, d, dtype, _, _, packed = case
+    if packed:
+        rng = numpy.random.default_rng(seed)
+        qkv = cupy.asarray(rng.standard_normal((batch, sq, 3, h, d), numpy.float32)
+                           .astype(_dtype(dtype)))
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    return testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, _dtype(dtype), seed)
+
+
+def _config(dtype, head_dim, watchdog):
+    from cuflash2 import _configs
+
+    kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+    return dataclasses.replace(_configs.fwd_sm90_config(dtype, kernel_dim), watchdog=watchdog)
+
+
+def check(cupy, watchdog):
+    from cuflash2 import _hopper, testing
+
+    failures = 0
+    for i, case in enumerate(CASES):
+        batch, sq, sk, h, hkv, d, dtype, causal, window, packed = case
+        label = (f"b{batch} sq{sq} sk{sk} h{h}/{hkv} d{d} {dtype} causal={int(causal)} "
+                 f"window={window}{' packed' if packed else ''}")
+        q, k, v = _inputs(cupy, case, seed=i)
+        prepared = _hopper.prepare_forward_sm90(q, k, v, causal=causal, window_size=window,
+                                                config=_config(dtype, d, watchdog))
+        prepared.out[...] = testing.poison_like(cupy, prepared.out.shape, prepared.out.dtype)
+        prepared.lse.fill(math.nan)
+        try:
+            out, lse = prepared.run()
+            cupy.cuda.Device().synchronize()
+        except Exception as error:  # a fault leaves the context unusable: stop here
+            print(f"FAIL  {label}: {type(error).__name__}: {error}", flush=True)
+            return failures + 1
+        results = testing.check_forward(q, k, v, out, lse, causal=causal, window_size=window)
+        ok = all(r.ok for r in results)
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'}  {label}: " + "; ".join(str(r) for r in results),
+              flush=True)
+    return failures
+
+
+def _time(cupy, fn, iters):
+    for _ in range(3):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / iters
+
+
+def timing(cupy, iters):
+    import cuflash2
+    from cuflash2 import _hopper, testing
+
+    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'hopper ms':>10} {'TFLOP/s':>8} "
+          f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}")
+    for dtype in ("float16", "bfloat16"):
+        for d in (64, 128):
+            for causal in (False, True):
+                for seqlen in TIMING_SEQLENS:
+                    batch, heads = TOKENS // seqlen, HIDDEN // d
+                    q, k, v = testing.random_qkv(cupy, batch, seqlen, seqlen, heads, heads, d,
+                                                 _dtype(dtype), seed=seqlen)
+                    prepared = _hopper.prepare_forward_sm90(q, k, v, causal=causal)
+                    t_new = _time(cupy, prepared.run, iters)
+                    t_old = _time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal), iters)
+                    flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+                    print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {t_new:>10.4f} "
+                          f"{flop / t_new / 1e9:>8.1f} {t_old:>11.4f} {flop / t_old / 1e9:>8.1f} "
+                          f"{t_old / t_new:>7.3f}x", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--watchdog", action="store_true",
+                        help="debugging build: mbarrier waits trap after ~2 s (spills; not timed)")
+    parser.add_argument("--no-time", action="store_true", help="correctness only")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    import cupy
+
+    cc = cupy.cuda.Device().compute_capability
+    if cc != "90":
+        print(f"needs an sm_90 GPU (H100/H200); this one is sm_{cc}")
+        return 2
+    failures = check(cupy, args.watchdog)
+    print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'}")
+    if failures or args.no_time or args.watchdog:
+        return 1 if failures else 0
+    timing(cupy, args.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

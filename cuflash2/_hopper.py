@@ -1,0 +1,169 @@
+"""Host side of the Hopper forward (cuda_src/flash_fwd_sm90.cu, docs/HOPPER_FWD.md).
+
+The kernel reads q, k and v through TMA descriptors (CUtensorMap, 128 bytes each) that travel in
+its parameter struct FwdSm90Params. Each map covers a whole (batch, seqlen, heads, headdim)
+array in place: rank 4, innermost first (head dim, row, head, batch), with the array's own
+strides, so no copy is made; boxes are 64 columns (128 bytes, the 128-byte swizzle span) by the
+kernel's tile rows. What lies outside the array (rows past seqlen, columns past the head dim) the
+TMA zero-fills.
+
+Not dispatched from cuflash2.attention yet: the kernel has not run on a GPU.
+`forward_sm90` / `prepare_forward_sm90` run it on their own for
+benchmarks/dev/hopper_fwd_check.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+from dataclasses import dataclass
+
+import numpy
+
+from . import _configs, _launch, _params
+from ._prepare import LOG2E, element_strides, output_strides
+
+#: Columns of a TMA box: 64 16-bit elements = 128 bytes, the span of CU_TENSOR_MAP_SWIZZLE_128B
+#: (FwdSm90Traits::PANEL_COLS).
+BOX_COLS = 64
+#: Largest row count of a TMA box.
+MAX_BOX_ROWS = 256
+
+
+def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
+    """(globalDim, globalStrides, boxDim) of the rank-4 map of a (batch, seqlen, heads, headdim)
+    array with byte strides `strides_bytes`, in the driver's order (innermost first; strides of
+    the outer three dimensions only). Raises ValueError where the TMA cannot read the array."""
+    batch, seqlen, heads, dim = shape
+    s_batch, s_row, s_head, s_dim = strides_bytes
+    if s_dim != itemsize:
+        raise ValueError("the head dim must be contiguous")
+    if not 0 < box_rows <= MAX_BOX_ROWS:
+        raise ValueError(f"a TMA box has 1 to {MAX_BOX_ROWS} rows, not {box_rows}")
+    extents = (seqlen, heads, batch)
+    strides = []
+    for extent, stride in zip(extents, (s_row, s_head, s_batch)):
+        if extent == 1 and stride % 16:
+            stride = 16  # never stepped over: any multiple of 16 describes it
+        if stride <= 0 or stride % 16 or stride >= 1 << 40:
+            raise ValueError(f"TMA needs strides that are positive multiples of 16 bytes below "
+                             f"2^40; got {strides_bytes}")
+        strides.append(stride)
+    dims = (dim, seqlen, heads, batch)
+    if min(dims) < 1 or max(dims) > 1 << 32:
+        raise ValueError(f"TMA needs every dimension in [1, 2^32]; got {shape}")
+    return list(dims), strides, [BOX_COLS, box_rows, 1, 1]
+
+
+def tensor_map_bytes(x, box_rows: int) -> bytes:
+    """The 128 bytes of the CUtensorMap of the CuPy array `x` (batch, seqlen, heads, headdim),
+    fp16 or bf16, 128-byte swizzle, boxes of BOX_COLS x `box_rows`."""
+    from cuda.bindings import driver
+
+    dtype = {"float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[
+        x.dtype.name]
+    dims, strides, box = tensor_map_geometry(x.shape, x.strides, x.itemsize, box_rows)
+    err, tensor_map = driver.cuTensorMapEncodeTiled(
+        dtype, 4, x.data.ptr,
+        [driver.cuuint64_t(d) for d in dims],
+        [driver.cuuint64_t(s) for s in strides],
+        [driver.cuuint32_t(b) for b in box],
+        [driver.cuuint32_t(1)] * 4,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if int(err) != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err!r} (shape {x.shape}, "
+                           f"strides {x.strides})")
+    return ctypes.string_at(tensor_map.getPtr(), 128)
+
+
+def _as_batched(x):
+    return x if x.ndim == 4 else x[None]
+
+
+@dataclass
+class PreparedForward:
+    """One forward call on the Hopper kernel, laid out once: its outputs and parameter block.
+    `run()` launches it on the current stream (again and again, for timing)."""
+
+    out: object
+    lse: object
+    launch: object  # _launch.Launch, or None for an empty problem
+    block: _params.ParamBlock
+    batched: bool
+
+    def run(self):
+        import cupy
+
+        if self.launch is not None:
+            _launch.run(self.launch, self.block, cupy.cuda.get_current_stream().ptr,
+                        self.block.slot("base.batch_offset"))
+        if self.batched:
+            return self.out, self.lse
+        return self.out[0], self.lse[0]
+
+
+def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                         window_size=(-1, -1),
+                         config: _configs.FwdSm90Config | None = None) -> PreparedForward:
+    """Lays out attention on the Hopper forward kernel (sm_90a only): CuPy arrays (batch,
+    seqlen, heads, headdim) or (seqlen, heads, headdim), fp16 or bf16, head dim a multiple of 8
+    up to 128 (the columns up to the kernel's 64 or 128 are zero-filled by the TMA); GQA/MQA
+    through fewer k/v heads; causal and windows as cuflash2.attention (bottom-right aligned).
+    No score modifiers, dropout or varlen on this path yet, and few checks: this is a development
+    entry point, not the public API."""
+    import cupy
+
+    batched = q.ndim == 4
+    q4, k4, v4 = _as_batched(q), _as_batched(k), _as_batched(v)
+    batch, seqlen_q, nheads, head_dim = q4.shape
+    seqlen_k, nheads_kv = k4.shape[1], k4.shape[2]
+    if q.dtype != k.dtype or q.dtype != v.dtype or q.dtype.name not in _configs.DTYPE_TAGS:
+        raise TypeError("q, k, v must all be float16 or all bfloat16")
+    if k4.shape != v4.shape or k4.shape[0] != batch or k4.shape[3] != head_dim:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
+    if head_dim % 8 or head_dim > max(_configs.SM90_FWD_HEAD_DIMS) or nheads % nheads_kv:
+        raise ValueError(f"head dim {head_dim} or heads {nheads}/{nheads_kv} not covered")
+    device_id = q.device.id
+    if config is None:
+        kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+        config = _configs.fwd_sm90_config(q.dtype.name, kernel_dim)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    left, right = window_size
+    if causal:
+        right = 0
+
+    out4 = cupy.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype)
+    lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
+    block = _params.ParamBlock("FwdSm90Params")
+    for name, x, rows in (("q_map", q4, config.block_m), ("k_map", k4, config.block_n),
+                          ("v_map", v4, config.block_n)):
+        offset = block.layout.offsets[name]
+        block.bytes[offset:offset + 128] = numpy.frombuffer(tensor_map_bytes(x, rows), numpy.uint8)
+    fields = {"q": q4.data.ptr, "k": k4.data.ptr, "v": v4.data.ptr, "out": out4.data.ptr,
+              "lse": lse.data.ptr, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+              "nheads": nheads, "heads_per_kv_head": nheads // nheads_kv, "head_dim": head_dim,
+              "softmax_scale": scale, "scale_log2": scale * LOG2E, "window_left": left,
+              "window_right": right}
+    for prefix, x in (("q", q4), ("k", k4), ("v", v4)):
+        for axis, stride in zip(("batch", "row", "head"), element_strides(x)):
+            fields[f"{prefix}_{axis}_stride"] = stride
+    for axis, stride in zip(("batch", "row", "head"), output_strides(out4.shape)):
+        fields[f"o_{axis}_stride"] = stride
+    for name, value in fields.items():
+        block.set(f"base.{name}", value)
+
+    launch = None
+    if batch and seqlen_q and nheads:
+        grid = (-(-seqlen_q // config.block_m), nheads, batch)
+        launch = _launch.kernel_launch(config, device_id, grid)
+    return PreparedForward(out4, lse, launch, block, batched)
+
+
+def forward_sm90(q, k, v, **options):
+    """out, lse of attention on the Hopper forward kernel (prepare_forward_sm90's arguments)."""
+    return prepare_forward_sm90(q, k, v, **options).run()

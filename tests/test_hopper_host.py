@@ -1,0 +1,108 @@
+"""The host side of the Hopper forward (cuflash2/_hopper.py) that runs without a GPU: the
+geometry of the rank-4 TMA descriptors over (batch, seqlen, heads, headdim) arrays."""
+
+import sys
+import types
+
+import pytest
+
+from cuflash2 import _hopper
+
+
+def _strides(shape, itemsize=2):
+    out, size = [], itemsize
+    for dim in reversed(shape):
+        out.append(size)
+        size *= dim
+    return tuple(reversed(out))
+
+
+def test_contiguous_array_maps_innermost_first():
+    shape = (2, 1000, 8, 128)
+    dims, strides, box = _hopper.tensor_map_geometry(shape, _strides(shape), 2, 128)
+    assert dims == [128, 1000, 8, 2]
+    assert strides == [8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2]  # row, head, batch (bytes)
+    assert box == [_hopper.BOX_COLS, 128, 1, 1]
+
+
+def test_strided_views_keep_their_strides():
+    # k of a packed (batch, seqlen, 3, heads, dim) qkv: rows 3 * heads * dim apart.
+    batch, seqlen, heads, dim = 3, 77, 4, 64
+    packed = _strides((batch, seqlen, 3, heads, dim))
+    strides = (packed[0], packed[1], packed[3], packed[4])
+    got_dims, got_strides, _ = _hopper.tensor_map_geometry((batch, seqlen, heads, dim), strides, 2,
+                                                           128)
+    assert got_dims == [dim, seqlen, heads, batch]
+    assert got_strides == [strides[1], strides[2], strides[0]]
+
+
+def test_extent_one_dimensions_take_any_stride():
+    # Unbatched input seen as batch 1: its (unused) batch stride need not be a multiple of 16.
+    shape = (1, 5, 1, 64)
+    strides = (8, 128, 8, 2)
+    _, got, _ = _hopper.tensor_map_geometry(shape, strides, 2, 128)
+    assert got == [128, 16, 16]
+
+
+@pytest.mark.parametrize("shape,strides,box_rows,message", [
+    ((1, 10, 2, 64), (2560, 256, 128, 4), 128, "contiguous"),
+    ((2, 10, 2, 72), (2880, 144, 72 * 2 + 8, 2), 128, "multiples of 16"),
+    ((2, 10, 2, 64), (0, 256, 128, 2), 128, "multiples of 16"),
+    ((1, 10, 2, 64), (2560, 256, 128, 2), 512, "box"),
+])
+def test_what_the_tma_cannot_read_is_refused(shape, strides, box_rows, message):
+    with pytest.raises(ValueError, match=message):
+        _hopper.tensor_map_geometry(shape, strides, 2, box_rows)
+
+
+class _HostArray:
+    """Enough of a CuPy array for prepare_forward_sm90, over host memory."""
+
+    def __init__(self, array):
+        self.array = array
+        self.shape, self.strides, self.dtype = array.shape, array.strides, array.dtype
+        self.ndim, self.itemsize = array.ndim, array.itemsize
+        self.data = types.SimpleNamespace(ptr=array.ctypes.data)
+        self.device = types.SimpleNamespace(id=0)
+
+    def __getitem__(self, index):
+        return _HostArray(self.array[index])
+
+
+def test_prepared_forward_fills_the_parameter_struct(monkeypatch):
+    """Every FwdSm90Params field a call sets, with host arrays standing in for CuPy's and the
+    driver calls replaced: the maps land at their offsets, the strides are in elements."""
+    numpy = pytest.importorskip("numpy")
+    fake_cupy = types.SimpleNamespace(
+        empty=lambda shape, dtype: _HostArray(numpy.empty(shape, dtype)), float32=numpy.float32)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    maps = []
+
+    def fake_map(x, rows):
+        maps.append((x.shape, rows))
+        return bytes([len(maps)]) * 128
+
+    monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
+    monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))
+    packed = numpy.zeros((2, 300, 3, 4, 64), numpy.float16)  # (batch, seqlen, qkv, heads, dim)
+    q = _HostArray(packed[:, :, 0])
+    k = _HostArray(numpy.zeros((2, 200, 2, 64), numpy.float16))
+    prepared = _hopper.prepare_forward_sm90(q, k, k, causal=True, softmax_scale=0.5)
+    block = prepared.block
+    record = block.record[0]
+    base = record["base"]
+    assert maps == [((2, 300, 4, 64), 128), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128)]
+    for index, name in enumerate(("q_map", "k_map", "v_map")):
+        offset = block.layout.offsets[name]
+        assert bytes(block.bytes[offset:offset + 128]) == bytes([index + 1]) * 128
+    assert (base["seqlen_q"], base["seqlen_k"], base["nheads"], base["heads_per_kv_head"]) == (
+        300, 200, 4, 2)
+    assert (base["q_batch_stride"], base["q_row_stride"], base["q_head_stride"]) == (
+        300 * 3 * 4 * 64, 3 * 4 * 64, 64)
+    assert (base["o_batch_stride"], base["o_row_stride"], base["o_head_stride"]) == (
+        300 * 4 * 64, 4 * 64, 64)
+    assert (base["window_left"], base["window_right"]) == (-1, 0)
+    assert base["softmax_scale"] == 0.5 and abs(base["scale_log2"] - 0.5 * 1.4426950408889634) < 1e-6
+    assert base["q"] == q.data.ptr and base["out"] == prepared.out.data.ptr
+    config, grid = prepared.launch
+    assert grid == (3, 4, 2) and config.head_dim == 64 and config.dtype == "float16"
