@@ -29,9 +29,11 @@
 // Verified so far: it compiles for sm_90a (tests/test_compile_sm90.py: no spills, setmaxnreg
 // honoured). It has not yet run on a GPU (benchmarks/dev/hopper_fwd_check.py is the first run).
 //
+// Scheduling: with PINGPONG the two consumers alternate on the tensor cores (named barriers),
+// each issuing S_j and P_{j-1} V_{j-1} in one turn; without it each runs its tiles in order.
+// Both are compiled; neither has been measured.
+//
 // TODO (next steps, docs/HOPPER_FWD.md):
-//  - ping-pong between the consumer warpgroups (named barriers: one's softmax under the other's
-//    GEMMs);
 //  - overlap inside a warpgroup: issue S_{j+1} = Q K_{j+1}^T before the softmax of tile j and
 //    wait for it after (wgmma.wait_group 1), releasing K and V of a stage separately;
 //  - head dims 96, 192, 256; varlen; dropout; dispatch from cuflash2.attention.
@@ -53,6 +55,10 @@ struct FwdSm90Traits {
     static constexpr int ENTRY_REGISTERS = (65536 / THREADS) / 8 * 8;
     static constexpr int PRODUCER_REGISTERS = 24;
     static constexpr int CONSUMER_REGISTERS = 240;
+    // Named barriers (0 is __syncthreads): one per consumer for its epilogue, and one per
+    // consumer for its turns of the ping-pong schedule.
+    static constexpr int EPILOGUE_BARRIER = 1;
+    static constexpr int TURN_BARRIER = EPILOGUE_BARRIER + CONSUMER_WARPGROUPS;
 
     // Tiles in shared memory are what the TMA writes with 128-byte swizzle: panels of 64 columns
     // (128-byte rows), one after the other; a tile of R rows is HEAD_DIM / 64 panels of R * 128 B.
@@ -97,10 +103,9 @@ CF2_DEVICE u32 swizzled_chunk(u32 tile, int row, int chunk) {
 
 // S = Q K^T for this warpgroup's 64 rows: QK_STEPS wgmmas, both operands K-major from their
 // descriptors. The k16 step kk lies in panel kk / 4, 32 * (kk % 4) bytes into its 128-byte rows.
+// Issues the wgmmas only (inside a wgmma_fence ... commit_group bracket).
 template <typename Elem, class T>
-CF2_DEVICE void gemm_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
-    pin_registers(acc_s);
-    wgmma_fence();
+CF2_DEVICE void issue_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
 #pragma unroll
     for (int kk = 0; kk < T::QK_STEPS; ++kk) {
         const u32 step = 32 * (kk % 4);
@@ -108,26 +113,64 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
         const u64 b = smem_matrix_descriptor(k_tile + (kk / 4) * T::KV_PANEL_BYTES + step, 16, 1024);
         wgmma_ss<Elem, T::KEYS_PER_TILE>(acc_s, a, b, kk > 0);  // k-step 0 overwrites S
     }
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    pin_registers(acc_s);
 }
 
 // O += P V: PV_STEPS wgmmas, P (this warp's 16 rows x 16 keys per step) from registers, V from
 // its descriptor as the MN-major B operand: the k16 step ks (keys 16 ks ..) starts 16 * 128 B
 // further, SBO = 1024 B between groups of 8 keys, LBO = one panel between groups of 64 columns.
+// Issues the wgmmas only.
 template <typename Elem, class T>
-CF2_DEVICE void gemm_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
-    pin_registers(acc_o);
-    pin_registers(p);
-    wgmma_fence();  // P and the rescaled O were written by ordinary instructions
+CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
 #pragma unroll
     for (int ks = 0; ks < T::PV_STEPS; ++ks) {
         const u64 b = smem_matrix_descriptor(v_tile + 16 * 128 * ks, T::KV_PANEL_BYTES, 1024);
         wgmma_rs_trans_b<Elem, T::DIM>(acc_o, p[ks], b, 1);
     }
+}
+
+// S = Q K^T, complete on return.
+template <typename Elem, class T>
+CF2_DEVICE void gemm_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
+    pin_registers(acc_s);
+    wgmma_fence();
+    issue_qk<Elem, T>(acc_s, q_rows, k_tile);
     wgmma_commit_group();
     wgmma_wait_group<0>();
+    pin_registers(acc_s);
+}
+
+// O += P V, complete on return.
+template <typename Elem, class T>
+CF2_DEVICE void gemm_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
+    pin_registers(acc_o);
+    pin_registers(p);
+    wgmma_fence();  // P and the rescaled O were written by ordinary instructions
+    issue_pv<Elem, T>(acc_o, p, v_tile);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    pin_registers(acc_o);
+    pin_registers(p);
+}
+
+// One turn of the ping-pong schedule: wait for this warpgroup's turn on the tensor cores (the
+// other consumer has issued its GEMMs), issue S_j = Q K_j^T (QK) and / or O += P_{j-1} V_{j-1}
+// (PV), hand the turn over (`hand_over`), and wait for the GEMMs. Both warpgroups take the same
+// number of turns; the softmax of one then runs while the other's GEMMs run.
+template <bool QK, bool PV, typename Elem, class T>
+CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TILES][4],
+                          u32 (&p)[T::PV_STEPS][4], u32 q_rows, u32 k_tile, u32 v_tile,
+                          int my_turn, int other_turn, bool hand_over) {
+    named_barrier_sync(my_turn, T::CONSUMER_THREADS);
+    pin_registers(acc_s);
+    pin_registers(acc_o);
+    pin_registers(p);
+    wgmma_fence();
+    if constexpr (QK) issue_qk<Elem, T>(acc_s, q_rows, k_tile);
+    if constexpr (PV) issue_pv<Elem, T>(acc_o, p, v_tile);
+    wgmma_commit_group();
+    if (hand_over) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
+    wgmma_wait_group<0>();
+    pin_registers(acc_s);
     pin_registers(acc_o);
     pin_registers(p);
 }
@@ -141,14 +184,18 @@ struct FwdSm90Barriers {
     u64 kv_empty[STAGES];   // every consumer thread is done with the stage's K and V
 };
 
+// PINGPONG: the consumers take turns on the tensor cores (one's softmax under the other's GEMMs;
+// see the consumer loop); false: each consumer runs its tiles straight through.
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0. Varlen and dropout
 // stay on the mma.sync kernel for now. The parameters: FwdSm90Params (kernel_params.cuh).
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES>
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
+          int FEATURES>
 __global__ void __launch_bounds__(FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     using T = FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
     static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
                   "varlen and dropout run on the mma.sync kernel");
+    static_assert(!PINGPONG || T::CONSUMER_WARPGROUPS == 2, "ping-pong takes two consumers");
     const FwdParams& p = params.base;
 
     extern __shared__ unsigned char smem[];
@@ -261,39 +308,81 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
         int unmasked_lo, unmasked_hi;
         vis.unmasked_tile_range(row_first, row_last, BLOCK_N, unmasked_lo, unmasked_hi);
 
-        mbarrier_wait(q_full, 0);
-        for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
-            const int stage = j % STAGES;
-            const u32 phase = (j / STAGES) & 1;
-            const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
-            const u32 v_tile = k_tile + T::KV_TILE_BYTES;
-            const int key0 = tile * BLOCK_N;
+        // Ring addresses of the j-th tile visited (tile = tile_end - 1 - j): stage j % STAGES,
+        // whose barriers are in their (j / STAGES)-th phase.
+        auto k_tile_of = [&](int j) { return kv_smem + (j % STAGES) * T::STAGE_BYTES; };
+        auto v_tile_of = [&](int j) { return k_tile_of(j) + T::KV_TILE_BYTES; };
+        auto wait_k = [&](int j) {
+            mbarrier_wait(smem_address(&bars.k_full[j % STAGES]), (j / STAGES) & 1);
+        };
+        auto wait_v = [&](int j) {
+            mbarrier_wait(smem_address(&bars.v_full[j % STAGES]), (j / STAGES) & 1);
+        };
+        auto release = [&](int j) { mbarrier_arrive(smem_address(&bars.kv_empty[j % STAGES])); };
 
-            // S = Q K_j^T, in the mma.sync accumulator layout of one m16 tile per warp.
-            float acc_s[1][T::N_TILES][4];
-            mbarrier_wait(smem_address(&bars.k_full[stage]), phase);
-            gemm_qk<Elem, T>(acc_s[0], q_rows, k_tile);
-
+        // S_j -> P_j: score modifiers, mask (boundary tiles only), online softmax (new running
+        // max; O and l rescaled where it moved), then P = exp2(S * scale_log2 - m) packed to 16
+        // bits as the A operand of P V, one k16 slice at a time. S is in the mma.sync accumulator
+        // layout of one m16 tile per warp.
+        auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::PV_STEPS][4],
+                                int tile) {
             // This thread's first accumulator row (query index) and key.
             const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
-            const int thread_key0 = key0 + 2 * (lane % 4);
+            const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
             if constexpr (FEATURES != 0) mods.apply(acc_s, thread_row0, thread_key0);
             if (tile < unmasked_lo || tile >= unmasked_hi)
                 mask_scores<1, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
-
-            // Online softmax: new running max (O and l rescaled where it moved), then P = exp2(S
-            // * scale_log2 - m) packed to 16 bits as the A operand of P V, one k16 slice at a time.
             softmax.update_max(acc_s, acc_o, p.scale_log2);
-            u32 p_frag[T::PV_STEPS][4];
 #pragma unroll
             for (int ks = 0; ks < T::PV_STEPS; ++ks)
                 softmax.template exp_pack<Elem>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1],
                                                 0, p.scale_log2);
+        };
 
-            // O += P V_j, then hand the stage back to the producer.
-            mbarrier_wait(smem_address(&bars.v_full[stage]), phase);
-            gemm_pv<Elem, T>(acc_o[0], p_frag, v_tile);
-            mbarrier_arrive(smem_address(&bars.kv_empty[stage]));
+        mbarrier_wait(q_full, 0);
+        if constexpr (!PINGPONG) {
+            // Per tile, in order: S_j = Q K_j^T as soon as K_j landed; P_j; O += P_j V_j as soon
+            // as V_j landed; the stage goes back to the producer.
+            for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
+                float acc_s[1][T::N_TILES][4];
+                u32 p_frag[T::PV_STEPS][4];
+                wait_k(j);
+                gemm_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
+                softmax_step(acc_s, p_frag, tile);
+                wait_v(j);
+                gemm_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(j));
+                release(j);
+            }
+        } else {
+            // Ping-pong: the GEMMs of tile j are S_j and P_{j-1} V_{j-1}, issued in one turn, and
+            // the turns alternate between the two consumers (named barriers TURN_BARRIER + c):
+            // while one computes its softmax, the tensor cores run the other's GEMMs. O is
+            // up to date with P_{j-1} V_{j-1} before the softmax of tile j rescales it, so this
+            // is the same online softmax. Consumer 1 hands consumer 0 the first turn; its own
+            // last turn hands nothing over (no turn of consumer 0 follows).
+            const int my_turn = T::TURN_BARRIER + consumer;
+            const int other_turn = T::TURN_BARRIER + (1 - consumer);
+            if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
+            float acc_s[1][T::N_TILES][4];
+            u32 p_frag[T::PV_STEPS][4];
+            const int tiles = tile_end - tile_first;
+            wait_k(0);
+            gemm_turn<true, false, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, k_tile_of(0), 0,
+                                            my_turn, other_turn, true);
+            softmax_step(acc_s, p_frag, tile_end - 1);
+            for (int j = 1; j < tiles; ++j) {
+                wait_k(j);
+                wait_v(j - 1);
+                gemm_turn<true, true, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, k_tile_of(j),
+                                               v_tile_of(j - 1), my_turn, other_turn, true);
+                release(j - 1);
+                softmax_step(acc_s, p_frag, tile_end - 1 - j);
+            }
+            wait_v(tiles - 1);
+            gemm_turn<false, true, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, 0,
+                                            v_tile_of(tiles - 1), my_turn, other_turn,
+                                            consumer == 0);
+            release(tiles - 1);
         }
 
         // Epilogue: divide by l once; stage the tile through this warpgroup's own rows of the Q
@@ -314,7 +403,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
             }
             if (lane % 4 == 0 && row_first + row < p.seqlen_q) lse_block[row] = row_lse[half];
         }
-        named_barrier_sync(1 + consumer, T::WARPGROUP_THREADS);
+        named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
         const int tid = threadIdx.x % T::WARPGROUP_THREADS;
         constexpr int CHUNKS = HEAD_DIM / 8;
 #pragma unroll

@@ -123,6 +123,12 @@ CF2_DEVICE void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// `bar.arrive id, n`: counts this warp's threads towards barrier `id` without waiting; the
+// threads that bar.sync on it wait for them (a producer / consumer hand-over).
+CF2_DEVICE void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- setmaxnreg ("Miscellaneous Instructions: setmaxnreg") -----------------------------------
 // Moves registers between the warpgroups of a CTA: a warpgroup that only issues loads gives its
 // registers back (dec) so that the ones doing the math can take them (inc). ptxas honours it only

@@ -203,6 +203,9 @@ class FwdSm90Config:
     block_m: int = 128  # query rows per CTA: 64 per consumer warpgroup
     block_n: int = 128  # keys per K/V tile
     stages: int = 2
+    #: The consumers take turns on the tensor cores (flash_fwd_sm90.cu: one's softmax under the
+    #: other's GEMMs). Off until measured: the first GPU run compares both.
+    pingpong: bool = False
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging (hopper_primitives.cuh;
     #: its trap makes ptxas spill, so never for timing).
@@ -234,7 +237,8 @@ class FwdSm90Config:
     @property
     def name_expression(self) -> str:
         return (f"flash_fwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}>")
+                f"{self.block_m}, {self.block_n}, {self.stages}, "
+                f"{'true' if self.pingpong else 'false'}, {self.features}>")
 
     @property
     def probes(self) -> str:
@@ -258,8 +262,9 @@ def fwd_sm90_config(dtype: str, head_dim: int) -> FwdSm90Config:
 
 
 def all_fwd_sm90_configs(features=(0,)) -> list[FwdSm90Config]:
-    """Every Hopper forward specialisation (for each of `features`)."""
-    return [with_features(fwd_sm90_config(dtype, d), f) for f in features
+    """Every Hopper forward specialisation (for each of `features`), in both schedules."""
+    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d), f), pingpong=pingpong)
+            for pingpong in (False, True) for f in features
             for dtype in DTYPE_TAGS for d in SM90_FWD_HEAD_DIMS]
 
 

@@ -28,7 +28,8 @@ def _entry_registers(config) -> int:
     return 65536 // config.threads // 8 * 8
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.dtype}-d{c.head_dim}-f{c.features}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: (
+    f"{c.dtype}-d{c.head_dim}-f{c.features}{'-pingpong' if c.pingpong else ''}"))
 def test_hopper_forward_compiles_without_spills(config, nvrtc_available):
     report = _compile.compile_report(config, 90)
     print(f"sm_90a {config.name_expression}: {report.registers} registers, "
@@ -77,6 +78,8 @@ def test_hopper_config_shapes():
         assert config.threads == 384 and config.block_m == 128 and config.block_n == 128
         assert config.stages == 2 and config.head_dim in (64, 128)
         assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
+    assert {c.pingpong for c in CONFIGS} == {False, True}
+    assert not _configs.fwd_sm90_config("float16", 64).pingpong  # off until measured
     with pytest.raises(ValueError):
         _configs.fwd_sm90_config("float16", 96)
 

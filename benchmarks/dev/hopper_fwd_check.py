@@ -5,15 +5,16 @@ On an H100/H200 (sm_90), from the repository root:
     python benchmarks/dev/hopper_fwd_check.py              # correctness, then timing
     python benchmarks/dev/hopper_fwd_check.py --watchdog   # debugging build: a stuck mbarrier
                                                            # wait traps after ~2 s, no hang
-    python benchmarks/dev/hopper_fwd_check.py --no-time
+    python benchmarks/dev/hopper_fwd_check.py --no-time --schedule plain
 
-1. Correctness: the kernel (through cuflash2._hopper.prepare_forward_sm90, not the public API:
-   it is not dispatched yet) on random inputs of a few shapes (head dim 64/128 and 96 padded to
+1. Correctness: the kernel, in both schedules (plain and ping-pong), through
+   cuflash2._hopper.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dim 64/128 and 96 padded to
    128, fp16/bf16, causal on/off, a window, odd lengths, seqlen_q != seqlen_k both ways, GQA,
    MQA, q/k/v as strided views of a packed qkv, a one-token problem), outputs poisoned with NaN
    first, checked against cuflash2.reference with cuflash2.testing.check_forward (out and lse).
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 1k, 4k and 16k
-   tokens, fp16/bf16, d 64/128, causal on/off, next to cuflash2.attention (the mma.sync kernel).
+   tokens, fp16/bf16, d 64/128, causal on/off: both schedules next to cuflash2.attention (the
+   mma.sync kernel).
 
 Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
 """
@@ -68,24 +69,25 @@ def _inputs(cupy, case, seed):
     return testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, _dtype(dtype), seed)
 
 
-def _config(dtype, head_dim, watchdog):
+def _config(dtype, head_dim, pingpong, watchdog=False):
     from cuflash2 import _configs
 
     kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
-    return dataclasses.replace(_configs.fwd_sm90_config(dtype, kernel_dim), watchdog=watchdog)
+    return dataclasses.replace(_configs.fwd_sm90_config(dtype, kernel_dim), pingpong=pingpong,
+                               watchdog=watchdog)
 
 
-def check(cupy, watchdog):
+def check(cupy, schedules, watchdog):
     from cuflash2 import _hopper, testing
 
     failures = 0
-    for i, case in enumerate(CASES):
+    for pingpong, (i, case) in ((pp, c) for pp in schedules for c in enumerate(CASES)):
         batch, sq, sk, h, hkv, d, dtype, causal, window, packed = case
-        label = (f"b{batch} sq{sq} sk{sk} h{h}/{hkv} d{d} {dtype} causal={int(causal)} "
-                 f"window={window}{' packed' if packed else ''}")
+        label = (f"{'ping-pong' if pingpong else 'plain    '} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
+                 f"d{d} {dtype} causal={int(causal)} window={window}{' packed' if packed else ''}")
         q, k, v = _inputs(cupy, case, seed=i)
         prepared = _hopper.prepare_forward_sm90(q, k, v, causal=causal, window_size=window,
-                                                config=_config(dtype, d, watchdog))
+                                                config=_config(dtype, d, pingpong, watchdog))
         prepared.out[...] = testing.poison_like(cupy, prepared.out.shape, prepared.out.dtype)
         prepared.lse.fill(math.nan)
         try:
@@ -118,8 +120,8 @@ def timing(cupy, iters):
     import cuflash2
     from cuflash2 import _hopper, testing
 
-    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'hopper ms':>10} {'TFLOP/s':>8} "
-          f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}")
+    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'plain ms':>9} {'TFLOP/s':>8} "
+          f"{'pingpong ms':>11} {'TFLOP/s':>8} {'mma.sync ms':>11} {'TFLOP/s':>8} {'best/mma':>8}")
     for dtype in ("float16", "bfloat16"):
         for d in (64, 128):
             for causal in (False, True):
@@ -127,13 +129,16 @@ def timing(cupy, iters):
                     batch, heads = TOKENS // seqlen, HIDDEN // d
                     q, k, v = testing.random_qkv(cupy, batch, seqlen, seqlen, heads, heads, d,
                                                  _dtype(dtype), seed=seqlen)
-                    prepared = _hopper.prepare_forward_sm90(q, k, v, causal=causal)
-                    t_new = _time(cupy, prepared.run, iters)
-                    t_old = _time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal), iters)
+                    times = [_time(cupy, _hopper.prepare_forward_sm90(
+                        q, k, v, causal=causal, config=_config(dtype, d, pingpong)).run, iters)
+                        for pingpong in (False, True)]
+                    times.append(_time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal),
+                                       iters))
                     flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-                    print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {t_new:>10.4f} "
-                          f"{flop / t_new / 1e9:>8.1f} {t_old:>11.4f} {flop / t_old / 1e9:>8.1f} "
-                          f"{t_old / t_new:>7.3f}x", flush=True)
+                    row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}"
+                                   for t, w in zip(times, (9, 11, 11)))
+                    print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
+                          f"{times[2] / min(times[:2]):>7.3f}x", flush=True)
 
 
 def main():
@@ -141,6 +146,9 @@ def main():
     parser.add_argument("--watchdog", action="store_true",
                         help="debugging build: mbarrier waits trap after ~2 s (spills; not timed)")
     parser.add_argument("--no-time", action="store_true", help="correctness only")
+    parser.add_argument("--schedule", choices=("plain", "pingpong", "both"), default="both",
+                        help="which consumer schedule(s) to check (a ping-pong hang on its named "
+                             "barriers is not caught by --watchdog: try plain alone first)")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     import cupy
@@ -149,8 +157,10 @@ def main():
     if cc != "90":
         print(f"needs an sm_90 GPU (H100/H200); this one is sm_{cc}")
         return 2
-    failures = check(cupy, args.watchdog)
-    print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'}")
+    schedules = {"plain": (False,), "pingpong": (True,), "both": (False, True)}[args.schedule]
+    failures = check(cupy, schedules, args.watchdog)
+    print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'} "
+          f"({len(CASES)} shapes x {len(schedules)} schedule(s))")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
     timing(cupy, args.iters)
