@@ -206,82 +206,147 @@ CF2_DEVICE void pin_registers(u32 (&a)[N][4]) {
 //  - A from registers a[4] (16 x 16 per warp): a[0] row g, cols 2t, 2t+1; a[1] row g + 8, same
 //    cols; a[2] row g, cols 2t + 8, 2t + 9; a[3] row g + 8, same cols; the lower column in the low
 //    16 bits. The m16n8k16 A layout: P packed by OnlineSoftmax::exp_pack feeds wgmma directly.
-// The operand lists are written out: inline asm needs one constraint per register.
-#define CF2_ACC4(d, n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-#define CF2_ACC_N64(d)                                                                      \
-    CF2_ACC4(d, 0), CF2_ACC4(d, 1), CF2_ACC4(d, 2), CF2_ACC4(d, 3), CF2_ACC4(d, 4),        \
-        CF2_ACC4(d, 5), CF2_ACC4(d, 6), CF2_ACC4(d, 7)
-#define CF2_ACC_N128(d)                                                                     \
-    CF2_ACC_N64(d), CF2_ACC4(d, 8), CF2_ACC4(d, 9), CF2_ACC4(d, 10), CF2_ACC4(d, 11),      \
-        CF2_ACC4(d, 12), CF2_ACC4(d, 13), CF2_ACC4(d, 14), CF2_ACC4(d, 15)
-#define CF2_D_N64                                                                              \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define CF2_D_N128                                                                             \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
-    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "   \
-    "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// Inline asm needs one constraint and one %n per register, so the operand lists are generated
+// by the preprocessor, in n16 column groups of 8 accumulator registers (two n8 tiles; every N
+// used is a multiple of 16: P V steps over BLOCK_N keys and Q K^T over the head dim in k16
+// steps). For an N of G groups the accumulators are operands 0 .. 8G - 1 and the instruction's
+// other operands (descriptors, A registers, the scale predicate's source) follow, taking the
+// first numbers of "group" G. N = 256 has 128 "+f" operands plus 6 inputs; NVRTC 13 takes them.
+//  - CF2_OPS_g: the operand numbers 8g .. 8g + 7;
+//  - CF2_TEXT8(g): their PTX text "%8g, ..., %8g+7"; CF2_OP(g, i): the text of number 8g + i;
+//  - CF2_DLIST_G: the text "%0, ..., %(8G - 1)" of the first G groups (the D vector);
+//  - CF2_ACCS_G(d): the "+f" constraints of the first G groups of d[N / 8][4];
+//  - CF2_FOR_EACH_N16(X): X(G, N) for N = 16 G up to 256.
+#define CF2_OPS_0 0, 1, 2, 3, 4, 5, 6, 7
+#define CF2_OPS_1 8, 9, 10, 11, 12, 13, 14, 15
+#define CF2_OPS_2 16, 17, 18, 19, 20, 21, 22, 23
+#define CF2_OPS_3 24, 25, 26, 27, 28, 29, 30, 31
+#define CF2_OPS_4 32, 33, 34, 35, 36, 37, 38, 39
+#define CF2_OPS_5 40, 41, 42, 43, 44, 45, 46, 47
+#define CF2_OPS_6 48, 49, 50, 51, 52, 53, 54, 55
+#define CF2_OPS_7 56, 57, 58, 59, 60, 61, 62, 63
+#define CF2_OPS_8 64, 65, 66, 67, 68, 69, 70, 71
+#define CF2_OPS_9 72, 73, 74, 75, 76, 77, 78, 79
+#define CF2_OPS_10 80, 81, 82, 83, 84, 85, 86, 87
+#define CF2_OPS_11 88, 89, 90, 91, 92, 93, 94, 95
+#define CF2_OPS_12 96, 97, 98, 99, 100, 101, 102, 103
+#define CF2_OPS_13 104, 105, 106, 107, 108, 109, 110, 111
+#define CF2_OPS_14 112, 113, 114, 115, 116, 117, 118, 119
+#define CF2_OPS_15 120, 121, 122, 123, 124, 125, 126, 127
+#define CF2_OPS_16 128, 129, 130, 131, 132, 133, 134, 135
+#define CF2_APPLY(M, ...) M(__VA_ARGS__)
+#define CF2_TEXT8_(a, b, c, d, e, f, g, h) \
+    "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h
+#define CF2_TEXT8(g) CF2_APPLY(CF2_TEXT8_, CF2_OPS_##g)
+#define CF2_OP0_(a, ...) "%" #a
+#define CF2_OP1_(a, b, ...) "%" #b
+#define CF2_OP2_(a, b, c, ...) "%" #c
+#define CF2_OP3_(a, b, c, d, ...) "%" #d
+#define CF2_OP4_(a, b, c, d, e, ...) "%" #e
+#define CF2_OP5_(a, b, c, d, e, f, ...) "%" #f
+#define CF2_OP(g, i) CF2_APPLY(CF2_OP##i##_, CF2_OPS_##g)
+#define CF2_DLIST_1 CF2_TEXT8(0)
+#define CF2_DLIST_2 CF2_DLIST_1 ", " CF2_TEXT8(1)
+#define CF2_DLIST_3 CF2_DLIST_2 ", " CF2_TEXT8(2)
+#define CF2_DLIST_4 CF2_DLIST_3 ", " CF2_TEXT8(3)
+#define CF2_DLIST_5 CF2_DLIST_4 ", " CF2_TEXT8(4)
+#define CF2_DLIST_6 CF2_DLIST_5 ", " CF2_TEXT8(5)
+#define CF2_DLIST_7 CF2_DLIST_6 ", " CF2_TEXT8(6)
+#define CF2_DLIST_8 CF2_DLIST_7 ", " CF2_TEXT8(7)
+#define CF2_DLIST_9 CF2_DLIST_8 ", " CF2_TEXT8(8)
+#define CF2_DLIST_10 CF2_DLIST_9 ", " CF2_TEXT8(9)
+#define CF2_DLIST_11 CF2_DLIST_10 ", " CF2_TEXT8(10)
+#define CF2_DLIST_12 CF2_DLIST_11 ", " CF2_TEXT8(11)
+#define CF2_DLIST_13 CF2_DLIST_12 ", " CF2_TEXT8(12)
+#define CF2_DLIST_14 CF2_DLIST_13 ", " CF2_TEXT8(13)
+#define CF2_DLIST_15 CF2_DLIST_14 ", " CF2_TEXT8(14)
+#define CF2_DLIST_16 CF2_DLIST_15 ", " CF2_TEXT8(15)
+#define CF2_ACC4(d, t) "+f"(d[t][0]), "+f"(d[t][1]), "+f"(d[t][2]), "+f"(d[t][3])
+#define CF2_ACC8(d, g) CF2_ACC4(d, 2 * (g)), CF2_ACC4(d, 2 * (g) + 1)
+#define CF2_ACCS_1(d) CF2_ACC8(d, 0)
+#define CF2_ACCS_2(d) CF2_ACCS_1(d), CF2_ACC8(d, 1)
+#define CF2_ACCS_3(d) CF2_ACCS_2(d), CF2_ACC8(d, 2)
+#define CF2_ACCS_4(d) CF2_ACCS_3(d), CF2_ACC8(d, 3)
+#define CF2_ACCS_5(d) CF2_ACCS_4(d), CF2_ACC8(d, 4)
+#define CF2_ACCS_6(d) CF2_ACCS_5(d), CF2_ACC8(d, 5)
+#define CF2_ACCS_7(d) CF2_ACCS_6(d), CF2_ACC8(d, 6)
+#define CF2_ACCS_8(d) CF2_ACCS_7(d), CF2_ACC8(d, 7)
+#define CF2_ACCS_9(d) CF2_ACCS_8(d), CF2_ACC8(d, 8)
+#define CF2_ACCS_10(d) CF2_ACCS_9(d), CF2_ACC8(d, 9)
+#define CF2_ACCS_11(d) CF2_ACCS_10(d), CF2_ACC8(d, 10)
+#define CF2_ACCS_12(d) CF2_ACCS_11(d), CF2_ACC8(d, 11)
+#define CF2_ACCS_13(d) CF2_ACCS_12(d), CF2_ACC8(d, 12)
+#define CF2_ACCS_14(d) CF2_ACCS_13(d), CF2_ACC8(d, 13)
+#define CF2_ACCS_15(d) CF2_ACCS_14(d), CF2_ACC8(d, 14)
+#define CF2_ACCS_16(d) CF2_ACCS_15(d), CF2_ACC8(d, 15)
+#define CF2_FOR_EACH_N16(X) \
+    X(1, 16) \
+    X(2, 32) \
+    X(3, 48) \
+    X(4, 64) \
+    X(5, 80) \
+    X(6, 96) \
+    X(7, 112) \
+    X(8, 128) \
+    X(9, 144) \
+    X(10, 160) \
+    X(11, 176) \
+    X(12, 192) \
+    X(13, 208) \
+    X(14, 224) \
+    X(15, 240) \
+    X(16, 256)
 
 // SS: A and B from descriptors, both K-major (imm-trans-a = imm-trans-b = 0). `accumulate` 0
 // makes the old D ignored (scale-d predicate false): the first k-step needs no zeroed D.
-#define CF2_WGMMA_SS(SHAPE, TYPE, DLIST, IA, IB, ISCALE, ...)                                  \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " ISCALE ", 0;\n\t"                     \
-                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " DLIST ", " IA \
-                 ", " IB ", p, 1, 1, 0, 0;\n\t}\n"                                             \
-                 : __VA_ARGS__                                                                  \
+#define CF2_WGMMA_SS(G, N, TYPE)                                                               \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 2) ", 0;\n\t"              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE               \
+                 " {" CF2_DLIST_##G "}, " CF2_OP(G, 0) ", " CF2_OP(G, 1) ", p, 1, 1, 0, 0;\n\t}\n" \
+                 : CF2_ACCS_##G(d)                                                             \
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 
 template <typename Elem, int N>
 CF2_DEVICE void wgmma_ss(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
-    static_assert(N == 64 || N == 128, "wgmma_ss: n64 or n128");
-    if constexpr (N == 64) {
-        if constexpr (Elem::is_bf16)
-            CF2_WGMMA_SS("m64n64k16", "bf16", CF2_D_N64, "%32", "%33", "%34", CF2_ACC_N64(d));
-        else
-            CF2_WGMMA_SS("m64n64k16", "f16", CF2_D_N64, "%32", "%33", "%34", CF2_ACC_N64(d));
-    } else {
-        if constexpr (Elem::is_bf16)
-            CF2_WGMMA_SS("m64n128k16", "bf16", CF2_D_N128, "%64", "%65", "%66", CF2_ACC_N128(d));
-        else
-            CF2_WGMMA_SS("m64n128k16", "f16", CF2_D_N128, "%64", "%65", "%66", CF2_ACC_N128(d));
+    static_assert(N % 16 == 0 && N >= 16 && N <= 256, "wgmma_ss: N a multiple of 16 up to 256");
+#define CF2_CASE(G, NN)                                                                        \
+    if constexpr (N == NN) {                                                                   \
+        if constexpr (Elem::is_bf16)                                                           \
+            CF2_WGMMA_SS(G, NN, "bf16");                                                       \
+        else                                                                                   \
+            CF2_WGMMA_SS(G, NN, "f16");                                                        \
     }
+    CF2_FOR_EACH_N16(CF2_CASE)
+#undef CF2_CASE
 }
 
 // RS: A from registers (4 x b32 = this warp's 16 x 16 slice), B from a descriptor, MN-major
 // (imm-trans-b = 1: V stored [keys x head dim] is B = V with N = head dim contiguous).
-#define CF2_WGMMA_RS(SHAPE, TYPE, DLIST, IA, IB, ISCALE, ...)                                  \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " ISCALE ", 0;\n\t"                     \
-                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " DLIST ", " IA \
-                 ", " IB ", p, 1, 1, 1;\n\t}\n"                                                \
-                 : __VA_ARGS__                                                                  \
+#define CF2_WGMMA_RS(G, N, TYPE)                                                               \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 5) ", 0;\n\t"              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE               \
+                 " {" CF2_DLIST_##G "}, {" CF2_OP(G, 0) ", " CF2_OP(G, 1) ", " CF2_OP(G, 2) ", " \
+                 CF2_OP(G, 3) "}, " CF2_OP(G, 4) ", p, 1, 1, 1;\n\t}\n"                          \
+                 : CF2_ACCS_##G(d)                                                             \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 
 template <typename Elem, int N>
 CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_b,
                                  int accumulate) {
-    static_assert(N == 64 || N == 128, "wgmma_rs_trans_b: n64 or n128");
-    if constexpr (N == 64) {
-        if constexpr (Elem::is_bf16)
-            CF2_WGMMA_RS("m64n64k16", "bf16", CF2_D_N64, "{%32, %33, %34, %35}", "%36", "%37",
-                         CF2_ACC_N64(d));
-        else
-            CF2_WGMMA_RS("m64n64k16", "f16", CF2_D_N64, "{%32, %33, %34, %35}", "%36", "%37",
-                         CF2_ACC_N64(d));
-    } else {
-        if constexpr (Elem::is_bf16)
-            CF2_WGMMA_RS("m64n128k16", "bf16", CF2_D_N128, "{%64, %65, %66, %67}", "%68", "%69",
-                         CF2_ACC_N128(d));
-        else
-            CF2_WGMMA_RS("m64n128k16", "f16", CF2_D_N128, "{%64, %65, %66, %67}", "%68", "%69",
-                         CF2_ACC_N128(d));
+    static_assert(N % 16 == 0 && N >= 16 && N <= 256,
+                  "wgmma_rs_trans_b: N a multiple of 16 up to 256");
+#define CF2_CASE(G, NN)                                                                        \
+    if constexpr (N == NN) {                                                                   \
+        if constexpr (Elem::is_bf16)                                                           \
+            CF2_WGMMA_RS(G, NN, "bf16");                                                       \
+        else                                                                                   \
+            CF2_WGMMA_RS(G, NN, "f16");                                                        \
     }
+    CF2_FOR_EACH_N16(CF2_CASE)
+#undef CF2_CASE
 }
 
+// The generator tables (CF2_OPS_*, CF2_DLIST_*, CF2_ACCS_*, ...) stay defined: CF2_-prefixed and
+// used nowhere else.
 #undef CF2_WGMMA_SS
 #undef CF2_WGMMA_RS
-#undef CF2_D_N64
-#undef CF2_D_N128
-#undef CF2_ACC_N64
-#undef CF2_ACC_N128
-#undef CF2_ACC4
