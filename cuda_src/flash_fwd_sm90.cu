@@ -26,8 +26,12 @@
 // is a boundary tile); a zero V row adds nothing. Stores of O and lse are guarded by row (and O
 // by head-dim chunk).
 //
+// Head dims 64, 96, 128, 192 and 256, each its own specialisation (tiles in
+// _configs.fwd_sm90_config); a head dim that is not a multiple of 64 ends in a partly used,
+// zero-filled 64-column panel (FwdSm90Traits).
 // Verified so far: it compiles for sm_90a (tests/test_compile_sm90.py: no spills, setmaxnreg
-// honoured). It has not yet run on a GPU (benchmarks/dev/hopper_fwd_check.py is the first run).
+// honoured); d=64 and d=128 (and 96 on the d=128 kernel) ran correctly on an H200
+// (benchmarks/dev/hopper_fwd_check.py); the d=96 / 192 / 256 specialisations have not run yet.
 //
 // Scheduling: with PINGPONG the two consumers alternate on the tensor cores (named barriers),
 // each issuing S_j and P_{j-1} V_{j-1} in one turn; without it each runs its tiles in order.
@@ -36,7 +40,7 @@
 // TODO (next steps, docs/HOPPER_FWD.md):
 //  - overlap inside a warpgroup: issue S_{j+1} = Q K_{j+1}^T before the softmax of tile j and
 //    wait for it after (wgmma.wait_group 1), releasing K and V of a stage separately;
-//  - head dims 96, 192, 256; varlen; dropout; dispatch from cuflash2.attention.
+//  - varlen; dropout; dispatch from cuflash2.attention.
 #include "hopper_primitives.cuh"
 #include "masking.cuh"
 #include "online_softmax.cuh"
@@ -61,10 +65,18 @@ struct FwdSm90Traits {
     static constexpr int TURN_BARRIER = EPILOGUE_BARRIER + CONSUMER_WARPGROUPS;
 
     // Tiles in shared memory are what the TMA writes with 128-byte swizzle: panels of 64 columns
-    // (128-byte rows), one after the other; a tile of R rows is HEAD_DIM / 64 panels of R * 128 B.
+    // (128-byte rows), one after the other; a tile of R rows is PANELS panels of R * 128 B.
+    // A head dim that is not a multiple of 64 (96) ends in a partly used panel: its box is still
+    // 64 columns and the TMA zero-fills the columns past the head dim (they cost shared memory
+    // and TMA writes, not global reads). A 32-column last box was the alternative, but the TMA
+    // packs a box as rows of its own width: 64-byte rows, not the 128-byte rows the panel's
+    // descriptors read, so that panel would need the 64-byte swizzle, with a second tensor map
+    // and descriptor mode for it alone. With full panels one map, one layout and one descriptor
+    // scheme serve every head dim. The GEMMs skip the padding: Q K^T takes HEAD_DIM / 16
+    // k-steps and P V has N = HEAD_DIM, so the zero columns are never multiplied.
     static constexpr int PANEL_COLS = 64;
     static constexpr int ROW_BYTES = PANEL_COLS * 2;
-    static constexpr int PANELS = HEAD_DIM / PANEL_COLS;
+    static constexpr int PANELS = (HEAD_DIM + PANEL_COLS - 1) / PANEL_COLS;
     static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
@@ -82,8 +94,17 @@ struct FwdSm90Traits {
     static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of Q K^T (over the head dim)
     static constexpr int PV_STEPS = BLOCK_N / 16;   // k16 steps of P V (over the keys)
 
-    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "wgmma N of P V: 64 or 128");
-    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "wgmma N of Q K^T: 64 or 128");
+    // wgmma N (dense f16 / bf16) is a multiple of 8 up to 256; the k16 steps over the head dim
+    // (Q K^T) and over the keys (P V) make both multiples of 16 here. A K/V panel of BLOCK_N rows
+    // is then a whole number of 1024-byte swizzle atoms (8 rows x 128 B), which the descriptors'
+    // base offset 0 and the V descriptor's LBO (one panel) need.
+    static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 16 && HEAD_DIM <= 256,
+                  "wgmma N of P V (= HEAD_DIM): a multiple of 16 up to 256");
+    static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256,
+                  "wgmma N of Q K^T (= BLOCK_N): a multiple of 16 up to 256");
+    static_assert(KV_PANEL_BYTES % 1024 == 0 && Q_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
+    static_assert(ROWS_PER_WARPGROUP * (HEAD_DIM / 8) % WARPGROUP_THREADS == 0,
+                  "the epilogue's 16-byte chunks split evenly over a warpgroup");
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
@@ -118,7 +139,10 @@ CF2_DEVICE void issue_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) 
 // O += P V: PV_STEPS wgmmas, P (this warp's 16 rows x 16 keys per step) from registers, V from
 // its descriptor as the MN-major B operand: the k16 step ks (keys 16 ks ..) starts 16 * 128 B
 // further, SBO = 1024 B between groups of 8 keys, LBO = one panel between groups of 64 columns.
-// Issues the wgmmas only.
+// N = HEAD_DIM: at d=96 the last 64-column group is read half (columns 64 .. 95 of the second
+// panel), which CUTLASS's layout atoms would not express (it would pick the 64-byte swizzle for
+// an N of 96); the hardware walks 8 x 8 core matrices, so this is expected to work, and the first
+// d=96 run checks it. Issues the wgmmas only.
 template <typename Elem, class T>
 CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
 #pragma unroll

@@ -187,8 +187,8 @@ def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
 # Hopper forward (cuda_src/flash_fwd_sm90.cu; docs/HOPPER_FWD.md): compiled for sm_90a, not yet
 # dispatched (it has not run on a GPU).
 
-#: Head dims of the Hopper forward so far.
-SM90_FWD_HEAD_DIMS = (64, 128)
+#: Head dims of the Hopper forward, each its own specialisation (fwd_sm90_config's tiles).
+SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 #: The features it takes: the score modifiers (varlen and dropout stay on the mma.sync kernel).
 SM90_FWD_FEATURES = SCORE_MOD_FEATURES
 
@@ -199,9 +199,9 @@ class FwdSm90Config:
     consumer warpgroups (wgmma) of 128 threads; K/V tiles in a ring of `stages`."""
 
     dtype: str
-    head_dim: int  # 64 or 128
+    head_dim: int  # one of SM90_FWD_HEAD_DIMS
     block_m: int = 128  # query rows per CTA: 64 per consumer warpgroup
-    block_n: int = 128  # keys per K/V tile
+    block_n: int = 128  # keys per K/V tile: a multiple of 16 up to 256
     stages: int = 2
     #: The consumers take turns on the tensor cores (flash_fwd_sm90.cu: one's softmax under the
     #: other's GEMMs). Off until measured: the first GPU run compares both.
@@ -225,10 +225,16 @@ class FwdSm90Config:
         return ("-DCF2_MBARRIER_WATCHDOG",) if self.watchdog else ()
 
     @property
+    def panels(self) -> int:
+        """64-column panels (128-byte rows) of a tile in shared memory: the head dim rounded up
+        to 64 (d=96: two, the second half zero-filled by the TMA; FwdSm90Traits::PANELS)."""
+        return -(-self.head_dim // 64)
+
+    @property
     def smem_bytes(self) -> int:
-        # Q tile + stages x (K tile + V tile), 2 bytes an element, + 1 KiB to align the base to
-        # 1024 B by hand (FwdSm90Traits::SMEM_BYTES). The mbarriers are static shared memory.
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + 1024
+        # Q tile + stages x (K tile + V tile), rows of `panels` x 128 bytes, + 1 KiB to align the
+        # base to 1024 B by hand (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
+        return 128 * self.panels * (self.block_m + 2 * self.stages * self.block_n) + 1024
 
     @property
     def source_file(self) -> str:
@@ -253,12 +259,31 @@ class FwdSm90Config:
 SM90_CONSUMER_REGISTERS = 240
 
 
+#: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
+#: 64 rows) throughout. Two limits decide: shared memory, Q + stages x (K + V) of 64-column
+#: panels + 1 KiB within 227 KiB (one CTA an SM), and the consumers' 240 registers, which hold O
+#: (head_dim / 2 floats a thread), S (block_n / 2) and P (block_n / 4) at once. FlashAttention-3
+#: (hopper/tile_size.h, 16-bit, 2 stages) takes the largest block_n that fits shared memory for
+#: the large head dims: d=192 128 x 112 and d=256 128 x 80 (both "hit the limit of smem"), and
+#: 128 x 128/176 at d=128, 192 x 144 at d=96 (three consumer warpgroups, P V from shared memory:
+#: a structure this kernel does not have).
+#:  - 64, 128: 128 x 128, 2 stages, as first built and run (unchanged).
+#:  - 96: 128 x 128, 3 stages. Its tiles take two panels like d=128 (the second half
+#:    zero-filled), so two stages cost what d=128's do (161 KiB) and a third fits (225 KiB); with
+#:    a quarter less math per tile than d=128 the loads have less time to land, which the extra
+#:    stage buys back. Registers: O 48 + S 64 + P 32.
+#:  - 192: 128 x 112, 2 stages: 217 KiB (128 keys would need 241 KiB). O 96 + S 56 + P 28.
+#:  - 256: 128 x 80, 2 stages: 225 KiB (96 keys would need 257 KiB). O 128 + S 40 + P 20.
+#: Ping-pong fits all of them (ptxas: no spills at 240 registers; docs/HOPPER_FWD.md).
+SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+
+
 def fwd_sm90_config(dtype: str, head_dim: int) -> FwdSm90Config:
-    """The Hopper forward's tile for `head_dim` (64 or 128): 128 x 128, two stages (FA3's
-    non-causal d=128 tile is 128 x 176; the ping-pong schedule that needs is a later step)."""
+    """The Hopper forward's tile for `head_dim` (one of SM90_FWD_HEAD_DIMS): SM90_FWD_TILES."""
     if head_dim not in SM90_FWD_HEAD_DIMS:
         raise ValueError(f"the Hopper forward has head dims {SM90_FWD_HEAD_DIMS}, not {head_dim}")
-    return FwdSm90Config(dtype, head_dim)
+    block_n, stages = SM90_FWD_TILES[head_dim]
+    return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages)
 
 
 def all_fwd_sm90_configs(features=(0,)) -> list[FwdSm90Config]:

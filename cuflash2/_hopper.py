@@ -4,8 +4,10 @@ The kernel reads q, k and v through TMA descriptors (CUtensorMap, 128 bytes each
 its parameter struct FwdSm90Params. Each map covers a whole (batch, seqlen, heads, headdim)
 array in place: rank 4, innermost first (head dim, row, head, batch), with the array's own
 strides, so no copy is made; boxes are 64 columns (128 bytes, the 128-byte swizzle span) by the
-kernel's tile rows. What lies outside the array (rows past seqlen, columns past the head dim) the
-TMA zero-fills.
+kernel's tile rows (config.block_m for q, config.block_n for k and v), one box per 64-column
+panel. What lies outside the array (rows past seqlen, columns past the head dim: the second half
+of d=96's second panel) the TMA zero-fills, and the kernel's expect-tx byte counts are those of
+the full boxes, zero-filled bytes included.
 
 Not dispatched from cuflash2.attention yet: the kernel has not run on a GPU.
 `forward_sm90` / `prepare_forward_sm90` run it on their own for
@@ -112,7 +114,8 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
                          config: _configs.FwdSm90Config | None = None) -> PreparedForward:
     """Lays out attention on the Hopper forward kernel (sm_90a only): CuPy arrays (batch,
     seqlen, heads, headdim) or (seqlen, heads, headdim), fp16 or bf16, head dim a multiple of 8
-    up to 128 (the columns up to the kernel's 64 or 128 are zero-filled by the TMA); GQA/MQA
+    up to 256, run on the smallest kernel head dim (64, 96, 128, 192, 256) that holds it (the
+    columns up to it are zero-filled by the TMA); GQA/MQA
     through fewer k/v heads; causal and windows as cuflash2.attention (bottom-right aligned).
     No score modifiers, dropout or varlen on this path yet, and few checks: this is a development
     entry point, not the public API."""

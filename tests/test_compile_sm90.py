@@ -73,15 +73,36 @@ def test_hopper_configs_target_sm90a_only():
     assert _compile.target_arch(plain, 90) == "90" and _compile.arch_options(plain) == ()
 
 
+#: The tile (block_n, stages) each head dim is expected to get (docs/HOPPER_FWD.md).
+EXPECTED_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+
+
 def test_hopper_config_shapes():
+    assert _configs.SM90_FWD_HEAD_DIMS == tuple(EXPECTED_TILES)
     for config in CONFIGS:
-        assert config.threads == 384 and config.block_m == 128 and config.block_n == 128
-        assert config.stages == 2 and config.head_dim in (64, 128)
+        assert config.threads == 384 and config.block_m == 128
+        assert (config.block_n, config.stages) == EXPECTED_TILES[config.head_dim]
+        # whole 1024-byte swizzle atoms per K/V panel (the V descriptor's LBO is one panel)
+        assert config.block_n % 16 == 0 and config.block_n * 128 % 1024 == 0
         assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
-    assert {c.pingpong for c in CONFIGS} == {False, True}
+    assert {(c.head_dim, c.dtype, c.features, c.pingpong) for c in CONFIGS} == {
+        (d, t, f, pp) for d in EXPECTED_TILES for t in _configs.DTYPE_TAGS
+        for f in _configs.SM90_FWD_FEATURES for pp in (False, True)}
     assert not _configs.fwd_sm90_config("float16", 64).pingpong  # off until measured
-    with pytest.raises(ValueError):
-        _configs.fwd_sm90_config("float16", 96)
+    for bad in (80, 160, 512):
+        with pytest.raises(ValueError):
+            _configs.fwd_sm90_config("float16", bad)
+
+
+def test_hopper_smem_counts_whole_panels():
+    """A head dim of 96 takes two 64-column panels (the TMA zero-fills the second half), so its
+    shared memory is that of 128 columns; the kernel's SMEM_BYTES probe checks the same."""
+    d96 = _configs.fwd_sm90_config("bfloat16", 96)
+    assert d96.panels == 2
+    assert d96.smem_bytes == 128 * 2 * (128 + 2 * 3 * 128) + 1024
+    assert _configs.fwd_sm90_config("bfloat16", 256).smem_bytes == 128 * 4 * (128 + 4 * 80) + 1024
+    for config in CONFIGS:
+        assert config.smem_bytes <= MAX_SMEM_SM90
 
 
 def test_hopper_source_uses_the_hopper_instructions():

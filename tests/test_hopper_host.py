@@ -106,3 +106,40 @@ def test_prepared_forward_fills_the_parameter_struct(monkeypatch):
     assert base["q"] == q.data.ptr and base["out"] == prepared.out.data.ptr
     config, grid = prepared.launch
     assert grid == (3, 4, 2) and config.head_dim == 64 and config.dtype == "float16"
+
+
+@pytest.mark.parametrize("head_dim,kernel_dim,block_n", [
+    (64, 64, 128), (72, 96, 128), (96, 96, 128), (128, 128, 128), (136, 192, 112),
+    (192, 192, 112), (200, 256, 80), (256, 256, 80)])
+def test_prepared_forward_picks_the_kernel_and_its_box_rows(monkeypatch, head_dim, kernel_dim,
+                                                            block_n):
+    """Each head dim runs on the smallest kernel head dim that holds it; the k and v maps' boxes
+    have that kernel's block_n rows, q's block_m."""
+    numpy = pytest.importorskip("numpy")
+    fake_cupy = types.SimpleNamespace(
+        empty=lambda shape, dtype: _HostArray(numpy.empty(shape, dtype)), float32=numpy.float32)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    maps = []
+    monkeypatch.setattr(_hopper, "tensor_map_bytes",
+                        lambda x, rows: maps.append((x.shape, rows)) or bytes(128))
+    monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))
+    q = _HostArray(numpy.zeros((1, 300, 2, head_dim), numpy.float16))
+    k = _HostArray(numpy.zeros((1, 500, 2, head_dim), numpy.float16))
+    prepared = _hopper.prepare_forward_sm90(q, k, k)
+    config, grid = prepared.launch
+    assert config.head_dim == kernel_dim and config.block_n == block_n
+    assert [rows for _, rows in maps] == [128, block_n, block_n]
+    assert grid == (3, 2, 1)
+    assert prepared.block.record[0]["base"]["head_dim"] == head_dim
+    # the map geometry: 64-column boxes whatever the head dim
+    _, _, box = _hopper.tensor_map_geometry((1, 500, 2, head_dim), (500 * 2 * head_dim * 2,
+                                            2 * head_dim * 2, head_dim * 2, 2), 2, block_n)
+    assert box == [_hopper.BOX_COLS, block_n, 1, 1]
+
+
+def test_prepared_forward_refuses_head_dims_past_256(monkeypatch):
+    numpy = pytest.importorskip("numpy")
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace())
+    q = _HostArray(numpy.zeros((1, 4, 1, 264), numpy.float16))
+    with pytest.raises(ValueError, match="not covered"):
+        _hopper.prepare_forward_sm90(q, q, q)
