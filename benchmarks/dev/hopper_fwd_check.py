@@ -8,13 +8,14 @@ On an H100/H200 (sm_90), from the repository root:
     python benchmarks/dev/hopper_fwd_check.py --no-time --schedule plain
 
 1. Correctness: the kernel, in both schedules (plain and ping-pong), through
-   cuflash2._hopper.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dim 64/128 and 96 padded to
-   128, fp16/bf16, causal on/off, a window, odd lengths, seqlen_q != seqlen_k both ways, GQA,
-   MQA, q/k/v as strided views of a packed qkv, a one-token problem), outputs poisoned with NaN
-   first, checked against cuflash2.reference with cuflash2.testing.check_forward (out and lse).
+   cuflash2._hopper.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dims 64, 96, 128, 192, 256 on
+   their own kernels, 160 on the d=192 one; fp16/bf16, causal on/off, a window, odd lengths,
+   seqlen_q != seqlen_k both ways, GQA, MQA, q/k/v as strided views of a packed qkv, a one-token
+   problem), outputs poisoned with NaN first, checked against cuflash2.reference with
+   cuflash2.testing.check_forward (out and lse).
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 1k, 4k and 16k
-   tokens, fp16/bf16, d 64/128, causal on/off: both schedules next to cuflash2.attention (the
-   mma.sync kernel).
+   tokens, fp16/bf16, d 64/96/128/192/256, causal on/off: both schedules next to
+   cuflash2.attention (the mma.sync kernel).
 
 Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
 """
@@ -41,12 +42,24 @@ CASES = [
     (1, 257, 257, 4, 1, 64, "float16", False, (-1, -1), False),  # MQA
     (1, 700, 900, 4, 4, 128, "bfloat16", False, (128, 64), False),  # window
     (1, 700, 900, 4, 4, 64, "float16", False, (200, -1), False),  # left edge only
-    (1, 300, 300, 2, 2, 96, "float16", True, (-1, -1), False),  # d=96 through the d=128 kernel
+    (1, 300, 300, 2, 2, 96, "float16", True, (-1, -1), False),  # the d=96 kernel
+    (2, 1024, 1024, 8, 8, 96, "bfloat16", False, (-1, -1), False),
+    (1, 333, 517, 4, 4, 96, "bfloat16", True, (-1, -1), False),
+    (1, 517, 333, 4, 4, 96, "float16", False, (-1, -1), False),
+    (2, 1024, 1024, 8, 8, 192, "float16", True, (-1, -1), False),
+    (1, 333, 517, 4, 4, 192, "bfloat16", False, (-1, -1), False),
+    (1, 517, 333, 4, 4, 192, "float16", True, (-1, -1), False),  # rows that see no key
+    (1, 300, 300, 2, 2, 160, "bfloat16", False, (-1, -1), False),  # d=160 on the d=192 kernel
+    (2, 1024, 1024, 8, 8, 256, "bfloat16", False, (-1, -1), False),
+    (1, 333, 517, 4, 4, 256, "float16", True, (-1, -1), False),
+    (1, 517, 333, 4, 4, 256, "bfloat16", False, (-1, -1), False),
+    (2, 1000, 1000, 8, 2, 256, "float16", True, (-1, -1), False),  # GQA
     (2, 129, 129, 4, 4, 64, "bfloat16", True, (-1, -1), True),  # strided views of packed qkv
     (1, 1, 1, 1, 1, 64, "float16", False, (-1, -1), False),
 ]
 
 TIMING_SEQLENS = (1024, 4096, 16384)
+TIMING_HEAD_DIMS = (64, 96, 128, 192, 256)
 TOKENS = 16384
 HIDDEN = 2048
 
@@ -72,6 +85,7 @@ def _inputs(cupy, case, seed):
 def _config(dtype, head_dim, pingpong, watchdog=False):
     from cuflash2 import _configs
 
+    # The smallest kernel head dim that holds head_dim: d=96 runs on the d=96 kernel, 160 on 192.
     kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
     return dataclasses.replace(_configs.fwd_sm90_config(dtype, kernel_dim), pingpong=pingpong,
                                watchdog=watchdog)
@@ -123,7 +137,7 @@ def timing(cupy, iters):
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'plain ms':>9} {'TFLOP/s':>8} "
           f"{'pingpong ms':>11} {'TFLOP/s':>8} {'mma.sync ms':>11} {'TFLOP/s':>8} {'best/mma':>8}")
     for dtype in ("float16", "bfloat16"):
-        for d in (64, 128):
+        for d in TIMING_HEAD_DIMS:
             for causal in (False, True):
                 for seqlen in TIMING_SEQLENS:
                     batch, heads = TOKENS // seqlen, HIDDEN // d
