@@ -22,6 +22,11 @@ PAPER_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 PAPER_TOKENS = 16384
 PAPER_HIDDEN = 2048
 BACKWARD_FLOP_FACTOR = 2.5  # backward = 2 matmuls recomputed + 3 gradient matmuls, over forward's 2
+#: Head dims of the default grid at every seqlen (also the default of --windows/--varlen/--host).
+DEFAULT_HEADDIMS = (64, 128)
+#: Head dims the default grid adds only from a seqlen on: d=256 (batch×heads = (16k/s)×8) at
+#: s >= 4k, where its FLOPs per row equal d=128's and its tiles stay full.
+DEFAULT_EXTRA_HEADDIMS = {256: 4096}
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,9 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, directio
 
 def paper_grid(headdims=(64, 128), dtypes=("fp16", "bf16"), causal_modes=(False, True),
                seqlens=PAPER_SEQLENS, directions=("fwd",), tokens=PAPER_TOKENS,
-               hidden=PAPER_HIDDEN) -> list[Config]:
+               hidden=PAPER_HIDDEN, min_seqlen=None) -> list[Config]:
+    """`min_seqlen`: {headdim: seqlen} to keep a head dim only at seqlens from that one on."""
+    min_seqlen = min_seqlen or {}
     return [
         Config(direction, dtype, headdim, causal, seqlen,
                batch=max(1, tokens // seqlen), nheads=max(1, hidden // headdim))
@@ -106,7 +113,16 @@ def paper_grid(headdims=(64, 128), dtypes=("fp16", "bf16"), causal_modes=(False,
         for headdim in headdims
         for causal in causal_modes
         for seqlen in seqlens
+        if seqlen >= min_seqlen.get(headdim, 0)
     ]
+
+
+def grid_headdims(headdim_option) -> tuple[tuple[int, ...], dict]:
+    """The main grid's head dims and their {headdim: min seqlen}: the --headdim given, at every
+    seqlen; by default DEFAULT_HEADDIMS plus DEFAULT_EXTRA_HEADDIMS from their seqlens."""
+    if headdim_option:
+        return tuple(headdim_option), {}
+    return DEFAULT_HEADDIMS + tuple(DEFAULT_EXTRA_HEADDIMS), dict(DEFAULT_EXTRA_HEADDIMS)
 
 
 def causal_modes(choice: str) -> tuple[bool, ...]:
@@ -749,8 +765,10 @@ def run(cupy, args) -> int:
         wanted = tuple(d for d in wanted if d != "bwd")
         if not wanted:
             return 0
-    configs = paper_grid(args.headdim, args.dtype, causal_modes(args.causal), args.seqlens,
-                         wanted, args.tokens, args.hidden)
+    headdims, min_seqlen = grid_headdims(args.headdim)
+    configs = paper_grid(headdims, args.dtype, causal_modes(args.causal), args.seqlens,
+                         wanted, args.tokens, args.hidden, min_seqlen)
+    extra_headdims = args.headdim or DEFAULT_HEADDIMS  # the windows and varlen tables
     torch = _load_torch() if args.compare == "torch" else None
     env = _environment.collect()
     if torch is not None:
@@ -760,7 +778,7 @@ def run(cupy, args) -> int:
     summary = summarize(rows)
     windows = []
     if getattr(args, "windows", None):
-        windows = measure_windows(cupy, args.headdim, args.dtype[0], max(args.seqlens),
+        windows = measure_windows(cupy, extra_headdims, args.dtype[0], max(args.seqlens),
                                   args.windows, wanted, args.tokens, args.hidden, args.warmup,
                                   args.iters)
     decode = []
@@ -768,7 +786,7 @@ def run(cupy, args) -> int:
         decode = measure_decode(cupy, args.dtype[0], args.warmup, args.iters)
     varlen = []
     if getattr(args, "varlen", False):
-        varlen = measure_varlen(cupy, args.headdim, args.dtype[0], VARLEN_LENGTHS, wanted,
+        varlen = measure_varlen(cupy, extra_headdims, args.dtype[0], VARLEN_LENGTHS, wanted,
                                 args.hidden, args.warmup, args.iters)
 
     print(f"\n{environment_header(env)}\n")
@@ -812,4 +830,10 @@ def run(cupy, args) -> int:
 
 
 def _settings(args) -> dict:
-    return {key: value for key, value in vars(args).items() if key not in ("func", "command")}
+    """The options, with --headdim as the grid ran it; headdim_min_seqlen names the head dims
+    the default grid keeps only from a seqlen on."""
+    settings = {key: value for key, value in vars(args).items() if key not in ("func", "command")}
+    headdims, min_seqlen = grid_headdims(args.headdim)
+    settings["headdim"] = list(headdims)
+    settings["headdim_min_seqlen"] = {str(d): s for d, s in min_seqlen.items()}
+    return settings

@@ -84,7 +84,9 @@ def test_console_script_help_says_cuflash2(capsys):
 
 def test_bench_defaults_are_the_paper_grid():
     args = build_parser().parse_args(["bench"])
-    assert args.headdim == [64, 128]
+    assert args.headdim is None  # the default grid: bench.grid_headdims(None)
+    assert bench.grid_headdims(None) == ((64, 128, 256), {256: 4096})
+    assert bench.grid_headdims([128]) == ((128,), {})
     assert args.dtype == ["fp16", "bf16"]
     assert args.causal == "both"
     assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
@@ -129,6 +131,36 @@ def test_cost_scripts_arrays_are_paper_grid_sized():
         for x in arrays:
             assert x.shape == (16384 // s, s, 2048 // d, d) and x.dtype == numpy.float16
             assert float(numpy.abs(x).max()) > 0  # fresh random values, never zeros
+
+
+def test_default_grid_adds_d256_from_4k():
+    headdims, min_seqlen = bench.grid_headdims(None)
+    configs = bench.paper_grid(headdims, ("fp16", "bf16"), bench.causal_modes("both"),
+                               bench.PAPER_SEQLENS, bench.directions("both"),
+                               min_seqlen=min_seqlen)
+    d256 = [c for c in configs if c.headdim == 256]
+    assert len(configs) == 2 * 2 * 2 * 6 * 2 + len(d256)
+    assert len(d256) == 2 * 2 * 2 * 3  # fwd/bwd x fp16/bf16 x causal off/on x s 4k, 8k, 16k
+    assert {(c.seqlen, c.batch, c.nheads) for c in d256} == {(4096, 4, 8), (8192, 2, 8),
+                                                              (16384, 1, 8)}
+    assert {(c.dtype, c.causal, c.direction) for c in d256} == {
+        (dtype, causal, direction) for dtype in ("fp16", "bf16") for causal in (False, True)
+        for direction in ("fwd", "bwd")}
+    # same nesting order as before: d=256 follows d=128 within each direction and dtype
+    assert [c.headdim for c in configs[:30]] == [64] * 12 + [128] * 12 + [256] * 6
+    # an explicit --headdim 256 runs at every seqlen
+    headdims, min_seqlen = bench.grid_headdims([256])
+    assert len(bench.paper_grid(headdims, ("fp16",), (False,), bench.PAPER_SEQLENS,
+                                min_seqlen=min_seqlen)) == 6
+
+
+def test_json_settings_name_the_grid_headdims():
+    settings = bench._settings(build_parser().parse_args(["bench", "--compare", "torch"]))
+    assert settings["headdim"] == [64, 128, 256]
+    assert settings["headdim_min_seqlen"] == {"256": 4096}
+    assert "func" not in settings and settings["compare"] == "torch"
+    settings = bench._settings(build_parser().parse_args(["bench", "--headdim", "128"]))
+    assert (settings["headdim"], settings["headdim_min_seqlen"]) == ([128], {})
 
 
 def test_grid_size_follows_the_options():
