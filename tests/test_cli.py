@@ -274,14 +274,17 @@ def test_cudnn_notes_group_rows_by_reason():
 
 
 def test_refusal_reason_takes_torchs_cudnn_warnings():
-    suffix = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/sdp_utils.cpp:1.)"
-    warnings = ["Memory efficient kernel not used because:" + suffix,
-                "Flash attention kernel not used because:" + suffix,
-                "Flash attention has been runtime disabled." + suffix,
-                "CuDNN attention kernel not used because:" + suffix,
-                "head_dim should be no more than 128," + suffix]
+    # The warnings torch 2.11 gave on an H200 for d=264 under sdpa_kernel(CUDNN_ATTENTION).
+    where = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:{}.)"
+    warnings = ["Memory efficient kernel not used because:" + where.format(986),
+                "Memory Efficient attention has been runtime disabled." + where.format(552),
+                "Flash attention kernel not used because:" + where.format(988),
+                "Flash attention has been runtime disabled." + where.format(540),
+                "cuDNN attention kernel not used because:" + where.format(990),
+                "head_dim should be no more than 256" + where.format(522)]
     exc = RuntimeError("No available kernel. Aborting execution.")
-    assert bench.refusal_reason(exc, warnings) == "head_dim should be no more than 128,"
+    assert bench.refusal_reason(exc, warnings) == "head_dim should be no more than 256"
+    assert bench.refusal_reason(exc, warnings + ["dtype"]) == "head_dim should be no more than 256; dtype"
     assert bench.refusal_reason(exc, warnings[:3]) == (
         "RuntimeError: No available kernel. Aborting execution.")
     assert bench.refusal_reason(AttributeError("CUDNN_ATTENTION\nmore")) == (
