@@ -2,10 +2,11 @@
 
 The grid keeps 16k tokens per batch (batch = tokens // seqlen) and a hidden size of 2048
 (nheads = hidden // headdim), so every configuration's inputs are far larger than the 60 MB L2 of
-an H200. Timing: CUDA events around each call after warm-up, median of `iters` calls. With
-`--compare torch` the same CuPy arrays are handed to PyTorch through DLPack (no copy) and run
-through SDPA restricted to its FlashAttention-2 backend, then to its cuDNN backend, each timed the
-same way with torch's events (a configuration cuDNN refuses shows "n/a" and the reason).
+an H200; by default d = 64 and 128 at every seqlen and d = 256 from 4k. Timing: CUDA events
+around each call after warm-up, median of `iters` calls. With `--compare torch` the same CuPy
+arrays are handed to PyTorch through DLPack (no copy) and run through SDPA restricted to its
+FlashAttention-2 backend, then to its cuDNN backend, each timed the same way with torch's events
+(a configuration cuDNN refuses shows "n/a" and the reason).
 
 The pure functions (grid, FLOP counts, summary, table) need no GPU and are unit-tested on the CPU;
 the importable pieces are meant for the scripts in benchmarks/ too.

@@ -56,7 +56,8 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
     bench_cmd.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                            help="forward, backward (attention_backward) or both")
     bench_cmd.add_argument("--compare", choices=("torch",), default=None,
-                           help="also time torch SDPA (FlashAttention-2 backend) on the same arrays")
+                           help="also time torch SDPA on the same arrays, restricted to its "
+                                "FlashAttention-2 backend and to its cuDNN backend")
     bench_cmd.add_argument("--json", metavar="PATH", default=None,
                            help="save every row and the environment as JSON")
     bench_cmd.add_argument("--windows", nargs="+", type=_positive_int, default=None,
