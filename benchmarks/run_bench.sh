@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Forward and backward benchmark on the FlashAttention-2 paper grid next to torch SDPA-flash;
+# Forward and backward benchmark on the FlashAttention-2 paper grid next to torch SDPA's
+# FlashAttention-2 (SDPA-flash) and cuDNN backends;
 # writes benchmarks/results/<date>-<gpu>.{json,md}.
 # Usage: benchmarks/run_bench.sh [gpu-tag] [bench options, default --direction both]
 set -euo pipefail

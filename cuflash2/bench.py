@@ -2,9 +2,11 @@
 
 The grid keeps 16k tokens per batch (batch = tokens // seqlen) and a hidden size of 2048
 (nheads = hidden // headdim), so every configuration's inputs are far larger than the 60 MB L2 of
-an H200. Timing: CUDA events around each call after warm-up, median of `iters` calls. With
-`--compare torch` the same CuPy arrays are handed to PyTorch through DLPack (no copy) and run
-through SDPA restricted to its FlashAttention-2 backend, timed the same way with torch's events.
+an H200; by default d = 64 and 128 at every seqlen and d = 256 from 4k. Timing: CUDA events
+around each call after warm-up, median of `iters` calls. With `--compare torch` the same CuPy
+arrays are handed to PyTorch through DLPack (no copy) and run through SDPA restricted to its
+FlashAttention-2 backend, then to its cuDNN backend, each timed the same way with torch's events
+(a configuration cuDNN refuses shows "n/a" and the reason).
 
 The pure functions (grid, FLOP counts, summary, table) need no GPU and are unit-tested on the CPU;
 the importable pieces are meant for the scripts in benchmarks/ too.
@@ -21,6 +23,11 @@ PAPER_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 PAPER_TOKENS = 16384
 PAPER_HIDDEN = 2048
 BACKWARD_FLOP_FACTOR = 2.5  # backward = 2 matmuls recomputed + 3 gradient matmuls, over forward's 2
+#: Head dims of the default grid at every seqlen (also the default of --windows/--varlen/--host).
+DEFAULT_HEADDIMS = (64, 128)
+#: Head dims the default grid adds only from a seqlen on: d=256 (batch×heads = (16k/s)×8) at
+#: s >= 4k, where its FLOPs per row equal d=128's and its tiles stay full.
+DEFAULT_EXTRA_HEADDIMS = {256: 4096}
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,24 @@ class Row:
     torch_tflops: float | None = None
     max_abs_diff: float | None = None  # cuflash2 vs torch output, a same-data sanity check
     errors: list[str] = field(default_factory=list)
+    # torch SDPA's cuDNN backend on the same arrays; cudnn_error says why it has no time (n/a).
+    cudnn_ms: float | None = None
+    cudnn_tflops: float | None = None
+    cudnn_max_abs_diff: float | None = None  # cuflash2 vs cuDNN output (forward)
+    cudnn_error: str | None = None
 
     @property
     def ratio(self) -> float | None:
+        """cuflash2 / SDPA-flash throughput."""
         if self.tflops and self.torch_tflops:
             return self.tflops / self.torch_tflops
+        return None
+
+    @property
+    def ratio_vs_cudnn(self) -> float | None:
+        """cuflash2 / cuDNN throughput."""
+        if self.tflops and self.cudnn_tflops:
+            return self.tflops / self.cudnn_tflops
         return None
 
     def to_json(self) -> dict:
@@ -67,6 +87,7 @@ class Row:
         data.update({k: v for k, v in asdict(self).items() if k != "config"})
         data["flops"] = self.config.flops
         data["ratio"] = self.ratio
+        data["ratio_vs_cudnn"] = self.ratio_vs_cudnn
         return data
 
 
@@ -82,7 +103,9 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, directio
 
 def paper_grid(headdims=(64, 128), dtypes=("fp16", "bf16"), causal_modes=(False, True),
                seqlens=PAPER_SEQLENS, directions=("fwd",), tokens=PAPER_TOKENS,
-               hidden=PAPER_HIDDEN) -> list[Config]:
+               hidden=PAPER_HIDDEN, min_seqlen=None) -> list[Config]:
+    """`min_seqlen`: {headdim: seqlen} to keep a head dim only at seqlens from that one on."""
+    min_seqlen = min_seqlen or {}
     return [
         Config(direction, dtype, headdim, causal, seqlen,
                batch=max(1, tokens // seqlen), nheads=max(1, hidden // headdim))
@@ -91,7 +114,16 @@ def paper_grid(headdims=(64, 128), dtypes=("fp16", "bf16"), causal_modes=(False,
         for headdim in headdims
         for causal in causal_modes
         for seqlen in seqlens
+        if seqlen >= min_seqlen.get(headdim, 0)
     ]
+
+
+def grid_headdims(headdim_option) -> tuple[tuple[int, ...], dict]:
+    """The main grid's head dims and their {headdim: min seqlen}: the --headdim given, at every
+    seqlen; by default DEFAULT_HEADDIMS plus DEFAULT_EXTRA_HEADDIMS from their seqlens."""
+    if headdim_option:
+        return tuple(headdim_option), {}
+    return DEFAULT_HEADDIMS + tuple(DEFAULT_EXTRA_HEADDIMS), dict(DEFAULT_EXTRA_HEADDIMS)
 
 
 def causal_modes(choice: str) -> tuple[bool, ...]:
@@ -106,21 +138,34 @@ def directions(choice: str) -> tuple[str, ...]:
 # Summary and output
 # ---------------------------------------------------------------------------------------------
 
+#: The torch baselines of the summary: (label, Row property, prefix of its summary keys).
+BASELINES = (("SDPA-flash", "ratio", ""), ("cuDNN", "ratio_vs_cudnn", "cudnn_"))
+
+
+def _ratio_stats(pairs) -> dict:
+    worst_ratio, worst_config = min(pairs, key=lambda pair: pair[0])
+    return {
+        "configs": len(pairs),
+        "geomean_ratio": math.exp(statistics.fmean(math.log(r) for r, _ in pairs)),
+        "min_ratio": worst_ratio,
+        "min_config": worst_config.describe(),
+    }
+
+
 def summarize(rows: list[Row]) -> dict:
-    """Per direction: geometric mean and minimum of the cuflash2/torch ratios."""
+    """Per direction: geometric mean and minimum of the cuflash2/SDPA-flash ratios (keys
+    configs, geomean_ratio, min_ratio, min_config) and of the cuflash2/cuDNN ratios (the same
+    keys prefixed cudnn_), each over the rows that have that ratio."""
     summary = {}
     for direction in sorted({row.config.direction for row in rows}):
-        pairs = [(row.ratio, row.config) for row in rows
-                 if row.config.direction == direction and row.ratio]
-        if not pairs:
-            continue
-        worst_ratio, worst_config = min(pairs, key=lambda pair: pair[0])
-        summary[direction] = {
-            "configs": len(pairs),
-            "geomean_ratio": math.exp(statistics.fmean(math.log(r) for r, _ in pairs)),
-            "min_ratio": worst_ratio,
-            "min_config": worst_config.describe(),
-        }
+        entry = {}
+        for _, attribute, prefix in BASELINES:
+            pairs = [(getattr(row, attribute), row.config) for row in rows
+                     if row.config.direction == direction and getattr(row, attribute)]
+            if pairs:
+                entry.update({prefix + key: value for key, value in _ratio_stats(pairs).items()})
+        if entry:
+            summary[direction] = entry
     return summary
 
 
@@ -129,29 +174,51 @@ def _fmt(value, spec: str, missing: str = "–") -> str:
 
 
 def markdown_table(rows: list[Row], compare: bool) -> str:
+    """One line per row; with `compare`, SDPA-flash's and cuDNN's TFLOP/s, cuflash2's ratio to
+    each and the max abs difference of the forward outputs (cuflash2 vs each); "n/a" where
+    cuDNN refused the configuration (cudnn_notes gives the reasons)."""
     header = ["dir", "dtype", "d", "causal", "seqlen", "batch×heads", "cuflash2 ms",
               "cuflash2 TFLOP/s"]
     if compare:
-        header += ["SDPA-flash TFLOP/s", "ratio", "max abs diff"]
+        header += ["SDPA-flash TFLOP/s", "cuDNN TFLOP/s", "cuflash2 / SDPA-flash",
+                   "cuflash2 / cuDNN", "max abs diff (SDPA-flash)", "max abs diff (cuDNN)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         c = row.config
         cells = [c.direction, c.dtype, str(c.headdim), "yes" if c.causal else "no", str(c.seqlen),
                  f"{c.batch}×{c.nheads}", _fmt(row.ms, ".3f"), _fmt(row.tflops, ".1f")]
         if compare:
-            cells += [_fmt(row.torch_tflops, ".1f"), _fmt(row.ratio, ".3f"),
-                      _fmt(row.max_abs_diff, ".1e")]
+            cudnn_missing = "n/a" if row.cudnn_error else "–"
+            cells += [_fmt(row.torch_tflops, ".1f"), _fmt(row.cudnn_tflops, ".1f", cudnn_missing),
+                      _fmt(row.ratio, ".3f"), _fmt(row.ratio_vs_cudnn, ".3f", cudnn_missing),
+                      _fmt(row.max_abs_diff, ".1e"),
+                      _fmt(row.cudnn_max_abs_diff, ".1e", cudnn_missing)]
         if row.errors:
             cells[-1] += " (" + "; ".join(row.errors) + ")"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def cudnn_notes(rows: list[Row]) -> list[str]:
+    """One note line per distinct reason cuDNN refused, with the rows it refused for it."""
+    by_reason = {}
+    for row in rows:
+        if row.cudnn_error:
+            by_reason.setdefault(row.cudnn_error, []).append(row.config.describe())
+    return [f"note: cuDNN n/a for {len(configs)} row(s) ({'; '.join(configs)}): {reason}"
+            for reason, configs in by_reason.items()]
+
+
 def summary_table(summary: dict) -> str:
-    lines = ["| dir | configs | geomean cuflash2/SDPA-flash | min ratio | at |", "|---|---|---|---|---|"]
+    """Geometric mean and minimum of cuflash2's ratio to each torch baseline, per direction."""
+    lines = ["| dir | vs | configs | geomean cuflash2 / vs | min ratio | at |",
+             "|---|---|---|---|---|---|"]
     for direction, s in summary.items():
-        lines.append(f"| {direction} | {s['configs']} | {s['geomean_ratio']:.3f} | "
-                     f"{s['min_ratio']:.3f} | {s['min_config']} |")
+        for label, _, prefix in BASELINES:
+            if prefix + "configs" in s:
+                lines.append(f"| {direction} | {label} | {s[prefix + 'configs']} | "
+                             f"{s[prefix + 'geomean_ratio']:.3f} | {s[prefix + 'min_ratio']:.3f} | "
+                             f"{s[prefix + 'min_config']} |")
     return "\n".join(lines)
 
 
@@ -264,15 +331,22 @@ def _torch_view(torch, cupy, array, torch_dtype):
     return torch.from_dlpack(array.view(cupy.int16)).view(torch_dtype)
 
 
-class TorchSdpaFlash:
-    """torch SDPA restricted to its FlashAttention-2 backend, on (b, h, s, d) views of our arrays."""
+class TorchSdpa:
+    """torch SDPA restricted to one backend (`BACKEND`, a member of torch's SDPBackend), on
+    (b, h, s, d) views of our arrays. `only()` is the context that restricts it: the timed calls
+    run inside it; the backward's forward is run inside it here (autograd then calls that
+    backend's backward)."""
+
+    BACKEND = ""
+    LABEL = ""
 
     def __init__(self, torch, cupy, dtype_name: str):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         self.torch, self.cupy = torch, cupy
         self.torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-        self.flash_only = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+        backend = getattr(SDPBackend, self.BACKEND)
+        self.only = lambda: sdpa_kernel(backend)
 
     def as_bhsd(self, array):
         return _torch_view(self.torch, self.cupy, array, self.torch_dtype).transpose(1, 2)
@@ -286,9 +360,27 @@ class TorchSdpaFlash:
         sdpa = self.torch.nn.functional.scaled_dot_product_attention
         qt, kt, vt = (self.as_bhsd(x).detach().requires_grad_() for x in (q, k, v))
         dout_t = self.as_bhsd(dout)
-        with self.flash_only():
+        with self.only():
             out = sdpa(qt, kt, vt, is_causal=causal)
         return lambda: self.torch.autograd.grad(out, (qt, kt, vt), dout_t, retain_graph=True)
+
+
+class TorchSdpaFlash(TorchSdpa):
+    """torch SDPA restricted to its FlashAttention-2 backend."""
+
+    BACKEND = "FLASH_ATTENTION"
+    LABEL = "SDPA-flash"
+
+    @property
+    def flash_only(self):
+        return self.only
+
+
+class TorchSdpaCudnn(TorchSdpa):
+    """torch SDPA restricted to its cuDNN backend (cuDNN's fused attention)."""
+
+    BACKEND = "CUDNN_ATTENTION"
+    LABEL = "cuDNN"
 
 
 def _load_torch(stream=sys.stderr):
@@ -304,6 +396,13 @@ def _load_torch(stream=sys.stderr):
     return torch
 
 
+def _torch_cudnn_version(torch):
+    try:
+        return torch.backends.cudnn.version()
+    except Exception:
+        return None
+
+
 def _max_abs_diff(cupy, torch, ours, torch_out_bhsd) -> float:
     theirs_bshd = torch_out_bhsd.transpose(1, 2).contiguous().view(torch.int16)
     theirs = cupy.from_dlpack(theirs_bshd).view(ours.dtype)
@@ -312,7 +411,8 @@ def _max_abs_diff(cupy, torch, ours, torch_out_bhsd) -> float:
 
 def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progress=sys.stderr):
     """Time every configuration; inputs are made once per (dtype, headdim, seqlen) and shared by
-    the causal modes, the directions and torch."""
+    the causal modes, the directions and torch. With torch, each row also times SDPA-flash (a
+    failure there is the row's error) and then cuDNN (a refusal there is only cudnn_error)."""
     import cuflash2
     from cuflash2.selfcheck import dtype_from_name
 
@@ -330,20 +430,28 @@ def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progres
         if has_backward and any(config.direction == "bwd" for config in group):
             dout = cupy.random.default_rng(seed + 10_000).standard_normal(
                 q.shape, dtype=cupy.float32).astype(dtype)
-        reference = TorchSdpaFlash(torch, cupy, dtype_name) if torch is not None else None
         for config in group:
             row = rows[config]
+            ours_out = None
             try:
                 if config.direction == "fwd":
-                    _measure_forward(cupy, torch, reference, row, q, k, v, warmup, iters, backlog)
+                    ours_out = _measure_forward(cupy, row, q, k, v, warmup, iters, backlog)
                 elif has_backward:
-                    _measure_backward(cupy, torch, reference, row, q, k, v, dout, warmup, iters,
-                                      backlog)
+                    _measure_backward(cupy, row, q, k, v, dout, warmup, iters, backlog)
                 else:
                     row.errors.append("backward not available yet")
+                if torch is not None and row.ms is not None:
+                    flash = TorchSdpaFlash(torch, cupy, dtype_name)
+                    row.torch_ms, row.max_abs_diff = _measure_torch(
+                        cupy, torch, flash, config, q, k, v, dout, ours_out, warmup, iters,
+                        backlog)
+                    row.torch_tflops = config.flops / row.torch_ms / 1e9
             except Exception as exc:  # keep going; the row shows what failed
                 row.errors.append(f"{exc.__class__.__name__}: {exc}")
+            if torch is not None and row.ms is not None:
+                _measure_cudnn(cupy, torch, row, q, k, v, dout, ours_out, warmup, iters, backlog)
             print(_progress_line(row), file=progress, flush=True)
+            del ours_out
         del q, k, v, dout
         cupy.get_default_memory_pool().free_all_blocks()
     return [rows[config] for config in configs]
@@ -353,12 +461,17 @@ def _progress_line(row: Row) -> str:
     text = f"{row.config.describe():<40} cuflash2 {_fmt(row.tflops, '7.1f')} TFLOP/s"
     if row.torch_tflops is not None:
         text += f"  SDPA-flash {row.torch_tflops:7.1f}  ratio {_fmt(row.ratio, '.3f')}"
+    if row.cudnn_tflops is not None:
+        text += f"  cuDNN {row.cudnn_tflops:7.1f}  ratio {_fmt(row.ratio_vs_cudnn, '.3f')}"
+    elif row.cudnn_error:
+        text += "  cuDNN n/a"
     if row.errors:
         text += "  [" + "; ".join(row.errors) + "]"
     return text
 
 
-def _measure_forward(cupy, torch, reference, row, q, k, v, warmup, iters, backlog):
+def _measure_forward(cupy, row, q, k, v, warmup, iters, backlog):
+    """cuflash2's forward time into `row`; returns its output (for the comparison with torch)."""
     import cuflash2
 
     causal = row.config.causal
@@ -366,15 +479,10 @@ def _measure_forward(cupy, torch, reference, row, q, k, v, warmup, iters, backlo
     row.ms = time_cupy(cupy, lambda: cuflash2.attention(q, k, v, causal=causal, out=out),
                        warmup, iters, backlog)
     row.tflops = row.config.flops / row.ms / 1e9
-    if reference is not None:
-        run = reference.forward(q, k, v, causal)
-        with reference.flash_only():
-            row.torch_ms = time_torch(torch, run, warmup, iters, backlog)
-            row.max_abs_diff = _max_abs_diff(cupy, torch, out, run())
-        row.torch_tflops = row.config.flops / row.torch_ms / 1e9
+    return out
 
 
-def _measure_backward(cupy, torch, reference, row, q, k, v, dout, warmup, iters, backlog):
+def _measure_backward(cupy, row, q, k, v, dout, warmup, iters, backlog):
     import cuflash2
 
     # Assumed signature, mirroring flash-attn's: attention_backward(dout, q, k, v, out, lse, ...).
@@ -384,11 +492,55 @@ def _measure_backward(cupy, torch, reference, row, q, k, v, dout, warmup, iters,
         cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal),
         warmup, iters, backlog)
     row.tflops = row.config.flops / row.ms / 1e9
-    if reference is not None:
-        run = reference.backward(q, k, v, dout, causal)
-        with reference.flash_only():
-            row.torch_ms = time_torch(torch, run, warmup, iters, backlog)
-        row.torch_tflops = row.config.flops / row.torch_ms / 1e9
+
+
+def _measure_torch(cupy, torch, reference: TorchSdpa, config, q, k, v, dout, ours_out, warmup,
+                   iters, backlog):
+    """(ms, max abs diff) of torch SDPA under `reference`'s backend on the same arrays: the
+    forward, or the backward through autograd on a retained graph (its forward run under the
+    backend too). The diff compares the forward's output with `ours_out`; None for backward."""
+    if config.direction == "fwd":
+        run = reference.forward(q, k, v, config.causal)
+    else:
+        run = reference.backward(q, k, v, dout, config.causal)
+    with reference.only():
+        ms = time_torch(torch, run, warmup, iters, backlog)
+        diff = _max_abs_diff(cupy, torch, ours_out, run()) if ours_out is not None else None
+    return ms, diff
+
+
+def _measure_cudnn(cupy, torch, row, q, k, v, dout, ours_out, warmup, iters, backlog):
+    """SDPA's cuDNN backend into `row`, timed as SDPA-flash is. A configuration it refuses (or
+    a torch without that backend) leaves the time empty and the reason in row.cudnn_error;
+    the row is not failed for it."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            reference = TorchSdpaCudnn(torch, cupy, row.config.dtype)
+            row.cudnn_ms, row.cudnn_max_abs_diff = _measure_torch(
+                cupy, torch, reference, row.config, q, k, v, dout, ours_out, warmup, iters,
+                backlog)
+            row.cudnn_tflops = row.config.flops / row.cudnn_ms / 1e9
+        except Exception as exc:
+            row.cudnn_ms = row.cudnn_max_abs_diff = row.cudnn_tflops = None
+            row.cudnn_error = refusal_reason(exc, [str(w.message) for w in caught])
+
+
+def refusal_reason(exc: BaseException, warning_messages=()) -> str:
+    """One line saying why torch's cuDNN backend refused. With every other backend disabled,
+    torch warns "CuDNN attention kernel not used because:", then one warning per failed check,
+    then raises "No available kernel"; those checks' warnings are the reason, else the
+    exception's first line."""
+    messages = [" ".join(m.split(" (Triggered internally at")[0].split())
+                for m in warning_messages]
+    marks = [i for i, m in enumerate(messages)
+             if "cudnn attention kernel not used because" in m.lower()]
+    reasons = [m for m in messages[marks[-1] + 1:] if m] if marks else []
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = "; ".join(dict.fromkeys(reasons)) or f"{exc.__class__.__name__}: {first}".rstrip(": ")
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -614,16 +766,20 @@ def run(cupy, args) -> int:
         wanted = tuple(d for d in wanted if d != "bwd")
         if not wanted:
             return 0
-    configs = paper_grid(args.headdim, args.dtype, causal_modes(args.causal), args.seqlens,
-                         wanted, args.tokens, args.hidden)
+    headdims, min_seqlen = grid_headdims(args.headdim)
+    configs = paper_grid(headdims, args.dtype, causal_modes(args.causal), args.seqlens,
+                         wanted, args.tokens, args.hidden, min_seqlen)
+    extra_headdims = args.headdim or DEFAULT_HEADDIMS  # the windows and varlen tables
     torch = _load_torch() if args.compare == "torch" else None
     env = _environment.collect()
+    if torch is not None:
+        env["torch_cudnn"] = _torch_cudnn_version(torch)
 
     rows = measure(cupy, torch, configs, args.warmup, args.iters)
     summary = summarize(rows)
     windows = []
     if getattr(args, "windows", None):
-        windows = measure_windows(cupy, args.headdim, args.dtype[0], max(args.seqlens),
+        windows = measure_windows(cupy, extra_headdims, args.dtype[0], max(args.seqlens),
                                   args.windows, wanted, args.tokens, args.hidden, args.warmup,
                                   args.iters)
     decode = []
@@ -631,13 +787,22 @@ def run(cupy, args) -> int:
         decode = measure_decode(cupy, args.dtype[0], args.warmup, args.iters)
     varlen = []
     if getattr(args, "varlen", False):
-        varlen = measure_varlen(cupy, args.headdim, args.dtype[0], VARLEN_LENGTHS, wanted,
+        varlen = measure_varlen(cupy, extra_headdims, args.dtype[0], VARLEN_LENGTHS, wanted,
                                 args.hidden, args.warmup, args.iters)
 
     print(f"\n{environment_header(env)}\n")
     print(f"Median of {args.iters} calls after {args.warmup} warm-up calls, CUDA events; "
           f"FLOPs 4·b·h·s²·d (causal /2, backward ×{BACKWARD_FLOP_FACTOR}).\n")
+    if torch is not None:
+        print(f"torch SDPA on the same arrays, restricted to its FlashAttention-2 backend "
+              f"(SDPA-flash) and to its cuDNN backend (cuDNN {env['torch_cudnn'] or '?'}); "
+              f"ratios are cuflash2 TFLOP/s over theirs; max abs diff: forward outputs against "
+              f"cuflash2's.\n")
     print(markdown_table(rows, compare=torch is not None))
+    notes = cudnn_notes(rows)
+    if notes:
+        print()
+        print("\n".join(notes))
     if summary:
         print()
         print(summary_table(summary))
@@ -666,4 +831,10 @@ def run(cupy, args) -> int:
 
 
 def _settings(args) -> dict:
-    return {key: value for key, value in vars(args).items() if key not in ("func", "command")}
+    """The options, with --headdim as the grid ran it; headdim_min_seqlen names the head dims
+    the default grid keeps only from a seqlen on."""
+    settings = {key: value for key, value in vars(args).items() if key not in ("func", "command")}
+    headdims, min_seqlen = grid_headdims(args.headdim)
+    settings["headdim"] = list(headdims)
+    settings["headdim_min_seqlen"] = {str(d): s for d, s in min_seqlen.items()}
+    return settings

@@ -14,7 +14,8 @@ import statistics
 import sys
 import time
 
-from .bench import TorchSdpaFlash, attention_flops, random_inputs, paper_grid
+from .bench import (DEFAULT_HEADDIMS, TorchSdpaFlash, attention_flops, paper_grid,
+                    random_inputs)
 
 #: Tiny inputs of the host-cost rows: (batch, seqlen, heads, headdim).
 HOST_SHAPE = (1, 128, 8, 64)
@@ -201,8 +202,8 @@ def run(cupy, args) -> int:
     torch = _load_torch() if args.compare == "torch" else None
     env = _environment.collect()
     host = host_rows(cupy, torch)
-    calls = call_by_call_rows(cupy, torch, args.headdim, args.dtype, CALL_BY_CALL_SEQLENS,
-                              args.iters)
+    calls = call_by_call_rows(cupy, torch, args.headdim or DEFAULT_HEADDIMS, args.dtype,
+                              CALL_BY_CALL_SEQLENS, args.iters)
     print(f"\n{environment_header(env)}\n")
     print(f"Host cost: wall time per call over {HOST_CALLS} back-to-back calls (best of 3 runs, "
           f"after a clock warm-up) on inputs small enough that the GPU keeps up: "

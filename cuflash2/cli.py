@@ -45,7 +45,10 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
 
     bench_cmd = commands.add_parser(
         "bench", help="TFLOP/s on the FlashAttention-2 paper's grid, optionally next to torch SDPA")
-    bench_cmd.add_argument("--headdim", nargs="+", type=_positive_int, default=[64, 128])
+    bench_cmd.add_argument("--headdim", nargs="+", type=_positive_int, default=None,
+                           help="head dims of the grid, at every seqlen (default: 64 and 128 at "
+                                "every seqlen, plus 256 at seqlens >= 4096; 64 and 128 for "
+                                "--windows, --varlen and --host)")
     bench_cmd.add_argument("--dtype", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"])
     bench_cmd.add_argument("--causal", choices=("both", "on", "off"), default="both")
     bench_cmd.add_argument("--seqlens", nargs="+", type=_positive_int,
@@ -53,7 +56,8 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
     bench_cmd.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                            help="forward, backward (attention_backward) or both")
     bench_cmd.add_argument("--compare", choices=("torch",), default=None,
-                           help="also time torch SDPA (FlashAttention-2 backend) on the same arrays")
+                           help="also time torch SDPA on the same arrays, restricted to its "
+                                "FlashAttention-2 backend and to its cuDNN backend")
     bench_cmd.add_argument("--json", metavar="PATH", default=None,
                            help="save every row and the environment as JSON")
     bench_cmd.add_argument("--windows", nargs="+", type=_positive_int, default=None,

@@ -1,6 +1,7 @@
 """The command line on a CPU machine: `info` works, `check`/`bench` refuse clearly, bench's
 argument parsing and its GPU-free arithmetic (grid, FLOPs, summary, table)."""
 
+import json
 import math
 import os
 import subprocess
@@ -83,7 +84,9 @@ def test_console_script_help_says_cuflash2(capsys):
 
 def test_bench_defaults_are_the_paper_grid():
     args = build_parser().parse_args(["bench"])
-    assert args.headdim == [64, 128]
+    assert args.headdim is None  # the default grid: bench.grid_headdims(None)
+    assert bench.grid_headdims(None) == ((64, 128, 256), {256: 4096})
+    assert bench.grid_headdims([128]) == ((128,), {})
     assert args.dtype == ["fp16", "bf16"]
     assert args.causal == "both"
     assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
@@ -130,6 +133,36 @@ def test_cost_scripts_arrays_are_paper_grid_sized():
             assert float(numpy.abs(x).max()) > 0  # fresh random values, never zeros
 
 
+def test_default_grid_adds_d256_from_4k():
+    headdims, min_seqlen = bench.grid_headdims(None)
+    configs = bench.paper_grid(headdims, ("fp16", "bf16"), bench.causal_modes("both"),
+                               bench.PAPER_SEQLENS, bench.directions("both"),
+                               min_seqlen=min_seqlen)
+    d256 = [c for c in configs if c.headdim == 256]
+    assert len(configs) == 2 * 2 * 2 * 6 * 2 + len(d256)
+    assert len(d256) == 2 * 2 * 2 * 3  # fwd/bwd x fp16/bf16 x causal off/on x s 4k, 8k, 16k
+    assert {(c.seqlen, c.batch, c.nheads) for c in d256} == {(4096, 4, 8), (8192, 2, 8),
+                                                              (16384, 1, 8)}
+    assert {(c.dtype, c.causal, c.direction) for c in d256} == {
+        (dtype, causal, direction) for dtype in ("fp16", "bf16") for causal in (False, True)
+        for direction in ("fwd", "bwd")}
+    # same nesting order as before: d=256 follows d=128 within each direction and dtype
+    assert [c.headdim for c in configs[:30]] == [64] * 12 + [128] * 12 + [256] * 6
+    # an explicit --headdim 256 runs at every seqlen
+    headdims, min_seqlen = bench.grid_headdims([256])
+    assert len(bench.paper_grid(headdims, ("fp16",), (False,), bench.PAPER_SEQLENS,
+                                min_seqlen=min_seqlen)) == 6
+
+
+def test_json_settings_name_the_grid_headdims():
+    settings = bench._settings(build_parser().parse_args(["bench", "--compare", "torch"]))
+    assert settings["headdim"] == [64, 128, 256]
+    assert settings["headdim_min_seqlen"] == {"256": 4096}
+    assert "func" not in settings and settings["compare"] == "torch"
+    settings = bench._settings(build_parser().parse_args(["bench", "--headdim", "128"]))
+    assert (settings["headdim"], settings["headdim_min_seqlen"]) == ([128], {})
+
+
 def test_grid_size_follows_the_options():
     configs = bench.paper_grid((64, 128), ("fp16", "bf16"), bench.causal_modes("both"),
                                bench.PAPER_SEQLENS, bench.directions("both"))
@@ -144,9 +177,11 @@ def test_flops_forward_causal_and_backward():
     assert bench.attention_flops(2, 16, 4096, 4096, 128, False, "bwd") == 2.5 * full
 
 
-def _row(seqlen, ours, theirs, direction="fwd"):
+def _row(seqlen, ours, theirs, direction="fwd", cudnn=None, cudnn_error=None):
     config = bench.Config(direction, "fp16", 128, False, seqlen, 16384 // seqlen, 16)
-    return bench.Row(config, ms=1.0, tflops=ours, torch_ms=1.0, torch_tflops=theirs)
+    return bench.Row(config, ms=1.0, tflops=ours, torch_ms=1.0, torch_tflops=theirs,
+                     cudnn_ms=None if cudnn is None else 1.0, cudnn_tflops=cudnn,
+                     cudnn_error=cudnn_error)
 
 
 def test_summary_geometric_mean_and_minimum():
@@ -177,6 +212,111 @@ def test_row_json_has_config_flops_and_ratio():
     data = _row(512, 200.0, 100.0).to_json()
     assert data["seqlen"] == 512 and data["ratio"] == 2.0
     assert data["flops"] == bench.attention_flops(32, 16, 512, 512, 128, False)
+
+
+def test_row_json_keeps_the_old_fields_and_adds_cudnn():
+    data = _row(512, 200.0, 100.0, cudnn=400.0).to_json()
+    old = {"direction", "dtype", "headdim", "causal", "seqlen", "batch", "nheads", "ms", "tflops",
+           "torch_ms", "torch_tflops", "max_abs_diff", "errors", "flops", "ratio"}
+    assert old <= set(data)
+    assert (data["ratio"], data["torch_tflops"]) == (2.0, 100.0)  # still cuflash2 / SDPA-flash
+    assert (data["cudnn_ms"], data["cudnn_tflops"], data["ratio_vs_cudnn"]) == (1.0, 400.0, 0.5)
+    assert data["cudnn_error"] is None and data["cudnn_max_abs_diff"] is None
+    refused = _row(512, 200.0, 100.0, cudnn_error="head dim").to_json()
+    assert refused["ratio_vs_cudnn"] is None and refused["cudnn_error"] == "head dim"
+    json.dumps(data)
+
+
+def test_summary_has_both_baselines():
+    rows = [_row(512, 200.0, 100.0, cudnn=400.0), _row(1024, 100.0, 200.0, cudnn=100.0),
+            _row(2048, 300.0, 300.0, cudnn_error="refused")]
+    summary = bench.summarize(rows)["fwd"]
+    assert summary["configs"] == 3 and math.isclose(summary["geomean_ratio"], 1.0)
+    assert summary["cudnn_configs"] == 2  # the refused row is left out of the cuDNN ratios
+    assert math.isclose(summary["cudnn_geomean_ratio"], math.sqrt(0.5))
+    assert summary["cudnn_min_ratio"] == 0.5 and "s=512" in summary["cudnn_min_config"]
+    table = bench.summary_table(bench.summarize(rows)).splitlines()
+    assert len(table) == 2 + 2
+    assert "| fwd | SDPA-flash | 3 | 1.000 | 0.500 |" in table[2]
+    assert "| fwd | cuDNN | 2 | 0.707 | 0.500 |" in table[3]
+
+
+def test_summary_with_cudnn_alone():
+    summary = bench.summarize([_row(512, 200.0, None, cudnn=100.0)])
+    assert summary["fwd"] == {"cudnn_configs": 1, "cudnn_geomean_ratio": 2.0,
+                              "cudnn_min_ratio": 2.0,
+                              "cudnn_min_config": "fwd fp16 d=128 s=512 full (b=32 h=16)"}
+    assert bench.summary_table(summary).count("\n") == 2
+
+
+def test_markdown_table_shows_cudnn_and_na():
+    rows = [_row(512, 200.0, 100.0, cudnn=400.0), _row(1024, 150.0, 100.0, cudnn_error="no")]
+    table = bench.markdown_table(rows, compare=True).splitlines()
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header[8:] == ["SDPA-flash TFLOP/s", "cuDNN TFLOP/s", "cuflash2 / SDPA-flash",
+                          "cuflash2 / cuDNN", "max abs diff (SDPA-flash)", "max abs diff (cuDNN)"]
+    cells = [cell.strip() for cell in table[2].strip("|").split("|")]
+    assert cells[8:12] == ["100.0", "400.0", "2.000", "0.500"]
+    cells = [cell.strip() for cell in table[3].strip("|").split("|")]
+    assert cells[9] == cells[11] == cells[13] == "n/a" and cells[10] == "1.500"
+    assert all(line.count("|") == table[0].count("|") for line in table)
+    assert len(bench.markdown_table(rows, compare=False).splitlines()[0].split("|")) == 10
+
+
+def test_cudnn_notes_group_rows_by_reason():
+    rows = [_row(512, 1.0, 1.0, cudnn_error="A"), _row(1024, 1.0, 1.0, cudnn=1.0),
+            _row(2048, 1.0, 1.0, cudnn_error="A"), _row(4096, 1.0, 1.0, cudnn_error="B")]
+    notes = bench.cudnn_notes(rows)
+    assert len(notes) == 2
+    assert notes[0].startswith("note: cuDNN n/a for 2 row(s)") and notes[0].endswith(": A")
+    assert "s=512" in notes[0] and "s=2048" in notes[0] and "s=4096" in notes[1]
+    assert bench.cudnn_notes([_row(512, 1.0, 1.0)]) == []
+
+
+def test_refusal_reason_takes_torchs_cudnn_warnings():
+    # The warnings torch 2.11 gave on an H200 for d=264 under sdpa_kernel(CUDNN_ATTENTION).
+    where = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:{}.)"
+    warnings = ["Memory efficient kernel not used because:" + where.format(986),
+                "Memory Efficient attention has been runtime disabled." + where.format(552),
+                "Flash attention kernel not used because:" + where.format(988),
+                "Flash attention has been runtime disabled." + where.format(540),
+                "cuDNN attention kernel not used because:" + where.format(990),
+                "head_dim should be no more than 256" + where.format(522)]
+    exc = RuntimeError("No available kernel. Aborting execution.")
+    assert bench.refusal_reason(exc, warnings) == "head_dim should be no more than 256"
+    assert bench.refusal_reason(exc, warnings + ["dtype"]) == "head_dim should be no more than 256; dtype"
+    assert bench.refusal_reason(exc, warnings[:3]) == (
+        "RuntimeError: No available kernel. Aborting execution.")
+    assert bench.refusal_reason(AttributeError("CUDNN_ATTENTION\nmore")) == (
+        "AttributeError: CUDNN_ATTENTION")
+    assert len(bench.refusal_reason(RuntimeError("x" * 1000))) == 300
+
+
+def test_measure_cudnn_fills_the_row_or_says_why_not(monkeypatch):
+    import warnings
+
+    class FakeCudnn:
+        def __init__(self, torch, cupy, dtype_name):
+            pass
+
+    monkeypatch.setattr(bench, "TorchSdpaCudnn", FakeCudnn)
+    monkeypatch.setattr(bench, "_measure_torch", lambda *args: (2.0, 1e-3))
+    row = _row(4096, 300.0, 250.0)
+    bench._measure_cudnn(None, None, row, None, None, None, None, None, 1, 5, None)
+    assert (row.cudnn_ms, row.cudnn_max_abs_diff, row.cudnn_error) == (2.0, 1e-3, None)
+    assert row.cudnn_tflops == row.config.flops / 2.0 / 1e9 and row.ratio_vs_cudnn
+
+    def refuse(*args):
+        warnings.warn("CuDNN attention kernel not used because:")
+        warnings.warn("unsupported head dim")
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(bench, "_measure_torch", refuse)
+    row = _row(4096, 300.0, 250.0)
+    bench._measure_cudnn(None, None, row, None, None, None, None, None, 1, 5, None)
+    assert row.cudnn_ms is None and row.cudnn_tflops is None and row.ratio_vs_cudnn is None
+    assert row.cudnn_error == "unsupported head dim" and not row.errors
+    assert "cuDNN n/a" in bench._progress_line(row)
 
 
 def test_check_grid_covers_dtypes_headdims_causal_and_shapes():
@@ -256,3 +396,66 @@ def test_decode_bytes():
     # batch 1, 4096 cached tokens, 4 KV heads of 128: K and V are 2 x 4 MiB, plus q and out.
     assert bench.decode_bytes(1, 4096, 32, 4, 128) == 2 * 4096 * 4 * 128 * 2 + 2 * 32 * 128 * 2
     assert build_parser().parse_args(["bench", "--decode"]).decode
+
+
+def test_measure_times_flash_and_cudnn_on_every_row(monkeypatch):
+    # The flow of `measure` with the timed pieces faked: each row gets cuflash2, SDPA-flash and
+    # cuDNN; a cuDNN refusal leaves the row good (no error, n/a), a flash failure does not stop
+    # cuDNN. NumPy stands in for CuPy to make the inputs.
+    import types
+
+    calls = []
+
+    class FakeTorchSdpa:
+        def __init__(self, torch, cupy, dtype_name):
+            pass
+
+    class Flash(FakeTorchSdpa):
+        LABEL = "SDPA-flash"
+
+    class Cudnn(FakeTorchSdpa):
+        LABEL = "cuDNN"
+
+    def ours_forward(cupy, row, q, k, v, warmup, iters, backlog):
+        row.ms, row.tflops = 1.0, row.config.flops / 1e9
+        return q
+
+    def ours_backward(cupy, row, q, k, v, dout, warmup, iters, backlog):
+        assert dout is not None and dout.shape == q.shape
+        row.ms, row.tflops = 1.0, row.config.flops / 1e9
+
+    def theirs(cupy, torch, reference, config, q, k, v, dout, ours_out, warmup, iters, backlog):
+        calls.append((reference.LABEL, config.direction, config.headdim))
+        assert (ours_out is not None) == (config.direction == "fwd")
+        if reference.LABEL == "cuDNN" and config.headdim == 256:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        if reference.LABEL == "SDPA-flash" and config.causal:
+            raise RuntimeError("flash broke")
+        return 2.0, (1e-3 if ours_out is not None else None)
+
+    monkeypatch.setattr(bench, "Backlog", lambda cupy: None)
+    monkeypatch.setattr(bench, "TorchSdpaFlash", Flash)
+    monkeypatch.setattr(bench, "TorchSdpaCudnn", Cudnn)
+    monkeypatch.setattr(bench, "_measure_forward", ours_forward)
+    monkeypatch.setattr(bench, "_measure_backward", ours_backward)
+    monkeypatch.setattr(bench, "_measure_torch", theirs)
+    monkeypatch.setattr(cuflash2, "attention_backward", lambda *a, **k: None, raising=False)
+    fake_cupy = types.SimpleNamespace(
+        random=numpy.random, float32=numpy.float32,
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    configs = bench.paper_grid((64, 256), ("fp16",), (False, True), (1024,), ("fwd", "bwd"),
+                               tokens=2048, hidden=512)
+    rows = bench.measure(fake_cupy, object(), configs, 1, 2, progress=open(os.devnull, "w"))
+    assert len(calls) == 2 * len(rows)
+    for row in rows:
+        c = row.config
+        assert row.ms == 1.0
+        if c.causal:
+            assert row.torch_ms is None and "flash broke" in row.errors[0]
+        else:
+            assert row.torch_ms == 2.0 and not row.errors and row.ratio == 2.0
+        if c.headdim == 256:
+            assert row.cudnn_ms is None and "No available kernel" in row.cudnn_error
+        else:
+            assert row.cudnn_ms == 2.0 and row.ratio_vs_cudnn == 2.0 and row.cudnn_error is None
+            assert row.cudnn_max_abs_diff == (1e-3 if c.direction == "fwd" else None)
