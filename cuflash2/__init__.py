@@ -15,6 +15,7 @@ from .api import (  # noqa: E402
     attention_vjp,
     attention_with_kvcache,
     dropout_mask,
+    forward_kernels,
 )
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "attention_varlen_backward",
     "attention_with_kvcache",
     "dropout_mask",
+    "forward_kernels",
     "reference",
     "__version__",
 ]

@@ -8,7 +8,7 @@ packed qkv feeds q, k and v from one array). It returns the `_plans.Plan` of the
 
 from __future__ import annotations
 
-from . import _configs, _launch, _plans
+from . import _configs, _hopper, _launch, _plans
 from ._prepare import LOG2E, element_strides, output_strides
 
 #: Tile configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
@@ -41,12 +41,19 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
                  out_shape, lse_shape, varlen=None, config=None) -> _plans.Plan:
     """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes,
     varlen.cu_seqlens_q, varlen.cu_seqlens_k (None where absent). Outputs: [out if not given,
-    lse]."""
+    lse]. On sm_90 the Hopper kernel runs every call it covers (_hopper.forward_config), the
+    mma.sync kernel the others."""
     p = problem
-    if config is None:
-        config = FORCED.get("fwd") or _configs.fwd_config(p.dtype, p.head_dim, arch)
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
-    config = _configs.with_features(config, features)
+    hopper = None
+    if config is None and "fwd" not in FORCED:
+        hopper = _hopper.forward_config(p, features, window, arch, views, varlen)
+    if hopper is not None:
+        config = hopper
+    else:
+        if config is None:
+            config = FORCED.get("fwd") or _configs.fwd_config(p.dtype, p.head_dim, arch)
+        config = _configs.with_features(config, features)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     fields = {
         **_stride_fields("q", element_strides(q)), **_stride_fields("k", element_strides(k)),
@@ -70,8 +77,20 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
             config, device_id, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch)))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
-    return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs, output_fields,
-                       aligned=aligned, per_call=_dropout_slots(mods))
+    if hopper is None:
+        return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
+                           output_fields, aligned=aligned, per_call=_dropout_slots(mods))
+    # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`; a call
+    # patches each map's address (its word 0) with the array's pointer.
+    base = "base."
+    maps = _hopper.tensor_map_fields(views, config)
+    map_inputs = [(f"{name}_map.v", pos, off) for name, pos, off in inputs
+                  if name in ("q", "k", "v")]
+    return _plans.Plan(device_id, "FwdSm90Params",
+                       {**{base + f: v for f, v in fields.items()}, **maps}, launches,
+                       [(base + f, pos, off) for f, pos, off in inputs] + map_inputs, outputs,
+                       [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
+                       batch_offset=base + "batch_offset")
 
 
 def _dropout_slots(mods) -> tuple:

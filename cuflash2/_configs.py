@@ -601,3 +601,22 @@ def all_decode_configs(arch: int, features=(0,)) -> list:
     return [with_features(decode_config(dtype, d, arch), f) for f in features
             for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
 
+
+
+def describe(config) -> str:
+    """A kernel configuration in words (cuflash2.forward_kernels, `info`)."""
+    dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(config.dtype, config.dtype)
+    mods = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "ALiBi"),
+                                   (FEATURE_DROPOUT, "dropout"), (FEATURE_VARLEN, "varlen"))
+            if getattr(config, "features", 0) & bit]
+    extra = f", with {' + '.join(mods)}" if mods else ""
+    if isinstance(config, FwdSm90Config):
+        schedule = "ping-pong" if config.pingpong else "in-order"
+        return (f"Hopper forward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
+                f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
+                f"K/V stages, {schedule} consumers{extra}")
+    if isinstance(config, FwdConfig):
+        return (f"mma.sync forward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
+                f"{config.block_n} tiles, {config.num_warps} warps, {config.kv_stages} K/V "
+                f"stages{extra}")
+    return config.name_expression

@@ -9,16 +9,22 @@ panel. What lies outside the array (rows past seqlen, columns past the head dim:
 of d=96's second panel) the TMA zero-fills, and the kernel's expect-tx byte counts are those of
 the full boxes, zero-filled bytes included.
 
-Not dispatched from cuflash2.attention yet: the kernel has not run on a GPU.
-`forward_sm90` / `prepare_forward_sm90` run it on their own for
-benchmarks/dev/hopper_fwd_check.py.
+A map depends on its array's shape, strides and dtype (the call signature) and on one address:
+word 0 of the CUtensorMap is the array's global address, as it is for the maps this driver
+encodes (checked for every map a plan builds, `encode_map`), so a plan encodes its maps once and
+a later call patches the address like any other pointer of the struct.
+
+`forward_config` is the dispatcher's question "does the Hopper kernel run this call, and how";
+`prepare_forward_sm90` runs the kernel on its own (benchmarks/dev/hopper_fwd_check.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import os
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy
@@ -31,6 +37,11 @@ from ._prepare import LOG2E, element_strides, output_strides
 BOX_COLS = 64
 #: Largest row count of a TMA box.
 MAX_BOX_ROWS = 256
+#: The 64-bit word of a CUtensorMap that holds the global address (checked by `encode_map`).
+ADDRESS_WORD = 0
+#: CUFLASH2_HOPPER=0 keeps every forward on the mma.sync kernels (read when a call signature is
+#: planned; tests flip `ENABLED` and clear the plan caches).
+ENABLED = os.environ.get("CUFLASH2_HOPPER", "1") != "0"
 
 
 def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
@@ -81,6 +92,75 @@ def tensor_map_bytes(x, box_rows: int) -> bytes:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err!r} (shape {x.shape}, "
                            f"strides {x.strides})")
     return ctypes.string_at(tensor_map.getPtr(), 128)
+
+
+def encode_map(x, box_rows: int) -> numpy.ndarray:
+    """The CUtensorMap of `x` as 16 64-bit words, its address in word ADDRESS_WORD. Raises
+    RuntimeError if the driver put the address elsewhere (the map could then not be patched
+    per call: the caller falls back to the mma.sync kernel)."""
+    words = numpy.frombuffer(tensor_map_bytes(x, box_rows), numpy.uint64).copy()
+    if int(words[ADDRESS_WORD]) != x.data.ptr:
+        raise RuntimeError("this driver's CUtensorMap does not keep the global address in "
+                           f"word {ADDRESS_WORD}")
+    return words
+
+
+def _bindings_available() -> bool:
+    try:
+        from cuda.bindings import driver  # noqa: F401  (importable: the maps can be encoded)
+    except ImportError:
+        return False
+    return True
+
+
+#: The consumer schedule by (head dim, causal): ping-pong (one warpgroup's softmax under the
+#: other's GEMMs) where it measured faster on the H200 (docs/PERF_NOTES.md, "Hopper forward").
+PINGPONG = {(64, False): True, (64, True): True, (128, False): False, (128, True): True}
+
+
+#: Short d=64 problems stay on the mma.sync kernel: with at most 512 keys a CTA of the Hopper
+#: kernel visits four K/V tiles or fewer, too few to hide its fixed cost (barrier set-up, the Q
+#: load, a 384-thread CTA at one per SM), and the mma.sync kernel measured 4-16% faster there on
+#: the H200 (d=64: 512 tokens 0.96x, 128 x 128 0.84x; at d=128 the two are even on such
+#: problems and the Hopper kernel wins from 512 tokens on: docs/PERF_NOTES.md).
+MMA_SYNC_MAX_DIM = 64
+MMA_SYNC_MAX_KEYS = 512
+
+
+def forward_config(problem, features: int, window, arch: int, views: dict, varlen=None):
+    """The Hopper forward's configuration for a checked call, or None where the call stays on
+    the mma.sync kernel: not sm_90, switched off, dropout or varlen, a head dim beyond the
+    Hopper kernels', an empty problem, or arrays the TMA cannot describe."""
+    p = problem
+    if not ENABLED or arch != 90 or varlen is not None:
+        return None
+    if features & ~(_configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI):
+        return None
+    if p.head_dim > max(_configs.SM90_FWD_HEAD_DIMS):
+        return None
+    if min(p.batch, p.seqlen_q, p.seqlen_k, p.nheads) < 1 or not _bindings_available():
+        return None
+    kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= p.head_dim)
+    if kernel_dim <= MMA_SYNC_MAX_DIM and p.seqlen_k <= MMA_SYNC_MAX_KEYS:
+        return None
+    config = _configs.fwd_sm90_config(p.dtype, kernel_dim)
+    causal = window[1] == 0 and window[0] < 0
+    pingpong = PINGPONG.get((kernel_dim, causal), config.pingpong)
+    config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong)
+    for name, rows in (("q", config.block_m), ("k", config.block_n), ("v", config.block_n)):
+        x = _as_batched(views[name])
+        try:
+            tensor_map_geometry(x.shape, x.strides, x.itemsize, rows)
+        except ValueError:
+            return None
+    return config
+
+
+def tensor_map_fields(views: dict, config) -> dict:
+    """The q_map, k_map and v_map words of FwdSm90Params for the arrays `views` (q, k, v)."""
+    return {f"{name}_map.v": encode_map(_as_batched(views[name]), rows)
+            for name, rows in (("q", config.block_m), ("k", config.block_n),
+                               ("v", config.block_n))}
 
 
 def _as_batched(x):

@@ -80,6 +80,7 @@ class Launch:
     threads: int
     smem_bytes: int
     cooperative: bool = False
+    config: object = None  # what was compiled (a _configs configuration)
 
 
 def kernel_launch(config, device_id: int, grid, cooperative: bool = False) -> Launch:
@@ -89,7 +90,7 @@ def kernel_launch(config, device_id: int, grid, cooperative: bool = False) -> La
     if METHOD == "bindings":
         handle = _bindings.CUfunction(handle)
     return Launch(function, handle, tuple(int(g) for g in grid), config.threads,
-                  config.smem_bytes, cooperative)
+                  config.smem_bytes, cooperative, config)
 
 
 def run(launch: Launch, block, stream_ptr: int, batch_offset_slot) -> None:

@@ -139,13 +139,16 @@ class ParamBlock:
         target[last] = 0 if value is None else value
 
     def slot(self, path: str) -> tuple[numpy.ndarray, int]:
-        """(word view, index) of field `path`, for a fast `view[index] = value`."""
+        """(word view, index) of field `path` (of an array field: its first element), for a
+        fast `view[index] = value`."""
         offset = self.layout.offsets[path]
         base = path.rsplit(".", 1)[-1]
         fmt = self.record.dtype
         for part in path.split(".")[:-1]:
             fmt = fmt.fields[part][0]
         kind = fmt.fields[base][0]
+        if kind.subdtype is not None:  # an array field: its first element
+            kind = kind.subdtype[0]
         if kind.itemsize == 8:
             return self.words64, offset // 8  # pointers and i64 (non-negative values)
         view = {"i": self.words32, "u": self.words32u, "f": self.words32f}[kind.kind]

@@ -98,15 +98,17 @@ class Plan:
     a call returns, allocated together; output_fields: (field, output index, byte offset).
     workspace_fields: (field, byte offset) into scratch memory of `workspace_bytes` that lives
     for the call only (kernels on one stream run in order). aligned: (input position, name) of
-    the arrays read in 16-byte chunks. per_call: fields set from each call's `scalars`."""
+    the arrays read in 16-byte chunks. per_call: fields set from each call's `scalars`.
+    batch_offset: the field that tells a slice of a launch split along gridDim.z its first
+    sequence (_launch.run)."""
 
     def __init__(self, device_id: int, struct: str, fields: dict, launches, inputs=(),
                  outputs=(), output_fields=(), workspace_bytes: int = 0, workspace_fields=(),
-                 aligned=(), per_call=()):
+                 aligned=(), per_call=(), batch_offset: str = "batch_offset"):
         self.device_id = device_id
         self.block = _params.ParamBlock(struct, fields)
         self.launches = tuple(launches)
-        self.batch_offset_slot = self.block.slot("batch_offset")
+        self.batch_offset_slot = self.block.slot(batch_offset)
         self.input_slots = tuple((*self.block.slot(f), pos, off) for f, pos, off in inputs)
         self.outputs = tuple((tuple(shape), numpy.dtype(dtype)) for shape, dtype in outputs)
         # Output i starts at offsets[i]; the first n outputs fill the first prefix[n] bytes.
@@ -167,6 +169,11 @@ class Plan:
             for launch in self.launches:
                 _launch.run(launch, self.block, stream, self.batch_offset_slot)
         return outputs
+
+    @property
+    def kernels(self) -> tuple:
+        """The configurations of the kernels a call launches, in order."""
+        return tuple(launch.config for launch in self.launches)
 
     def _allocate(self, cupy, n: int):
         """The first n outputs as arrays in one allocation, and its address."""

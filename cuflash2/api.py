@@ -140,6 +140,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     current CuPy stream, without host syncs.
     """
     cupy = _cupy_module()
+    plan = _attention_plan(cupy, q, k, v, out, causal, softmax_scale, window_size, softcap,
+                           alibi_slopes, dropout_p, seed, offset)
+    return _forward_result(plan, (q, k, v, out, alibi_slopes), out, return_lse, dropout_p, seed,
+                           offset, cupy)
+
+
+def _attention_plan(cupy, q, k, v, out, causal, softmax_scale, window_size, softcap,
+                    alibi_slopes, dropout_p, seed, offset):
     key = _forward_key("attention", cupy, (q, k, v, out, alibi_slopes), causal, softmax_scale,
                        window_size, softcap, dropout_p)
     plan = _forward_plans.get(key)
@@ -151,8 +159,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                              causal, softmax_scale, window_size, softcap, alibi_slopes,
                              dropout_p, seed, offset)
         _forward_plans.put(key, plan)
-    return _forward_result(plan, (q, k, v, out, alibi_slopes), out, return_lse, dropout_p, seed,
-                           offset, cupy)
+    return plan
+
+
+def forward_kernels(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                    out=None) -> list[str]:
+    """The kernels `attention(q, k, v, ...)` with these arguments runs on the current device,
+    in words: on an H100/H200 the Hopper forward (wgmma, TMA, warp specialisation) where it
+    covers the call, the mma.sync forward otherwise. The call is checked and planned (the
+    kernels compiled), nothing is launched."""
+    plan = _attention_plan(_cupy_module(), q, k, v, out, causal, softmax_scale, window_size,
+                           softcap, alibi_slopes, dropout_p, seed, offset)
+    return [_configs.describe(config) for config in plan.kernels]
 
 
 # ---------------------------------------------------------------------------------------------

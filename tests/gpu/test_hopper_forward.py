@@ -1,0 +1,204 @@
+"""GPU tests of the forward's dispatch on Hopper (sm_90): which kernel runs a call, and the
+Hopper kernel (cuda_src/flash_fwd_sm90.cu) against the reference where the rest of the suite
+does not reach it, plus the mma.sync forward, which the Hopper kernel replaces on sm_90 for the
+calls it covers, on the same calls.
+
+On other GPUs the dispatch tests check that the mma.sync kernel runs everything; the Hopper
+kernel tests skip.
+"""
+
+import contextlib
+
+import numpy
+import pytest
+from grids import BF16, DTYPES, FP16
+from grids import seed_of as _seed
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import _configs, _hopper, api, testing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_hopper():
+    try:
+        return cupy.cuda.Device().compute_capability == "90"
+    except Exception:  # no device: the folder's conftest skips every test
+        return False
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+@contextlib.contextmanager
+def _hopper_forward(enabled: bool):
+    """Plans made inside use (or not) the Hopper forward; plan caches cleared on both sides."""
+    saved = _hopper.ENABLED
+    _hopper.ENABLED = enabled
+    api._forward_plans.plans.clear()
+    try:
+        yield
+    finally:
+        _hopper.ENABLED = saved
+        api._forward_plans.plans.clear()
+
+
+def _qkv(batch, sq, sk, h, hkv, d, dtype):
+    return testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, dtype,
+                              _seed(batch, sq, sk, h, hkv, d, str(dtype)))
+
+
+def _check(q, k, v, **options):
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    results = testing.check_forward(q, k, v, out, lse, **options)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Which kernel runs
+
+
+def test_forward_kernels_names_the_kernel_of_the_call():
+    q, k, v = _qkv(1, 64, 600, 2, 2, 64, FP16)
+    (kernel,) = cuflash2.forward_kernels(q, k, v, causal=True)
+    if _is_hopper():
+        assert kernel.startswith("Hopper forward") and "head dim 64" in kernel
+    else:
+        assert kernel.startswith("mma.sync forward")
+
+
+@pytest.mark.parametrize("case", ["dropout", "varlen_features", "disabled", "beyond",
+                                  "short_d64"])
+def test_calls_the_hopper_kernel_does_not_cover_run_on_mma_sync(case):
+    q, k, v = _qkv(1, 64, 600, 2, 2, 64, FP16)
+    if case == "short_d64":  # faster on mma.sync (_hopper.MMA_SYNC_MAX_KEYS)
+        q, k, v = _qkv(1, 64, _hopper.MMA_SYNC_MAX_KEYS, 2, 2, 64, FP16)
+    options = {}
+    if case == "dropout":
+        options = {"dropout_p": 0.1, "seed": 1}
+    elif case == "beyond":  # a head dim past every Hopper specialisation, if there is one
+        d = max(_configs.SM90_FWD_HEAD_DIMS) + 8
+        if d > 256:
+            pytest.skip("the Hopper kernels cover every head dim")
+        q, k, v = _qkv(1, 64, 64, 2, 2, d, FP16)
+    elif case == "varlen_features":
+        assert _hopper.forward_config(
+            _Problem(), _configs.FEATURE_VARLEN, (-1, -1), 90, {}, varlen=object()) is None
+        return
+    with _hopper_forward(case != "disabled"):
+        (kernel,) = cuflash2.forward_kernels(q, k, v, **options)
+    assert kernel.startswith("mma.sync forward"), kernel
+
+
+class _Problem:
+    batch = seqlen_q = seqlen_k = nheads = 1
+    head_dim = 64
+    dtype = "float16"
+
+
+@needs_hopper
+def test_a_plan_hit_patches_the_tensor_map_addresses():
+    """Two calls of one signature on different arrays: the second reads its own q, k, v (the
+    maps' address words are patched like the struct's pointers)."""
+    first = _qkv(2, 200, 300, 4, 2, 128, BF16)
+    second = tuple((x.astype(cupy.float32) * 0.5 + 0.25).astype(BF16)
+                   for x in _qkv(2, 200, 300, 4, 2, 128, BF16))
+    _check(*first, causal=True)
+    assert len(api._forward_plans) >= 1
+    _check(*second, causal=True)
+    out_first = cuflash2.attention(*first, causal=True)
+    out_again = cuflash2.attention(*first, causal=True)
+    assert bool((out_first.view(numpy.uint16) == out_again.view(numpy.uint16)).all())
+
+
+# --------------------------------------------------------------------------------------------
+# The Hopper kernel where the rest of the suite does not reach it
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [8, 40, 64, 72, 96, 104, 128, 136, 160, 192, 200, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_head_dim(dtype, causal, headdim):
+    """Each Hopper kernel dim and head dims below it (columns past the head dim zero-filled by
+    the TMA, never stored), GQA, seqlen_q != seqlen_k; 600 keys keep d <= 64 on this kernel."""
+    q, k, v = _qkv(1, 333, 600, 4, 2, headdim, dtype)
+    (kernel,) = cuflash2.forward_kernels(q, k, v, causal=causal)
+    kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= headdim)
+    assert kernel.startswith("Hopper") and f"head dim {kernel_dim}," in kernel, kernel
+    _check(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("window", [(-1, -1), (64, 0), (100, 30), (0, 0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_windows(dtype, window):
+    q, k, v = _qkv(2, 333, 517, 4, 2, 64, dtype)
+    assert cuflash2.forward_kernels(q, k, v, window_size=window)[0].startswith("Hopper")
+    _check(q, k, v, window_size=window)
+
+
+@needs_hopper
+@pytest.mark.parametrize("mods", ["softcap", "alibi", "both"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_modifiers(dtype, mods):
+    q, k, v = _qkv(2, 257, 389, 4, 4, 128, dtype)
+    options = {"causal": True}
+    if mods in ("softcap", "both"):
+        options["softcap"] = 5.0
+    if mods in ("alibi", "both"):
+        options["alibi_slopes"] = cupy.asarray(numpy.linspace(0.05, 0.4, 8, dtype=numpy.float32)
+                                               .reshape(2, 4))
+    assert cuflash2.forward_kernels(q, k, v, **options)[0].startswith("Hopper")
+    _check(q, k, v, **options)
+
+
+@needs_hopper
+def test_strided_views_and_a_strided_out():
+    """q, k, v as views of a packed qkv, out a view of a wider array: no copies on either
+    side (the maps take the arrays' strides; the epilogue the output's)."""
+    rng = numpy.random.default_rng(7)
+    qkv = cupy.asarray(rng.standard_normal((2, 300, 3, 4, 128), numpy.float32).astype(FP16))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    wide = cupy.full((2, 300, 4, 160), numpy.nan, dtype=FP16)
+    out = wide[..., :128]
+    assert cuflash2.forward_kernels(q, k, v, out=out)[0].startswith("Hopper")
+    cuflash2.attention(q, k, v, causal=True, out=out)
+    results = testing.check_forward(q, k, v, out, causal=True)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+    assert bool(cupy.isnan(wide[..., 128:].astype(cupy.float32)).all())  # untouched
+    out2 = cuflash2.attention_qkvpacked(qkv, causal=True)
+    assert bool((out2.view(numpy.uint16) == out.view(numpy.uint16)).all())
+
+
+@needs_hopper
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 700), (700, 1), (129, 128), (128, 129)])
+def test_short_and_ragged_lengths(sq, sk):
+    q, k, v = _qkv(3, sq, sk, 2, 1, 128, BF16)
+    assert cuflash2.forward_kernels(q, k, v)[0].startswith("Hopper")
+    _check(q, k, v, causal=True)
+    _check(q, k, v)
+
+
+@needs_hopper
+def test_unbatched_inputs():
+    q, k, v = (x[0] for x in _qkv(1, 190, 230, 4, 4, 128, FP16))
+    out, lse = _check(q, k, v, causal=True)
+    assert out.shape == q.shape and lse.shape == (4, 190)
+
+
+# --------------------------------------------------------------------------------------------
+# The mma.sync forward on sm_90 (what runs there with CUFLASH2_HOPPER=0, and for dropout/varlen)
+
+
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mma_sync_forward_where_hopper_would_run(dtype, causal, headdim):
+    q, k, v = _qkv(2, 255, 300, 4, 2, headdim, dtype)
+    with _hopper_forward(False):
+        assert cuflash2.forward_kernels(q, k, v)[0].startswith("mma.sync")
+        _check(q, k, v, causal=causal)
