@@ -113,9 +113,23 @@ def _bindings_available() -> bool:
     return True
 
 
-#: The consumer schedule by (head dim, causal): ping-pong (one warpgroup's softmax under the
-#: other's GEMMs) where it measured faster on the H200 (docs/PERF_NOTES.md, "Hopper forward").
-PINGPONG = {(64, False): True, (64, True): True, (128, False): False, (128, True): True}
+#: The consumer schedule by (kernel head dim, causal): ping-pong (one warpgroup's softmax under
+#: the other's GEMMs) where it measured faster on the H200, the in-order schedule elsewhere
+#: (benchmarks/dev/hopper_fwd_check.py; docs/PERF_NOTES.md, "Hopper forward").
+PINGPONG = {(64, False): True, (64, True): True, (96, False): True, (96, True): True,
+            (128, False): False, (128, True): True, (192, False): False, (192, True): False,
+            (256, False): False, (256, True): False}
+
+
+def dispatch_configs(features=(0,)) -> list:
+    """Every Hopper forward configuration the dispatcher can choose (for each of `features`)."""
+    configs = []
+    for (dim, _), pingpong in PINGPONG.items():
+        for dtype in _configs.DTYPE_TAGS:
+            for f in features:
+                config = _configs.with_features(_configs.fwd_sm90_config(dtype, dim), f)
+                configs.append(dataclasses.replace(config, pingpong=pingpong))
+    return list(dict.fromkeys(configs))
 
 
 #: Short d=64 problems stay on the mma.sync kernel: with at most 512 keys a CTA of the Hopper
@@ -145,7 +159,7 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
         return None
     config = _configs.fwd_sm90_config(p.dtype, kernel_dim)
     causal = window[1] == 0 and window[0] < 0
-    pingpong = PINGPONG.get((kernel_dim, causal), config.pingpong)
+    pingpong = PINGPONG[kernel_dim, causal]
     config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong)
     for name, rows in (("q", config.block_m), ("k", config.block_n), ("v", config.block_n)):
         x = _as_batched(views[name])

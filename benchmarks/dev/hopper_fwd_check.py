@@ -15,7 +15,7 @@ On an H100/H200 (sm_90), from the repository root:
    cuflash2.testing.check_forward (out and lse).
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 1k, 4k and 16k
    tokens, fp16/bf16, d 64/96/128/192/256, causal on/off: both schedules next to
-   cuflash2.attention (the mma.sync kernel).
+   cuflash2.attention on the mma.sync kernel (_hopper.ENABLED off for it).
 
 Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
 """
@@ -132,7 +132,7 @@ def _time(cupy, fn, iters):
 
 def timing(cupy, iters):
     import cuflash2
-    from cuflash2 import _hopper, testing
+    from cuflash2 import _hopper, api, testing
 
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'plain ms':>9} {'TFLOP/s':>8} "
           f"{'pingpong ms':>11} {'TFLOP/s':>8} {'mma.sync ms':>11} {'TFLOP/s':>8} {'best/mma':>8}")
@@ -146,8 +146,11 @@ def timing(cupy, iters):
                     times = [_time(cupy, _hopper.prepare_forward_sm90(
                         q, k, v, causal=causal, config=_config(dtype, d, pingpong)).run, iters)
                         for pingpong in (False, True)]
+                    _hopper.ENABLED = False  # the mma.sync kernel, planned afresh
+                    api._forward_plans.plans.clear()
                     times.append(_time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal),
                                        iters))
+                    _hopper.ENABLED = True
                     flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
                     row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}"
                                    for t, w in zip(times, (9, 11, 11)))

@@ -39,6 +39,11 @@ def main():
     configs = []
     if "fwd" in args.kernels:
         configs += _configs.all_fwd_configs(args.arch, args.features)
+        if args.arch == 90:  # the Hopper forward's, as the dispatcher chooses them
+            from cuflash2 import _hopper
+
+            configs += _hopper.dispatch_configs(
+                [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
     if "bwd" in args.kernels:
         configs += _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
     if "decode" in args.kernels:

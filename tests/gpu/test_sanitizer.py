@@ -1,4 +1,5 @@
-"""compute-sanitizer memcheck and racecheck over small shapes of every kernel (GPU only)."""
+"""compute-sanitizer memcheck, racecheck and synccheck over small shapes of every kernel (GPU
+only)."""
 
 import os
 import shutil
@@ -40,3 +41,9 @@ def test_memcheck_clean():
 
 def test_racecheck_clean():
     _sanitize("racecheck", "--quick")
+
+
+def test_synccheck_clean():
+    """Barriers (__syncthreads, named barriers of the Hopper kernel's warpgroups) reached by the
+    threads they expect."""
+    _sanitize("synccheck", "--quick")
