@@ -13,6 +13,20 @@ import sys
 from importlib import metadata
 
 
+def forward_kernel_family(compute_capability: str) -> str:
+    """Which forward kernels run on a GPU of this compute capability ("9.0" or "90")."""
+    from . import _configs, _hopper
+
+    if compute_capability.replace(".", "") != "90":
+        return "mma.sync kernels (cuflash2.forward_kernels(q, k, v, ...) names a call's)"
+    if not _hopper.ENABLED:
+        return "mma.sync kernels (CUFLASH2_HOPPER=0)"
+    dims = "/".join(str(d) for d in _configs.SM90_FWD_HEAD_DIMS)
+    return (f"Hopper kernels (wgmma, TMA; head dims {dims}) except dropout, varlen and d <= "
+            f"{_hopper.MMA_SYNC_MAX_DIM} with <= {_hopper.MMA_SYNC_MAX_KEYS} keys, which run "
+            "mma.sync (cuflash2.forward_kernels(q, k, v, ...) names a call's)")
+
+
 def cupy_cache_dir() -> str:
     """CuPy's on-disk kernel cache, where compiled cuflash2 kernels persist between processes."""
     return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
@@ -137,6 +151,7 @@ def format_info(env: dict) -> list[str]:
             + ("" if float(gpu["compute_capability"]) >= 8.0 else " (cuflash2 needs sm_80 or newer)"),
             f"SMs            {gpu['sm_count']}",
             f"memory         {gpu['memory_gib']} GiB, L2 {gpu['l2_cache_mib']} MiB",
+            f"forward        {forward_kernel_family(gpu['compute_capability'])}",
         ]
     else:
         lines.append(f"GPU            none: {env['gpu_error'] or 'device query failed'}")
