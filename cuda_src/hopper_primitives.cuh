@@ -10,6 +10,8 @@
 // swizzle, the per-k16 address steps, the accumulator and A-fragment layouts, the mbarrier
 // parity protocol and the fences. Sections cited are those of the PTX ISA (version 8.x).
 // These instructions need the `sm_90a` target: plain sm_90 rejects wgmma and setmaxnreg.
+// Added for the Hopper backward and not yet run on a GPU: bulk_load, stmatrix_x4_trans and
+// wgmma_ss_trans_b (compile-checked; docs/HOPPER_BWD.md lists what the first run checks).
 #pragma once
 #include "mma_primitives.cuh"
 // TensorMap, the 128 bytes of a CUtensorMap, is a kernel parameter type.
@@ -110,6 +112,17 @@ CF2_DEVICE void tma_load_4d(u32 dst, const TensorMap& map, u32 bar, int c0, int 
         : "memory");
 }
 
+// `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global to
+// shared memory by the bulk-copy engine, completing `bytes` on the mbarrier `bar`
+// ("cp.async.bulk", non-tensor form): the backward's per-row statistics, which are flat fp32
+// arrays, land on the same barrier as the tile they belong to.
+CF2_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses with later async-proxy ones (TMA,
 // wgmma operand reads) and vice versa ("Memory Consistency Model: proxies"; fence.proxy.async).
 CF2_DEVICE void fence_proxy_async_shared() {
@@ -127,6 +140,19 @@ CF2_DEVICE void named_barrier_sync(int id, int threads) {
 // threads that bar.sync on it wait for them (a producer / consumer hand-over).
 CF2_DEVICE void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- stmatrix ("Data Movement and Conversion Instructions: stmatrix") ---------------------
+// Four 8 x 8 matrices of 16-bit elements, each held by the warp in the mma accumulator / A
+// fragment layout (lane l: row l / 4, columns 2 (l % 4), + 1 in one b32, matrix j in r[j]),
+// stored to shared memory. With .trans each matrix is stored transposed: column c of matrix j
+// (8 elements, 16 bytes) goes to the address lane 8 j + c supplies. The Hopper backward uses it
+// to write dS^T, computed with keys as rows, as dS with queries as rows (the A operand of
+// dQ = dS K) in one instruction per four matrices instead of 2-byte stores.
+CF2_DEVICE void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
 }
 
 // ---- setmaxnreg ("Miscellaneous Instructions: setmaxnreg") -----------------------------------
@@ -320,6 +346,30 @@ CF2_DEVICE void wgmma_ss(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accum
 #undef CF2_CASE
 }
 
+// SS with B MN-major (imm-trans-b = 1), A K-major: the backward's dQ = dS K, whose B (K, stored
+// [keys x head dim]) is laid out as V is for the forward's P V. Same descriptors as the RS form.
+#define CF2_WGMMA_SS_TB(G, N, TYPE)                                                            \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 2) ", 0;\n\t"              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE               \
+                 " {" CF2_DLIST_##G "}, " CF2_OP(G, 0) ", " CF2_OP(G, 1) ", p, 1, 1, 0, 1;\n\t}\n" \
+                 : CF2_ACCS_##G(d)                                                             \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <typename Elem, int N>
+CF2_DEVICE void wgmma_ss_trans_b(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
+    static_assert(N % 16 == 0 && N >= 16 && N <= 256,
+                  "wgmma_ss_trans_b: N a multiple of 16 up to 256");
+#define CF2_CASE(G, NN)                                                                        \
+    if constexpr (N == NN) {                                                                   \
+        if constexpr (Elem::is_bf16)                                                           \
+            CF2_WGMMA_SS_TB(G, NN, "bf16");                                                    \
+        else                                                                                   \
+            CF2_WGMMA_SS_TB(G, NN, "f16");                                                     \
+    }
+    CF2_FOR_EACH_N16(CF2_CASE)
+#undef CF2_CASE
+}
+
 // RS: A from registers (4 x b32 = this warp's 16 x 16 slice), B from a descriptor, MN-major
 // (imm-trans-b = 1: V stored [keys x head dim] is B = V with N = head dim contiguous).
 #define CF2_WGMMA_RS(G, N, TYPE)                                                               \
@@ -349,4 +399,5 @@ CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 de
 // The generator tables (CF2_OPS_*, CF2_DLIST_*, CF2_ACCS_*, ...) stay defined: CF2_-prefixed and
 // used nowhere else.
 #undef CF2_WGMMA_SS
+#undef CF2_WGMMA_SS_TB
 #undef CF2_WGMMA_RS

@@ -294,6 +294,97 @@ def all_fwd_sm90_configs(features=(0,)) -> list[FwdSm90Config]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a, not
+# dispatched (it has not run on a GPU); cuflash2._hopper_bwd runs it on its own.
+
+#: Head dims of the Hopper backward. 192 and 256 do not fit its split (dK and dV of 64 keys are
+#: HEAD_DIM registers a consumer thread; BwdSm90Traits::PEAK_ACCUMULATORS).
+SM90_BWD_HEAD_DIMS = (64, 96, 128)
+#: The features it takes: the score modifiers (varlen, dropout, deterministic mode: mma.sync).
+SM90_BWD_FEATURES = SCORE_MOD_FEATURES
+
+#: (block_m, block_n, stages) per head dim. block_n is 128 throughout: two consumer warpgroups
+#: of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90 backward at
+#: d=96/128 (hopper/flash_bwd_launch_template.h: 64 x 128, two Q / dO stages; 80 x 128
+#: non-causal d=128, a width this kernel's 16-multiple N does not take). A consumer's peak is
+#: dK + dV (head_dim / 2 each), S^T + dP^T (block_m / 2 each) and P^T packed (block_m / 4):
+#: 208 fp32 registers at d=128 of its 240. FA3 runs d=64 at 128 x 128; here 64 x 128 as a start
+#: (a 128-query step doubles S^T and dP^T: 64 + 64 + 32 + 32 + 32 = 224, too tight to start with).
+SM90_BWD_TILES = {64: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2)}
+
+
+@dataclass(frozen=True)
+class BwdSm90Config:
+    """One specialisation of the Hopper backward main kernel: a producer warpgroup (TMA) and
+    block_n / 64 consumer warpgroups (wgmma), each owning 64 keys; Q / dO tiles in a ring of
+    `stages`."""
+
+    dtype: str
+    head_dim: int  # one of SM90_BWD_HEAD_DIMS
+    block_m: int = 64  # query rows a step
+    block_n: int = 128  # keys a CTA: 64 per consumer warpgroup
+    stages: int = 2
+    features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
+    #: Debugging build: mbarrier waits trap after ~2 s instead of hanging.
+    watchdog: bool = False
+
+    arch_suffix = "a"
+    arch = 90
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.block_n // 64)
+
+    @property
+    def extra_options(self) -> tuple:
+        return ("-DCF2_MBARRIER_WATCHDOG",) if self.watchdog else ()
+
+    @property
+    def panels(self) -> int:
+        return -(-self.head_dim // 64)
+
+    @property
+    def smem_bytes(self) -> int:
+        # K + V, stages x (Q + dO), two dS tiles (block_m x block_n), stages x (lse + D) rows,
+        # + 1 KiB to align the base by hand (BwdSm90Traits::SMEM_BYTES).
+        kv = 2 * 128 * self.panels * self.block_n
+        stage = 2 * 128 * self.panels * self.block_m + 2 * 4 * self.block_m
+        ds = 2 * 2 * self.block_m * self.block_n
+        return kv + self.stages * stage + ds + 1024
+
+    @property
+    def source_file(self) -> str:
+        return "flash_bwd_sm90.cu"
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}>")
+
+    @property
+    def probes(self) -> str:
+        traits = (f"BwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
+                  f"{self.block_n}, {self.stages}>")
+        return _traits_probes(traits, self) + (
+            f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
+            "\"setmaxnreg budget\");\n")
+
+
+def bwd_sm90_config(dtype: str, head_dim: int) -> BwdSm90Config:
+    """The Hopper backward's tile for `head_dim` (one of SM90_BWD_HEAD_DIMS): SM90_BWD_TILES."""
+    if head_dim not in SM90_BWD_HEAD_DIMS:
+        raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
+    block_m, block_n, stages = SM90_BWD_TILES[head_dim]
+    return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages)
+
+
+def all_bwd_sm90_configs(features=(0,)) -> list[BwdSm90Config]:
+    """Every Hopper backward specialisation (for each of `features`)."""
+    return [with_features(bwd_sm90_config(dtype, d), f) for f in features
+            for dtype in DTYPE_TAGS for d in SM90_BWD_HEAD_DIMS]
+
+
+# ---------------------------------------------------------------------------------------------
 # Backward
 
 

@@ -113,3 +113,61 @@ def test_hopper_source_uses_the_hopper_instructions():
                    "mbarrier.try_wait.parity.shared::cta.b64", "setmaxnreg.inc.sync.aligned.u32",
                    "struct OnlineSoftmax", "struct KeyVisibility", "struct FwdSm90Params"):
         assert marker in source
+
+
+# ---- the Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md) --------------------
+
+BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
+
+
+@pytest.mark.parametrize("config", BWD_CONFIGS,
+                         ids=lambda c: f"{c.dtype}-d{c.head_dim}-f{c.features}")
+def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
+    """Same checks as the forward's: entry registers of 384 threads, no spills, setmaxnreg
+    honoured (the consumers hold dK, dV, S^T and dP^T: 192 fp32 registers at d=128)."""
+    report = _compile.compile_report(config, 90)
+    print(f"sm_90a {config.name_expression}: {report.registers} registers, "
+          f"{report.spill_stores}/{report.spill_loads} bytes spilled, "
+          f"{report.stack_bytes} bytes stack, {config.smem_bytes} bytes smem")
+    assert report.cubin_bytes > 0
+    assert report.registers <= _entry_registers(config), report.log
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert "C7508" not in report.log, report.log
+    assert config.smem_bytes <= MAX_SMEM_SM90
+
+
+def test_hopper_backward_config_shapes():
+    assert _configs.SM90_BWD_HEAD_DIMS == (64, 96, 128)
+    for config in BWD_CONFIGS:
+        assert config.threads == 384 and config.block_n == 128 and config.block_m == 64
+        assert config.stages == 2
+        assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
+        assert _compile.target_arch(config, 90) == "90a"
+    assert {(c.head_dim, c.dtype, c.features) for c in BWD_CONFIGS} == {
+        (d, t, f) for d in (64, 96, 128) for t in _configs.DTYPE_TAGS
+        for f in _configs.SM90_BWD_FEATURES}
+    # K + V, two Q / dO stages, two dS tiles, the statistics, 1 KiB of alignment slack
+    d128 = _configs.bwd_sm90_config("bfloat16", 128)
+    assert d128.smem_bytes == 2 * 128 * 256 + 2 * (2 * 64 * 256 + 512) + 2 * 64 * 256 + 1024
+    assert _configs.bwd_sm90_config("float16", 96).smem_bytes == d128.smem_bytes  # two panels
+    for bad in (192, 256, 80):
+        with pytest.raises(ValueError):
+            _configs.bwd_sm90_config("float16", bad)
+
+
+def test_hopper_backward_refuses_head_dims_past_its_register_budget(nvrtc_available):
+    """d=192 does not fit the two-consumer split (dK + dV + S^T + dP^T > 192 registers): the
+    traits' static_assert says so instead of ptxas spilling."""
+    config = _configs.BwdSm90Config("bfloat16", 192)
+    with pytest.raises(RuntimeError, match="consumers' 240 registers"):
+        _compile.compile_report(config, 90)
+
+
+def test_hopper_backward_source_uses_the_hopper_instructions():
+    source = _compile.kernel_source("flash_bwd_sm90.cu")
+    assert '#include "' not in source
+    for marker in ("wgmma.mma_async.sync.aligned.", "stmatrix.sync.aligned.m8n8.x4.trans",
+                   "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                   "red.global.add.v4.f32", "setmaxnreg.dec.sync.aligned.u32",
+                   "struct BwdSm90Params", "struct KeyVisibility", "dq_accum_position"):
+        assert marker in source

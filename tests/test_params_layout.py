@@ -88,3 +88,14 @@ def test_hopper_params_keep_the_tensor_maps_aligned():
     base = sm90.offsets["base"]
     assert sm90.offsets["base.seqlen_q"] == base + _params.layout("FwdParams").offsets["seqlen_q"]
     assert "base.q" in sm90.pointers and "base.out" in sm90.pointers
+
+
+def test_hopper_backward_params_keep_the_tensor_maps_aligned():
+    sm90 = _params.layout("BwdSm90Params")
+    assert sm90.alignment == 64
+    assert [sm90.offsets[m] for m in ("q_map", "k_map", "v_map", "do_map")] == [0, 128, 256, 384]
+    base = sm90.offsets["base"]
+    assert base == 512
+    for field in ("seqlen_q", "dq_accum", "mods.softcap_scale", "batch_offset"):
+        assert sm90.offsets[f"base.{field}"] == base + _params.layout("BwdParams").offsets[field]
+    assert "base.dq_accum" in sm90.pointers and "base.dout" in sm90.pointers

@@ -1,0 +1,611 @@
+// FlashAttention-2 backward (Dao, 2023, Algorithm 2) for Hopper (sm_90a): wgmma, TMA and warp
+// specialisation. Compile-checked only: it has not run on a GPU yet (docs/HOPPER_BWD.md).
+//
+// The algorithm is the one of flash_bwd.cu. KV is the outer loop: one CTA owns BLOCK_N keys of
+// one (batch, KV head), keeps K and V of them in shared memory and dK, dV of them in registers,
+// and walks over the query blocks (of every query head sharing the KV head, so GQA's dK/dV sums
+// stay in fp32 registers) whose rows can see its keys. Per query block i (BLOCK_M rows):
+//   S = Q_i K^T, P = exp2(S * scale_log2 - lse_log2)     (recomputed from the forward's lse)
+//   dP = dO_i V^T, dS = P o (dP - D)                      (D = rowsum(dO o O), the preprocess)
+//   dV += P^T dO_i,  dK += dS^T Q_i                       (registers, the whole loop)
+//   dQ_i += dS K                                          (fp32 atomics into dq_accum)
+// and at the end dK *= softmax_scale (dQ gets it in flash_bwd_convert_dq.cu).
+//
+// Hopper's split of the work:
+//  - warpgroup 0 is the producer (setmaxnreg.dec): its thread 0 loads K and V once (TMA, one
+//    mbarrier), then, per query block, Q_i with its lse_log2 rows and dO_i with its D rows into a
+//    STAGES-deep ring (TMA tiles + bulk copies of the statistics; q_full and do_full per stage,
+//    released by stage_empty when both consumers are done with the stage).
+//  - warpgroups 1 and 2 are consumers (setmaxnreg.inc), each owning 64 of the BLOCK_N = 128 keys.
+//    Keys are the M of wgmma (M = 64 a warpgroup): they compute the transposed products
+//      S^T = K_c Q_i^T and dP^T = V_c dO_i^T     (SS: both operands K-major descriptors),
+//    so that P^T and dS^T come out of the accumulators in the A-operand register layout of
+//      dV += P^T dO_i and dK += dS^T Q_i         (RS: dO_i, Q_i MN-major descriptors, as V of
+//                                                 the forward's P V),
+//    the same accumulator -> A repacking as the forward's P (hopper_primitives.cuh). The per-row
+//    statistics are per *column* of S^T: each thread reads the 16 query rows it holds from the
+//    stage's lse / D arrays in shared memory.
+//  - dQ needs dS with queries as rows (M = queries): each consumer stores its dS^T transposed
+//    (stmatrix .trans) into a shared dS tile [BLOCK_M queries x BLOCK_N keys], both consumers
+//    meet at a named barrier, and consumer c computes the columns of its half of the head dim,
+//    dQ_i[:, cols_c] = dS K[:, cols_c] (SS: dS K-major, K MN-major), M = 64 queries, all 128
+//    keys. The dS tile is double-buffered (by step parity), so the one barrier a step suffices.
+//  - dQ goes to the fp32 accumulator with vector reductions, red.global.add.v4.f32 (sm_90),
+//    straight from the accumulator registers, in dq_accum.cuh's interleaved column order (the
+//    wgmma accumulator is, per warp, the mma.sync m16n8 layout that order was made for), so the
+//    existing preprocess (which zeroes dq_accum) and flash_bwd_convert_dq.cu serve unchanged.
+//    Why not cp.reduce.async.bulk from shared memory (FlashAttention-3's choice, one thread
+//    issuing the tile's reduction)? It needs a 32 KiB fp32 staging tile, a barrier per step
+//    before it is reused, and a second warp to issue it; the vector reductions are
+//    fire-and-forget (nothing waits on them), cost 8 instructions a thread a step at d=128, and
+//    keep the layout and the convert kernel as they are. Which is faster is for the H200 to say.
+//
+// Masking: the query blocks a key block sees come from KeyVisibility (causal, windows, bottom-
+// right aligned); blocks outside are never loaded. Masks run only on boundary steps (the key
+// block's tail, or a window edge crossing the block), on the transposed tile (keys as rows).
+// Rows past seqlen_q need no mask: the TMA zero-fills Q and dO there and the preprocess padded
+// lse_log2 with +inf (P = 0) and D with 0. Keys past seqlen_k are zero rows of K and V (and
+// masked on the tail step); their dK, dV are never stored.
+// Score modifiers as flash_bwd.cu: softcap's t = tanh(s * softcap_scale) before the mask, P from
+// (t + ALiBi bias) * scale_log2, and dS = P (1 - t^2) (dP - D).
+//
+// Head dims 64, 96, 128 (one specialisation each; a user head dim below runs on the next one,
+// the TMA zero-filling the columns past it). 192 and 256 do not fit this split: dK and dV of 64
+// keys take HEAD_DIM fp32 registers a thread, which with S^T and dP^T exceeds the 240 a consumer
+// has (docs/HOPPER_BWD.md: FlashAttention-3's 3-warpgroup / swapped-dK tiles for those dims).
+// Left out (static_assert): varlen, dropout; deterministic mode (no dq_accum atomics) too.
+#include "hopper_primitives.cuh"
+#include "masking.cuh"
+#include "score_mods.cuh"
+#include "dq_accum.cuh"
+#include "varlen.cuh"
+#include "constants.cuh"
+#include "kernel_params.cuh"
+
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
+struct BwdSm90Traits {
+    static constexpr int WARPGROUP_THREADS = 128;
+    static constexpr int KEYS_PER_WARPGROUP = 64;  // the M of wgmma
+    static constexpr int CONSUMER_WARPGROUPS = BLOCK_N / KEYS_PER_WARPGROUP;
+    static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
+    static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
+    static constexpr int ENTRY_REGISTERS = (65536 / THREADS) / 8 * 8;
+    static constexpr int PRODUCER_REGISTERS = 24;
+    static constexpr int CONSUMER_REGISTERS = 240;
+    // Named barriers (0 is __syncthreads): both consumers' dS stored; both consumers done with
+    // K and V (the epilogue reuses them); one per consumer for its staged dK / dV.
+    static constexpr int DS_BARRIER = 1;
+    static constexpr int EPILOGUE_BARRIER = 2;
+    static constexpr int STORE_BARRIER = 3;
+
+    // Tiles as the forward's: panels of 64 columns (128-byte rows, 128-byte swizzle) as the TMA
+    // writes them; d=96's second panel half zero-filled and never multiplied.
+    static constexpr int PANEL_COLS = 64;
+    static constexpr int ROW_BYTES = PANEL_COLS * 2;
+    static constexpr int PANELS = (HEAD_DIM + PANEL_COLS - 1) / PANEL_COLS;
+    static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
+    static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
+    static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;  // Q_i and dO_i
+    static constexpr int Q_TILE_BYTES = PANELS * Q_PANEL_BYTES;
+    static constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES;  // Q_i, then dO_i
+    static constexpr int STAT_BYTES = BLOCK_M * 4;       // lse_log2 or D of the stage's rows
+    // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
+    static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
+    static constexpr int DS_BYTES = (BLOCK_N / PANEL_COLS) * DS_PANEL_BYTES;
+    static constexpr int SMEM_ALIGN = 1024;
+    // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D), + the slack to align the base.
+    static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
+                                      STAGES * 2 * STAT_BYTES + SMEM_ALIGN;
+
+    static constexpr int DIM = HEAD_DIM;
+    static constexpr int QUERIES = BLOCK_M;         // the N of S^T and dP^T
+    static constexpr int S_TILES = BLOCK_M / 8;     // n8 column groups of S^T, dP^T (queries)
+    static constexpr int D_TILES = HEAD_DIM / 8;    // n8 column groups of dK, dV
+    static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of S^T, dP^T (head dim)
+    static constexpr int M_STEPS = BLOCK_M / 16;    // k16 steps of dV, dK (queries)
+    static constexpr int N_STEPS = BLOCK_N / 16;    // k16 steps of dQ (keys)
+    // dQ's head-dim columns of consumer 0 and 1. The start of consumer 1's columns is where the
+    // MN-major B descriptor of K begins: at a panel boundary where there are two panels or more
+    // (d=96: 64 + 32, d=128: 64 + 64), since N steps past the first 64 columns of a descriptor
+    // go to the next panel by LBO, counted from the descriptor's start, not from the panel's;
+    // d=64's single panel is split in the middle (32 + 32, a 64-byte start that never crosses
+    // into the next panel).
+    static constexpr int DQ_COLS_0 = PANELS == 1 ? HEAD_DIM / 2 : PANEL_COLS * (PANELS / 2);
+    static constexpr int DQ_COLS_1 = HEAD_DIM - DQ_COLS_0;
+    // fp32 registers a consumer thread keeps live at the peak (dP^T just completed): dK and dV
+    // (HEAD_DIM / 2 each), S^T (or P^T) and dP^T (BLOCK_M / 2 each); the 16-bit P^T and dS^T
+    // fragments grow as S^T and dP^T die (score_gradients). 192 at d=128 leaves 48 of the 240
+    // for addresses, statistics, the score modifiers and the dQ tile (BLOCK_M x half the head
+    // dim: HEAD_DIM / 4, live with dK, dV and the fragments). A peak with P^T packed beside
+    // S^T and dP^T (208) made the softcap + ALiBi variant spill at d=128.
+    static constexpr int PEAK_ACCUMULATORS = HEAD_DIM + BLOCK_M;
+
+    static_assert(BLOCK_N == 2 * KEYS_PER_WARPGROUP, "two consumer warpgroups of 64 keys");
+    static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64 && HEAD_DIM <= 256, "head dim");
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_M >= 16 && BLOCK_M <= 256,
+                  "wgmma N of S^T (= BLOCK_M): a multiple of 16 up to 256");
+    static_assert(DQ_COLS_0 % 16 == 0 && DQ_COLS_1 % 16 == 0 && DQ_COLS_1 > 0,
+                  "dQ column halves: whole 16-column groups (dq_accum.cuh's vector atomics)");
+    static_assert(Q_PANEL_BYTES % 1024 == 0 && KV_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
+    static_assert(STAT_BYTES % 16 == 0, "bulk copies of whole 16-byte chunks");
+    static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
+    static_assert(KEYS_PER_WARPGROUP * (HEAD_DIM / 8) % WARPGROUP_THREADS == 0,
+                  "the epilogue's 16-byte chunks split evenly over a warpgroup");
+    static_assert(STAGES >= 2, "a ring of at least two Q / dO stages");
+    static_assert(PEAK_ACCUMULATORS <= 192,
+                  "dK, dV, S^T, dP^T and P^T must fit the consumers' 240 registers: head dims "
+                  "above 128 need another split (docs/HOPPER_BWD.md)");
+    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS +
+                          CONSUMER_REGISTERS * CONSUMER_THREADS <= 65536,
+                  "the setmaxnreg split fits the register file");
+    static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
+};
+
+// Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the
+// 128-byte-swizzled panel layout (as flash_fwd_sm90.cu's).
+template <int PANEL_BYTES>
+CF2_DEVICE u32 bwd_swizzled_chunk(u32 tile, int row, int chunk) {
+    return tile + (chunk / 8) * PANEL_BYTES + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+// X^T = A_c B^T for one consumer (S^T = K_c Q_i^T or dP^T = V_c dO_i^T): M = its 64 keys, N =
+// BLOCK_M queries, QK_STEPS k16 steps over the head dim; both operands K-major descriptors (the
+// forward's Q and K of S = Q K^T). `a_rows`: this consumer's first key row of K or V (a whole
+// number of swizzle atoms into each panel). Issues the wgmmas only.
+template <typename Elem, class T>
+CF2_DEVICE void issue_transposed_scores(float (&acc)[T::S_TILES][4], u32 a_rows, u32 b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < T::QK_STEPS; ++kk) {
+        const u32 step = 32 * (kk % 4);
+        const u64 a = smem_matrix_descriptor(a_rows + (kk / 4) * T::KV_PANEL_BYTES + step, 16, 1024);
+        const u64 b = smem_matrix_descriptor(b_tile + (kk / 4) * T::Q_PANEL_BYTES + step, 16, 1024);
+        wgmma_ss<Elem, T::QUERIES>(acc, a, b, kk > 0);
+    }
+}
+
+// acc (64 keys x HEAD_DIM) += frag (this warp's keys x BLOCK_M queries, A registers) times
+// `b_tile` (Q_i or dO_i, [queries x head dim], the MN-major B operand as V of the forward's
+// P V: 16 rows = 2048 B a k16 step, SBO 1024, LBO one panel). Issues the wgmmas only.
+template <typename Elem, class T>
+CF2_DEVICE void issue_key_gradient(float (&acc)[T::D_TILES][4], u32 (&frag)[T::M_STEPS][4],
+                                   u32 b_tile) {
+#pragma unroll
+    for (int ks = 0; ks < T::M_STEPS; ++ks) {
+        const u64 b = smem_matrix_descriptor(b_tile + 2048 * ks, T::Q_PANEL_BYTES, 1024);
+        wgmma_rs_trans_b<Elem, T::DIM>(acc, frag[ks], b, 1);
+    }
+}
+
+// dQ_i[:, COL0 .. COL0 + N) = dS K[:, COL0 .. COL0 + N): M = BLOCK_M queries, N_STEPS k16 steps
+// over the keys; A = dS (K-major: 32 B a step inside a 64-key panel), B = K (MN-major, 2048 B a
+// step, LBO one K panel). Complete on return (the caller's dK / dV wgmmas too: one wait).
+template <typename Elem, class T, int COL0, int N>
+CF2_DEVICE void issue_dq(float (&acc)[N / 8][4], u32 ds_tile, u32 k_tile) {
+    const u32 b0 = k_tile + (COL0 / T::PANEL_COLS) * T::KV_PANEL_BYTES + 2 * (COL0 % T::PANEL_COLS);
+#pragma unroll
+    for (int kk = 0; kk < T::N_STEPS; ++kk) {
+        const u64 a = smem_matrix_descriptor(ds_tile + (kk / 4) * T::DS_PANEL_BYTES + 32 * (kk % 4),
+                                             16, 1024);
+        const u64 b = smem_matrix_descriptor(b0 + 2048 * kk, T::KV_PANEL_BYTES, 1024);
+        wgmma_ss_trans_b<Elem, N>(acc, a, b, kk > 0);
+    }
+}
+
+// Adds this warp's share of dQ_i[:, COL0 .. COL0 + N) to dq_accum: rows 16 warp + lane / 4 (+ 8)
+// of the query block, 16 columns per vector reduction in dq_accum.cuh's interleaved order (the
+// wgmma accumulator is the m16n8 layout per warp, as in flash_bwd.cu's phase C).
+template <int HEAD_DIM, int COL0, int N>
+CF2_DEVICE void add_dq(float* dq_block, const float (&acc)[N / 8][4], int warp, int lane) {
+    float* rows = dq_block + (16 * warp + lane / 4) * HEAD_DIM + COL0 + 4 * (lane % 4);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            atomic_add_4(rows + 8 * half * HEAD_DIM + 16 * np, acc[2 * np][2 * half],
+                         acc[2 * np][2 * half + 1], acc[2 * np + 1][2 * half],
+                         acc[2 * np + 1][2 * half + 1]);
+}
+
+// Sets the invisible entries of a transposed score tile to -inf: s[nt][2 half + e] is key
+// key0 + 8 half (this thread's row of S^T), query query0 + 8 nt + e (its column). masking.cuh's
+// mask_scores with the roles of rows and columns swapped; one branch per launch on the window's
+// edges, as there (the edges are uniform, the compiler cannot know it).
+template <bool LEFT, bool RIGHT, int NT>
+CF2_DEVICE void mask_transposed_edges(float (&s)[NT][4], int key0, int query0,
+                                      const KeyVisibility& vis) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int query = query0 + 8 * nt + e;
+            const int key_lo = LEFT ? query + vis.diag - vis.window_left : 0;
+            const int key_hi = RIGHT ? min(vis.seqlen_k, query + vis.diag + vis.window_right + 1)
+                                     : vis.seqlen_k;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int key = key0 + 8 * half;
+                if (key < key_lo || key >= key_hi) s[nt][2 * half + e] = neg_inf();
+            }
+        }
+}
+
+template <int NT>
+CF2_DEVICE void mask_transposed(float (&s)[NT][4], int key0, int query0, const KeyVisibility& vis) {
+    if (vis.window_left < 0) {
+        if (vis.window_right < 0)
+            mask_transposed_edges<false, false>(s, key0, query0, vis);
+        else
+            mask_transposed_edges<false, true>(s, key0, query0, vis);
+    } else {
+        if (vis.window_right < 0)
+            mask_transposed_edges<true, false>(s, key0, query0, vis);
+        else
+            mask_transposed_edges<true, true>(s, key0, query0, vis);
+    }
+}
+
+// P = exp2((score + ALiBi bias) * scale_log2 - lse_log2[query]) for one entry of S^T; `score` is
+// the raw score (or softcap's t). ALiBi's distance query + diag - key comes from one float a
+// thread plus a constant (`query_minus_key`): the positions themselves are not held, registers
+// being scarcest here.
+template <int FEATURES>
+CF2_DEVICE float probability(float score, float row_lse, const ScoreMods<FEATURES>& mods,
+                             float scale_log2, float query_minus_key) {
+    return fast_exp2(fmaf(mods.biased(score, query_minus_key, 0.f), scale_log2, -row_lse));
+}
+
+// S^T -> P^T in place (while dP^T is still being computed). acc[nt][2 half + e] is key
+// key0 + 8 half, query query0 + 8 nt + e; `lse` points at lse_log2 of query0 in the stage, D follows QUERIES floats later.
+// Without softcap only: with it, dS needs t as well as P, and P is formed in score_gradients.
+template <class T, int FEATURES>
+CF2_DEVICE void exponentiate(float (&acc)[T::S_TILES][4], const float* lse,
+                             const ScoreMods<FEATURES>& mods, float scale_log2, float offset0) {
+#pragma unroll
+    for (int nt = 0; nt < T::S_TILES; ++nt) {
+        const float2 row_lse = *reinterpret_cast<const float2*>(lse + 8 * nt);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            acc[nt][i] = probability(acc[nt][i], i % 2 ? row_lse.y : row_lse.x, mods, scale_log2,
+                                     offset0 + static_cast<float>(8 * nt + i % 2 - 8 * (i / 2)));
+    }
+}
+
+// P^T and dS^T = P^T o (dP^T - D[query]) (times 1 - t^2 with softcap), packed as the A operands
+// of dV += P^T dO and dK += dS^T Q: k16 step ks = queries 16 ks .. + 15 = n8 tiles 2 ks, 2 ks + 1,
+// a[0] / a[2] rows g, a[1] / a[3] rows g + 8 (the forward's exp_pack order). `s` holds P
+// (exponentiate) or, with softcap, t (P is formed here: one pass in which S^T and dP^T die as
+// the fragments grow, so the consumer's peak stays at dK + dV + S^T + dP^T).
+template <typename Elem, class T, int FEATURES>
+CF2_DEVICE void score_gradients(u32 (&p_frag)[T::M_STEPS][4], u32 (&ds_frag)[T::M_STEPS][4],
+                                const float (&s)[T::S_TILES][4], const float (&dp)[T::S_TILES][4],
+                                const float* lse, const ScoreMods<FEATURES>& mods,
+                                float scale_log2, float offset0) {
+    constexpr bool SOFTCAP = ScoreMods<FEATURES>::SOFTCAP;
+#pragma unroll
+    for (int nt = 0; nt < T::S_TILES; ++nt) {
+        const float2 d = *reinterpret_cast<const float2*>(lse + T::QUERIES + 8 * nt);
+        float2 row_lse = make_float2(0.f, 0.f);
+        if constexpr (SOFTCAP) row_lse = *reinterpret_cast<const float2*>(lse + 8 * nt);
+        float prob[4], ds[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            prob[i] = s[nt][i];
+            float grad = dp[nt][i] - (i % 2 ? d.y : d.x);
+            if constexpr (SOFTCAP) {
+                prob[i] = probability(s[nt][i], i % 2 ? row_lse.y : row_lse.x, mods, scale_log2,
+                                      offset0 + static_cast<float>(8 * nt + i % 2 - 8 * (i / 2)));
+                grad *= mods.dtanh(s[nt][i]);
+            }
+            ds[i] = prob[i] * grad;
+        }
+        p_frag[nt / 2][2 * (nt % 2)] = pack_pair<Elem>(prob[0], prob[1]);
+        p_frag[nt / 2][2 * (nt % 2) + 1] = pack_pair<Elem>(prob[2], prob[3]);
+        ds_frag[nt / 2][2 * (nt % 2)] = pack_pair<Elem>(ds[0], ds[1]);
+        ds_frag[nt / 2][2 * (nt % 2) + 1] = pack_pair<Elem>(ds[2], ds[3]);
+    }
+}
+
+// Stores this warp's dS^T (16 keys x BLOCK_M queries, as A fragments) transposed into the dS
+// tile [queries x keys]: per k16 step one stmatrix .trans of four 8 x 8 matrices, a[j] = keys
+// 8 (j % 2) .. + 7 x queries 16 ks + 8 (j / 2) .. + 7. Lane 8 j + c gives the address of the
+// 16-byte chunk of query 16 ks + 8 (j / 2) + c holding those 8 keys; its swizzled slot differs
+// for the 8 lanes of a matrix (consecutive rows), so the stores are free of bank conflicts.
+// `key_chunk0`: the 8-key chunk of this warp's first key in the tile (8 c + 2 warp).
+template <class T>
+CF2_DEVICE void store_ds_transposed(u32 ds_tile, const u32 (&ds_frag)[T::M_STEPS][4],
+                                    int key_chunk0, int lane) {
+    const int j = lane / 8, c = lane % 8;
+#pragma unroll
+    for (int ks = 0; ks < T::M_STEPS; ++ks)
+        stmatrix_x4_trans(bwd_swizzled_chunk<T::DS_PANEL_BYTES>(ds_tile, 16 * ks + 8 * (j / 2) + c,
+                                                                key_chunk0 + j % 2),
+                          ds_frag[ks]);
+}
+
+// The mbarriers of the CTA (static shared memory).
+template <int STAGES>
+struct BwdSm90Barriers {
+    u64 kv_full;               // K and V of the block landed
+    u64 q_full[STAGES];        // Q_i and lse_log2 of its rows landed
+    u64 do_full[STAGES];       // dO_i and D of its rows landed
+    u64 stage_empty[STAGES];   // every consumer thread is done with the stage
+};
+
+// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0. The parameters:
+// BwdSm90Params (kernel_params.cuh); grid (key blocks, KV heads, batch), as flash_bwd.cu's.
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES>
+__global__ void __launch_bounds__(BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::THREADS, 1)
+flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
+    using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
+    static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
+                  "varlen and dropout run on the mma.sync backward");
+    const BwdParams& p = params.base;
+
+    extern __shared__ unsigned char smem[];
+    __shared__ BwdSm90Barriers<STAGES> bars;
+    const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
+    const u32 k_smem = smem_base;
+    const u32 v_smem = k_smem + T::KV_TILE_BYTES;
+    const u32 q_smem = v_smem + T::KV_TILE_BYTES;  // stage s: Q at + s * STAGE_BYTES, dO after
+    const u32 ds_smem = q_smem + STAGES * T::STAGE_BYTES;  // two buffers
+    const u32 stats_smem = ds_smem + 2 * T::DS_BYTES;      // stage s: lse at + 2 s * STAT_BYTES
+    const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
+    const u32 kv_full = smem_address(&bars.kv_full);
+
+    const int kv_block = blockIdx.x;
+    const int kv_head = blockIdx.y;
+    const int batch = blockIdx.z + p.batch_offset;
+    const int key_first = kv_block * BLOCK_N;
+    const int key_last = min(key_first + BLOCK_N, p.seqlen_k) - 1;
+
+    // Query blocks whose rows can see keys [key_first, key_last] (causal / window), as
+    // flash_bwd.cu; a step is one (query head of the group, query block) pair.
+    const KeyVisibility vis{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
+    int row_begin = 0, row_end = p.seqlen_q;
+    if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
+    if (p.window_left >= 0) row_end = min(p.seqlen_q, key_last - vis.diag + p.window_left + 1);
+    const int m_first = row_begin / BLOCK_M;
+    const int m_count = row_end > row_begin ? (row_end + BLOCK_M - 1) / BLOCK_M - m_first : 0;
+    const int steps = m_count * p.heads_per_kv_head;
+    const int head_chunks = p.head_dim / 8;
+    u16* dk_block = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
+                    key_first * p.dk_row_stride;
+    u16* dv_block = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
+                    key_first * p.dv_row_stride;
+
+    if (steps == 0) {
+        // No query sees these keys: dK = dV = 0 (the whole CTA, before any role).
+        const u32 zeros[4] = {0u, 0u, 0u, 0u};
+        for (int idx = threadIdx.x; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
+            const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
+            if (key_first + row < p.seqlen_k && chunk < head_chunks) {
+                store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
+                store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
+            }
+        }
+        return;
+    }
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(kv_full, 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(smem_address(&bars.q_full[s]), 1);  // the producer's expect_tx arrival
+            mbarrier_init(smem_address(&bars.do_full[s]), 1);
+            mbarrier_init(smem_address(&bars.stage_empty[s]), T::CONSUMER_THREADS);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    // Step j (query head h, block m, advanced incrementally as in flash_bwd.cu) uses stage
+    // j % STAGES, whose barriers are in their (j / STAGES)-th phase.
+    const int warpgroup = threadIdx.x / T::WARPGROUP_THREADS;
+    if (warpgroup == 0) {
+        // ---- producer ----
+        setmaxnreg_dec<T::PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) {
+            mbarrier_arrive_expect_tx(kv_full, 2 * T::KV_TILE_BYTES);
+#pragma unroll
+            for (int panel = 0; panel < T::PANELS; ++panel) {
+                tma_load_4d(k_smem + panel * T::KV_PANEL_BYTES, params.k_map, kv_full,
+                            T::PANEL_COLS * panel, key_first, kv_head, batch);
+                tma_load_4d(v_smem + panel * T::KV_PANEL_BYTES, params.v_map, kv_full,
+                            T::PANEL_COLS * panel, key_first, kv_head, batch);
+            }
+            int head = kv_head * p.heads_per_kv_head, m_block = m_first;
+            for (int j = 0; j < steps; ++j) {
+                const int stage = j % STAGES;
+                mbarrier_wait(smem_address(&bars.stage_empty[stage]), ((j / STAGES) & 1) ^ 1);
+                const int row0 = m_block * BLOCK_M;
+                // lse_log2 and D are padded to whole Q blocks (+inf / 0): never out of bounds.
+                const i64 stat0 = stats_row0<false>(batch, head, p.nheads, p.seqlen_q_padded, 0) + row0;
+                const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
+                const u32 do_tile = q_tile + T::Q_TILE_BYTES;
+                const u32 lse_s = stats_smem + stage * 2 * T::STAT_BYTES;
+                const u32 q_full = smem_address(&bars.q_full[stage]);
+                const u32 do_full = smem_address(&bars.do_full[stage]);
+                mbarrier_arrive_expect_tx(q_full, T::Q_TILE_BYTES + T::STAT_BYTES);
+#pragma unroll
+                for (int panel = 0; panel < T::PANELS; ++panel)
+                    tma_load_4d(q_tile + panel * T::Q_PANEL_BYTES, params.q_map, q_full,
+                                T::PANEL_COLS * panel, row0, head, batch);
+                bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
+                mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
+#pragma unroll
+                for (int panel = 0; panel < T::PANELS; ++panel)
+                    tma_load_4d(do_tile + panel * T::Q_PANEL_BYTES, params.do_map, do_full,
+                                T::PANEL_COLS * panel, row0, head, batch);
+                bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
+                if (++m_block == m_first + m_count) {
+                    m_block = m_first;
+                    ++head;
+                }
+            }
+        }
+    } else {
+        // ---- consumers: warpgroup 1 + c owns keys 64 c .. 64 c + 63 of the block ----
+        setmaxnreg_inc<T::CONSUMER_REGISTERS>();
+        const int consumer = warpgroup - 1;
+        const int warp = (threadIdx.x / 32) % 4;  // in the warpgroup: keys 16 warp .. + 15
+        const int lane = threadIdx.x % 32;
+        const int key0 = T::KEYS_PER_WARPGROUP * consumer;  // in the block
+        const u32 k_rows = k_smem + key0 * T::ROW_BYTES;    // A operands of S^T and dP^T
+        const u32 v_rows = v_smem + key0 * T::ROW_BYTES;
+
+        float acc_dk[T::D_TILES][4], acc_dv[T::D_TILES][4];
+#pragma unroll
+        for (int dt = 0; dt < T::D_TILES; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+
+        mbarrier_wait(kv_full, 0);
+        int head = kv_head * p.heads_per_kv_head, m_block = m_first;
+        for (int j = 0; j < steps; ++j) {
+            const int stage = j % STAGES;
+            const u32 phase = (j / STAGES) & 1;
+            const int row0 = m_block * BLOCK_M;
+            const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
+            const u32 do_tile = q_tile + T::Q_TILE_BYTES;
+            const u32 ds_tile = ds_smem + (j % 2) * T::DS_BYTES;
+
+            // S^T = K_c Q_i^T as soon as Q_i landed, dP^T = V_c dO_i^T as soon as dO_i did; the
+            // work on S^T starts while dP^T runs (wait_group 1: only the S^T group completed).
+            float acc_s[1][T::S_TILES][4], acc_dp[T::S_TILES][4];
+            u32 p_frag[T::M_STEPS][4], ds_frag[T::M_STEPS][4];
+            mbarrier_wait(smem_address(&bars.q_full[stage]), phase);
+            pin_registers(acc_s[0]);
+            wgmma_fence();
+            issue_transposed_scores<Elem, T>(acc_s[0], k_rows, q_tile);
+            wgmma_commit_group();
+            mbarrier_wait(smem_address(&bars.do_full[stage]), phase);
+            pin_registers(acc_dp);
+            wgmma_fence();
+            issue_transposed_scores<Elem, T>(acc_dp, v_rows, do_tile);
+            wgmma_commit_group();
+            wgmma_wait_group<1>();
+            pin_registers(acc_s[0]);
+
+            // P^T, as far as it goes before dP^T is needed: softcap's t, the mask (boundary
+            // steps only), and without softcap P itself, in place. The thread's key and query
+            // positions are rebuilt from a fresh thread index and the score modifiers set up
+            // here, each step, as in flash_bwd.cu (the slope is one cached load): nothing of
+            // them is held across the loop, registers being scarcest here.
+            const int tid_now = thread_index_fresh();
+            const int thread_key0 = key_first + (tid_now - T::WARPGROUP_THREADS) / 32 * 16 +
+                                    (tid_now % 32) / 4;
+            const int thread_query0 = row0 + 2 * (tid_now % 4);
+            const float offset0 = static_cast<float>(thread_query0 - thread_key0);
+            const float* lse = stats + stage * 2 * BLOCK_M + 2 * (tid_now % 4);
+            ScoreMods<FEATURES> mods(p.mods, p.seqlen_q, p.seqlen_k);
+            mods.select_head(p.mods, batch, head);
+            mods.apply_softcap(acc_s);
+            const int row_last = min(row0 + BLOCK_M, p.seqlen_q) - 1;
+            const bool needs_mask =
+                key_first + BLOCK_N > p.seqlen_k ||
+                (p.window_right >= 0 && key_last > row0 + vis.diag + p.window_right) ||
+                (p.window_left >= 0 && key_first < row_last + vis.diag - p.window_left);
+            if (needs_mask) mask_transposed(acc_s[0], thread_key0, thread_query0, vis);
+            if constexpr (!ScoreMods<FEATURES>::SOFTCAP)
+                exponentiate<T>(acc_s[0], lse, mods, p.scale_log2, offset0);
+            wgmma_wait_group<0>();
+            pin_registers(acc_dp);
+
+            // P^T and dS^T into registers (A operands of dV, dK), dS^T transposed into the dS
+            // tile (A operand of dQ).
+            score_gradients<Elem, T>(p_frag, ds_frag, acc_s[0], acc_dp, lse, mods, p.scale_log2,
+                                     offset0);
+            store_ds_transposed<T>(ds_tile, ds_frag, 8 * consumer + 2 * warp, lane);
+            fence_proxy_async_shared();  // the generic stores, before wgmma reads them
+
+            // dV += P^T dO_i, dK += dS^T Q_i.
+            pin_registers(acc_dv);
+            pin_registers(acc_dk);
+            pin_registers(p_frag);
+            pin_registers(ds_frag);
+            wgmma_fence();
+            issue_key_gradient<Elem, T>(acc_dv, p_frag, do_tile);
+            issue_key_gradient<Elem, T>(acc_dk, ds_frag, q_tile);
+            wgmma_commit_group();
+
+            // dQ_i: both consumers' dS^T are in the tile after the barrier; consumer c takes its
+            // head-dim columns. The buffer is rewritten two steps later, after both consumers
+            // passed the next step's barrier, i.e. after their wgmmas of this step completed.
+            named_barrier_sync(T::DS_BARRIER, T::CONSUMER_THREADS);
+            float* dq_block = p.dq_accum + (stats_row0<false>(batch, head, p.nheads,
+                                                              p.seqlen_q_padded, 0) + row0) *
+                                               HEAD_DIM;
+            if (consumer == 0) {
+                float acc_dq[T::DQ_COLS_0 / 8][4];
+                pin_registers(acc_dq);
+                wgmma_fence();
+                issue_dq<Elem, T, 0, T::DQ_COLS_0>(acc_dq, ds_tile, k_smem);
+                wgmma_commit_group();
+                wgmma_wait_group<0>();
+                pin_registers(acc_dq);
+                pin_registers(acc_dv);
+                pin_registers(acc_dk);
+                pin_registers(p_frag);
+                pin_registers(ds_frag);
+                mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                add_dq<HEAD_DIM, 0, T::DQ_COLS_0>(dq_block, acc_dq, warp, lane);
+            } else {
+                float acc_dq[T::DQ_COLS_1 / 8][4];
+                pin_registers(acc_dq);
+                wgmma_fence();
+                issue_dq<Elem, T, T::DQ_COLS_0, T::DQ_COLS_1>(acc_dq, ds_tile, k_smem);
+                wgmma_commit_group();
+                wgmma_wait_group<0>();
+                pin_registers(acc_dq);
+                pin_registers(acc_dv);
+                pin_registers(acc_dk);
+                pin_registers(p_frag);
+                pin_registers(ds_frag);
+                mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                add_dq<HEAD_DIM, T::DQ_COLS_0, T::DQ_COLS_1>(dq_block, acc_dq, warp, lane);
+            }
+
+            if (++m_block == m_first + m_count) {
+                m_block = m_first;
+                ++head;
+            }
+        }
+
+        // Epilogue: dK *= softmax_scale; stage dK into this consumer's rows of the K tile and dV
+        // into its rows of V (same swizzled layout: conflict-free 4-byte stores) once both
+        // consumers are done reading K and V (dQ reads all of K), then 16-byte row chunks to
+        // global memory with row and head-dim guards.
+        named_barrier_sync(T::EPILOGUE_BARRIER, T::CONSUMER_THREADS);
+        fence_proxy_async_shared();  // K and V were last read by wgmma (async proxy)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = key0 + 16 * warp + 8 * half + lane / 4;  // in the block
+#pragma unroll
+            for (int dt = 0; dt < T::D_TILES; ++dt) {
+                const u32 offset =
+                    bwd_swizzled_chunk<T::KV_PANEL_BYTES>(0, row, dt) + 4 * (lane % 4);
+                store_4B_shared(k_smem + offset,
+                                pack_pair<Elem>(acc_dk[dt][2 * half] * p.softmax_scale,
+                                                acc_dk[dt][2 * half + 1] * p.softmax_scale));
+                store_4B_shared(v_smem + offset,
+                                pack_pair<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]));
+            }
+        }
+        named_barrier_sync(T::STORE_BARRIER + consumer, T::WARPGROUP_THREADS);
+        const int tid = threadIdx.x % T::WARPGROUP_THREADS;
+        constexpr int CHUNKS = HEAD_DIM / 8;
+#pragma unroll
+        for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
+            const int idx = tid + T::WARPGROUP_THREADS * i;
+            const int row = key0 + idx / CHUNKS;
+            const int chunk = idx % CHUNKS;
+            if (key_first + row < p.seqlen_k && chunk < head_chunks) {
+                u32 vals[4];
+                load_16B_shared(vals, bwd_swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
+                store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, vals);
+                load_16B_shared(vals, bwd_swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
+                store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, vals);
+            }
+        }
+    }
+}
