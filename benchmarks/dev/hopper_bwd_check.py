@@ -1,0 +1,208 @@
+"""First GPU run of the Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md).
+
+On an H100/H200 (sm_90), from the repository root:
+
+    python benchmarks/dev/hopper_bwd_check.py --watchdog   # first: a stuck mbarrier wait traps
+                                                           # after ~2 s instead of hanging
+    python benchmarks/dev/hopper_bwd_check.py              # correctness, then timing
+    python benchmarks/dev/hopper_bwd_check.py --no-time --only 0,1
+
+1. Correctness: the kernel through cuflash2._hopper_bwd.prepare_backward_sm90 (not the public
+   API: it is not dispatched), after the forward of cuflash2.attention (return_lse=True), on
+   random inputs of ~20 shapes (head dims 64, 96, 128 on their kernels, 80 on the d=96 one and
+   112 on the d=128 one; fp16/bf16, causal on/off, windows, odd lengths, seqlen_q != seqlen_k
+   both ways, GQA, MQA, q/k/v and dout as strided views of packed arrays, softcap, ALiBi, a
+   one-token problem), gradients poisoned with NaN first, checked against cuflash2.reference
+   with cuflash2.testing.check_backward (dq, dk, dv under the 2x rule).
+2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 512 to 16k
+   tokens, fp16/bf16, d 64/96/128, causal on/off: the three launches of the Hopper path next to
+   cuflash2.attention_backward (the mma.sync backward, preprocess and conversion included).
+
+Internals it uses: cuflash2._hopper_bwd, cuflash2._configs.bwd_sm90_config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import numpy
+
+# (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, dtype, causal, window, packed, mods)
+# mods: "" / "softcap" / "alibi" / "both"
+CASES = [
+    (2, 1024, 1024, 8, 8, 128, "bfloat16", False, (-1, -1), False, ""),
+    (2, 1024, 1024, 8, 8, 128, "float16", True, (-1, -1), False, ""),
+    (2, 1024, 1024, 8, 8, 64, "float16", True, (-1, -1), False, ""),
+    (2, 1024, 1024, 8, 8, 64, "bfloat16", False, (-1, -1), False, ""),
+    (1, 333, 517, 4, 4, 128, "float16", False, (-1, -1), False, ""),  # odd, sq < sk
+    (1, 517, 333, 4, 4, 128, "bfloat16", True, (-1, -1), False, ""),  # rows that see no key
+    (1, 333, 517, 4, 4, 64, "bfloat16", True, (-1, -1), False, ""),
+    (2, 1000, 1000, 8, 2, 128, "bfloat16", True, (-1, -1), False, ""),  # GQA
+    (1, 257, 257, 4, 1, 64, "float16", False, (-1, -1), False, ""),  # MQA
+    (1, 700, 900, 4, 4, 128, "bfloat16", False, (128, 64), False, ""),  # window
+    (1, 700, 900, 4, 4, 64, "float16", False, (200, -1), False, ""),  # left edge only
+    (1, 300, 300, 2, 2, 96, "float16", True, (-1, -1), False, ""),  # the d=96 kernel
+    (2, 1024, 1024, 8, 8, 96, "bfloat16", False, (-1, -1), False, ""),
+    (1, 517, 333, 4, 4, 96, "float16", False, (-1, -1), False, ""),
+    (1, 300, 300, 2, 2, 80, "bfloat16", True, (-1, -1), False, ""),  # d=80 on the d=96 kernel
+    (1, 300, 300, 2, 2, 112, "float16", False, (-1, -1), False, ""),  # d=112 on d=128
+    (2, 129, 129, 4, 4, 64, "bfloat16", True, (-1, -1), True, ""),  # strided views
+    (2, 200, 200, 4, 4, 128, "float16", True, (-1, -1), True, ""),
+    (1, 400, 400, 4, 2, 128, "bfloat16", True, (-1, -1), False, "softcap"),
+    (1, 400, 500, 4, 4, 64, "float16", False, (-1, -1), False, "alibi"),
+    (1, 400, 400, 4, 2, 128, "bfloat16", False, (100, 0), False, "both"),
+    (1, 1, 1, 1, 1, 64, "float16", False, (-1, -1), False, ""),
+]
+
+TIMING_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+TIMING_HEAD_DIMS = (64, 96, 128)
+TOKENS = 16384
+HIDDEN = 2048
+SOFTCAP = 30.0
+
+
+def _dtype(name):
+    import ml_dtypes
+
+    return numpy.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else numpy.dtype(name)
+
+
+def _random(cupy, shape, dtype, seed):
+    rng = numpy.random.default_rng(seed)
+    return cupy.asarray(rng.standard_normal(shape, numpy.float32).astype(_dtype(dtype)))
+
+
+def _inputs(cupy, case, seed):
+    from cuflash2 import testing
+
+    batch, sq, sk, h, hkv, d, dtype, _, _, packed, _ = case
+    if packed:  # q, k, v of one (batch, seqlen, 3, heads, dim) array; dout a strided view too
+        qkv = _random(cupy, (batch, sq, 3, h, d), dtype, seed)
+        dout = _random(cupy, (batch, sq, 2, h, d), dtype, seed + 1000)[:, :, 1]
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dout
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, _dtype(dtype), seed)
+    return q, k, v, _random(cupy, (batch, sq, h, d), dtype, seed + 1000)
+
+
+def _mods(cupy, case):
+    batch, h, mods = case[0], case[3], case[10]
+    softcap = SOFTCAP if mods in ("softcap", "both") else 0.0
+    slopes = None
+    if mods in ("alibi", "both"):
+        slopes = cupy.asarray(numpy.linspace(0.05, 0.5, batch * h, dtype=numpy.float32)
+                              .reshape(batch, h))
+    return softcap, slopes
+
+
+def _config(dtype, head_dim, watchdog=False):
+    from cuflash2 import _configs
+
+    kernel_dim = min(d for d in _configs.SM90_BWD_HEAD_DIMS if d >= head_dim)
+    return dataclasses.replace(_configs.bwd_sm90_config(dtype, kernel_dim), watchdog=watchdog)
+
+
+def check(cupy, watchdog, only=None):
+    import cuflash2
+    from cuflash2 import _hopper_bwd, testing
+
+    failures = 0
+    for i, case in enumerate(CASES):
+        if only is not None and i not in only:
+            continue
+        batch, sq, sk, h, hkv, d, dtype, causal, window, packed, mods = case
+        label = (f"#{i:<2} b{batch} sq{sq} sk{sk} h{h}/{hkv} d{d} {dtype} causal={int(causal)} "
+                 f"window={window}{' packed' if packed else ''}{' ' + mods if mods else ''}")
+        q, k, v, dout = _inputs(cupy, case, seed=i)
+        softcap, slopes = _mods(cupy, case)
+        options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+        out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+        prepared = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse,
+                                                     config=_config(dtype, d, watchdog),
+                                                     **options)
+        for x in (prepared.dq, prepared.dk, prepared.dv):
+            x[...] = testing.poison_like(cupy, x.shape, x.dtype)
+        try:
+            dq, dk, dv = prepared.run()
+            cupy.cuda.Device().synchronize()
+        except Exception as error:  # a fault leaves the context unusable: stop here
+            print(f"FAIL  {label}: {type(error).__name__}: {error}", flush=True)
+            return failures + 1
+        results = testing.check_backward(dout, q, k, v, dq, dk, dv, **options)
+        ok = all(r.ok for r in results)
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'}  {label}: " + "; ".join(str(r) for r in results),
+              flush=True)
+    return failures
+
+
+def _time(cupy, fn, iters):
+    for _ in range(3):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / iters
+
+
+def timing(cupy, iters):
+    import cuflash2
+    from cuflash2 import _hopper_bwd
+
+    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'hopper ms':>10} {'TFLOP/s':>8} "
+          f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}")
+    for dtype in ("float16", "bfloat16"):
+        for d in TIMING_HEAD_DIMS:
+            for causal in (False, True):
+                for seqlen in TIMING_SEQLENS:
+                    batch, heads = TOKENS // seqlen, HIDDEN // d
+                    case = (batch, seqlen, seqlen, heads, heads, d, dtype, causal, (-1, -1),
+                            False, "")
+                    q, k, v, dout = _inputs(cupy, case, seed=seqlen)
+                    out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+                    hopper = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse,
+                                                               causal=causal,
+                                                               config=_config(dtype, d))
+                    times = [_time(cupy, hopper.run, iters),
+                             _time(cupy, lambda: cuflash2.attention_backward(
+                                 dout, q, k, v, out, lse, causal=causal), iters)]
+                    # 5 matmuls of the forward's 2 (S, dP, dV, dK, dQ): 2.5x its FLOPs
+                    flop = 2.5 * 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+                    row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}"
+                                   for t, w in zip(times, (10, 11)))
+                    print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
+                          f"{times[1] / times[0]:>7.3f}x", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--watchdog", action="store_true",
+                        help="debugging build: mbarrier waits trap after ~2 s (not timed)")
+    parser.add_argument("--no-time", action="store_true", help="correctness only")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated case numbers (e.g. 0,1: d=128 non-causal, causal)")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    import cupy
+
+    cc = cupy.cuda.Device().compute_capability
+    if cc != "90":
+        print(f"needs an sm_90 GPU (H100/H200); this one is sm_{cc}")
+        return 2
+    only = None if args.only is None else {int(x) for x in args.only.split(",")}
+    failures = check(cupy, args.watchdog, only)
+    count = len(CASES) if only is None else len(only)
+    print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'} "
+          f"({count} shapes)")
+    if failures or args.no_time or args.watchdog:
+        return 1 if failures else 0
+    timing(cupy, args.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
