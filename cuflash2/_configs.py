@@ -206,6 +206,10 @@ class FwdSm90Config:
     #: The consumers take turns on the tensor cores (flash_fwd_sm90.cu: one's softmax under the
     #: other's GEMMs). Off until measured: the first GPU run compares both.
     pingpong: bool = False
+    #: The overlap inside a warpgroup (flash_fwd_sm90.cu, OVERLAP: the softmax of tile j under
+    #: P_{j-1} V_{j-1}; FlashAttention-3's intra-warpgroup pipelining), with either schedule.
+    #: Compiled and tested, not dispatched until measured (_hopper.PINGPONG picks the schedule).
+    overlap: bool = False
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging (hopper_primitives.cuh;
     #: its trap makes ptxas spill, so never for timing).
@@ -244,7 +248,8 @@ class FwdSm90Config:
     def name_expression(self) -> str:
         return (f"flash_fwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.block_m}, {self.block_n}, {self.stages}, "
-                f"{'true' if self.pingpong else 'false'}, {self.features}>")
+                f"{'true' if self.pingpong else 'false'}, "
+                f"{'true' if self.overlap else 'false'}, {self.features}>")
 
     @property
     def probes(self) -> str:
@@ -286,10 +291,12 @@ def fwd_sm90_config(dtype: str, head_dim: int) -> FwdSm90Config:
     return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages)
 
 
-def all_fwd_sm90_configs(features=(0,)) -> list[FwdSm90Config]:
-    """Every Hopper forward specialisation (for each of `features`), in both schedules."""
-    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d), f), pingpong=pingpong)
-            for pingpong in (False, True) for f in features
+def all_fwd_sm90_configs(features=(0,), overlap=(False, True)) -> list[FwdSm90Config]:
+    """Every Hopper forward specialisation (for each of `features`), in both schedules, with and
+    without the overlap inside a warpgroup (`overlap`: which of the two)."""
+    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d), f), pingpong=pingpong,
+                                overlap=ov)
+            for ov in overlap for pingpong in (False, True) for f in features
             for dtype in DTYPE_TAGS for d in SM90_FWD_HEAD_DIMS]
 
 
@@ -612,6 +619,8 @@ def describe(config) -> str:
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):
         schedule = "ping-pong" if config.pingpong else "in-order"
+        if config.overlap:
+            schedule += " overlapping (softmax under P V)"
         return (f"Hopper forward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
                 f"K/V stages, {schedule} consumers{extra}")
