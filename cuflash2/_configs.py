@@ -279,7 +279,8 @@ SM90_CONSUMER_REGISTERS = 240
 #:    stage buys back. Registers: O 48 + S 64 + P 32.
 #:  - 192: 128 x 112, 2 stages: 217 KiB (128 keys would need 241 KiB). O 96 + S 56 + P 28.
 #:  - 256: 128 x 80, 2 stages: 225 KiB (96 keys would need 257 KiB). O 128 + S 40 + P 20.
-#: Ping-pong fits all of them (ptxas: no spills at 240 registers; docs/HOPPER_FWD.md).
+#: Ping-pong and the overlap inside a warpgroup, alone or together, fit all of them (ptxas: no
+#: spills at 240 registers, R237 at most; docs/HOPPER_FWD.md).
 SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 
