@@ -35,11 +35,11 @@
 //
 // Scheduling: with PINGPONG the two consumers alternate on the tensor cores (named barriers),
 // each issuing S_j and P_{j-1} V_{j-1} in one turn; without it each runs its tiles in order.
-// _hopper.PINGPONG picks per head dim and causality, as measured.
+// _hopper.PINGPONG picks per head dim and causality, as measured. OVERLAP (either schedule; not
+// dispatched until measured) runs the softmax of tile j while P_{j-1} V_{j-1} is on the tensor
+// cores of the same warpgroup (wgmma.wait_group 1), K and V of a stage given back separately.
 //
 // TODO (next steps, docs/HOPPER_FWD.md):
-//  - overlap inside a warpgroup: issue S_{j+1} = Q K_{j+1}^T before the softmax of tile j and
-//    wait for it after (wgmma.wait_group 1), releasing K and V of a stage separately;
 //  - a persistent grid whose producer loads the next tile's Q and K/V under the epilogue (short
 //    sequences lose 25-30% to cuDNN on the per-CTA fixed cost);
 //  - varlen; dropout.
@@ -202,20 +202,33 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 }
 
 // The mbarriers of the CTA (static shared memory, 8-byte aligned).
-template <int STAGES>
+template <int STAGES, bool V_EMPTY>
 struct FwdSm90Barriers {
     u64 q_full;             // the Q tile landed
     u64 k_full[STAGES];     // K tile of the stage landed
     u64 v_full[STAGES];     // V tile of the stage landed
-    u64 kv_empty[STAGES];   // every consumer thread is done with the stage's K and V
+    u64 kv_empty[STAGES];   // every consumer thread is done with the stage's K (and V, unless
+                            // V_EMPTY)
+};
+// V_EMPTY (with OVERLAP): K and V of a stage are given back separately. The overlapping schedule
+// reads K_j at S_j and V_j one GEMM later (in the next iteration), so it gives K back as soon as
+// S_j completed (kv_empty) and V after P_j V_j (v_empty): the producer's next K load into the
+// stage then need not wait for the P V of the tile before it. (A derived struct, so that the
+// other specialisations keep their shared-memory layout.)
+template <int STAGES>
+struct FwdSm90Barriers<STAGES, true> : FwdSm90Barriers<STAGES, false> {
+    u64 v_empty[STAGES];    // every consumer thread is done with the stage's V
 };
 
 // PINGPONG: the consumers take turns on the tensor cores (one's softmax under the other's GEMMs;
 // see the consumer loop); false: each consumer runs its tiles straight through.
+// OVERLAP: the overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining): the
+// softmax of tile j runs while the tensor cores compute P_{j-1} V_{j-1} (see the consumer loop).
+// With or without PINGPONG.
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0. Varlen and dropout
 // stay on the mma.sync kernel for now. The parameters: FwdSm90Params (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
-          int FEATURES>
+          bool OVERLAP, int FEATURES>
 __global__ void __launch_bounds__(FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     using T = FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
@@ -225,7 +238,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     const FwdParams& p = params.base;
 
     extern __shared__ unsigned char smem[];
-    __shared__ FwdSm90Barriers<STAGES> bars;
+    __shared__ FwdSm90Barriers<STAGES, OVERLAP> bars;
     const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
     const u32 q_smem = smem_base;
     const u32 kv_smem = q_smem + T::Q_BYTES;  // stage s: K at + s * STAGE_BYTES, V after it
@@ -269,6 +282,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
             mbarrier_init(smem_address(&bars.k_full[s]), 1);  // the producer's expect_tx arrival
             mbarrier_init(smem_address(&bars.v_full[s]), 1);
             mbarrier_init(smem_address(&bars.kv_empty[s]), T::CONSUMER_THREADS);
+            if constexpr (OVERLAP)
+                mbarrier_init(smem_address(&bars.v_empty[s]), T::CONSUMER_THREADS);
         }
         fence_mbarrier_init();
     }
@@ -289,8 +304,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
             for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
                 const int stage = j % STAGES;
                 const u32 phase = (j / STAGES) & 1;
-                // Wait until the consumers released the stage's previous tile (the first pass
-                // over the ring waits for parity 1 of fresh barriers: it passes at once).
+                // Wait until the consumers released the stage's previous tile (its K alone with
+                // OVERLAP; the first pass over the ring waits for parity 1 of fresh barriers: it
+                // passes at once).
                 mbarrier_wait(smem_address(&bars.kv_empty[stage]), phase ^ 1);
                 const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
                 const u32 v_tile = k_tile + T::KV_TILE_BYTES;
@@ -301,6 +317,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
                 for (int panel = 0; panel < T::PANELS; ++panel)
                     tma_load_4d(k_tile + panel * T::KV_PANEL_BYTES, params.k_map, k_full,
                                 T::PANEL_COLS * panel, tile * BLOCK_N, kv_head, batch);
+                // With OVERLAP the consumers give the stage's V back separately, after its P V.
+                if constexpr (OVERLAP)
+                    mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
                 mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
 #pragma unroll
                 for (int panel = 0; panel < T::PANELS; ++panel)
@@ -345,19 +364,28 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
             mbarrier_wait(smem_address(&bars.v_full[j % STAGES]), (j / STAGES) & 1);
         };
         auto release = [&](int j) { mbarrier_arrive(smem_address(&bars.kv_empty[j % STAGES])); };
+        // OVERLAP gives K and V of a stage back separately (FwdSm90Barriers::v_empty).
+        auto release_k = [&](int j) { mbarrier_arrive(smem_address(&bars.kv_empty[j % STAGES])); };
+        auto release_v = [&](int j) {
+            if constexpr (OVERLAP) mbarrier_arrive(smem_address(&bars.v_empty[j % STAGES]));
+        };
 
-        // S_j -> P_j: score modifiers, mask (boundary tiles only), online softmax (new running
-        // max; O and l rescaled where it moved), then P = exp2(S * scale_log2 - m) packed to 16
-        // bits as the A operand of P V, one k16 slice at a time. S is in the mma.sync accumulator
-        // layout of one m16 tile per warp.
-        auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::PV_STEPS][4],
-                                int tile) {
+        // S_j in place: score modifiers, mask (boundary tiles only). S is in the mma.sync
+        // accumulator layout of one m16 tile per warp.
+        auto score_step = [&](float (&acc_s)[1][T::N_TILES][4], int tile) {
             // This thread's first accumulator row (query index) and key.
             const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
             const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
             if constexpr (FEATURES != 0) mods.apply(acc_s, thread_row0, thread_key0);
             if (tile < unmasked_lo || tile >= unmasked_hi)
                 mask_scores<1, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
+        };
+        // S_j -> P_j: score_step, online softmax (new running max; O and l rescaled where it
+        // moved), then P = exp2(S * scale_log2 - m) packed to 16 bits as the A operand of P V,
+        // one k16 slice at a time.
+        auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::PV_STEPS][4],
+                                int tile) {
+            score_step(acc_s, tile);
             softmax.update_max(acc_s, acc_o, p.scale_log2);
 #pragma unroll
             for (int ks = 0; ks < T::PV_STEPS; ++ks)
@@ -366,7 +394,113 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
         };
 
         mbarrier_wait(q_full, 0);
-        if constexpr (!PINGPONG) {
+        if constexpr (OVERLAP) {
+            // The overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining).
+            // Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two commit groups, in
+            // that order. wgmma groups complete in order, so `wait_group 1` (at most one group
+            // pending) returns once S_j is complete while P_{j-1} V_{j-1} may still run, and the
+            // softmax of tile j runs under that GEMM: score modifiers, mask, new running max (the
+            // sums rescaled, O's factors kept for later), the exponentials in place in the S
+            // registers (fp32). The next iteration opens with `wait_group 0`: O is complete and
+            // the P registers are free, so P_j is packed from the S registers before S_{j+1}
+            // overwrites them. (The wait opens an iteration rather than closing one because ptxas
+            // hoists a wgmma wait to the top of its basic block: after the softmax, in the same
+            // block, it would move above the softmax and serialise it behind the P V again. The
+            // loop's back edge keeps it below.)
+            // O's rescale for tile j's max has to land between P_{j-1} V_{j-1} (which writes O)
+            // and P_j V_j: it runs once S_{j+1} was issued, its multiplies under that Q K^T
+            // GEMM. Same online softmax: O_j = c_j O_{j-1} + P_j V_j.
+            // Registers: S_j, P_{j-1} and O live together (as in ping-pong).
+            // pin_registers fences each wgmma window: before wgmma_fence (what ordinary
+            // instructions wrote is in place) and after each wait (nothing reads a result, or
+            // reuses a register the GEMM still reads, earlier).
+            // K_j is read by S_j alone and given back once S_j completed (release_k); V_{j-1}
+            // after its P V (release_v). With PINGPONG the two GEMMs of an iteration are one turn
+            // of the consumers' alternation (turns as in the ping-pong branch below).
+            const int my_turn = T::TURN_BARRIER + consumer;
+            const int other_turn = T::TURN_BARRIER + (1 - consumer);
+            auto take_turn = [&]() {
+                if constexpr (PINGPONG) named_barrier_sync(my_turn, T::CONSUMER_THREADS);
+            };
+            auto hand_over = [&](bool to_other) {
+                if constexpr (PINGPONG)
+                    if (to_other) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
+            };
+            if constexpr (PINGPONG)
+                if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
+            float acc_s[1][T::N_TILES][4];
+            u32 p_frag[T::PV_STEPS][4];
+            float correction[2];   // O's factors for the running max of the last softmax
+            bool rescale = false;  // whether any row of the warp needs them (O = 0 at first)
+            // Waits for P_{j-1} V_{j-1} (every wgmma of this warpgroup), gives V_{j-1} back and
+            // packs P_j from the probabilities in the S registers.
+            auto finish_pv_pack = [&](int j) {
+                wgmma_wait_group<0>();
+                pin_registers(acc_o[0]);
+                pin_registers(p_frag);
+                if (j > 0) release_v(j - 1);
+#pragma unroll
+                for (int ks = 0; ks < T::PV_STEPS; ++ks)
+                    softmax.template pack_p<Elem>(p_frag[ks], acc_s[0][2 * ks],
+                                                  acc_s[0][2 * ks + 1]);
+            };
+            const int tiles = tile_end - tile_first;
+
+            // Tile 0: S_0 alone, then its softmax.
+            wait_k(0);
+            take_turn();
+            pin_registers(acc_s[0]);
+            wgmma_fence();
+            issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(0));
+            wgmma_commit_group();
+            hand_over(true);
+            wgmma_wait_group<0>();
+            pin_registers(acc_s[0]);
+            release_k(0);
+            score_step(acc_s, tile_end - 1);
+            softmax.fold_max(acc_s, p.scale_log2, correction);  // O is 0: no rescale
+            softmax.exp_scores(acc_s, p.scale_log2);
+            for (int j = 1; j < tiles; ++j) {
+                finish_pv_pack(j - 1);  // P_{j-2} V_{j-2} (none at j = 1); P_{j-1}
+                wait_k(j);
+                take_turn();
+                pin_registers(acc_s[0]);
+                pin_registers(acc_o[0]);
+                pin_registers(p_frag);
+                wgmma_fence();
+                issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
+                wgmma_commit_group();  // group 1: S_j
+                // O is complete (P_{j-2} V_{j-2} was waited for): tile j-1's rescale.
+                softmax.rescale_o(acc_o, correction, rescale);
+                pin_registers(acc_o[0]);
+                wait_v(j - 1);
+                wgmma_fence();  // O was written by the rescale
+                issue_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(j - 1));
+                wgmma_commit_group();  // group 2: P_{j-1} V_{j-1}
+                hand_over(true);
+                wgmma_wait_group<1>();  // S_j complete; P_{j-1} V_{j-1} may still run
+                pin_registers(acc_s[0]);
+                release_k(j);
+                score_step(acc_s, tile_end - 1 - j);
+                rescale = softmax.fold_max(acc_s, p.scale_log2, correction);
+                softmax.exp_scores(acc_s, p.scale_log2);
+            }
+            // The last P V, after the rescale for the last tile's max.
+            finish_pv_pack(tiles - 1);
+            softmax.rescale_o(acc_o, correction, rescale);
+            wait_v(tiles - 1);
+            take_turn();
+            pin_registers(acc_o[0]);
+            pin_registers(p_frag);
+            wgmma_fence();
+            issue_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(tiles - 1));
+            wgmma_commit_group();
+            hand_over(consumer == 0);  // as in ping-pong: consumer 1's last turn is the last one
+            wgmma_wait_group<0>();
+            pin_registers(acc_o[0]);
+            pin_registers(p_frag);
+            release_v(tiles - 1);
+        } else if constexpr (!PINGPONG) {
             // Per tile, in order: S_j = Q K_j^T as soon as K_j landed; P_j; O += P_j V_j as soon
             // as V_j landed; the stage goes back to the producer.
             for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {

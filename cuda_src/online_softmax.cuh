@@ -33,10 +33,23 @@ struct OnlineSoftmax {
 
     // Step 1 of a tile: folds the tile's row maxima into the running max and rescales the output
     // accumulator and the sums where the max moved. Leaves the scaled max for step 2.
+    // It is fold_max then rescale_o; the Hopper kernel's intra-warpgroup overlap runs the two
+    // apart (O is the accumulator of an in-flight wgmma in between).
     template <int N_TILES, int D_TILES>
     CF2_DEVICE void update_max(const float (&s)[M_TILES][N_TILES][4],
                                float (&acc_o)[M_TILES][D_TILES][4], float scale_log2) {
         float correction[ROWS];
+        const bool any_rescale = fold_max(s, scale_log2, correction);
+        rescale_o(acc_o, correction, any_rescale);
+    }
+
+    // Step 1a: folds the tile's row maxima into the running max and rescales the sums where it
+    // moved; `correction` gets each row's factor for O (1 where the max stayed). Returns whether
+    // any row of the warp moved (warp-uniform: the O pass is skipped otherwise). Reads only the
+    // scores, so it may run while a wgmma is still writing O.
+    template <int N_TILES>
+    CF2_DEVICE bool fold_max(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
+                             float (&correction)[ROWS]) {
         bool any_rescale = false;
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
@@ -59,8 +72,15 @@ struct OnlineSoftmax {
                 max_scaled[r] = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
             }
         }
-        // Warp-uniform branch: skip the O *= correction pass when no row of the warp moved.
-        if (__any_sync(0xffffffffu, any_rescale)) {
+        return __any_sync(0xffffffffu, any_rescale);
+    }
+
+    // Step 1b: O *= correction, row by row; `any_rescale` is fold_max's answer (warp-uniform
+    // branch: no pass at all when no row of the warp moved).
+    template <int D_TILES>
+    CF2_DEVICE static void rescale_o(float (&acc_o)[M_TILES][D_TILES][4],
+                                     const float (&correction)[ROWS], bool any_rescale) {
+        if (any_rescale) {
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -101,6 +121,41 @@ struct OnlineSoftmax {
         a[1] = pack_pair<Elem>(p[2], p[3]);  // row g + 8, keys 2t, 2t+1
         a[2] = pack_pair<Elem>(p[4], p[5]);  // row g,     keys 8 + 2t, 8 + 2t + 1
         a[3] = pack_pair<Elem>(p[6], p[7]);  // row g + 8, keys 8 + 2t, 8 + 2t + 1
+    }
+
+    // Step 2 split in two, for the Hopper kernel's intra-warpgroup overlap, where the P
+    // registers are still read by the previous tile's P V wgmma while the exponentials run:
+    // exp_scores turns the scores into probabilities in place (fp32, in the score registers;
+    // added to the row sums as exp_pack adds them, one k16 slice at a time), and pack_p packs a
+    // k16 slice of them into the A-operand layout once the P registers are free.
+    template <int N_TILES>
+    CF2_DEVICE void exp_scores(float (&s)[M_TILES][N_TILES][4], float scale_log2) {
+        static_assert(N_TILES % 2 == 0, "whole k16 slices");
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int ks = 0; ks < N_TILES / 2; ++ks) {
+                float (&lo)[4] = s[mt][2 * ks];
+                float (&hi)[4] = s[mt][2 * ks + 1];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float m = max_scaled[2 * mt + e / 2];
+                    lo[e] = fast_exp2(fmaf(lo[e], scale_log2, -m));
+                    hi[e] = fast_exp2(fmaf(hi[e], scale_log2, -m));
+                }
+                row_sum[2 * mt] += (lo[0] + lo[1]) + (hi[0] + hi[1]);
+                row_sum[2 * mt + 1] += (lo[2] + lo[3]) + (hi[2] + hi[3]);
+            }
+        }
+    }
+
+    // Probabilities of n8 tiles `lo` and `hi` (one k16 slice) packed as exp_pack packs them.
+    template <typename Elem>
+    CF2_DEVICE static void pack_p(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+        a[0] = pack_pair<Elem>(lo[0], lo[1]);  // row g,     keys 2t, 2t+1
+        a[1] = pack_pair<Elem>(lo[2], lo[3]);  // row g + 8, keys 2t, 2t+1
+        a[2] = pack_pair<Elem>(hi[0], hi[1]);  // row g,     keys 8 + 2t, 8 + 2t + 1
+        a[3] = pack_pair<Elem>(hi[2], hi[3]);  // row g + 8, keys 8 + 2t, 8 + 2t + 1
     }
 
     // 1/l for the final normalisation (0 for a row that saw no key, whose output is 0) and the

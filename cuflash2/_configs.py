@@ -206,6 +206,10 @@ class FwdSm90Config:
     #: The consumers take turns on the tensor cores (flash_fwd_sm90.cu: one's softmax under the
     #: other's GEMMs). Off until measured: the first GPU run compares both.
     pingpong: bool = False
+    #: The overlap inside a warpgroup (flash_fwd_sm90.cu, OVERLAP: the softmax of tile j under
+    #: P_{j-1} V_{j-1}; FlashAttention-3's intra-warpgroup pipelining), with either schedule.
+    #: Compiled and tested, not dispatched until measured (_hopper.PINGPONG picks the schedule).
+    overlap: bool = False
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging (hopper_primitives.cuh;
     #: its trap makes ptxas spill, so never for timing).
@@ -244,7 +248,8 @@ class FwdSm90Config:
     def name_expression(self) -> str:
         return (f"flash_fwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.block_m}, {self.block_n}, {self.stages}, "
-                f"{'true' if self.pingpong else 'false'}, {self.features}>")
+                f"{'true' if self.pingpong else 'false'}, "
+                f"{'true' if self.overlap else 'false'}, {self.features}>")
 
     @property
     def probes(self) -> str:
@@ -274,7 +279,8 @@ SM90_CONSUMER_REGISTERS = 240
 #:    stage buys back. Registers: O 48 + S 64 + P 32.
 #:  - 192: 128 x 112, 2 stages: 217 KiB (128 keys would need 241 KiB). O 96 + S 56 + P 28.
 #:  - 256: 128 x 80, 2 stages: 225 KiB (96 keys would need 257 KiB). O 128 + S 40 + P 20.
-#: Ping-pong fits all of them (ptxas: no spills at 240 registers; docs/HOPPER_FWD.md).
+#: Ping-pong and the overlap inside a warpgroup, alone or together, fit all of them (ptxas: no
+#: spills at 240 registers, R237 at most; docs/HOPPER_FWD.md).
 SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 
@@ -286,10 +292,12 @@ def fwd_sm90_config(dtype: str, head_dim: int) -> FwdSm90Config:
     return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages)
 
 
-def all_fwd_sm90_configs(features=(0,)) -> list[FwdSm90Config]:
-    """Every Hopper forward specialisation (for each of `features`), in both schedules."""
-    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d), f), pingpong=pingpong)
-            for pingpong in (False, True) for f in features
+def all_fwd_sm90_configs(features=(0,), overlap=(False, True)) -> list[FwdSm90Config]:
+    """Every Hopper forward specialisation (for each of `features`), in both schedules, with and
+    without the overlap inside a warpgroup (`overlap`: which of the two)."""
+    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d), f), pingpong=pingpong,
+                                overlap=ov)
+            for ov in overlap for pingpong in (False, True) for f in features
             for dtype in DTYPE_TAGS for d in SM90_FWD_HEAD_DIMS]
 
 
@@ -703,6 +711,8 @@ def describe(config) -> str:
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):
         schedule = "ping-pong" if config.pingpong else "in-order"
+        if config.overlap:
+            schedule += " overlapping (softmax under P V)"
         return (f"Hopper forward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
                 f"K/V stages, {schedule} consumers{extra}")

@@ -4,10 +4,16 @@ Every FwdSm90Config is compiled with ptxas's resource report. The kernel relies 
 ptxas can silently take away: the setmaxnreg register split (ptxas ignores it, printing C7508 as
 an *info* line, unless it knows the register count at entry) and spill-free consumers. So: it
 compiles, uses no more registers at entry than 384 threads may have, spills nothing, and the log
-has no C7508.
+has no C7508 and no warning that ptxas serialised the wgmmas (which it does where it cannot
+prove that registers of an in-flight wgmma are left alone: the overlapping schedule's
+wait_group 1 window). Both schedules, with and without the overlap inside a warpgroup, every
+head dim, dtype and score-modifier set: 160 compiles, spread over a process pool
+(--compile-jobs, as tests/test_compile.py).
 """
 
+import multiprocessing
 import re
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -22,6 +28,20 @@ def nvrtc_available():
     pytest.importorskip("cuda.bindings.nvrtc", reason="install the test extra: pip install '.[test]'")
 
 
+@pytest.fixture(scope="module")
+def reports(nvrtc_available, compile_jobs):
+    """reports(config) -> ptxas's report; every config of CONFIGS is submitted at once."""
+    if compile_jobs <= 1:
+        yield lambda config: _compile.compile_report(config, 90)
+        return
+    pool = ProcessPoolExecutor(compile_jobs, mp_context=multiprocessing.get_context("spawn"))
+    futures = {config: pool.submit(_compile.compile_report, config, 90) for config in CONFIGS}
+    try:
+        yield lambda config: futures[config].result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 def _entry_registers(config) -> int:
     """What ptxas may give a thread at entry: the register file over the CTA's threads, in
     multiples of 8; setmaxnreg moves registers between warpgroups from there."""
@@ -29,9 +49,10 @@ def _entry_registers(config) -> int:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: (
-    f"{c.dtype}-d{c.head_dim}-f{c.features}{'-pingpong' if c.pingpong else ''}"))
-def test_hopper_forward_compiles_without_spills(config, nvrtc_available):
-    report = _compile.compile_report(config, 90)
+    f"{c.dtype}-d{c.head_dim}-f{c.features}{'-pingpong' if c.pingpong else ''}"
+    f"{'-overlap' if c.overlap else ''}"))
+def test_hopper_forward_compiles_without_spills(config, reports):
+    report = reports(config)
     print(f"sm_90a {config.name_expression}: {report.registers} registers, "
           f"{report.spill_stores}/{report.spill_loads} bytes spilled, "
           f"{report.stack_bytes} bytes stack, {config.smem_bytes} bytes smem")
@@ -39,6 +60,7 @@ def test_hopper_forward_compiles_without_spills(config, nvrtc_available):
     assert report.registers <= _entry_registers(config), report.log
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     assert "C7508" not in report.log, report.log  # setmaxnreg honoured
+    assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
     assert config.smem_bytes <= MAX_SMEM_SM90
 
 
@@ -85,10 +107,13 @@ def test_hopper_config_shapes():
         # whole 1024-byte swizzle atoms per K/V panel (the V descriptor's LBO is one panel)
         assert config.block_n % 16 == 0 and config.block_n * 128 % 1024 == 0
         assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
-    assert {(c.head_dim, c.dtype, c.features, c.pingpong) for c in CONFIGS} == {
-        (d, t, f, pp) for d in EXPECTED_TILES for t in _configs.DTYPE_TAGS
-        for f in _configs.SM90_FWD_FEATURES for pp in (False, True)}
+    assert {(c.head_dim, c.dtype, c.features, c.pingpong, c.overlap) for c in CONFIGS} == {
+        (d, t, f, pp, ov) for d in EXPECTED_TILES for t in _configs.DTYPE_TAGS
+        for f in _configs.SM90_FWD_FEATURES for pp in (False, True) for ov in (False, True)}
+    assert len(CONFIGS) == len(set(CONFIGS)) == 160
     assert not _configs.fwd_sm90_config("float16", 64).pingpong  # off until measured
+    assert not _configs.fwd_sm90_config("float16", 128).overlap  # off until measured
+    assert all(not c.overlap for c in _configs.all_fwd_sm90_configs(overlap=(False,)))
     for bad in (80, 160, 512):
         with pytest.raises(ValueError):
             _configs.fwd_sm90_config("float16", bad)

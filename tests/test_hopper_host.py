@@ -1,6 +1,7 @@
 """The host side of the Hopper forward (cuflash2/_hopper.py) that runs without a GPU: the
 geometry of the rank-4 TMA descriptors over (batch, seqlen, heads, headdim) arrays."""
 
+import dataclasses
 import sys
 import types
 
@@ -143,3 +144,17 @@ def test_prepared_forward_refuses_head_dims_past_256(monkeypatch):
     q = _HostArray(numpy.zeros((1, 4, 1, 264), numpy.float16))
     with pytest.raises(ValueError, match="not covered"):
         _hopper.prepare_forward_sm90(q, q, q)
+
+
+def test_overlap_is_compiled_but_not_dispatched():
+    """FwdSm90Config.overlap (the overlap inside a warpgroup) is a specialisation of its own,
+    off until measured: the dispatcher's configurations never take it."""
+    from cuflash2 import _configs
+
+    config = _configs.fwd_sm90_config("bfloat16", 128)
+    overlapping = dataclasses.replace(config, overlap=True)
+    assert not config.overlap and overlapping != config
+    assert overlapping.name_expression.endswith("false, true, 0>")
+    assert config.name_expression.endswith("false, false, 0>")
+    assert "overlap" in _configs.describe(overlapping)
+    assert not any(c.overlap for c in _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES))

@@ -6,16 +6,22 @@ On an H100/H200 (sm_90), from the repository root:
     python benchmarks/dev/hopper_fwd_check.py --watchdog   # debugging build: a stuck mbarrier
                                                            # wait traps after ~2 s, no hang
     python benchmarks/dev/hopper_fwd_check.py --no-time --schedule plain
+    python benchmarks/dev/hopper_fwd_check.py --schedule all  # every schedule, also the overlap
 
-1. Correctness: the kernel, in both schedules (plain and ping-pong), through
+Schedules (--schedule): plain (in order), pingpong, overlap (in order with the overlap inside a
+warpgroup: FwdSm90Config.overlap), pingpong-overlap (both); `both` is plain + pingpong (the
+default), `all` every one of them.
+
+1. Correctness: the kernel, in each selected schedule, through
    cuflash2._hopper.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dims 64, 96, 128, 192, 256 on
    their own kernels, 160 on the d=192 one; fp16/bf16, causal on/off, a window, odd lengths,
    seqlen_q != seqlen_k both ways, GQA, MQA, q/k/v as strided views of a packed qkv, a one-token
    problem), outputs poisoned with NaN first, checked against cuflash2.reference with
    cuflash2.testing.check_forward (out and lse).
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 1k, 4k and 16k
-   tokens, fp16/bf16, d 64/96/128/192/256, causal on/off: both schedules next to
-   cuflash2.attention on the mma.sync kernel (_hopper.ENABLED off for it).
+   tokens, fp16/bf16, d 64/96/128/192/256, causal on/off: a column per selected schedule next
+   to cuflash2.attention on the mma.sync kernel (_hopper.ENABLED off for it), the fastest
+   schedule named and set against it.
 
 Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
 """
@@ -58,6 +64,12 @@ CASES = [
     (1, 1, 1, 1, 1, 64, "float16", False, (-1, -1), False),
 ]
 
+#: --schedule name -> (pingpong, overlap) of FwdSm90Config.
+SCHEDULES = {"plain": (False, False), "pingpong": (True, False), "overlap": (False, True),
+             "pingpong-overlap": (True, True)}
+#: The names --schedule takes for several schedules.
+SCHEDULE_SETS = {"both": ("plain", "pingpong"), "all": tuple(SCHEDULES)}
+
 TIMING_SEQLENS = (1024, 4096, 16384)
 TIMING_HEAD_DIMS = (64, 96, 128, 192, 256)
 TOKENS = 16384
@@ -82,26 +94,28 @@ def _inputs(cupy, case, seed):
     return testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, _dtype(dtype), seed)
 
 
-def _config(dtype, head_dim, pingpong, watchdog=False):
+def _config(dtype, head_dim, schedule, watchdog=False):
     from cuflash2 import _configs
 
     # The smallest kernel head dim that holds head_dim: d=96 runs on the d=96 kernel, 160 on 192.
     kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+    pingpong, overlap = SCHEDULES[schedule]
     return dataclasses.replace(_configs.fwd_sm90_config(dtype, kernel_dim), pingpong=pingpong,
-                               watchdog=watchdog)
+                               overlap=overlap, watchdog=watchdog)
 
 
 def check(cupy, schedules, watchdog):
     from cuflash2 import _hopper, testing
 
     failures = 0
-    for pingpong, (i, case) in ((pp, c) for pp in schedules for c in enumerate(CASES)):
+    width = max(len(name) for name in schedules)
+    for schedule, (i, case) in ((name, c) for name in schedules for c in enumerate(CASES)):
         batch, sq, sk, h, hkv, d, dtype, causal, window, packed = case
-        label = (f"{'ping-pong' if pingpong else 'plain    '} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
+        label = (f"{schedule:{width}} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
                  f"d{d} {dtype} causal={int(causal)} window={window}{' packed' if packed else ''}")
         q, k, v = _inputs(cupy, case, seed=i)
         prepared = _hopper.prepare_forward_sm90(q, k, v, causal=causal, window_size=window,
-                                                config=_config(dtype, d, pingpong, watchdog))
+                                                config=_config(dtype, d, schedule, watchdog))
         prepared.out[...] = testing.poison_like(cupy, prepared.out.shape, prepared.out.dtype)
         prepared.lse.fill(math.nan)
         try:
@@ -130,12 +144,16 @@ def _time(cupy, fn, iters):
     return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
-def timing(cupy, iters):
+def timing(cupy, schedules, iters):
     import cuflash2
     from cuflash2 import _hopper, api, testing
 
-    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'plain ms':>9} {'TFLOP/s':>8} "
-          f"{'pingpong ms':>11} {'TFLOP/s':>8} {'mma.sync ms':>11} {'TFLOP/s':>8} {'best/mma':>8}")
+    columns = [f"{name} ms" for name in schedules] + ["mma.sync ms"]
+    widths = [max(9, len(c)) for c in columns]
+    best_width = max(len(name) for name in schedules)
+    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} "
+          + " ".join(f"{c:>{w}} {'TFLOP/s':>8}" for c, w in zip(columns, widths))
+          + f" {'best/mma':>8} {'best':>{best_width}}")
     for dtype in ("float16", "bfloat16"):
         for d in TIMING_HEAD_DIMS:
             for causal in (False, True):
@@ -144,8 +162,8 @@ def timing(cupy, iters):
                     q, k, v = testing.random_qkv(cupy, batch, seqlen, seqlen, heads, heads, d,
                                                  _dtype(dtype), seed=seqlen)
                     times = [_time(cupy, _hopper.prepare_forward_sm90(
-                        q, k, v, causal=causal, config=_config(dtype, d, pingpong)).run, iters)
-                        for pingpong in (False, True)]
+                        q, k, v, causal=causal, config=_config(dtype, d, name)).run, iters)
+                        for name in schedules]
                     _hopper.ENABLED = False  # the mma.sync kernel, planned afresh
                     api._forward_plans.plans.clear()
                     times.append(_time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal),
@@ -153,9 +171,11 @@ def timing(cupy, iters):
                     _hopper.ENABLED = True
                     flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
                     row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}"
-                                   for t, w in zip(times, (9, 11, 11)))
+                                   for t, w in zip(times, widths))
+                    best = min(range(len(schedules)), key=lambda i: times[i])
                     print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
-                          f"{times[2] / min(times[:2]):>7.3f}x", flush=True)
+                          f"{times[-1] / times[best]:>7.3f}x {schedules[best]:>{best_width}}",
+                          flush=True)
 
 
 def main():
@@ -163,9 +183,11 @@ def main():
     parser.add_argument("--watchdog", action="store_true",
                         help="debugging build: mbarrier waits trap after ~2 s (spills; not timed)")
     parser.add_argument("--no-time", action="store_true", help="correctness only")
-    parser.add_argument("--schedule", choices=("plain", "pingpong", "both"), default="both",
-                        help="which consumer schedule(s) to check (a ping-pong hang on its named "
-                             "barriers is not caught by --watchdog: try plain alone first)")
+    parser.add_argument("--schedule", choices=(*SCHEDULES, *SCHEDULE_SETS), default="both",
+                        help="which consumer schedule(s) to check and time: one, `both` (plain "
+                             "and pingpong) or `all` (also overlap and pingpong-overlap). A hang "
+                             "on the ping-pong named barriers is not caught by --watchdog: try "
+                             "plain alone first")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     import cupy
@@ -174,13 +196,13 @@ def main():
     if cc != "90":
         print(f"needs an sm_90 GPU (H100/H200); this one is sm_{cc}")
         return 2
-    schedules = {"plain": (False,), "pingpong": (True,), "both": (False, True)}[args.schedule]
+    schedules = SCHEDULE_SETS.get(args.schedule, (args.schedule,))
     failures = check(cupy, schedules, args.watchdog)
     print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'} "
           f"({len(CASES)} shapes x {len(schedules)} schedule(s))")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
-    timing(cupy, args.iters)
+    timing(cupy, schedules, args.iters)
     return 0
 
 
