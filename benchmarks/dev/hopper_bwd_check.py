@@ -149,16 +149,16 @@ def _time(cupy, fn, iters):
     return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
-def timing(cupy, iters):
+def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None):
     import cuflash2
     from cuflash2 import _hopper_bwd
 
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'hopper ms':>10} {'TFLOP/s':>8} "
           f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}")
-    for dtype in ("float16", "bfloat16"):
-        for d in TIMING_HEAD_DIMS:
+    for dtype in dtypes:
+        for d in dims or TIMING_HEAD_DIMS:
             for causal in (False, True):
-                for seqlen in TIMING_SEQLENS:
+                for seqlen in seqlens or TIMING_SEQLENS:
                     batch, heads = TOKENS // seqlen, HIDDEN // d
                     case = (batch, seqlen, seqlen, heads, heads, d, dtype, causal, (-1, -1),
                             False, "")
@@ -186,6 +186,10 @@ def main():
     parser.add_argument("--only", default=None,
                         help="comma-separated case numbers (e.g. 0,1: d=128 non-causal, causal)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
+                        choices=("float16", "bfloat16"), help="timing rows: these dtypes")
+    parser.add_argument("--dims", type=int, nargs="+", help="timing rows: these head dims")
+    parser.add_argument("--seqlens", type=int, nargs="+", help="timing rows: these lengths")
     args = parser.parse_args()
     import cupy
 
@@ -200,7 +204,7 @@ def main():
           f"({count} shapes)")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
-    timing(cupy, args.iters)
+    timing(cupy, args.iters, args.dtypes, args.dims, args.seqlens)
     return 0
 
 
