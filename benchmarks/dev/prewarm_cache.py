@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--features", type=int, nargs="+", default=list(_configs.ALL_FEATURES))
     ap.add_argument("--arch", type=int, default=None, help="default: device 0's")
-    ap.add_argument("--kernels", nargs="+", choices=("fwd", "bwd", "decode"),
+    ap.add_argument("--kernels", nargs="+", choices=("fwd", "bwd", "decode", "sm90-dev"),
                     default=["fwd", "bwd", "decode"])
     args = ap.parse_args()
     if args.arch is None:
@@ -49,6 +49,12 @@ def main():
     if "decode" in args.kernels:
         configs += _configs.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
+    if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
+        import dataclasses
+
+        configs += _configs.all_fwd_sm90_configs((0,))
+        configs += [dataclasses.replace(c, watchdog=w) for c in _configs.all_bwd_sm90_configs((0,))
+                    for w in (False, True)]
     configs = list(dict.fromkeys(configs))
     start = time.time()
     chunks = [configs[i::args.jobs] for i in range(args.jobs)]
