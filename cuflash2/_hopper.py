@@ -57,8 +57,10 @@ def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
     extents = (seqlen, heads, batch)
     strides = []
     for extent, stride in zip(extents, (s_row, s_head, s_batch)):
-        if extent == 1 and stride % 16:
-            stride = 16  # never stepped over: any multiple of 16 describes it
+        if extent == 1 and (stride % 16 or stride <= 0):
+            # never stepped over: any multiple of 16 describes it (an unbatched array seen as
+            # batch 1 through x[None] has a batch stride of 0)
+            stride = 16
         if stride <= 0 or stride % 16 or stride >= 1 << 40:
             raise ValueError(f"TMA needs strides that are positive multiples of 16 bytes below "
                              f"2^40; got {strides_bytes}")
