@@ -302,8 +302,8 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True)) -> list[FwdSm90Co
 
 
 # ---------------------------------------------------------------------------------------------
-# Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a, not
-# dispatched (it has not run on a GPU); cuflash2._hopper_bwd runs it on its own.
+# Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a,
+# dispatched opt-in (CUFLASH2_HOPPER_BWD=1: cuflash2._hopper_bwd.backward_config).
 
 #: Head dims of the Hopper backward. 192 and 256 do not fit its split (dK and dV of 64 keys are
 #: HEAD_DIM registers a consumer thread; BwdSm90Traits::PEAK_ACCUMULATORS).
@@ -350,6 +350,12 @@ class BwdSm90Config:
     @property
     def panels(self) -> int:
         return -(-self.head_dim // 64)
+
+    @property
+    def num_chunks(self) -> int:
+        """Head-dim chunks a key block is split into across CTAs (BwdConfig.num_chunks): one,
+        a CTA computes dK, dV and its dQ share over the whole head dim."""
+        return 1
 
     @property
     def smem_bytes(self) -> int:

@@ -163,20 +163,38 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
     causal = window[1] == 0 and window[0] < 0
     pingpong = PINGPONG[kernel_dim, causal]
     config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong)
-    for name, rows in (("q", config.block_m), ("k", config.block_n), ("v", config.block_n)):
+    return config if describable(views, forward_maps(config)) else None
+
+
+def forward_maps(config) -> dict:
+    """The tensor maps of FwdSm90Params: map field -> (the array's view name, box rows)."""
+    return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n),
+            "v_map": ("v", config.block_n)}
+
+
+def describable(views: dict, maps: dict) -> bool:
+    """Whether the TMA can read every array of `maps` (map field -> (view name, box rows))."""
+    for name, rows in maps.values():
         x = _as_batched(views[name])
         try:
             tensor_map_geometry(x.shape, x.strides, x.itemsize, rows)
         except ValueError:
-            return None
-    return config
+            return False
+    return True
 
 
-def tensor_map_fields(views: dict, config) -> dict:
-    """The q_map, k_map and v_map words of FwdSm90Params for the arrays `views` (q, k, v)."""
-    return {f"{name}_map.v": encode_map(_as_batched(views[name]), rows)
-            for name, rows in (("q", config.block_m), ("k", config.block_n),
-                               ("v", config.block_n))}
+def tensor_map_fields(views: dict, maps: dict) -> dict:
+    """The words of each map field of `maps` (map field -> (view name, box rows)) for the arrays
+    `views`, by the path a ParamBlock sets ("q_map.v")."""
+    return {f"{field}.v": encode_map(_as_batched(views[name]), rows)
+            for field, (name, rows) in maps.items()}
+
+
+def map_inputs(inputs, maps: dict) -> list:
+    """The plan inputs (field, input position, byte offset) that patch each map's address word
+    per call, from those of the arrays (`inputs`, by view name)."""
+    return [(f"{field}.v", pos, off) for name, pos, off in inputs
+            for field, (source, _) in maps.items() if source == name]
 
 
 def _as_batched(x):
