@@ -407,3 +407,19 @@ def test_prepared_backward_refuses_what_it_does_not_cover(host_cupy):
     with pytest.raises(ValueError, match="head dims up to 128"):
         _hopper_bwd.prepare_backward_sm90(q, q, q, q, q, lse)
 
+
+def test_describe_names_the_backward_kernels():
+    assert _configs.describe(_configs.bwd_sm90_config("bfloat16", 128)) == (
+        "Hopper backward (sm_90a: wgmma, TMA, warp-specialised), bf16, head dim 128, 64x128 "
+        "tiles, 2 Q/dO stages")
+    config = _configs.with_features(_configs.bwd_sm90_config("float16", 64),
+                                    _configs.FEATURE_ALIBI)
+    assert _configs.describe(config).endswith("with ALiBi")
+    assert _configs.describe(_configs.bwd_config("float16", 64, 90)).startswith(
+        "mma.sync backward, fp16, head dim 64")
+    assert "deterministic" in _configs.describe(_configs.bwd_config("float16", 64, 90, True))
+    assert _configs.describe(_configs.bwd_dq_config("float16", 64, 90)).startswith(
+        "mma.sync backward dQ")
+    assert _configs.describe(_configs.AuxKernel("float16", "flash_bwd_preprocess_kernel")) == (
+        "backward preprocess (D, lse, dQ accumulator), fp16")
+    assert _params.layout("BwdSm90Params").offsets["base"] == 512
