@@ -423,3 +423,13 @@ def test_describe_names_the_backward_kernels():
     assert _configs.describe(_configs.AuxKernel("float16", "flash_bwd_preprocess_kernel")) == (
         "backward preprocess (D, lse, dQ accumulator), fp16")
     assert _params.layout("BwdSm90Params").offsets["base"] == 512
+
+
+def test_info_says_which_backward_runs(monkeypatch):
+    from cuflash2 import _environment
+
+    assert _environment.backward_kernel_family("8.0").startswith("mma.sync kernels")
+    monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
+    assert "opt-in: CUFLASH2_HOPPER_BWD=1" in _environment.backward_kernel_family("9.0")
+    monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
+    assert _environment.backward_kernel_family("9.0").startswith("Hopper kernel")
