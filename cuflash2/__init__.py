@@ -14,6 +14,7 @@ from .api import (  # noqa: E402
     attention_varlen_backward,
     attention_vjp,
     attention_with_kvcache,
+    backward_kernels,
     dropout_mask,
     forward_kernels,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "attention_with_kvcache",
     "dropout_mask",
     "forward_kernels",
+    "backward_kernels",
     "reference",
     "__version__",
 ]

@@ -8,7 +8,7 @@ packed qkv feeds q, k and v from one array). It returns the `_plans.Plan` of the
 
 from __future__ import annotations
 
-from . import _configs, _hopper, _launch, _plans
+from . import _configs, _hopper, _hopper_bwd, _launch, _plans
 from ._prepare import LOG2E, element_strides, output_strides
 
 #: Tile configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
@@ -80,21 +80,55 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     if hopper is None:
         return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
                            output_fields, aligned=aligned, per_call=_dropout_slots(mods))
-    # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`; a call
-    # patches each map's address (its word 0) with the array's pointer.
+    # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`.
+    return _sm90_plan(device_id, "FwdSm90Params", fields, _hopper.forward_maps(config), views,
+                      launches, inputs, outputs, output_fields, aligned=aligned)
+
+
+def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, views: dict, launches,
+               inputs, outputs, output_fields, workspace_bytes: int = 0, workspace_fields=(),
+               aligned=(), launch_structs=()) -> _plans.Plan:
+    """The plan of an sm_90a kernel whose struct is tensor maps (`maps`: map field -> (view
+    name, box rows)) followed by the sm_80 kernels' struct as `base`: `fields`, `inputs`,
+    `output_fields` and `workspace_fields` are that struct's, moved under `base.`. The maps are
+    encoded here, once; a call patches each map's address (its word 0, _hopper.ADDRESS_WORD)
+    with its array's pointer like any other pointer of the struct."""
     base = "base."
-    maps = _hopper.tensor_map_fields(views, config)
-    map_inputs = [(f"{name}_map.v", pos, off) for name, pos, off in inputs
-                  if name in ("q", "k", "v")]
-    return _plans.Plan(device_id, "FwdSm90Params",
-                       {**{base + f: v for f, v in fields.items()}, **maps}, launches,
-                       [(base + f, pos, off) for f, pos, off in inputs] + map_inputs, outputs,
-                       [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
-                       batch_offset=base + "batch_offset")
+    return _plans.Plan(
+        device_id, struct,
+        {**{base + f: v for f, v in fields.items()}, **_hopper.tensor_map_fields(views, maps)},
+        launches,
+        [(base + f, pos, off) for f, pos, off in inputs] + _hopper.map_inputs(inputs, maps),
+        outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
+        [(base + f, off) for f, off in workspace_fields], aligned,
+        batch_offset=base + "batch_offset", launch_structs=launch_structs)
 
 
 def _dropout_slots(mods) -> tuple:
     return tuple(f"dropout.{name}" for name in mods.dropout)
+
+
+def _backward_main_config(problem, features: int, window, deterministic: bool, arch: int,
+                          views: dict, varlen, config):
+    """(main kernel configuration, whether it is the Hopper kernel's) of a backward call:
+    `config` or a tuning script's forced one if given (a BwdSm90Config forces the Hopper
+    kernel), else the Hopper kernel where _hopper_bwd.backward_config covers the call, else the
+    mma.sync kernel's tile (_configs.bwd_config)."""
+    p = problem
+    forced = config if config is not None else FORCED.get("bwd")
+    if isinstance(forced, _configs.BwdSm90Config):
+        if deterministic or varlen is not None or features & ~_hopper_bwd.COVERED_FEATURES:
+            raise ValueError("the Hopper backward has no deterministic mode, varlen or dropout")
+        return _configs.with_features(forced, features), True
+    hopper = None
+    if forced is None:
+        hopper = _hopper_bwd.backward_config(p, features, window, arch, views, varlen,
+                                             deterministic)
+    if hopper is not None:
+        return hopper, True
+    if forced is None:
+        forced = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
+    return _configs.with_features(forced, features), False
 
 
 def backward_plan(views: dict, sources: dict, problem, mods, window, deterministic: bool,
@@ -102,13 +136,18 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
                   config=None) -> _plans.Plan:
     """views, by struct field: dout, q, k, v, out, lse, dq, dk, dv (None: allocated, in that
     order, shaped `grad_shapes[name]`), mods.alibi_slopes, varlen.cu_seqlens_q/_k. Outputs: the
-    gradients not given."""
+    gradients not given.
+
+    Three launches (two in deterministic mode): the preprocess, the main kernel, the dQ
+    conversion (deterministic: the dQ kernel). On sm_90 with CUFLASH2_HOPPER_BWD=1 the main
+    kernel is the Hopper one for every call it covers (_hopper_bwd.backward_config); the
+    preprocess, conversion, workspace and every BwdParams field are the same, the struct is
+    BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
+    conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one)."""
     p = problem
-    if config is None:
-        config = FORCED.get("bwd") or _configs.bwd_config(p.dtype, p.head_dim, arch,
-                                                          deterministic)
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
-    config = _configs.with_features(config, features)
+    config, hopper = _backward_main_config(p, features, window, deterministic, arch, views,
+                                           varlen, config)
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
     if varlen is None:
@@ -152,30 +191,42 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         "window_left": window[0], "window_right": window[1], **mods.fields(),
         **_varlen_fields(varlen)}
 
+    # (launch, the struct its kernel takes: "" the plan's, "base" the BwdParams inside
+    # BwdSm90Params). The main kernel's grid: (key blocks x head-dim chunks, KV heads, batch);
+    # the Hopper kernel's chunk is the whole head dim.
     launches = []
+    aux = "base" if hopper else ""
     if p.batch and p.nheads:
         if max_rows_padded:
             pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel", varlen is not None)
             rows_per_cta = _configs.PREPROCESS_THREADS // 32 * _configs.PREPROCESS_ROWS_PER_WARP
-            launches.append(_launch.kernel_launch(
-                pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch)))
+            launches.append((_launch.kernel_launch(
+                pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch)), aux))
         if p.seqlen_k:
             num_kv_blocks = -(-p.seqlen_k // config.block_n)
-            launches.append(_launch.kernel_launch(
-                config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch)))
+            launches.append((_launch.kernel_launch(
+                config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch)),
+                ""))
         if p.seqlen_q and deterministic:
             dq_config = _configs.with_features(
                 _configs.bwd_dq_config(p.dtype, p.head_dim, arch), features)
-            launches.append(_launch.kernel_launch(
-                dq_config, device_id, (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch)))
+            launches.append((_launch.kernel_launch(
+                dq_config, device_id, (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch)),
+                ""))
         elif p.seqlen_q:
             convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel",
                                          varlen is not None)
             chunks = p.seqlen_q * (p.head_dim // 8)
-            launches.append(_launch.kernel_launch(
-                convert, device_id, (-(-chunks // convert.threads), p.nheads, p.batch)))
+            launches.append((_launch.kernel_launch(
+                convert, device_id, (-(-chunks // convert.threads), p.nheads, p.batch)), aux))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
                if views[n] is not None]
-    return _plans.Plan(device_id, "BwdParams", fields, launches, inputs, outputs, output_fields,
-                       workspace_bytes, workspace_fields, aligned, per_call=_dropout_slots(mods))
+    kernels = [launch for launch, _ in launches]
+    if not hopper:
+        return _plans.Plan(device_id, "BwdParams", fields, kernels, inputs, outputs,
+                           output_fields, workspace_bytes, workspace_fields, aligned,
+                           per_call=_dropout_slots(mods))
+    return _sm90_plan(device_id, "BwdSm90Params", fields, _hopper_bwd.backward_maps(config),
+                      views, kernels, inputs, outputs, output_fields, workspace_bytes,
+                      workspace_fields, aligned, [struct for _, struct in launches])

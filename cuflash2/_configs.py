@@ -302,8 +302,8 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True)) -> list[FwdSm90Co
 
 
 # ---------------------------------------------------------------------------------------------
-# Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a, not
-# dispatched (it has not run on a GPU); cuflash2._hopper_bwd runs it on its own.
+# Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a,
+# dispatched opt-in (CUFLASH2_HOPPER_BWD=1: cuflash2._hopper_bwd.backward_config).
 
 #: Head dims of the Hopper backward. 192 and 256 do not fit its split (dK and dV of 64 keys are
 #: HEAD_DIM registers a consumer thread; BwdSm90Traits::PEAK_ACCUMULATORS).
@@ -350,6 +350,12 @@ class BwdSm90Config:
     @property
     def panels(self) -> int:
         return -(-self.head_dim // 64)
+
+    @property
+    def num_chunks(self) -> int:
+        """Head-dim chunks a key block is split into across CTAs (BwdConfig.num_chunks): one,
+        a CTA computes dK, dV and its dQ share over the whole head dim."""
+        return 1
 
     @property
     def smem_bytes(self) -> int:
@@ -703,7 +709,7 @@ def all_decode_configs(arch: int, features=(0,)) -> list:
 
 
 def describe(config) -> str:
-    """A kernel configuration in words (cuflash2.forward_kernels, `info`)."""
+    """A kernel configuration in words (cuflash2.forward_kernels, cuflash2.backward_kernels)."""
     dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(config.dtype, config.dtype)
     mods = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "ALiBi"),
                                    (FEATURE_DROPOUT, "dropout"), (FEATURE_VARLEN, "varlen"))
@@ -720,4 +726,22 @@ def describe(config) -> str:
         return (f"mma.sync forward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.kv_stages} K/V "
                 f"stages{extra}")
+    if isinstance(config, BwdSm90Config):
+        return (f"Hopper backward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
+                f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
+                f"Q/dO stages{extra}")
+    if isinstance(config, BwdConfig):
+        dq = "dQ by atomics" if config.compute_dq else "no dQ (deterministic)"
+        chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
+        return (f"mma.sync backward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
+                f"{config.block_n} tiles, {config.num_warps} warps, {config.q_stages} Q/dO "
+                f"stages{chunks}, {dq}{extra}")
+    if isinstance(config, BwdDqConfig):
+        return (f"mma.sync backward dQ (deterministic), {dtype}, head dim {config.head_dim}, "
+                f"{config.block_m}x{config.block_n} tiles{extra}")
+    if isinstance(config, AuxKernel):
+        what = {"flash_bwd_preprocess_kernel": "backward preprocess (D, lse, dQ accumulator)",
+                "flash_bwd_convert_dq_kernel": "backward dQ conversion"}.get(config.kernel,
+                                                                            config.kernel)
+        return f"{what}, {dtype}{', varlen' if config.varlen else ''}"
     return config.name_expression

@@ -27,6 +27,21 @@ def forward_kernel_family(compute_capability: str) -> str:
             "mma.sync (cuflash2.forward_kernels(q, k, v, ...) names a call's)")
 
 
+def backward_kernel_family(compute_capability: str) -> str:
+    """Which backward main kernels run on a GPU of this compute capability ("9.0" or "90")."""
+    from . import _configs, _hopper_bwd
+
+    names = "cuflash2.backward_kernels(dout, q, k, v, out, lse, ...) names a call's"
+    if compute_capability.replace(".", "") != "90":
+        return f"mma.sync kernels ({names})"
+    if not _hopper_bwd.ENABLED:
+        return "mma.sync kernels (the Hopper backward is opt-in: CUFLASH2_HOPPER_BWD=1)"
+    dims = "/".join(str(d) for d in _configs.SM90_BWD_HEAD_DIMS)
+    return (f"Hopper kernel (wgmma, TMA; head dims {dims}, CUFLASH2_HOPPER_BWD=1) except "
+            f"dropout, varlen, deterministic and d > {max(_configs.SM90_BWD_HEAD_DIMS)}, which "
+            f"run mma.sync ({names})")
+
+
 def cupy_cache_dir() -> str:
     """CuPy's on-disk kernel cache, where compiled cuflash2 kernels persist between processes."""
     return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
@@ -152,6 +167,7 @@ def format_info(env: dict) -> list[str]:
             f"SMs            {gpu['sm_count']}",
             f"memory         {gpu['memory_gib']} GiB, L2 {gpu['l2_cache_mib']} MiB",
             f"forward        {forward_kernel_family(gpu['compute_capability'])}",
+            f"backward       {backward_kernel_family(gpu['compute_capability'])}",
         ]
     else:
         lines.append(f"GPU            none: {env['gpu_error'] or 'device query failed'}")

@@ -57,8 +57,10 @@ def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
     extents = (seqlen, heads, batch)
     strides = []
     for extent, stride in zip(extents, (s_row, s_head, s_batch)):
-        if extent == 1 and stride % 16:
-            stride = 16  # never stepped over: any multiple of 16 describes it
+        if extent == 1 and (stride % 16 or stride <= 0):
+            # never stepped over: any multiple of 16 describes it (an unbatched array seen as
+            # batch 1 through x[None] has a batch stride of 0)
+            stride = 16
         if stride <= 0 or stride % 16 or stride >= 1 << 40:
             raise ValueError(f"TMA needs strides that are positive multiples of 16 bytes below "
                              f"2^40; got {strides_bytes}")
@@ -161,20 +163,38 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
     causal = window[1] == 0 and window[0] < 0
     pingpong = PINGPONG[kernel_dim, causal]
     config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong)
-    for name, rows in (("q", config.block_m), ("k", config.block_n), ("v", config.block_n)):
+    return config if describable(views, forward_maps(config)) else None
+
+
+def forward_maps(config) -> dict:
+    """The tensor maps of FwdSm90Params: map field -> (the array's view name, box rows)."""
+    return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n),
+            "v_map": ("v", config.block_n)}
+
+
+def describable(views: dict, maps: dict) -> bool:
+    """Whether the TMA can read every array of `maps` (map field -> (view name, box rows))."""
+    for name, rows in maps.values():
         x = _as_batched(views[name])
         try:
             tensor_map_geometry(x.shape, x.strides, x.itemsize, rows)
         except ValueError:
-            return None
-    return config
+            return False
+    return True
 
 
-def tensor_map_fields(views: dict, config) -> dict:
-    """The q_map, k_map and v_map words of FwdSm90Params for the arrays `views` (q, k, v)."""
-    return {f"{name}_map.v": encode_map(_as_batched(views[name]), rows)
-            for name, rows in (("q", config.block_m), ("k", config.block_n),
-                               ("v", config.block_n))}
+def tensor_map_fields(views: dict, maps: dict) -> dict:
+    """The words of each map field of `maps` (map field -> (view name, box rows)) for the arrays
+    `views`, by the path a ParamBlock sets ("q_map.v")."""
+    return {f"{field}.v": encode_map(_as_batched(views[name]), rows)
+            for field, (name, rows) in maps.items()}
+
+
+def map_inputs(inputs, maps: dict) -> list:
+    """The plan inputs (field, input position, byte offset) that patch each map's address word
+    per call, from those of the arrays (`inputs`, by view name)."""
+    return [(f"{field}.v", pos, off) for name, pos, off in inputs
+            for field, (source, _) in maps.items() if source == name]
 
 
 def _as_batched(x):

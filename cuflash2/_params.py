@@ -157,3 +157,31 @@ class ParamBlock:
     def as_void(self):
         """The struct as a numpy.void (CuPy's launch path passes it by value)."""
         return self.record[0]
+
+    def nested(self, path: str) -> "NestedBlock":
+        """The struct field `path` (a nested struct) as a block of its own for launching: a
+        kernel that takes that struct is launched from the same bytes, so whatever a plan
+        patches into this block reaches it too (BwdSm90Params.base, a BwdParams, is what the
+        backward's preprocess and dQ conversion take beside the Hopper main kernel)."""
+        return NestedBlock(self, path)
+
+
+class NestedBlock:
+    """A nested struct of a ParamBlock, over the same bytes: what _launch.run reads of a block
+    (kernel_params_address, as_void) for a kernel that takes the nested struct."""
+
+    def __init__(self, parent: ParamBlock, path: str):
+        fmt = parent.record.dtype
+        for part in path.split("."):
+            fmt = fmt.fields[part][0]
+        if fmt.names is None:
+            raise ValueError(f"{parent.layout.name}.{path} is not a struct")
+        offset = parent.layout.offsets[path]
+        self.parent, self.path = parent, path
+        self.bytes = parent.bytes[offset:offset + fmt.itemsize]
+        self.record = self.bytes.view(fmt)
+        self.kernel_params = numpy.array([self.bytes.ctypes.data], dtype=numpy.uint64)
+        self.kernel_params_address = self.kernel_params.ctypes.data
+
+    def as_void(self):
+        return self.record[0]

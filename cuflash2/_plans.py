@@ -100,14 +100,22 @@ class Plan:
     for the call only (kernels on one stream run in order). aligned: (input position, name) of
     the arrays read in 16-byte chunks. per_call: fields set from each call's `scalars`.
     batch_offset: the field that tells a slice of a launch split along gridDim.z its first
-    sequence (_launch.run)."""
+    sequence (_launch.run). launch_structs: for each launch, the nested struct of `struct` its
+    kernel takes ("" or None: the whole struct; "base": the BwdParams of BwdSm90Params, which
+    the backward's preprocess and dQ conversion take beside the Hopper main kernel)."""
 
     def __init__(self, device_id: int, struct: str, fields: dict, launches, inputs=(),
                  outputs=(), output_fields=(), workspace_bytes: int = 0, workspace_fields=(),
-                 aligned=(), per_call=(), batch_offset: str = "batch_offset"):
+                 aligned=(), per_call=(), batch_offset: str = "batch_offset",
+                 launch_structs=()):
         self.device_id = device_id
         self.block = _params.ParamBlock(struct, fields)
         self.launches = tuple(launches)
+        structs = tuple(launch_structs) or (None,) * len(self.launches)
+        if len(structs) != len(self.launches):
+            raise ValueError("launch_structs needs one entry a launch")
+        nested = {path: self.block.nested(path) for path in set(structs) if path}
+        self.launch_blocks = tuple(nested[path] if path else self.block for path in structs)
         self.batch_offset_slot = self.block.slot(batch_offset)
         self.input_slots = tuple((*self.block.slot(f), pos, off) for f, pos, off in inputs)
         self.outputs = tuple((tuple(shape), numpy.dtype(dtype)) for shape, dtype in outputs)
@@ -166,8 +174,8 @@ class Plan:
                 for field, value in scalars.items():
                     view, index = self.per_call[field]
                     view[index] = value
-            for launch in self.launches:
-                _launch.run(launch, self.block, stream, self.batch_offset_slot)
+            for launch, block in zip(self.launches, self.launch_blocks):
+                _launch.run(launch, block, stream, self.batch_offset_slot)
         return outputs
 
     @property

@@ -237,6 +237,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     cupy = _cupy_module()
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)
+    plan = _attention_backward_plan(cupy, inputs, causal, softmax_scale, window_size, softcap,
+                                    dropout_p, seed, offset, deterministic)
+    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset))
+    return _gradients(outputs, dq, dk, dv)
+
+
+def _attention_backward_plan(cupy, inputs, causal, softmax_scale, window_size, softcap,
+                             dropout_p, seed, offset, deterministic):
+    """The plan of attention_backward's call on `inputs` (dout, q, k, v, out, lse, dq, dk, dv,
+    alibi_slopes), from the cache or checked and made."""
     key = _backward_key("attention_backward", cupy, inputs, causal, softmax_scale, window_size,
                         softcap, dropout_p, deterministic)
     plan = _backward_plans.get(key)
@@ -244,13 +254,27 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
         views = dict(zip(names, inputs))
         sources = {n: (i, x) for i, (n, x) in enumerate(zip(names, inputs))}
-        sources["mods.alibi_slopes"] = (9, alibi_slopes)
-        plan = _plan_backward(views, sources, {**views, "alibi_slopes": alibi_slopes}, causal,
-                              softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
+        sources["mods.alibi_slopes"] = (9, inputs[9])
+        plan = _plan_backward(views, sources, {**views, "alibi_slopes": inputs[9]}, causal,
+                              softmax_scale, window_size, softcap, inputs[9], dropout_p, seed,
                               offset, deterministic)
         _backward_plans.put(key, plan)
-    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset))
-    return _gradients(outputs, dq, dk, dv)
+    return plan
+
+
+def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                     seed=None, offset=0, deterministic=False, dq=None, dk=None,
+                     dv=None) -> list[str]:
+    """The kernels `attention_backward(dout, q, k, v, out, lse, ...)` with these arguments runs
+    on the current device, in words, in launch order: the preprocess, the main kernel (on an
+    H100/H200 with CUFLASH2_HOPPER_BWD=1 the Hopper backward where it covers the call, the
+    mma.sync backward otherwise), then the dQ conversion (the dQ kernel in deterministic mode).
+    The call is checked and planned (the kernels compiled), nothing is launched."""
+    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)
+    plan = _attention_backward_plan(_cupy_module(), inputs, causal, softmax_scale, window_size,
+                                    softcap, dropout_p, seed, offset, deterministic)
+    return [_configs.describe(config) for config in plan.kernels]
 
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),

@@ -43,6 +43,11 @@ def test_extent_one_dimensions_take_any_stride():
     strides = (8, 128, 8, 2)
     _, got, _ = _hopper.tensor_map_geometry(shape, strides, 2, 128)
     assert got == [128, 16, 16]
+    # x[None] of a (seqlen, heads, dim) array: CuPy (as NumPy) gives the new axis stride 0
+    _, got, _ = _hopper.tensor_map_geometry((1, 5, 2, 64), (0, 256, 128, 2), 2, 128)
+    assert got == [256, 128, 16]
+    _, got, _ = _hopper.tensor_map_geometry((1, 5, 1, 64), (-64, 128, -8, 2), 2, 128)
+    assert got == [128, 16, 16]
 
 
 @pytest.mark.parametrize("shape,strides,box_rows,message", [

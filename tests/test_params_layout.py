@@ -99,3 +99,20 @@ def test_hopper_backward_params_keep_the_tensor_maps_aligned():
     for field in ("seqlen_q", "dq_accum", "mods.softcap_scale", "batch_offset"):
         assert sm90.offsets[f"base.{field}"] == base + _params.layout("BwdParams").offsets[field]
     assert "base.dq_accum" in sm90.pointers and "base.dout" in sm90.pointers
+
+
+def test_a_nested_block_is_a_view_of_its_parent():
+    """BwdSm90Params.base launched as a BwdParams: the same bytes, so a field patched into the
+    parent reaches the kernel that takes the nested struct."""
+    block = _params.ParamBlock("BwdSm90Params", {"base.seqlen_q": 300, "base.nheads": 4})
+    base = block.nested("base")
+    offset = block.layout.offsets["base"]
+    assert base.kernel_params_address != block.kernel_params_address
+    assert int(base.kernel_params[0]) == block.bytes.ctypes.data + offset
+    assert base.bytes.size == _params.layout("BwdParams").size
+    assert base.as_void()["seqlen_q"] == 300 and base.record[0]["nheads"] == 4
+    view, index = block.slot("base.dq_accum")
+    view[index] = 0xABC0
+    assert base.record[0]["dq_accum"] == 0xABC0
+    with pytest.raises(ValueError, match="not a struct"):
+        block.nested("base.seqlen_q")

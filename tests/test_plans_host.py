@@ -128,3 +128,28 @@ def test_plan_cache_ignores_unhashable_keys_and_is_bounded():
     for i in range(_plans.MAX_PLANS + 1):
         cache.put(("k", i), i)
     assert len(cache) == 1 and cache.get(("k", _plans.MAX_PLANS)) == _plans.MAX_PLANS
+
+
+def test_launches_take_the_struct_or_a_nested_one(monkeypatch):
+    """launch_structs: each launch gets the whole block or a nested struct of it (the Hopper
+    backward's preprocess and dQ conversion take BwdSm90Params.base), all patched per call."""
+    recorded = []
+    monkeypatch.setattr(_launch, "run", lambda launch, block, stream, slot: recorded.append(
+        (launch, block.kernel_params_address, block.record.copy()[0])))
+    monkeypatch.setattr(_plans, "_scratch", _plans._StreamScratch())
+    cupy, _ = _fake_cupy()
+    plan = _plans.Plan(0, "BwdSm90Params", {"base.seqlen_q": 9}, ["pre", "main", "convert"],
+                       inputs=[("base.q", 0, 0), ("q_map.v", 0, 0)], workspace_bytes=512,
+                       workspace_fields=[("base.dq_accum", 0)],
+                       batch_offset="base.batch_offset", launch_structs=("base", "", "base"))
+    q = _Array((4, 8), "float16", ptr=0x4000)
+    plan.run((q,), cupy)
+    (pre, pre_address, pre_record), (main, main_address, main_record), (conv, conv_address,
+                                                                         _) = recorded
+    assert (pre, main, conv) == ("pre", "main", "convert")
+    assert pre_address == conv_address != main_address
+    assert pre_record["seqlen_q"] == 9 and pre_record["q"] == 0x4000
+    assert main_record["base"]["dq_accum"] == pre_record["dq_accum"] != 0
+    assert main_record["q_map"]["v"][0] == 0x4000
+    with pytest.raises(ValueError, match="one entry a launch"):
+        _plans.Plan(0, "FwdParams", {}, ["a", "b"], launch_structs=("",))

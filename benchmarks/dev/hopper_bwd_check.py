@@ -7,8 +7,8 @@ On an H100/H200 (sm_90), from the repository root:
     python benchmarks/dev/hopper_bwd_check.py              # correctness, then timing
     python benchmarks/dev/hopper_bwd_check.py --no-time --only 0,1
 
-1. Correctness: the kernel through cuflash2._hopper_bwd.prepare_backward_sm90 (not the public
-   API: it is not dispatched), after the forward of cuflash2.attention (return_lse=True), on
+1. Correctness: the kernel through cuflash2._hopper_bwd.prepare_backward_sm90 (the plan the
+   dispatcher builds, whatever CUFLASH2_HOPPER_BWD says; the dispatch itself is opt-in), after the forward of cuflash2.attention (return_lse=True), on
    random inputs of ~20 shapes (head dims 64, 96, 128 on their kernels, 80 on the d=96 one and
    112 on the d=128 one; fp16/bf16, causal on/off, windows, odd lengths, seqlen_q != seqlen_k
    both ways, GQA, MQA, q/k/v and dout as strided views of packed arrays, softcap, ALiBi, a
@@ -16,7 +16,8 @@ On an H100/H200 (sm_90), from the repository root:
    with cuflash2.testing.check_backward (dq, dk, dv under the 2x rule).
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 512 to 16k
    tokens, fp16/bf16, d 64/96/128, causal on/off: the three launches of the Hopper path next to
-   cuflash2.attention_backward (the mma.sync backward, preprocess and conversion included).
+   cuflash2.attention_backward on the mma.sync backward (preprocess and conversion included;
+   the Hopper dispatch is switched off for it whatever CUFLASH2_HOPPER_BWD says).
 
 Internals it uses: cuflash2._hopper_bwd, cuflash2._configs.bwd_sm90_config.
 """
@@ -151,8 +152,10 @@ def _time(cupy, fn, iters):
 
 def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None):
     import cuflash2
-    from cuflash2 import _hopper_bwd
+    from cuflash2 import _hopper_bwd, api
 
+    _hopper_bwd.ENABLED = False  # the reference column is the mma.sync backward
+    api._backward_plans.plans.clear()
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'hopper ms':>10} {'TFLOP/s':>8} "
           f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}")
     for dtype in dtypes:

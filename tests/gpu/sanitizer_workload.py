@@ -6,7 +6,8 @@ window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtyp
 where an out-of-bounds access or a race would show.
 Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
 and of d <= 64 with more than 512 keys, run on the Hopper kernel (wgmma, TMA, mbarriers), in both
-consumer schedules across the head dims.
+consumer schedules across the head dims; and `_hopper_backward` switches the Hopper backward on
+(it is opt-in, CUFLASH2_HOPPER_BWD=1) for its own section, whatever the environment says.
 """
 
 import sys
@@ -19,7 +20,7 @@ import ml_dtypes  # noqa: E402
 import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import testing  # noqa: E402
+from cuflash2 import _hopper_bwd, api, testing  # noqa: E402
 
 
 def _features(dtype, d) -> None:
@@ -52,6 +53,43 @@ def _features(dtype, d) -> None:
                                                        causal=causal, deterministic=deterministic,
                                                        **drop)
             assert not any(bool(cupy.isnan(g).any()) for g in grads)
+
+
+def _hopper_backward(dtype, head_dims) -> None:
+    """sm_90 only: the Hopper backward (flash_bwd_sm90.cu: TMA, mbarriers, wgmma, stmatrix, the
+    dQ reductions) switched on for this section: partial query and key blocks, seqlen_q !=
+    seqlen_k both ways, GQA and MQA, causal, a window, softcap + ALiBi, unbatched, packed qkv."""
+    if cupy.cuda.Device().compute_capability != "90":
+        return
+    saved = _hopper_bwd.ENABLED
+    _hopper_bwd.ENABLED = True
+    api._backward_plans.plans.clear()
+    try:
+        slopes = cupy.linspace(0.05, 0.5, 8, dtype=cupy.float32).reshape(2, 4)
+        for d in head_dims:
+            for batch, sq, sk, h, hk in ((1, 77, 45, 2, 1), (2, 45, 200, 4, 2),
+                                         (1, 130, 130, 3, 3)):
+                q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, d, dtype, seed=d + sk)
+                dout = testing.random_qkv(cupy, batch, sq, sq, h, h, d, dtype, seed=d + 2)[0]
+                for options in ({}, {"causal": True}, {"window_size": (17, 3)},
+                                {"causal": True, "softcap": 3.0,
+                                 "alibi_slopes": slopes[:batch, :h].copy()}):
+                    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+                    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **options)
+                    assert kernels[1].startswith("Hopper backward"), kernels
+                    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, **options)
+                    assert not any(bool(cupy.isnan(g).any()) for g in grads)
+            q, k, v = testing.random_qkv(cupy, None, 99, 99, 4, 4, d, dtype, seed=d + 5)
+            out, lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
+            grads = cuflash2.attention_backward(q, q, k, v, out, lse, causal=True)
+            assert not any(bool(cupy.isnan(g).any()) for g in grads)
+            qkv = cupy.stack([q, k, v], axis=1)[None]  # (1, seqlen, 3, heads, dim)
+            out, lse = cuflash2.attention_qkvpacked(qkv, return_lse=True)
+            dqkv = cuflash2.attention_qkvpacked_backward(out, qkv, out, lse)
+            assert not bool(cupy.isnan(dqkv).any())
+    finally:
+        _hopper_bwd.ENABLED = saved
+        api._backward_plans.plans.clear()
 
 
 def _decode(dtype, d) -> None:
@@ -107,6 +145,7 @@ def main(quick: bool) -> None:
             if d in (32, 64, 128, 256):
                 _features(dtype, d)
                 _decode(dtype, d)
+        _hopper_backward(dtype, (64, 128) if quick else (40, 64, 96, 128))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")
 

@@ -1,0 +1,267 @@
+"""GPU tests of the backward's dispatch on Hopper (sm_90): which main kernel runs a call with
+the Hopper backward switched on (CUFLASH2_HOPPER_BWD=1, here `_hopper_bwd.ENABLED` flipped
+inside `_hopper_backward`), and the Hopper kernel (cuda_src/flash_bwd_sm90.cu) through the public
+entry points against the reference: head dims 8..128, causal and windows, GQA/MQA, odd lengths,
+seqlen_q != seqlen_k, packed qkv, softcap/ALiBi, given (strided) gradients, and a plan hit on
+new arrays (the tensor maps' address words patched per call).
+
+The flag is off by default until this file and the whole GPU suite have run with it on
+(docs/HOPPER_BWD.md, "Dispatch"). On other GPUs the dispatch tests check that the mma.sync
+backward runs everything; the Hopper kernel tests skip.
+"""
+
+import contextlib
+
+import numpy
+import pytest
+from grids import BF16, DTYPES, FP16
+from grids import seed_of as _seed
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import _configs, _hopper_bwd, api, testing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_hopper():
+    try:
+        return cupy.cuda.Device().compute_capability == "90"
+    except Exception:  # no device: the folder's conftest skips every test
+        return False
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+@contextlib.contextmanager
+def _hopper_backward(enabled: bool = True):
+    """Plans made inside use (or not) the Hopper backward; the backward plan cache is cleared on
+    both sides."""
+    saved = _hopper_bwd.ENABLED
+    _hopper_bwd.ENABLED = enabled
+    api._backward_plans.plans.clear()
+    try:
+        yield
+    finally:
+        _hopper_bwd.ENABLED = saved
+        api._backward_plans.plans.clear()
+
+
+def _inputs(batch, sq, sk, h, hkv, d, dtype):
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, dtype,
+                                 _seed(batch, sq, sk, h, hkv, d, str(dtype)))
+    dout = testing.random_qkv(cupy, batch, sq, sq, h, h, d, dtype,
+                              _seed("dout", batch, sq, h, d, str(dtype)))[0]
+    return q, k, v, dout
+
+
+def _main_kernel(dout, q, k, v, out, lse, **options) -> str:
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **options)
+    return kernels[1]
+
+
+def _check(q, k, v, dout, *, hopper=True, grads=None, **options):
+    """Forward, then the backward inside _hopper_backward(): asserts the main kernel (Hopper or
+    not) and the gradients against the reference. Returns (dq, dk, dv)."""
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    with _hopper_backward():
+        kernel = _main_kernel(dout, q, k, v, out, lse, **options)
+        assert kernel.startswith("Hopper backward" if hopper else "mma.sync"), kernel
+        given = dict(zip(("dq", "dk", "dv"), grads)) if grads is not None else {}
+        got = cuflash2.attention_backward(dout, q, k, v, out, lse, **options, **given)
+    if grads is not None:
+        assert all(g is x for g, x in zip(got, grads))
+    results = testing.check_backward(dout, q, k, v, *got, **options)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+    return got
+
+
+# --------------------------------------------------------------------------------------------
+# Which kernel runs
+
+
+def test_backward_kernels_names_preprocess_main_and_conversion():
+    q, k, v, dout = _inputs(1, 200, 300, 4, 2, 128, BF16)
+    out, lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
+    with _hopper_backward():
+        kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, causal=True)
+    assert len(kernels) == 3, kernels
+    assert kernels[0].startswith("backward preprocess")
+    assert kernels[2].startswith("backward dQ conversion")
+    if _is_hopper():
+        assert kernels[1].startswith("Hopper backward") and "head dim 128," in kernels[1]
+    else:
+        assert kernels[1].startswith("mma.sync backward")
+
+
+def test_the_flag_is_off_by_default_and_the_mma_sync_backward_runs():
+    q, k, v, dout = _inputs(1, 200, 300, 4, 2, 128, FP16)
+    out, lse = cuflash2.attention(q, k, v, return_lse=True)
+    api._backward_plans.plans.clear()
+    if not _hopper_bwd.ENABLED:
+        assert _main_kernel(dout, q, k, v, out, lse).startswith("mma.sync backward")
+    with _hopper_backward(False):
+        assert _main_kernel(dout, q, k, v, out, lse).startswith("mma.sync backward")
+
+
+@pytest.mark.parametrize("case", ["deterministic", "dropout", "varlen", "beyond"])
+def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
+    d = max(_configs.SM90_BWD_HEAD_DIMS) + 8 if case == "beyond" else 64
+    q, k, v, dout = _inputs(1, 200, 300, 4, 2, d, FP16)
+    options = {}
+    if case == "dropout":
+        options = {"dropout_p": 0.1, "seed": 3}
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    with _hopper_backward():
+        if case == "varlen":  # backward_kernels has no varlen form: run it, read its plan
+            cu_q = cupy.asarray(numpy.array([0, 200], numpy.int32))
+            cu_k = cupy.asarray(numpy.array([0, 300], numpy.int32))
+            args = (cu_q, cu_k, 200, 300)
+            out, lse = cuflash2.attention_varlen(q[0], k[0], v[0], *args, return_lse=True)
+            cuflash2.attention_varlen_backward(dout[0], q[0], k[0], v[0], out, lse, *args)
+            (plan,) = api._backward_plans.plans.values()
+            assert not any(isinstance(c, _configs.BwdSm90Config) for c in plan.kernels)
+            return
+        kernel = _main_kernel(dout, q, k, v, out, lse, deterministic=case == "deterministic",
+                              **options)
+    assert kernel.startswith("mma.sync backward"), kernel
+
+
+# --------------------------------------------------------------------------------------------
+# The Hopper backward through the public entry points
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [8, 40, 64, 72, 96, 104, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_head_dim(dtype, causal, headdim):
+    """Each Hopper kernel dim and head dims below it (columns past the head dim zero-filled by
+    the TMA, never stored), GQA, seqlen_q != seqlen_k."""
+    q, k, v, dout = _inputs(1, 333, 600, 4, 2, headdim, dtype)
+    kernel_dim = min(d for d in _configs.SM90_BWD_HEAD_DIMS if d >= headdim)
+    out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+    with _hopper_backward():
+        kernel = _main_kernel(dout, q, k, v, out, lse, causal=causal)
+    assert f"head dim {kernel_dim}," in kernel, kernel
+    _check(q, k, v, dout, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("window", [(-1, -1), (64, 0), (100, 30), (0, 0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_windows(dtype, window):
+    q, k, v, dout = _inputs(2, 333, 517, 4, 2, 64, dtype)
+    _check(q, k, v, dout, window_size=window)
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_mqa(layout, causal):
+    heads = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}[layout]
+    q, k, v, dout = _inputs(2, 255, 97 if layout == "mqa" else 300, *heads, 128, BF16)
+    _check(q, k, v, dout, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 700), (700, 1), (129, 128), (128, 129),
+                                   (17, 1025), (1025, 17)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_odd_and_ragged_lengths(sq, sk, causal):
+    """Partial query and key blocks, seqlen_q != seqlen_k both ways (causal: rows that see no
+    key have zero gradients; keys no query sees get zero dK/dV)."""
+    q, k, v, dout = _inputs(3, sq, sk, 2, 1, 96, FP16)
+    _check(q, k, v, dout, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("mods", ["softcap", "alibi", "both"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_modifiers(dtype, mods):
+    q, k, v, dout = _inputs(2, 257, 389, 4, 4, 128, dtype)
+    options = {"causal": True}
+    if mods in ("softcap", "both"):
+        options["softcap"] = 5.0
+    if mods in ("alibi", "both"):
+        options["alibi_slopes"] = cupy.asarray(numpy.linspace(0.05, 0.4, 8, dtype=numpy.float32)
+                                               .reshape(2, 4))
+    _check(q, k, v, dout, **options)
+
+
+@needs_hopper
+def test_unbatched_inputs():
+    q, k, v, dout = (x[0] for x in _inputs(1, 190, 230, 4, 2, 128, FP16))
+    dq, dk, dv = _check(q, k, v, dout, causal=True)
+    assert dq.shape == q.shape and dk.shape == k.shape
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_qkv_backward(causal):
+    """q, k, v (and dq, dk, dv) as views of one packed array: the maps take the views'
+    strides, the plan patches each view's byte offset."""
+    rng = numpy.random.default_rng(11)
+    qkv = cupy.asarray(rng.standard_normal((2, 300, 3, 4, 128), numpy.float32).astype(BF16))
+    dout = cupy.asarray(rng.standard_normal((2, 300, 4, 128), numpy.float32).astype(BF16))
+    out, lse = cuflash2.attention_qkvpacked(qkv, causal=causal, return_lse=True)
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    with _hopper_backward():
+        assert _main_kernel(dout, q, k, v, out, lse, causal=causal).startswith("Hopper")
+        dqkv = cuflash2.attention_qkvpacked_backward(dout, qkv, out, lse, causal=causal)
+        kernels = [c for p in api._backward_plans.plans.values() for c in p.kernels]
+    assert sum(isinstance(c, _configs.BwdSm90Config) for c in kernels) == 2, kernels
+    results = testing.check_backward(dout, q, k, v, *(dqkv[:, :, i] for i in range(3)),
+                                     causal=causal)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+@needs_hopper
+def test_given_strided_gradients():
+    """dq=, dk=, dv= as views of wider NaN-filled arrays: written through their strides, the
+    columns past the head dim untouched."""
+    q, k, v, dout = _inputs(2, 300, 260, 4, 2, 64, FP16)
+    wide = [testing.poison_like(cupy, x.shape[:-1] + (96,), FP16) for x in (q, k, v)]
+    grads = tuple(w[..., :64] for w in wide)
+    _check(q, k, v, dout, causal=True, grads=grads)
+    for w in wide:
+        assert bool(cupy.isnan(w[..., 64:].astype(cupy.float32)).all())
+
+
+@needs_hopper
+def test_a_plan_hit_patches_the_tensor_map_addresses():
+    """Two calls of one signature on different arrays: the second reads its own q, k, v, dout
+    (the maps' address words are patched like the struct's pointers); the same arrays twice
+    give the same gradients up to the atomic dQ's order."""
+    first = _inputs(2, 200, 300, 4, 2, 128, BF16)
+    second = tuple((x.astype(cupy.float32) * 0.5 + 0.25).astype(BF16) for x in first)
+    with _hopper_backward():
+        for q, k, v, dout in (first, second):
+            out, lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
+            dq, dk, dv = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True)
+            results = testing.check_backward(dout, q, k, v, dq, dk, dv, causal=True)
+            assert all(r.ok for r in results), "; ".join(map(str, results))
+        assert len(api._backward_plans) == 1
+        hopper = [p for p in api._backward_plans.plans.values()][0]
+        assert isinstance(hopper.kernels[1], _configs.BwdSm90Config)
+
+
+# --------------------------------------------------------------------------------------------
+# The development entry point builds the dispatcher's plan
+
+
+@needs_hopper
+def test_prepare_backward_sm90_matches_the_dispatched_backward():
+    q, k, v, dout = _inputs(2, 257, 300, 4, 2, 96, FP16)
+    out, lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
+    prepared = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse, causal=True)
+    dq, dk, dv = prepared.run()
+    results = testing.check_backward(dout, q, k, v, dq, dk, dv, causal=True)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+    with _hopper_backward():
+        grads = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True)
+    # dK, dV carry no atomics: bitwise equal; dQ up to the atomics' order
+    for a, b in zip((dk, dv), grads[1:]):
+        assert bool((a.view(numpy.uint16) == b.view(numpy.uint16)).all())
