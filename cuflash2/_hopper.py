@@ -173,12 +173,15 @@ def forward_maps(config) -> dict:
 
 
 def describable(views: dict, maps: dict) -> bool:
-    """Whether the TMA can read every array of `maps` (map field -> (view name, box rows))."""
+    """Whether the TMA can read every array of `maps` (map field -> (view name, box rows)):
+    the geometry is checked here and the driver encodes each map (a refusal, or an address
+    outside word ADDRESS_WORD, leaves the call to the mma.sync kernels rather than failing it)."""
     for name, rows in maps.values():
         x = _as_batched(views[name])
         try:
             tensor_map_geometry(x.shape, x.strides, x.itemsize, rows)
-        except ValueError:
+            encode_map(x, rows)
+        except (ValueError, RuntimeError):
             return False
     return True
 
