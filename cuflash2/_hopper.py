@@ -237,7 +237,8 @@ class PreparedForward:
 
 def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                          window_size=(-1, -1),
-                         config: _configs.FwdSm90Config | None = None) -> PreparedForward:
+                         config: _configs.FwdSm90Config | None = None,
+                         persistent_ctas: int | None = None) -> PreparedForward:
     """Lays out attention on the Hopper forward kernel (sm_90a only): CuPy arrays (batch,
     seqlen, heads, headdim) or (seqlen, heads, headdim), fp16 or bf16, head dim a multiple of 8
     up to 256, run on the smallest kernel head dim (64, 96, 128, 192, 256) that holds it (the
@@ -245,7 +246,8 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
     through fewer k/v heads; causal and windows as cuflash2.attention (bottom-right aligned).
     No score modifiers, dropout or varlen on this path yet, and few checks: this is a development
     entry point, not the public API. A `config` with `persistent` runs the persistent grid
-    (persistent_schedule): a 1-D grid of at most one CTA per SM."""
+    (persistent_schedule): a 1-D grid of at most one CTA per SM, or of at most
+    `persistent_ctas` CTAs (testing: many work tiles per CTA on a small problem)."""
     import cupy
 
     batched = q.ndim == 4
@@ -292,7 +294,7 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
         if config.persistent:
             ctas, section_pairs = persistent_schedule(
                 batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, q.itemsize,
-                config.block_m, persistent_slots(config, device_id))
+                config.block_m, persistent_ctas or persistent_slots(config, device_id))
             block.set("batch", batch)
             block.set("section_pairs", section_pairs)
             grid = (ctas, 1, 1)

@@ -6,6 +6,7 @@ On an H100/H200 (sm_90), from the repository root:
     python benchmarks/dev/hopper_fwd_check.py --watchdog   # debugging build: a stuck mbarrier
                                                            # wait traps after ~2 s, no hang
     python benchmarks/dev/hopper_fwd_check.py --no-time --schedule plain
+    python benchmarks/dev/hopper_fwd_check.py --schedule both --persistent  # + persistent grid
 
 1. Correctness: the kernel, in both schedules (plain and ping-pong), through
    cuflash2._hopper.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dims 64, 96, 128, 192, 256 on
@@ -16,6 +17,12 @@ On an H100/H200 (sm_90), from the repository root:
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 1k, 4k and 16k
    tokens, fp16/bf16, d 64/96/128/192/256, causal on/off: both schedules next to
    cuflash2.attention on the mma.sync kernel (_hopper.ENABLED off for it).
+With --persistent, each schedule also runs on the persistent grid (FwdSm90Config.persistent, head
+dims 64, 96 and 128; others are skipped, saying so): correctness on the same shapes plus
+PERSISTENT_CASES (many work tiles per CTA, tiles that see no key inside a CTA's loop), once on
+the full grid (one CTA per SM) and once on PERSISTENT_SMALL_GRID CTAs (a dozen or more work tiles
+each, on every shape); timing columns beside the one-tile-per-CTA ones, and 512 and 2048 tokens
+added to the lengths (the short rows, where the per-CTA fixed cost shows).
 
 Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
 """
@@ -58,7 +65,20 @@ CASES = [
     (1, 1, 1, 1, 1, 64, "float16", False, (-1, -1), False),
 ]
 
+#: With --persistent: shapes whose CTAs loop over many work tiles on 132 SMs (ring positions and
+#: Q rounds carried from tile to tile), with tiles that see no key inside the loop.
+PERSISTENT_CASES = [
+    (4, 2048, 2048, 16, 16, 128, "bfloat16", True, (-1, -1), False),  # 1024 tiles, causal
+    (8, 1037, 333, 8, 8, 64, "float16", True, (-1, -1), False),  # rows 0..703 see no key
+    (4, 1500, 1700, 16, 4, 96, "bfloat16", False, (300, 100), False),  # GQA + window
+    (3, 777, 777, 12, 12, 128, "float16", False, (-1, -1), False),  # ragged last m block
+]
+#: CTAs of the persistent grid's second correctness pass: few and odd, so that every CTA walks
+#: many work tiles whatever the shape.
+PERSISTENT_SMALL_GRID = 7
+
 TIMING_SEQLENS = (1024, 4096, 16384)
+PERSISTENT_TIMING_SEQLENS = (512, 1024, 2048, 4096, 16384)
 TIMING_HEAD_DIMS = (64, 96, 128, 192, 256)
 TOKENS = 16384
 HIDDEN = 2048
@@ -82,26 +102,57 @@ def _inputs(cupy, case, seed):
     return testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, _dtype(dtype), seed)
 
 
-def _config(dtype, head_dim, pingpong, watchdog=False):
+def _kernel_dim(head_dim):
     from cuflash2 import _configs
 
     # The smallest kernel head dim that holds head_dim: d=96 runs on the d=96 kernel, 160 on 192.
-    kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
-    return dataclasses.replace(_configs.fwd_sm90_config(dtype, kernel_dim), pingpong=pingpong,
-                               watchdog=watchdog)
+    return min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
 
 
-def check(cupy, schedules, watchdog):
-    from cuflash2 import _hopper, testing
+def _has_persistent(head_dim):
+    from cuflash2 import _configs
+
+    return _kernel_dim(head_dim) in _configs.SM90_PERSISTENT_TILES
+
+
+def _config(dtype, head_dim, pingpong, watchdog=False, persistent=False):
+    from cuflash2 import _configs
+
+    config = _configs.fwd_sm90_config(dtype, _kernel_dim(head_dim), persistent=persistent)
+    return dataclasses.replace(config, pingpong=pingpong, watchdog=watchdog)
+
+
+def _variants(schedules, persistent):
+    """(pingpong, persistent, CTA cap) of every kernel variant the check runs."""
+    grids = ((False, None), (True, None), (True, PERSISTENT_SMALL_GRID)) if persistent else (
+        (False, None),)
+    return [(pp, grid, ctas) for pp in schedules for grid, ctas in grids]
+
+
+def check(cupy, schedules, watchdog, persistent=False):
+    from cuflash2 import _configs, _hopper, testing
 
     failures = 0
-    for pingpong, (i, case) in ((pp, c) for pp in schedules for c in enumerate(CASES)):
+    cases = CASES + (PERSISTENT_CASES if persistent else [])
+    if persistent:
+        skipped = sorted({_kernel_dim(c[5]) for c in cases if not _has_persistent(c[5])})
+        print(f"persistent grid: head dims {tuple(_configs.SM90_PERSISTENT_TILES)}; shapes on the "
+              f"d={skipped} kernels run on the one-tile-per-CTA grid only (no persistent "
+              f"specialisation: its O buffer does not fit shared memory)", flush=True)
+    for (pingpong, grid, ctas), (i, case) in (
+            (variant, c) for variant in _variants(schedules, persistent)
+            for c in enumerate(cases)):
         batch, sq, sk, h, hkv, d, dtype, causal, window, packed = case
-        label = (f"{'ping-pong' if pingpong else 'plain    '} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
-                 f"d{d} {dtype} causal={int(causal)} window={window}{' packed' if packed else ''}")
+        if grid and not _has_persistent(d):
+            continue
+        kind = "" if not grid else f" persistent{f'({ctas} CTAs)' if ctas else ''}"
+        label = (f"{'ping-pong' if pingpong else 'plain    '}{kind} b{batch} sq{sq} sk{sk} "
+                 f"h{h}/{hkv} d{d} {dtype} causal={int(causal)} window={window}"
+                 f"{' packed' if packed else ''}")
         q, k, v = _inputs(cupy, case, seed=i)
-        prepared = _hopper.prepare_forward_sm90(q, k, v, causal=causal, window_size=window,
-                                                config=_config(dtype, d, pingpong, watchdog))
+        prepared = _hopper.prepare_forward_sm90(
+            q, k, v, causal=causal, window_size=window,
+            config=_config(dtype, d, pingpong, watchdog, grid), persistent_ctas=ctas)
         prepared.out[...] = testing.poison_like(cupy, prepared.out.shape, prepared.out.dtype)
         prepared.lse.fill(math.nan)
         try:
@@ -130,32 +181,52 @@ def _time(cupy, fn, iters):
     return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
-def timing(cupy, iters):
+def timing(cupy, iters, persistent=False):
     import cuflash2
     from cuflash2 import _hopper, api, testing
 
-    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'plain ms':>9} {'TFLOP/s':>8} "
-          f"{'pingpong ms':>11} {'TFLOP/s':>8} {'mma.sync ms':>11} {'TFLOP/s':>8} {'best/mma':>8}")
+    # (column title, pingpong, persistent grid) of each Hopper column, then mma.sync.
+    columns = [("plain", False, False), ("pingpong", True, False)]
+    if persistent:
+        columns = [("plain", False, False), ("plain-pers", False, True),
+                   ("pingpong", True, False), ("pingpong-pers", True, True)]
+    seqlens = PERSISTENT_TIMING_SEQLENS if persistent else TIMING_SEQLENS
+    titles = [f"{name} ms" for name, _, _ in columns] + ["mma.sync ms"]
+    widths = [max(9, len(t)) for t in titles]
+    header = " ".join(f"{t:>{w}} {'TFLOP/s':>8}" for t, w in zip(titles, widths))
+    extra = f" {'pers/best':>9}" if persistent else ""
+    print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {header} {'best/mma':>8}{extra}")
     for dtype in ("float16", "bfloat16"):
         for d in TIMING_HEAD_DIMS:
             for causal in (False, True):
-                for seqlen in TIMING_SEQLENS:
+                for seqlen in seqlens:
                     batch, heads = TOKENS // seqlen, HIDDEN // d
                     q, k, v = testing.random_qkv(cupy, batch, seqlen, seqlen, heads, heads, d,
                                                  _dtype(dtype), seed=seqlen)
-                    times = [_time(cupy, _hopper.prepare_forward_sm90(
-                        q, k, v, causal=causal, config=_config(dtype, d, pingpong)).run, iters)
-                        for pingpong in (False, True)]
+                    times = []
+                    for _, pingpong, grid in columns:
+                        if grid and not _has_persistent(d):
+                            times.append(None)  # no persistent specialisation at this head dim
+                            continue
+                        config = _config(dtype, d, pingpong, persistent=grid)
+                        times.append(_time(cupy, _hopper.prepare_forward_sm90(
+                            q, k, v, causal=causal, config=config).run, iters))
                     _hopper.ENABLED = False  # the mma.sync kernel, planned afresh
                     api._forward_plans.plans.clear()
                     times.append(_time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal),
                                        iters))
                     _hopper.ENABLED = True
                     flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-                    row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}"
-                                   for t, w in zip(times, (9, 11, 11)))
-                    print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
-                          f"{times[2] / min(times[:2]):>7.3f}x", flush=True)
+                    row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}" if t is not None
+                                   else f"{'-':>{w}} {'-':>8}" for t, w in zip(times, widths))
+                    best = min(t for t, (_, _, grid) in zip(times, columns) if not grid)
+                    line = (f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
+                            f"{times[-1] / best:>7.3f}x")
+                    if persistent:
+                        pers = [t for t, (_, _, grid) in zip(times, columns)
+                                if grid and t is not None]
+                        line += f" {best / min(pers):>8.3f}x" if pers else f" {'-':>9}"
+                    print(line, flush=True)
 
 
 def main():
@@ -166,6 +237,9 @@ def main():
     parser.add_argument("--schedule", choices=("plain", "pingpong", "both"), default="both",
                         help="which consumer schedule(s) to check (a ping-pong hang on its named "
                              "barriers is not caught by --watchdog: try plain alone first)")
+    parser.add_argument("--persistent", action="store_true",
+                        help="also run each schedule on the persistent grid (head dims 64, 96, "
+                             "128): correctness, timing columns, 512 and 2048 tokens")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     import cupy
@@ -175,12 +249,15 @@ def main():
         print(f"needs an sm_90 GPU (H100/H200); this one is sm_{cc}")
         return 2
     schedules = {"plain": (False,), "pingpong": (True,), "both": (False, True)}[args.schedule]
-    failures = check(cupy, schedules, args.watchdog)
+    failures = check(cupy, schedules, args.watchdog, args.persistent)
+    shapes = len(CASES) + (len(PERSISTENT_CASES) if args.persistent else 0)
+    grids = " x (one-tile-per-CTA, persistent, persistent on a small grid)" if args.persistent \
+        else ""
     print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'} "
-          f"({len(CASES)} shapes x {len(schedules)} schedule(s))")
+          f"({shapes} shapes x {len(schedules)} schedule(s){grids})")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
-    timing(cupy, args.iters)
+    timing(cupy, args.iters, args.persistent)
     return 0
 
 
