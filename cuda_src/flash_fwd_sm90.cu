@@ -36,12 +36,27 @@
 // Scheduling: with PINGPONG the two consumers alternate on the tensor cores (named barriers),
 // each issuing S_j and P_{j-1} V_{j-1} in one turn; without it each runs its tiles in order.
 // _hopper.PINGPONG picks per head dim and causality, as measured. OVERLAP (either schedule; not
-// dispatched until measured) runs the softmax of tile j while P_{j-1} V_{j-1} is on the tensor
-// cores of the same warpgroup (wgmma.wait_group 1), K and V of a stage given back separately.
+// dispatched yet) runs the softmax of tile j while P_{j-1} V_{j-1} is on the tensor cores of the
+// same warpgroup (wgmma.wait_group 1), K and V of a stage given back separately.
+//
+// Grid: one CTA per work tile (BLOCK_M query rows of one head and batch) by default. PERSISTENT
+// (opt-in, FlashAttention-3's persistent scheme, not dispatched yet): at most one CTA per SM,
+// each looping over work tiles in a static order (PersistentTiles), so that the per-CTA fixed
+// cost is paid once and hidden: the producer's ring position continues across work tiles (it
+// loads the next tile's K/V as soon as stages free up), the next Q is loaded once both consumers
+// have completed their last S GEMM of the current tile (q_empty), and O is staged in a buffer of
+// its own, so the epilogue of tile t runs under the loads of tile t + 1. The extra O buffer
+// fits head dims 64, 96 (2 stages instead of 3) and 128 (_configs.SM90_PERSISTENT_TILES).
+// The two compose: every schedule (in order or ping-pong, with or without OVERLAP) runs on
+// either grid; the consumer loops address the ring through ring0-relative positions, and Q is
+// given back (q_empty) once the wait that completes the work tile's last S = Q K^T returned.
 //
 // TODO (next steps, docs/HOPPER_FWD.md):
-//  - a persistent grid whose producer loads the next tile's Q and K/V under the epilogue (short
-//    sequences lose 25-30% to cuDNN on the per-CTA fixed cost);
+//  - dispatch OVERLAP where the H200 measured it ahead (it passed the 25 dev-check shapes and
+//    leads most timing rows);
+//  - the persistent grid (alone and with OVERLAP) checked and measured on the H200, then
+//    dispatched where it wins (short sequences lose 25-30% to cuDNN on the per-CTA fixed cost);
+//    a dynamic (atomic) tile scheduler;
 //  - varlen; dropout.
 #include "hopper_primitives.cuh"
 #include "masking.cuh"
@@ -49,7 +64,8 @@
 #include "score_mods.cuh"
 #include "kernel_params.cuh"
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES,
+          bool PERSISTENT = false>
 struct FwdSm90Traits {
     static constexpr int WARPGROUP_THREADS = 128;
     static constexpr int ROWS_PER_WARPGROUP = 64;  // the M of wgmma
@@ -84,10 +100,15 @@ struct FwdSm90Traits {
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile, then V tile
+    static constexpr int KV_STAGES = STAGES;
+    // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and layout),
+    // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
+    // staged in the Q buffer.
+    static constexpr int O_BYTES = PERSISTENT ? Q_BYTES : 0;
     // The dynamic shared memory base is aligned to 1024 B by hand (the swizzle pattern repeats
     // every 8 rows = 1024 B, and the descriptors' base offset is 0): 1024 B of slack.
     static constexpr int SMEM_ALIGN = 1024;
-    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES + SMEM_ALIGN;
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
     static constexpr int KEYS_PER_TILE = BLOCK_N;
@@ -113,6 +134,9 @@ struct FwdSm90Traits {
     static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS +
                           CONSUMER_REGISTERS * CONSUMER_THREADS <= 65536,
                   "the setmaxnreg split fits the register file");
+    static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
+                  "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "
+                  "128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do not fit)");
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
 };
 
@@ -201,82 +225,549 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
     pin_registers(p);
 }
 
-// The mbarriers of the CTA (static shared memory, 8-byte aligned).
-template <int STAGES, bool V_EMPTY>
-struct FwdSm90Barriers {
+// The mbarriers of the CTA (static shared memory, 8-byte aligned). Each flag adds its own
+// barriers after those of the layers below it (derived structs), so that a specialisation
+// without either flag keeps the layout of the first struct, one with OVERLAP alone adds v_empty
+// right after kv_empty and one with PERSISTENT alone q_empty right after kv_empty.
+template <int STAGES>
+struct FwdSm90RingBarriers {
     u64 q_full;             // the Q tile landed
     u64 k_full[STAGES];     // K tile of the stage landed
     u64 v_full[STAGES];     // V tile of the stage landed
     u64 kv_empty[STAGES];   // every consumer thread is done with the stage's K (and V, unless
                             // V_EMPTY)
 };
+
 // V_EMPTY (with OVERLAP): K and V of a stage are given back separately. The overlapping schedule
 // reads K_j at S_j and V_j one GEMM later (in the next iteration), so it gives K back as soon as
 // S_j completed (kv_empty) and V after P_j V_j (v_empty): the producer's next K load into the
-// stage then need not wait for the P V of the tile before it. (A derived struct, so that the
-// other specialisations keep their shared-memory layout.)
+// stage then need not wait for the P V of the tile before it.
+template <int STAGES, bool V_EMPTY>
+struct FwdSm90KvBarriers : FwdSm90RingBarriers<STAGES> {};
 template <int STAGES>
-struct FwdSm90Barriers<STAGES, true> : FwdSm90Barriers<STAGES, false> {
+struct FwdSm90KvBarriers<STAGES, true> : FwdSm90RingBarriers<STAGES> {
     u64 v_empty[STAGES];    // every consumer thread is done with the stage's V
 };
 
+// Q_EMPTY (with PERSISTENT): the persistent grid reloads Q: one more barrier.
+template <int STAGES, bool V_EMPTY, bool Q_EMPTY>
+struct FwdSm90Barriers : FwdSm90KvBarriers<STAGES, V_EMPTY> {};
+template <int STAGES, bool V_EMPTY>
+struct FwdSm90Barriers<STAGES, V_EMPTY, true> : FwdSm90KvBarriers<STAGES, V_EMPTY> {
+    u64 q_empty;  // every consumer thread is done reading Q (its last S GEMM of the tile)
+};
+
+// One unit of work: BLOCK_M query rows (block m_block) of one (batch, head).
+struct FwdWorkTile {
+    int m_block;
+    int head;
+    int batch;
+};
+
+// The query rows of a work tile and the KV tiles they see: [tile_first, tile_end), visited from
+// the last one down. Empty when no row sees any key.
+struct FwdTileSpan {
+    int row_first, row_last;  // row_last clipped to the sequence
+    int tile_first, tile_end;
+    CF2_DEVICE bool empty() const { return tile_end <= tile_first; }
+};
+
+// What both roles derive from a work tile: its rows and KV tiles, the K/V head, and where its
+// output rows start (tile_context; the one-tile-per-CTA kernel spells it out in its prologue).
+struct FwdTileContext {
+    FwdWorkTile w;
+    int kv_head;
+    FwdTileSpan span;
+    u16* o_block;      // O row row_first of (batch, head)
+    float* lse_block;  // lse entry row_first of (batch, head)
+};
+
+// Which keys a query row sees (masking.cuh).
+CF2_DEVICE KeyVisibility key_visibility(const FwdParams& p) {
+    return {p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
+}
+
+template <int BLOCK_M, int BLOCK_N>
+CF2_DEVICE FwdTileContext tile_context(const FwdParams& p, const FwdWorkTile& w) {
+    const int kv_head = w.head / p.heads_per_kv_head;
+    const int row_first = w.m_block * BLOCK_M;
+    const int row_last = min(row_first + BLOCK_M, p.seqlen_q) - 1;
+    const KeyVisibility vis = key_visibility(p);
+    int tile_first, tile_end;
+    vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
+    u16* o_block = p.out + w.batch * p.o_batch_stride + w.head * p.o_head_stride +
+                   row_first * p.o_row_stride;
+    float* lse_block =
+        p.lse + (static_cast<i64>(w.batch) * p.nheads + w.head) * p.seqlen_q + row_first;
+    return {w, kv_head, {row_first, row_last, tile_first, tile_end}, o_block, lse_block};
+}
+
+// The work tile of a CTA of the one-tile-per-CTA grid (m blocks, heads, batch). With an upper
+// limit on keys (causal), later Q blocks see more keys: start those first so that the long CTAs
+// do not form the tail of the grid.
+CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p) {
+    const int m_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    return {m_block, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z + p.batch_offset)};
+}
+
+// The work tiles of the persistent grid in the order its CTAs take them: CTA b takes tiles b,
+// b + gridDim.x, b + 2 gridDim.x, ... (a static schedule). The (batch, head) pairs, numbered
+// batch * nheads + head (the heads of one K/V head side by side), are cut into sections of
+// section_pairs; a section's tiles come m block by m block, every pair of the section inside an m
+// block, so the CTAs running at one time read the K/V of one section, which the host sizes to
+// fit L2 (FlashAttention-3's L2 swizzle). Under an upper limit on keys (causal) the m blocks run
+// from the last: the longest tiles first, the short ones fill the tail. A 1-D index over every
+// batch: no grid dimension limits the batch.
+struct PersistentTiles {
+    int m_blocks;
+    int pairs;          // batch * nheads
+    int section_pairs;  // 1 .. pairs
+    int nheads;
+    int batch_offset;
+    bool longest_first;
+
+    CF2_DEVICE int count() const { return m_blocks * pairs; }
+
+    CF2_DEVICE FwdWorkTile operator[](int t) const {
+        const int section_tiles = section_pairs * m_blocks;
+        const int section = t / section_tiles;
+        const int first_pair = section * section_pairs;
+        const int width = min(section_pairs, pairs - first_pair);  // the last section: the rest
+        const int in_section = t - section * section_tiles;
+        const int m = in_section / width;
+        const int pair = first_pair + in_section - m * width;
+        const int batch = pair / nheads;
+        return {longest_first ? m_blocks - 1 - m : m, pair - batch * nheads, batch + batch_offset};
+    }
+};
+
+// Rows row0 .. row0 + ROWS - 1 of a work tile whose rows see no key: O = 0 and lse = +inf (the
+// log of an empty sum), written by THREADS threads, `tid` being one of them. No shared memory,
+// no barrier. head_chunks: the 16-byte chunks actually present in an O row.
+template <class T, int ROWS, int THREADS>
+CF2_DEVICE void store_empty_rows(const FwdParams& p, const FwdTileContext& c, int head_chunks,
+                                 int row0, int tid) {
+    u16* o_block = c.o_block;
+    float* lse_block = c.lse_block;
+    const int row_first = c.span.row_first;
+    constexpr int CHUNKS = T::DIM / 8;
+    const u32 zeros[4] = {0u, 0u, 0u, 0u};
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int row = row0 + idx / CHUNKS, chunk = idx % CHUNKS;
+        if (row_first + row < p.seqlen_q && chunk < head_chunks)
+            store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
+    }
+    for (int row = row0 + tid; row < row0 + ROWS; row += THREADS)
+        if (row_first + row < p.seqlen_q) lse_block[row] = pos_inf();
+}
+
+// The producer's loads for one work tile (thread 0 of warpgroup 0): Q, then K_j and V_j of every
+// KV tile the rows see, from the last one down, into the ring from position ring0 on: the j-th
+// tile visited takes position ring0 + j, stage (ring0 + j) % STAGES, whose barriers are in their
+// ((ring0 + j) / STAGES)-th phase. Positions continue across a persistent CTA's work tiles, so
+// the producer runs ahead into the next work tile while the consumers finish this one.
+// PERSISTENT: Q goes in after K of the first KV tile (which needs only a free stage), once every
+// consumer thread is done with the previous work tile's Q (q_empty, round q_round - 1; a fresh
+// barrier passes round 0 at once).
+// OVERLAP: kv_empty gives back a stage's K alone; V goes in once its V is given back (v_empty).
+// With both, Q comes before the wait for V: the previous work tile's last S = Q K^T completes
+// before the P V whose V the wait is for.
+template <class T, bool OVERLAP, bool PERSISTENT>
+CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,
+                             int q_round, u32 q_smem, u32 kv_smem,
+                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
+    constexpr int STAGES = T::KV_STAGES;
+    const FwdWorkTile& w = c.w;
+    const FwdTileSpan& span = c.span;
+    const int kv_head = c.kv_head;
+    auto load_q = [&]() {
+        const u32 q_full = smem_address(&bars.q_full);
+        mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
+#pragma unroll
+        for (int panel = 0; panel < T::PANELS; ++panel)
+            tma_load_4d(q_smem + panel * T::Q_PANEL_BYTES, params.q_map, q_full,
+                        T::PANEL_COLS * panel, span.row_first, w.head, w.batch);
+    };
+    if constexpr (!PERSISTENT) load_q();
+    for (int tile = span.tile_end - 1, j = 0; tile >= span.tile_first; --tile, ++j) {
+        const int ring = ring0 + j;
+        const int stage = ring % STAGES;
+        const u32 phase = (ring / STAGES) & 1;
+        // Wait until the consumers released the stage's previous tile (its K alone with OVERLAP;
+        // the first pass over the ring waits for parity 1 of fresh barriers: it passes at once).
+        mbarrier_wait(smem_address(&bars.kv_empty[stage]), phase ^ 1);
+        const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
+        const u32 v_tile = k_tile + T::KV_TILE_BYTES;
+        const u32 k_full = smem_address(&bars.k_full[stage]);
+        const u32 v_full = smem_address(&bars.v_full[stage]);
+        mbarrier_arrive_expect_tx(k_full, T::KV_TILE_BYTES);
+#pragma unroll
+        for (int panel = 0; panel < T::PANELS; ++panel)
+            tma_load_4d(k_tile + panel * T::KV_PANEL_BYTES, params.k_map, k_full,
+                        T::PANEL_COLS * panel, tile * T::KEYS_PER_TILE, kv_head, w.batch);
+        if constexpr (PERSISTENT) {
+            if (j == 0) {
+                mbarrier_wait(smem_address(&bars.q_empty), (q_round & 1) ^ 1);
+                load_q();
+            }
+        }
+        // With OVERLAP the consumers give the stage's V back separately, after its P V.
+        if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
+        mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
+#pragma unroll
+        for (int panel = 0; panel < T::PANELS; ++panel)
+            tma_load_4d(v_tile + panel * T::KV_PANEL_BYTES, params.v_map, v_full,
+                        T::PANEL_COLS * panel, tile * T::KEYS_PER_TILE, kv_head, w.batch);
+    }
+}
+
+// One work tile of a consumer warpgroup (warpgroup 1 + c owns rows 64 c .. 64 c + 63 of it):
+// the FA2 loop over its KV tiles from ring position ring0 on (produce_tile), then the epilogue.
+// q_round: the how-many-th Q of this CTA the tile's Q is (the parity of its q_full phase).
+template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT>
+CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
+                             const FwdTileContext& c, int head_chunks, int ring0, int q_round,
+                             int consumer, u32 q_smem, u32 kv_smem, u32 o_smem,
+                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
+    constexpr int STAGES = T::KV_STAGES;
+    constexpr int BLOCK_N = T::KEYS_PER_TILE;
+    const FwdWorkTile& w = c.w;
+    const FwdTileSpan& span = c.span;
+    const int row_first = span.row_first, row_last = span.row_last;
+    const int tile_first = span.tile_first, tile_end = span.tile_end;
+    const int warp = (threadIdx.x / 32) % 4;  // in the warpgroup: rows 16 warp .. + 15
+    const int lane = threadIdx.x % 32;
+    const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;  // in the tile
+    // This warpgroup's rows in every panel of Q (A operand of S = Q K^T).
+    const u32 q_rows = q_smem + wg_row0 * T::ROW_BYTES;
+
+    // The unnormalised output, as one m16 tile a warp (the layout online_softmax.cuh takes).
+    float acc_o[1][T::D_TILES][4];
+#pragma unroll
+    for (int dt = 0; dt < T::D_TILES; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    OnlineSoftmax<1> softmax;  // one m16 tile a warp: this thread's rows g and g + 8
+    ScoreMods<FEATURES> mods(p.mods, p.seqlen_q, p.seqlen_k);
+    mods.select_head(p.mods, w.batch, w.head);
+
+    // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or the
+    // sequence tail and need masking; the others run without any masking code. The range is the
+    // work tile's (the producer loads the same tiles for both warpgroups).
+    int unmasked_lo, unmasked_hi;
+    vis.unmasked_tile_range(row_first, row_last, BLOCK_N, unmasked_lo, unmasked_hi);
+
+    // Ring addresses of the j-th tile visited in this work tile (tile = tile_end - 1 - j): ring
+    // position ring0 + j (positions continue across a persistent CTA's work tiles), stage
+    // (ring0 + j) % STAGES, whose barriers are in their ((ring0 + j) / STAGES)-th phase.
+    auto ring_of = [&](int j) { return ring0 + j; };
+    auto k_tile_of = [&](int j) { return kv_smem + (ring_of(j) % STAGES) * T::STAGE_BYTES; };
+    auto v_tile_of = [&](int j) { return k_tile_of(j) + T::KV_TILE_BYTES; };
+    auto wait_k = [&](int j) {
+        mbarrier_wait(smem_address(&bars.k_full[ring_of(j) % STAGES]), (ring_of(j) / STAGES) & 1);
+    };
+    auto wait_v = [&](int j) {
+        mbarrier_wait(smem_address(&bars.v_full[ring_of(j) % STAGES]), (ring_of(j) / STAGES) & 1);
+    };
+    auto release = [&](int j) {
+        mbarrier_arrive(smem_address(&bars.kv_empty[ring_of(j) % STAGES]));
+    };
+    // OVERLAP gives K and V of a stage back separately (FwdSm90KvBarriers::v_empty).
+    auto release_k = [&](int j) {
+        mbarrier_arrive(smem_address(&bars.kv_empty[ring_of(j) % STAGES]));
+    };
+    auto release_v = [&](int j) {
+        if constexpr (OVERLAP) mbarrier_arrive(smem_address(&bars.v_empty[ring_of(j) % STAGES]));
+    };
+    // After the work tile's last S GEMM has completed, Q is no longer read: the producer may load
+    // the next work tile's Q (persistent grid) under this tile's last P V and epilogue.
+    auto release_q = [&]() {
+        if constexpr (PERSISTENT) mbarrier_arrive(smem_address(&bars.q_empty));
+    };
+
+    // S_j in place: score modifiers, mask (boundary tiles only). S is in the mma.sync
+    // accumulator layout of one m16 tile per warp.
+    auto score_step = [&](float (&acc_s)[1][T::N_TILES][4], int tile) {
+        // This thread's first accumulator row (query index) and key.
+        const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
+        const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
+        if constexpr (FEATURES != 0) mods.apply(acc_s, thread_row0, thread_key0);
+        if (tile < unmasked_lo || tile >= unmasked_hi)
+            mask_scores<1, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
+    };
+    // S_j -> P_j: score_step, online softmax (new running max; O and l rescaled where it moved),
+    // then P = exp2(S * scale_log2 - m) packed to 16 bits as the A operand of P V, one k16 slice
+    // at a time.
+    auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::PV_STEPS][4],
+                            int tile) {
+        score_step(acc_s, tile);
+        softmax.update_max(acc_s, acc_o, p.scale_log2);
+#pragma unroll
+        for (int ks = 0; ks < T::PV_STEPS; ++ks)
+            softmax.template exp_pack<Elem>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1], 0,
+                                            p.scale_log2);
+    };
+
+    mbarrier_wait(smem_address(&bars.q_full), q_round & 1);
+    if constexpr (OVERLAP) {
+        // The overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining).
+        // Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two commit groups, in that
+        // order. wgmma groups complete in order, so `wait_group 1` (at most one group pending)
+        // returns once S_j is complete while P_{j-1} V_{j-1} may still run, and the softmax of
+        // tile j runs under that GEMM: score modifiers, mask, new running max (the sums rescaled,
+        // O's factors kept for later), the exponentials in place in the S registers (fp32). The
+        // next iteration opens with `wait_group 0`: O is complete and the P registers are free,
+        // so P_j is packed from the S registers before S_{j+1} overwrites them. (The wait opens
+        // an iteration rather than closing one because ptxas hoists a wgmma wait to the top of
+        // its basic block: after the softmax, in the same block, it would move above the softmax
+        // and serialise it behind the P V again. The loop's back edge keeps it below.)
+        // O's rescale for tile j's max has to land between P_{j-1} V_{j-1} (which writes O) and
+        // P_j V_j: it runs once S_{j+1} was issued, its multiplies under that Q K^T GEMM. Same
+        // online softmax: O_j = c_j O_{j-1} + P_j V_j.
+        // Registers: S_j, P_{j-1} and O live together (as in ping-pong).
+        // pin_registers fences each wgmma window: before wgmma_fence (what ordinary instructions
+        // wrote is in place) and after each wait (nothing reads a result, or reuses a register
+        // the GEMM still reads, earlier).
+        // K_j is read by S_j alone and given back once S_j completed (release_k); V_{j-1} after
+        // its P V (release_v). Q is read by the S GEMMs alone: the work tile's last one,
+        // S_{tiles-1}, is complete once the wait_group 1 of the last iteration returned (the
+        // wait_group 0 of tile 0 for a work tile of one KV tile), and Q goes back there
+        // (release_q), under the last P V GEMMs, the last softmax and the epilogue.
+        // With PINGPONG the two GEMMs of an iteration are one turn of the consumers' alternation
+        // (turns as in the ping-pong branch below, in step across a persistent CTA's tiles).
+        const int my_turn = T::TURN_BARRIER + consumer;
+        const int other_turn = T::TURN_BARRIER + (1 - consumer);
+        auto take_turn = [&]() {
+            if constexpr (PINGPONG) named_barrier_sync(my_turn, T::CONSUMER_THREADS);
+        };
+        auto hand_over = [&](bool to_other) {
+            if constexpr (PINGPONG)
+                if (to_other) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
+        };
+        if constexpr (PINGPONG)
+            if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
+        float acc_s[1][T::N_TILES][4];
+        u32 p_frag[T::PV_STEPS][4];
+        float correction[2];   // O's factors for the running max of the last softmax
+        bool rescale = false;  // whether any row of the warp needs them (O = 0 at first)
+        // Waits for P_{j-1} V_{j-1} (every wgmma of this warpgroup), gives V_{j-1} back and packs
+        // P_j from the probabilities in the S registers.
+        auto finish_pv_pack = [&](int j) {
+            wgmma_wait_group<0>();
+            pin_registers(acc_o[0]);
+            pin_registers(p_frag);
+            if (j > 0) release_v(j - 1);
+#pragma unroll
+            for (int ks = 0; ks < T::PV_STEPS; ++ks)
+                softmax.template pack_p<Elem>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1]);
+        };
+        const int tiles = tile_end - tile_first;
+
+        // Tile 0: S_0 alone, then its softmax.
+        wait_k(0);
+        take_turn();
+        pin_registers(acc_s[0]);
+        wgmma_fence();
+        issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(0));
+        wgmma_commit_group();
+        hand_over(true);
+        wgmma_wait_group<0>();
+        pin_registers(acc_s[0]);
+        release_k(0);
+        if (tiles == 1) release_q();  // S_0 was the last S GEMM
+        score_step(acc_s, tile_end - 1);
+        softmax.fold_max(acc_s, p.scale_log2, correction);  // O is 0: no rescale
+        softmax.exp_scores(acc_s, p.scale_log2);
+        for (int j = 1; j < tiles; ++j) {
+            finish_pv_pack(j - 1);  // P_{j-2} V_{j-2} (none at j = 1); P_{j-1}
+            wait_k(j);
+            take_turn();
+            pin_registers(acc_s[0]);
+            pin_registers(acc_o[0]);
+            pin_registers(p_frag);
+            wgmma_fence();
+            issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
+            wgmma_commit_group();  // group 1: S_j
+            // O is complete (P_{j-2} V_{j-2} was waited for): tile j-1's rescale.
+            softmax.rescale_o(acc_o, correction, rescale);
+            pin_registers(acc_o[0]);
+            wait_v(j - 1);
+            wgmma_fence();  // O was written by the rescale
+            issue_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(j - 1));
+            wgmma_commit_group();  // group 2: P_{j-1} V_{j-1}
+            hand_over(true);
+            wgmma_wait_group<1>();  // S_j complete; P_{j-1} V_{j-1} may still run
+            pin_registers(acc_s[0]);
+            release_k(j);
+            if (j == tiles - 1) release_q();  // S_j was the last S GEMM
+            score_step(acc_s, tile_end - 1 - j);
+            rescale = softmax.fold_max(acc_s, p.scale_log2, correction);
+            softmax.exp_scores(acc_s, p.scale_log2);
+        }
+        // The last P V, after the rescale for the last tile's max.
+        finish_pv_pack(tiles - 1);
+        softmax.rescale_o(acc_o, correction, rescale);
+        wait_v(tiles - 1);
+        take_turn();
+        pin_registers(acc_o[0]);
+        pin_registers(p_frag);
+        wgmma_fence();
+        issue_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(tiles - 1));
+        wgmma_commit_group();
+        hand_over(consumer == 0);  // as in ping-pong: consumer 1's last turn is the last one
+        wgmma_wait_group<0>();
+        pin_registers(acc_o[0]);
+        pin_registers(p_frag);
+        release_v(tiles - 1);
+    } else if constexpr (!PINGPONG) {
+        // Per tile, in order: S_j = Q K_j^T as soon as K_j landed; P_j; O += P_j V_j as soon as
+        // V_j landed; the stage goes back to the producer.
+        for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
+            float acc_s[1][T::N_TILES][4];
+            u32 p_frag[T::PV_STEPS][4];
+            wait_k(j);
+            gemm_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
+            if (tile == tile_first) release_q();
+            softmax_step(acc_s, p_frag, tile);
+            wait_v(j);
+            gemm_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(j));
+            release(j);
+        }
+    } else {
+        // Ping-pong: the GEMMs of tile j are S_j and P_{j-1} V_{j-1}, issued in one turn, and the
+        // turns alternate between the two consumers (named barriers TURN_BARRIER + c): while one
+        // computes its softmax, the tensor cores run the other's GEMMs. O is up to date with
+        // P_{j-1} V_{j-1} before the softmax of tile j rescales it, so this is the same online
+        // softmax. Consumer 1 hands consumer 0 the first turn; its own last turn hands nothing
+        // over (no turn of consumer 0 follows in this work tile; the next work tile starts with
+        // the same hand-over, so the turns stay in step across a persistent CTA's tiles).
+        const int my_turn = T::TURN_BARRIER + consumer;
+        const int other_turn = T::TURN_BARRIER + (1 - consumer);
+        if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
+        float acc_s[1][T::N_TILES][4];
+        u32 p_frag[T::PV_STEPS][4];
+        const int tiles = tile_end - tile_first;
+        wait_k(0);
+        gemm_turn<true, false, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, k_tile_of(0), 0,
+                                        my_turn, other_turn, true);
+        if (tiles == 1) release_q();
+        softmax_step(acc_s, p_frag, tile_end - 1);
+        for (int j = 1; j < tiles; ++j) {
+            wait_k(j);
+            wait_v(j - 1);
+            gemm_turn<true, true, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, k_tile_of(j),
+                                           v_tile_of(j - 1), my_turn, other_turn, true);
+            release(j - 1);
+            if (j == tiles - 1) release_q();
+            softmax_step(acc_s, p_frag, tile_end - 1 - j);
+        }
+        wait_v(tiles - 1);
+        gemm_turn<false, true, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, 0,
+                                        v_tile_of(tiles - 1), my_turn, other_turn,
+                                        consumer == 0);
+        release(tiles - 1);
+    }
+
+    // Epilogue: divide by l once; stage the tile through this warpgroup's own rows of the O
+    // buffer, in Q's swizzled layout (conflict-free), then write 16-byte row chunks to global
+    // memory. Without PERSISTENT the O buffer is the Q buffer: no other warpgroup reads those
+    // rows and this one's last wgmma reading them has completed. With it, O has a buffer of its
+    // own (the next work tile's Q may be landing in Q's), reused tile after tile.
+    u16* o_block = c.o_block;
+    float* lse_block = c.lse_block;
+    float inv_sum[2], row_lse[2];
+    softmax.finalize(p.softmax_scale, inv_sum, row_lse);
+    if constexpr (PERSISTENT)
+        // Every warp of the warpgroup has read the previous work tile's O out of the buffer.
+        named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
+    else
+        fence_proxy_async_shared();  // Q was last read by wgmma (async proxy); now plain stores
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = wg_row0 + 16 * warp + 8 * half + lane / 4;  // in the tile
+#pragma unroll
+        for (int dt = 0; dt < T::D_TILES; ++dt) {
+            const u32 packed = pack_pair<Elem>(acc_o[0][dt][2 * half] * inv_sum[half],
+                                               acc_o[0][dt][2 * half + 1] * inv_sum[half]);
+            store_4B_shared(swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, dt) + 4 * (lane % 4),
+                            packed);
+        }
+        if (lane % 4 == 0 && row_first + row < p.seqlen_q) lse_block[row] = row_lse[half];
+    }
+    named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
+    const int tid = threadIdx.x % T::WARPGROUP_THREADS;
+    constexpr int CHUNKS = T::DIM / 8;
+#pragma unroll
+    for (int i = 0; i < T::ROWS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
+        const int idx = tid + T::WARPGROUP_THREADS * i;
+        const int row = wg_row0 + idx / CHUNKS;
+        const int chunk = idx % CHUNKS;
+        if (row_first + row < p.seqlen_q && chunk < head_chunks) {
+            u32 vals[4];
+            load_16B_shared(vals, swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, chunk));
+            store_16B_global(o_block + row * p.o_row_stride + chunk * 8, vals);
+        }
+    }
+}
+
 // PINGPONG: the consumers take turns on the tensor cores (one's softmax under the other's GEMMs;
-// see the consumer loop); false: each consumer runs its tiles straight through.
+// see consume_tile); false: each consumer runs its tiles straight through.
 // OVERLAP: the overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining): the
-// softmax of tile j runs while the tensor cores compute P_{j-1} V_{j-1} (see the consumer loop).
-// With or without PINGPONG.
+// softmax of tile j runs while the tensor cores compute P_{j-1} V_{j-1} (see consume_tile).
+// With or without PINGPONG, on either grid.
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0. Varlen and dropout
 // stay on the mma.sync kernel for now. The parameters: FwdSm90Params (kernel_params.cuh).
+// PERSISTENT: a grid of at most one CTA per SM, each looping over work tiles (PersistentTiles);
+// the producer loads the next work tile's Q and K/V while the consumers finish the current one
+// and store it (O staged in a buffer of its own). Otherwise one CTA per work tile, the grid
+// (m blocks, heads, batch).
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
-          bool OVERLAP, int FEATURES>
-__global__ void __launch_bounds__(FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::THREADS, 1)
+          bool OVERLAP, int FEATURES, bool PERSISTENT>
+__global__ void __launch_bounds__(
+    FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
-    using T = FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
+    using T = FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>;
     static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
                   "varlen and dropout run on the mma.sync kernel");
     static_assert(!PINGPONG || T::CONSUMER_WARPGROUPS == 2, "ping-pong takes two consumers");
     const FwdParams& p = params.base;
 
     extern __shared__ unsigned char smem[];
-    __shared__ FwdSm90Barriers<STAGES, OVERLAP> bars;
+    __shared__ FwdSm90Barriers<STAGES, OVERLAP, PERSISTENT> bars;
     const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
     const u32 q_smem = smem_base;
     const u32 kv_smem = q_smem + T::Q_BYTES;  // stage s: K at + s * STAGE_BYTES, V after it
-    const u32 q_full = smem_address(&bars.q_full);
+    // O is staged in the Q buffer, or after the ring in a buffer of its own (PERSISTENT).
+    const u32 o_smem = PERSISTENT ? kv_smem + STAGES * T::STAGE_BYTES : q_smem;
 
-    // With an upper limit on keys (causal), later Q blocks see more keys: start those first so
-    // that the long CTAs do not form the tail of the grid.
-    const int m_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z + p.batch_offset;
-    const int kv_head = head / p.heads_per_kv_head;
-    const int row_first = m_block * BLOCK_M;
+    // The CTA's own work tile on the one-tile-per-CTA grid (unused by the persistent grid). This
+    // is tile_context() spelt out in the order the kernel has always computed it, so that the
+    // one-tile-per-CTA specialisations keep their SASS.
+    const FwdWorkTile own_tile = grid_work_tile(p);
+    const int kv_head = own_tile.head / p.heads_per_kv_head;
+    const int row_first = own_tile.m_block * BLOCK_M;
     const int row_last = min(row_first + BLOCK_M, p.seqlen_q) - 1;
-
-    const KeyVisibility vis{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
+    const KeyVisibility vis = key_visibility(p);
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
-
-    u16* o_block = p.out + batch * p.o_batch_stride + head * p.o_head_stride +
+    u16* o_block = p.out + own_tile.batch * p.o_batch_stride + own_tile.head * p.o_head_stride +
                    row_first * p.o_row_stride;
-    float* lse_block = p.lse + (static_cast<i64>(batch) * p.nheads + head) * p.seqlen_q + row_first;
-    const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in each row
-
-    if (tile_end <= tile_first) {
-        // No row of this block sees any key: output 0, lse +inf (the whole CTA, before any role).
-        const u32 zeros[4] = {0u, 0u, 0u, 0u};
-        for (int idx = threadIdx.x; idx < BLOCK_M * (HEAD_DIM / 8); idx += T::THREADS) {
-            const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
-            if (row_first + row < p.seqlen_q && chunk < head_chunks)
-                store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
+    float* lse_block = p.lse + (static_cast<i64>(own_tile.batch) * p.nheads + own_tile.head) *
+                                   p.seqlen_q + row_first;
+    const FwdTileContext own{own_tile, kv_head, {row_first, row_last, tile_first, tile_end},
+                             o_block, lse_block};
+    const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in an O row
+    if constexpr (!PERSISTENT) {
+        // No row of this block sees any key: O = 0, lse = +inf, by the whole CTA before any role.
+        if (own.span.empty()) {
+            store_empty_rows<T, BLOCK_M, T::THREADS>(p, own, head_chunks, 0, threadIdx.x);
+            return;
         }
-        for (int row = threadIdx.x; row < BLOCK_M; row += T::THREADS)
-            if (row_first + row < p.seqlen_q) lse_block[row] = pos_inf();
-        return;
     }
 
     if (threadIdx.x == 0) {
-        mbarrier_init(q_full, 1);
+        mbarrier_init(smem_address(&bars.q_full), 1);
+        if constexpr (PERSISTENT) mbarrier_init(smem_address(&bars.q_empty), T::CONSUMER_THREADS);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(smem_address(&bars.k_full[s]), 1);  // the producer's expect_tx arrival
@@ -289,293 +780,57 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     }
     __syncthreads();
 
-    // Ring position of the j-th tile visited (tile = tile_end - 1 - j): stage j % STAGES, whose
-    // barriers are in their (j / STAGES)-th phase.
+    // Runs work(tile, ring0, q_round) for each work tile of this CTA whose rows see a key and
+    // empty(tile) for the others (tile: its FwdTileContext). ring0 is the ring position of the
+    // tile's first KV tile (the KV tiles of the CTA's earlier work tiles), q_round the number of
+    // Qs loaded before its own; a tile that sees no key is loaded by no one and takes neither.
+    // Both roles walk the same tiles in the same order, so their ring positions and phases agree.
+    auto for_each_work_tile = [&](auto&& work, auto&& empty) {
+        if constexpr (!PERSISTENT) {
+            work(own, 0, 0);
+        } else {
+            const PersistentTiles order{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M,
+                                        params.batch * p.nheads, params.section_pairs, p.nheads,
+                                        p.batch_offset, p.window_right >= 0};
+            int ring = 0, q_round = 0;
+            for (int t = blockIdx.x; t < order.count(); t += gridDim.x) {
+                const FwdTileContext tile = tile_context<BLOCK_M, BLOCK_N>(p, order[t]);
+                if (tile.span.empty()) {
+                    empty(tile);
+                    continue;
+                }
+                work(tile, ring, q_round);
+                ring += tile.span.tile_end - tile.span.tile_first;
+                ++q_round;
+            }
+        }
+    };
+
     const int warpgroup = threadIdx.x / T::WARPGROUP_THREADS;
     if (warpgroup == 0) {
         // ---- producer ----
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) {
-            mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
-#pragma unroll
-            for (int panel = 0; panel < T::PANELS; ++panel)
-                tma_load_4d(q_smem + panel * T::Q_PANEL_BYTES, params.q_map, q_full,
-                            T::PANEL_COLS * panel, row_first, head, batch);
-            for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
-                const int stage = j % STAGES;
-                const u32 phase = (j / STAGES) & 1;
-                // Wait until the consumers released the stage's previous tile (its K alone with
-                // OVERLAP; the first pass over the ring waits for parity 1 of fresh barriers: it
-                // passes at once).
-                mbarrier_wait(smem_address(&bars.kv_empty[stage]), phase ^ 1);
-                const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
-                const u32 v_tile = k_tile + T::KV_TILE_BYTES;
-                const u32 k_full = smem_address(&bars.k_full[stage]);
-                const u32 v_full = smem_address(&bars.v_full[stage]);
-                mbarrier_arrive_expect_tx(k_full, T::KV_TILE_BYTES);
-#pragma unroll
-                for (int panel = 0; panel < T::PANELS; ++panel)
-                    tma_load_4d(k_tile + panel * T::KV_PANEL_BYTES, params.k_map, k_full,
-                                T::PANEL_COLS * panel, tile * BLOCK_N, kv_head, batch);
-                // With OVERLAP the consumers give the stage's V back separately, after its P V.
-                if constexpr (OVERLAP)
-                    mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
-                mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
-#pragma unroll
-                for (int panel = 0; panel < T::PANELS; ++panel)
-                    tma_load_4d(v_tile + panel * T::KV_PANEL_BYTES, params.v_map, v_full,
-                                T::PANEL_COLS * panel, tile * BLOCK_N, kv_head, batch);
-            }
-        }
+        if (threadIdx.x == 0)
+            for_each_work_tile(
+                [&](const FwdTileContext& tile, int ring0, int q_round) {
+                    produce_tile<T, OVERLAP, PERSISTENT>(params, tile, ring0, q_round, q_smem,
+                                                         kv_smem, bars);
+                },
+                [](const FwdTileContext&) {});  // nothing to load
     } else {
-        // ---- consumers: warpgroup 1 + c owns rows 64 c .. 64 c + 63 of the tile ----
+        // ---- consumers: warpgroup 1 + c owns rows 64 c .. 64 c + 63 of each work tile ----
         setmaxnreg_inc<T::CONSUMER_REGISTERS>();
         const int consumer = warpgroup - 1;
-        const int warp = (threadIdx.x / 32) % 4;  // in the warpgroup: rows 16 warp .. + 15
-        const int lane = threadIdx.x % 32;
-        const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;  // in the tile
-        // This warpgroup's rows in every panel of Q (A operand of S = Q K^T).
-        const u32 q_rows = q_smem + wg_row0 * T::ROW_BYTES;
-
-        // The unnormalised output, as one m16 tile a warp (the layout online_softmax.cuh takes).
-        float acc_o[1][T::D_TILES][4];
-#pragma unroll
-        for (int dt = 0; dt < T::D_TILES; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-        OnlineSoftmax<1> softmax;  // one m16 tile a warp: this thread's rows g and g + 8
-        ScoreMods<FEATURES> mods(p.mods, p.seqlen_q, p.seqlen_k);
-        mods.select_head(p.mods, batch, head);
-
-        // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or
-        // the sequence tail and need masking; the others run without any masking code. The range
-        // is the CTA's (the producer loads the same tiles for both warpgroups).
-        int unmasked_lo, unmasked_hi;
-        vis.unmasked_tile_range(row_first, row_last, BLOCK_N, unmasked_lo, unmasked_hi);
-
-        // Ring addresses of the j-th tile visited (tile = tile_end - 1 - j): stage j % STAGES,
-        // whose barriers are in their (j / STAGES)-th phase.
-        auto k_tile_of = [&](int j) { return kv_smem + (j % STAGES) * T::STAGE_BYTES; };
-        auto v_tile_of = [&](int j) { return k_tile_of(j) + T::KV_TILE_BYTES; };
-        auto wait_k = [&](int j) {
-            mbarrier_wait(smem_address(&bars.k_full[j % STAGES]), (j / STAGES) & 1);
-        };
-        auto wait_v = [&](int j) {
-            mbarrier_wait(smem_address(&bars.v_full[j % STAGES]), (j / STAGES) & 1);
-        };
-        auto release = [&](int j) { mbarrier_arrive(smem_address(&bars.kv_empty[j % STAGES])); };
-        // OVERLAP gives K and V of a stage back separately (FwdSm90Barriers::v_empty).
-        auto release_k = [&](int j) { mbarrier_arrive(smem_address(&bars.kv_empty[j % STAGES])); };
-        auto release_v = [&](int j) {
-            if constexpr (OVERLAP) mbarrier_arrive(smem_address(&bars.v_empty[j % STAGES]));
-        };
-
-        // S_j in place: score modifiers, mask (boundary tiles only). S is in the mma.sync
-        // accumulator layout of one m16 tile per warp.
-        auto score_step = [&](float (&acc_s)[1][T::N_TILES][4], int tile) {
-            // This thread's first accumulator row (query index) and key.
-            const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
-            const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
-            if constexpr (FEATURES != 0) mods.apply(acc_s, thread_row0, thread_key0);
-            if (tile < unmasked_lo || tile >= unmasked_hi)
-                mask_scores<1, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
-        };
-        // S_j -> P_j: score_step, online softmax (new running max; O and l rescaled where it
-        // moved), then P = exp2(S * scale_log2 - m) packed to 16 bits as the A operand of P V,
-        // one k16 slice at a time.
-        auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::PV_STEPS][4],
-                                int tile) {
-            score_step(acc_s, tile);
-            softmax.update_max(acc_s, acc_o, p.scale_log2);
-#pragma unroll
-            for (int ks = 0; ks < T::PV_STEPS; ++ks)
-                softmax.template exp_pack<Elem>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1],
-                                                0, p.scale_log2);
-        };
-
-        mbarrier_wait(q_full, 0);
-        if constexpr (OVERLAP) {
-            // The overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining).
-            // Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two commit groups, in
-            // that order. wgmma groups complete in order, so `wait_group 1` (at most one group
-            // pending) returns once S_j is complete while P_{j-1} V_{j-1} may still run, and the
-            // softmax of tile j runs under that GEMM: score modifiers, mask, new running max (the
-            // sums rescaled, O's factors kept for later), the exponentials in place in the S
-            // registers (fp32). The next iteration opens with `wait_group 0`: O is complete and
-            // the P registers are free, so P_j is packed from the S registers before S_{j+1}
-            // overwrites them. (The wait opens an iteration rather than closing one because ptxas
-            // hoists a wgmma wait to the top of its basic block: after the softmax, in the same
-            // block, it would move above the softmax and serialise it behind the P V again. The
-            // loop's back edge keeps it below.)
-            // O's rescale for tile j's max has to land between P_{j-1} V_{j-1} (which writes O)
-            // and P_j V_j: it runs once S_{j+1} was issued, its multiplies under that Q K^T
-            // GEMM. Same online softmax: O_j = c_j O_{j-1} + P_j V_j.
-            // Registers: S_j, P_{j-1} and O live together (as in ping-pong).
-            // pin_registers fences each wgmma window: before wgmma_fence (what ordinary
-            // instructions wrote is in place) and after each wait (nothing reads a result, or
-            // reuses a register the GEMM still reads, earlier).
-            // K_j is read by S_j alone and given back once S_j completed (release_k); V_{j-1}
-            // after its P V (release_v). With PINGPONG the two GEMMs of an iteration are one turn
-            // of the consumers' alternation (turns as in the ping-pong branch below).
-            const int my_turn = T::TURN_BARRIER + consumer;
-            const int other_turn = T::TURN_BARRIER + (1 - consumer);
-            auto take_turn = [&]() {
-                if constexpr (PINGPONG) named_barrier_sync(my_turn, T::CONSUMER_THREADS);
-            };
-            auto hand_over = [&](bool to_other) {
-                if constexpr (PINGPONG)
-                    if (to_other) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
-            };
-            if constexpr (PINGPONG)
-                if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
-            float acc_s[1][T::N_TILES][4];
-            u32 p_frag[T::PV_STEPS][4];
-            float correction[2];   // O's factors for the running max of the last softmax
-            bool rescale = false;  // whether any row of the warp needs them (O = 0 at first)
-            // Waits for P_{j-1} V_{j-1} (every wgmma of this warpgroup), gives V_{j-1} back and
-            // packs P_j from the probabilities in the S registers.
-            auto finish_pv_pack = [&](int j) {
-                wgmma_wait_group<0>();
-                pin_registers(acc_o[0]);
-                pin_registers(p_frag);
-                if (j > 0) release_v(j - 1);
-#pragma unroll
-                for (int ks = 0; ks < T::PV_STEPS; ++ks)
-                    softmax.template pack_p<Elem>(p_frag[ks], acc_s[0][2 * ks],
-                                                  acc_s[0][2 * ks + 1]);
-            };
-            const int tiles = tile_end - tile_first;
-
-            // Tile 0: S_0 alone, then its softmax.
-            wait_k(0);
-            take_turn();
-            pin_registers(acc_s[0]);
-            wgmma_fence();
-            issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(0));
-            wgmma_commit_group();
-            hand_over(true);
-            wgmma_wait_group<0>();
-            pin_registers(acc_s[0]);
-            release_k(0);
-            score_step(acc_s, tile_end - 1);
-            softmax.fold_max(acc_s, p.scale_log2, correction);  // O is 0: no rescale
-            softmax.exp_scores(acc_s, p.scale_log2);
-            for (int j = 1; j < tiles; ++j) {
-                finish_pv_pack(j - 1);  // P_{j-2} V_{j-2} (none at j = 1); P_{j-1}
-                wait_k(j);
-                take_turn();
-                pin_registers(acc_s[0]);
-                pin_registers(acc_o[0]);
-                pin_registers(p_frag);
-                wgmma_fence();
-                issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
-                wgmma_commit_group();  // group 1: S_j
-                // O is complete (P_{j-2} V_{j-2} was waited for): tile j-1's rescale.
-                softmax.rescale_o(acc_o, correction, rescale);
-                pin_registers(acc_o[0]);
-                wait_v(j - 1);
-                wgmma_fence();  // O was written by the rescale
-                issue_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(j - 1));
-                wgmma_commit_group();  // group 2: P_{j-1} V_{j-1}
-                hand_over(true);
-                wgmma_wait_group<1>();  // S_j complete; P_{j-1} V_{j-1} may still run
-                pin_registers(acc_s[0]);
-                release_k(j);
-                score_step(acc_s, tile_end - 1 - j);
-                rescale = softmax.fold_max(acc_s, p.scale_log2, correction);
-                softmax.exp_scores(acc_s, p.scale_log2);
-            }
-            // The last P V, after the rescale for the last tile's max.
-            finish_pv_pack(tiles - 1);
-            softmax.rescale_o(acc_o, correction, rescale);
-            wait_v(tiles - 1);
-            take_turn();
-            pin_registers(acc_o[0]);
-            pin_registers(p_frag);
-            wgmma_fence();
-            issue_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(tiles - 1));
-            wgmma_commit_group();
-            hand_over(consumer == 0);  // as in ping-pong: consumer 1's last turn is the last one
-            wgmma_wait_group<0>();
-            pin_registers(acc_o[0]);
-            pin_registers(p_frag);
-            release_v(tiles - 1);
-        } else if constexpr (!PINGPONG) {
-            // Per tile, in order: S_j = Q K_j^T as soon as K_j landed; P_j; O += P_j V_j as soon
-            // as V_j landed; the stage goes back to the producer.
-            for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
-                float acc_s[1][T::N_TILES][4];
-                u32 p_frag[T::PV_STEPS][4];
-                wait_k(j);
-                gemm_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
-                softmax_step(acc_s, p_frag, tile);
-                wait_v(j);
-                gemm_pv<Elem, T>(acc_o[0], p_frag, v_tile_of(j));
-                release(j);
-            }
-        } else {
-            // Ping-pong: the GEMMs of tile j are S_j and P_{j-1} V_{j-1}, issued in one turn, and
-            // the turns alternate between the two consumers (named barriers TURN_BARRIER + c):
-            // while one computes its softmax, the tensor cores run the other's GEMMs. O is
-            // up to date with P_{j-1} V_{j-1} before the softmax of tile j rescales it, so this
-            // is the same online softmax. Consumer 1 hands consumer 0 the first turn; its own
-            // last turn hands nothing over (no turn of consumer 0 follows).
-            const int my_turn = T::TURN_BARRIER + consumer;
-            const int other_turn = T::TURN_BARRIER + (1 - consumer);
-            if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
-            float acc_s[1][T::N_TILES][4];
-            u32 p_frag[T::PV_STEPS][4];
-            const int tiles = tile_end - tile_first;
-            wait_k(0);
-            gemm_turn<true, false, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, k_tile_of(0), 0,
-                                            my_turn, other_turn, true);
-            softmax_step(acc_s, p_frag, tile_end - 1);
-            for (int j = 1; j < tiles; ++j) {
-                wait_k(j);
-                wait_v(j - 1);
-                gemm_turn<true, true, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, k_tile_of(j),
-                                               v_tile_of(j - 1), my_turn, other_turn, true);
-                release(j - 1);
-                softmax_step(acc_s, p_frag, tile_end - 1 - j);
-            }
-            wait_v(tiles - 1);
-            gemm_turn<false, true, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, 0,
-                                            v_tile_of(tiles - 1), my_turn, other_turn,
-                                            consumer == 0);
-            release(tiles - 1);
-        }
-
-        // Epilogue: divide by l once; stage the tile through this warpgroup's own rows of the Q
-        // buffer (no other warpgroup reads them, and its last wgmma reading them has completed),
-        // in the same swizzled layout, then write 16-byte row chunks to global memory.
-        float inv_sum[2], row_lse[2];
-        softmax.finalize(p.softmax_scale, inv_sum, row_lse);
-        fence_proxy_async_shared();  // Q was last read by wgmma (async proxy); now plain stores
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = wg_row0 + 16 * warp + 8 * half + lane / 4;  // in the tile
-#pragma unroll
-            for (int dt = 0; dt < T::D_TILES; ++dt) {
-                const u32 packed = pack_pair<Elem>(acc_o[0][dt][2 * half] * inv_sum[half],
-                                                   acc_o[0][dt][2 * half + 1] * inv_sum[half]);
-                store_4B_shared(swizzled_chunk<T::Q_PANEL_BYTES>(q_smem, row, dt) + 4 * (lane % 4),
-                                packed);
-            }
-            if (lane % 4 == 0 && row_first + row < p.seqlen_q) lse_block[row] = row_lse[half];
-        }
-        named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
-        const int tid = threadIdx.x % T::WARPGROUP_THREADS;
-        constexpr int CHUNKS = HEAD_DIM / 8;
-#pragma unroll
-        for (int i = 0; i < T::ROWS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
-            const int idx = tid + T::WARPGROUP_THREADS * i;
-            const int row = wg_row0 + idx / CHUNKS;
-            const int chunk = idx % CHUNKS;
-            if (row_first + row < p.seqlen_q && chunk < head_chunks) {
-                u32 vals[4];
-                load_16B_shared(vals, swizzled_chunk<T::Q_PANEL_BYTES>(q_smem, row, chunk));
-                store_16B_global(o_block + row * p.o_row_stride + chunk * 8, vals);
-            }
-        }
+        for_each_work_tile(
+            [&](const FwdTileContext& tile, int ring0, int q_round) {
+                consume_tile<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
+                    p, vis, tile, head_chunks, ring0, q_round, consumer, q_smem, kv_smem, o_smem,
+                    bars);
+            },
+            [&](const FwdTileContext& tile) {
+                const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;
+                store_empty_rows<T, T::ROWS_PER_WARPGROUP, T::WARPGROUP_THREADS>(
+                    p, tile, head_chunks, wg_row0, threadIdx.x % T::WARPGROUP_THREADS);
+            });
     }
 }

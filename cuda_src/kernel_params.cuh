@@ -80,12 +80,15 @@ struct FwdParams {
 // flash_fwd_sm90.cu: the forward's parameters plus the TMA descriptors of q, k and v, each over
 // the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with 128-byte
 // swizzle (cuflash2/_hopper.py builds them). The maps come first: at offsets 0, 128 and 256 they
-// keep their 64-byte alignment whatever FwdParams holds.
+// keep their 64-byte alignment whatever FwdParams holds. The persistent grid (one 1-D grid over
+// every batch) reads its work from the last two fields; the one-CTA-per-tile grid ignores them.
 struct FwdSm90Params {
     TensorMap q_map;
     TensorMap k_map;
     TensorMap v_map;
     FwdParams base;
+    int batch;          // sequences: the persistent grid's tiles cover all of them
+    int section_pairs;  // (batch, head) pairs a section of the persistent tile order (L2 reuse)
 };
 
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)

@@ -208,12 +208,25 @@ class FwdSm90Config:
     pingpong: bool = False
     #: The overlap inside a warpgroup (flash_fwd_sm90.cu, OVERLAP: the softmax of tile j under
     #: P_{j-1} V_{j-1}; FlashAttention-3's intra-warpgroup pipelining), with either schedule.
-    #: Compiled and tested, not dispatched until measured (_hopper.PINGPONG picks the schedule).
+    #: Compiled and tested (on either grid), not dispatched yet (_hopper.PINGPONG picks the
+    #: schedule).
     overlap: bool = False
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging (hopper_primitives.cuh;
     #: its trap makes ptxas spill, so never for timing).
     watchdog: bool = False
+    #: A persistent grid (at most one CTA per SM looping over work tiles; the next tile's Q and
+    #: K/V load under the current epilogue; O staged in a buffer of its own). Opt-in, not
+    #: dispatched: head dims of SM90_PERSISTENT_TILES only (the O buffer must fit).
+    persistent: bool = False
+
+    def __post_init__(self):
+        if self.persistent and self.smem_bytes > SM90_MAX_SMEM:
+            raise ValueError(
+                f"a persistent Hopper forward needs {self.smem_bytes} bytes of shared memory at "
+                f"head dim {self.head_dim} with {self.stages} stages (Q, the K/V ring and an O "
+                f"buffer), more than the {SM90_MAX_SMEM} an SM has: persistent tiles are those "
+                f"of SM90_PERSISTENT_TILES (head dims {tuple(SM90_PERSISTENT_TILES)})")
 
     #: The compile target's suffix: sm_90a (wgmma, setmaxnreg), never plain sm_90.
     arch_suffix = "a"
@@ -236,9 +249,11 @@ class FwdSm90Config:
 
     @property
     def smem_bytes(self) -> int:
-        # Q tile + stages x (K tile + V tile), rows of `panels` x 128 bytes, + 1 KiB to align the
-        # base to 1024 B by hand (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
-        return 128 * self.panels * (self.block_m + 2 * self.stages * self.block_n) + 1024
+        # Q tile + stages x (K tile + V tile) (+ an O tile of Q's size when persistent), rows of
+        # `panels` x 128 bytes, + 1 KiB to align the base to 1024 B by hand
+        # (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
+        o_rows = self.block_m if self.persistent else 0
+        return 128 * self.panels * (self.block_m + 2 * self.stages * self.block_n + o_rows) + 1024
 
     @property
     def source_file(self) -> str:
@@ -249,12 +264,13 @@ class FwdSm90Config:
         return (f"flash_fwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.block_m}, {self.block_n}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, "
-                f"{'true' if self.overlap else 'false'}, {self.features}>")
+                f"{'true' if self.overlap else 'false'}, {self.features}, "
+                f"{'true' if self.persistent else 'false'}>")
 
     @property
     def probes(self) -> str:
         traits = (f"FwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                  f"{self.block_n}, {self.stages}>")
+                  f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
             "\"setmaxnreg budget\");\n")
@@ -262,6 +278,9 @@ class FwdSm90Config:
 
 #: Registers of a consumer thread after setmaxnreg.inc (FwdSm90Traits::CONSUMER_REGISTERS).
 SM90_CONSUMER_REGISTERS = 240
+#: Shared memory one CTA of the Hopper forward may use: 227 KiB (the 1 KiB alignment slack
+#: included).
+SM90_MAX_SMEM = 227 * 1024
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
@@ -280,25 +299,42 @@ SM90_CONSUMER_REGISTERS = 240
 #:  - 192: 128 x 112, 2 stages: 217 KiB (128 keys would need 241 KiB). O 96 + S 56 + P 28.
 #:  - 256: 128 x 80, 2 stages: 225 KiB (96 keys would need 257 KiB). O 128 + S 40 + P 20.
 #: Ping-pong and the overlap inside a warpgroup, alone or together, fit all of them (ptxas: no
-#: spills at 240 registers, R237 at most; docs/HOPPER_FWD.md).
+#: spills at 240 registers, R237 at most; docs/HOPPER_FWD.md), on either grid (the persistent
+#: one with SM90_PERSISTENT_TILES).
 SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 
-def fwd_sm90_config(dtype: str, head_dim: int) -> FwdSm90Config:
-    """The Hopper forward's tile for `head_dim` (one of SM90_FWD_HEAD_DIMS): SM90_FWD_TILES."""
+#: (block_n, stages) of the persistent Hopper forward, for the head dims where its O buffer (Q's
+#: size) fits beside Q and the ring: d=64 99,328 B and d=128 197,632 B with their usual tiles;
+#: d=96 drops to 2 stages (197,632 B; 3 would need 263,168 B); d=192 (271,360 B) and d=256
+#: (295,936 B) do not fit even with their 2 stages, and have no persistent specialisation.
+SM90_PERSISTENT_TILES = {64: (128, 2), 96: (128, 2), 128: (128, 2)}
+
+
+def fwd_sm90_config(dtype: str, head_dim: int, persistent: bool = False) -> FwdSm90Config:
+    """The Hopper forward's tile for `head_dim` (one of SM90_FWD_HEAD_DIMS): SM90_FWD_TILES, or
+    SM90_PERSISTENT_TILES for the persistent grid (ValueError for a head dim it does not have)."""
     if head_dim not in SM90_FWD_HEAD_DIMS:
         raise ValueError(f"the Hopper forward has head dims {SM90_FWD_HEAD_DIMS}, not {head_dim}")
-    block_n, stages = SM90_FWD_TILES[head_dim]
-    return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages)
+    if persistent and head_dim not in SM90_PERSISTENT_TILES:
+        raise ValueError(f"the persistent Hopper forward has head dims "
+                         f"{tuple(SM90_PERSISTENT_TILES)} (its O buffer must fit shared memory), "
+                         f"not {head_dim}")
+    block_n, stages = (SM90_PERSISTENT_TILES if persistent else SM90_FWD_TILES)[head_dim]
+    return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages, persistent=persistent)
 
 
-def all_fwd_sm90_configs(features=(0,), overlap=(False, True)) -> list[FwdSm90Config]:
+def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
+                         persistent: bool = False) -> list[FwdSm90Config]:
     """Every Hopper forward specialisation (for each of `features`), in both schedules, with and
-    without the overlap inside a warpgroup (`overlap`: which of the two)."""
-    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d), f), pingpong=pingpong,
-                                overlap=ov)
-            for ov in overlap for pingpong in (False, True) for f in features
-            for dtype in DTYPE_TAGS for d in SM90_FWD_HEAD_DIMS]
+    without the overlap inside a warpgroup (`overlap`: which of the two); with `persistent`, the
+    persistent ones (head dims of SM90_PERSISTENT_TILES, every schedule and overlap) too."""
+    grids = (False, True) if persistent else (False,)
+    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d, grid), f),
+                                pingpong=pingpong, overlap=ov)
+            for grid in grids for ov in overlap for pingpong in (False, True) for f in features
+            for dtype in DTYPE_TAGS
+            for d in (SM90_PERSISTENT_TILES if grid else SM90_FWD_HEAD_DIMS)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -719,9 +755,10 @@ def describe(config) -> str:
         schedule = "ping-pong" if config.pingpong else "in-order"
         if config.overlap:
             schedule += " overlapping (softmax under P V)"
+        grid = ", persistent grid" if config.persistent else ""
         return (f"Hopper forward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
-                f"K/V stages, {schedule} consumers{extra}")
+                f"K/V stages, {schedule} consumers{grid}{extra}")
     if isinstance(config, FwdConfig):
         return (f"mma.sync forward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.kv_stages} K/V "

@@ -21,6 +21,7 @@ a later call patches the address like any other pointer of the struct.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 
@@ -204,6 +205,37 @@ def _as_batched(x):
     return x if x.ndim == 4 else x[None]
 
 
+#: K/V bytes that the CTAs of the persistent grid running at one time should find in L2: the
+#: persistent tile order (flash_fwd_sm90.cu, PersistentTiles) walks sections of (batch, head)
+#: pairs whose K and V fit this. FlashAttention-3's figure (size_l2 in its tile scheduler set-up),
+#: of the H100's 50 MiB and the H200's 60 MiB of L2.
+PERSISTENT_L2_BYTES = 32 << 20
+
+
+def persistent_schedule(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
+                        head_dim: int, itemsize: int, block_m: int, slots: int):
+    """(CTAs, section_pairs) of the persistent Hopper forward: one CTA per resident slot (`slots`:
+    SMs x CTAs an SM), fewer if there are fewer work tiles (m blocks x heads x batch), and the
+    (batch, head) pairs a section of the tile order holds: as many K/V heads' K and V as fit
+    PERSISTENT_L2_BYTES (at least one), times the query heads that share each (GQA), at most
+    every pair. One 1-D grid covers every batch, however many."""
+    m_blocks = -(-seqlen_q // block_m)
+    pairs = batch * nheads
+    tiles = m_blocks * pairs
+    if tiles >= 1 << 31:
+        raise ValueError(f"{tiles} work tiles: the persistent grid counts them in 32 bits")
+    kv_head_bytes = 2 * seqlen_k * head_dim * itemsize  # K and V of one (batch, K/V head)
+    section = max(1, PERSISTENT_L2_BYTES // max(1, kv_head_bytes)) * (nheads // nheads_kv)
+    return min(tiles, slots), min(section, pairs)
+
+
+@functools.lru_cache(maxsize=None)
+def persistent_slots(config, device_id: int) -> int:
+    """CTAs of `config`'s kernel resident on the device at once (SMs x 1 for these kernels),
+    queried once per kernel and device."""
+    return _launch.occupancy_slots(config, device_id)
+
+
 @dataclass
 class PreparedForward:
     """One forward call on the Hopper kernel, laid out once: its outputs and parameter block.
@@ -228,14 +260,17 @@ class PreparedForward:
 
 def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                          window_size=(-1, -1),
-                         config: _configs.FwdSm90Config | None = None) -> PreparedForward:
+                         config: _configs.FwdSm90Config | None = None,
+                         persistent_ctas: int | None = None) -> PreparedForward:
     """Lays out attention on the Hopper forward kernel (sm_90a only): CuPy arrays (batch,
     seqlen, heads, headdim) or (seqlen, heads, headdim), fp16 or bf16, head dim a multiple of 8
     up to 256, run on the smallest kernel head dim (64, 96, 128, 192, 256) that holds it (the
     columns up to it are zero-filled by the TMA); GQA/MQA
     through fewer k/v heads; causal and windows as cuflash2.attention (bottom-right aligned).
     No score modifiers, dropout or varlen on this path yet, and few checks: this is a development
-    entry point, not the public API."""
+    entry point, not the public API. A `config` with `persistent` runs the persistent grid
+    (persistent_schedule): a 1-D grid of at most one CTA per SM, or of at most
+    `persistent_ctas` CTAs (testing: many work tiles per CTA on a small problem)."""
     import cupy
 
     batched = q.ndim == 4
@@ -279,7 +314,15 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
 
     launch = None
     if batch and seqlen_q and nheads:
-        grid = (-(-seqlen_q // config.block_m), nheads, batch)
+        if config.persistent:
+            ctas, section_pairs = persistent_schedule(
+                batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, q.itemsize,
+                config.block_m, persistent_ctas or persistent_slots(config, device_id))
+            block.set("batch", batch)
+            block.set("section_pairs", section_pairs)
+            grid = (ctas, 1, 1)
+        else:
+            grid = (-(-seqlen_q // config.block_m), nheads, batch)
         launch = _launch.kernel_launch(config, device_id, grid)
     return PreparedForward(out4, lse, launch, block, batched)
 

@@ -6,11 +6,15 @@ an *info* line, unless it knows the register count at entry) and spill-free cons
 compiles, uses no more registers at entry than 384 threads may have, spills nothing, and the log
 has no C7508 and no warning that ptxas serialised the wgmmas (which it does where it cannot
 prove that registers of an in-flight wgmma are left alone: the overlapping schedule's
-wait_group 1 window). Both schedules, with and without the overlap inside a warpgroup, every
-head dim, dtype and score-modifier set: 160 compiles, spread over a process pool
-(--compile-jobs, as tests/test_compile.py).
+wait_group 1 window). The cross product: both schedules, with and without the overlap inside a
+warpgroup, on the one-tile-per-CTA grid (every head dim) and the persistent grid (head dims 64,
+96, 128), every dtype and score-modifier set: 256 compiles under --exhaustive. The default run
+compiles a sample of 112 (SAMPLE_PAIRS, SAMPLE_HEAD_DIM: every flag combination at every head
+dim), the compiles of the selected tests spread over a process pool (--compile-jobs, as
+tests/test_compile.py).
 """
 
+import dataclasses
 import multiprocessing
 import re
 from concurrent.futures import ProcessPoolExecutor
@@ -19,8 +23,24 @@ import pytest
 
 from cuflash2 import _compile, _configs
 
-CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES)
+CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES, persistent=True)
 MAX_SMEM_SM90 = 227 * 1024
+
+#: The default sample: every flag combination (schedule, overlap, grid) at every head dim for
+#: these (dtype, features) pairs, plain fp16 and bf16 with both score modifiers, and every dtype
+#: and feature set at SAMPLE_HEAD_DIM. The rest runs under --exhaustive.
+SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI)}
+SAMPLE_HEAD_DIM = 128
+
+
+def _sampled(config) -> bool:
+    return ((config.dtype, config.features) in SAMPLE_PAIRS
+            or config.head_dim == SAMPLE_HEAD_DIM)
+
+
+def _config_id(c) -> str:
+    return (f"{c.dtype}-d{c.head_dim}-f{c.features}{'-pingpong' if c.pingpong else ''}"
+            f"{'-overlap' if c.overlap else ''}{'-persistent' if c.persistent else ''}")
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +49,26 @@ def nvrtc_available():
 
 
 @pytest.fixture(scope="module")
-def reports(nvrtc_available, compile_jobs):
-    """reports(config) -> ptxas's report; every config of CONFIGS is submitted at once."""
+def reports(nvrtc_available, compile_jobs, request):
+    """reports(config) -> ptxas's report; the configs of every selected test of
+    test_hopper_forward_compiles_without_spills are submitted at once."""
     if compile_jobs <= 1:
         yield lambda config: _compile.compile_report(config, 90)
         return
+    selected = [item.callspec.params["config"] for item in request.session.items
+                if item.originalname == "test_hopper_forward_compiles_without_spills"
+                and hasattr(item, "callspec")]
     pool = ProcessPoolExecutor(compile_jobs, mp_context=multiprocessing.get_context("spawn"))
-    futures = {config: pool.submit(_compile.compile_report, config, 90) for config in CONFIGS}
+    futures = {config: pool.submit(_compile.compile_report, config, 90)
+               for config in dict.fromkeys(selected)}
+
+    def report(config):
+        if config not in futures:
+            futures[config] = pool.submit(_compile.compile_report, config, 90)
+        return futures[config].result()
+
     try:
-        yield lambda config: futures[config].result()
+        yield report
     finally:
         pool.shutdown(cancel_futures=True)
 
@@ -48,9 +79,9 @@ def _entry_registers(config) -> int:
     return 65536 // config.threads // 8 * 8
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: (
-    f"{c.dtype}-d{c.head_dim}-f{c.features}{'-pingpong' if c.pingpong else ''}"
-    f"{'-overlap' if c.overlap else ''}"))
+@pytest.mark.parametrize("config", [
+    pytest.param(c, id=_config_id(c), marks=() if _sampled(c) else pytest.mark.exhaustive)
+    for c in CONFIGS])
 def test_hopper_forward_compiles_without_spills(config, reports):
     report = reports(config)
     print(f"sm_90a {config.name_expression}: {report.registers} registers, "
@@ -69,7 +100,7 @@ def test_setmaxnreg_check_detects_c7508(nvrtc_available):
     so the assertion above can fail."""
     config = _configs.fwd_sm90_config("bfloat16", 64)
     source = _compile.specialisation_source(config)
-    stripped, n = re.subn(r"__launch_bounds__\(FwdSm90Traits<[^\n]*?>::THREADS, 1\)", "", source)
+    stripped, n = re.subn(r"__launch_bounds__\(\s*FwdSm90Traits<[^>]*>::THREADS, 1\)", "", source)
     assert n == 1
     from cuda.bindings import nvrtc
 
@@ -95,25 +126,50 @@ def test_hopper_configs_target_sm90a_only():
     assert _compile.target_arch(plain, 90) == "90" and _compile.arch_options(plain) == ()
 
 
-#: The tile (block_n, stages) each head dim is expected to get (docs/HOPPER_FWD.md).
+#: The tile (block_n, stages) each head dim is expected to get (docs/HOPPER_FWD.md), and that of
+#: the persistent grid (its O buffer must fit: d=96 drops to 2 stages, d=192/256 have none).
 EXPECTED_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+EXPECTED_PERSISTENT_TILES = {64: (128, 2), 96: (128, 2), 128: (128, 2)}
 
 
 def test_hopper_config_shapes():
     assert _configs.SM90_FWD_HEAD_DIMS == tuple(EXPECTED_TILES)
+    assert _configs.SM90_PERSISTENT_TILES == EXPECTED_PERSISTENT_TILES
     for config in CONFIGS:
         assert config.threads == 384 and config.block_m == 128
-        assert (config.block_n, config.stages) == EXPECTED_TILES[config.head_dim]
+        tiles = EXPECTED_PERSISTENT_TILES if config.persistent else EXPECTED_TILES
+        assert (config.block_n, config.stages) == tiles[config.head_dim]
         # whole 1024-byte swizzle atoms per K/V panel (the V descriptor's LBO is one panel)
         assert config.block_n % 16 == 0 and config.block_n * 128 % 1024 == 0
         assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
-    assert {(c.head_dim, c.dtype, c.features, c.pingpong, c.overlap) for c in CONFIGS} == {
-        (d, t, f, pp, ov) for d in EXPECTED_TILES for t in _configs.DTYPE_TAGS
+    assert {(c.head_dim, c.dtype, c.features, c.pingpong, c.overlap, c.persistent)
+            for c in CONFIGS} == {
+        (d, t, f, pp, ov, grid) for grid, tiles in ((False, EXPECTED_TILES),
+                                                    (True, EXPECTED_PERSISTENT_TILES))
+        for d in tiles for t in _configs.DTYPE_TAGS
         for f in _configs.SM90_FWD_FEATURES for pp in (False, True) for ov in (False, True)}
-    assert len(CONFIGS) == len(set(CONFIGS)) == 160
+    assert len(CONFIGS) == len(set(CONFIGS)) == 160 + 96
     assert not _configs.fwd_sm90_config("float16", 64).pingpong  # off until measured
     assert not _configs.fwd_sm90_config("float16", 128).overlap  # off until measured
+    assert not _configs.fwd_sm90_config("float16", 64).persistent  # opt-in
     assert all(not c.overlap for c in _configs.all_fwd_sm90_configs(overlap=(False,)))
+    assert not any(c.persistent for c in _configs.all_fwd_sm90_configs())
+
+
+def test_default_sample_covers_every_flag_combination():
+    """The sample compiled without --exhaustive: every (schedule, overlap, grid) combination at
+    every head dim it has, every dtype and score-modifier set somewhere, 112 compiles."""
+    sample = [c for c in CONFIGS if _sampled(c)]
+    assert len(sample) == 112
+    combos = {(c.pingpong, c.overlap, c.persistent) for c in CONFIGS}
+    assert len(combos) == 8
+    for combo in combos:
+        dims = {c.head_dim for c in CONFIGS if (c.pingpong, c.overlap, c.persistent) == combo}
+        assert {c.head_dim for c in sample
+                if (c.pingpong, c.overlap, c.persistent) == combo} == dims
+        assert {(c.dtype, c.features) for c in sample
+                if (c.pingpong, c.overlap, c.persistent) == combo} == {
+            (t, f) for t in _configs.DTYPE_TAGS for f in _configs.SM90_FWD_FEATURES}
     for bad in (80, 160, 512):
         with pytest.raises(ValueError):
             _configs.fwd_sm90_config("float16", bad)
@@ -128,6 +184,40 @@ def test_hopper_smem_counts_whole_panels():
     assert _configs.fwd_sm90_config("bfloat16", 256).smem_bytes == 128 * 4 * (128 + 4 * 80) + 1024
     for config in CONFIGS:
         assert config.smem_bytes <= MAX_SMEM_SM90
+
+
+def test_persistent_configs_add_an_o_buffer_where_it_fits():
+    """The persistent grid stages O in a buffer of Q's size (FwdSm90Traits::O_BYTES): head dims
+    64 and 128 keep their tiles, 96 drops to 2 stages, 192 and 256 do not fit and are refused."""
+    for d, (block_n, stages) in EXPECTED_PERSISTENT_TILES.items():
+        config = _configs.fwd_sm90_config("float16", d, persistent=True)
+        panels = -(-d // 64)
+        assert config.smem_bytes == 128 * panels * (2 * 128 + 2 * stages * block_n) + 1024
+        assert config.smem_bytes <= MAX_SMEM_SM90
+        assert config.name_expression.endswith(", true>")
+        assert "true>::SMEM_BYTES" in config.probes
+    assert _configs.fwd_sm90_config("float16", 64, persistent=True).smem_bytes == 99_328
+    assert _configs.fwd_sm90_config("float16", 128, persistent=True).smem_bytes == 197_632
+    for d in (192, 256):
+        with pytest.raises(ValueError, match="persistent"):
+            _configs.fwd_sm90_config("bfloat16", d, persistent=True)
+    with pytest.raises(ValueError, match="shared memory"):  # d=96 with its usual 3 stages
+        _configs.FwdSm90Config("float16", 96, block_n=128, stages=3, persistent=True)
+    assert "persistent grid" in _configs.describe(
+        _configs.fwd_sm90_config("float16", 128, persistent=True))
+
+
+def test_template_arguments_in_order():
+    """<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, OVERLAP, FEATURES, PERSISTENT>: the
+    flags of both opt-in variants, persistent last."""
+    config = _configs.fwd_sm90_config("bfloat16", 128)
+    assert config.name_expression == (
+        "flash_fwd_sm90_kernel<bf16_tag, 128, 128, 128, 2, false, false, 0, false>")
+    both = dataclasses.replace(_configs.fwd_sm90_config("float16", 96, persistent=True),
+                               pingpong=True, overlap=True, features=3)
+    assert both.name_expression == (
+        "flash_fwd_sm90_kernel<fp16_tag, 96, 128, 128, 2, true, true, 3, true>")
+    assert "FwdSm90Traits<fp16_tag, 96, 128, 128, 2, true>::SMEM_BYTES" in both.probes
 
 
 def test_hopper_source_uses_the_hopper_instructions():

@@ -151,15 +151,80 @@ def test_prepared_forward_refuses_head_dims_past_256(monkeypatch):
         _hopper.prepare_forward_sm90(q, q, q)
 
 
-def test_overlap_is_compiled_but_not_dispatched():
-    """FwdSm90Config.overlap (the overlap inside a warpgroup) is a specialisation of its own,
-    off until measured: the dispatcher's configurations never take it."""
+def test_overlap_and_persistent_are_compiled_but_not_dispatched():
+    """FwdSm90Config.overlap (the overlap inside a warpgroup) and .persistent (the persistent
+    grid) are specialisations of their own, alone or together, off until measured: the
+    dispatcher's configurations never take either."""
     from cuflash2 import _configs
 
     config = _configs.fwd_sm90_config("bfloat16", 128)
     overlapping = dataclasses.replace(config, overlap=True)
     assert not config.overlap and overlapping != config
-    assert overlapping.name_expression.endswith("false, true, 0>")
-    assert config.name_expression.endswith("false, false, 0>")
+    # <..., PINGPONG, OVERLAP, FEATURES, PERSISTENT>
+    assert overlapping.name_expression.endswith("false, true, 0, false>")
+    assert config.name_expression.endswith("false, false, 0, false>")
     assert "overlap" in _configs.describe(overlapping)
-    assert not any(c.overlap for c in _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES))
+    both = dataclasses.replace(_configs.fwd_sm90_config("bfloat16", 128, persistent=True),
+                               overlap=True, pingpong=True)
+    assert both.name_expression.endswith("true, true, 0, true>")
+    assert "overlap" in _configs.describe(both) and "persistent" in _configs.describe(both)
+    dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
+    assert not any(c.overlap or c.persistent for c in dispatched)
+
+
+def test_persistent_schedule_sizes_the_grid_and_the_l2_sections():
+    """One CTA per slot, fewer when there are fewer work tiles; sections of (batch, head) pairs
+    whose K and V fit PERSISTENT_L2_BYTES, times the query heads that share a K/V head."""
+    l2 = _hopper.PERSISTENT_L2_BYTES
+    # 512 tokens, d=128, fp16: 256 KiB of K and V per (batch, head), 128 of them fit 32 MiB.
+    ctas, section = _hopper.persistent_schedule(32, 16, 16, 512, 512, 128, 2, 128, 132)
+    assert ctas == 132 and section == l2 // (2 * 512 * 128 * 2) == 128
+    # fewer tiles than slots: one CTA per tile
+    assert _hopper.persistent_schedule(1, 2, 2, 200, 200, 64, 2, 128, 132) == (4, 2)
+    # a K/V head larger than the budget: sections of one pair (times the GQA group)
+    assert _hopper.persistent_schedule(1, 16, 16, 16384, 1 << 20, 128, 2, 128, 132)[1] == 1
+    assert _hopper.persistent_schedule(1, 16, 4, 16384, 1 << 20, 128, 2, 128, 132)[1] == 4
+    # GQA: the heads of one K/V head share its K and V, so a section holds 4x the pairs
+    assert _hopper.persistent_schedule(64, 32, 8, 4096, 4096, 128, 2, 128, 132)[1] == (
+        l2 // (2 * 4096 * 128 * 2) * 4)
+    # a section never exceeds the pairs there are
+    assert _hopper.persistent_schedule(2, 4, 4, 128, 128, 64, 2, 128, 132) == (8, 8)
+
+
+def test_persistent_schedule_covers_batches_past_the_grid_limit():
+    """The persistent grid is 1-D and its tile index covers every batch: more than 65535
+    sequences need no slicing of gridDim.z (the struct's batch_offset stays 0)."""
+    ctas, section = _hopper.persistent_schedule(100_000, 2, 2, 100, 100, 64, 2, 128, 132)
+    assert ctas == 132 and section == _hopper.PERSISTENT_L2_BYTES // (2 * 100 * 64 * 2)
+    with pytest.raises(ValueError, match="32 bits"):
+        _hopper.persistent_schedule(1 << 20, 64, 64, 1 << 16, 1, 64, 2, 128, 132)
+
+
+def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
+    """A persistent config: a (min(tiles, slots), 1, 1) grid, and the struct's batch and
+    section_pairs, which the one-tile-per-CTA grid leaves 0."""
+    numpy = pytest.importorskip("numpy")
+    from cuflash2 import _configs
+
+    fake_cupy = types.SimpleNamespace(
+        empty=lambda shape, dtype: _HostArray(numpy.empty(shape, dtype)), float32=numpy.float32)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: bytes(128))
+    monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))
+    monkeypatch.setattr(_hopper._launch, "occupancy_slots", lambda config, device: 132)
+    _hopper.persistent_slots.cache_clear()
+    q = _HostArray(numpy.zeros((3, 1000, 8, 128), numpy.float16))
+    k = _HostArray(numpy.zeros((3, 1000, 2, 128), numpy.float16))
+    config = _configs.fwd_sm90_config("float16", 128, persistent=True)
+    prepared = _hopper.prepare_forward_sm90(q, k, k, causal=True, config=config)
+    record = prepared.block.record[0]
+    launched, grid = prepared.launch
+    assert launched is config and grid == (132, 1, 1)  # 8 m blocks x 8 heads x 3 = 192 tiles
+    assert record["batch"] == 3
+    assert record["section_pairs"] == 24  # every pair: 4 x 1000 x 128 x 2 B per K/V head fit
+    assert record["base"]["batch_offset"] == 0
+    small = _hopper.prepare_forward_sm90(q[:1, :100], k[:1, :100], k[:1, :100], config=config)
+    assert small.launch[1] == (8, 1, 1)  # 1 m block x 8 heads
+    plain = _hopper.prepare_forward_sm90(q, k, k, causal=True)
+    assert plain.launch[1] == (8, 8, 3) and plain.block.record[0]["batch"] == 0
+    _hopper.persistent_slots.cache_clear()

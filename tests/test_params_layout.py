@@ -88,6 +88,10 @@ def test_hopper_params_keep_the_tensor_maps_aligned():
     base = sm90.offsets["base"]
     assert sm90.offsets["base.seqlen_q"] == base + _params.layout("FwdParams").offsets["seqlen_q"]
     assert "base.q" in sm90.pointers and "base.out" in sm90.pointers
+    # the persistent grid's work, after the base: the one-tile-per-CTA kernel never reads it
+    fwd_size = _params.layout("FwdParams").size
+    assert sm90.offsets["batch"] >= base + fwd_size
+    assert sm90.offsets["section_pairs"] == sm90.offsets["batch"] + 4
 
 
 def test_hopper_backward_params_keep_the_tensor_maps_aligned():

@@ -7,6 +7,9 @@ On an H100/H200 (sm_90), from the repository root:
                                                            # wait traps after ~2 s, no hang
     python benchmarks/dev/hopper_fwd_check.py --no-time --schedule plain
     python benchmarks/dev/hopper_fwd_check.py --schedule all  # every schedule, also the overlap
+    python benchmarks/dev/hopper_fwd_check.py --schedule all --persistent  # + persistent grid
+    python benchmarks/dev/hopper_fwd_check.py --schedule overlap --persistent --no-check \
+        --dims 64 128 --dtypes bfloat16 --seqlens 512 2048     # timing rows narrowed
 
 Schedules (--schedule): plain (in order), pingpong, overlap (in order with the overlap inside a
 warpgroup: FwdSm90Config.overlap), pingpong-overlap (both); `both` is plain + pingpong (the
@@ -22,6 +25,15 @@ default), `all` every one of them.
    tokens, fp16/bf16, d 64/96/128/192/256, causal on/off: a column per selected schedule next
    to cuflash2.attention on the mma.sync kernel (_hopper.ENABLED off for it), the fastest
    schedule named and set against it.
+With --persistent, each selected schedule also runs on the persistent grid
+(FwdSm90Config.persistent, head dims 64, 96 and 128; others are skipped, saying so): correctness
+on the same shapes plus PERSISTENT_CASES (many work tiles per CTA, tiles that see no key inside a
+CTA's loop), once on the full grid (one CTA per SM) and once on PERSISTENT_SMALL_GRID CTAs (a
+dozen or more work tiles each, on every shape); timing columns (`<schedule>-pers`) beside the
+one-tile-per-CTA ones, 512 and 2048 tokens added to the default lengths (the short rows, where the
+per-CTA fixed cost shows), and pers/best: the fastest one-tile-per-CTA schedule over the fastest
+persistent one (above 1: the persistent grid is faster).
+--no-check skips the correctness part; --dtypes, --dims and --seqlens narrow the timing rows.
 
 Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
 """
@@ -70,7 +82,20 @@ SCHEDULES = {"plain": (False, False), "pingpong": (True, False), "overlap": (Fal
 #: The names --schedule takes for several schedules.
 SCHEDULE_SETS = {"both": ("plain", "pingpong"), "all": tuple(SCHEDULES)}
 
+#: With --persistent: shapes whose CTAs loop over many work tiles on 132 SMs (ring positions and
+#: Q rounds carried from tile to tile), with tiles that see no key inside the loop.
+PERSISTENT_CASES = [
+    (4, 2048, 2048, 16, 16, 128, "bfloat16", True, (-1, -1), False),  # 1024 tiles, causal
+    (8, 1037, 333, 8, 8, 64, "float16", True, (-1, -1), False),  # rows 0..703 see no key
+    (4, 1500, 1700, 16, 4, 96, "bfloat16", False, (300, 100), False),  # GQA + window
+    (3, 777, 777, 12, 12, 128, "float16", False, (-1, -1), False),  # ragged last m block
+]
+#: CTAs of the persistent grid's second correctness pass: few and odd, so that every CTA walks
+#: many work tiles whatever the shape.
+PERSISTENT_SMALL_GRID = 7
+
 TIMING_SEQLENS = (1024, 4096, 16384)
+PERSISTENT_TIMING_SEQLENS = (512, 1024, 2048, 4096, 16384)
 TIMING_HEAD_DIMS = (64, 96, 128, 192, 256)
 TOKENS = 16384
 HIDDEN = 2048
@@ -94,28 +119,58 @@ def _inputs(cupy, case, seed):
     return testing.random_qkv(cupy, batch, sq, sk, h, hkv, d, _dtype(dtype), seed)
 
 
-def _config(dtype, head_dim, schedule, watchdog=False):
+def _kernel_dim(head_dim):
     from cuflash2 import _configs
 
     # The smallest kernel head dim that holds head_dim: d=96 runs on the d=96 kernel, 160 on 192.
-    kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+    return min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+
+
+def _has_persistent(head_dim):
+    from cuflash2 import _configs
+
+    return _kernel_dim(head_dim) in _configs.SM90_PERSISTENT_TILES
+
+
+def _config(dtype, head_dim, schedule, watchdog=False, persistent=False):
+    from cuflash2 import _configs
+
     pingpong, overlap = SCHEDULES[schedule]
-    return dataclasses.replace(_configs.fwd_sm90_config(dtype, kernel_dim), pingpong=pingpong,
-                               overlap=overlap, watchdog=watchdog)
+    config = _configs.fwd_sm90_config(dtype, _kernel_dim(head_dim), persistent=persistent)
+    return dataclasses.replace(config, pingpong=pingpong, overlap=overlap, watchdog=watchdog)
 
 
-def check(cupy, schedules, watchdog):
-    from cuflash2 import _hopper, testing
+def _variants(schedules, persistent):
+    """(schedule, persistent grid, CTA cap) of every kernel variant the check runs."""
+    grids = ((False, None), (True, None), (True, PERSISTENT_SMALL_GRID)) if persistent else (
+        (False, None),)
+    return [(name, grid, ctas) for name in schedules for grid, ctas in grids]
+
+
+def check(cupy, schedules, watchdog, persistent=False):
+    from cuflash2 import _configs, _hopper, testing
 
     failures = 0
+    cases = CASES + (PERSISTENT_CASES if persistent else [])
+    if persistent:
+        skipped = sorted({_kernel_dim(c[5]) for c in cases if not _has_persistent(c[5])})
+        print(f"persistent grid: head dims {tuple(_configs.SM90_PERSISTENT_TILES)}; shapes on the "
+              f"d={skipped} kernels run on the one-tile-per-CTA grid only (no persistent "
+              f"specialisation: its O buffer does not fit shared memory)", flush=True)
     width = max(len(name) for name in schedules)
-    for schedule, (i, case) in ((name, c) for name in schedules for c in enumerate(CASES)):
+    for (schedule, grid, ctas), (i, case) in (
+            (variant, c) for variant in _variants(schedules, persistent)
+            for c in enumerate(cases)):
         batch, sq, sk, h, hkv, d, dtype, causal, window, packed = case
-        label = (f"{schedule:{width}} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
+        if grid and not _has_persistent(d):
+            continue
+        kind = "" if not grid else f" persistent{f'({ctas} CTAs)' if ctas else ''}"
+        label = (f"{schedule:{width}}{kind} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
                  f"d{d} {dtype} causal={int(causal)} window={window}{' packed' if packed else ''}")
         q, k, v = _inputs(cupy, case, seed=i)
-        prepared = _hopper.prepare_forward_sm90(q, k, v, causal=causal, window_size=window,
-                                                config=_config(dtype, d, schedule, watchdog))
+        prepared = _hopper.prepare_forward_sm90(
+            q, k, v, causal=causal, window_size=window,
+            config=_config(dtype, d, schedule, watchdog, grid), persistent_ctas=ctas)
         prepared.out[...] = testing.poison_like(cupy, prepared.out.shape, prepared.out.dtype)
         prepared.lse.fill(math.nan)
         try:
@@ -144,38 +199,57 @@ def _time(cupy, fn, iters):
     return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
-def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None):
+def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None,
+           persistent=False):
     import cuflash2
     from cuflash2 import _hopper, api, testing
 
-    columns = [f"{name} ms" for name in schedules] + ["mma.sync ms"]
-    widths = [max(9, len(c)) for c in columns]
+    # (title, schedule, persistent grid) of each Hopper column, then mma.sync.
+    columns = [(name, name, False) for name in schedules]
+    if persistent:
+        columns = [(title, name, grid) for name in schedules
+                   for title, grid in ((name, False), (f"{name}-pers", True))]
+    titles = [f"{title} ms" for title, _, _ in columns] + ["mma.sync ms"]
+    widths = [max(9, len(t)) for t in titles]
     best_width = max(len(name) for name in schedules)
+    extra = f" {'pers/best':>9}" if persistent else ""
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} "
-          + " ".join(f"{c:>{w}} {'TFLOP/s':>8}" for c, w in zip(columns, widths))
-          + f" {'best/mma':>8} {'best':>{best_width}}")
+          + " ".join(f"{t:>{w}} {'TFLOP/s':>8}" for t, w in zip(titles, widths))
+          + f" {'best/mma':>8} {'best':>{best_width}}{extra}")
     for dtype in dtypes:
         for d in dims or TIMING_HEAD_DIMS:
             for causal in (False, True):
-                for seqlen in seqlens or TIMING_SEQLENS:
+                for seqlen in seqlens or (PERSISTENT_TIMING_SEQLENS if persistent
+                                          else TIMING_SEQLENS):
                     batch, heads = TOKENS // seqlen, HIDDEN // d
                     q, k, v = testing.random_qkv(cupy, batch, seqlen, seqlen, heads, heads, d,
                                                  _dtype(dtype), seed=seqlen)
-                    times = [_time(cupy, _hopper.prepare_forward_sm90(
-                        q, k, v, causal=causal, config=_config(dtype, d, name)).run, iters)
-                        for name in schedules]
+                    times = []
+                    for _, name, grid in columns:
+                        if grid and not _has_persistent(d):
+                            times.append(None)  # no persistent specialisation at this head dim
+                            continue
+                        config = _config(dtype, d, name, persistent=grid)
+                        times.append(_time(cupy, _hopper.prepare_forward_sm90(
+                            q, k, v, causal=causal, config=config).run, iters))
                     _hopper.ENABLED = False  # the mma.sync kernel, planned afresh
                     api._forward_plans.plans.clear()
                     times.append(_time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal),
                                        iters))
                     _hopper.ENABLED = True
                     flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-                    row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}"
-                                   for t, w in zip(times, widths))
-                    best = min(range(len(schedules)), key=lambda i: times[i])
-                    print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
-                          f"{times[-1] / times[best]:>7.3f}x {schedules[best]:>{best_width}}",
-                          flush=True)
+                    row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}" if t is not None
+                                   else f"{'-':>{w}} {'-':>8}" for t, w in zip(times, widths))
+                    # the fastest one-tile-per-CTA schedule, named and set against mma.sync
+                    best = min((i for i, (_, _, grid) in enumerate(columns) if not grid),
+                               key=lambda i: times[i])
+                    line = (f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
+                            f"{times[-1] / times[best]:>7.3f}x {columns[best][1]:>{best_width}}")
+                    if persistent:
+                        pers = [t for t, (_, _, grid) in zip(times, columns)
+                                if grid and t is not None]
+                        line += f" {times[best] / min(pers):>8.3f}x" if pers else f" {'-':>9}"
+                    print(line, flush=True)
 
 
 def main():
@@ -188,6 +262,9 @@ def main():
                              "and pingpong) or `all` (also overlap and pingpong-overlap). A hang "
                              "on the ping-pong named barriers is not caught by --watchdog: try "
                              "plain alone first")
+    parser.add_argument("--persistent", action="store_true",
+                        help="also run each selected schedule on the persistent grid (head dims "
+                             "64, 96, 128): correctness, timing columns, 512 and 2048 tokens")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-check", action="store_true", help="timing only")
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
@@ -204,12 +281,15 @@ def main():
     schedules = SCHEDULE_SETS.get(args.schedule, (args.schedule,))
     failures = 0
     if not args.no_check:
-        failures = check(cupy, schedules, args.watchdog)
+        failures = check(cupy, schedules, args.watchdog, args.persistent)
+        shapes = len(CASES) + (len(PERSISTENT_CASES) if args.persistent else 0)
+        grids = (" x (one-tile-per-CTA, persistent, persistent on a small grid)"
+                 if args.persistent else "")
         print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'}"
-              f" ({len(CASES)} shapes x {len(schedules)} schedule(s))")
+              f" ({shapes} shapes x {len(schedules)} schedule(s){grids})")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
-    timing(cupy, schedules, args.iters, args.dtypes, args.dims, args.seqlens)
+    timing(cupy, schedules, args.iters, args.dtypes, args.dims, args.seqlens, args.persistent)
     return 0
 
 

@@ -52,7 +52,7 @@ def main():
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
         import dataclasses
 
-        configs += _configs.all_fwd_sm90_configs((0,))
+        configs += _configs.all_fwd_sm90_configs((0,), persistent=True)
         configs += [dataclasses.replace(c, watchdog=w) for c in _configs.all_bwd_sm90_configs((0,))
                     for w in (False, True)]
     configs = list(dict.fromkeys(configs))
