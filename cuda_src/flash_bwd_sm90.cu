@@ -141,26 +141,14 @@ struct BwdSm90Traits {
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
 };
 
-// Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the
-// 128-byte-swizzled panel layout (as flash_fwd_sm90.cu's).
-template <int PANEL_BYTES>
-CF2_DEVICE u32 bwd_swizzled_chunk(u32 tile, int row, int chunk) {
-    return tile + (chunk / 8) * PANEL_BYTES + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
-}
-
 // X^T = A_c B^T for one consumer (S^T = K_c Q_i^T or dP^T = V_c dO_i^T): M = its 64 keys, N =
 // BLOCK_M queries, QK_STEPS k16 steps over the head dim; both operands K-major descriptors (the
 // forward's Q and K of S = Q K^T). `a_rows`: this consumer's first key row of K or V (a whole
 // number of swizzle atoms into each panel). Issues the wgmmas only.
 template <typename Elem, class T>
 CF2_DEVICE void issue_transposed_scores(float (&acc)[T::S_TILES][4], u32 a_rows, u32 b_tile) {
-#pragma unroll
-    for (int kk = 0; kk < T::QK_STEPS; ++kk) {
-        const u32 step = 32 * (kk % 4);
-        const u64 a = smem_matrix_descriptor(a_rows + (kk / 4) * T::KV_PANEL_BYTES + step, 16, 1024);
-        const u64 b = smem_matrix_descriptor(b_tile + (kk / 4) * T::Q_PANEL_BYTES + step, 16, 1024);
-        wgmma_ss<Elem, T::QUERIES>(acc, a, b, kk > 0);
-    }
+    issue_kmajor_ss<Elem, T::QUERIES, T::QK_STEPS, T::KV_PANEL_BYTES, T::Q_PANEL_BYTES>(
+        acc, a_rows, b_tile);
 }
 
 // acc (64 keys x HEAD_DIM) += frag (this warp's keys x BLOCK_M queries, A registers) times
@@ -317,7 +305,7 @@ CF2_DEVICE void store_ds_transposed(u32 ds_tile, const u32 (&ds_frag)[T::M_STEPS
     const int j = lane / 8, c = lane % 8;
 #pragma unroll
     for (int ks = 0; ks < T::M_STEPS; ++ks)
-        stmatrix_x4_trans(bwd_swizzled_chunk<T::DS_PANEL_BYTES>(ds_tile, 16 * ks + 8 * (j / 2) + c,
+        stmatrix_x4_trans(swizzled_chunk<T::DS_PANEL_BYTES>(ds_tile, 16 * ks + 8 * (j / 2) + c,
                                                                 key_chunk0 + j % 2),
                           ds_frag[ks]);
 }
@@ -583,7 +571,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
 #pragma unroll
             for (int dt = 0; dt < T::D_TILES; ++dt) {
                 const u32 offset =
-                    bwd_swizzled_chunk<T::KV_PANEL_BYTES>(0, row, dt) + 4 * (lane % 4);
+                    swizzled_chunk<T::KV_PANEL_BYTES>(0, row, dt) + 4 * (lane % 4);
                 store_4B_shared(k_smem + offset,
                                 pack_pair<Elem>(acc_dk[dt][2 * half] * p.softmax_scale,
                                                 acc_dk[dt][2 * half + 1] * p.softmax_scale));
@@ -601,9 +589,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             const int chunk = idx % CHUNKS;
             if (key_first + row < p.seqlen_k && chunk < head_chunks) {
                 u32 vals[4];
-                load_16B_shared(vals, bwd_swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
+                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
                 store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, vals);
-                load_16B_shared(vals, bwd_swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
+                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
                 store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, vals);
             }
         }

@@ -140,26 +140,12 @@ struct FwdSm90Traits {
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
 };
 
-// Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the
-// 128-byte-swizzled panel layout: panels of PANEL_BYTES, 128-byte rows, chunk c of row r at slot
-// c ^ (r % 8) of its row (what the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B).
-template <int PANEL_BYTES>
-CF2_DEVICE u32 swizzled_chunk(u32 tile, int row, int chunk) {
-    return tile + (chunk / 8) * PANEL_BYTES + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
-}
-
-// S = Q K^T for this warpgroup's 64 rows: QK_STEPS wgmmas, both operands K-major from their
-// descriptors. The k16 step kk lies in panel kk / 4, 32 * (kk % 4) bytes into its 128-byte rows.
-// Issues the wgmmas only (inside a wgmma_fence ... commit_group bracket).
+// S = Q K^T for this warpgroup's 64 rows over the head dim (hopper_primitives.cuh's K-major
+// product: Q's rows and K's tile in 128-byte-swizzled panels). Issues the wgmmas only.
 template <typename Elem, class T>
 CF2_DEVICE void issue_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
-#pragma unroll
-    for (int kk = 0; kk < T::QK_STEPS; ++kk) {
-        const u32 step = 32 * (kk % 4);
-        const u64 a = smem_matrix_descriptor(q_rows + (kk / 4) * T::Q_PANEL_BYTES + step, 16, 1024);
-        const u64 b = smem_matrix_descriptor(k_tile + (kk / 4) * T::KV_PANEL_BYTES + step, 16, 1024);
-        wgmma_ss<Elem, T::KEYS_PER_TILE>(acc_s, a, b, kk > 0);  // k-step 0 overwrites S
-    }
+    issue_kmajor_ss<Elem, T::KEYS_PER_TILE, T::QK_STEPS, T::Q_PANEL_BYTES, T::KV_PANEL_BYTES>(
+        acc_s, q_rows, k_tile);
 }
 
 // O += P V: PV_STEPS wgmmas, P (this warp's 16 rows x 16 keys per step) from registers, V from

@@ -401,3 +401,26 @@ CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 de
 #undef CF2_WGMMA_SS
 #undef CF2_WGMMA_SS_TB
 #undef CF2_WGMMA_RS
+
+// Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the
+// 128-byte-swizzled panel layout the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B: panels of
+// PANEL_BYTES (64 columns each), 128-byte rows, chunk c of row r at slot c ^ (r % 8) of its row.
+template <int PANEL_BYTES>
+CF2_DEVICE u32 swizzled_chunk(u32 tile, int row, int chunk) {
+    return tile + (chunk / 8) * PANEL_BYTES + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+// D = A B^T for one warpgroup over K = 16 * K_STEPS columns: A's 64 rows from `a_rows`, B's N
+// rows from `b_tile`, both K-major in 128-byte-swizzled panels (A_PANEL_BYTES, B_PANEL_BYTES
+// apart). The k16 step kk lies in panel kk / 4, 32 * (kk % 4) bytes into its 128-byte rows;
+// step 0 overwrites D. Issues the wgmmas only (inside a wgmma_fence ... commit_group bracket).
+template <typename Elem, int N, int K_STEPS, int A_PANEL_BYTES, int B_PANEL_BYTES>
+CF2_DEVICE void issue_kmajor_ss(float (&d)[N / 8][4], u32 a_rows, u32 b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+        const u32 step = 32 * (kk % 4);
+        const u64 a = smem_matrix_descriptor(a_rows + (kk / 4) * A_PANEL_BYTES + step, 16, 1024);
+        const u64 b = smem_matrix_descriptor(b_tile + (kk / 4) * B_PANEL_BYTES + step, 16, 1024);
+        wgmma_ss<Elem, N>(d, a, b, kk > 0);
+    }
+}

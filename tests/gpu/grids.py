@@ -24,3 +24,16 @@ HEAD_LAYOUTS = {
 def seed_of(*parts) -> int:
     """A stable seed per test case (Python's hash() of strings changes between runs)."""
     return zlib.crc32(repr(parts).encode())
+
+
+def is_hopper() -> bool:
+    """Whether the current device is sm_90 (H100/H200), where the Hopper kernels run."""
+    try:
+        import cupy
+
+        return cupy.cuda.Device().compute_capability == "90"
+    except Exception:  # no CuPy or no device: the folder's conftest skips every test
+        return False
+
+
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="needs an sm_90 GPU (H100/H200)")

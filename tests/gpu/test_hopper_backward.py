@@ -15,6 +15,7 @@ import contextlib
 import numpy
 import pytest
 from grids import BF16, DTYPES, FP16
+from grids import is_hopper, needs_hopper
 from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
@@ -23,16 +24,6 @@ import cuflash2  # noqa: E402
 from cuflash2 import _configs, _hopper_bwd, api, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-def _is_hopper():
-    try:
-        return cupy.cuda.Device().compute_capability == "90"
-    except Exception:  # no device: the folder's conftest skips every test
-        return False
-
-
-needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (H100/H200)")
 
 
 @contextlib.contextmanager
@@ -90,7 +81,7 @@ def test_backward_kernels_names_preprocess_main_and_conversion():
     assert len(kernels) == 3, kernels
     assert kernels[0].startswith("backward preprocess")
     assert kernels[2].startswith("backward dQ conversion")
-    if _is_hopper():
+    if is_hopper():
         assert kernels[1].startswith("Hopper backward") and "head dim 128," in kernels[1]
     else:
         assert kernels[1].startswith("mma.sync backward")

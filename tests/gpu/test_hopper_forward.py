@@ -12,6 +12,7 @@ import contextlib
 import numpy
 import pytest
 from grids import BF16, DTYPES, FP16
+from grids import is_hopper, needs_hopper
 from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
@@ -20,16 +21,6 @@ import cuflash2  # noqa: E402
 from cuflash2 import _configs, _hopper, api, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-def _is_hopper():
-    try:
-        return cupy.cuda.Device().compute_capability == "90"
-    except Exception:  # no device: the folder's conftest skips every test
-        return False
-
-
-needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (H100/H200)")
 
 
 @contextlib.contextmanager
@@ -64,7 +55,7 @@ def _check(q, k, v, **options):
 def test_forward_kernels_names_the_kernel_of_the_call():
     q, k, v = _qkv(1, 64, 600, 2, 2, 64, FP16)
     (kernel,) = cuflash2.forward_kernels(q, k, v, causal=True)
-    if _is_hopper():
+    if is_hopper():
         assert kernel.startswith("Hopper forward") and "head dim 64" in kernel
     else:
         assert kernel.startswith("mma.sync forward")
