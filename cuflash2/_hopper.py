@@ -57,11 +57,14 @@ def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
         raise ValueError(f"a TMA box has 1 to {MAX_BOX_ROWS} rows, not {box_rows}")
     extents = (seqlen, heads, batch)
     strides = []
+    span = dim * itemsize  # bytes spanned by the dimensions inside the current one
     for extent, stride in zip(extents, (s_row, s_head, s_batch)):
         if extent == 1 and (stride % 16 or stride <= 0):
-            # never stepped over: any multiple of 16 describes it (an unbatched array seen as
-            # batch 1 through x[None] has a batch stride of 0)
-            stride = 16
+            # Never stepped over, so any stride describes it (an unbatched array seen as batch 1
+            # through x[None] has a batch stride of 0): the span of the inner dimensions, as in
+            # a packed layout, rounded up to 16 bytes.
+            stride = -(-span // 16) * 16
+        span = max(span, extent * abs(stride))
         if stride <= 0 or stride % 16 or stride >= 1 << 40:
             raise ValueError(f"TMA needs strides that are positive multiples of 16 bytes below "
                              f"2^40; got {strides_bytes}")

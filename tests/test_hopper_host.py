@@ -41,13 +41,14 @@ def test_extent_one_dimensions_take_any_stride():
     # Unbatched input seen as batch 1: its (unused) batch stride need not be a multiple of 16.
     shape = (1, 5, 1, 64)
     strides = (8, 128, 8, 2)
+    # (it gets the span of the dimensions inside it, as in a packed layout)
     _, got, _ = _hopper.tensor_map_geometry(shape, strides, 2, 128)
-    assert got == [128, 16, 16]
+    assert got == [128, 640, 640]
     # x[None] of a (seqlen, heads, dim) array: CuPy (as NumPy) gives the new axis stride 0
     _, got, _ = _hopper.tensor_map_geometry((1, 5, 2, 64), (0, 256, 128, 2), 2, 128)
-    assert got == [256, 128, 16]
+    assert got == [256, 128, 1280]
     _, got, _ = _hopper.tensor_map_geometry((1, 5, 1, 64), (-64, 128, -8, 2), 2, 128)
-    assert got == [128, 16, 16]
+    assert got == [128, 640, 640]
 
 
 @pytest.mark.parametrize("shape,strides,box_rows,message", [
