@@ -57,12 +57,22 @@
 //  - the persistent grid (alone and with OVERLAP) checked and measured on the H200, then
 //    dispatched where it wins (short sequences lose 25-30% to cuDNN on the per-CTA fixed cost);
 //    a dynamic (atomic) tile scheduler;
-//  - varlen; dropout.
+//  - varlen (FEATURE_VARLEN, compiled, opt-in on the host: _hopper.VARLEN) checked on the H200;
+//    dropout.
+//
+// Varlen (FEATURE_VARLEN; docs/HOPPER_FWD.md, "Varlen"): the maps cover the packed
+// (total, heads, d) arrays as rank-4 maps with a batch extent of 1; the grid is (m blocks of the
+// longest sequence, heads, sequences) and a CTA past its sequence's end exits before any barrier.
+// Rows and keys count from the sequence's first packed row; a box that runs past the sequence
+// reads the next sequence's rows (only the end of the packed array is zero-filled): those keys
+// are masked, those query rows are not stored, and those V rows meet P = 0 (so they must be
+// finite: a NaN / Inf there would reach this sequence's O through 0 * NaN).
 #include "hopper_primitives.cuh"
 #include "masking.cuh"
 #include "online_softmax.cuh"
 #include "score_mods.cuh"
 #include "kernel_params.cuh"
+#include "varlen.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES,
           bool PERSISTENT = false>
@@ -266,11 +276,37 @@ struct FwdTileContext {
     FwdTileSpan span;
     u16* o_block;      // O row row_first of (batch, head)
     float* lse_block;  // lse entry row_first of (batch, head)
+    // Varlen (FEATURE_VARLEN) only: the sequence's rows in the packed q / k arrays (varlen.cuh);
+    // span's rows and keys count from their starts. Unused (and left 0) by dense batches.
+    SequenceRows seq_q = {0, 0};
+    SequenceRows seq_k = {0, 0};
 };
+
+// The sequence lengths a work tile's rows and keys are checked against: the dense seqlen_q /
+// seqlen_k, or (VARLEN) those of the tile's own sequence.
+template <bool VARLEN>
+CF2_DEVICE int tile_seqlen_q(const FwdParams& p, const FwdTileContext& c) {
+    if constexpr (VARLEN) return c.seq_q.length;
+    return p.seqlen_q;
+}
+template <bool VARLEN>
+CF2_DEVICE int tile_seqlen_k(const FwdParams& p, const FwdTileContext& c) {
+    if constexpr (VARLEN) return c.seq_k.length;
+    return p.seqlen_k;
+}
 
 // Which keys a query row sees (masking.cuh).
 CF2_DEVICE KeyVisibility key_visibility(const FwdParams& p) {
     return {p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
+}
+
+// The same for one sequence of a varlen batch (VARLEN), or of a dense batch.
+template <bool VARLEN>
+CF2_DEVICE KeyVisibility key_visibility(const FwdParams& p, const SequenceRows& seq_q,
+                                        const SequenceRows& seq_k) {
+    if constexpr (VARLEN)
+        return {seq_k.length - seq_q.length, p.window_left, p.window_right, seq_k.length};
+    return key_visibility(p);
 }
 
 template <int BLOCK_M, int BLOCK_N>
@@ -330,21 +366,22 @@ struct PersistentTiles {
 // Rows row0 .. row0 + ROWS - 1 of a work tile whose rows see no key: O = 0 and lse = +inf (the
 // log of an empty sum), written by THREADS threads, `tid` being one of them. No shared memory,
 // no barrier. head_chunks: the 16-byte chunks actually present in an O row.
-template <class T, int ROWS, int THREADS>
+template <class T, int ROWS, int THREADS, bool VARLEN = false>
 CF2_DEVICE void store_empty_rows(const FwdParams& p, const FwdTileContext& c, int head_chunks,
                                  int row0, int tid) {
     u16* o_block = c.o_block;
     float* lse_block = c.lse_block;
     const int row_first = c.span.row_first;
+    const int seqlen_q = tile_seqlen_q<VARLEN>(p, c);
     constexpr int CHUNKS = T::DIM / 8;
     const u32 zeros[4] = {0u, 0u, 0u, 0u};
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
         const int row = row0 + idx / CHUNKS, chunk = idx % CHUNKS;
-        if (row_first + row < p.seqlen_q && chunk < head_chunks)
+        if (row_first + row < seqlen_q && chunk < head_chunks)
             store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
     }
     for (int row = row0 + tid; row < row0 + ROWS; row += THREADS)
-        if (row_first + row < p.seqlen_q) lse_block[row] = pos_inf();
+        if (row_first + row < seqlen_q) lse_block[row] = pos_inf();
 }
 
 // The producer's loads for one work tile (thread 0 of warpgroup 0): Q, then K_j and V_j of every
@@ -358,7 +395,11 @@ CF2_DEVICE void store_empty_rows(const FwdParams& p, const FwdTileContext& c, in
 // OVERLAP: kv_empty gives back a stage's K alone; V goes in once its V is given back (v_empty).
 // With both, Q comes before the wait for V: the previous work tile's last S = Q K^T completes
 // before the P V whose V the wait is for.
-template <class T, bool OVERLAP, bool PERSISTENT>
+// VARLEN: the maps cover the packed arrays (batch extent 1): rows count from the sequence's first
+// row, the batch coordinate is 0. A box that runs past the sequence reads the next sequence's
+// rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
+// last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
+template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false>
 CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,
                              int q_round, u32 q_smem, u32 kv_smem,
                              FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
@@ -366,13 +407,16 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
     const FwdWorkTile& w = c.w;
     const FwdTileSpan& span = c.span;
     const int kv_head = c.kv_head;
+    const int batch = VARLEN ? 0 : w.batch;        // the maps' batch coordinate
+    const int q_row0 = VARLEN ? c.seq_q.start : 0;  // the maps' row of the sequence's row 0
+    const int k_row0 = VARLEN ? c.seq_k.start : 0;
     auto load_q = [&]() {
         const u32 q_full = smem_address(&bars.q_full);
         mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
 #pragma unroll
         for (int panel = 0; panel < T::PANELS; ++panel)
             tma_load_4d(q_smem + panel * T::Q_PANEL_BYTES, params.q_map, q_full,
-                        T::PANEL_COLS * panel, span.row_first, w.head, w.batch);
+                        T::PANEL_COLS * panel, q_row0 + span.row_first, w.head, batch);
     };
     if constexpr (!PERSISTENT) load_q();
     for (int tile = span.tile_end - 1, j = 0; tile >= span.tile_first; --tile, ++j) {
@@ -390,7 +434,8 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
 #pragma unroll
         for (int panel = 0; panel < T::PANELS; ++panel)
             tma_load_4d(k_tile + panel * T::KV_PANEL_BYTES, params.k_map, k_full,
-                        T::PANEL_COLS * panel, tile * T::KEYS_PER_TILE, kv_head, w.batch);
+                        T::PANEL_COLS * panel, k_row0 + tile * T::KEYS_PER_TILE, kv_head,
+                        batch);
         if constexpr (PERSISTENT) {
             if (j == 0) {
                 mbarrier_wait(smem_address(&bars.q_empty), (q_round & 1) ^ 1);
@@ -403,7 +448,8 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
 #pragma unroll
         for (int panel = 0; panel < T::PANELS; ++panel)
             tma_load_4d(v_tile + panel * T::KV_PANEL_BYTES, params.v_map, v_full,
-                        T::PANEL_COLS * panel, tile * T::KEYS_PER_TILE, kv_head, w.batch);
+                        T::PANEL_COLS * panel, k_row0 + tile * T::KEYS_PER_TILE, kv_head,
+                        batch);
     }
 }
 
@@ -417,6 +463,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
                              FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
     constexpr int STAGES = T::KV_STAGES;
     constexpr int BLOCK_N = T::KEYS_PER_TILE;
+    constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     const FwdWorkTile& w = c.w;
     const FwdTileSpan& span = c.span;
     const int row_first = span.row_first, row_last = span.row_last;
@@ -434,7 +481,8 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
     OnlineSoftmax<1> softmax;  // one m16 tile a warp: this thread's rows g and g + 8
-    ScoreMods<FEATURES> mods(p.mods, p.seqlen_q, p.seqlen_k);
+    ScoreMods<FEATURES> mods(p.mods, tile_seqlen_q<VARLEN>(p, c),
+                             tile_seqlen_k<VARLEN>(p, c));
     mods.select_head(p.mods, w.batch, w.head);
 
     // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or the
@@ -678,7 +726,8 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
             store_4B_shared(swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, dt) + 4 * (lane % 4),
                             packed);
         }
-        if (lane % 4 == 0 && row_first + row < p.seqlen_q) lse_block[row] = row_lse[half];
+        if (lane % 4 == 0 && row_first + row < tile_seqlen_q<VARLEN>(p, c))
+            lse_block[row] = row_lse[half];
     }
     named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
     const int tid = threadIdx.x % T::WARPGROUP_THREADS;
@@ -688,7 +737,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
         const int idx = tid + T::WARPGROUP_THREADS * i;
         const int row = wg_row0 + idx / CHUNKS;
         const int chunk = idx % CHUNKS;
-        if (row_first + row < p.seqlen_q && chunk < head_chunks) {
+        if (row_first + row < tile_seqlen_q<VARLEN>(p, c) && chunk < head_chunks) {
             u32 vals[4];
             load_16B_shared(vals, swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, chunk));
             store_16B_global(o_block + row * p.o_row_stride + chunk * 8, vals);
@@ -701,8 +750,9 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
 // OVERLAP: the overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining): the
 // softmax of tile j runs while the tensor cores compute P_{j-1} V_{j-1} (see consume_tile).
 // With or without PINGPONG, on either grid.
-// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0. Varlen and dropout
-// stay on the mma.sync kernel for now. The parameters: FwdSm90Params (kernel_params.cuh).
+// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi) and FEATURE_VARLEN (packed
+// sequences, one-tile-per-CTA grid only), or 0. Dropout stays on the mma.sync kernel for now.
+// The parameters: FwdSm90Params (kernel_params.cuh).
 // PERSISTENT: a grid of at most one CTA per SM, each looping over work tiles (PersistentTiles);
 // the producer loads the next work tile's Q and K/V while the consumers finish the current one
 // and store it (O staged in a buffer of its own). Otherwise one CTA per work tile, the grid
@@ -713,8 +763,9 @@ __global__ void __launch_bounds__(
     FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     using T = FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>;
-    static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
-                  "varlen and dropout run on the mma.sync kernel");
+    constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
+    static_assert((FEATURES & FEATURE_DROPOUT) == 0, "dropout runs on the mma.sync kernel");
+    static_assert(!(VARLEN && PERSISTENT), "varlen runs on the one-tile-per-CTA grid");
     static_assert(!PINGPONG || T::CONSUMER_WARPGROUPS == 2, "ping-pong takes two consumers");
     const FwdParams& p = params.base;
 
@@ -732,21 +783,32 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     const FwdWorkTile own_tile = grid_work_tile(p);
     const int kv_head = own_tile.head / p.heads_per_kv_head;
     const int row_first = own_tile.m_block * BLOCK_M;
-    const int row_last = min(row_first + BLOCK_M, p.seqlen_q) - 1;
-    const KeyVisibility vis = key_visibility(p);
+    // VARLEN: batch index = sequence; its rows in the packed arrays (varlen.cuh), and the m
+    // blocks past its end exit here, the whole CTA, before any barrier is initialised or used
+    // (the grid is sized by the longest sequence). Dense batches: {0, seqlen}.
+    const SequenceRows seq_q = sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, own_tile.batch,
+                                                     p.seqlen_q, p.varlen.total_q);
+    const SequenceRows seq_k = sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, own_tile.batch,
+                                                     p.seqlen_k, p.varlen.total_k);
+    if (VARLEN && row_first >= seq_q.length) return;
+    const int row_last = min(row_first + BLOCK_M, VARLEN ? seq_q.length : p.seqlen_q) - 1;
+    const KeyVisibility vis = key_visibility<VARLEN>(p, seq_q, seq_k);
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
     u16* o_block = p.out + own_tile.batch * p.o_batch_stride + own_tile.head * p.o_head_stride +
-                   row_first * p.o_row_stride;
-    float* lse_block = p.lse + (static_cast<i64>(own_tile.batch) * p.nheads + own_tile.head) *
-                                   p.seqlen_q + row_first;
+                   (seq_q.start + row_first) * p.o_row_stride;
+    // lse: dense (batch, nheads, seqlen_q), varlen (nheads, total_q)
+    float* lse_block = p.lse + lse_row0<VARLEN>(own_tile.batch, own_tile.head, p.nheads,
+                                                p.seqlen_q, p.varlen.total_q, seq_q.start) +
+                       row_first;
     const FwdTileContext own{own_tile, kv_head, {row_first, row_last, tile_first, tile_end},
-                             o_block, lse_block};
+                             o_block, lse_block, seq_q, seq_k};
     const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in an O row
     if constexpr (!PERSISTENT) {
         // No row of this block sees any key: O = 0, lse = +inf, by the whole CTA before any role.
         if (own.span.empty()) {
-            store_empty_rows<T, BLOCK_M, T::THREADS>(p, own, head_chunks, 0, threadIdx.x);
+            store_empty_rows<T, BLOCK_M, T::THREADS, VARLEN>(p, own, head_chunks, 0,
+                                                             threadIdx.x);
             return;
         }
     }
@@ -799,8 +861,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
         if (threadIdx.x == 0)
             for_each_work_tile(
                 [&](const FwdTileContext& tile, int ring0, int q_round) {
-                    produce_tile<T, OVERLAP, PERSISTENT>(params, tile, ring0, q_round, q_smem,
-                                                         kv_smem, bars);
+                    produce_tile<T, OVERLAP, PERSISTENT, VARLEN>(params, tile, ring0, q_round,
+                                                                 q_smem, kv_smem, bars);
                 },
                 [](const FwdTileContext&) {});  // nothing to load
     } else {

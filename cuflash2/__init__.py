@@ -17,6 +17,7 @@ from .api import (  # noqa: E402
     backward_kernels,
     dropout_mask,
     forward_kernels,
+    varlen_forward_kernels,
 )
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "attention_with_kvcache",
     "dropout_mask",
     "forward_kernels",
+    "varlen_forward_kernels",
     "backward_kernels",
     "reference",
     "__version__",

@@ -189,8 +189,12 @@ def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
 
 #: Head dims of the Hopper forward, each its own specialisation (fwd_sm90_config's tiles).
 SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-#: The features it takes: the score modifiers (varlen and dropout stay on the mma.sync kernel).
+#: The features it takes: the score modifiers (dropout stays on the mma.sync kernel).
 SM90_FWD_FEATURES = SCORE_MOD_FEATURES
+#: Its varlen specialisations: FEATURE_VARLEN with each score-modifier set, one-tile-per-CTA grid
+#: only (compiled and tested on the CPU; dispatched only with _hopper.VARLEN, off until the
+#: H200 has run them).
+SM90_FWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SCORE_MOD_FEATURES)
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,9 @@ class FwdSm90Config:
     persistent: bool = False
 
     def __post_init__(self):
+        if self.persistent and self.features & FEATURE_VARLEN:
+            raise ValueError("varlen runs on the one-tile-per-CTA grid of the Hopper forward, "
+                             "not the persistent one")
         if self.persistent and self.smem_bytes > SM90_MAX_SMEM:
             raise ValueError(
                 f"a persistent Hopper forward needs {self.smem_bytes} bytes of shared memory at "

@@ -43,6 +43,11 @@ ADDRESS_WORD = 0
 #: CUFLASH2_HOPPER=0 keeps every forward on the mma.sync kernels (read when a call signature is
 #: planned; tests flip `ENABLED` and clear the plan caches).
 ENABLED = os.environ.get("CUFLASH2_HOPPER", "1") != "0"
+#: Varlen calls (attention_varlen) on the Hopper forward (FEATURE_VARLEN; docs/HOPPER_FWD.md,
+#: "Varlen"): compiled and tested on the CPU, off until the H200 has run
+#: tests/gpu/test_hopper_varlen.py; the test and benchmarks/dev/hopper_fwd_check.py --varlen flip
+#: it (and clear the plan caches). Off: varlen calls run on the mma.sync kernel.
+VARLEN = False
 
 
 def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
@@ -149,12 +154,20 @@ MMA_SYNC_MAX_KEYS = 512
 
 def forward_config(problem, features: int, window, arch: int, views: dict, varlen=None):
     """The Hopper forward's configuration for a checked call, or None where the call stays on
-    the mma.sync kernel: not sm_90, switched off, dropout or varlen, a head dim beyond the
-    Hopper kernels', an empty problem, or arrays the TMA cannot describe."""
+    the mma.sync kernel: not sm_90, switched off, dropout, varlen unless VARLEN, a head dim
+    beyond the Hopper kernels', an empty problem, or arrays the TMA cannot describe.
+
+    Varlen (`varlen` given; `problem` has the sequence count as batch and the max lengths as
+    seqlens): the maps cover the packed (total, heads, dim) arrays as rank-4 maps with a batch
+    extent of 1 (the dense maps' geometry, _as_batched), each CTA adds its sequence's first row
+    to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
-    if not ENABLED or arch != 90 or varlen is not None:
+    if not ENABLED or arch != 90 or (varlen is not None and not VARLEN):
         return None
-    if features & ~(_configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI):
+    covered = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
+    if varlen is not None:
+        covered |= _configs.FEATURE_VARLEN
+    if features & ~covered:
         return None
     if p.head_dim > max(_configs.SM90_FWD_HEAD_DIMS):
         return None

@@ -460,6 +460,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     cupy = _cupy_module()
     inputs = (q, k, v, out, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    plan, planned = _varlen_plan(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, causal, softmax_scale, window_size, softcap,
+                                 alibi_slopes, dropout_p, seed, offset, out, check_cu_seqlens)
+    if not planned and check_cu_seqlens:
+        _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, out, cupy)
+    return _forward_result(plan, inputs, out, return_lse, dropout_p, seed, offset, cupy)
+
+
+def _varlen_plan(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                 softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset, out,
+                 check_cu_seqlens):
+    """(plan of an attention_varlen call, whether it was planned now: the call checked in full)
+    (varlen_forward_kernels names its kernels)."""
+    inputs = (q, k, v, out, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
     key = _forward_key("attention_varlen", cupy, inputs, causal, softmax_scale, window_size,
                        softcap, dropout_p, (value_key(max_seqlen_q), value_key(max_seqlen_k),
                                             value_key(check_cu_seqlens)))
@@ -478,10 +493,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               check_cu_seqlens))
         _forward_plans.put(key, plan)
-    elif check_cu_seqlens:
-        _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, out, cupy)
-    return _forward_result(plan, inputs, out, return_lse, dropout_p, seed, offset, cupy)
+        return plan, True
+    return plan, False
+
+
+def varlen_forward_kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                           causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, out=None,
+                           check_cu_seqlens=True) -> list[str]:
+    """`forward_kernels` for `attention_varlen` with these arguments: the kernels it runs on the
+    current device, in words. The call is checked and planned, nothing is launched."""
+    plan, _ = _varlen_plan(_cupy_module(), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, softmax_scale, window_size, softcap,
+                           alibi_slopes, dropout_p, seed, offset, out, check_cu_seqlens)
+    return [_configs.describe(config) for config in plan.kernels]
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

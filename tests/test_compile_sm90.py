@@ -43,6 +43,20 @@ def _config_id(c) -> str:
             f"{'-overlap' if c.overlap else ''}{'-persistent' if c.persistent else ''}")
 
 
+#: The varlen specialisations (one-tile-per-CTA grid: both schedules, with and without the
+#: overlap, every head dim, dtype and score-modifier set): 160 under --exhaustive; the default run
+#: compiles every flag combination at every head dim for bf16 with both score modifiers, and fp16
+#: plain varlen at SAMPLE_HEAD_DIM (24).
+VARLEN_CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_VARLEN_FEATURES)
+VARLEN_SAMPLE_FEATURES = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
+
+
+def _varlen_sampled(config) -> bool:
+    return ((config.dtype, config.features) == ("bfloat16", VARLEN_SAMPLE_FEATURES)
+            or (config.dtype, config.features, config.head_dim)
+            == ("float16", _configs.FEATURE_VARLEN, SAMPLE_HEAD_DIM))
+
+
 @pytest.fixture(scope="module")
 def nvrtc_available():
     pytest.importorskip("cuda.bindings.nvrtc", reason="install the test extra: pip install '.[test]'")
@@ -56,7 +70,8 @@ def reports(nvrtc_available, compile_jobs, request):
         yield lambda config: _compile.compile_report(config, 90)
         return
     selected = [item.callspec.params["config"] for item in request.session.items
-                if item.originalname == "test_hopper_forward_compiles_without_spills"
+                if item.originalname in ("test_hopper_forward_compiles_without_spills",
+                                         "test_hopper_varlen_forward_compiles_without_spills")
                 and hasattr(item, "callspec")]
     pool = ProcessPoolExecutor(compile_jobs, mp_context=multiprocessing.get_context("spawn"))
     futures = {config: pool.submit(_compile.compile_report, config, 90)
@@ -93,6 +108,37 @@ def test_hopper_forward_compiles_without_spills(config, reports):
     assert "C7508" not in report.log, report.log  # setmaxnreg honoured
     assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
     assert config.smem_bytes <= MAX_SMEM_SM90
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(c, id=_config_id(c), marks=() if _varlen_sampled(c) else pytest.mark.exhaustive)
+    for c in VARLEN_CONFIGS])
+def test_hopper_varlen_forward_compiles_without_spills(config, reports):
+    """FEATURE_VARLEN (packed sequences): the same checks as every other specialisation."""
+    test_hopper_forward_compiles_without_spills(config, reports)
+
+
+def test_hopper_varlen_configs():
+    """Varlen: every head dim, dtype, score-modifier set and schedule on the one-tile-per-CTA
+    grid; never persistent; the default sample covers every flag combination at every head
+    dim."""
+    assert len(VARLEN_CONFIGS) == len(set(VARLEN_CONFIGS)) == 160
+    assert {(c.head_dim, c.dtype, c.features, c.pingpong, c.overlap, c.persistent)
+            for c in VARLEN_CONFIGS} == {
+        (d, t, _configs.FEATURE_VARLEN | f, pp, ov, False) for d in EXPECTED_TILES
+        for t in _configs.DTYPE_TAGS for f in _configs.SCORE_MOD_FEATURES
+        for pp in (False, True) for ov in (False, True)}
+    for config in VARLEN_CONFIGS:
+        assert (config.block_n, config.stages) == EXPECTED_TILES[config.head_dim]
+        assert not config.features & _configs.FEATURE_DROPOUT
+    sample = [c for c in VARLEN_CONFIGS if _varlen_sampled(c)]
+    assert len(sample) == 24
+    assert {(c.head_dim, c.pingpong, c.overlap) for c in sample} == {
+        (d, pp, ov) for d in EXPECTED_TILES for pp in (False, True) for ov in (False, True)}
+    with pytest.raises(ValueError, match="persistent"):
+        _configs.FwdSm90Config("float16", 128, features=_configs.FEATURE_VARLEN,
+                               persistent=True)
+    assert "varlen" in _configs.describe(VARLEN_CONFIGS[0])
 
 
 def test_setmaxnreg_check_detects_c7508(nvrtc_available):

@@ -229,3 +229,50 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     plain = _hopper.prepare_forward_sm90(q, k, k, causal=True)
     assert plain.launch[1] == (8, 8, 3) and plain.block.record[0]["batch"] == 0
     _hopper.persistent_slots.cache_clear()
+
+
+def _varlen_problem(head_dim=128, seqlen_k=700):
+    # what _prepare.varlen_problem gives the planner: sequences as batch, the max lengths
+    return types.SimpleNamespace(batch=3, seqlen_q=300, seqlen_k=seqlen_k, nheads=4,
+                                 nheads_kv=2, head_dim=head_dim, dtype="bfloat16",
+                                 softmax_scale=0.125)
+
+
+def test_varlen_reaches_the_hopper_forward_only_with_the_flag(monkeypatch):
+    """forward_config refuses varlen calls unless _hopper.VARLEN (off until the H200 has run
+    them); with it, the config carries FEATURE_VARLEN with the score modifiers and is never
+    persistent."""
+    from cuflash2 import _configs
+
+    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    varlen = types.SimpleNamespace(total_q=600, total_k=1400, batch=3)
+    features = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP
+    assert _hopper.VARLEN is False
+    assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 90, {}, varlen) is None
+    monkeypatch.setattr(_hopper, "VARLEN", True)
+    config = _hopper.forward_config(_varlen_problem(), features, (-1, 0), 90, {}, varlen)
+    assert config.features == features and not config.persistent
+    assert config.pingpong == _hopper.PINGPONG[128, True]
+    assert "varlen" in _configs.describe(config)
+    # dropout, other GPUs, and a dense call carrying the varlen bit stay off
+    assert _hopper.forward_config(_varlen_problem(), features | _configs.FEATURE_DROPOUT,
+                                  (-1, -1), 90, {}, varlen) is None
+    assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 80, {}, varlen) is None
+    assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 90, {}, None) is None
+    # short d=64 problems (by the longest sequence) stay on mma.sync as dense ones do
+    assert _hopper.forward_config(_varlen_problem(64, 512), features, (-1, -1), 90, {},
+                                  varlen) is None
+
+
+def test_varlen_maps_cover_the_packed_arrays():
+    """The varlen maps: a packed (total, heads, dim) array as the rank-4 map of batch extent 1
+    (_as_batched: x[None], batch stride 0 -> a stand-in of 16), so the producer's coordinates
+    are (column, sequence start + row, head, 0)."""
+    numpy = pytest.importorskip("numpy")
+    packed = _HostArray(numpy.zeros((1234, 2, 96), numpy.float16))
+    x = _hopper._as_batched(packed)
+    dims, strides, box = _hopper.tensor_map_geometry(x.shape, x.strides, 2, 128)
+    assert dims == [96, 1234, 2, 1]
+    assert strides == [2 * 96 * 2, 96 * 2, 16]
+    assert box == [_hopper.BOX_COLS, 128, 1, 1]

@@ -34,6 +34,11 @@ one-tile-per-CTA ones, 512 and 2048 tokens added to the default lengths (the sho
 per-CTA fixed cost shows), and pers/best: the fastest one-tile-per-CTA schedule over the fastest
 persistent one (above 1: the persistent grid is faster).
 --no-check skips the correctness part; --dtypes, --dims and --seqlens narrow the timing rows.
+With --varlen, instead: varlen (FEATURE_VARLEN, opt-in through cuflash2._hopper.VARLEN, which
+this turns on) through the public cuflash2.attention_varlen on the ragged batches of
+VARLEN_CASES (empty and one-token sequences, lengths off the tiles, GQA, causal, windows,
+softcap + ALiBi), each selected schedule, against cuflash2.reference.attention_varlen, then
+the time of a few ragged 16k-token batches against the mma.sync kernel (the flag off).
 
 Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
 """
@@ -98,6 +103,20 @@ TIMING_SEQLENS = (1024, 4096, 16384)
 PERSISTENT_TIMING_SEQLENS = (512, 1024, 2048, 4096, 16384)
 TIMING_HEAD_DIMS = (64, 96, 128, 192, 256)
 TOKENS = 16384
+
+# --varlen: (sequence lengths q, lengths k (None: as q), heads, kv heads, head dim, dtype,
+# options of attention_varlen)
+VARLEN_CASES = [
+    ([97, 1, 0, 300, 64, 129], None, 4, 4, 128, "bfloat16", {}),
+    ([97, 1, 0, 300, 64, 129], None, 4, 4, 128, "float16", {"causal": True}),
+    ([33, 250, 129, 1], [600, 17, 129, 5], 6, 2, 64, "bfloat16", {"causal": True}),
+    ([513, 0, 1000], [777, 3, 1000], 8, 2, 96, "float16", {"window_size": (128, 0)}),
+    ([200, 700, 5], None, 4, 1, 192, "bfloat16", {"causal": True, "softcap": 5.0}),
+    ([1024, 77, 513], None, 4, 4, 256, "float16", {"alibi_slopes": True}),
+    ([300, 1, 129], [1000, 1, 2], 2, 2, 80, "bfloat16", {}),  # head dim on the d=96 kernel
+]
+# --varlen timing: ragged lengths summing to 16k tokens, causal off / on
+VARLEN_TIMING = [[4096, 1000, 3000, 512, 7776], [128] * 64 + [2048] * 4]
 HIDDEN = 2048
 
 
@@ -252,6 +271,106 @@ def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, se
                     print(line, flush=True)
 
 
+def _varlen_schedule(schedule, watchdog):
+    """Context: varlen calls on the Hopper forward (_hopper.VARLEN) in `schedule` (None: the
+    mma.sync kernel), plan caches cleared on both sides."""
+    import contextlib
+
+    from cuflash2 import _hopper, api
+
+    @contextlib.contextmanager
+    def scope():
+        saved = _hopper.VARLEN, _hopper.forward_config
+
+        def forced(*args, **kwargs):
+            config = saved[1](*args, **kwargs)
+            if config is None:
+                return None
+            pingpong, overlap = SCHEDULES[schedule]
+            return dataclasses.replace(config, pingpong=pingpong, overlap=overlap,
+                                       watchdog=watchdog)
+
+        _hopper.VARLEN = schedule is not None
+        _hopper.forward_config = forced
+        api._forward_plans.plans.clear()
+        try:
+            yield
+        finally:
+            _hopper.VARLEN, _hopper.forward_config = saved
+            api._forward_plans.plans.clear()
+
+    return scope()
+
+
+def _varlen_inputs(cupy, lengths_q, lengths_k, h, hkv, d, dtype, seed):
+    rng = numpy.random.default_rng(seed)
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    dt = _dtype(dtype)
+    q = cupy.asarray(rng.standard_normal((sum(lengths_q), h, d), numpy.float32).astype(dt))
+    k, v = (cupy.asarray(rng.standard_normal((sum(lengths_k), hkv, d), numpy.float32).astype(dt))
+            for _ in range(2))
+    cu = [cupy.asarray(numpy.concatenate([[0], numpy.cumsum(x)]).astype(numpy.int32))
+          for x in (lengths_q, lengths_k)]
+    return q, k, v, (cu[0], cu[1], max(lengths_q), max(lengths_k))
+
+
+def check_varlen(cupy, schedules, watchdog):
+    import cuflash2
+    from cuflash2 import reference, testing
+
+    failures = 0
+    for schedule in schedules:
+        for i, (lq, lk, h, hkv, d, dtype, options) in enumerate(VARLEN_CASES):
+            q, k, v, args = _varlen_inputs(cupy, lq, lk, h, hkv, d, dtype, seed=100 + i)
+            options = dict(options)
+            if options.get("alibi_slopes"):
+                options["alibi_slopes"] = cupy.asarray(
+                    numpy.linspace(0.05, 0.5, (len(lq)) * h, dtype=numpy.float32)
+                    .reshape(len(lq), h))
+            label = f"{schedule} varlen q{lq} k{lk or lq} h{h}/{hkv} d{d} {dtype} {options}"
+            with _varlen_schedule(schedule, watchdog):
+                (kernel,) = cuflash2.varlen_forward_kernels(q, k, v, *args, **options)
+                out = testing.poison_like(cupy, q.shape, q.dtype)
+                try:
+                    out, lse = cuflash2.attention_varlen(q, k, v, *args, return_lse=True,
+                                                         out=out, **options)
+                    cupy.cuda.Device().synchronize()
+                except Exception as error:  # a fault leaves the context unusable: stop here
+                    print(f"FAIL  {label}: {type(error).__name__}: {error}", flush=True)
+                    return failures + 1
+            hi = reference.attention_varlen(q, k, v, *args, return_lse=True,
+                                            compute_dtype=numpy.float32, **options)
+            lo = reference.attention_varlen(q, k, v, *args, compute_dtype=q.dtype, **options)
+            results = [testing.check_close("out", out, hi[0], lo), testing.lse_close(lse, hi[1])]
+            ok = all(r.ok for r in results) and kernel.startswith("Hopper forward")
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'}  {label}: {kernel.split(',')[0]}; "
+                  + "; ".join(str(r) for r in results), flush=True)
+    return failures
+
+
+def time_varlen(cupy, schedules, iters, dtypes, dims):
+    import cuflash2
+
+    print(f"\nvarlen timing (ms; ragged batches of {TOKENS} tokens, heads = {HIDDEN} / d)")
+    print("| lengths | dtype | d | causal | mma.sync | " + " | ".join(schedules) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(schedules))
+    for lengths in VARLEN_TIMING:
+        for dtype in dtypes:
+            for d in dims or (64, 128, 256):
+                for causal in (False, True):
+                    h = HIDDEN // d
+                    q, k, v, args = _varlen_inputs(cupy, lengths, None, h, h, d, dtype, seed=7)
+                    row = []
+                    for schedule in (None, *schedules):
+                        with _varlen_schedule(schedule, False):
+                            row.append(_time(cupy, lambda: cuflash2.attention_varlen(
+                                q, k, v, *args, causal=causal, check_cu_seqlens=False), iters))
+                    short = f"{len(lengths)} seqs, max {max(lengths)}"
+                    print(f"| {short} | {dtype} | {d} | {int(causal)} | "
+                          + " | ".join(f"{t:.3f}" for t in row) + " |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--watchdog", action="store_true",
@@ -271,6 +390,9 @@ def main():
                         choices=("float16", "bfloat16"), help="timing rows: these dtypes")
     parser.add_argument("--dims", type=int, nargs="+", help="timing rows: these head dims")
     parser.add_argument("--seqlens", type=int, nargs="+", help="timing rows: these lengths")
+    parser.add_argument("--varlen", action="store_true",
+                        help="varlen on the Hopper forward (turns _hopper.VARLEN on): "
+                             "VARLEN_CASES against the reference, then ragged timing rows")
     args = parser.parse_args()
     import cupy
 
@@ -280,6 +402,15 @@ def main():
         return 2
     schedules = SCHEDULE_SETS.get(args.schedule, (args.schedule,))
     failures = 0
+    if args.varlen:
+        if not args.no_check:
+            failures = check_varlen(cupy, schedules, args.watchdog)
+            print(f"\nvarlen correctness: "
+                  f"{'all cases ok' if not failures else f'{failures} case(s) failed'} "
+                  f"({len(VARLEN_CASES)} batches x {len(schedules)} schedule(s))")
+        if not (failures or args.no_time or args.watchdog):
+            time_varlen(cupy, schedules, args.iters, args.dtypes, args.dims)
+        return 1 if failures else 0
     if not args.no_check:
         failures = check(cupy, schedules, args.watchdog, args.persistent)
         shapes = len(CASES) + (len(PERSISTENT_CASES) if args.persistent else 0)
