@@ -274,5 +274,5 @@ def test_varlen_maps_cover_the_packed_arrays():
     x = _hopper._as_batched(packed)
     dims, strides, box = _hopper.tensor_map_geometry(x.shape, x.strides, 2, 128)
     assert dims == [96, 1234, 2, 1]
-    assert strides == [2 * 96 * 2, 96 * 2, 16]
+    assert strides == [2 * 96 * 2, 96 * 2, 1234 * 2 * 96 * 2]  # batch: the packed span
     assert box == [_hopper.BOX_COLS, 128, 1, 1]
