@@ -773,9 +773,10 @@ def describe(config) -> str:
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.kv_stages} K/V "
                 f"stages{extra}")
     if isinstance(config, BwdSm90Config):
+        chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
         return (f"Hopper backward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
-                f"Q/dO stages{extra}")
+                f"Q/dO stage{'s' if config.stages > 1 else ''}{chunks}{extra}")
     if isinstance(config, BwdConfig):
         dq = "dQ by atomics" if config.compute_dq else "no dQ (deterministic)"
         chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
