@@ -49,10 +49,13 @@
 // Score modifiers as flash_bwd.cu: softcap's t = tanh(s * softcap_scale) before the mask, P from
 // (t + ALiBi bias) * scale_log2, and dS = P (1 - t^2) (dP - D).
 //
-// Head dims 64, 96, 128 (one specialisation each; a user head dim below runs on the next one,
-// the TMA zero-filling the columns past it). 192 and 256 do not fit this split: dK and dV of 64
-// keys take HEAD_DIM fp32 registers a thread, which with S^T and dP^T exceeds the 240 a consumer
-// has (docs/HOPPER_BWD.md: FlashAttention-3's 3-warpgroup / swapped-dK tiles for those dims).
+// Head dims 64, 96, 128, 192, 256 (one specialisation each; a user head dim below runs on the
+// next one, the TMA zero-filling the columns past it). dK and dV of 64 keys take as many fp32
+// registers a consumer thread as they have columns, so above 128 a key block's columns are split
+// over two CTAs, as flash_bwd.cu does (grid.x = key block x head-dim chunk): chunk 0 computes dK,
+// dV, dQ of columns 0 .. 127, chunk 1 the rest (d=192: 64, computed 128 wide and the rest
+// discarded; d=256: 128), each recomputing S^T and dP^T over the whole head dim (K, V, Q_i, dO_i
+// are whole-width tiles). docs/HOPPER_BWD.md compares this with FlashAttention-3's tiles.
 // Left out (static_assert): varlen, dropout; deterministic mode (no dq_accum atomics) too.
 #include "hopper_primitives.cuh"
 #include "masking.cuh"
@@ -100,7 +103,18 @@ struct BwdSm90Traits {
     static constexpr int DIM = HEAD_DIM;
     static constexpr int QUERIES = BLOCK_M;         // the N of S^T and dP^T
     static constexpr int S_TILES = BLOCK_M / 8;     // n8 column groups of S^T, dP^T (queries)
-    static constexpr int D_TILES = HEAD_DIM / 8;    // n8 column groups of dK, dV
+    // Head dims above 128: the key block's dK, dV and dQ columns are split over NUM_CHUNKS CTAs
+    // (grid.x = key block x chunk, as flash_bwd.cu), each recomputing S^T and dP^T over the whole
+    // head dim: chunk 0 has columns 0 .. 127, chunk 1 the rest (d=192: 64, d=256: 128). Both
+    // start at a panel boundary, so every MN-major B descriptor of a chunk is one of d <= 128's.
+    static constexpr int CHUNK_COLS = HEAD_DIM <= 128 ? HEAD_DIM : 128;
+    static constexpr int NUM_CHUNKS = HEAD_DIM <= 128 ? 1 : 2;
+    static constexpr int LAST_CHUNK_COLS = HEAD_DIM - CHUNK_COLS * (NUM_CHUNKS - 1);
+    static constexpr bool HAS_NARROW = LAST_CHUNK_COLS < CHUNK_COLS;
+    // Q_i / dO_i (B of dV, dK) and K (B of dQ) bytes from column 0 to a chunk's first column.
+    static constexpr int CHUNK_Q_BYTES = (CHUNK_COLS / PANEL_COLS) * Q_PANEL_BYTES;
+    static constexpr int CHUNK_KV_BYTES = (CHUNK_COLS / PANEL_COLS) * KV_PANEL_BYTES;
+    static constexpr int D_TILES = CHUNK_COLS / 8;  // n8 column groups of dK, dV (widest chunk)
     static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of S^T, dP^T (head dim)
     static constexpr int M_STEPS = BLOCK_M / 16;    // k16 steps of dV, dK (queries)
     static constexpr int N_STEPS = BLOCK_N / 16;    // k16 steps of dQ (keys)
@@ -110,31 +124,42 @@ struct BwdSm90Traits {
     // go to the next panel by LBO, counted from the descriptor's start, not from the panel's;
     // d=64's single panel is split in the middle (32 + 32, a 64-byte start that never crosses
     // into the next panel).
-    static constexpr int DQ_COLS_0 = PANELS == 1 ? HEAD_DIM / 2 : PANEL_COLS * (PANELS / 2);
-    static constexpr int DQ_COLS_1 = HEAD_DIM - DQ_COLS_0;
+    // Per chunk of COLS columns (the whole head dim up to d=128).
+    __host__ __device__ static constexpr int dq_cols_0(int cols) {
+        return cols <= PANEL_COLS ? cols / 2 : PANEL_COLS * (((cols + PANEL_COLS - 1) / PANEL_COLS) / 2);
+    }
+    static constexpr int DQ_COLS_0 = dq_cols_0(CHUNK_COLS);
+    static constexpr int DQ_COLS_1 = CHUNK_COLS - DQ_COLS_0;
     // fp32 registers a consumer thread keeps live at the peak (dP^T just completed): dK and dV
-    // (HEAD_DIM / 2 each), S^T (or P^T) and dP^T (BLOCK_M / 2 each); the 16-bit P^T and dS^T
+    // (CHUNK_COLS / 2 each), S^T (or P^T) and dP^T (BLOCK_M / 2 each); the 16-bit P^T and dS^T
     // fragments grow as S^T and dP^T die (score_gradients). 192 at d=128 leaves 48 of the 240
     // for addresses, statistics, the score modifiers and the dQ tile (BLOCK_M x half the head
     // dim: HEAD_DIM / 4, live with dK, dV and the fragments). A peak with P^T packed beside
     // S^T and dP^T (208) made the softcap + ALiBi variant spill at d=128.
-    static constexpr int PEAK_ACCUMULATORS = HEAD_DIM + BLOCK_M;
+    static constexpr int PEAK_ACCUMULATORS = CHUNK_COLS + BLOCK_M;
 
     static_assert(BLOCK_N == 2 * KEYS_PER_WARPGROUP, "two consumer warpgroups of 64 keys");
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64 && HEAD_DIM <= 256, "head dim");
     static_assert(BLOCK_M % 16 == 0 && BLOCK_M >= 16 && BLOCK_M <= 256,
                   "wgmma N of S^T (= BLOCK_M): a multiple of 16 up to 256");
-    static_assert(DQ_COLS_0 % 16 == 0 && DQ_COLS_1 % 16 == 0 && DQ_COLS_1 > 0,
+    static_assert(DQ_COLS_0 % 16 == 0 && DQ_COLS_1 % 16 == 0 && DQ_COLS_1 > 0 &&
+                          dq_cols_0(LAST_CHUNK_COLS) % 16 == 0 &&
+                          (LAST_CHUNK_COLS - dq_cols_0(LAST_CHUNK_COLS)) % 16 == 0,
                   "dQ column halves: whole 16-column groups (dq_accum.cuh's vector atomics)");
+    static_assert(CHUNK_COLS % PANEL_COLS == 0 || NUM_CHUNKS == 1,
+                  "every chunk starts at a panel boundary");
+    static_assert(!HAS_NARROW || LAST_CHUNK_COLS == DQ_COLS_0,
+                  "the narrower last chunk's dQ is consumer 0's columns");
     static_assert(Q_PANEL_BYTES % 1024 == 0 && KV_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
     static_assert(STAT_BYTES % 16 == 0, "bulk copies of whole 16-byte chunks");
     static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
-    static_assert(KEYS_PER_WARPGROUP * (HEAD_DIM / 8) % WARPGROUP_THREADS == 0,
+    static_assert(KEYS_PER_WARPGROUP * (LAST_CHUNK_COLS / 8) % WARPGROUP_THREADS == 0 &&
+                      KEYS_PER_WARPGROUP * (CHUNK_COLS / 8) % WARPGROUP_THREADS == 0,
                   "the epilogue's 16-byte chunks split evenly over a warpgroup");
-    static_assert(STAGES >= 2, "a ring of at least two Q / dO stages");
+    static_assert(STAGES >= 1, "a ring of Q / dO stages (one at d=256: shared memory)");
     static_assert(PEAK_ACCUMULATORS <= 192,
-                  "dK, dV, S^T, dP^T and P^T must fit the consumers' 240 registers: head dims "
-                  "above 128 need another split (docs/HOPPER_BWD.md)");
+                  "dK, dV, S^T, dP^T and P^T must fit the consumers' 240 registers: a chunk of "
+                  "at most 128 head-dim columns at BLOCK_M = 64 (docs/HOPPER_BWD.md)");
     static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS +
                           CONSUMER_REGISTERS * CONSUMER_THREADS <= 65536,
                   "the setmaxnreg split fits the register file");
@@ -151,16 +176,16 @@ CF2_DEVICE void issue_transposed_scores(float (&acc)[T::S_TILES][4], u32 a_rows,
         acc, a_rows, b_tile);
 }
 
-// acc (64 keys x HEAD_DIM) += frag (this warp's keys x BLOCK_M queries, A registers) times
+// acc (64 keys x COLS head-dim columns) += frag (this warp's keys x BLOCK_M queries, A registers) times
 // `b_tile` (Q_i or dO_i, [queries x head dim], the MN-major B operand as V of the forward's
 // P V: 16 rows = 2048 B a k16 step, SBO 1024, LBO one panel). Issues the wgmmas only.
-template <typename Elem, class T>
-CF2_DEVICE void issue_key_gradient(float (&acc)[T::D_TILES][4], u32 (&frag)[T::M_STEPS][4],
+template <typename Elem, class T, int COLS>
+CF2_DEVICE void issue_key_gradient(float (&acc)[COLS / 8][4], u32 (&frag)[T::M_STEPS][4],
                                    u32 b_tile) {
 #pragma unroll
     for (int ks = 0; ks < T::M_STEPS; ++ks) {
         const u64 b = smem_matrix_descriptor(b_tile + 2048 * ks, T::Q_PANEL_BYTES, 1024);
-        wgmma_rs_trans_b<Elem, T::DIM>(acc, frag[ks], b, 1);
+        wgmma_rs_trans_b<Elem, COLS>(acc, frag[ks], b, 1);
     }
 }
 
@@ -340,7 +365,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
     const u32 kv_full = smem_address(&bars.kv_full);
 
-    const int kv_block = blockIdx.x;
+    const int kv_block = blockIdx.x / T::NUM_CHUNKS;
+    const int chunk = blockIdx.x % T::NUM_CHUNKS;  // of the head dim (0 up to d=128)
+    // This CTA's first dK / dV / dQ column, and whether its chunk is the narrower last one (d=192:
+    // 64 columns, computed 128 wide, the rest discarded). Constants up to d=128.
+    const int col0 = chunk * T::CHUNK_COLS;
+    const bool narrow = T::HAS_NARROW && chunk == T::NUM_CHUNKS - 1;
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z + p.batch_offset;
     const int key_first = kv_block * BLOCK_N;
@@ -364,11 +394,23 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     if (steps == 0) {
         // No query sees these keys: dK = dV = 0 (the whole CTA, before any role).
         const u32 zeros[4] = {0u, 0u, 0u, 0u};
-        for (int idx = threadIdx.x; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
-            const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
-            if (key_first + row < p.seqlen_k && chunk < head_chunks) {
-                store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
-                store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
+        if constexpr (T::NUM_CHUNKS == 1) {
+            for (int idx = threadIdx.x; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
+                const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
+                if (key_first + row < p.seqlen_k && chunk < head_chunks) {
+                    store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
+                    store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
+                }
+            }
+        } else {
+            // This CTA's columns (the other chunk's CTA writes the rest).
+            constexpr int CHUNKS = T::CHUNK_COLS / 8;
+            for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
+                const int row = idx / CHUNKS, c = col0 / 8 + idx % CHUNKS;
+                if (key_first + row < p.seqlen_k && c < head_chunks) {
+                    store_16B_global(dk_block + row * p.dk_row_stride + c * 8, zeros);
+                    store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
+                }
             }
         }
         return;
@@ -512,8 +554,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             pin_registers(p_frag);
             pin_registers(ds_frag);
             wgmma_fence();
-            issue_key_gradient<Elem, T>(acc_dv, p_frag, do_tile);
-            issue_key_gradient<Elem, T>(acc_dk, ds_frag, q_tile);
+            // This chunk's columns of dO_i and Q_i. The narrower last chunk (d=192: 64 columns)
+            // runs the same N = 128 products: its second 64 columns read the 8 KiB past the tile
+            // (dO_i's first panel, or the next stage's Q / the dS tile) and are never stored. A
+            // branch to N = 64 products spilled (softcap + ALiBi), as did one around dQ's.
+            const u32 b_chunk = chunk * T::CHUNK_Q_BYTES;
+            issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dv, p_frag, do_tile + b_chunk);
+            issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
             wgmma_commit_group();
 
             // dQ_i: both consumers' dS^T are in the tile after the barrier; consumer c takes its
@@ -522,12 +569,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             named_barrier_sync(T::DS_BARRIER, T::CONSUMER_THREADS);
             float* dq_block = p.dq_accum + (stats_row0<false>(batch, head, p.nheads,
                                                               p.seqlen_q_padded, 0) + row0) *
-                                               HEAD_DIM;
+                                               HEAD_DIM + col0;
+            const u32 k_chunk = k_smem + chunk * T::CHUNK_KV_BYTES;
             if (consumer == 0) {
                 float acc_dq[T::DQ_COLS_0 / 8][4];
                 pin_registers(acc_dq);
                 wgmma_fence();
-                issue_dq<Elem, T, 0, T::DQ_COLS_0>(acc_dq, ds_tile, k_smem);
+                issue_dq<Elem, T, 0, T::DQ_COLS_0>(acc_dq, ds_tile, k_chunk);
                 wgmma_commit_group();
                 wgmma_wait_group<0>();
                 pin_registers(acc_dq);
@@ -538,10 +586,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
                 add_dq<HEAD_DIM, 0, T::DQ_COLS_0>(dq_block, acc_dq, warp, lane);
             } else {
+                // The narrower last chunk (d=192: 64 columns, one panel) is consumer 0's alone:
+                // there, this product reads the panel past K (V's first, not written before the
+                // epilogue) and is not added.
                 float acc_dq[T::DQ_COLS_1 / 8][4];
                 pin_registers(acc_dq);
                 wgmma_fence();
-                issue_dq<Elem, T, T::DQ_COLS_0, T::DQ_COLS_1>(acc_dq, ds_tile, k_smem);
+                issue_dq<Elem, T, T::DQ_COLS_0, T::DQ_COLS_1>(acc_dq, ds_tile, k_chunk);
                 wgmma_commit_group();
                 wgmma_wait_group<0>();
                 pin_registers(acc_dq);
@@ -550,7 +601,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(p_frag);
                 pin_registers(ds_frag);
                 mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
-                add_dq<HEAD_DIM, T::DQ_COLS_0, T::DQ_COLS_1>(dq_block, acc_dq, warp, lane);
+                if (!narrow)
+                    add_dq<HEAD_DIM, T::DQ_COLS_0, T::DQ_COLS_1>(dq_block, acc_dq, warp, lane);
             }
 
             if (++m_block == m_first + m_count) {
@@ -581,18 +633,18 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         }
         named_barrier_sync(T::STORE_BARRIER + consumer, T::WARPGROUP_THREADS);
         const int tid = threadIdx.x % T::WARPGROUP_THREADS;
-        constexpr int CHUNKS = HEAD_DIM / 8;
+        constexpr int CHUNKS = T::CHUNK_COLS / 8;  // 16-byte chunks of this CTA's row (widest)
 #pragma unroll
         for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
             const int idx = tid + T::WARPGROUP_THREADS * i;
             const int row = key0 + idx / CHUNKS;
             const int chunk = idx % CHUNKS;
-            if (key_first + row < p.seqlen_k && chunk < head_chunks) {
+            if (key_first + row < p.seqlen_k && chunk < head_chunks - col0 / 8) {
                 u32 vals[4];
                 load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
-                store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, vals);
+                store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
                 load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
-                store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, vals);
+                store_16B_global(dv_block + row * p.dv_row_stride + col0 + chunk * 8, vals);
             }
         }
     }

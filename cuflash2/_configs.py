@@ -348,9 +348,13 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
 # Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a,
 # dispatched opt-in (CUFLASH2_HOPPER_BWD=1: cuflash2._hopper_bwd.backward_config).
 
-#: Head dims of the Hopper backward. 192 and 256 do not fit its split (dK and dV of 64 keys are
-#: HEAD_DIM registers a consumer thread; BwdSm90Traits::PEAK_ACCUMULATORS).
-SM90_BWD_HEAD_DIMS = (64, 96, 128)
+#: Head dims of the Hopper backward. Above 128 a key block's dK / dV / dQ columns are split over
+#: two CTAs (head-dim chunks of 128 + 64 at d=192, 128 + 128 at d=256), each recomputing S^T and
+#: dP^T over the whole head dim: dK and dV of 64 keys x 128 columns are what a consumer thread's
+#: registers hold (BwdSm90Traits::PEAK_ACCUMULATORS).
+SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
+#: The widest head-dim chunk of one CTA (BwdSm90Traits::CHUNK_COLS).
+SM90_BWD_CHUNK_COLS = 128
 #: The features it takes: the score modifiers (varlen, dropout, deterministic mode: mma.sync).
 SM90_BWD_FEATURES = SCORE_MOD_FEATURES
 
@@ -361,7 +365,11 @@ SM90_BWD_FEATURES = SCORE_MOD_FEATURES
 #: dK + dV (head_dim / 2 each), S^T + dP^T (block_m / 2 each) and P^T packed (block_m / 4):
 #: 208 fp32 registers at d=128 of its 240. FA3 runs d=64 at 128 x 128; here 64 x 128 as a start
 #: (a 128-query step doubles S^T and dP^T: 64 + 64 + 32 + 32 + 32 = 224, too tight to start with).
-SM90_BWD_TILES = {64: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2)}
+#: d=192 and 256 keep the 64 x 128 tile (K, V, Q and dO span the whole head dim: S^T and dP^T
+#: need it); d=256 has room for one Q / dO stage only (227 KiB: K + V 128 KiB, a stage 64.5 KiB,
+#: two dS tiles 32 KiB).
+SM90_BWD_TILES = {64: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2),
+                  192: (64, 128, 2), 256: (64, 128, 1)}
 
 
 @dataclass(frozen=True)
@@ -396,9 +404,10 @@ class BwdSm90Config:
 
     @property
     def num_chunks(self) -> int:
-        """Head-dim chunks a key block is split into across CTAs (BwdConfig.num_chunks): one,
-        a CTA computes dK, dV and its dQ share over the whole head dim."""
-        return 1
+        """Head-dim chunks a key block is split into across CTAs (BwdConfig.num_chunks; grid.x =
+        key block x chunk): one up to d=128, two above (chunks of SM90_BWD_CHUNK_COLS columns,
+        the last one the rest)."""
+        return -(-self.head_dim // SM90_BWD_CHUNK_COLS)
 
     @property
     def smem_bytes(self) -> int:
@@ -771,9 +780,10 @@ def describe(config) -> str:
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.kv_stages} K/V "
                 f"stages{extra}")
     if isinstance(config, BwdSm90Config):
+        chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
         return (f"Hopper backward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
-                f"Q/dO stages{extra}")
+                f"Q/dO stage{'s' if config.stages > 1 else ''}{chunks}{extra}")
     if isinstance(config, BwdConfig):
         dq = "dQ by atomics" if config.compute_dq else "no dQ (deterministic)"
         chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""

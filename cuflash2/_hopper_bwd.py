@@ -11,7 +11,8 @@ for the dispatcher and for `prepare_backward_sm90` alike):
 
 1. the existing preprocess (flash_bwd_preprocess.cu): D = rowsum(dO o O), lse in log2 units,
    both padded to whole 128-row blocks (+inf / 0), and the fp32 dQ accumulator zeroed;
-2. the Hopper main kernel: dK, dV of each 128-key block, dQ added to the accumulator;
+2. the Hopper main kernel: dK, dV of each 128-key block, dQ added to the accumulator (above
+   d=128 a key block's columns split over two CTAs, `BwdSm90Config.num_chunks`);
 3. the existing conversion (flash_bwd_convert_dq.cu): dQ = softmax_scale * accumulator.
 
 The main kernel takes `BwdSm90Params`: four tensor maps (q and dout with boxes of block_m rows,
@@ -105,8 +106,8 @@ def prepare_backward_sm90(dout, q, k, v, out, lse, *, causal: bool = False,
                           config: _configs.BwdSm90Config | None = None) -> PreparedBackward:
     """Lays out the backward of attention on the Hopper kernel (sm_90a only), whatever
     ENABLED says: CuPy arrays (batch, seqlen, heads, headdim) or (seqlen, heads, headdim), fp16
-    or bf16, head dim a multiple of 8 up to 128 (run on the smallest of 64, 96, 128 that holds
-    it, or on `config`), `out` and `lse` from the forward; GQA/MQA through fewer k/v heads (dk,
+    or bf16, head dim a multiple of 8 up to 256 (run on the smallest of 64, 96, 128, 192, 256
+    that holds it, or on `config`; above 128 two CTAs a key block, one per head-dim chunk), `out` and `lse` from the forward; GQA/MQA through fewer k/v heads (dk,
     dv have k's heads: the group's sums); causal and windows as cuflash2.attention; softcap and
     ALiBi slopes ((heads,) or (batch, heads), fp32) as there. Checked as
     `cuflash2.attention_backward` checks a call, and planned by the same code

@@ -285,7 +285,8 @@ BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
                          ids=lambda c: f"{c.dtype}-d{c.head_dim}-f{c.features}")
 def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     """Same checks as the forward's: entry registers of 384 threads, no spills, setmaxnreg
-    honoured (the consumers hold dK, dV, S^T and dP^T: 192 fp32 registers at d=128)."""
+    honoured (the consumers hold dK, dV, S^T and dP^T: 192 fp32 registers at d=128, and at
+    d=192 / 256, whose CTAs hold a 128-column chunk of dK and dV)."""
     report = _compile.compile_report(config, 90)
     print(f"sm_90a {config.name_expression}: {report.registers} registers, "
           f"{report.spill_stores}/{report.spill_loads} bytes spilled, "
@@ -294,32 +295,40 @@ def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     assert report.registers <= _entry_registers(config), report.log
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     assert "C7508" not in report.log, report.log
+    assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
     assert config.smem_bytes <= MAX_SMEM_SM90
 
 
 def test_hopper_backward_config_shapes():
-    assert _configs.SM90_BWD_HEAD_DIMS == (64, 96, 128)
+    assert _configs.SM90_BWD_HEAD_DIMS == (64, 96, 128, 192, 256)
     for config in BWD_CONFIGS:
         assert config.threads == 384 and config.block_n == 128 and config.block_m == 64
-        assert config.stages == 2
+        assert config.stages == (1 if config.head_dim == 256 else 2)
+        assert config.num_chunks == (1 if config.head_dim <= 128 else 2)
         assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
         assert _compile.target_arch(config, 90) == "90a"
     assert {(c.head_dim, c.dtype, c.features) for c in BWD_CONFIGS} == {
-        (d, t, f) for d in (64, 96, 128) for t in _configs.DTYPE_TAGS
+        (d, t, f) for d in (64, 96, 128, 192, 256) for t in _configs.DTYPE_TAGS
         for f in _configs.SM90_BWD_FEATURES}
     # K + V, two Q / dO stages, two dS tiles, the statistics, 1 KiB of alignment slack
     d128 = _configs.bwd_sm90_config("bfloat16", 128)
     assert d128.smem_bytes == 2 * 128 * 256 + 2 * (2 * 64 * 256 + 512) + 2 * 64 * 256 + 1024
     assert _configs.bwd_sm90_config("float16", 96).smem_bytes == d128.smem_bytes  # two panels
-    for bad in (192, 256, 80):
+    # d=192: three panels, two stages; d=256: four panels, one stage; both under 227 KiB
+    assert _configs.bwd_sm90_config("float16", 192).smem_bytes == (
+        2 * 128 * 384 + 2 * (2 * 64 * 384 + 512) + 2 * 64 * 256 + 1024)
+    assert _configs.bwd_sm90_config("float16", 256).smem_bytes == (
+        2 * 128 * 512 + (2 * 64 * 512 + 512) + 2 * 64 * 256 + 1024)
+    for bad in (160, 224, 80, 512):
         with pytest.raises(ValueError):
             _configs.bwd_sm90_config("float16", bad)
 
 
-def test_hopper_backward_refuses_head_dims_past_its_register_budget(nvrtc_available):
-    """d=192 does not fit the two-consumer split (dK + dV + S^T + dP^T > 192 registers): the
-    traits' static_assert says so instead of ptxas spilling."""
-    config = _configs.BwdSm90Config("bfloat16", 192)
+def test_hopper_backward_refuses_tiles_past_its_register_budget(nvrtc_available):
+    """A 128-query step at d=128 (S^T and dP^T of 64 registers each beside dK and dV) does not
+    fit the consumers' registers: the traits' static_assert says so instead of ptxas spilling.
+    (d=192 / 256 fit through head-dim chunks of at most 128 columns.)"""
+    config = _configs.BwdSm90Config("bfloat16", 128, block_m=128, stages=1)
     with pytest.raises(RuntimeError, match="consumers' 240 registers"):
         _compile.compile_report(config, 90)
 

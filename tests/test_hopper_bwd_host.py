@@ -96,7 +96,9 @@ def test_the_flag_is_off_by_default():
 
 
 @pytest.mark.parametrize("head_dim,kernel_dim", [(8, 64), (40, 64), (64, 64), (72, 96),
-                                                 (96, 96), (104, 128), (128, 128)])
+                                                 (96, 96), (104, 128), (128, 128), (136, 192),
+                                                 (160, 192), (192, 192), (200, 256),
+                                                 (224, 256), (256, 256)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_covered_calls_get_the_smallest_kernel_head_dim(host, head_dim, kernel_dim, dtype):
     config = _config(_problem(d=head_dim, dtype=dtype))
@@ -127,7 +129,7 @@ def test_packed_views_are_covered(host):
 
 
 @pytest.mark.parametrize("case", ["disabled", "sm80", "sm100", "varlen", "deterministic",
-                                  "dropout", "d136", "d256", "empty_q", "empty_k", "no_batch",
+                                  "dropout", "d264", "d512", "empty_q", "empty_k", "no_batch",
                                   "no_bindings", "reversed_rows"])
 def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
     kwargs = {}
@@ -142,7 +144,7 @@ def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
         kwargs["deterministic"] = True
     elif case == "dropout":
         kwargs["features"] = _configs.FEATURE_DROPOUT
-    elif case in ("d136", "d256"):
+    elif case in ("d264", "d512"):
         problem = _problem(d=int(case[1:]))
     elif case == "empty_q":
         problem = _problem(sq=0)
@@ -232,7 +234,7 @@ def test_the_plan_runs_the_hopper_main_kernel_between_preprocess_and_conversion(
     assert plan.workspace_bytes >= 4 * 2 * 4 * 384 * (2 + 64)
 
 
-@pytest.mark.parametrize("head_dim", [8, 64, 72, 128])
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 160, 192, 224, 256])
 @pytest.mark.parametrize("mods", ["", "softcap", "alibi"])
 def test_base_is_the_mma_sync_plans_bwd_params(host, monkeypatch, head_dim, mods):
     """One field computation for both main kernels: BwdSm90Params.base of the Hopper plan is the
@@ -390,7 +392,8 @@ def test_prepared_backward_is_the_dispatchers_plan(host_cupy):
 
 
 @pytest.mark.parametrize("head_dim,kernel_dim", [(64, 64), (72, 96), (96, 96), (104, 128),
-                                                 (128, 128)])
+                                                 (128, 128), (160, 192), (192, 192),
+                                                 (224, 256), (256, 256)])
 def test_prepared_backward_picks_the_kernel_head_dim(host_cupy, head_dim, kernel_dim):
     q = _zeros(1, 100, 2, head_dim)
     lse = _zeros(1, 2, 100, dtype=numpy.float32)
@@ -405,9 +408,13 @@ def test_prepared_backward_picks_the_kernel_head_dim(host_cupy, head_dim, kernel
 
 
 def test_prepared_backward_refuses_what_it_does_not_cover(host_cupy):
-    q = _zeros(1, 10, 2, 192)
+    # every head dim the checks pass (multiples of 8 up to 256) has a kernel; past them the
+    # call is refused by the checks, and kernel_head_dim refuses it too
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        _hopper_bwd.kernel_head_dim(264)
+    q = _zeros(1, 10, 2, 264)
     lse = _zeros(1, 2, 10, dtype=numpy.float32)
-    with pytest.raises(ValueError, match="head dims up to 128"):
+    with pytest.raises(ValueError, match="between 8 and 256"):
         _hopper_bwd.prepare_backward_sm90(q, q, q, q, q, lse)
 
 
@@ -415,6 +422,9 @@ def test_describe_names_the_backward_kernels():
     assert _configs.describe(_configs.bwd_sm90_config("bfloat16", 128)) == (
         "Hopper backward (sm_90a: wgmma, TMA, warp-specialised), bf16, head dim 128, 64x128 "
         "tiles, 2 Q/dO stages")
+    assert _configs.describe(_configs.bwd_sm90_config("bfloat16", 256)) == (
+        "Hopper backward (sm_90a: wgmma, TMA, warp-specialised), bf16, head dim 256, 64x128 "
+        "tiles, 1 Q/dO stage, 2 head-dim chunks")
     config = _configs.with_features(_configs.bwd_sm90_config("float16", 64),
                                     _configs.FEATURE_ALIBI)
     assert _configs.describe(config).endswith("with ALiBi")
@@ -436,3 +446,17 @@ def test_info_says_which_backward_runs(monkeypatch):
     assert "opt-in: CUFLASH2_HOPPER_BWD=1" in _environment.backward_kernel_family("9.0")
     monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
     assert _environment.backward_kernel_family("9.0").startswith("Hopper kernel")
+
+
+@pytest.mark.parametrize("head_dim,kernel_dim", [(160, 192), (192, 192), (256, 256)])
+def test_wide_head_dims_split_each_key_block_over_two_ctas(host, head_dim, kernel_dim):
+    """Above d=128 a key block's dK / dV / dQ columns are split over two CTAs (grid.x = key
+    block x chunk, as the mma.sync backward's); the maps still carry whole rows (S^T and dP^T
+    span the head dim), dq_accum is the kernel head dim wide."""
+    plan = _backward_plan(_separate(d=head_dim))
+    main = plan.launches[1]
+    assert main.config == _configs.bwd_sm90_config("float16", kernel_dim)
+    assert main.config.num_chunks == 2
+    assert main.grid == (2 * 2, 2, 2)  # 2 key blocks of 128 x 2 chunks, KV heads, batch
+    b = plan.block.record[0]["base"]
+    assert (b["head_dim"], b["accum_dim"]) == (head_dim, kernel_dim)

@@ -9,13 +9,13 @@ On an H100/H200 (sm_90), from the repository root:
 
 1. Correctness: the kernel through cuflash2._hopper_bwd.prepare_backward_sm90 (the plan the
    dispatcher builds, whatever CUFLASH2_HOPPER_BWD says; the dispatch itself is opt-in), after the forward of cuflash2.attention (return_lse=True), on
-   random inputs of ~20 shapes (head dims 64, 96, 128 on their kernels, 80 on the d=96 one and
-   112 on the d=128 one; fp16/bf16, causal on/off, windows, odd lengths, seqlen_q != seqlen_k
+   random inputs of ~40 shapes (head dims 64, 96, 128, 192, 256 on their kernels, 80 on the d=96
+   one, 112 on d=128, 136 and 160 on d=192, 224 on d=256; cases 22-38 are d > 128; fp16/bf16, causal on/off, windows, odd lengths, seqlen_q != seqlen_k
    both ways, GQA, MQA, q/k/v and dout as strided views of packed arrays, softcap, ALiBi, a
    one-token problem), gradients poisoned with NaN first, checked against cuflash2.reference
    with cuflash2.testing.check_backward (dq, dk, dv under the 2x rule).
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 512 to 16k
-   tokens, fp16/bf16, d 64/96/128, causal on/off: the three launches of the Hopper path next to
+   tokens, fp16/bf16, d 64/96/128/192/256 (heads = 2048 // d), causal on/off: the three launches of the Hopper path next to
    cuflash2.attention_backward on the mma.sync backward (preprocess and conversion included;
    the Hopper dispatch is switched off for it whatever CUFLASH2_HOPPER_BWD says).
 
@@ -55,10 +55,28 @@ CASES = [
     (1, 400, 500, 4, 4, 64, "float16", False, (-1, -1), False, "alibi"),
     (1, 400, 400, 4, 2, 128, "bfloat16", False, (100, 0), False, "both"),
     (1, 1, 1, 1, 1, 64, "float16", False, (-1, -1), False, ""),
+    # head dims above 128: two CTAs a key block (head-dim chunks 128 + 64 / 128 + 128)
+    (2, 1024, 1024, 8, 8, 256, "bfloat16", False, (-1, -1), False, ""),  # 22
+    (2, 1024, 1024, 8, 8, 256, "float16", True, (-1, -1), False, ""),
+    (2, 1024, 1024, 8, 8, 192, "bfloat16", True, (-1, -1), False, ""),
+    (2, 1024, 1024, 8, 8, 192, "float16", False, (-1, -1), False, ""),
+    (1, 333, 517, 4, 4, 192, "float16", False, (-1, -1), False, ""),  # odd, sq < sk
+    (1, 517, 333, 4, 4, 256, "bfloat16", True, (-1, -1), False, ""),  # rows that see no key
+    (2, 1000, 1000, 8, 2, 256, "bfloat16", True, (-1, -1), False, ""),  # GQA
+    (1, 257, 257, 4, 1, 192, "float16", False, (-1, -1), False, ""),  # MQA
+    (1, 700, 900, 4, 4, 256, "float16", False, (128, 64), False, ""),  # window
+    (1, 300, 300, 2, 2, 160, "bfloat16", True, (-1, -1), False, ""),  # d=160 on d=192
+    (1, 300, 300, 2, 2, 224, "float16", False, (-1, -1), False, ""),  # d=224 on d=256
+    (1, 300, 300, 2, 2, 136, "float16", True, (-1, -1), False, ""),  # d=136: chunk 1 = 8 cols
+    (2, 200, 200, 4, 4, 192, "float16", True, (-1, -1), True, ""),  # strided views
+    (1, 400, 400, 4, 2, 256, "bfloat16", True, (-1, -1), False, "softcap"),
+    (1, 400, 500, 4, 4, 192, "float16", False, (-1, -1), False, "alibi"),
+    (1, 400, 400, 4, 2, 192, "bfloat16", False, (100, 0), False, "both"),
+    (1, 1, 1, 1, 1, 256, "float16", False, (-1, -1), False, ""),  # 38
 ]
 
 TIMING_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-TIMING_HEAD_DIMS = (64, 96, 128)
+TIMING_HEAD_DIMS = (64, 96, 128, 192, 256)
 TOKENS = 16384
 HIDDEN = 2048
 SOFTCAP = 30.0

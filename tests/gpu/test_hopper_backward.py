@@ -1,7 +1,8 @@
 """GPU tests of the backward's dispatch on Hopper (sm_90): which main kernel runs a call with
 the Hopper backward switched on (CUFLASH2_HOPPER_BWD=1, here `_hopper_bwd.ENABLED` flipped
 inside `_hopper_backward`), and the Hopper kernel (cuda_src/flash_bwd_sm90.cu) through the public
-entry points against the reference: head dims 8..128, causal and windows, GQA/MQA, odd lengths,
+entry points against the reference: head dims 8..256 (above 128: two CTAs a key block, one
+per head-dim chunk), causal and windows, GQA/MQA, odd lengths,
 seqlen_q != seqlen_k, packed qkv, softcap/ALiBi, given (strided) gradients, and a plan hit on
 new arrays (the tensor maps' address words patched per call).
 
@@ -97,10 +98,10 @@ def test_the_flag_is_off_by_default_and_the_mma_sync_backward_runs():
         assert _main_kernel(dout, q, k, v, out, lse).startswith("mma.sync backward")
 
 
-@pytest.mark.parametrize("case", ["deterministic", "dropout", "varlen", "beyond"])
+@pytest.mark.parametrize("case", ["deterministic", "dropout", "varlen"])
 def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
-    d = max(_configs.SM90_BWD_HEAD_DIMS) + 8 if case == "beyond" else 64
-    q, k, v, dout = _inputs(1, 200, 300, 4, 2, d, FP16)
+    # every head dim the checks take (up to 256) has a Hopper kernel: none is refused by size
+    q, k, v, dout = _inputs(1, 200, 300, 4, 2, 64, FP16)
     options = {}
     if case == "dropout":
         options = {"dropout_p": 0.1, "seed": 3}
@@ -125,12 +126,14 @@ def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
 
 
 @needs_hopper
-@pytest.mark.parametrize("headdim", [8, 40, 64, 72, 96, 104, 128])
+@pytest.mark.parametrize("headdim", [8, 40, 64, 72, 96, 104, 128, 136, 160, 192, 200, 224,
+                                     256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_head_dim(dtype, causal, headdim):
     """Each Hopper kernel dim and head dims below it (columns past the head dim zero-filled by
-    the TMA, never stored), GQA, seqlen_q != seqlen_k."""
+    the TMA, never stored), GQA, seqlen_q != seqlen_k. 136..256: two head-dim chunks (d=136:
+    the second chunk has 8 columns; d=192's is computed 128 wide, half of it discarded)."""
     q, k, v, dout = _inputs(1, 333, 600, 4, 2, headdim, dtype)
     kernel_dim = min(d for d in _configs.SM90_BWD_HEAD_DIMS if d >= headdim)
     out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
@@ -180,6 +183,40 @@ def test_score_modifiers(dtype, mods):
         options["alibi_slopes"] = cupy.asarray(numpy.linspace(0.05, 0.4, 8, dtype=numpy.float32)
                                                .reshape(2, 4))
     _check(q, k, v, dout, **options)
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [192, 256])
+@pytest.mark.parametrize("case", ["gqa_causal", "mqa_window", "mods", "odd", "strided_grads"])
+def test_wide_head_dims(case, headdim):
+    """d=192 / 256 (two CTAs a key block, d=256 with one Q / dO stage) through the features the
+    d <= 128 tests cover: the chunks' column offsets in dK / dV / dq_accum, the zero dK / dV of
+    keys no query sees, the score modifiers, given strided gradients."""
+    options, grads = {}, None
+    if case == "gqa_causal":
+        q, k, v, dout = _inputs(2, 300, 333, 6, 2, headdim, BF16)
+        options["causal"] = True
+    elif case == "mqa_window":
+        q, k, v, dout = _inputs(1, 400, 517, 4, 1, headdim, FP16)
+        options["window_size"] = (100, 30)
+    elif case == "mods":
+        q, k, v, dout = _inputs(1, 257, 389, 4, 2, headdim, BF16)
+        options.update(causal=True, softcap=5.0,
+                       alibi_slopes=cupy.asarray(numpy.linspace(0.05, 0.4, 4,
+                                                                dtype=numpy.float32)))
+    elif case == "odd":  # causal with sq > sk: rows that see no key, keys past the last block
+        q, k, v, dout = _inputs(3, 1025, 17, 2, 1, headdim, FP16)
+        options["causal"] = True
+    else:
+        q, k, v, dout = _inputs(2, 300, 260, 4, 2, headdim, FP16)
+        wide = [testing.poison_like(cupy, x.shape[:-1] + (headdim + 64,), FP16)
+                for x in (q, k, v)]
+        grads = tuple(w[..., :headdim] for w in wide)
+        options["causal"] = True
+    _check(q, k, v, dout, grads=grads, **options)
+    if grads is not None:
+        for w in wide:
+            assert bool(cupy.isnan(w[..., headdim:].astype(cupy.float32)).all())
 
 
 @needs_hopper
