@@ -1,5 +1,6 @@
 """Parameter grids and seeds shared by the GPU tests (tests/gpu helper, no CuPy needed)."""
 
+import contextlib
 import zlib
 
 import ml_dtypes
@@ -37,3 +38,20 @@ def is_hopper() -> bool:
 
 
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+@contextlib.contextmanager
+def switched(owner, values: dict, plans):
+    """`owner`'s attributes set to `values` (a module's dispatch flags, say) for the plans made
+    inside; the plan cache `plans` (an api PlanCache) is emptied on entry and on exit, so no
+    plan outlives the setting it was made under."""
+    saved = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    plans.plans.clear()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)
+        plans.plans.clear()

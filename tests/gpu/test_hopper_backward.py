@@ -11,12 +11,11 @@ The flag is off by default until this file and the whole GPU suite have run with
 backward runs everything; the Hopper kernel tests skip.
 """
 
-import contextlib
 
 import numpy
 import pytest
 from grids import BF16, DTYPES, FP16
-from grids import is_hopper, needs_hopper
+from grids import is_hopper, needs_hopper, switched
 from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
@@ -27,18 +26,9 @@ from cuflash2 import _configs, _hopper_bwd, api, testing  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@contextlib.contextmanager
 def _hopper_backward(enabled: bool = True):
-    """Plans made inside use (or not) the Hopper backward; the backward plan cache is cleared on
-    both sides."""
-    saved = _hopper_bwd.ENABLED
-    _hopper_bwd.ENABLED = enabled
-    api._backward_plans.plans.clear()
-    try:
-        yield
-    finally:
-        _hopper_bwd.ENABLED = saved
-        api._backward_plans.plans.clear()
+    """Plans made inside use (or not) the Hopper backward."""
+    return switched(_hopper_bwd, {"ENABLED": enabled}, api._backward_plans)
 
 
 def _inputs(batch, sq, sk, h, hkv, d, dtype):

@@ -7,12 +7,11 @@ On other GPUs the dispatch tests check that the mma.sync kernel runs everything;
 kernel tests skip.
 """
 
-import contextlib
 
 import numpy
 import pytest
 from grids import BF16, DTYPES, FP16
-from grids import is_hopper, needs_hopper
+from grids import is_hopper, needs_hopper, switched
 from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
@@ -23,17 +22,9 @@ from cuflash2 import _configs, _hopper, api, testing  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@contextlib.contextmanager
 def _hopper_forward(enabled: bool):
-    """Plans made inside use (or not) the Hopper forward; plan caches cleared on both sides."""
-    saved = _hopper.ENABLED
-    _hopper.ENABLED = enabled
-    api._forward_plans.plans.clear()
-    try:
-        yield
-    finally:
-        _hopper.ENABLED = saved
-        api._forward_plans.plans.clear()
+    """Plans made inside use (or not) the Hopper forward."""
+    return switched(_hopper, {"ENABLED": enabled}, api._forward_plans)
 
 
 def _qkv(batch, sq, sk, h, hkv, d, dtype):

@@ -11,12 +11,12 @@ masked and their query rows left unstored, which the ragged layouts check (every
 the last has a neighbour, and their outputs are compared row by row).
 """
 
-import contextlib
 import dataclasses
 
 import numpy
 import pytest
 from grids import DTYPES, FP16, BF16
+from grids import switched
 from grids import is_hopper, needs_hopper
 from grids import seed_of as _seed
 
@@ -28,28 +28,19 @@ from cuflash2 import _hopper, api, reference, testing  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@contextlib.contextmanager
 def _hopper_varlen(enabled: bool = True, pingpong=None, overlap: bool = False):
     """Plans made inside run varlen calls on the Hopper forward (or not); `pingpong` / `overlap`
-    force a schedule (None: the dispatcher's). Plan caches cleared on both sides."""
-    saved_flag, saved_config = _hopper.VARLEN, _hopper.forward_config
+    force a schedule (None: the dispatcher's)."""
+    dispatched = _hopper.forward_config
 
     def forced(*args, **kwargs):
-        config = saved_config(*args, **kwargs)
+        config = dispatched(*args, **kwargs)
         if config is None:
             return None
         pp = config.pingpong if pingpong is None else pingpong
         return dataclasses.replace(config, pingpong=pp, overlap=overlap)
 
-    _hopper.VARLEN = enabled
-    _hopper.forward_config = forced
-    api._forward_plans.plans.clear()
-    try:
-        yield
-    finally:
-        _hopper.VARLEN = saved_flag
-        _hopper.forward_config = saved_config
-        api._forward_plans.plans.clear()
+    return switched(_hopper, {"VARLEN": enabled, "forward_config": forced}, api._forward_plans)
 
 
 # (lengths_q, lengths_k, nheads, nheads_kv): the longest key length passes 512, so that d=64
