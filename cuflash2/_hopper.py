@@ -47,7 +47,8 @@ ENABLED = os.environ.get("CUFLASH2_HOPPER", "1") != "0"
 #: "Varlen"): compiled and tested on the CPU, off until the H200 has run
 #: tests/gpu/test_hopper_varlen.py; the test and benchmarks/dev/hopper_fwd_check.py --varlen flip
 #: it (and clear the plan caches). Off: varlen calls run on the mma.sync kernel.
-VARLEN = False
+#: CUFLASH2_HOPPER_VARLEN=1 turns it on.
+VARLEN = os.environ.get("CUFLASH2_HOPPER_VARLEN", "0") == "1"
 
 
 def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
