@@ -66,25 +66,20 @@
 #include "kernel_params.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
-struct BwdSm90Traits {
-    static constexpr int WARPGROUP_THREADS = 128;
+struct BwdSm90Traits : Sm90CtaLayout {
     static constexpr int KEYS_PER_WARPGROUP = 64;  // the M of wgmma
     static constexpr int CONSUMER_WARPGROUPS = BLOCK_N / KEYS_PER_WARPGROUP;
     static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
     static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
-    static constexpr int ENTRY_REGISTERS = (65536 / THREADS) / 8 * 8;
-    static constexpr int PRODUCER_REGISTERS = 24;
-    static constexpr int CONSUMER_REGISTERS = 240;
+    static constexpr int ENTRY_REGISTERS = entry_registers(THREADS);
     // Named barriers (0 is __syncthreads): both consumers' dS stored; both consumers done with
     // K and V (the epilogue reuses them); one per consumer for its staged dK / dV.
     static constexpr int DS_BARRIER = 1;
     static constexpr int EPILOGUE_BARRIER = 2;
     static constexpr int STORE_BARRIER = 3;
 
-    // Tiles as the forward's: panels of 64 columns (128-byte rows, 128-byte swizzle) as the TMA
-    // writes them; d=96's second panel half zero-filled and never multiplied.
-    static constexpr int PANEL_COLS = 64;
-    static constexpr int ROW_BYTES = PANEL_COLS * 2;
+    // Tiles as the forward's (Sm90CtaLayout): panels of 64 columns as the TMA writes them; d=96's
+    // second panel half zero-filled and never multiplied.
     static constexpr int PANELS = (HEAD_DIM + PANEL_COLS - 1) / PANEL_COLS;
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
@@ -95,7 +90,6 @@ struct BwdSm90Traits {
     // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
     static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int DS_BYTES = (BLOCK_N / PANEL_COLS) * DS_PANEL_BYTES;
-    static constexpr int SMEM_ALIGN = 1024;
     // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D), + the slack to align the base.
     static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
                                       STAGES * 2 * STAT_BYTES + SMEM_ALIGN;
@@ -160,9 +154,7 @@ struct BwdSm90Traits {
     static_assert(PEAK_ACCUMULATORS <= 192,
                   "dK, dV, S^T, dP^T and P^T must fit the consumers' 240 registers: a chunk of "
                   "at most 128 head-dim columns at BLOCK_M = 64 (docs/HOPPER_BWD.md)");
-    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS +
-                          CONSUMER_REGISTERS * CONSUMER_THREADS <= 65536,
-                  "the setmaxnreg split fits the register file");
+    static_assert(split_fits(CONSUMER_THREADS), "the setmaxnreg split fits the register file");
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
 };
 
@@ -436,13 +428,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_tx(kv_full, 2 * T::KV_TILE_BYTES);
-#pragma unroll
-            for (int panel = 0; panel < T::PANELS; ++panel) {
-                tma_load_4d(k_smem + panel * T::KV_PANEL_BYTES, params.k_map, kv_full,
-                            T::PANEL_COLS * panel, key_first, kv_head, batch);
-                tma_load_4d(v_smem + panel * T::KV_PANEL_BYTES, params.v_map, kv_full,
-                            T::PANEL_COLS * panel, key_first, kv_head, batch);
-            }
+            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_smem, params.k_map, kv_full, key_first,
+                                                        kv_head, batch);
+            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full, key_first,
+                                                        kv_head, batch);
             int head = kv_head * p.heads_per_kv_head, m_block = m_first;
             for (int j = 0; j < steps; ++j) {
                 const int stage = j % STAGES;
@@ -456,16 +445,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 const u32 q_full = smem_address(&bars.q_full[stage]);
                 const u32 do_full = smem_address(&bars.do_full[stage]);
                 mbarrier_arrive_expect_tx(q_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-#pragma unroll
-                for (int panel = 0; panel < T::PANELS; ++panel)
-                    tma_load_4d(q_tile + panel * T::Q_PANEL_BYTES, params.q_map, q_full,
-                                T::PANEL_COLS * panel, row0, head, batch);
+                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full, row0, head,
+                                                           batch);
                 bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
                 mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-#pragma unroll
-                for (int panel = 0; panel < T::PANELS; ++panel)
-                    tma_load_4d(do_tile + panel * T::Q_PANEL_BYTES, params.do_map, do_full,
-                                T::PANEL_COLS * panel, row0, head, batch);
+                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full, row0,
+                                                           head, batch);
                 bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
                 if (++m_block == m_first + m_count) {
                     m_block = m_first;

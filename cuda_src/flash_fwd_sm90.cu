@@ -76,24 +76,19 @@
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES,
           bool PERSISTENT = false>
-struct FwdSm90Traits {
-    static constexpr int WARPGROUP_THREADS = 128;
+struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int ROWS_PER_WARPGROUP = 64;  // the M of wgmma
     static constexpr int CONSUMER_WARPGROUPS = BLOCK_M / ROWS_PER_WARPGROUP;
     static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
     static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
-    // Registers a thread: what ptxas may use at entry (the register file over the threads), and
-    // the split after setmaxnreg. 24 x 128 + 240 x 256 = 64512 <= 65536.
-    static constexpr int ENTRY_REGISTERS = (65536 / THREADS) / 8 * 8;
-    static constexpr int PRODUCER_REGISTERS = 24;
-    static constexpr int CONSUMER_REGISTERS = 240;
+    static constexpr int ENTRY_REGISTERS = entry_registers(THREADS);
     // Named barriers (0 is __syncthreads): one per consumer for its epilogue, and one per
     // consumer for its turns of the ping-pong schedule.
     static constexpr int EPILOGUE_BARRIER = 1;
     static constexpr int TURN_BARRIER = EPILOGUE_BARRIER + CONSUMER_WARPGROUPS;
 
-    // Tiles in shared memory are what the TMA writes with 128-byte swizzle: panels of 64 columns
-    // (128-byte rows), one after the other; a tile of R rows is PANELS panels of R * 128 B.
+    // Tiles in shared memory are panels of 64 columns (Sm90CtaLayout); a tile of R rows is PANELS
+    // panels of R * 128 B.
     // A head dim that is not a multiple of 64 (96) ends in a partly used panel: its box is still
     // 64 columns and the TMA zero-fills the columns past the head dim (they cost shared memory
     // and TMA writes, not global reads). A 32-column last box was the alternative, but the TMA
@@ -102,8 +97,6 @@ struct FwdSm90Traits {
     // and descriptor mode for it alone. With full panels one map, one layout and one descriptor
     // scheme serve every head dim. The GEMMs skip the padding: Q K^T takes HEAD_DIM / 16
     // k-steps and P V has N = HEAD_DIM, so the zero columns are never multiplied.
-    static constexpr int PANEL_COLS = 64;
-    static constexpr int ROW_BYTES = PANEL_COLS * 2;
     static constexpr int PANELS = (HEAD_DIM + PANEL_COLS - 1) / PANEL_COLS;
     static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
@@ -115,9 +108,6 @@ struct FwdSm90Traits {
     // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
     // staged in the Q buffer.
     static constexpr int O_BYTES = PERSISTENT ? Q_BYTES : 0;
-    // The dynamic shared memory base is aligned to 1024 B by hand (the swizzle pattern repeats
-    // every 8 rows = 1024 B, and the descriptors' base offset is 0): 1024 B of slack.
-    static constexpr int SMEM_ALIGN = 1024;
     static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
@@ -141,9 +131,7 @@ struct FwdSm90Traits {
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
-    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS +
-                          CONSUMER_REGISTERS * CONSUMER_THREADS <= 65536,
-                  "the setmaxnreg split fits the register file");
+    static_assert(split_fits(CONSUMER_THREADS), "the setmaxnreg split fits the register file");
     static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
                   "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "
                   "128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do not fit)");
@@ -413,10 +401,8 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
     auto load_q = [&]() {
         const u32 q_full = smem_address(&bars.q_full);
         mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
-#pragma unroll
-        for (int panel = 0; panel < T::PANELS; ++panel)
-            tma_load_4d(q_smem + panel * T::Q_PANEL_BYTES, params.q_map, q_full,
-                        T::PANEL_COLS * panel, q_row0 + span.row_first, w.head, batch);
+        tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_smem, params.q_map, q_full,
+                                                   q_row0 + span.row_first, w.head, batch);
     };
     if constexpr (!PERSISTENT) load_q();
     for (int tile = span.tile_end - 1, j = 0; tile >= span.tile_first; --tile, ++j) {
@@ -431,11 +417,9 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         const u32 k_full = smem_address(&bars.k_full[stage]);
         const u32 v_full = smem_address(&bars.v_full[stage]);
         mbarrier_arrive_expect_tx(k_full, T::KV_TILE_BYTES);
-#pragma unroll
-        for (int panel = 0; panel < T::PANELS; ++panel)
-            tma_load_4d(k_tile + panel * T::KV_PANEL_BYTES, params.k_map, k_full,
-                        T::PANEL_COLS * panel, k_row0 + tile * T::KEYS_PER_TILE, kv_head,
-                        batch);
+        tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_tile, params.k_map, k_full,
+                                                    k_row0 + tile * T::KEYS_PER_TILE, kv_head,
+                                                    batch);
         if constexpr (PERSISTENT) {
             if (j == 0) {
                 mbarrier_wait(smem_address(&bars.q_empty), (q_round & 1) ^ 1);
@@ -445,11 +429,9 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
         mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
-#pragma unroll
-        for (int panel = 0; panel < T::PANELS; ++panel)
-            tma_load_4d(v_tile + panel * T::KV_PANEL_BYTES, params.v_map, v_full,
-                        T::PANEL_COLS * panel, k_row0 + tile * T::KEYS_PER_TILE, kv_head,
-                        batch);
+        tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
+                                                    k_row0 + tile * T::KEYS_PER_TILE, kv_head,
+                                                    batch);
     }
 }
 

@@ -402,6 +402,42 @@ CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 de
 #undef CF2_WGMMA_SS_TB
 #undef CF2_WGMMA_RS
 
+// The CTA of both Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu): warpgroup 0 is the
+// producer, which gives most of its registers away (setmaxnreg.dec) and issues the TMA loads;
+// the consumer warpgroups take them (setmaxnreg.inc) for their wgmma accumulators. Tiles in
+// shared memory are what the TMA writes with 128-byte swizzle: panels of 64 columns (128-byte
+// rows), one after the other, the dynamic base aligned to 1024 B by hand (the swizzle pattern
+// repeats every 8 rows = 1024 B, and the descriptors' base offset is 0): 1024 B of slack.
+struct Sm90CtaLayout {
+    static constexpr int WARPGROUP_THREADS = 128;
+    static constexpr int PRODUCER_REGISTERS = 24;
+    static constexpr int CONSUMER_REGISTERS = 240;
+    static constexpr int PANEL_COLS = 64;
+    static constexpr int ROW_BYTES = PANEL_COLS * 2;
+    static constexpr int SMEM_ALIGN = 1024;
+    // What ptxas may use a thread at entry, before setmaxnreg: the register file over the threads.
+    __host__ __device__ static constexpr int entry_registers(int threads) {
+        return (65536 / threads) / 8 * 8;
+    }
+    // The setmaxnreg split fits the register file (24 x 128 + 240 x 256 = 64512 <= 65536).
+    __host__ __device__ static constexpr bool split_fits(int consumer_threads) {
+        return PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * consumer_threads <=
+               65536;
+    }
+};
+
+// A tile of a (head dim, row, head, batch) tensor map into shared memory at `dst`: rows from
+// `row` of (`head`, `batch`), one 64-column box a panel, PANELS panels PANEL_BYTES apart, all
+// completing on the mbarrier `bar` (the caller has set the bytes it expects).
+template <int PANELS, int PANEL_BYTES>
+CF2_DEVICE void tma_load_tile(u32 dst, const TensorMap& map, u32 bar, int row, int head,
+                              int batch) {
+#pragma unroll
+    for (int panel = 0; panel < PANELS; ++panel)
+        tma_load_4d(dst + panel * PANEL_BYTES, map, bar, Sm90CtaLayout::PANEL_COLS * panel, row,
+                    head, batch);
+}
+
 // Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the
 // 128-byte-swizzled panel layout the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B: panels of
 // PANEL_BYTES (64 columns each), 128-byte rows, chunk c of row r at slot c ^ (r % 8) of its row.
