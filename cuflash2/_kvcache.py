@@ -99,19 +99,11 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
             return None
         key.append((cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
                     cache_seqlens.data.device_id))
-    for x in (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes):
-        if x is None:
-            key.append(None)
-        elif type(x) is ndarray:
-            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
-        else:
-            return None
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
+    arrays = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes)
+    if not _plans.add_signature(key, ndarray, arrays, window_size):
         return None
-    key += (type(softmax_scale), softmax_scale, type(causal), causal, type(left), left,
-            type(right), right, type(softcap), softcap, type(num_splits), num_splits)
+    key += (type(softmax_scale), softmax_scale, type(causal), causal, type(softcap), softcap,
+            type(num_splits), num_splits)
     return tuple(key)
 
 

@@ -25,6 +25,26 @@ MAX_PLANS = 256
 _ALLOCATION_ALIGNMENT = 256
 
 
+def add_signature(key: list, ndarray, arrays, window_size) -> bool:
+    """Appends to `key` each array's shape, strides, dtype and device (None for an absent one)
+    and the two ends of `window_size` with their types; False where the call has no signature
+    (an array that is not a CuPy `ndarray`, a window that is not a pair: the full check then says
+    what is wrong). The entry points add their other arguments (api._forward_key, _kvcache._key)."""
+    for x in arrays:
+        if x is None:
+            key.append(None)
+        elif type(x) is ndarray:
+            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
+        else:
+            return False
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        return False
+    key += (type(left), left, type(right), right)
+    return True
+
+
 def value_key(value) -> tuple:
     """A scalar argument in a signature key: with its type, so that 1 and True differ."""
     return (type(value), value)

@@ -59,21 +59,11 @@ def _forward_key(kind, cupy, arrays, causal, softmax_scale, window_size, softcap
     where the call has none (a non-CuPy argument; the full check then says what is wrong)."""
     if cupy is None:
         return None
-    ndarray = cupy.ndarray
     key = [kind, cupy.cuda.runtime.getDevice()]
-    for x in arrays:
-        if x is None:
-            key.append(None)
-        elif type(x) is ndarray:
-            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
-        else:
-            return None
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
+    if not _plans.add_signature(key, cupy.ndarray, arrays, window_size):
         return None
-    key += (type(causal), causal, type(softmax_scale), softmax_scale, type(left), left,
-            type(right), right, type(softcap), softcap, type(dropout_p), dropout_p, *extra)
+    key += (type(causal), causal, type(softmax_scale), softmax_scale, type(softcap), softcap,
+            type(dropout_p), dropout_p, *extra)
     return tuple(key)
 
 
