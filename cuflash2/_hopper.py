@@ -125,6 +125,15 @@ def _bindings_available() -> bool:
     return True
 
 
+def plannable(problem, head_dims) -> bool:
+    """What both Hopper kernels need of a call before its tiles and maps: a head dim one of
+    `head_dims` holds, no empty dimension (a tensor map has none), and the driver bindings that
+    encode the maps."""
+    p = problem
+    return (p.head_dim <= max(head_dims) and min(p.batch, p.seqlen_q, p.seqlen_k, p.nheads) >= 1
+            and _bindings_available())
+
+
 #: The consumer schedule by (kernel head dim, causal): ping-pong (one warpgroup's softmax under
 #: the other's GEMMs) where it measured faster on the H200, the in-order schedule elsewhere
 #: (benchmarks/dev/hopper_fwd_check.py; docs/PERF_NOTES.md, "Hopper forward").
@@ -170,9 +179,7 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
         covered |= _configs.FEATURE_VARLEN
     if features & ~covered:
         return None
-    if p.head_dim > max(_configs.SM90_FWD_HEAD_DIMS):
-        return None
-    if min(p.batch, p.seqlen_q, p.seqlen_k, p.nheads) < 1 or not _bindings_available():
+    if not plannable(p, _configs.SM90_FWD_HEAD_DIMS):
         return None
     kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= p.head_dim)
     if kernel_dim <= MMA_SYNC_MAX_DIM and p.seqlen_k <= MMA_SYNC_MAX_KEYS:

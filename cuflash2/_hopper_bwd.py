@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 
 from . import _configs
-from ._hopper import _bindings_available, describable
+from ._hopper import describable, plannable
 
 #: CUFLASH2_HOPPER_BWD=1 lets the dispatcher run the Hopper backward (read when a call signature
 #: is planned; tests flip `ENABLED` and clear the plan caches). Off by default until the whole
@@ -69,9 +69,7 @@ def backward_config(problem, features: int, window, arch: int, views: dict, varl
         return None
     if features & ~COVERED_FEATURES:
         return None
-    if p.head_dim > max(_configs.SM90_BWD_HEAD_DIMS):
-        return None
-    if min(p.batch, p.seqlen_q, p.seqlen_k, p.nheads) < 1 or not _bindings_available():
+    if not plannable(p, _configs.SM90_BWD_HEAD_DIMS):
         return None
     config = _configs.with_features(
         _configs.bwd_sm90_config(p.dtype, kernel_head_dim(p.head_dim)), features)

@@ -48,7 +48,7 @@ def host(monkeypatch):
         return words.tobytes()
 
     monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
-    monkeypatch.setattr(_hopper_bwd, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
     monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
                         lambda config, device, grid: types.SimpleNamespace(config=config,
@@ -153,7 +153,7 @@ def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
     elif case == "no_batch":
         problem = _problem(batch=0)
     elif case == "no_bindings":
-        monkeypatch.setattr(_hopper_bwd, "_bindings_available", lambda: False)
+        monkeypatch.setattr(_hopper, "_bindings_available", lambda: False)
     elif case == "reversed_rows":  # a negative row stride: the TMA takes positive strides only
         views = _views()
         views["dout"] = views["dout"][:, ::-1]
