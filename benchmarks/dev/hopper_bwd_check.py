@@ -201,10 +201,9 @@ def main():
     parser.add_argument("--only", default=None,
                         help="comma-separated case numbers (e.g. 0,1: d=128 non-causal, causal)")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
-                        choices=("float16", "bfloat16"), help="timing rows: these dtypes")
-    parser.add_argument("--dims", type=int, nargs="+", help="timing rows: these head dims")
-    parser.add_argument("--seqlens", type=int, nargs="+", help="timing rows: these lengths")
+    from hopper_fwd_check import add_timing_options  # this folder
+
+    add_timing_options(parser)
     args = parser.parse_args()
     import cupy
 

@@ -206,6 +206,14 @@ def check(cupy, schedules, watchdog, persistent=False):
     return failures
 
 
+def add_timing_options(parser):
+    """--dtypes, --dims, --seqlens: narrow the timing rows (hopper_bwd_check.py takes them too)."""
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
+                        choices=("float16", "bfloat16"), help="timing rows: these dtypes")
+    parser.add_argument("--dims", type=int, nargs="+", help="timing rows: these head dims")
+    parser.add_argument("--seqlens", type=int, nargs="+", help="timing rows: these lengths")
+
+
 def _time(cupy, fn, iters):
     for _ in range(3):
         fn()
@@ -386,10 +394,7 @@ def main():
                              "64, 96, 128): correctness, timing columns, 512 and 2048 tokens")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-check", action="store_true", help="timing only")
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
-                        choices=("float16", "bfloat16"), help="timing rows: these dtypes")
-    parser.add_argument("--dims", type=int, nargs="+", help="timing rows: these head dims")
-    parser.add_argument("--seqlens", type=int, nargs="+", help="timing rows: these lengths")
+    add_timing_options(parser)
     parser.add_argument("--varlen", action="store_true",
                         help="varlen on the Hopper forward (turns _hopper.VARLEN on): "
                              "VARLEN_CASES against the reference, then ragged timing rows")

@@ -55,3 +55,15 @@ def switched(owner, values: dict, plans):
         for name, value in saved.items():
             setattr(owner, name, value)
         plans.plans.clear()
+
+
+def score_mod_options(xp, mods: str) -> dict:
+    """Causal attention with the score modifiers `mods` ("softcap", "alibi" or "both") of the
+    tests of a (batch 2, 4 heads) problem: softcap 5, ALiBi slopes per (batch, head)."""
+    options = {"causal": True}
+    if mods in ("softcap", "both"):
+        options["softcap"] = 5.0
+    if mods in ("alibi", "both"):
+        options["alibi_slopes"] = xp.asarray(numpy.linspace(0.05, 0.4, 8, dtype=numpy.float32)
+                                             .reshape(2, 4))
+    return options

@@ -15,7 +15,7 @@ backward runs everything; the Hopper kernel tests skip.
 import numpy
 import pytest
 from grids import BF16, DTYPES, FP16
-from grids import is_hopper, needs_hopper, switched
+from grids import is_hopper, needs_hopper, score_mod_options, switched
 from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
@@ -166,12 +166,7 @@ def test_short_odd_and_ragged_lengths(sq, sk, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_score_modifiers(dtype, mods):
     q, k, v, dout = _inputs(2, 257, 389, 4, 4, 128, dtype)
-    options = {"causal": True}
-    if mods in ("softcap", "both"):
-        options["softcap"] = 5.0
-    if mods in ("alibi", "both"):
-        options["alibi_slopes"] = cupy.asarray(numpy.linspace(0.05, 0.4, 8, dtype=numpy.float32)
-                                               .reshape(2, 4))
+    options = score_mod_options(cupy, mods)
     _check(q, k, v, dout, **options)
 
 
