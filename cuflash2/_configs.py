@@ -208,12 +208,11 @@ class FwdSm90Config:
     block_n: int = 128  # keys per K/V tile: a multiple of 16 up to 256
     stages: int = 2
     #: The consumers take turns on the tensor cores (flash_fwd_sm90.cu: one's softmax under the
-    #: other's GEMMs). Off until measured: the first GPU run compares both.
+    #: other's GEMMs); the dispatcher's choice is _hopper.SCHEDULES.
     pingpong: bool = False
     #: The overlap inside a warpgroup (flash_fwd_sm90.cu, OVERLAP: the softmax of tile j under
     #: P_{j-1} V_{j-1}; FlashAttention-3's intra-warpgroup pipelining), with either schedule.
-    #: Compiled and tested (on either grid), not dispatched yet (_hopper.PINGPONG picks the
-    #: schedule).
+    #: The dispatcher's choice per head dim and causal mode is _hopper.SCHEDULES.
     overlap: bool = False
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging (hopper_primitives.cuh;

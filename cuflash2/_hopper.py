@@ -134,22 +134,26 @@ def plannable(problem, head_dims) -> bool:
             and _bindings_available())
 
 
-#: The consumer schedule by (kernel head dim, causal): ping-pong (one warpgroup's softmax under
-#: the other's GEMMs) where it measured faster on the H200, the in-order schedule elsewhere
-#: (benchmarks/dev/hopper_fwd_check.py; docs/PERF_NOTES.md, "Hopper forward").
-PINGPONG = {(64, False): True, (64, True): True, (96, False): True, (96, True): True,
-            (128, False): False, (128, True): True, (192, False): False, (192, True): False,
-            (256, False): False, (256, True): False}
+#: The consumer schedule by (kernel head dim, causal): (pingpong, overlap). Ping-pong (one
+#: warpgroup's softmax under the other's GEMMs) and the overlap inside a warpgroup (tile j's
+#: softmax under P_{j-1} V_{j-1}) where they measured fastest on the H200; at d=192/256 the
+#: overlap alone, whose 128-row tiles keep both warpgroups' GEMMs back to back
+#: (benchmarks/dev/hopper_fwd_check.py --schedule all; docs/PERF_NOTES.md, "Hopper forward").
+SCHEDULES = {(64, False): (True, True), (64, True): (True, True),
+             (96, False): (True, True), (96, True): (True, True),
+             (128, False): (True, True), (128, True): (True, True),
+             (192, False): (False, True), (192, True): (False, True),
+             (256, False): (False, True), (256, True): (False, True)}
 
 
 def dispatch_configs(features=(0,)) -> list:
     """Every Hopper forward configuration the dispatcher can choose (for each of `features`)."""
     configs = []
-    for (dim, _), pingpong in PINGPONG.items():
+    for (dim, _), (pingpong, overlap) in SCHEDULES.items():
         for dtype in _configs.DTYPE_TAGS:
             for f in features:
                 config = _configs.with_features(_configs.fwd_sm90_config(dtype, dim), f)
-                configs.append(dataclasses.replace(config, pingpong=pingpong))
+                configs.append(dataclasses.replace(config, pingpong=pingpong, overlap=overlap))
     return list(dict.fromkeys(configs))
 
 
@@ -186,8 +190,9 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
         return None
     config = _configs.fwd_sm90_config(p.dtype, kernel_dim)
     causal = window[1] == 0 and window[0] < 0
-    pingpong = PINGPONG[kernel_dim, causal]
-    config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong)
+    pingpong, overlap = SCHEDULES[kernel_dim, causal]
+    config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong,
+                                 overlap=overlap)
     return config if describable(views, forward_maps(config)) else None
 
 

@@ -152,10 +152,10 @@ def test_prepared_forward_refuses_head_dims_past_256(monkeypatch):
         _hopper.prepare_forward_sm90(q, q, q)
 
 
-def test_overlap_and_persistent_are_compiled_but_not_dispatched():
+def test_overlap_is_dispatched_and_persistent_is_not():
     """FwdSm90Config.overlap (the overlap inside a warpgroup) and .persistent (the persistent
-    grid) are specialisations of their own, alone or together, off until measured: the
-    dispatcher's configurations never take either."""
+    grid) are specialisations of their own, alone or together. The dispatcher takes the overlap
+    at every head dim (measured fastest, _hopper.SCHEDULES) and never the persistent grid."""
     from cuflash2 import _configs
 
     config = _configs.fwd_sm90_config("bfloat16", 128)
@@ -170,7 +170,9 @@ def test_overlap_and_persistent_are_compiled_but_not_dispatched():
     assert both.name_expression.endswith("true, true, 0, true>")
     assert "overlap" in _configs.describe(both) and "persistent" in _configs.describe(both)
     dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
-    assert not any(c.overlap or c.persistent for c in dispatched)
+    assert all(c.overlap and not c.persistent for c in dispatched)
+    assert {(c.head_dim, c.pingpong) for c in dispatched} == {
+        (dim, pingpong) for (dim, _), (pingpong, _) in _hopper.SCHEDULES.items()}
 
 
 def test_persistent_schedule_sizes_the_grid_and_the_l2_sections():
@@ -253,7 +255,7 @@ def test_varlen_reaches_the_hopper_forward_only_with_the_flag(monkeypatch):
     monkeypatch.setattr(_hopper, "VARLEN", True)
     config = _hopper.forward_config(_varlen_problem(), features, (-1, 0), 90, {}, varlen)
     assert config.features == features and not config.persistent
-    assert config.pingpong == _hopper.PINGPONG[128, True]
+    assert (config.pingpong, config.overlap) == _hopper.SCHEDULES[128, True]
     assert "varlen" in _configs.describe(config)
     # dropout, other GPUs, and a dense call carrying the varlen bit stay off
     assert _hopper.forward_config(_varlen_problem(), features | _configs.FEATURE_DROPOUT,

@@ -46,13 +46,22 @@ def main():
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
     if "bwd" in args.kernels:
         configs += _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
+        if args.arch == 90:  # the Hopper backward's main kernels
+            configs += _configs.all_bwd_sm90_configs(
+                [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
     if "decode" in args.kernels:
         configs += _configs.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
         import dataclasses
 
+        from cuflash2 import _hopper
+
         configs += _configs.all_fwd_sm90_configs((0,), persistent=True)
+        configs += [dataclasses.replace(c, watchdog=True)  # --schedule plain --watchdog
+                    for c in _configs.all_fwd_sm90_configs((0,), (False,), persistent=True)
+                    if not c.pingpong]
+        configs += _hopper.dispatch_configs(_configs.SM90_FWD_VARLEN_FEATURES)  # varlen tests
         configs += [dataclasses.replace(c, watchdog=w) for c in _configs.all_bwd_sm90_configs((0,))
                     for w in (False, True)]
     configs = list(dict.fromkeys(configs))

@@ -28,7 +28,7 @@ from cuflash2 import _hopper, api, reference, testing  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _hopper_varlen(enabled: bool = True, pingpong=None, overlap: bool = False):
+def _hopper_varlen(enabled: bool = True, pingpong=None, overlap=None):
     """Plans made inside run varlen calls on the Hopper forward (or not); `pingpong` / `overlap`
     force a schedule (None: the dispatcher's)."""
     dispatched = _hopper.forward_config
@@ -38,7 +38,8 @@ def _hopper_varlen(enabled: bool = True, pingpong=None, overlap: bool = False):
         if config is None:
             return None
         pp = config.pingpong if pingpong is None else pingpong
-        return dataclasses.replace(config, pingpong=pp, overlap=overlap)
+        ov = config.overlap if overlap is None else overlap
+        return dataclasses.replace(config, pingpong=pp, overlap=ov)
 
     return switched(_hopper, {"VARLEN": enabled, "forward_config": forced}, api._forward_plans)
 
