@@ -22,7 +22,8 @@ def forward_kernel_family(compute_capability: str) -> str:
     if not _hopper.ENABLED:
         return "mma.sync kernels (CUFLASH2_HOPPER=0)"
     dims = "/".join(str(d) for d in _configs.SM90_FWD_HEAD_DIMS)
-    return (f"Hopper kernels (wgmma, TMA; head dims {dims}) except dropout, varlen and d <= "
+    varlen = "" if _hopper.VARLEN else ", varlen (CUFLASH2_HOPPER_VARLEN=0)"
+    return (f"Hopper kernels (wgmma, TMA; head dims {dims}) except dropout{varlen} and d <= "
             f"{_hopper.MMA_SYNC_MAX_DIM} with <= {_hopper.MMA_SYNC_MAX_KEYS} keys, which run "
             "mma.sync (cuflash2.forward_kernels(q, k, v, ...) names a call's)")
 
@@ -35,9 +36,9 @@ def backward_kernel_family(compute_capability: str) -> str:
     if compute_capability.replace(".", "") != "90":
         return f"mma.sync kernels ({names})"
     if not _hopper_bwd.ENABLED:
-        return "mma.sync kernels (the Hopper backward is opt-in: CUFLASH2_HOPPER_BWD=1)"
+        return "mma.sync kernels (the Hopper backward is switched off: CUFLASH2_HOPPER_BWD=0)"
     dims = "/".join(str(d) for d in _configs.SM90_BWD_HEAD_DIMS)
-    return (f"Hopper kernel (wgmma, TMA; head dims {dims}, CUFLASH2_HOPPER_BWD=1) except "
+    return (f"Hopper kernel (wgmma, TMA; head dims {dims}) except "
             f"dropout, varlen, deterministic and d > {max(_configs.SM90_BWD_HEAD_DIMS)}, which "
             f"run mma.sync ({names})")
 

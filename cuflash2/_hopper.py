@@ -44,11 +44,9 @@ ADDRESS_WORD = 0
 #: planned; tests flip `ENABLED` and clear the plan caches).
 ENABLED = os.environ.get("CUFLASH2_HOPPER", "1") != "0"
 #: Varlen calls (attention_varlen) on the Hopper forward (FEATURE_VARLEN; docs/HOPPER_FWD.md,
-#: "Varlen"): compiled and tested on the CPU, off until the H200 has run
-#: tests/gpu/test_hopper_varlen.py; the test and benchmarks/dev/hopper_fwd_check.py --varlen flip
-#: it (and clear the plan caches). Off: varlen calls run on the mma.sync kernel.
-#: CUFLASH2_HOPPER_VARLEN=1 turns it on.
-VARLEN = os.environ.get("CUFLASH2_HOPPER_VARLEN", "0") == "1"
+#: "Varlen"). CUFLASH2_HOPPER_VARLEN=0 keeps them on the mma.sync kernel (tests flip `VARLEN`
+#: and clear the plan caches).
+VARLEN = os.environ.get("CUFLASH2_HOPPER_VARLEN", "1") != "0"
 
 
 def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
@@ -147,23 +145,39 @@ SCHEDULES = {(64, False): (True, True), (64, True): (True, True),
 
 
 def dispatch_configs(features=(0,)) -> list:
-    """Every Hopper forward configuration the dispatcher can choose (for each of `features`)."""
+    """Every Hopper forward configuration the dispatcher can choose (for each of `features`;
+    the persistent grid where PERSISTENT_MAX_KEYS has the head dim and no feature is varlen)."""
     configs = []
-    for (dim, _), (pingpong, overlap) in SCHEDULES.items():
+    for (dim, causal), (pingpong, overlap) in SCHEDULES.items():
         for dtype in _configs.DTYPE_TAGS:
             for f in features:
-                config = _configs.with_features(_configs.fwd_sm90_config(dtype, dim), f)
-                configs.append(dataclasses.replace(config, pingpong=pingpong, overlap=overlap))
+                grids = [False]
+                if (dim, causal) in PERSISTENT_MAX_KEYS and not f & _configs.FEATURE_VARLEN:
+                    grids.append(True)
+                for persistent in grids:
+                    config = _configs.with_features(
+                        _configs.fwd_sm90_config(dtype, dim, persistent), f)
+                    configs.append(dataclasses.replace(config, pingpong=pingpong,
+                                                       overlap=overlap))
     return list(dict.fromkeys(configs))
 
 
-#: Short d=64 problems stay on the mma.sync kernel: with at most 512 keys a CTA of the Hopper
-#: kernel visits four K/V tiles or fewer, too few to hide its fixed cost (barrier set-up, the Q
-#: load, a 384-thread CTA at one per SM), and the mma.sync kernel measured 4-16% faster there on
-#: the H200 (d=64: 512 tokens 0.96x, 128 x 128 0.84x; at d=128 the two are even on such
-#: problems and the Hopper kernel wins from 512 tokens on: docs/PERF_NOTES.md).
+#: Short d=64 problems stay on the mma.sync kernel: with at most 256 keys a CTA of the Hopper
+#: kernel visits two K/V tiles or fewer, too few to hide its fixed cost (barrier set-up, the Q
+#: load, a 384-thread CTA at one per SM): the mma.sync kernel measured 16% faster at 128 x 128
+#: on the H200, while at 512 tokens the Hopper kernel's persistent grid is 12-16% faster than
+#: mma.sync (docs/PERF_NOTES.md, "Hopper forward").
 MMA_SYNC_MAX_DIM = 64
-MMA_SYNC_MAX_KEYS = 512
+MMA_SYNC_MAX_KEYS = 256
+
+#: The persistent grid (at most one CTA per SM looping over work tiles, the next tile's Q and
+#: K/V loaded under the current epilogue) runs the dense calls with at most this many keys, by
+#: (kernel head dim, causal): there each CTA's tile is short and its fixed cost shows, and the
+#: persistent grid measured 3-18% faster on the H200; on longer rows the one-tile-per-CTA grid
+#: is as fast or faster (up to 11% at 16k, causal). Head dims without a persistent kernel
+#: (192, 256: no room for the O buffer) and varlen calls never take it.
+PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 2048, (96, False): 512, (96, True): 1024,
+                       (128, False): 512, (128, True): 1024}
 
 
 def forward_config(problem, features: int, window, arch: int, views: dict, varlen=None):
@@ -188,8 +202,9 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
     kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= p.head_dim)
     if kernel_dim <= MMA_SYNC_MAX_DIM and p.seqlen_k <= MMA_SYNC_MAX_KEYS:
         return None
-    config = _configs.fwd_sm90_config(p.dtype, kernel_dim)
     causal = window[1] == 0 and window[0] < 0
+    persistent = varlen is None and p.seqlen_k <= PERSISTENT_MAX_KEYS.get((kernel_dim, causal), 0)
+    config = _configs.fwd_sm90_config(p.dtype, kernel_dim, persistent)
     pingpong, overlap = SCHEDULES[kernel_dim, causal]
     config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong,
                                  overlap=overlap)
@@ -256,6 +271,19 @@ def persistent_schedule(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, 
     kv_head_bytes = 2 * seqlen_k * head_dim * itemsize  # K and V of one (batch, K/V head)
     section = max(1, PERSISTENT_L2_BYTES // max(1, kv_head_bytes)) * (nheads // nheads_kv)
     return min(tiles, slots), min(section, pairs)
+
+
+def forward_grid(config, batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
+                 head_dim: int, itemsize: int, device_id: int, persistent_ctas=None):
+    """(grid, FwdSm90Params' own fields) of a Hopper forward launch: (m blocks, heads, batch)
+    one tile per CTA, or with `config.persistent` the 1-D persistent grid (persistent_schedule;
+    at most `persistent_ctas` CTAs if given, for tests) with its batch and section size."""
+    if not config.persistent:
+        return (-(-seqlen_q // config.block_m), nheads, batch), {}
+    ctas, section_pairs = persistent_schedule(
+        batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, itemsize, config.block_m,
+        persistent_ctas or persistent_slots(config, device_id))
+    return (ctas, 1, 1), {"batch": batch, "section_pairs": section_pairs}
 
 
 @functools.lru_cache(maxsize=None)
@@ -343,15 +371,10 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
 
     launch = None
     if batch and seqlen_q and nheads:
-        if config.persistent:
-            ctas, section_pairs = persistent_schedule(
-                batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, q.itemsize,
-                config.block_m, persistent_ctas or persistent_slots(config, device_id))
-            block.set("batch", batch)
-            block.set("section_pairs", section_pairs)
-            grid = (ctas, 1, 1)
-        else:
-            grid = (-(-seqlen_q // config.block_m), nheads, batch)
+        grid, grid_fields = forward_grid(config, batch, nheads, nheads_kv, seqlen_q, seqlen_k,
+                                         head_dim, q.itemsize, device_id, persistent_ctas)
+        for name, value in grid_fields.items():
+            block.set(name, value)
         launch = _launch.kernel_launch(config, device_id, grid)
     return PreparedForward(out4, lse, launch, block, batched)
 

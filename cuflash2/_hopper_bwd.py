@@ -1,10 +1,8 @@
 """Host side of the Hopper backward (cuda_src/flash_bwd_sm90.cu, docs/HOPPER_BWD.md).
 
-Dispatched, opt-in for now: with CUFLASH2_HOPPER_BWD=1, `cuflash2.attention_backward` (and the
-packed backwards) on sm_90 run the Hopper main kernel for every call `backward_config` covers;
-otherwise, and for the calls it refuses, the mma.sync backward runs. The flag becomes the
-default once the whole GPU suite, the sanitizer workload and the benchmarks have run with it
-(docs/HOPPER_BWD.md, "Dispatch").
+Dispatched: `cuflash2.attention_backward` (and the packed backwards) on sm_90 run the Hopper main
+kernel for every call `backward_config` covers; for the calls it refuses (varlen, dropout,
+deterministic mode), and with CUFLASH2_HOPPER_BWD=0, the mma.sync backward runs.
 
 A call is three launches on the current stream (`_attention_plans.backward_plan` builds them,
 for the dispatcher and for `prepare_backward_sm90` alike):
@@ -31,11 +29,11 @@ from dataclasses import dataclass
 from . import _configs
 from ._hopper import describable, plannable
 
-#: CUFLASH2_HOPPER_BWD=1 lets the dispatcher run the Hopper backward (read when a call signature
-#: is planned; tests flip `ENABLED` and clear the plan caches). Off by default until the whole
-#: GPU suite has run with it on (docs/HOPPER_BWD.md, "Dispatch"); it then becomes the default,
-#: with CUFLASH2_HOPPER_BWD=0 to keep the mma.sync backward, as CUFLASH2_HOPPER for the forward.
-ENABLED = os.environ.get("CUFLASH2_HOPPER_BWD", "0") == "1"
+#: The dispatcher runs the Hopper backward wherever it covers a call on sm_90 (1.23-1.81x the
+#: mma.sync backward on the H200 at every head dim: docs/PERF_NOTES.md); CUFLASH2_HOPPER_BWD=0
+#: keeps the mma.sync backward, as CUFLASH2_HOPPER=0 for the forward (read when a call signature
+#: is planned; tests flip `ENABLED` and clear the plan caches).
+ENABLED = os.environ.get("CUFLASH2_HOPPER_BWD", "1") != "0"
 
 #: The features the Hopper backward compiles in (varlen, dropout: the mma.sync backward).
 COVERED_FEATURES = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI

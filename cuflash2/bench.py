@@ -767,7 +767,8 @@ def run(cupy, args) -> int:
         if not wanted:
             return 0
     headdims, min_seqlen = grid_headdims(args.headdim)
-    configs = paper_grid(headdims, args.dtype, causal_modes(args.causal), args.seqlens,
+    seqlens = args.seqlens or PAPER_SEQLENS
+    configs = paper_grid(headdims, args.dtype, causal_modes(args.causal), seqlens,
                          wanted, args.tokens, args.hidden, min_seqlen)
     extra_headdims = args.headdim or DEFAULT_HEADDIMS  # the windows and varlen tables
     torch = _load_torch() if args.compare == "torch" else None
@@ -779,7 +780,7 @@ def run(cupy, args) -> int:
     summary = summarize(rows)
     windows = []
     if getattr(args, "windows", None):
-        windows = measure_windows(cupy, extra_headdims, args.dtype[0], max(args.seqlens),
+        windows = measure_windows(cupy, extra_headdims, args.dtype[0], max(seqlens),
                                   args.windows, wanted, args.tokens, args.hidden, args.warmup,
                                   args.iters)
     decode = []

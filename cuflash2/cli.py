@@ -51,8 +51,9 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                                 "--windows, --varlen and --host)")
     bench_cmd.add_argument("--dtype", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"])
     bench_cmd.add_argument("--causal", choices=("both", "on", "off"), default="both")
-    bench_cmd.add_argument("--seqlens", nargs="+", type=_positive_int,
-                           default=list(bench.PAPER_SEQLENS))
+    bench_cmd.add_argument("--seqlens", nargs="+", type=_positive_int, default=None,
+                           help=f"sequence lengths (default {' '.join(map(str, bench.PAPER_SEQLENS))}"
+                                "; 16384 for --flex)")
     bench_cmd.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                            help="forward, backward (attention_backward) or both")
     bench_cmd.add_argument("--compare", choices=("torch",), default=None,
@@ -74,6 +75,10 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                            help="instead of the grid: the host cost per call of each entry point "
                                 "and the short-sequence rows timed call by call (with --compare "
                                 "torch, next to SDPA's flash and cuDNN backends)")
+    bench_cmd.add_argument("--flex", action="store_true",
+                           help="instead of the grid: next to PyTorch's FlexAttention "
+                                "(torch.compile'd, causal block mask) on the same arrays; "
+                                "default rows d=128 at 16k tokens")
     bench_cmd.add_argument("--warmup", type=int, default=3)
     bench_cmd.add_argument("--iters", type=_positive_int, default=25)
     bench_cmd.add_argument("--tokens", type=_positive_int, default=bench.PAPER_TOKENS,
@@ -121,10 +126,12 @@ def _bench(args) -> int:
     cupy = _require_gpu("bench")
     if cupy is None:
         return EXIT_NO_GPU
-    from cuflash2 import bench, bench_host
+    from cuflash2 import bench, bench_flex, bench_host
 
     if args.host:
         return bench_host.run(cupy, args)
+    if args.flex:
+        return bench_flex.run(cupy, args)
     return bench.run(cupy, args)
 
 

@@ -89,10 +89,28 @@ def test_bench_defaults_are_the_paper_grid():
     assert bench.grid_headdims([128]) == ((128,), {})
     assert args.dtype == ["fp16", "bf16"]
     assert args.causal == "both"
-    assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
-    assert args.direction == "both"
+    assert args.seqlens is None  # the grid's lengths (bench.run), 16k for --flex
+    assert bench.PAPER_SEQLENS == (512, 1024, 2048, 4096, 8192, 16384)
+    assert args.direction == "both" and not args.flex
     assert args.compare is None and args.json is None
     assert args.warmup >= 1 and 10 <= args.iters <= 50
+
+
+def test_bench_flex_rows():
+    """--flex: bf16/fp16 d=128 at 16k tokens by default (the issue's FlexAttention rows), the
+    paper grid's batch and heads, both directions and causal modes."""
+    from cuflash2 import bench_flex
+
+    configs = bench_flex.configs_from_args(build_parser().parse_args(
+        ["bench", "--flex", "--dtype", "bf16"]))
+    assert {(c.direction, c.causal) for c in configs} == {
+        (d, c) for d in ("fwd", "bwd") for c in (False, True)}
+    assert {(c.dtype, c.headdim, c.seqlen, c.batch, c.nheads) for c in configs} == {
+        ("bf16", 128, 16384, 1, 16)}
+    configs = bench_flex.configs_from_args(build_parser().parse_args(
+        ["bench", "--flex", "--seqlens", "4096", "--headdim", "64", "--direction", "bwd"]))
+    assert {(c.direction, c.headdim, c.seqlen, c.batch, c.nheads) for c in configs} == {
+        ("bwd", 64, 4096, 4, 32)}
 
 
 def test_bench_options_parse():

@@ -78,21 +78,24 @@ def _config(problem=None, features=0, arch=90, views=None, varlen=None, determin
                                        deterministic)
 
 
-def test_the_flag_is_off_by_default():
-    """CUFLASH2_HOPPER_BWD=1 turns the Hopper backward on; unset (or anything else), it is off
-    (docs/HOPPER_BWD.md: it becomes the default after a full GPU suite with it on). Read at
-    import, so each value is tried in a fresh interpreter."""
+def test_the_flag_is_on_by_default():
+    """The Hopper backward is on unless CUFLASH2_HOPPER_BWD=0, and so is varlen on the Hopper
+    forward unless CUFLASH2_HOPPER_VARLEN=0. Read at import, so each value is tried in a fresh
+    interpreter."""
     import os
     import subprocess
 
-    for value, expected in ((None, "False"), ("0", "False"), ("yes", "False"), ("1", "True")):
-        env = {k: v for k, v in os.environ.items() if k != "CUFLASH2_HOPPER_BWD"}
-        if value is not None:
-            env["CUFLASH2_HOPPER_BWD"] = value
-        result = subprocess.run(
-            [sys.executable, "-c", "from cuflash2 import _hopper_bwd; print(_hopper_bwd.ENABLED)"],
-            env=env, capture_output=True, text=True, check=True)
-        assert result.stdout.strip() == expected, (value, result.stdout, result.stderr)
+    for variable, flag in (("CUFLASH2_HOPPER_BWD", "_hopper_bwd.ENABLED"),
+                           ("CUFLASH2_HOPPER_VARLEN", "_hopper.VARLEN")):
+        for value, expected in ((None, "True"), ("0", "False"), ("1", "True")):
+            env = {k: v for k, v in os.environ.items() if k != variable}
+            if value is not None:
+                env[variable] = value
+            result = subprocess.run(
+                [sys.executable, "-c", f"from cuflash2 import _hopper, _hopper_bwd; print({flag})"],
+                env=env, capture_output=True, text=True, check=True)
+            assert result.stdout.strip() == expected, (variable, value, result.stdout,
+                                                       result.stderr)
 
 
 @pytest.mark.parametrize("head_dim,kernel_dim", [(8, 64), (40, 64), (64, 64), (72, 96),
@@ -443,7 +446,7 @@ def test_info_says_which_backward_runs(monkeypatch):
 
     assert _environment.backward_kernel_family("8.0").startswith("mma.sync kernels")
     monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
-    assert "opt-in: CUFLASH2_HOPPER_BWD=1" in _environment.backward_kernel_family("9.0")
+    assert "CUFLASH2_HOPPER_BWD=0" in _environment.backward_kernel_family("9.0")
     monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
     assert _environment.backward_kernel_family("9.0").startswith("Hopper kernel")
 

@@ -152,10 +152,11 @@ def test_prepared_forward_refuses_head_dims_past_256(monkeypatch):
         _hopper.prepare_forward_sm90(q, q, q)
 
 
-def test_overlap_is_dispatched_and_persistent_is_not():
+def test_overlap_and_persistent_are_specialisations_the_dispatcher_takes():
     """FwdSm90Config.overlap (the overlap inside a warpgroup) and .persistent (the persistent
     grid) are specialisations of their own, alone or together. The dispatcher takes the overlap
-    at every head dim (measured fastest, _hopper.SCHEDULES) and never the persistent grid."""
+    at every head dim (measured fastest, _hopper.SCHEDULES) and the persistent grid at the head
+    dims of PERSISTENT_MAX_KEYS."""
     from cuflash2 import _configs
 
     config = _configs.fwd_sm90_config("bfloat16", 128)
@@ -170,9 +171,39 @@ def test_overlap_is_dispatched_and_persistent_is_not():
     assert both.name_expression.endswith("true, true, 0, true>")
     assert "overlap" in _configs.describe(both) and "persistent" in _configs.describe(both)
     dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
-    assert all(c.overlap and not c.persistent for c in dispatched)
+    assert all(c.overlap for c in dispatched)
     assert {(c.head_dim, c.pingpong) for c in dispatched} == {
         (dim, pingpong) for (dim, _), (pingpong, _) in _hopper.SCHEDULES.items()}
+    assert {c.head_dim for c in dispatched if c.persistent} == {
+        dim for dim, _ in _hopper.PERSISTENT_MAX_KEYS} == set(_configs.SM90_PERSISTENT_TILES)
+
+
+def _dense_problem(head_dim, seqlen_k, dtype="float16"):
+    return types.SimpleNamespace(batch=2, seqlen_q=seqlen_k, seqlen_k=seqlen_k, nheads=4,
+                                 nheads_kv=4, head_dim=head_dim, dtype=dtype,
+                                 softmax_scale=0.125)
+
+
+@pytest.mark.parametrize("head_dim,kernel_dim", [(40, 64), (64, 64), (96, 96), (128, 128),
+                                                 (160, 192), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_calls_take_the_persistent_grid_up_to_its_key_bound(monkeypatch, head_dim,
+                                                                 kernel_dim, causal):
+    """The persistent grid exactly up to PERSISTENT_MAX_KEYS[kernel dim, causal] keys (never at
+    d=192/256), the schedule of SCHEDULES either way, and short d<=64 calls on mma.sync."""
+    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    window = (-1, 0) if causal else (-1, -1)
+    bound = _hopper.PERSISTENT_MAX_KEYS.get((kernel_dim, causal))
+    for seqlen_k in (1, 200, 256, 257, 512, 513, 1024, 1025, 2048, 2049, 16384):
+        config = _hopper.forward_config(_dense_problem(head_dim, seqlen_k), 0, window, 90, {})
+        if kernel_dim <= _hopper.MMA_SYNC_MAX_DIM and seqlen_k <= _hopper.MMA_SYNC_MAX_KEYS:
+            assert config is None
+            continue
+        assert config.head_dim == kernel_dim
+        assert config.persistent == (bound is not None and seqlen_k <= bound), seqlen_k
+        assert (config.pingpong, config.overlap) == _hopper.SCHEDULES[kernel_dim, causal]
+        assert config in _hopper.dispatch_configs()
 
 
 def test_persistent_schedule_sizes_the_grid_and_the_l2_sections():
@@ -233,6 +264,49 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     _hopper.persistent_slots.cache_clear()
 
 
+def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeypatch):
+    """api's forward plan (_attention_plans.forward_plan) for a dense call on sm_90: the
+    persistent grid's (CTAs, 1, 1) launch and its batch and section fields up to
+    PERSISTENT_MAX_KEYS, the (m blocks, heads, batch) grid beyond, each with the configuration
+    forward_config chose."""
+    numpy = pytest.importorskip("numpy")
+    from cuflash2 import _attention_plans, _prepare, _validate
+
+    def fake_map(x, rows):  # word 0 is the address, as the driver's
+        return numpy.array([x.data.ptr] + [rows] * 15, numpy.uint64).tobytes()
+
+    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
+    monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
+                        lambda config, device, grid: types.SimpleNamespace(config=config,
+                                                                           grid=grid))
+    monkeypatch.setattr(_hopper._launch, "occupancy_slots", lambda config, device: 132)
+    _hopper.persistent_slots.cache_clear()
+
+    def plan(seqlen, causal):
+        q = _HostArray(numpy.zeros((3, seqlen, 8, 128), numpy.float16))
+        k = _HostArray(numpy.zeros((3, seqlen, 2, 128), numpy.float16))
+        problem = _validate.check_attention_inputs(q, k, k)
+        window = _validate.check_window((-1, -1), causal, seqlen, seqlen)
+        views = {"q": q, "k": k, "v": k, "out": None, "mods.alibi_slopes": None}
+        sources = {"q": (0, q), "k": (1, k), "v": (2, k)}
+        return _attention_plans.forward_plan(views, sources, problem,
+                                             _prepare.score_mods(problem, 0.0, None), window, 0,
+                                             90, q.shape, (3, 8, seqlen))
+
+    bound = _hopper.PERSISTENT_MAX_KEYS[128, True]
+    short, long = plan(bound, True), plan(bound + 1, True)
+    (launch,), record = short.launches, short.block.record[0]
+    assert launch.config.persistent and launch.grid == (132, 1, 1)  # 8 x 8 heads x 3 tiles
+    assert (record["batch"], record["section_pairs"]) == (3, 24)
+    assert (record["base"]["seqlen_k"], record["base"]["window_right"]) == (bound, 0)
+    (launch,), record = long.launches, long.block.record[0]
+    assert not launch.config.persistent
+    assert launch.grid == (-(-(bound + 1) // 128), 8, 3) and record["batch"] == 0
+    assert plan(64, False).launches[0].grid == (24, 1, 1)  # 1 m block x 8 heads x 3: 24 tiles
+    _hopper.persistent_slots.cache_clear()
+
+
 def _varlen_problem(head_dim=128, seqlen_k=700):
     # what _prepare.varlen_problem gives the planner: sequences as batch, the max lengths
     return types.SimpleNamespace(batch=3, seqlen_q=300, seqlen_k=seqlen_k, nheads=4,
@@ -240,21 +314,22 @@ def _varlen_problem(head_dim=128, seqlen_k=700):
                                  softmax_scale=0.125)
 
 
-def test_varlen_reaches_the_hopper_forward_only_with_the_flag(monkeypatch):
-    """forward_config refuses varlen calls unless _hopper.VARLEN (off until the H200 has run
-    them); with it, the config carries FEATURE_VARLEN with the score modifiers and is never
-    persistent."""
+def test_varlen_reaches_the_hopper_forward_with_the_flag(monkeypatch):
+    """forward_config takes varlen calls with _hopper.VARLEN (on unless CUFLASH2_HOPPER_VARLEN=0)
+    and refuses them without: the config carries FEATURE_VARLEN with the score modifiers and is
+    never persistent, even where a dense call of the same lengths would be."""
     from cuflash2 import _configs
 
     monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
     monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
     varlen = types.SimpleNamespace(total_q=600, total_k=1400, batch=3)
     features = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP
-    assert _hopper.VARLEN is False
+    monkeypatch.setattr(_hopper, "VARLEN", False)
     assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 90, {}, varlen) is None
     monkeypatch.setattr(_hopper, "VARLEN", True)
     config = _hopper.forward_config(_varlen_problem(), features, (-1, 0), 90, {}, varlen)
     assert config.features == features and not config.persistent
+    assert _varlen_problem().seqlen_k <= _hopper.PERSISTENT_MAX_KEYS[128, True]
     assert (config.pingpong, config.overlap) == _hopper.SCHEDULES[128, True]
     assert "varlen" in _configs.describe(config)
     # dropout, other GPUs, and a dense call carrying the varlen bit stay off
@@ -263,8 +338,8 @@ def test_varlen_reaches_the_hopper_forward_only_with_the_flag(monkeypatch):
     assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 80, {}, varlen) is None
     assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 90, {}, None) is None
     # short d=64 problems (by the longest sequence) stay on mma.sync as dense ones do
-    assert _hopper.forward_config(_varlen_problem(64, 512), features, (-1, -1), 90, {},
-                                  varlen) is None
+    assert _hopper.forward_config(_varlen_problem(64, _hopper.MMA_SYNC_MAX_KEYS), features,
+                                  (-1, -1), 90, {}, varlen) is None
 
 
 def test_varlen_maps_cover_the_packed_arrays():

@@ -5,9 +5,11 @@ Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causa
 window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes: the shapes
 where an out-of-bounds access or a race would show.
 Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
-and of d <= 64 with more than 512 keys, run on the Hopper kernel (wgmma, TMA, mbarriers), in both
-consumer schedules across the head dims; and `_hopper_backward` switches the Hopper backward on
-(it is opt-in, CUFLASH2_HOPPER_BWD=1) for its own section, whatever the environment says.
+and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
+both consumer schedules across the head dims, on the persistent grid for the short rows and on
+one tile per CTA for the 600-key ones at d=96/128; the backwards run on the Hopper backward
+(deterministic and dropout calls on mma.sync), and `_hopper_backward` switches it on for its own
+section whatever the environment says.
 """
 
 import sys
@@ -123,8 +125,8 @@ def _decode(dtype, d) -> None:
 def main(quick: bool) -> None:
     head_dims = (64, 128) if quick else (32, 40, 64, 96, 128, 160, 192, 224, 256)
     dtypes = (numpy.float16,) if quick else (numpy.float16, ml_dtypes.bfloat16)
-    # On sm_90, d <= 64 with more than 512 keys (the 600-key shape) runs on the Hopper kernel,
-    # as every larger head dim does (_hopper.forward_config).
+    # On sm_90, d <= 64 with more than 256 keys runs on the Hopper kernel, as every larger head
+    # dim does (_hopper.forward_config); the 600-key shape leaves the persistent grid at d=96/128.
     shapes = ((1, 77, 45, 2, 1), (2, 45, 77, 4, 2), (1, 150, 600, 2, 1)) if quick else (
         (1, 77, 45, 2, 1), (2, 45, 77, 4, 2), (1, 130, 130, 3, 3), (1, 1, 200, 2, 1),
         (1, 150, 600, 2, 1))
