@@ -111,15 +111,16 @@ def _check(layout, headdim, dtype, option, expect_hopper=True):
 # Which kernel runs
 
 
-def test_varlen_stays_on_mma_sync_unless_the_flag_is_on():
+def test_varlen_runs_on_the_hopper_kernel_unless_the_flag_is_off():
     q, k, v, args = _inputs("ragged", 128, FP16, 1)
+    with _hopper_varlen(enabled=False):
+        (kernel,) = cuflash2.varlen_forward_kernels(q, k, v, *args, causal=True)
+    assert kernel.startswith("mma.sync forward")
     api._forward_plans.plans.clear()
     (kernel,) = cuflash2.varlen_forward_kernels(q, k, v, *args, causal=True)
-    assert kernel.startswith("mma.sync forward")
-    with _hopper_varlen():
-        (kernel,) = cuflash2.varlen_forward_kernels(q, k, v, *args, causal=True)
     if is_hopper():
         assert kernel.startswith("Hopper forward") and "varlen" in kernel
+        assert "persistent" not in kernel
     else:
         assert kernel.startswith("mma.sync forward")
 
@@ -130,11 +131,17 @@ def test_dropout_and_short_d64_varlen_stay_on_mma_sync():
     with _hopper_varlen():
         (kernel,) = cuflash2.varlen_forward_kernels(q, k, v, *args, dropout_p=0.1, seed=1)
         assert kernel.startswith("mma.sync forward")
-        lengths = [100, 0, 300]
+        longest = _hopper.MMA_SYNC_MAX_KEYS
+        lengths = [100, 0, longest]
         cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32))
-        x = cupy.asarray(numpy.zeros((400, 2, 64), numpy.float16))
-        (kernel,) = cuflash2.varlen_forward_kernels(x, x, x, cu, cu, 300, 300)
+        x = cupy.asarray(numpy.zeros((sum(lengths), 2, 64), numpy.float16))
+        (kernel,) = cuflash2.varlen_forward_kernels(x, x, x, cu, cu, longest, longest)
         assert kernel.startswith("mma.sync forward")
+        lengths[2] = longest + 1
+        cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32))
+        x = cupy.asarray(numpy.zeros((sum(lengths), 2, 64), numpy.float16))
+        (kernel,) = cuflash2.varlen_forward_kernels(x, x, x, cu, cu, longest + 1, longest + 1)
+        assert kernel.startswith("Hopper forward")
 
 
 # --------------------------------------------------------------------------------------------
