@@ -1,5 +1,5 @@
 // FlashAttention-2 backward (Dao, 2023, Algorithm 2) for Hopper (sm_90a): wgmma, TMA and warp
-// specialisation. Compile-checked only: it has not run on a GPU yet (docs/HOPPER_BWD.md).
+// specialisation (docs/HOPPER_BWD.md).
 //
 // The algorithm is the one of flash_bwd.cu. KV is the outer loop: one CTA owns BLOCK_N keys of
 // one (batch, KV head), keeps K and V of them in shared memory and dK, dV of them in registers,
@@ -30,15 +30,16 @@
 //    meet at a named barrier, and consumer c computes the columns of its half of the head dim,
 //    dQ_i[:, cols_c] = dS K[:, cols_c] (SS: dS K-major, K MN-major), M = 64 queries, all 128
 //    keys. The dS tile is double-buffered (by step parity), so the one barrier a step suffices.
-//  - dQ goes to the fp32 accumulator with vector reductions, red.global.add.v4.f32 (sm_90),
-//    straight from the accumulator registers, in dq_accum.cuh's interleaved column order (the
+//  - dQ goes to the fp32 accumulator dq_accum in dq_accum.cuh's interleaved column order (the
 //    wgmma accumulator is, per warp, the mma.sync m16n8 layout that order was made for), so the
 //    existing preprocess (which zeroes dq_accum) and flash_bwd_convert_dq.cu serve unchanged.
-//    Why not cp.reduce.async.bulk from shared memory (FlashAttention-3's choice, one thread
-//    issuing the tile's reduction)? It needs a 32 KiB fp32 staging tile, a barrier per step
-//    before it is reused, and a second warp to issue it; the vector reductions are
-//    fire-and-forget (nothing waits on them), cost 8 instructions a thread a step at d=128, and
-//    keep the layout and the convert kernel as they are. Which is faster is for the H200 to say.
+//    Up to d=128 (DQ_STAGED) the consumers store dQ_i into a shared fp32 tile laid out as its
+//    rows of dq_accum (two buffers, by step parity), and one producer thread adds the whole
+//    tile with one bulk reduction, cp.reduce.async.bulk .add.f32 (FlashAttention-3's dQ path):
+//    vector reductions from the consumers' registers (red.global.add.v4.f32, the path of the
+//    wider head dims, whose shared memory has no room for the tiles) hold those registers until
+//    the memory system has taken them, and the next step's products waited on that (Nsight
+//    Compute: a third of the consumers' stalls on L1TEX at d=128).
 //
 // Masking: the query blocks a key block sees come from KeyVisibility (causal, windows, bottom-
 // right aligned); blocks outside are never loaded. Masks run only on boundary steps (the key
@@ -65,8 +66,9 @@
 #include "constants.cuh"
 #include "kernel_params.cuh"
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool STAGED_DQ>
 struct BwdSm90Traits : Sm90CtaLayout {
+    static constexpr bool DQ_STAGED = STAGED_DQ;  // dQ through shared memory (the kernel's note)
     static constexpr int KEYS_PER_WARPGROUP = 64;  // the M of wgmma
     static constexpr int CONSUMER_WARPGROUPS = BLOCK_N / KEYS_PER_WARPGROUP;
     static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
@@ -90,9 +92,13 @@ struct BwdSm90Traits : Sm90CtaLayout {
     // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
     static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int DS_BYTES = (BLOCK_N / PANEL_COLS) * DS_PANEL_BYTES;
-    // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D), + the slack to align the base.
+    // dQ_i of a step in fp32, as its BLOCK_M rows of dq_accum (DQ_STAGED: two buffers).
+    static constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4;
+    // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D) | 2 x dQ (DQ_STAGED), + the slack
+    // to align the base.
     static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
-                                      STAGES * 2 * STAT_BYTES + SMEM_ALIGN;
+                                      STAGES * 2 * STAT_BYTES + (DQ_STAGED ? 2 * DQ_TILE_BYTES : 0) +
+                                      SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
     static constexpr int QUERIES = BLOCK_M;         // the N of S^T and dP^T
@@ -156,6 +162,8 @@ struct BwdSm90Traits : Sm90CtaLayout {
                   "at most 128 head-dim columns at BLOCK_M = 64 (docs/HOPPER_BWD.md)");
     static_assert(split_fits(CONSUMER_THREADS), "the setmaxnreg split fits the register file");
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
+    static_assert(!DQ_STAGED || NUM_CHUNKS == 1, "staged dQ tiles hold whole rows of dq_accum");
+    static_assert(DQ_TILE_BYTES % 16 == 0, "bulk reductions of whole 16-byte chunks");
 };
 
 // X^T = A_c B^T for one consumer (S^T = K_c Q_i^T or dP^T = V_c dO_i^T): M = its 64 keys, N =
@@ -209,6 +217,37 @@ CF2_DEVICE void add_dq(float* dq_block, const float (&acc)[N / 8][4], int warp, 
             atomic_add_4(rows + 8 * half * HEAD_DIM + 16 * np, acc[2 * np][2 * half],
                          acc[2 * np][2 * half + 1], acc[2 * np + 1][2 * half],
                          acc[2 * np + 1][2 * half + 1]);
+}
+
+// Stores this warp's share of dQ_i[:, COL0 .. COL0 + N) into the staged dQ tile `dq_tile`
+// (BLOCK_M rows of HEAD_DIM floats: the block's rows of dq_accum, add_dq's order and offsets),
+// for the bulk reduction that adds the whole tile to dq_accum.
+template <int HEAD_DIM, int COL0, int N>
+CF2_DEVICE void stage_dq(u32 dq_tile, const float (&acc)[N / 8][4], int warp, int lane) {
+    const u32 rows = dq_tile + 4 * ((16 * warp + lane / 4) * HEAD_DIM + COL0 + 4 * (lane % 4));
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            store_16B_shared(rows + 4 * (8 * half * HEAD_DIM + 16 * np), acc[2 * np][2 * half],
+                             acc[2 * np][2 * half + 1], acc[2 * np + 1][2 * half],
+                             acc[2 * np + 1][2 * half + 1]);
+}
+
+// This consumer's dQ_i columns to dq_accum: staged in `dq_tile` (DQ_STAGED; the bulk reduction
+// is issued by the producer's dQ thread once every consumer thread arrived on `dq_full`, after
+// `dq_empty` said the buffer's previous reduction had read it), or by vector reductions.
+template <class T, int COL0, int N>
+CF2_DEVICE void write_dq(const float (&acc)[N / 8][4], float* dq_block, u32 dq_tile, u32 dq_full,
+                         u32 dq_empty, u32 empty_parity, bool add, int warp, int lane) {
+    if constexpr (T::DQ_STAGED) {
+        mbarrier_wait(dq_empty, empty_parity);
+        stage_dq<T::DIM, COL0, N>(dq_tile, acc, warp, lane);
+        fence_proxy_async_shared();  // the generic stores, before the bulk reduction reads them
+        mbarrier_arrive(dq_full);
+    } else if (add) {
+        add_dq<T::DIM, COL0, N>(dq_block, acc, warp, lane);
+    }
 }
 
 // Sets the invisible entries of a transposed score tile to -inf: s[nt][2 half + e] is key
@@ -334,14 +373,19 @@ struct BwdSm90Barriers {
     u64 q_full[STAGES];        // Q_i and lse_log2 of its rows landed
     u64 do_full[STAGES];       // dO_i and D of its rows landed
     u64 stage_empty[STAGES];   // every consumer thread is done with the stage
+    u64 dq_full[2];            // every consumer thread staged its dQ of the buffer (DQ_STAGED)
+    u64 dq_empty[2];           // the buffer's bulk reduction has read it
 };
 
-// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0. The parameters:
-// BwdSm90Params (kernel_params.cuh); grid (key blocks, KV heads, batch), as flash_bwd.cu's.
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES>
-__global__ void __launch_bounds__(BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::THREADS, 1)
+// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_STAGED: dQ through
+// shared memory and bulk reductions (above). The parameters: BwdSm90Params (kernel_params.cuh);
+// grid (key blocks, KV heads, batch), as flash_bwd.cu's.
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
+          bool DQ_STAGED>
+__global__ void __launch_bounds__(
+    BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGED>::THREADS, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
-    using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
+    using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGED>;
     static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
                   "varlen and dropout run on the mma.sync backward");
     const BwdParams& p = params.base;
@@ -354,6 +398,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const u32 q_smem = v_smem + T::KV_TILE_BYTES;  // stage s: Q at + s * STAGE_BYTES, dO after
     const u32 ds_smem = q_smem + STAGES * T::STAGE_BYTES;  // two buffers
     const u32 stats_smem = ds_smem + 2 * T::DS_BYTES;      // stage s: lse at + 2 s * STAT_BYTES
+    const u32 dq_smem = stats_smem + STAGES * 2 * T::STAT_BYTES;  // two buffers (DQ_STAGED)
     const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
     const u32 kv_full = smem_address(&bars.kv_full);
 
@@ -416,6 +461,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             mbarrier_init(smem_address(&bars.do_full[s]), 1);
             mbarrier_init(smem_address(&bars.stage_empty[s]), T::CONSUMER_THREADS);
         }
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(smem_address(&bars.dq_full[b]), T::CONSUMER_THREADS);
+            mbarrier_init(smem_address(&bars.dq_empty[b]), 1);  // the dQ thread's arrival
+        }
         fence_mbarrier_init();
     }
     __syncthreads();
@@ -457,6 +507,27 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                     ++head;
                 }
             }
+        } else if (T::DQ_STAGED && threadIdx.x == 32) {
+            // The dQ thread: adds each step's staged dQ tile to its rows of dq_accum with one bulk
+            // reduction (element-wise atomic: other key blocks add to the same rows), and frees
+            // the buffer once the reduction has read it.
+            int head = kv_head * p.heads_per_kv_head, m_block = m_first;
+            for (int j = 0; j < steps; ++j) {
+                const int buf = j % 2;
+                mbarrier_wait(smem_address(&bars.dq_full[buf]), (j / 2) & 1);
+                float* dq_block = p.dq_accum + (stats_row0<false>(batch, head, p.nheads,
+                                                                  p.seqlen_q_padded, 0) +
+                                                m_block * BLOCK_M) * HEAD_DIM;
+                bulk_reduce_add_f32(dq_block, dq_smem + buf * T::DQ_TILE_BYTES, T::DQ_TILE_BYTES);
+                bulk_commit_group();
+                bulk_wait_group_read<0>();
+                mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
+                if (++m_block == m_first + m_count) {
+                    m_block = m_first;
+                    ++head;
+                }
+            }
+            bulk_wait_group<0>();  // the reductions complete before the CTA's shared memory goes
         }
     } else {
         // ---- consumers: warpgroup 1 + c owns keys 64 c .. 64 c + 63 of the block ----
@@ -556,6 +627,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                                                               p.seqlen_q_padded, 0) + row0) *
                                                HEAD_DIM + col0;
             const u32 k_chunk = k_smem + chunk * T::CHUNK_KV_BYTES;
+            const u32 dq_tile = dq_smem + (j % 2) * T::DQ_TILE_BYTES;  // DQ_STAGED
+            const u32 dq_full = smem_address(&bars.dq_full[j % 2]);
+            const u32 dq_empty = smem_address(&bars.dq_empty[j % 2]);
+            const u32 dq_empty_parity = ((j / 2) & 1) ^ 1;
             if (consumer == 0) {
                 float acc_dq[T::DQ_COLS_0 / 8][4];
                 pin_registers(acc_dq);
@@ -569,7 +644,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(p_frag);
                 pin_registers(ds_frag);
                 mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
-                add_dq<HEAD_DIM, 0, T::DQ_COLS_0>(dq_block, acc_dq, warp, lane);
+                write_dq<T, 0, T::DQ_COLS_0>(acc_dq, dq_block, dq_tile, dq_full, dq_empty,
+                                             dq_empty_parity, true, warp, lane);
             } else {
                 // The narrower last chunk (d=192: 64 columns, one panel) is consumer 0's alone:
                 // there, this product reads the panel past K (V's first, not written before the
@@ -586,8 +662,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(p_frag);
                 pin_registers(ds_frag);
                 mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
-                if (!narrow)
-                    add_dq<HEAD_DIM, T::DQ_COLS_0, T::DQ_COLS_1>(dq_block, acc_dq, warp, lane);
+                write_dq<T, T::DQ_COLS_0, T::DQ_COLS_1>(acc_dq, dq_block, dq_tile, dq_full,
+                                                        dq_empty, dq_empty_parity, !narrow, warp,
+                                                        lane);
             }
 
             if (++m_block == m_first + m_count) {

@@ -123,6 +123,31 @@ CF2_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
         : "memory");
 }
 
+// Adds `bytes` contiguous fp32 values of shared memory to global memory by the bulk-copy engine
+// ("cp.reduce.async.bulk", non-tensor form; a multiple of 16 bytes, both addresses 16-byte
+// aligned): each element's addition is atomic, so CTAs may add to the same rows. Completes in
+// the thread's bulk async-group (bulk_commit_group, bulk_wait_group_read / bulk_wait_group).
+CF2_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+
+CF2_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until at most PENDING of this thread's bulk groups still read their shared memory (the
+// source may then be rewritten).
+template <int PENDING>
+CF2_DEVICE void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Waits until at most PENDING of this thread's bulk groups are incomplete (writes included).
+template <int PENDING>
+CF2_DEVICE void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses with later async-proxy ones (TMA,
 // wgmma operand reads) and vice versa ("Memory Consistency Model: proxies"; fence.proxy.async).
 CF2_DEVICE void fence_proxy_async_shared() {

@@ -129,6 +129,12 @@ CF2_DEVICE void load_16B_shared(u32 (&v)[4], u32 smem_addr) {
                  : "memory");
 }
 
+CF2_DEVICE void store_16B_shared(u32 smem_addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "f"(a), "f"(b),
+                 "f"(c), "f"(d)
+                 : "memory");
+}
+
 CF2_DEVICE void store_4B_shared(u32 smem_addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
 }

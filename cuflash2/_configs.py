@@ -385,9 +385,20 @@ class BwdSm90Config:
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging.
     watchdog: bool = False
+    #: dQ staged in shared memory (two fp32 tiles of block_m rows) and added to the accumulator
+    #: by one bulk reduction a step, instead of vector reductions from registers
+    #: (flash_bwd_sm90.cu, DQ_STAGED): where the tiles fit, one chunk (bwd_sm90_config).
+    dq_staged: bool = False
 
     arch_suffix = "a"
     arch = 90
+
+    def __post_init__(self):
+        if self.dq_staged and (self.num_chunks > 1 or self.smem_bytes > SM90_MAX_SMEM):
+            raise ValueError(
+                f"staged dQ tiles need one head-dim chunk and room beside the rest of the Hopper "
+                f"backward's shared memory: head dim {self.head_dim} has {self.num_chunks} "
+                f"chunk(s) and would need {self.smem_bytes} bytes (of {SM90_MAX_SMEM})")
 
     @property
     def threads(self) -> int:
@@ -411,11 +422,13 @@ class BwdSm90Config:
     @property
     def smem_bytes(self) -> int:
         # K + V, stages x (Q + dO), two dS tiles (block_m x block_n), stages x (lse + D) rows,
-        # + 1 KiB to align the base by hand (BwdSm90Traits::SMEM_BYTES).
+        # two fp32 dQ tiles if staged, + 1 KiB to align the base by hand
+        # (BwdSm90Traits::SMEM_BYTES).
         kv = 2 * 128 * self.panels * self.block_n
         stage = 2 * 128 * self.panels * self.block_m + 2 * 4 * self.block_m
         ds = 2 * 2 * self.block_m * self.block_n
-        return kv + self.stages * stage + ds + 1024
+        dq = 2 * 4 * self.block_m * self.head_dim if self.dq_staged else 0
+        return kv + self.stages * stage + ds + dq + 1024
 
     @property
     def source_file(self) -> str:
@@ -424,12 +437,13 @@ class BwdSm90Config:
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}>")
+                f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}, "
+                f"{'true' if self.dq_staged else 'false'}>")
 
     @property
     def probes(self) -> str:
         traits = (f"BwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                  f"{self.block_n}, {self.stages}>")
+                  f"{self.block_n}, {self.stages}, {'true' if self.dq_staged else 'false'}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
             "\"setmaxnreg budget\");\n")
@@ -440,7 +454,9 @@ def bwd_sm90_config(dtype: str, head_dim: int) -> BwdSm90Config:
     if head_dim not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
     block_m, block_n, stages = SM90_BWD_TILES[head_dim]
-    return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages)
+    config = BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages)
+    staged = dataclasses.replace(config, dq_staged=True) if config.num_chunks == 1 else None
+    return staged if staged is not None and staged.smem_bytes <= SM90_MAX_SMEM else config
 
 
 def all_bwd_sm90_configs(features=(0,)) -> list[BwdSm90Config]:

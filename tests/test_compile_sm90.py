@@ -279,10 +279,20 @@ def test_hopper_source_uses_the_hopper_instructions():
 # ---- the Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md) --------------------
 
 BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
+#: d <= 128 with dQ by vector reductions from registers (dq_staged off: the dQ path of d=192 /
+#: 256, kept beside the staged one for timing): every one under --exhaustive, one by default.
+BWD_UNSTAGED = [dataclasses.replace(c, dq_staged=False) for c in BWD_CONFIGS if c.dq_staged]
 
 
-@pytest.mark.parametrize("config", BWD_CONFIGS,
-                         ids=lambda c: f"{c.dtype}-d{c.head_dim}-f{c.features}")
+def _bwd_param(config):
+    sampled = config.dq_staged or config.num_chunks > 1 or (
+        config.dtype, config.head_dim, config.features) == ("bfloat16", 128, 3)
+    return pytest.param(config, marks=() if sampled else pytest.mark.exhaustive,
+                        id=f"{config.dtype}-d{config.head_dim}-f{config.features}"
+                           f"{'' if config.dq_staged or config.num_chunks > 1 else '-red'}")
+
+
+@pytest.mark.parametrize("config", [_bwd_param(c) for c in BWD_CONFIGS + BWD_UNSTAGED])
 def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     """Same checks as the forward's: entry registers of 384 threads, no spills, setmaxnreg
     honoured (the consumers hold dK, dV, S^T and dP^T: 192 fp32 registers at d=128, and at
@@ -310,10 +320,18 @@ def test_hopper_backward_config_shapes():
     assert {(c.head_dim, c.dtype, c.features) for c in BWD_CONFIGS} == {
         (d, t, f) for d in (64, 96, 128, 192, 256) for t in _configs.DTYPE_TAGS
         for f in _configs.SM90_BWD_FEATURES}
-    # K + V, two Q / dO stages, two dS tiles, the statistics, 1 KiB of alignment slack
+    # K + V, two Q / dO stages, two dS tiles, the statistics, two fp32 dQ tiles (staged up to
+    # d=128), 1 KiB of alignment slack
     d128 = _configs.bwd_sm90_config("bfloat16", 128)
-    assert d128.smem_bytes == 2 * 128 * 256 + 2 * (2 * 64 * 256 + 512) + 2 * 64 * 256 + 1024
-    assert _configs.bwd_sm90_config("float16", 96).smem_bytes == d128.smem_bytes  # two panels
+    assert d128.dq_staged and d128.smem_bytes == (
+        2 * 128 * 256 + 2 * (2 * 64 * 256 + 512) + 2 * 64 * 256 + 2 * 64 * 128 * 4 + 1024)
+    assert d128.smem_bytes - _configs.bwd_sm90_config("float16", 96).smem_bytes == (
+        2 * 64 * 32 * 4)  # two panels each, dQ tiles of 128 / 96 columns
+    assert [c.head_dim for c in BWD_CONFIGS if c.dq_staged] == [
+        c.head_dim for c in BWD_CONFIGS if c.head_dim <= 128]
+    assert dataclasses.replace(d128, dq_staged=False).smem_bytes == d128.smem_bytes - 65536
+    with pytest.raises(ValueError, match="staged dQ"):
+        dataclasses.replace(_configs.bwd_sm90_config("float16", 192), dq_staged=True)
     # d=192: three panels, two stages; d=256: four panels, one stage; both under 227 KiB
     assert _configs.bwd_sm90_config("float16", 192).smem_bytes == (
         2 * 128 * 384 + 2 * (2 * 64 * 384 + 512) + 2 * 64 * 256 + 1024)
