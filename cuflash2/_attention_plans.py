@@ -146,7 +146,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     gradients not given.
 
     Three launches (two in deterministic mode): the preprocess, the main kernel, the dQ
-    conversion (deterministic: the dQ kernel). On sm_90 with CUFLASH2_HOPPER_BWD=1 the main
+    conversion (deterministic: the dQ kernel). On sm_90 (unless CUFLASH2_HOPPER_BWD=0) the main
     kernel is the Hopper one for every call it covers (_hopper_bwd.backward_config); the
     preprocess, conversion, workspace and every BwdParams field are the same, the struct is
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the

@@ -345,7 +345,7 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
 
 # ---------------------------------------------------------------------------------------------
 # Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a,
-# dispatched opt-in (CUFLASH2_HOPPER_BWD=1: cuflash2._hopper_bwd.backward_config).
+# dispatched on sm_90 (cuflash2._hopper_bwd.backward_config; CUFLASH2_HOPPER_BWD=0 turns it off).
 
 #: Head dims of the Hopper backward. Above 128 a key block's dK / dV / dQ columns are split over
 #: two CTAs (head-dim chunks of 128 + 64 at d=192, 128 + 128 at d=256), each recomputing S^T and

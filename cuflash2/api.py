@@ -258,7 +258,7 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
                      dv=None) -> list[str]:
     """The kernels `attention_backward(dout, q, k, v, out, lse, ...)` with these arguments runs
     on the current device, in words, in launch order: the preprocess, the main kernel (on an
-    H100/H200 with CUFLASH2_HOPPER_BWD=1 the Hopper backward where it covers the call, the
+    H100/H200 the Hopper backward where it covers the call (unless CUFLASH2_HOPPER_BWD=0), the
     mma.sync backward otherwise), then the dQ conversion (the dQ kernel in deterministic mode).
     The call is checked and planned (the kernels compiled), nothing is launched."""
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)

@@ -1,13 +1,12 @@
 """GPU tests of the backward's dispatch on Hopper (sm_90): which main kernel runs a call with
-the Hopper backward switched on (CUFLASH2_HOPPER_BWD=1, here `_hopper_bwd.ENABLED` flipped
-inside `_hopper_backward`), and the Hopper kernel (cuda_src/flash_bwd_sm90.cu) through the public
+the Hopper backward switched on (the default; `_hopper_bwd.ENABLED` set inside
+`_hopper_backward` whatever CUFLASH2_HOPPER_BWD says), and the Hopper kernel (cuda_src/flash_bwd_sm90.cu) through the public
 entry points against the reference: head dims 8..256 (above 128: two CTAs a key block, one
 per head-dim chunk), causal and windows, GQA/MQA, odd lengths,
 seqlen_q != seqlen_k, packed qkv, softcap/ALiBi, given (strided) gradients, and a plan hit on
 new arrays (the tensor maps' address words patched per call).
 
-The flag is off by default until this file and the whole GPU suite have run with it on
-(docs/HOPPER_BWD.md, "Dispatch"). On other GPUs the dispatch tests check that the mma.sync
+On other GPUs the dispatch tests check that the mma.sync
 backward runs everything; the Hopper kernel tests skip.
 """
 
