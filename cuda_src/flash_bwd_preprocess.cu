@@ -3,7 +3,8 @@
 // one EX2, as the forward does). Both are written padded to whole Q blocks: padding rows get
 // D = 0 and lse = +inf, so P = exp2(s - inf) = 0 there and the main kernel needs no row masking.
 // With the atomic dQ path (dq_accum set) the same rows of the fp32 dQ accumulator are zeroed
-// here, which the main kernel then adds to (same stream): no memset of its own before it.
+// here, which the main kernel then adds to (same stream): no memset of its own before it; so are
+// the deterministic Hopper backward's dQ semaphores (dq_semaphore set), one a block of rows.
 #include "mma_primitives.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"
@@ -75,5 +76,15 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         const int chunks = max(0, min(CTA_ROWS, rows_padded - cta_row0)) * (p.accum_dim / 4);
         for (int chunk = threadIdx.x; chunk < chunks; chunk += PREPROCESS_THREADS)
             store_16B_global(accum_rows + 4 * chunk, zeros);
+    }
+    if (p.dq_semaphore != nullptr) {
+        constexpr int CTA_ROWS = PREPROCESS_THREADS / 32 * PREPROCESS_ROWS_PER_WARP;
+        static_assert(CTA_ROWS % DQ_SEMAPHORE_ROWS == 0, "whole semaphore blocks a CTA");
+        static_assert(BWD_ROW_PADDING % DQ_SEMAPHORE_ROWS == 0, "whole blocks a head");
+        const int cta_row0 = blockIdx.x * CTA_ROWS;
+        for (int row = cta_row0 + threadIdx.x * DQ_SEMAPHORE_ROWS;
+             row < min(cta_row0 + CTA_ROWS, rows_padded);
+             row += PREPROCESS_THREADS * DQ_SEMAPHORE_ROWS)
+            p.dq_semaphore[(stat_offset + row) / DQ_SEMAPHORE_ROWS] = 0;
     }
 }

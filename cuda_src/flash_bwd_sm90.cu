@@ -40,6 +40,14 @@
 //    wider head dims, whose shared memory has no room for the tiles) hold those registers until
 //    the memory system has taken them, and the next step's products waited on that (Nsight
 //    Compute: a third of the consumers' stalls on L1TEX at d=128).
+//  - Deterministic mode (DETERMINISTIC, with DQ_STAGED; FlashAttention-3's): the key blocks add
+//    to a query block's rows of dq_accum in key-block order, so every run adds the same numbers
+//    in the same order. A semaphore per (batch, head, query block), zeroed by the preprocess,
+//    counts the key blocks that have added: the dQ thread of key block n waits until it reads n,
+//    adds, waits for its reduction to complete and increments it. Without a left window edge the
+//    key blocks that see a query block are 0, 1, ..., so the count reaches each of them in turn
+//    (a left edge takes the mma.sync backward's deterministic path: _hopper_bwd.backward_config).
+//    A key block waits only for lower ones, which the GPU dispatched before it (grid x).
 //
 // Masking: the query blocks a key block sees come from KeyVisibility (causal, windows, bottom-
 // right aligned); blocks outside are never loaded. Masks run only on boundary steps (the key
@@ -57,7 +65,7 @@
 // dV, dQ of columns 0 .. 127, chunk 1 the rest (d=192: 64, computed 128 wide and the rest
 // discarded; d=256: 128), each recomputing S^T and dP^T over the whole head dim (K, V, Q_i, dO_i
 // are whole-width tiles). docs/HOPPER_BWD.md compares this with FlashAttention-3's tiles.
-// Left out (static_assert): varlen, dropout; deterministic mode (no dq_accum atomics) too.
+// Left out (static_assert): varlen, dropout.
 #include "hopper_primitives.cuh"
 #include "masking.cuh"
 #include "score_mods.cuh"
@@ -378,16 +386,19 @@ struct BwdSm90Barriers {
 };
 
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_STAGED: dQ through
-// shared memory and bulk reductions (above). The parameters: BwdSm90Params (kernel_params.cuh);
-// grid (key blocks, KV heads, batch), as flash_bwd.cu's.
+// shared memory and bulk reductions; DETERMINISTIC: those in key-block order (above). The
+// parameters: BwdSm90Params (kernel_params.cuh); grid (key blocks, KV heads, batch), as
+// flash_bwd.cu's.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
-          bool DQ_STAGED>
+          bool DQ_STAGED, bool DETERMINISTIC>
 __global__ void __launch_bounds__(
     BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGED>::THREADS, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGED>;
     static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
                   "varlen and dropout run on the mma.sync backward");
+    static_assert(!DETERMINISTIC || (DQ_STAGED && BLOCK_M == DQ_SEMAPHORE_ROWS),
+                  "ordered dQ: the dQ thread's bulk reductions, a semaphore a query block");
     const BwdParams& p = params.base;
 
     extern __shared__ unsigned char smem[];
@@ -510,17 +521,28 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         } else if (T::DQ_STAGED && threadIdx.x == 32) {
             // The dQ thread: adds each step's staged dQ tile to its rows of dq_accum with one bulk
             // reduction (element-wise atomic: other key blocks add to the same rows), and frees
-            // the buffer once the reduction has read it.
+            // the buffer once the reduction has read it. DETERMINISTIC: in key-block order.
             int head = kv_head * p.heads_per_kv_head, m_block = m_first;
             for (int j = 0; j < steps; ++j) {
                 const int buf = j % 2;
                 mbarrier_wait(smem_address(&bars.dq_full[buf]), (j / 2) & 1);
-                float* dq_block = p.dq_accum + (stats_row0<false>(batch, head, p.nheads,
-                                                                  p.seqlen_q_padded, 0) +
-                                                m_block * BLOCK_M) * HEAD_DIM;
-                bulk_reduce_add_f32(dq_block, dq_smem + buf * T::DQ_TILE_BYTES, T::DQ_TILE_BYTES);
+                const i64 row0 = stats_row0<false>(batch, head, p.nheads, p.seqlen_q_padded, 0) +
+                                 m_block * BLOCK_M;
+                int* semaphore = DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS : nullptr;
+                if constexpr (DETERMINISTIC) {
+                    wait_semaphore(semaphore, kv_block);  // key blocks 0 .. kv_block - 1 added
+                    fence_proxy_async_global();
+                }
+                bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM, dq_smem + buf * T::DQ_TILE_BYTES,
+                                    T::DQ_TILE_BYTES);
                 bulk_commit_group();
-                bulk_wait_group_read<0>();
+                if constexpr (DETERMINISTIC) {
+                    bulk_wait_group<0>();  // the additions done, then the next key block's turn
+                    fence_proxy_async_global();
+                    increment_release_gpu(semaphore);
+                } else {
+                    bulk_wait_group_read<0>();
+                }
                 mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
                 if (++m_block == m_first + m_count) {
                     m_block = m_first;

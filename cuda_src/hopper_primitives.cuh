@@ -148,6 +148,38 @@ CF2_DEVICE void bulk_wait_group() {
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
+// Orders this thread's async-proxy global accesses (bulk reductions) with its generic-proxy ones
+// and vice versa: between a completed bulk reduction and the release that publishes it, and
+// between an acquire and the bulk reduction it allows.
+CF2_DEVICE void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// A semaphore in global memory: the value of `*sem` with acquire semantics at GPU scope, and an
+// increment with release semantics (FlashAttention-3's ordered dQ of its deterministic backward).
+CF2_DEVICE int load_acquire_gpu(const int* sem) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(sem) : "memory");
+    return value;
+}
+
+CF2_DEVICE void increment_release_gpu(int* sem) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+}
+
+// Waits until `*sem` equals `value` (acquire). With -DCF2_MBARRIER_WATCHDOG it traps after
+// about 2^32 cycles, as mbarrier_wait does.
+CF2_DEVICE void wait_semaphore(const int* sem, int value) {
+#ifdef CF2_MBARRIER_WATCHDOG
+    const long long start = clock64();
+    while (load_acquire_gpu(sem) != value)
+        if (clock64() - start > (1ll << 32)) asm volatile("trap;\n");
+#else
+    while (load_acquire_gpu(sem) != value) {
+    }
+#endif
+}
+
 // Orders this thread's generic-proxy shared-memory accesses with later async-proxy ones (TMA,
 // wgmma operand reads) and vice versa ("Memory Consistency Model: proxies"; fence.proxy.async).
 CF2_DEVICE void fence_proxy_async_shared() {

@@ -8,6 +8,8 @@ packed qkv feeds q, k and v from one array). It returns the `_plans.Plan` of the
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import _configs, _hopper, _hopper_bwd, _launch, _plans
 from ._prepare import LOG2E, element_strides, output_strides
 
@@ -124,8 +126,12 @@ def _backward_main_config(problem, features: int, window, deterministic: bool, a
     p = problem
     forced = config if config is not None else FORCED.get("bwd")
     if isinstance(forced, _configs.BwdSm90Config):
-        if deterministic or varlen is not None or features & ~_hopper_bwd.COVERED_FEATURES:
-            raise ValueError("the Hopper backward has no deterministic mode, varlen or dropout")
+        if varlen is not None or features & ~_hopper_bwd.COVERED_FEATURES:
+            raise ValueError("the Hopper backward has no varlen or dropout")
+        if deterministic and (not forced.dq_staged or window[0] >= 0):
+            raise ValueError("the Hopper backward's deterministic mode needs staged dQ tiles "
+                             "(head dims up to 128) and no left window edge")
+        forced = dataclasses.replace(forced, deterministic=deterministic)
         return _configs.with_features(forced, features), True
     hopper = None
     if forced is None:
@@ -164,14 +170,21 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         seqlen_q_padded = varlen.stats_rows
         stats_rows = p.nheads * seqlen_q_padded
     # Scratch: lse in log2 units, D, and the fp32 dQ accumulator of the atomic path (zeroed by
-    # the preprocess): O(seqlen_q * headdim), like the inputs.
+    # the preprocess): O(seqlen_q * headdim), like the inputs. The Hopper kernel's deterministic
+    # mode keeps the accumulator (its additions ordered) and adds a semaphore a query block.
+    ordered = hopper and deterministic
+    accumulate = ordered or not deterministic
     pieces = [4 * stats_rows, 4 * stats_rows]
-    if not deterministic:
+    if accumulate:
         pieces.append(4 * stats_rows * config.head_dim)
+    if ordered:
+        pieces.append(4 * (stats_rows // _configs.DQ_SEMAPHORE_ROWS))
     offsets, workspace_bytes = _plans.carve(pieces)
     workspace_fields = [("lse_log2", offsets[0]), ("delta", offsets[1])]
-    if not deterministic:
+    if accumulate:
         workspace_fields.append(("dq_accum", offsets[2]))
+    if ordered:
+        workspace_fields.append(("dq_semaphore", offsets[3]))
 
     outputs, output_fields, strides = [], [], {}
     for name, prefix in (("dq", "dq"), ("dk", "dk"), ("dv", "dv")):
@@ -214,7 +227,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
             launches.append((_launch.kernel_launch(
                 config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch)),
                 ""))
-        if p.seqlen_q and deterministic:
+        if p.seqlen_q and not accumulate:
             dq_config = _configs.with_features(
                 _configs.bwd_dq_config(p.dtype, p.head_dim, arch), features)
             launches.append((_launch.kernel_launch(

@@ -61,6 +61,9 @@ MASK_WARPS = 8
 BWD_DQ_WARPS = 4
 #: The decode kernel's packed query rows a CTA.
 DECODE_BLOCK_M = 16
+#: Query rows per dQ semaphore of the deterministic Hopper backward (its block_m; one semaphore
+#: a block of the per-row arrays, zeroed by the preprocess, whose CTAs cover as many rows).
+DQ_SEMAPHORE_ROWS = 64
 
 CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
@@ -69,6 +72,7 @@ CUDA_CONSTANTS = {
     "MAX_SPLITS": MAX_SPLITS, "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
+    "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
 }
 
 
@@ -389,11 +393,17 @@ class BwdSm90Config:
     #: by one bulk reduction a step, instead of vector reductions from registers
     #: (flash_bwd_sm90.cu, DQ_STAGED): where the tiles fit, one chunk (bwd_sm90_config).
     dq_staged: bool = False
+    #: deterministic=True: the staged dQ tiles added in key-block order, behind a semaphore per
+    #: query block (flash_bwd_sm90.cu, DETERMINISTIC); needs dq_staged.
+    deterministic: bool = False
 
     arch_suffix = "a"
     arch = 90
 
     def __post_init__(self):
+        if self.deterministic and not self.dq_staged:
+            raise ValueError("the Hopper backward's deterministic mode orders the staged dQ "
+                             "tiles' reductions: head dims up to 128 (dq_staged)")
         if self.dq_staged and (self.num_chunks > 1 or self.smem_bytes > SM90_MAX_SMEM):
             raise ValueError(
                 f"staged dQ tiles need one head-dim chunk and room beside the rest of the Hopper "
@@ -438,7 +448,8 @@ class BwdSm90Config:
     def name_expression(self) -> str:
         return (f"flash_bwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}, "
-                f"{'true' if self.dq_staged else 'false'}>")
+                f"{'true' if self.dq_staged else 'false'}, "
+                f"{'true' if self.deterministic else 'false'}>")
 
     @property
     def probes(self) -> str:
@@ -796,9 +807,10 @@ def describe(config) -> str:
                 f"stages{extra}")
     if isinstance(config, BwdSm90Config):
         chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
+        dq = ", dQ added in key-block order (deterministic)" if config.deterministic else ""
         return (f"Hopper backward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
-                f"Q/dO stage{'s' if config.stages > 1 else ''}{chunks}{extra}")
+                f"Q/dO stage{'s' if config.stages > 1 else ''}{chunks}{dq}{extra}")
     if isinstance(config, BwdConfig):
         dq = "dQ by atomics" if config.compute_dq else "no dQ (deterministic)"
         chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""

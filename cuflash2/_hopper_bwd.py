@@ -1,14 +1,16 @@
 """Host side of the Hopper backward (cuda_src/flash_bwd_sm90.cu, docs/HOPPER_BWD.md).
 
 Dispatched: `cuflash2.attention_backward` (and the packed backwards) on sm_90 run the Hopper main
-kernel for every call `backward_config` covers; for the calls it refuses (varlen, dropout,
-deterministic mode), and with CUFLASH2_HOPPER_BWD=0, the mma.sync backward runs.
+kernel for every call `backward_config` covers, `deterministic=True` included (up to d=128, no
+left window edge: dQ added in key-block order); for the calls it refuses (varlen, dropout, the
+other deterministic ones), and with CUFLASH2_HOPPER_BWD=0, the mma.sync backward runs.
 
 A call is three launches on the current stream (`_attention_plans.backward_plan` builds them,
 for the dispatcher and for `prepare_backward_sm90` alike):
 
 1. the existing preprocess (flash_bwd_preprocess.cu): D = rowsum(dO o O), lse in log2 units,
-   both padded to whole 128-row blocks (+inf / 0), and the fp32 dQ accumulator zeroed;
+   both padded to whole 128-row blocks (+inf / 0), and the fp32 dQ accumulator zeroed (and in
+   deterministic mode the dQ semaphores, one a 64-row query block);
 2. the Hopper main kernel: dK, dV of each 128-key block, dQ added to the accumulator (above
    d=128 a key block's columns split over two CTAs, `BwdSm90Config.num_chunks`);
 3. the existing conversion (flash_bwd_convert_dq.cu): dQ = softmax_scale * accumulator.
@@ -23,6 +25,7 @@ encoded once per plan and their address words patched per call, as the forward's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -58,12 +61,13 @@ def backward_maps(config) -> dict:
 def backward_config(problem, features: int, window, arch: int, views: dict, varlen=None,
                     deterministic: bool = False):
     """The Hopper backward's configuration for a checked call, or None where the call stays on
-    the mma.sync backward: switched off (ENABLED), not sm_90, varlen, dropout, deterministic
-    mode, a head dim beyond the Hopper kernels', an empty problem, no driver bindings to encode
-    the maps, or q, k, v, dout the TMA cannot describe. `window` is part of the question (as
-    for the forward) but no window is refused."""
+    the mma.sync backward: switched off (ENABLED), not sm_90, varlen, dropout, a head dim beyond
+    the Hopper kernels', an empty problem, no driver bindings to encode the maps, or q, k, v,
+    dout the TMA cannot describe; and deterministic mode where the kernel cannot order its dQ
+    additions (head dims above 128, whose dQ is not staged; a left window edge, under which the
+    key blocks that see a query block do not start at block 0: flash_bwd_sm90.cu)."""
     p = problem
-    if not ENABLED or arch != 90 or varlen is not None or deterministic:
+    if not ENABLED or arch != 90 or varlen is not None:
         return None
     if features & ~COVERED_FEATURES:
         return None
@@ -71,6 +75,10 @@ def backward_config(problem, features: int, window, arch: int, views: dict, varl
         return None
     config = _configs.with_features(
         _configs.bwd_sm90_config(p.dtype, kernel_head_dim(p.head_dim)), features)
+    if deterministic:
+        if not config.dq_staged or window[0] >= 0:
+            return None
+        config = dataclasses.replace(config, deterministic=True)
     return config if describable(views, backward_maps(config)) else None
 
 

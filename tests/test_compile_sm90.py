@@ -282,17 +282,24 @@ BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
 #: d <= 128 with dQ by vector reductions from registers (dq_staged off: the dQ path of d=192 /
 #: 256, kept beside the staged one for timing): every one under --exhaustive, one by default.
 BWD_UNSTAGED = [dataclasses.replace(c, dq_staged=False) for c in BWD_CONFIGS if c.dq_staged]
+#: deterministic=True (dQ added in key-block order; staged head dims only): every one under
+#: --exhaustive, two by default.
+BWD_DETERMINISTIC = [dataclasses.replace(c, deterministic=True) for c in BWD_CONFIGS
+                     if c.dq_staged]
+_BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0)}
 
 
 def _bwd_param(config):
-    sampled = config.dq_staged or config.num_chunks > 1 or (
-        config.dtype, config.head_dim, config.features) == ("bfloat16", 128, 3)
+    plain = (config.dq_staged or config.num_chunks > 1) and not config.deterministic
+    sampled = plain or (config.dtype, config.head_dim, config.features) in _BWD_SAMPLE
+    path = ("-det" if config.deterministic else "" if plain or config.dq_staged
+            or config.num_chunks > 1 else "-red")
     return pytest.param(config, marks=() if sampled else pytest.mark.exhaustive,
-                        id=f"{config.dtype}-d{config.head_dim}-f{config.features}"
-                           f"{'' if config.dq_staged or config.num_chunks > 1 else '-red'}")
+                        id=f"{config.dtype}-d{config.head_dim}-f{config.features}{path}")
 
 
-@pytest.mark.parametrize("config", [_bwd_param(c) for c in BWD_CONFIGS + BWD_UNSTAGED])
+@pytest.mark.parametrize("config", [_bwd_param(c) for c in
+                                    BWD_CONFIGS + BWD_UNSTAGED + BWD_DETERMINISTIC])
 def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     """Same checks as the forward's: entry registers of 384 threads, no spills, setmaxnreg
     honoured (the consumers hold dK, dV, S^T and dP^T: 192 fp32 registers at d=128, and at

@@ -70,12 +70,25 @@ def _views(batch=2, sq=300, sk=200, h=4, hkv=2, d=64):
     return {"q": q, "k": k, "v": k, "dout": q}
 
 
-def _config(problem=None, features=0, arch=90, views=None, varlen=None, deterministic=False):
+def _config(problem=None, features=0, arch=90, views=None, varlen=None, deterministic=False,
+            window=(-1, 0)):
     problem = problem or _problem()
     views = views or _views(problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads,
                             problem.nheads_kv, problem.head_dim)
-    return _hopper_bwd.backward_config(problem, features, (-1, 0), arch, views, varlen,
+    return _hopper_bwd.backward_config(problem, features, window, arch, views, varlen,
                                        deterministic)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (-1, 37)])
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128])
+def test_deterministic_calls_order_their_dq_on_the_hopper_kernel(host, head_dim, window):
+    """deterministic=True up to d=128 without a left window edge: the staged-dQ kernel with its
+    additions in key-block order (flash_bwd_sm90.cu, DETERMINISTIC)."""
+    config = _config(_problem(d=head_dim), deterministic=True, window=window)
+    assert config.deterministic and config.dq_staged
+    assert "key-block order" in _configs.describe(config)
+    assert not _config(_problem(d=head_dim), window=window).deterministic
+    assert config.name_expression.endswith(", true, true>")
 
 
 def test_the_flag_is_on_by_default():
@@ -131,9 +144,10 @@ def test_packed_views_are_covered(host):
     assert _config(_problem(sk=300, hkv=4), views=views) is not None
 
 
-@pytest.mark.parametrize("case", ["disabled", "sm80", "sm100", "varlen", "deterministic",
-                                  "dropout", "d264", "d512", "empty_q", "empty_k", "no_batch",
-                                  "no_bindings", "reversed_rows"])
+@pytest.mark.parametrize("case", ["disabled", "sm80", "sm100", "varlen", "deterministic_d192",
+                                  "deterministic_left_window", "dropout", "d264", "d512",
+                                  "empty_q", "empty_k", "no_batch", "no_bindings",
+                                  "reversed_rows"])
 def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
     kwargs = {}
     problem = _problem()
@@ -143,8 +157,12 @@ def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
         kwargs["arch"] = {"sm80": 80, "sm100": 100}[case]
     elif case == "varlen":
         kwargs["varlen"] = _prepare.Varlen(300, 200, 2)
-    elif case == "deterministic":
+    elif case == "deterministic_d192":  # dQ not staged: no ordered additions
         kwargs["deterministic"] = True
+        problem = _problem(d=192)
+    elif case == "deterministic_left_window":
+        kwargs["deterministic"] = True
+        kwargs["window"] = (100, 0)
     elif case == "dropout":
         kwargs["features"] = _configs.FEATURE_DROPOUT
     elif case in ("d264", "d512"):
@@ -325,9 +343,33 @@ def test_a_call_patches_map_addresses_pointers_and_workspace(host, monkeypatch):
         offset:offset + pre_record.dtype.itemsize].tobytes()
 
 
+def test_the_deterministic_hopper_plan_zeroes_and_passes_the_dq_semaphores(host):
+    """deterministic=True on the Hopper kernel: the atomic path's three launches (preprocess,
+    main kernel, conversion) and workspace, plus one int32 semaphore per 64 rows of the
+    per-row arrays after the accumulator, which the preprocess zeroes; the default plan has
+    none (null pointer)."""
+    arrays = _separate()
+    plan = _backward_plan(arrays, deterministic=True)
+    pre, main, conv = plan.launches
+    assert main.config.deterministic and main.config.dq_staged
+    assert conv.config.kernel == "flash_bwd_convert_dq_kernel"
+    default = _backward_plan(arrays)
+    stats_rows = 2 * 4 * 384  # batch x heads x padded rows
+
+    # byte offsets in the scratch, by the pointer fields' word index (both pointers: one view)
+    offsets = {index: off for _, index, off in plan.workspace_slots}
+    semaphore = offsets[plan.block.slot("base.dq_semaphore")[1]]
+    accum = offsets[plan.block.slot("base.dq_accum")[1]]
+    assert semaphore >= accum + 4 * stats_rows * 64  # after the d=64 accumulator
+    assert plan.workspace_bytes >= semaphore + 4 * stats_rows // 64
+    assert len(default.workspace_slots) == len(plan.workspace_slots) - 1
+    assert default.block.record[0]["base"]["dq_semaphore"] == 0
+
+
 def test_the_mma_sync_backward_keeps_deterministic_dropout_and_forced_tiles(host):
     arrays = _separate()
-    deterministic = _backward_plan(arrays, deterministic=True)
+    assert _backward_plan(arrays, deterministic=True).launches[1].config.deterministic
+    deterministic = _backward_plan(_separate(d=192), deterministic=True)
     assert deterministic.block.layout.name == "BwdParams"
     assert [type(c).__name__ for c in deterministic.kernels] == [
         "AuxKernel", "BwdConfig", "BwdDqConfig"]
@@ -349,8 +391,11 @@ def test_a_forced_hopper_config_runs_whatever_the_flag(host, monkeypatch):
     plan = _backward_plan(_separate(), config=config)
     assert plan.launches[1].config == config  # d=64 on the d=128 kernel, as forced
     assert plan.block.record[0]["base"]["accum_dim"] == 128
-    with pytest.raises(ValueError, match="no deterministic mode"):
-        _backward_plan(_separate(), config=config, deterministic=True)
+    ordered = _backward_plan(_separate(), config=config, deterministic=True)
+    assert ordered.launches[1].config.deterministic
+    with pytest.raises(ValueError, match="deterministic mode needs"):
+        _backward_plan(_separate(d=192), config=_configs.bwd_sm90_config("float16", 192),
+                       deterministic=True)
     with pytest.raises(ValueError, match="dropout"):
         _backward_plan(_separate(), config=config, dropout_p=0.1)
 

@@ -46,9 +46,13 @@ def main():
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
     if "bwd" in args.kernels:
         configs += _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
-        if args.arch == 90:  # the Hopper backward's main kernels
-            configs += _configs.all_bwd_sm90_configs(
+        if args.arch == 90:  # the Hopper backward's main kernels, default and deterministic
+            import dataclasses
+
+            sm90 = _configs.all_bwd_sm90_configs(
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
+            configs += sm90 + [dataclasses.replace(c, deterministic=True) for c in sm90
+                               if c.dq_staged]
     if "decode" in args.kernels:
         configs += _configs.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])

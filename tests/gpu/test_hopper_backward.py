@@ -77,23 +77,27 @@ def test_backward_kernels_names_preprocess_main_and_conversion():
         assert kernels[1].startswith("mma.sync backward")
 
 
-def test_the_flag_is_off_by_default_and_the_mma_sync_backward_runs():
+def test_switched_off_the_mma_sync_backward_runs():
     q, k, v, dout = _inputs(1, 200, 300, 4, 2, 128, FP16)
     out, lse = cuflash2.attention(q, k, v, return_lse=True)
-    api._backward_plans.plans.clear()
-    if not _hopper_bwd.ENABLED:
-        assert _main_kernel(dout, q, k, v, out, lse).startswith("mma.sync backward")
     with _hopper_backward(False):
         assert _main_kernel(dout, q, k, v, out, lse).startswith("mma.sync backward")
 
 
-@pytest.mark.parametrize("case", ["deterministic", "dropout", "varlen"])
+@pytest.mark.parametrize("case", ["deterministic_d192", "deterministic_left_window", "dropout",
+                                  "varlen"])
 def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
-    # every head dim the checks take (up to 256) has a Hopper kernel: none is refused by size
-    q, k, v, dout = _inputs(1, 200, 300, 4, 2, 64, FP16)
-    options = {}
+    # every head dim the checks take (up to 256) has a Hopper kernel: none is refused by size;
+    # deterministic mode only where its dQ additions can be ordered (d <= 128, no left edge)
+    q, k, v, dout = _inputs(1, 200, 300, 4, 2, 192 if case == "deterministic_d192" else 64,
+                            FP16)
+    options, backward_only = {}, {}
     if case == "dropout":
         options = {"dropout_p": 0.1, "seed": 3}
+    elif case.startswith("deterministic"):
+        backward_only = {"deterministic": True}
+        if case == "deterministic_left_window":
+            options["window_size"] = (50, 0)
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     with _hopper_backward():
         if case == "varlen":  # backward_kernels has no varlen form: run it, read its plan
@@ -105,8 +109,7 @@ def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
             (plan,) = api._backward_plans.plans.values()
             assert not any(isinstance(c, _configs.BwdSm90Config) for c in plan.kernels)
             return
-        kernel = _main_kernel(dout, q, k, v, out, lse, deterministic=case == "deterministic",
-                              **options)
+        kernel = _main_kernel(dout, q, k, v, out, lse, **options, **backward_only)
     assert kernel.startswith("mma.sync backward"), kernel
 
 
@@ -130,6 +133,44 @@ def test_every_head_dim(dtype, causal, headdim):
         kernel = _main_kernel(dout, q, k, v, out, lse, causal=causal)
     assert f"head dim {kernel_dim}," in kernel, kernel
     _check(q, k, v, dout, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", ["full", "causal", "gqa_causal_long", "sq_gt_sk_causal",
+                                  "right_window", "mods", "d40", "d96"])
+def test_deterministic_on_the_hopper_kernel(case):
+    """deterministic=True runs the Hopper kernel with dQ added in key-block order: the 2x rule,
+    and three runs bitwise identical (each into poisoned gradients), also where many key blocks
+    add to the same rows at once (4k keys, GQA)."""
+    shape, options = (2, 300, 517, 4, 2, 128, BF16), {}
+    if case == "causal":
+        options["causal"] = True
+    elif case == "gqa_causal_long":
+        shape, options = (2, 1500, 4096, 8, 2, 64, FP16), {"causal": True}
+    elif case == "sq_gt_sk_causal":  # rows that see no key
+        shape, options = (2, 700, 300, 4, 4, 128, FP16), {"causal": True}
+    elif case == "right_window":
+        options["window_size"] = (-1, 40)
+    elif case == "mods":
+        options = score_mod_options(cupy, "both")
+    elif case in ("d40", "d96"):
+        shape = (1, 333, 600, 4, 2, int(case[1:]), FP16)
+    q, k, v, dout = _inputs(*shape)
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    runs = []
+    with _hopper_backward():
+        kernel = _main_kernel(dout, q, k, v, out, lse, deterministic=True, **options)
+        assert kernel.startswith("Hopper backward") and "key-block order" in kernel, kernel
+        for _ in range(3):
+            grads = [testing.poison_like(cupy, x.shape, x.dtype) for x in (q, k, v)]
+            runs.append(cuflash2.attention_backward(dout, q, k, v, out, lse, deterministic=True,
+                                                    dq=grads[0], dk=grads[1], dv=grads[2],
+                                                    **options))
+    results = testing.check_backward(dout, q, k, v, *runs[0], **options)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+    for run in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], run):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), name
 
 
 @needs_hopper
