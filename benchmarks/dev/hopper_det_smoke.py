@@ -1,6 +1,10 @@
 """Deterministic mode of the Hopper backward under the mbarrier/semaphore watchdog (a wrong
-semaphore order traps after ~2 s instead of hanging): a few shapes, bitwise repeatability and
-the 2x rule. python benchmarks/dev/hopper_det_smoke.py"""
+semaphore order traps after ~2 s instead of hanging): a few shapes, three runs bitwise equal,
+and the 2x rule. On an H100/H200, from the repository root:
+
+    python benchmarks/dev/hopper_det_smoke.py
+"""
+
 import dataclasses
 import sys
 from pathlib import Path
@@ -13,26 +17,36 @@ import ml_dtypes  # noqa: E402
 import cuflash2  # noqa: E402
 from cuflash2 import _attention_plans, _configs, api, testing  # noqa: E402
 
-FAILED = 0
-for (b, sq, sk, h, hk, d, causal) in [(2, 1500, 4096, 8, 2, 128, True), (2, 1024, 1024, 4, 4, 128, False),
-                                      (1, 700, 300, 4, 4, 64, True), (2, 333, 517, 4, 2, 96, False)]:
-    q, k, v = testing.random_qkv(cupy, b, sq, sk, h, hk, d, ml_dtypes.bfloat16, seed=d + sq)
-    dout = testing.random_qkv(cupy, b, sq, sq, h, h, d, ml_dtypes.bfloat16, seed=d + 1)[0]
+# (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal): many key blocks adding to the
+# same rows (GQA, 4k keys), rows that see no key, each staged head dim.
+CASES = [(2, 1500, 4096, 8, 2, 128, True), (2, 1024, 1024, 4, 4, 128, False),
+         (1, 700, 300, 4, 4, 64, True), (2, 333, 517, 4, 2, 96, False)]
+
+
+def check(b, sq, sk, h, hk, d, causal) -> bool:
+    bf16 = ml_dtypes.bfloat16
+    q, k, v = testing.random_qkv(cupy, b, sq, sk, h, hk, d, bf16, seed=d + sq)
+    dout = testing.random_qkv(cupy, b, sq, sq, h, h, d, bf16, seed=d + 1)[0]
     out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
     kernel_dim = min(x for x in _configs.SM90_BWD_HEAD_DIMS if x >= d)
     _attention_plans.FORCED["bwd"] = dataclasses.replace(
         _configs.bwd_sm90_config("bfloat16", kernel_dim), watchdog=True)
     api._backward_plans.plans.clear()
-    runs = [cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
-            for _ in range(3)]
-    cupy.cuda.Device().synchronize()
+    try:
+        runs = [cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                            deterministic=True) for _ in range(3)]
+        cupy.cuda.Device().synchronize()
+    finally:
+        del _attention_plans.FORCED["bwd"]
+        api._backward_plans.plans.clear()
     same = all(bool((a.view(cupy.uint16) == c.view(cupy.uint16)).all())
                for run in runs[1:] for a, c in zip(runs[0], run))
     results = testing.check_backward(dout, q, k, v, *runs[0], causal=causal)
     ok = same and all(r.ok for r in results)
-    FAILED += not ok
     print(f"{'ok  ' if ok else 'FAIL'} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} causal={causal}: bitwise "
           f"{'same' if same else 'DIFFERENT'}; " + "; ".join(map(str, results)), flush=True)
-del _attention_plans.FORCED["bwd"]
-api._backward_plans.plans.clear()
-sys.exit(1 if FAILED else 0)
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(0 if all([check(*case) for case in CASES]) else 1)

@@ -5,6 +5,7 @@ benchmark run that follows finds them compiled (CuPy compiles one kernel at a ti
 """
 
 import argparse
+import dataclasses
 import multiprocessing
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuflash2 import _configs  # noqa: E402
+from cuflash2 import _configs, _hopper  # noqa: E402
 
 
 def _compile(configs):
@@ -40,15 +41,11 @@ def main():
     if "fwd" in args.kernels:
         configs += _configs.all_fwd_configs(args.arch, args.features)
         if args.arch == 90:  # the Hopper forward's, as the dispatcher chooses them
-            from cuflash2 import _hopper
-
             configs += _hopper.dispatch_configs(
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
     if "bwd" in args.kernels:
         configs += _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
         if args.arch == 90:  # the Hopper backward's main kernels, default and deterministic
-            import dataclasses
-
             sm90 = _configs.all_bwd_sm90_configs(
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
             configs += sm90 + [dataclasses.replace(c, deterministic=True) for c in sm90
@@ -57,10 +54,6 @@ def main():
         configs += _configs.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
-        import dataclasses
-
-        from cuflash2 import _hopper
-
         configs += _configs.all_fwd_sm90_configs((0,), persistent=True)
         configs += [dataclasses.replace(c, watchdog=True)  # --schedule plain --watchdog
                     for c in _configs.all_fwd_sm90_configs((0,), (False,), persistent=True)
