@@ -47,7 +47,10 @@
 //    adds, waits for its reduction to complete and increments it. Without a left window edge the
 //    key blocks that see a query block are 0, 1, ..., so the count reaches each of them in turn
 //    (a left edge takes the mma.sync backward's deterministic path: _hopper_bwd.backward_config).
-//    A key block waits only for lower ones, which the GPU dispatched before it (grid x).
+//    A key block waits only for lower ones, which the GPU dispatched before it (grid x). Its
+//    steps run query block by query block from the last one down (QueryBlockWalk), where every
+//    key block's range ends, so all key blocks reach a query block at the same step and each
+//    waits for the one before it about a reduction's latency, under causal masking too.
 //
 // Masking: the query blocks a key block sees come from KeyVisibility (causal, windows, bottom-
 // right aligned); blocks outside are never loaded. Masks run only on boundary steps (the key
@@ -385,6 +388,40 @@ struct BwdSm90Barriers {
     u64 dq_empty[2];           // the buffer's bulk reduction has read it
 };
 
+// The steps of a key block, one per (query head of its KV head's group, query block whose rows
+// see its keys) pair, taken in the same order by the producer, the dQ thread and the consumers.
+// By default head by head, each head's query blocks from the first up (the CTAs of one head then
+// walk the same Q / dO blocks together and share them in L2). LAST_FIRST (deterministic mode):
+// query block by query block from the last down, every head of the group inside a block.
+// Without a left window edge every key block's query blocks end at the last one, so every key
+// block takes a given (head, query block) pair at the same step, (m_last - m) * heads + head:
+// key block n, which adds its dQ to a block right after key block n - 1, waits for it about one
+// reduction's latency. From the first block up, causal key block n would start at query block
+// 2n (BLOCK_N = 2 BLOCK_M) and meet key block n - 1, which has two more blocks a head behind it,
+// later at every block, its SM idle meanwhile.
+template <bool LAST_FIRST>
+struct QueryBlockWalk {
+    int head, m_block;  // the step's query head and query block
+    int head_first, head_end, m_first, m_end;
+
+    CF2_DEVICE QueryBlockWalk(int head0, int heads, int m_first_, int m_count)
+        : head(head0), m_block(LAST_FIRST ? m_first_ + m_count - 1 : m_first_),
+          head_first(head0), head_end(head0 + heads), m_first(m_first_),
+          m_end(m_first_ + m_count) {}
+
+    CF2_DEVICE void advance() {
+        if constexpr (LAST_FIRST) {
+            if (++head == head_end) {
+                head = head_first;
+                --m_block;
+            }
+        } else if (++m_block == m_end) {
+            m_block = m_first;
+            ++head;
+        }
+    }
+};
+
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_STAGED: dQ through
 // shared memory and bulk reductions; DETERMINISTIC: those in key-block order (above). The
 // parameters: BwdSm90Params (kernel_params.cuh); grid (key blocks, KV heads, batch), as
@@ -481,7 +518,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     }
     __syncthreads();
 
-    // Step j (query head h, block m, advanced incrementally as in flash_bwd.cu) uses stage
+    // Step j (query head h, block m: QueryBlockWalk, advanced incrementally) uses stage
     // j % STAGES, whose barriers are in their (j / STAGES)-th phase.
     const int warpgroup = threadIdx.x / T::WARPGROUP_THREADS;
     if (warpgroup == 0) {
@@ -493,41 +530,42 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                                                         kv_head, batch);
             tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full, key_first,
                                                         kv_head, batch);
-            int head = kv_head * p.heads_per_kv_head, m_block = m_first;
+            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
+                                               p.heads_per_kv_head, m_first, m_count);
             for (int j = 0; j < steps; ++j) {
                 const int stage = j % STAGES;
                 mbarrier_wait(smem_address(&bars.stage_empty[stage]), ((j / STAGES) & 1) ^ 1);
-                const int row0 = m_block * BLOCK_M;
+                const int row0 = walk.m_block * BLOCK_M;
                 // lse_log2 and D are padded to whole Q blocks (+inf / 0): never out of bounds.
-                const i64 stat0 = stats_row0<false>(batch, head, p.nheads, p.seqlen_q_padded, 0) + row0;
+                const i64 stat0 =
+                    stats_row0<false>(batch, walk.head, p.nheads, p.seqlen_q_padded, 0) + row0;
                 const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
                 const u32 do_tile = q_tile + T::Q_TILE_BYTES;
                 const u32 lse_s = stats_smem + stage * 2 * T::STAT_BYTES;
                 const u32 q_full = smem_address(&bars.q_full[stage]);
                 const u32 do_full = smem_address(&bars.do_full[stage]);
                 mbarrier_arrive_expect_tx(q_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full, row0, head,
-                                                           batch);
+                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full, row0,
+                                                           walk.head, batch);
                 bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
                 mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
                 tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full, row0,
-                                                           head, batch);
+                                                           walk.head, batch);
                 bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
-                if (++m_block == m_first + m_count) {
-                    m_block = m_first;
-                    ++head;
-                }
+                walk.advance();
             }
         } else if (T::DQ_STAGED && threadIdx.x == 32) {
             // The dQ thread: adds each step's staged dQ tile to its rows of dq_accum with one bulk
             // reduction (element-wise atomic: other key blocks add to the same rows), and frees
             // the buffer once the reduction has read it. DETERMINISTIC: in key-block order.
-            int head = kv_head * p.heads_per_kv_head, m_block = m_first;
+            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
+                                               p.heads_per_kv_head, m_first, m_count);
             for (int j = 0; j < steps; ++j) {
                 const int buf = j % 2;
                 mbarrier_wait(smem_address(&bars.dq_full[buf]), (j / 2) & 1);
-                const i64 row0 = stats_row0<false>(batch, head, p.nheads, p.seqlen_q_padded, 0) +
-                                 m_block * BLOCK_M;
+                const i64 row0 =
+                    stats_row0<false>(batch, walk.head, p.nheads, p.seqlen_q_padded, 0) +
+                    walk.m_block * BLOCK_M;
                 int* semaphore = DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS : nullptr;
                 if constexpr (DETERMINISTIC) {
                     wait_semaphore(semaphore, kv_block);  // key blocks 0 .. kv_block - 1 added
@@ -544,10 +582,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                     bulk_wait_group_read<0>();
                 }
                 mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
-                if (++m_block == m_first + m_count) {
-                    m_block = m_first;
-                    ++head;
-                }
+                walk.advance();
             }
             bulk_wait_group<0>();  // the reductions complete before the CTA's shared memory goes
         }
@@ -568,11 +603,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
 
         mbarrier_wait(kv_full, 0);
-        int head = kv_head * p.heads_per_kv_head, m_block = m_first;
+        QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
+                                           p.heads_per_kv_head, m_first, m_count);
         for (int j = 0; j < steps; ++j) {
             const int stage = j % STAGES;
             const u32 phase = (j / STAGES) & 1;
-            const int row0 = m_block * BLOCK_M;
+            const int row0 = walk.m_block * BLOCK_M;
             const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
             const u32 do_tile = q_tile + T::Q_TILE_BYTES;
             const u32 ds_tile = ds_smem + (j % 2) * T::DS_BYTES;
@@ -606,7 +642,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             const float offset0 = static_cast<float>(thread_query0 - thread_key0);
             const float* lse = stats + stage * 2 * BLOCK_M + 2 * (tid_now % 4);
             ScoreMods<FEATURES> mods(p.mods, p.seqlen_q, p.seqlen_k);
-            mods.select_head(p.mods, batch, head);
+            mods.select_head(p.mods, batch, walk.head);
             mods.apply_softcap(acc_s);
             const int row_last = min(row0 + BLOCK_M, p.seqlen_q) - 1;
             const bool needs_mask =
@@ -645,7 +681,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             // head-dim columns. The buffer is rewritten two steps later, after both consumers
             // passed the next step's barrier, i.e. after their wgmmas of this step completed.
             named_barrier_sync(T::DS_BARRIER, T::CONSUMER_THREADS);
-            float* dq_block = p.dq_accum + (stats_row0<false>(batch, head, p.nheads,
+            float* dq_block = p.dq_accum + (stats_row0<false>(batch, walk.head, p.nheads,
                                                               p.seqlen_q_padded, 0) + row0) *
                                                HEAD_DIM + col0;
             const u32 k_chunk = k_smem + chunk * T::CHUNK_KV_BYTES;
@@ -689,10 +725,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                                                         lane);
             }
 
-            if (++m_block == m_first + m_count) {
-                m_block = m_first;
-                ++head;
-            }
+            walk.advance();
         }
 
         // Epilogue: dK *= softmax_scale; stage dK into this consumer's rows of the K tile and dV
