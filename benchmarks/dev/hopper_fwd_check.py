@@ -34,6 +34,10 @@ one-tile-per-CTA ones, 512 and 2048 tokens added to the default lengths (the sho
 per-CTA fixed cost shows), and pers/best: the fastest one-tile-per-CTA schedule over the fastest
 persistent one (above 1: the persistent grid is faster).
 --no-check skips the correctness part; --dtypes, --dims and --seqlens narrow the timing rows.
+--tiles BLOCK_NxSTAGES ... (e.g. 128x2 160x2) runs each selected schedule with each of these K/V
+tiles instead of the head dim's own (_configs.SM90_FWD_TILES / SM90_PERSISTENT_TILES): a column
+per tile, and the correctness shapes of the head dims of --dims (all when not given) once per
+tile; a tile that does not fit shared memory at a head dim is skipped, saying so.
 With --varlen, instead: varlen (FEATURE_VARLEN, opt-in through cuflash2._hopper.VARLEN, which
 this turns on) through the public cuflash2.attention_varlen on the ragged batches of
 VARLEN_CASES (empty and one-token sequences, lengths off the tiles, GQA, causal, windows,
@@ -151,45 +155,69 @@ def _has_persistent(head_dim):
     return _kernel_dim(head_dim) in _configs.SM90_PERSISTENT_TILES
 
 
-def _config(dtype, head_dim, schedule, watchdog=False, persistent=False):
+def _config(dtype, head_dim, schedule, watchdog=False, persistent=False, tile=None):
+    """The kernel of `schedule` at `head_dim`; `tile` (block_n, stages) replaces the head dim's
+    own. None where that tile does not fit shared memory."""
     from cuflash2 import _configs
 
     pingpong, overlap = SCHEDULES[schedule]
     config = _configs.fwd_sm90_config(dtype, _kernel_dim(head_dim), persistent=persistent)
-    return dataclasses.replace(config, pingpong=pingpong, overlap=overlap, watchdog=watchdog)
+    config = dataclasses.replace(config, pingpong=pingpong, overlap=overlap, watchdog=watchdog)
+    if tile is None:
+        return config
+    try:
+        config = dataclasses.replace(config, block_n=tile[0], stages=tile[1])
+    except ValueError:
+        return None  # a persistent grid whose O buffer no longer fits
+    return config if config.smem_bytes <= _configs.SM90_MAX_SMEM else None
 
 
-def _variants(schedules, persistent):
-    """(schedule, persistent grid, CTA cap) of every kernel variant the check runs."""
+def _tile_name(tile):
+    return "" if tile is None else f"@{tile[0]}x{tile[1]}"
+
+
+def _parse_tile(text):
+    block_n, stages = (int(x) for x in text.lower().split("x"))
+    return block_n, stages
+
+
+def _variants(schedules, persistent, tiles=(None,)):
+    """(schedule, persistent grid, CTA cap, tile) of every kernel variant the check runs."""
     grids = ((False, None), (True, None), (True, PERSISTENT_SMALL_GRID)) if persistent else (
         (False, None),)
-    return [(name, grid, ctas) for name in schedules for grid, ctas in grids]
+    return [(name, grid, ctas, tile) for name in schedules for grid, ctas in grids
+            for tile in tiles]
 
 
-def check(cupy, schedules, watchdog, persistent=False):
+def check(cupy, schedules, watchdog, persistent=False, tiles=(None,), dims=None):
     from cuflash2 import _configs, _hopper, testing
 
     failures = 0
     cases = CASES + (PERSISTENT_CASES if persistent else [])
+    if dims:
+        cases = [c for c in cases if _kernel_dim(c[5]) in dims]
     if persistent:
         skipped = sorted({_kernel_dim(c[5]) for c in cases if not _has_persistent(c[5])})
         print(f"persistent grid: head dims {tuple(_configs.SM90_PERSISTENT_TILES)}; shapes on the "
               f"d={skipped} kernels run on the one-tile-per-CTA grid only (no persistent "
               f"specialisation: its O buffer does not fit shared memory)", flush=True)
     width = max(len(name) for name in schedules)
-    for (schedule, grid, ctas), (i, case) in (
-            (variant, c) for variant in _variants(schedules, persistent)
+    for (schedule, grid, ctas, tile), (i, case) in (
+            (variant, c) for variant in _variants(schedules, persistent, tiles)
             for c in enumerate(cases)):
         batch, sq, sk, h, hkv, d, dtype, causal, window, packed = case
         if grid and not _has_persistent(d):
             continue
         kind = "" if not grid else f" persistent{f'({ctas} CTAs)' if ctas else ''}"
-        label = (f"{schedule:{width}}{kind} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
+        label = (f"{schedule:{width}}{_tile_name(tile)}{kind} b{batch} sq{sq} sk{sk} h{h}/{hkv} "
                  f"d{d} {dtype} causal={int(causal)} window={window}{' packed' if packed else ''}")
+        config = _config(dtype, d, schedule, watchdog, grid, tile)
+        if config is None:
+            print(f"skip  {label}: the tile does not fit shared memory", flush=True)
+            continue
         q, k, v = _inputs(cupy, case, seed=i)
         prepared = _hopper.prepare_forward_sm90(
-            q, k, v, causal=causal, window_size=window,
-            config=_config(dtype, d, schedule, watchdog, grid), persistent_ctas=ctas)
+            q, k, v, causal=causal, window_size=window, config=config, persistent_ctas=ctas)
         prepared.out[...] = testing.poison_like(cupy, prepared.out.shape, prepared.out.dtype)
         prepared.lse.fill(math.nan)
         try:
@@ -227,18 +255,17 @@ def _time(cupy, fn, iters):
 
 
 def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None,
-           persistent=False):
+           persistent=False, tiles=(None,)):
     import cuflash2
     from cuflash2 import _hopper, api, testing
 
-    # (title, schedule, persistent grid) of each Hopper column, then mma.sync.
-    columns = [(name, name, False) for name in schedules]
-    if persistent:
-        columns = [(title, name, grid) for name in schedules
-                   for title, grid in ((name, False), (f"{name}-pers", True))]
-    titles = [f"{title} ms" for title, _, _ in columns] + ["mma.sync ms"]
+    # (title, schedule, persistent grid, tile) of each Hopper column, then mma.sync.
+    grids = ((False, ""), (True, "-pers")) if persistent else ((False, ""),)
+    columns = [(f"{name}{_tile_name(tile)}{suffix}", name, grid, tile) for name in schedules
+               for tile in tiles for grid, suffix in grids]
+    titles = [f"{title} ms" for title, _, _, _ in columns] + ["mma.sync ms"]
     widths = [max(9, len(t)) for t in titles]
-    best_width = max(len(name) for name in schedules)
+    best_width = max(len(title) for title, _, grid, _ in columns if not grid)
     extra = f" {'pers/best':>9}" if persistent else ""
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} "
           + " ".join(f"{t:>{w}} {'TFLOP/s':>8}" for t, w in zip(titles, widths))
@@ -252,11 +279,12 @@ def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, se
                     q, k, v = testing.random_qkv(cupy, batch, seqlen, seqlen, heads, heads, d,
                                                  _dtype(dtype), seed=seqlen)
                     times = []
-                    for _, name, grid in columns:
-                        if grid and not _has_persistent(d):
-                            times.append(None)  # no persistent specialisation at this head dim
+                    for _, name, grid, tile in columns:
+                        config = None if grid and not _has_persistent(d) else _config(
+                            dtype, d, name, persistent=grid, tile=tile)
+                        if config is None:
+                            times.append(None)  # no such specialisation at this head dim
                             continue
-                        config = _config(dtype, d, name, persistent=grid)
                         times.append(_time(cupy, _hopper.prepare_forward_sm90(
                             q, k, v, causal=causal, config=config).run, iters))
                     _hopper.ENABLED = False  # the mma.sync kernel, planned afresh
@@ -268,12 +296,12 @@ def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, se
                     row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}" if t is not None
                                    else f"{'-':>{w}} {'-':>8}" for t, w in zip(times, widths))
                     # the fastest one-tile-per-CTA schedule, named and set against mma.sync
-                    best = min((i for i, (_, _, grid) in enumerate(columns) if not grid),
-                               key=lambda i: times[i])
+                    best = min((i for i, (_, _, grid, _) in enumerate(columns)
+                                if not grid and times[i] is not None), key=lambda i: times[i])
                     line = (f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
-                            f"{times[-1] / times[best]:>7.3f}x {columns[best][1]:>{best_width}}")
+                            f"{times[-1] / times[best]:>7.3f}x {columns[best][0]:>{best_width}}")
                     if persistent:
-                        pers = [t for t, (_, _, grid) in zip(times, columns)
+                        pers = [t for t, (_, _, grid, _) in zip(times, columns)
                                 if grid and t is not None]
                         line += f" {times[best] / min(pers):>8.3f}x" if pers else f" {'-':>9}"
                     print(line, flush=True)
@@ -394,6 +422,8 @@ def main():
                              "64, 96, 128): correctness, timing columns, 512 and 2048 tokens")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-check", action="store_true", help="timing only")
+    parser.add_argument("--tiles", nargs="+", type=_parse_tile,
+                        help="K/V tiles BLOCK_NxSTAGES to run instead of each head dim's own")
     add_timing_options(parser)
     parser.add_argument("--varlen", action="store_true",
                         help="varlen on the Hopper forward (turns _hopper.VARLEN on): "
@@ -406,6 +436,7 @@ def main():
         print(f"needs an sm_90 GPU (H100/H200); this one is sm_{cc}")
         return 2
     schedules = SCHEDULE_SETS.get(args.schedule, (args.schedule,))
+    tiles = tuple(args.tiles) if args.tiles else (None,)
     failures = 0
     if args.varlen:
         if not args.no_check:
@@ -417,7 +448,7 @@ def main():
             time_varlen(cupy, schedules, args.iters, args.dtypes, args.dims)
         return 1 if failures else 0
     if not args.no_check:
-        failures = check(cupy, schedules, args.watchdog, args.persistent)
+        failures = check(cupy, schedules, args.watchdog, args.persistent, tiles, args.dims)
         shapes = len(CASES) + (len(PERSISTENT_CASES) if args.persistent else 0)
         grids = (" x (one-tile-per-CTA, persistent, persistent on a small grid)"
                  if args.persistent else "")
@@ -425,7 +456,8 @@ def main():
               f" ({shapes} shapes x {len(schedules)} schedule(s){grids})")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
-    timing(cupy, schedules, args.iters, args.dtypes, args.dims, args.seqlens, args.persistent)
+    timing(cupy, schedules, args.iters, args.dtypes, args.dims, args.seqlens, args.persistent,
+           tiles)
     return 0
 
 
