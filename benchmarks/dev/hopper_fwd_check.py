@@ -449,11 +449,13 @@ def main():
         return 1 if failures else 0
     if not args.no_check:
         failures = check(cupy, schedules, args.watchdog, args.persistent, tiles, args.dims)
-        shapes = len(CASES) + (len(PERSISTENT_CASES) if args.persistent else 0)
+        shapes = sum(1 for c in CASES + (PERSISTENT_CASES if args.persistent else [])
+                     if not args.dims or _kernel_dim(c[5]) in args.dims)
         grids = (" x (one-tile-per-CTA, persistent, persistent on a small grid)"
                  if args.persistent else "")
         print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'}"
-              f" ({shapes} shapes x {len(schedules)} schedule(s){grids})")
+              f" ({shapes} shapes{f' x {len(tiles)} tiles' if args.tiles else ''} x "
+              f"{len(schedules)} schedule(s){grids})")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
     timing(cupy, schedules, args.iters, args.dtypes, args.dims, args.seqlens, args.persistent,
