@@ -9,9 +9,9 @@ prove that registers of an in-flight wgmma are left alone: the overlapping sched
 wait_group 1 window). The cross product: both schedules, with and without the overlap inside a
 warpgroup, on the one-tile-per-CTA grid (every head dim) and the persistent grid (head dims 64,
 96, 128), every dtype and score-modifier set: 256 compiles under --exhaustive. The default run
-compiles a sample of 112 (SAMPLE_PAIRS, SAMPLE_HEAD_DIM: every flag combination at every head
-dim), the compiles of the selected tests spread over a process pool (--compile-jobs, as
-tests/test_compile.py).
+compiles a sample of 34 (the dispatcher's choices at every head dim, every flag combination and
+every dtype and score-modifier set at SAMPLE_HEAD_DIM), the compiles of the selected tests spread
+over a process pool (--compile-jobs, as tests/test_compile.py).
 """
 
 import dataclasses
@@ -21,21 +21,26 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from cuflash2 import _compile, _configs
+from cuflash2 import _compile, _configs, _hopper
 
 CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES, persistent=True)
 MAX_SMEM_SM90 = 227 * 1024
 
-#: The default sample: every flag combination (schedule, overlap, grid) at every head dim for
-#: these (dtype, features) pairs, plain fp16 and bf16 with both score modifiers, and every dtype
-#: and feature set at SAMPLE_HEAD_DIM. The rest runs under --exhaustive.
+#: The default sample: the dispatcher's choices (_hopper.dispatch_configs: each head dim's
+#: schedule, on both grids where it has the persistent one) at every head dim for these (dtype,
+#: features) pairs, plain fp16 and bf16 with both score modifiers, and at SAMPLE_HEAD_DIM for
+#: every dtype and score-modifier set; and every flag combination (schedule, overlap, grid) at
+#: SAMPLE_HEAD_DIM, plain fp16. The rest runs under --exhaustive.
 SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI)}
 SAMPLE_HEAD_DIM = 128
+DISPATCHED = set(_hopper.dispatch_configs(_configs.SM90_FWD_FEATURES))
 
 
 def _sampled(config) -> bool:
-    return ((config.dtype, config.features) in SAMPLE_PAIRS
-            or config.head_dim == SAMPLE_HEAD_DIM)
+    if config in DISPATCHED:
+        return ((config.dtype, config.features) in SAMPLE_PAIRS
+                or config.head_dim == SAMPLE_HEAD_DIM)
+    return (config.dtype, config.features, config.head_dim) == ("float16", 0, SAMPLE_HEAD_DIM)
 
 
 def _config_id(c) -> str:
@@ -45,16 +50,18 @@ def _config_id(c) -> str:
 
 #: The varlen specialisations (one-tile-per-CTA grid: both schedules, with and without the
 #: overlap, every head dim, dtype and score-modifier set): 160 under --exhaustive; the default run
-#: compiles every flag combination at every head dim for bf16 with both score modifiers, and fp16
-#: plain varlen at SAMPLE_HEAD_DIM (24).
+#: compiles the dispatcher's choice at every head dim for bf16 with both score modifiers, and for
+#: fp16 plain varlen at SAMPLE_HEAD_DIM (6).
 VARLEN_CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_VARLEN_FEATURES)
 VARLEN_SAMPLE_FEATURES = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
+VARLEN_DISPATCHED = set(_hopper.dispatch_configs(_configs.SM90_FWD_VARLEN_FEATURES))
 
 
 def _varlen_sampled(config) -> bool:
-    return ((config.dtype, config.features) == ("bfloat16", VARLEN_SAMPLE_FEATURES)
-            or (config.dtype, config.features, config.head_dim)
-            == ("float16", _configs.FEATURE_VARLEN, SAMPLE_HEAD_DIM))
+    return config in VARLEN_DISPATCHED and (
+        (config.dtype, config.features) == ("bfloat16", VARLEN_SAMPLE_FEATURES)
+        or (config.dtype, config.features, config.head_dim)
+        == ("float16", _configs.FEATURE_VARLEN, SAMPLE_HEAD_DIM))
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +127,7 @@ def test_hopper_varlen_forward_compiles_without_spills(config, reports):
 
 def test_hopper_varlen_configs():
     """Varlen: every head dim, dtype, score-modifier set and schedule on the one-tile-per-CTA
-    grid; never persistent; the default sample covers every flag combination at every head
-    dim."""
+    grid; never persistent; the default sample has the dispatcher's schedule at every head dim."""
     assert len(VARLEN_CONFIGS) == len(set(VARLEN_CONFIGS)) == 160
     assert {(c.head_dim, c.dtype, c.features, c.pingpong, c.overlap, c.persistent)
             for c in VARLEN_CONFIGS} == {
@@ -132,9 +138,9 @@ def test_hopper_varlen_configs():
         assert (config.block_n, config.stages) == EXPECTED_TILES[config.head_dim]
         assert not config.features & _configs.FEATURE_DROPOUT
     sample = [c for c in VARLEN_CONFIGS if _varlen_sampled(c)]
-    assert len(sample) == 24
+    assert len(sample) == 6
     assert {(c.head_dim, c.pingpong, c.overlap) for c in sample} == {
-        (d, pp, ov) for d in EXPECTED_TILES for pp in (False, True) for ov in (False, True)}
+        (d, *_hopper.SCHEDULES[d, False]) for d in EXPECTED_TILES}
     with pytest.raises(ValueError, match="persistent"):
         _configs.FwdSm90Config("float16", 128, features=_configs.FEATURE_VARLEN,
                                persistent=True)
@@ -202,20 +208,24 @@ def test_hopper_config_shapes():
     assert not any(c.persistent for c in _configs.all_fwd_sm90_configs())
 
 
-def test_default_sample_covers_every_flag_combination():
-    """The sample compiled without --exhaustive: every (schedule, overlap, grid) combination at
-    every head dim it has, every dtype and score-modifier set somewhere, 112 compiles."""
+def test_default_sample_covers_the_dispatch_table():
+    """The sample compiled without --exhaustive (34 compiles): every configuration the
+    dispatcher can choose at every head dim for the sample pairs and at SAMPLE_HEAD_DIM for
+    every dtype and score-modifier set, and every (schedule, overlap, grid) combination at
+    SAMPLE_HEAD_DIM."""
     sample = [c for c in CONFIGS if _sampled(c)]
-    assert len(sample) == 112
+    assert len(sample) == 34
+    assert DISPATCHED <= set(CONFIGS)
+    for config in DISPATCHED:
+        if (config.dtype, config.features) in SAMPLE_PAIRS or config.head_dim == SAMPLE_HEAD_DIM:
+            assert config in sample
+    assert {c.head_dim for c in sample} == set(EXPECTED_TILES)
+    assert {(c.dtype, c.features) for c in sample} == {
+        (t, f) for t in _configs.DTYPE_TAGS for f in _configs.SM90_FWD_FEATURES}
     combos = {(c.pingpong, c.overlap, c.persistent) for c in CONFIGS}
     assert len(combos) == 8
-    for combo in combos:
-        dims = {c.head_dim for c in CONFIGS if (c.pingpong, c.overlap, c.persistent) == combo}
-        assert {c.head_dim for c in sample
-                if (c.pingpong, c.overlap, c.persistent) == combo} == dims
-        assert {(c.dtype, c.features) for c in sample
-                if (c.pingpong, c.overlap, c.persistent) == combo} == {
-            (t, f) for t in _configs.DTYPE_TAGS for f in _configs.SM90_FWD_FEATURES}
+    assert {(c.pingpong, c.overlap, c.persistent) for c in sample
+            if c.head_dim == SAMPLE_HEAD_DIM} == combos
     for bad in (80, 160, 512):
         with pytest.raises(ValueError):
             _configs.fwd_sm90_config("float16", bad)
@@ -279,8 +289,12 @@ def test_hopper_source_uses_the_hopper_instructions():
 # ---- the Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md) --------------------
 
 BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
+#: The dispatched backward (staged dQ up to d=128, head-dim chunks above): by default every head
+#: dim for these (dtype, features) pairs and every dtype and score-modifier set at d=128 (16);
+#: every one under --exhaustive.
+_BWD_SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI)}
 #: d <= 128 with dQ by vector reductions from registers (dq_staged off: the dQ path of d=192 /
-#: 256, kept beside the staged one for timing): every one under --exhaustive, one by default.
+#: 256, kept beside the staged one for timing): every one under --exhaustive, two by default.
 BWD_UNSTAGED = [dataclasses.replace(c, dq_staged=False) for c in BWD_CONFIGS if c.dq_staged]
 #: deterministic=True (dQ added in key-block order; staged head dims only): every one under
 #: --exhaustive, two by default.
@@ -291,7 +305,11 @@ _BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0)}
 
 def _bwd_param(config):
     plain = (config.dq_staged or config.num_chunks > 1) and not config.deterministic
-    sampled = plain or (config.dtype, config.head_dim, config.features) in _BWD_SAMPLE
+    if plain:
+        sampled = ((config.dtype, config.features) in _BWD_SAMPLE_PAIRS
+                   or config.head_dim == SAMPLE_HEAD_DIM)
+    else:
+        sampled = (config.dtype, config.head_dim, config.features) in _BWD_SAMPLE
     path = ("-det" if config.deterministic else "" if plain or config.dq_staged
             or config.num_chunks > 1 else "-red")
     return pytest.param(config, marks=() if sampled else pytest.mark.exhaustive,
