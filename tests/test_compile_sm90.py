@@ -290,9 +290,8 @@ def test_hopper_source_uses_the_hopper_instructions():
 
 BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
 #: The dispatched backward (staged dQ up to d=128, head-dim chunks above): by default every head
-#: dim for these (dtype, features) pairs and every dtype and score-modifier set at d=128 (16);
-#: every one under --exhaustive.
-_BWD_SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI)}
+#: dim for the forward's SAMPLE_PAIRS and every dtype and score-modifier set at SAMPLE_HEAD_DIM
+#: (16); every one under --exhaustive.
 #: d <= 128 with dQ by vector reductions from registers (dq_staged off: the dQ path of d=192 /
 #: 256, kept beside the staged one for timing): every one under --exhaustive, two by default.
 BWD_UNSTAGED = [dataclasses.replace(c, dq_staged=False) for c in BWD_CONFIGS if c.dq_staged]
@@ -306,7 +305,7 @@ _BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0)}
 def _bwd_param(config):
     plain = (config.dq_staged or config.num_chunks > 1) and not config.deterministic
     if plain:
-        sampled = ((config.dtype, config.features) in _BWD_SAMPLE_PAIRS
+        sampled = ((config.dtype, config.features) in SAMPLE_PAIRS
                    or config.head_dim == SAMPLE_HEAD_DIM)
     else:
         sampled = (config.dtype, config.head_dim, config.features) in _BWD_SAMPLE

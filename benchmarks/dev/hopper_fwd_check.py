@@ -189,13 +189,18 @@ def _variants(schedules, persistent, tiles=(None,)):
             for tile in tiles]
 
 
+def _check_cases(persistent, dims):
+    """The correctness shapes: CASES (and PERSISTENT_CASES), those of the kernel head dims
+    `dims` only when given."""
+    cases = CASES + (PERSISTENT_CASES if persistent else [])
+    return [c for c in cases if not dims or _kernel_dim(c[5]) in dims]
+
+
 def check(cupy, schedules, watchdog, persistent=False, tiles=(None,), dims=None):
     from cuflash2 import _configs, _hopper, testing
 
     failures = 0
-    cases = CASES + (PERSISTENT_CASES if persistent else [])
-    if dims:
-        cases = [c for c in cases if _kernel_dim(c[5]) in dims]
+    cases = _check_cases(persistent, dims)
     if persistent:
         skipped = sorted({_kernel_dim(c[5]) for c in cases if not _has_persistent(c[5])})
         print(f"persistent grid: head dims {tuple(_configs.SM90_PERSISTENT_TILES)}; shapes on the "
@@ -449,8 +454,7 @@ def main():
         return 1 if failures else 0
     if not args.no_check:
         failures = check(cupy, schedules, args.watchdog, args.persistent, tiles, args.dims)
-        shapes = sum(1 for c in CASES + (PERSISTENT_CASES if args.persistent else [])
-                     if not args.dims or _kernel_dim(c[5]) in args.dims)
+        shapes = len(_check_cases(args.persistent, args.dims))
         grids = (" x (one-tile-per-CTA, persistent, persistent on a small grid)"
                  if args.persistent else "")
         print(f"\ncorrectness: {'all cases ok' if not failures else f'{failures} case(s) failed'}"
