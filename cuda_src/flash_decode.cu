@@ -14,10 +14,14 @@
 // - New tokens (k, v) are appended here, not by a kernel of their own: the CTAs read positions
 //   cache_len .. cache_len + seqlen_new from k_new / v_new directly, and one CTA per (sequence,
 //   KV head) writes them into the cache, which no CTA reads at those positions.
-// - With more than one split, each CTA writes its normalised partial O (fp32) and lse to a
-//   workspace; the splits of a row block then wait for each other (a cooperative launch keeps
-//   them all resident) and each merges a share of the block's output (split_merge.cuh). With
-//   one split the CTA writes out and lse itself.
+// - With more than one split, the splits of a row block merge their normalised partial results
+//   (split_merge.cuh), each a share of the block's output: on sm_90 for short steps inside a
+//   thread-block cluster of the splits, through distributed shared memory; otherwise through a
+//   workspace in L2, the splits waiting for each other at a barrier (a cooperative launch keeps
+//   them all resident). With one split the CTA writes out and lse itself.
+// - On sm_90 the kernel is launched programmatically (dependent_launch.cuh): it starts while
+//   the previous kernel on the stream finishes and waits for that kernel's writes before it
+//   touches memory; it lets the next kernel start once its last tile is computed.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
@@ -26,6 +30,7 @@
 #include "score_mods.cuh"
 #include "kv_cache.cuh"
 #include "split_merge.cuh"
+#include "dependent_launch.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"
 
@@ -41,8 +46,9 @@ struct DecodeTraits {
     using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
     using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
-    // The merge of the warps' states reuses the stage buffers: O (fp32) and (m, l) per warp.
-    static constexpr int MERGE_BYTES = NUM_WARPS * BLOCK_M * (HEAD_DIM + 2) * 4;
+    // The merge of the warps' states reuses the stage buffers: O (fp32) and (m, l) per warp,
+    // then the CTA's result (O and lse) for a merge of the splits inside a cluster.
+    static constexpr int MERGE_BYTES = (NUM_WARPS * (HEAD_DIM + 2) + HEAD_DIM + 1) * BLOCK_M * 4;
     static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
                                                           ? KV_STAGES * STAGE_BYTES
                                                           : MERGE_BYTES);
@@ -145,14 +151,21 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int tid = threadIdx.x;
     const int warp = tid / 32;
     const int lane = tid % 32;
-    const int m_block = blockIdx.x % p.num_m_blocks;
-    const int split = blockIdx.x / p.num_m_blocks;
+    // A row block's splits side by side in x where they form a cluster (a cluster is
+    // consecutive CTAs), its row blocks side by side otherwise.
+    const int m_block = p.split_cluster ? blockIdx.x / p.num_splits : blockIdx.x % p.num_m_blocks;
+    const int split = p.split_cluster ? blockIdx.x % p.num_splits : blockIdx.x / p.num_m_blocks;
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z + p.batch_offset;
     const int group = p.heads_per_kv_head;
     const int rows_total = p.seqlen_q * group;
     const int row_first = m_block * T::BLOCK_M;  // packed row
     const int row_last = min(row_first + T::BLOCK_M, rows_total) - 1;
+    // Up to here only the parameters were read. With a programmatic launch the previous kernel
+    // may still be running: wait for its writes (q, k_new, the lengths, ...) before reading or
+    // writing any memory. (Asking the split's first tiles into L2 before the wait did not pay:
+    // docs/DECODE_DESIGN.md.)
+    wait_for_previous_grid();
     // Keys: the cached tokens (cache_seqlens, or cache_len_all for every sequence) plus the
     // appended ones, never past the cache's capacity.
     const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_len_all;
@@ -288,11 +301,17 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         }
     }
 
+    // What is left reads no more of the cache: the next kernel on the stream may start (up to
+    // its own wait) on the SM slots that CTAs free.
+    allow_dependent_launch();
     // Merge the warps' states: (m, l) in log2 units and O, through shared memory.
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the stages
     float* merge_o = reinterpret_cast<float*>(smem + QTile::BYTES);  // [warp][row][HEAD_DIM]
     float* merge_ml = merge_o + T::NUM_WARPS * T::BLOCK_M * HEAD_DIM;  // [warp][row][2]
+    // The CTA's result for a merge inside its cluster: O [row][HEAD_DIM], then lse [row].
+    float* result_o = merge_ml + T::NUM_WARPS * T::BLOCK_M * 2;
+    float* result_lse = result_o + T::BLOCK_M * HEAD_DIM;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = lane / 4 + 8 * half;
@@ -375,12 +394,29 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             if (p.num_splits == 1)
                 store_chunk(r, chunk, scaled, lse2);
             else  // this split's normalised partial result, merged below
-                *reinterpret_cast<float4*>(p.o_partial + partial_row * HEAD_DIM + 4 * chunk) =
+                *reinterpret_cast<float4*>(p.split_cluster
+                                               ? result_o + r * HEAD_DIM + 4 * chunk
+                                               : p.o_partial + partial_row * HEAD_DIM + 4 * chunk) =
                     scaled;
         }
-        if (p.num_splits > 1 && t == 0) p.lse_partial[partial_row] = lse2;
+        if (p.num_splits > 1 && t == 0) {
+            if (p.split_cluster)
+                result_lse[r] = lse2;
+            else
+                p.lse_partial[partial_row] = lse2;
+        }
     }
     if (p.num_splits == 1) return;
+#if __CUDA_ARCH__ >= 900
+    if (p.split_cluster) {  // the splits are this cluster's CTAs (split_merge.cuh)
+        cluster_barrier();
+        merge_cluster_share<HEAD_DIM, T::THREADS>(smem_address(result_o), smem_address(result_lse),
+                                                  p.num_splits, split, rows, p.head_dim, tid,
+                                                  store_chunk);
+        cluster_barrier();
+        return;
+    }
+#endif
     // The splits of this row block wait for each other, then merge its rows together
     // (split_merge.cuh; the launch is cooperative).
     split_barrier(p.split_counters + 2 * group_id, p.num_splits);

@@ -206,6 +206,7 @@ struct DecodeParams {
     int num_m_blocks;
     int num_splits;
     int tiles_per_split;
+    int split_cluster;  // 1: a row block's splits are one thread-block cluster (split_merge.cuh)
     float scale_log2;
     int window_left;
     int window_right;

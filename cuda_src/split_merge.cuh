@@ -111,3 +111,95 @@ CF2_DEVICE void merge_split_share(const float* o_parts, const float* lse_parts, 
         }
     }
 }
+
+// ---- The merge inside a thread-block cluster (sm_90) -----------------------------------------
+// Where a row block's splits are one cluster (at most MAX_CLUSTER_SPLITS CTAs, rank = split),
+// each CTA leaves its normalised result in its own shared memory, the cluster's hardware barrier
+// replaces the counters, and each split merges its share of the (row, 4-float column chunk)
+// items reading its peers' shared memory directly (distributed shared memory): no partial result
+// goes through L2, no fence, no atomics. A second barrier keeps every CTA's shared memory alive
+// until its peers have read it.
+#if __CUDA_ARCH__ >= 900
+CF2_DEVICE void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The address of this CTA's shared-memory word `local` in the shared memory of cluster rank
+// `rank`.
+CF2_DEVICE u32 cluster_peer_address(u32 local, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+
+CF2_DEVICE float load_cluster_f32(u32 address) {
+    float value;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(value) : "r"(address) : "memory");
+    return value;
+}
+
+CF2_DEVICE float4 load_cluster_f32x4(u32 address) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address) : "memory");
+    return v;
+}
+
+// Merges this split's share of the items of a block of `rows` rows. Every split of the cluster
+// left, in its shared memory, row r's normalised output at o_result + r * HEAD_DIM (fp32) and its
+// lse (log2 units, -inf: no key seen) at lse_result + r. One thread an item, every peer's values
+// loaded together; store(r, chunk, out chunk, lse) as merge_split_share's.
+template <int HEAD_DIM, int THREADS, class Store>
+CF2_DEVICE void merge_cluster_share(u32 o_result, u32 lse_result, int num_splits, int split,
+                                    int rows, int head_dim, int tid, const Store& store) {
+    const int chunks = head_dim / 4;
+    const int items = rows * chunks;
+    const int share = (items + num_splits - 1) / num_splits;
+    const int item_end = min(items, (split + 1) * share);
+    for (int item = split * share + tid; item < item_end; item += THREADS) {
+        const int r = item / chunks, chunk = item % chunks;
+        float lse_s[MAX_CLUSTER_SPLITS];
+        float4 o_s[MAX_CLUSTER_SPLITS];
+#pragma unroll
+        for (int s = 0; s < MAX_CLUSTER_SPLITS; ++s) {
+            lse_s[s] = neg_inf();
+            o_s[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (s < num_splits) {
+                lse_s[s] = load_cluster_f32(cluster_peer_address(lse_result + 4 * r, s));
+                o_s[s] = load_cluster_f32x4(
+                    cluster_peer_address(o_result + 4 * (r * HEAD_DIM + 4 * chunk), s));
+            }
+        }
+        float m = neg_inf();
+#pragma unroll
+        for (int s = 0; s < MAX_CLUSTER_SPLITS; ++s) m = fmaxf(m, lse_s[s]);
+        // The weighted terms, summed as a pairwise tree over the splits in order, padded to a
+        // power of two: the order of merge_split_share's lanes and shuffles, so that both
+        // merges give the same bits.
+        float w_s[MAX_CLUSTER_SPLITS];
+#pragma unroll
+        for (int s = 0; s < MAX_CLUSTER_SPLITS; ++s) {
+            w_s[s] = (m == neg_inf() || lse_s[s] == neg_inf()) ? 0.f : fast_exp2(lse_s[s] - m);
+            o_s[s] = make_float4(fmaf(w_s[s], o_s[s].x, 0.f), fmaf(w_s[s], o_s[s].y, 0.f),
+                                 fmaf(w_s[s], o_s[s].z, 0.f), fmaf(w_s[s], o_s[s].w, 0.f));
+        }
+#pragma unroll
+        for (int width = 1; width < MAX_CLUSTER_SPLITS; width *= 2) {
+            if (width >= num_splits) break;
+#pragma unroll
+            for (int s = 0; s + width < MAX_CLUSTER_SPLITS; s += 2 * width) {
+                w_s[s] += w_s[s + width];
+                o_s[s] = make_float4(o_s[s].x + o_s[s + width].x, o_s[s].y + o_s[s + width].y,
+                                     o_s[s].z + o_s[s + width].z, o_s[s].w + o_s[s + width].w);
+            }
+        }
+        const float sum = w_s[0];
+        const float4 acc = o_s[0];
+        const bool seen = sum > 0.f;
+        const float inv = seen ? 1.f / sum : 0.f;
+        store(r, chunk, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
+              seen ? m + __log2f(sum) : neg_inf());
+    }
+}
+#endif

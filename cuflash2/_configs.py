@@ -50,6 +50,9 @@ BWD_ROW_PADDING = 128
 VARLEN_STATS_GAP = BWD_ROW_PADDING + 4
 #: Most KV splits of one decoding step (split_merge.cuh: four splits per lane in the merge).
 MAX_SPLITS = 128
+#: Most splits merged inside one thread-block cluster (split_merge.cuh; sm_90's largest cluster,
+#: beyond the portable 8).
+MAX_CLUSTER_SPLITS = 16
 #: The backward preprocess (flash_bwd_preprocess.cu): threads a CTA, query rows a warp.
 PREPROCESS_THREADS = 256
 PREPROCESS_ROWS_PER_WARP = 8
@@ -69,7 +72,8 @@ CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
-    "MAX_SPLITS": MAX_SPLITS, "PREPROCESS_THREADS": PREPROCESS_THREADS,
+    "MAX_SPLITS": MAX_SPLITS, "MAX_CLUSTER_SPLITS": MAX_CLUSTER_SPLITS,
+    "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
@@ -738,7 +742,8 @@ class DecodeConfig:
     def smem_bytes(self) -> int:
         q = 2 * self.block_m * self.head_dim
         stages = self.kv_stages * 2 * 2 * self.block_n * self.head_dim
-        merge = self.num_warps * self.block_m * (self.head_dim + 2) * 4
+        # After the KV loop: the warps' states, then the CTA's result for a cluster merge.
+        merge = (self.num_warps * (self.head_dim + 2) + self.head_dim + 1) * self.block_m * 4
         return q + max(stages, merge)
 
     @property
@@ -779,10 +784,34 @@ def decode_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
     raise AssertionError(f"no decode tile fits head dim {d} on sm_{arch}")
 
 
+#: A decoding step whose splits merge inside a cluster is short: at most this many KV tiles a
+#: split (beyond, more CTAs merging through L2 stream the cache faster; docs/DECODE_DESIGN.md).
+CLUSTER_MAX_TILES_PER_SPLIT = 4
+#: The first compute capability with thread-block clusters.
+CLUSTER_MIN_ARCH = 90
+
+
+def decode_cluster_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
+    """The decode kernel for splits merged inside a cluster (sm_90): such a step is short and
+    its grid small (one CTA an SM), so every tile of a split is loaded at once: up to
+    CLUSTER_MAX_TILES_PER_SPLIT + 1 stages, as many as one CTA fits."""
+    config = decode_config(dtype, head_dim, arch)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    for stages in range(CLUSTER_MAX_TILES_PER_SPLIT + 1, config.kv_stages, -1):
+        deep = dataclasses.replace(config, kv_stages=stages)
+        if deep.smem_bytes + 1024 <= smem_per_sm:
+            return deep
+    return config
+
+
 def all_decode_configs(arch: int, features=(0,)) -> list:
     """Every decode specialisation the dispatcher can choose on `arch`."""
-    return [with_features(decode_config(dtype, d, arch), f) for f in features
-            for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+    configs = [with_features(decode_config(dtype, d, arch), f) for f in features
+               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+    if arch >= CLUSTER_MIN_ARCH:
+        configs += [with_features(decode_cluster_config(dtype, d, arch), f) for f in features
+                    for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+    return list(dict.fromkeys(configs))
 
 
 

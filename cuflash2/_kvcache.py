@@ -15,6 +15,15 @@ from . import _configs, _launch, _plans, _prepare, _validate
 from ._prepare import LOG2E, element_strides, output_strides
 
 MAX_SPLITS = _configs.MAX_SPLITS
+MAX_CLUSTER_SPLITS = _configs.MAX_CLUSTER_SPLITS
+#: On sm_90 a row block's splits form a thread-block cluster and merge through distributed
+#: shared memory (split_merge.cuh), at most MAX_CLUSTER_SPLITS of them; False: the barrier
+#: through L2 everywhere (development: measuring the two).
+CLUSTER_MERGE = True
+#: The automatic split count stops here: a step that merges more partial results a row block
+#: ends later than it streams faster (H200, in a CUDA graph, batch 1: 32 splits beat 64 by
+#: 1.1-1.2 us from 4k to 64k tokens; docs/DECODE_DESIGN.md).
+AUTO_MAX_SPLITS = 32
 
 _plans_by_key = _plans.PlanCache()
 _cupy = None
@@ -31,19 +40,23 @@ def check_num_splits(num_splits) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def num_splits_for(requested: int, ctas: int, tiles: int, slots: int) -> int:
+def num_splits_for(requested: int, ctas: int, tiles: int, slots: int,
+                   most: int = MAX_SPLITS) -> int:
     """The KV split count for a grid of `ctas` CTAs (row blocks x KV heads x sequences) over
     `tiles` KV tiles, on a GPU that holds `slots` such CTAs at once (SMs x CTAs per SM).
 
     The splits of a row block wait for each other to merge their results, so a split grid must
     fit the GPU in one wave: at most slots // ctas splits, `requested` included. For 0 (auto):
     none if the grid already covers 80% of the slots; else the largest count that fits, among
-    those that give every split the same number of tiles (others leave trailing splits short).
-    Decoding is bound by reading the cache, and every resident CTA keeps reads in flight."""
-    fit = max(1, min(slots // max(ctas, 1), MAX_SPLITS, tiles))
+    those that give every split the same number of tiles (others leave trailing splits short),
+    at most AUTO_MAX_SPLITS.
+    Decoding is bound by reading the cache, and every resident CTA keeps reads in flight.
+    `most`: the largest count the merge allows (MAX_SPLITS; MAX_CLUSTER_SPLITS in a cluster)."""
+    fit = max(1, min(slots // max(ctas, 1), most, tiles))
     if requested == 0:
         if ctas >= 0.8 * slots:
             return 1
+        fit = min(fit, AUTO_MAX_SPLITS)
         return max(-(-tiles // -(-tiles // s)) for s in range(1, fit + 1))
     return max(1, min(requested, fit))
 
@@ -68,6 +81,38 @@ def split_counters(groups: int, device_id: int, stream_ptr: int, cupy) -> int:
 _outgrown_counters: list = []
 _slots_cache: dict = {}
 
+def _even(splits: int, tiles: int) -> int:
+    """The split count once every split but the last has ceil(tiles / splits) tiles."""
+    return max(1, -(-tiles // -(-tiles // splits))) if tiles else 1
+
+
+def choose_splits(config, requested: int, groups: int, tiles: int, device_id: int, arch: int,
+                  dtype: str, head_dim: int, features: int):
+    """The decode kernel, split count and cluster size (1: none) of a call.
+
+    On sm_90 a row block's splits can be one thread-block cluster that merges through
+    distributed shared memory (split_merge.cuh), which ends a step ~1.7 us sooner than the
+    barrier through L2 at the same count but allows at most MAX_CLUSTER_SPLITS splits. So the
+    splits form a cluster where the step is short (at most CLUSTER_MAX_TILES_PER_SPLIT tiles a
+    split at MAX_CLUSTER_SPLITS splits; or a requested count that a cluster holds) and every
+    cluster of the grid is resident at once; elsewhere more splits merging through L2 stream
+    the cache faster (docs/DECODE_DESIGN.md, in-graph measurements)."""
+    slots = decode_slots(config, device_id)
+    barrier_splits = _even(num_splits_for(requested, groups, tiles, slots), tiles)
+    if not (CLUSTER_MERGE and arch >= _configs.CLUSTER_MIN_ARCH and _launch.extended_available()
+            and requested <= MAX_CLUSTER_SPLITS):
+        return config, barrier_splits, 1
+    splits = _even(num_splits_for(requested, groups, tiles, slots, MAX_CLUSTER_SPLITS), tiles)
+    short = -(-tiles // max(splits, 1)) <= _configs.CLUSTER_MAX_TILES_PER_SPLIT
+    if splits < 2 or (requested == 0 and not short):
+        return config, barrier_splits, 1
+    deep = _configs.with_features(_configs.decode_cluster_config(dtype, head_dim, arch), features)
+    for candidate in dict.fromkeys((deep, config) if short else (config,)):
+        if _launch.cluster_fits(candidate, device_id, splits, groups):
+            return candidate, splits, splits
+    return config, barrier_splits, 1
+
+
 
 def decode_slots(config, device_id: int) -> int:
     """SMs x CTAs of `config`'s decode kernel resident per SM (what a cooperative launch of the
@@ -86,6 +131,7 @@ class KVCachePlan:
     splits: int
     groups: int  # row blocks x KV heads x sequences: the split barriers
     default_cache_len: int  # cache_seqlens=None: the whole capacity is cached
+    barrier: bool  # the splits meet at the barrier through L2 (split counters per stream)
 
 
 def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
@@ -131,7 +177,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         cache_seqlens = None
     scalars = {"cache_len_all": length_all}
     stream = cupy.cuda.get_current_stream().ptr
-    if planned.splits > 1:
+    if planned.barrier:
         scalars["split_counters"] = split_counters(planned.groups, planned.plan.device_id,
                                                    stream, cupy)
     outputs = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
@@ -168,18 +214,18 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     device_id = _prepare.check_device(tensors, others, cupy)
     window = _validate.check_window(window_size, causal, kv.seqlen_q, kv.capacity)
     # The decode kernel (compiled here if need be) and its split count.
-    config = _configs.with_features(
-        _configs.decode_config(problem.dtype, kv.head_dim, _prepare.device_arch(device_id)),
-        mods.features)
+    arch = _prepare.device_arch(device_id)
+    config = _configs.with_features(_configs.decode_config(problem.dtype, kv.head_dim, arch),
+                                    mods.features)
     group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
     m_blocks = -(-kv.seqlen_q * group // config.block_m)
     tiles = -(-kv.capacity // config.block_n)
     groups = m_blocks * kv.nheads_kv * kv.batch
     empty = kv.batch == 0 or kv.seqlen_q == 0 or kv.nheads == 0
-    splits = 1 if empty else num_splits_for(num_splits, groups, tiles,
-                                            decode_slots(config, device_id))
+    config, splits, cluster = (config, 1, 1) if empty else choose_splits(
+        config, num_splits, groups, tiles, device_id, arch, problem.dtype, kv.head_dim,
+        mods.features)
     tiles_per_split = -(-tiles // splits)
-    splits = max(1, -(-tiles // tiles_per_split)) if tiles else 1
     new_tokens = k is not None and kv.seqlen_new > 0
     table_stride = block_table.strides[0] // 4 if block_table is not None else 0
 
@@ -198,7 +244,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "page_size": kv.page_size, "num_blocks": kv.num_blocks, "capacity": kv.capacity,
         "seqlen_q": kv.seqlen_q, "nheads": kv.nheads, "heads_per_kv_head": group,
         "head_dim": kv.head_dim, "num_m_blocks": m_blocks, "num_splits": splits,
-        "tiles_per_split": tiles_per_split, "scale_log2": mods.softmax_scale * LOG2E,
+        "tiles_per_split": tiles_per_split, "split_cluster": int(cluster > 1), "scale_log2": mods.softmax_scale * LOG2E,
         "window_left": window[0], "window_right": window[1], **mods.fields()}
     # Pointer fields by position in the call's input tuple; an int or absent cache_seqlens leaves
     # its field null (the kernel then reads cache_len_all).
@@ -210,17 +256,22 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     inputs = [("q", 0, 0), ("k_cache", 1, 0), ("v_cache", 2, 0)]
     inputs += [(field, pos, 0) for field, pos in given.items() if pos is not None]
     workspace_bytes, workspace_fields = 0, []
-    if splits > 1:  # fp32 workspace per (row block, split): O (padded head dim), then lse
+    barrier = splits > 1 and cluster == 1  # the splits merge through L2, not in a cluster
+    if barrier:  # fp32 workspace per (row block, split): O (padded head dim), then lse
         rows = groups * splits * config.block_m
         offsets, workspace_bytes = _plans.carve([4 * rows * config.head_dim, 4 * rows])
         workspace_fields = [("o_partial", offsets[0]), ("lse_partial", offsets[1])]
+    # The kernel waits for the previous kernel's writes itself (dependent_launch.cuh), so a
+    # programmatic launch lets it start while that kernel finishes.
+    programmatic = _launch.programmatic_available(arch)
     launches = [] if empty else [_launch.kernel_launch(
-        config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=splits > 1)]
+        config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=barrier,
+        programmatic=programmatic, cluster=cluster)]
     aligned = [(pos, name) for name, pos in (("q", 0), ("k_cache", 1), ("v_cache", 2), ("k", 3),
                                              ("v", 4)) if name in arrays]
-    per_call = ("cache_len_all",) + (("split_counters",) if splits > 1 else ())
+    per_call = ("cache_len_all",) + (("split_counters",) if barrier else ())
     plan = _plans.Plan(device_id, "DecodeParams", fields, launches, inputs,
                        [(tuple(q.shape), q.dtype), ((kv.batch, kv.nheads, kv.seqlen_q), "float32")],
                        [("out", 0, 0), ("lse", 1, 0)], workspace_bytes, workspace_fields,
                        aligned, per_call)
-    return KVCachePlan(plan, splits, groups, kv.capacity - kv.seqlen_new)
+    return KVCachePlan(plan, splits, groups, kv.capacity - kv.seqlen_new, barrier)

@@ -10,6 +10,13 @@ cheapest first as measured from Python on an H200 (docs/PERF_NOTES.md, "Host cos
   it), whose argument conversion costs about a microsecond more;
 - "cupy": CuPy's launch with the struct as a `numpy.void` argument.
 The first that loads is used; CUFLASH2_LAUNCH=bindings|libcuda|cupy picks one.
+
+A kernel that waits for the previous kernel's writes itself (cuda_src/dependent_launch.cuh) is
+launched with programmatic stream serialisation on sm_90 and newer, through `cuLaunchKernelEx`
+with a launch config built once per plan: it may then start while the previous kernel on the
+stream finishes, in a CUDA graph too (stream capture keeps the programmatic edge).
+CUFLASH2_PDL=0 launches it as any other kernel; so does the "cupy" path, which has no launch
+attributes.
 """
 
 from __future__ import annotations
@@ -26,11 +33,41 @@ _CUDA_SUCCESS = 0
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 
+#: cuda.h's CUlaunchAttributeID values, and the function attribute that allows clusters of
+#: more than 8 CTAs.
+_ATTRIBUTE_COOPERATIVE = 2
+_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+#: Clusters beyond this size need that attribute.
+PORTABLE_CLUSTER_SIZE = 8
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_libcuda_functions: dict = {}
+
+
 def _load_libcuda():
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return None, None
+        return None, None, None
     args = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 2
     launch = lib.cuLaunchKernel
     launch.argtypes = args + [ctypes.c_void_p]  # ..., hStream, kernelParams, extra
@@ -38,7 +75,19 @@ def _load_libcuda():
     cooperative = lib.cuLaunchCooperativeKernel
     cooperative.argtypes = args  # ..., hStream, kernelParams
     cooperative.restype = ctypes.c_int
-    return launch, cooperative
+    extended = getattr(lib, "cuLaunchKernelEx", None)
+    if extended is not None:
+        extended.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_void_p]  # config, f, kernelParams, extra
+        extended.restype = ctypes.c_int
+        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.cuFuncSetAttribute.restype = ctypes.c_int
+        lib.cuOccupancyMaxActiveClusters.argtypes = [
+            ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+        lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
+        _libcuda_functions.update(set_attribute=lib.cuFuncSetAttribute,
+                                  max_clusters=lib.cuOccupancyMaxActiveClusters)
+    return launch, cooperative, extended
 
 
 def _load_bindings():
@@ -63,10 +112,24 @@ def _choose() -> str:
     raise RuntimeError(f"CUFLASH2_LAUNCH={wanted}: that launch path is not available here")
 
 
-_libcuda_launch, _libcuda_cooperative = _load_libcuda()
+_libcuda_launch, _libcuda_cooperative, _libcuda_extended = _load_libcuda()
 _bindings = _load_bindings()
 #: The launch path in use.
 METHOD = _choose()
+
+
+def _programmatic_wanted() -> bool:
+    wanted = os.environ.get("CUFLASH2_PDL", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"CUFLASH2_PDL must be 0 or 1; got {wanted!r}")
+    return wanted == "1"
+
+
+#: Kernels that wait for the previous kernel themselves get programmatic launches (sm_90+).
+#: Read when a plan is made: plans made before a change keep their launches.
+PROGRAMMATIC = _programmatic_wanted()
+#: The first compute capability with programmatic dependent launch.
+PROGRAMMATIC_MIN_ARCH = 90
 
 
 @dataclass(frozen=True)
@@ -81,16 +144,123 @@ class Launch:
     smem_bytes: int
     cooperative: bool = False
     config: object = None  # what was compiled (a _configs configuration)
+    programmatic: bool = False  # may start while the previous kernel finishes (PDL)
+    cluster: int = 1  # CTAs a thread-block cluster along x
+    # Launches with attributes (the two above): cuLaunchKernelEx's config (grid, block,
+    # attributes) built once; a call sets its stream (plans launch under their lock).
+    extended: object = None
 
 
-def kernel_launch(config, device_id: int, grid, cooperative: bool = False) -> Launch:
-    """The Launch of `config`'s kernel on `grid` (compiled here if need be)."""
+def kernel_launch(config, device_id: int, grid, cooperative: bool = False,
+                  programmatic: bool = False, cluster: int = 1) -> Launch:
+    """The Launch of `config`'s kernel on `grid` (compiled here if need be). `programmatic`:
+    launched with programmatic stream serialisation, for a kernel that waits for the previous
+    one itself (dependent_launch.cuh) on a device where `programmatic_available`. `cluster`:
+    CTAs a thread-block cluster along x (where `extended_available`; see `cluster_fits`)."""
     function = _compile.get_kernel(config, device_id)
     handle = function.kernel.ptr
     if METHOD == "bindings":
         handle = _bindings.CUfunction(handle)
-    return Launch(function, handle, tuple(int(g) for g in grid), config.threads,
-                  config.smem_bytes, cooperative, config)
+    grid = tuple(int(g) for g in grid)
+    extended = None
+    if programmatic or cluster > 1:
+        extended = _extended_config(grid, config.threads, config.smem_bytes, cooperative,
+                                    programmatic, cluster)
+    return Launch(function, handle, grid, config.threads, config.smem_bytes, cooperative,
+                  config, programmatic, cluster, extended)
+
+
+def extended_available() -> bool:
+    """Whether launches with attributes (cuLaunchKernelEx) go through here."""
+    return METHOD == "bindings" or (METHOD == "libcuda" and _libcuda_extended is not None)
+
+
+def programmatic_available(arch: int) -> bool:
+    """Whether kernels on a device of compute capability `arch` (e.g. 90) get programmatic
+    launches here."""
+    return PROGRAMMATIC and arch >= PROGRAMMATIC_MIN_ARCH and extended_available()
+
+
+def cluster_fits(config, device_id: int, cluster: int, clusters: int = 1) -> bool:
+    """Whether `clusters` clusters of `cluster` CTAs of `config`'s kernel can be resident on the
+    device at once (the driver's cluster occupancy); allows non-portable sizes on the kernel
+    where needed."""
+    key = (config, device_id, cluster)
+    most = _cluster_fits_cache.get(key)
+    if most is None:
+        most = _cluster_fits_cache[key] = _max_active_clusters(config, device_id, cluster)
+    return clusters <= most
+
+
+_cluster_fits_cache: dict = {}
+
+
+def _max_active_clusters(config, device_id: int, cluster: int) -> int:
+    if not extended_available():
+        return 0
+    function = _compile.get_kernel(config, device_id)
+    handle = function.kernel.ptr
+    probe = _extended_config((cluster, 1, 1), config.threads, config.smem_bytes, False, False,
+                             cluster)
+    if METHOD == "bindings":
+        if cluster > PORTABLE_CLUSTER_SIZE:
+            (err,) = _bindings.cuFuncSetAttribute(
+                _bindings.CUfunction(handle), _bindings.CUfunction_attribute(
+                    _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED), 1)
+            if int(err) != _CUDA_SUCCESS:
+                return 0
+        err, count = _bindings.cuOccupancyMaxActiveClusters(_bindings.CUfunction(handle), probe)
+        return int(count) if int(err) == _CUDA_SUCCESS else 0
+    if cluster > PORTABLE_CLUSTER_SIZE and _libcuda_functions["set_attribute"](
+            handle, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) != _CUDA_SUCCESS:
+        return 0
+    count = ctypes.c_int(0)
+    err = _libcuda_functions["max_clusters"](ctypes.byref(count), handle, ctypes.byref(probe))
+    return count.value if err == _CUDA_SUCCESS else 0
+
+
+def _extended_config(grid, threads: int, smem_bytes: int, cooperative: bool,
+                     programmatic: bool = True, cluster: int = 1):
+    """cuLaunchKernelEx's launch config: programmatic, cooperative and clustered (`cluster`
+    CTAs along x) as asked."""
+    values = {}
+    if programmatic:
+        values[_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION] = 1
+    if cooperative:
+        values[_ATTRIBUTE_COOPERATIVE] = 1
+    if cluster > 1:
+        values[_ATTRIBUTE_CLUSTER_DIMENSION] = cluster
+    if METHOD == "bindings":
+        config = _bindings.CUlaunchConfig()
+        attributes = []
+        for attribute_id, value in values.items():
+            attribute = _bindings.CUlaunchAttribute()
+            attribute.id = _bindings.CUlaunchAttributeID(attribute_id)
+            if attribute_id == _ATTRIBUTE_COOPERATIVE:
+                attribute.value.cooperative = 1
+            elif attribute_id == _ATTRIBUTE_CLUSTER_DIMENSION:
+                attribute.value.clusterDim.x = value
+                attribute.value.clusterDim.y = 1
+                attribute.value.clusterDim.z = 1
+            else:
+                attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(attribute)
+        config.attrs = attributes
+    else:
+        config = _LaunchConfig()
+        attributes = (_LaunchAttribute * max(1, len(values)))()
+        for attribute, (attribute_id, value) in zip(attributes, values.items()):
+            attribute.id = attribute_id
+            attribute.value[0] = value
+            if attribute_id == _ATTRIBUTE_CLUSTER_DIMENSION:
+                attribute.value[1] = attribute.value[2] = 1
+        config.attrs = attributes
+        config._keep = attributes  # the array the pointer points into lives with the config
+    config.numAttrs = len(values)
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid[0], grid[1], min(grid[2], MAX_GRID_Z)
+    config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+    config.sharedMemBytes = smem_bytes
+    return config
 
 
 def run(launch: Launch, block, stream_ptr: int, batch_offset_slot) -> None:
@@ -111,6 +281,19 @@ def run(launch: Launch, block, stream_ptr: int, batch_offset_slot) -> None:
 
 
 def _launch_once(launch: Launch, block, stream_ptr: int, gx: int, gy: int, gz: int) -> None:
+    if launch.extended is not None:
+        err = _launch_extended(launch.extended, launch.handle, block, stream_ptr, gz)
+        if err == _CUDA_ERROR_INVALID_CONTEXT:
+            # A thread without a current context (see below); CuPy's launch cannot set the
+            # attributes, so the runtime makes the device's context current and the launch is
+            # repeated.
+            import cupy
+
+            cupy.cuda.runtime.free(0)
+            err = _launch_extended(launch.extended, launch.handle, block, stream_ptr, gz)
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"launching {launch.function.name} failed: CUresult {err}")
+        return
     if METHOD == "libcuda":
         if launch.cooperative:
             err = _libcuda_cooperative(launch.handle, gx, gy, gz, launch.threads, 1, 1,
@@ -137,6 +320,17 @@ def _launch_once(launch: Launch, block, stream_ptr: int, gx: int, gy: int, gz: i
         raise RuntimeError(f"launching {launch.function.name} failed: CUresult {err}")
 
 
+def _launch_extended(config, handle, block, stream_ptr: int, gz: int) -> int:
+    """cuLaunchKernelEx with the prebuilt `config`; gridDim.z set per slice."""
+    if config.gridDimZ != gz:
+        config.gridDimZ = gz
+    config.hStream = stream_ptr
+    if METHOD == "bindings":
+        (err,) = _bindings.cuLaunchKernelEx(config, handle, block.kernel_params_address, 0)
+        return int(err)
+    return _libcuda_extended(ctypes.byref(config), handle, block.kernel_params_address, None)
+
+
 def _cupy_launch(launch: Launch, block, gx: int, gy: int, gz: int) -> None:
     """CuPy's launch, on its current stream (the one the plan read `stream_ptr` from)."""
     launch.function.kernel((gx, gy, gz), (launch.threads,), (block.as_void(),),
@@ -153,3 +347,31 @@ def occupancy_slots(config, device_id: int) -> int:
     per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function.kernel.ptr, config.threads, config.smem_bytes)
     return max(1, per_sm) * cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def launch_with_arguments(function, grid, threads: int, arguments, stream_ptr: int,
+                          programmatic: bool) -> None:
+    """Launches a CuPy RawKernel with ordinary arguments, `arguments` as (ctypes type, value)
+    pairs, programmatically where `programmatic` (the caller checked programmatic_available):
+    the stand-in model kernels of the benchmark and the tests (cuda_src/next_layer_inputs.cu)."""
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    if METHOD == "cupy" or (METHOD == "libcuda" and _libcuda_extended is None):
+        import numpy  # CuPy's launch, on its current stream, with sized scalars
+
+        sized = {ctypes.c_int: numpy.int32, ctypes.c_uint64: numpy.uint64,
+                 ctypes.c_void_p: numpy.uint64}
+        function(grid, (threads,), tuple(sized[t](v) for t, v in arguments))
+        return
+    values = [ctype(value) for ctype, value in arguments]
+    pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    address = ctypes.addressof(pointers)
+    config = _extended_config(grid, threads, 0, False, programmatic)
+    config.hStream = stream_ptr
+    handle = function.kernel.ptr
+    if METHOD == "bindings":
+        (err,) = _bindings.cuLaunchKernelEx(config, _bindings.CUfunction(handle), address, 0)
+        err = int(err)
+    else:
+        err = _libcuda_extended(ctypes.byref(config), handle, address, None)
+    if err != _CUDA_SUCCESS:
+        raise RuntimeError(f"launching {function.name} failed: CUresult {err}")

@@ -783,9 +783,12 @@ def run(cupy, args) -> int:
         windows = measure_windows(cupy, extra_headdims, args.dtype[0], max(seqlens),
                                   args.windows, wanted, args.tokens, args.hidden, args.warmup,
                                   args.iters)
-    decode = []
+    decode, decode_graph = [], []
     if getattr(args, "decode", False):
+        from .bench_decode_graph import measure_decode_graph
+
         decode = measure_decode(cupy, args.dtype[0], args.warmup, args.iters)
+        decode_graph = measure_decode_graph(cupy, args.warmup, args.iters)
     varlen = []
     if getattr(args, "varlen", False):
         varlen = measure_varlen(cupy, extra_headdims, args.dtype[0], VARLEN_LENGTHS, wanted,
@@ -822,9 +825,19 @@ def run(cupy, args) -> int:
         print(decode_table(decode))
         print("\nGB/s counts the K and V cache read once plus q and out; decoding only reads, "
               "and a read-only stream can pass the copy figure (HBM3e peak 4.8 TB/s on the H200).")
+    if decode_graph:
+        from .bench_decode_graph import LAYERS, decode_graph_table
+
+        print(f"\nDecoding steps in a CUDA graph ({LAYERS} layers, each its own cache, one "
+              f"token appended, causal; between layers a kernel computing the next layer's q, "
+              f"k, v from the layer's output; L2 flushed before each step; a layer's time "
+              f"includes that kernel). Programmatic launches let a kernel start while the one "
+              f"before it finishes; the plain column is the same step without them:\n")
+        print(decode_graph_table(decode_graph))
     if args.json:
         report = {"environment": env, "settings": _settings(args), "rows": [r.to_json() for r in rows],
-                  "summary": summary, "windows": windows, "varlen": varlen, "decode": decode}
+                  "summary": summary, "windows": windows, "varlen": varlen, "decode": decode,
+                  "decode_graph": decode_graph}
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)
         print(f"saved {len(rows)} rows to {args.json}", file=sys.stderr)

@@ -2,7 +2,9 @@
 
 import pytest
 
-from cuflash2._kvcache import MAX_SPLITS as _MAX_SPLITS, check_num_splits as _check_num_splits, num_splits_for as _num_splits
+from cuflash2._kvcache import (AUTO_MAX_SPLITS as _AUTO_MAX_SPLITS, MAX_SPLITS as _MAX_SPLITS,
+                               check_num_splits as _check_num_splits,
+                               num_splits_for as _num_splits)
 
 SLOTS = 132 * 3  # H200, three decode CTAs per SM
 
@@ -11,14 +13,14 @@ SLOTS = 132 * 3  # H200, three decode CTAs per SM
                                         (100, 300), (1, 8), (7, 5000), (300, 1024)])
 def test_automatic_split_count_fills_one_wave(ctas, tiles):
     splits = _num_splits(0, ctas, tiles, SLOTS)
-    assert 1 <= splits <= min(tiles, _MAX_SPLITS)
+    assert 1 <= splits <= min(tiles, _AUTO_MAX_SPLITS)
     # The splits wait for each other: the whole grid is resident at once ...
     assert splits == 1 or ctas * splits <= SLOTS
     # ... every split gets the same number of KV tiles (no trailing short splits) ...
     assert -(-tiles // -(-tiles // splits)) == splits
-    # ... and no larger such count would fit.
+    # ... and no larger such count (up to the automatic maximum) would fit.
     if ctas < 0.8 * SLOTS:
-        counts = {-(-tiles // -(-tiles // s)) for s in range(1, _MAX_SPLITS + 1)}
+        counts = {-(-tiles // -(-tiles // s)) for s in range(1, _AUTO_MAX_SPLITS + 1)}
         assert not [s for s in counts if splits < s and ctas * s <= SLOTS]
 
 
@@ -40,3 +42,60 @@ def test_requested_counts_are_clamped_to_the_tiles_the_maximum_and_one_wave():
 def test_num_splits_must_be_a_non_negative_int(bad):
     with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
         _check_num_splits(bad)
+
+
+class _Fits:
+    """A stand-in for the driver's cluster occupancy: up to `most` clusters of any size."""
+
+    def __init__(self, most):
+        self.most = most
+
+    def __call__(self, config, device_id, cluster, clusters=1):
+        return cluster <= 16 and clusters <= self.most
+
+
+@pytest.mark.parametrize("most_clusters", [64, 2])
+def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clusters):
+    """On sm_90 a short step (at most CLUSTER_MAX_TILES_PER_SPLIT tiles a split) or a requested
+    count a cluster holds merges inside a cluster of its splits, with the deeper-staged kernel
+    where the step is short; long steps, larger requests, clusters that do not all fit, other
+    architectures and CLUSTER_MERGE off use the barrier through L2."""
+    from cuflash2 import _configs, _kvcache, _launch
+
+    monkeypatch.setattr(_kvcache, "decode_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(_launch, "cluster_fits", _Fits(most_clusters))
+    monkeypatch.setattr(_launch, "extended_available", lambda: True)
+    config = _configs.decode_config("float16", 128, 90)
+    deep = _configs.decode_cluster_config("float16", 128, 90)
+    assert deep.kv_stages == _configs.CLUSTER_MAX_TILES_PER_SPLIT + 1 > config.kv_stages
+
+    def choose(requested, groups, tiles, arch=90):
+        return _kvcache.choose_splits(config, requested, groups, tiles, 0, arch, "float16", 128,
+                                      0)
+
+    fits = most_clusters >= 4
+    # Batch 1, 4 KV heads, 4k tokens (64 tiles): 16 splits of 4 tiles, in clusters.
+    assert choose(0, 4, 64) == ((deep, 16, 16) if fits else (config, 32, 1))
+    # 16k tokens: 16 tiles a split in a cluster is too long: 32 splits through L2.
+    assert choose(0, 4, 256) == (config, 32, 1)
+    # A requested count a cluster holds (the default stage count: the step is long).
+    assert choose(7, 4, 256) == ((config, 7, 7) if fits else (config, 7, 1))
+    assert choose(64, 4, 256) == (config, 64, 1)
+    assert choose(0, 4, 64, arch=80) == (config, 32, 1)
+    monkeypatch.setattr(_kvcache, "CLUSTER_MERGE", False)
+    assert choose(0, 4, 64) == (config, 32, 1)
+
+
+def test_launch_attribute_structs_match_cuda_h():
+    """The ctypes mirrors of cuda.h's CUlaunchAttribute and CUlaunchConfig (the libcuda launch
+    path): sizes and offsets as the C compiler lays them out."""
+    import ctypes
+
+    from cuflash2 import _launch
+
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
+    assert _launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_launch._LaunchConfig) == 56
+    assert _launch._LaunchConfig.hStream.offset == 32
+    assert _launch._LaunchConfig.attrs.offset == 40
+    assert _launch._LaunchConfig.numAttrs.offset == 48

@@ -230,3 +230,128 @@ def test_repeated_signature_reuses_the_checked_plan():
         cuflash2.attention_with_kvcache(q, k_cache.astype(BF16), v_cache, cache_seqlens=100)
     with pytest.raises(ValueError, match="num_splits"):
         cuflash2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=100, num_splits=-1)
+
+
+def _programmatic_here() -> bool:
+    from cuflash2 import _launch, _prepare
+
+    return _launch.programmatic_available(_prepare.device_arch(cupy.cuda.Device().id))
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["stream", "graph"])
+def test_programmatic_launch_waits_for_the_previous_kernel(in_graph):
+    """With programmatic launches (sm_90) a decode kernel starts while the kernel before it
+    runs, and prefetches its cache rows: a kernel that lets it start at once, then spins 200 us
+    and only then writes q and one cached K/V row, must still be seen by the decode call, bit
+    for bit as when the two run one after the other (and differently from the old values)."""
+    from cuflash2 import _kvcache, bench_decode_graph
+
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(21)
+    batch, capacity, h, hk, d, length, row = 1, 4096, 8, 2, 128, 3000, 1234
+    q = _randn(rng, (batch, 1, h, d), dtype)
+    k_cache, v_cache = _randn(rng, (batch, capacity, hk, d), dtype), _randn(rng, (batch, capacity, hk, d), dtype)
+    source = _randn(rng, (batch, 1, h, d), dtype) * 4
+    kwargs = dict(cache_seqlens=cupy.full((batch,), length, dtype=cupy.int32), causal=True)
+    old = cuflash2.attention_with_kvcache(q, k_cache, v_cache, **kwargs)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    k_row, v_row = k_cache[0, row], v_cache[0, row]  # (hk, d), contiguous
+
+    def record():
+        bench_decode_graph.launch_next_layer_inputs(cupy, source, q, k_row, v_row,
+                                                    delay_ns=200_000)
+        return cuflash2.attention_with_kvcache(q, k_cache, v_cache, **kwargs)
+
+    with stream:
+        cuflash2.attention_with_kvcache(q, k_cache, v_cache, **kwargs)  # the plan, the scratch
+    stream.synchronize()
+    if in_graph:
+        outputs = []
+        graph = bench_decode_graph.CapturedGraph(cupy, stream, lambda: outputs.append(record()))
+        if _programmatic_here():
+            assert graph.programmatic_edges >= 1
+        graph.launch()
+        got = outputs[0]
+    else:
+        with stream:
+            got = record()
+    stream.synchronize()
+    assert all(launch.programmatic == _programmatic_here()
+               for planned in _kvcache._plans_by_key.plans.values()
+               for launch in planned.plan.launches)
+    want = cuflash2.attention_with_kvcache(q, k_cache, v_cache, **kwargs)  # after the writes
+    assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all())
+    assert not bool((got.view(cupy.uint16) == old.view(cupy.uint16)).all())
+    assert bool((q == source).all())
+
+
+def test_decode_steps_replayed_in_a_cuda_graph():
+    """The benchmark's in-graph step (8 layers, each its own cache, the next layer's q, k, v
+    computed from the previous output): replaying the captured graph gives the outputs of the
+    same launches run eagerly, bit for bit, and the graph keeps programmatic edges on sm_90."""
+    from cuflash2 import bench_decode_graph
+
+    step = bench_decode_graph.DecodeStep(cupy, batch=2, cache_len=2048, nheads=8, nheads_kv=2)
+    start = [x.copy() for x in (step.q, step.k, step.v)]
+
+    def restart():
+        for x, x0 in zip((step.q, step.k, step.v), start):
+            x[...] = x0
+
+    with step.stream:
+        restart()
+        eager = step._record(keep=False)
+        restart()
+        step.run()
+    step.stream.synchronize()
+    for got, want in zip(step.outputs, eager):
+        assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all())
+    assert len(step.outputs) == bench_decode_graph.LAYERS
+    if _programmatic_here():
+        assert step.graph.programmatic_edges >= bench_decode_graph.LAYERS
+    for first, later in zip(step.outputs, step.outputs[1:]):  # layers differ: the chain is real
+        assert not bool((first == later).all())
+
+
+@pytest.mark.parametrize("num_splits", [2, 7, 16])
+@pytest.mark.parametrize("seqlen_q,heads", [(1, (32, 4)), (3, (8, 8)), (5, (16, 2))])
+def test_cluster_and_barrier_merges(num_splits, seqlen_q, heads):
+    """The two split merges, inside a thread-block cluster (sm_90) and through the barrier in
+    L2, both within the 2x rule of the reference, with ragged lengths, several row blocks and
+    the appended token; on sm_90 the first runs as a cluster of the splits."""
+    from cuflash2 import _kvcache, _launch, _prepare
+
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(seed_of("cluster", num_splits, seqlen_q, *heads))
+    batch, capacity, d = 3, 3000, 128
+    h, hk = heads
+    q = _randn(rng, (batch, seqlen_q, h, d), dtype)
+    k_cache, v_cache = _randn(rng, (batch, capacity, hk, d), dtype), _randn(rng, (batch, capacity, hk, d), dtype)
+    k_new, v_new = _randn(rng, (batch, 1, hk, d), dtype), _randn(rng, (batch, 1, hk, d), dtype)
+    lengths = numpy.array([2999, 1500, 77], numpy.int32)
+    kwargs = dict(k=k_new, v=v_new, cache_seqlens=cupy.asarray(lengths), causal=True)
+    clustered = _prepare.device_arch(cupy.cuda.Device().id) >= 90
+    saved, clusters_seen = _kvcache.CLUSTER_MERGE, []
+    try:
+        for cluster_merge in (True, False):
+            _kvcache.CLUSTER_MERGE = cluster_merge
+            _kvcache._plans_by_key.plans.clear()
+            copies = [k_cache.copy()], [v_cache.copy()]
+            out, lse = cuflash2.attention_with_kvcache(q, copies[0][0], copies[1][0],
+                                                       num_splits=num_splits, return_lse=True,
+                                                       **kwargs)
+            _check(out, lse, q, [k_cache], [v_cache], kwargs)
+            (planned,) = _kvcache._plans_by_key.plans.values()
+            launch = planned.plan.launches[0]
+            if launch.cluster > 1:
+                assert cluster_merge and clustered and launch.cluster == planned.splits
+            elif cluster_merge and clustered:  # only where the grid's clusters do not fit
+                assert not _launch.cluster_fits(launch.config, cupy.cuda.Device().id,
+                                                planned.splits, planned.groups)
+            assert launch.cooperative == (launch.cluster == 1 and planned.splits > 1)
+            clusters_seen.append(launch.cluster > 1)
+    finally:
+        _kvcache.CLUSTER_MERGE = saved
+        _kvcache._plans_by_key.plans.clear()
+    if clustered and heads == (32, 4):  # 12 clusters: they fit
+        assert clusters_seen[0]

@@ -1,0 +1,212 @@
+"""Decoding steps inside a CUDA graph: `bench --decode`'s in-graph rows.
+
+A serving loop runs a model's decoding step as a graph: each layer's attention over its own KV
+cache, then the work that turns its output into the next layer's q, k, v. The rows here capture
+LAYERS such layers (fp16, d=128, one query token, one token appended, causal), each with its own
+cache, and between two layers the stand-in kernel of `cuda_src/next_layer_inputs.cu`, so no
+layer can read its q before the previous layer has written its output. A step is replayed with
+L2 flushed before it; the time of a layer is the step's over LAYERS, the stand-in kernel
+included. The same step is also captured with programmatic launches off, in the same run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+
+from . import _compile, _launch
+
+LAYERS = 8
+#: (batch, cache length) of the rows, at 32 query heads over 4 KV heads.
+GRAPH_ROWS = ((1, 4096), (1, 16384), (1, 65536), (8, 16384))
+GRAPH_HEADS = (32, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def next_layer_kernel(device_id: int):
+    """cuda_src/next_layer_inputs.cu's kernel (compiled for the current device)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.RawModule(code=_compile.kernel_source("next_layer_inputs.cu")).get_function(
+            "next_layer_inputs")
+
+
+def launch_next_layer_inputs(cupy, out, q, k, v, delay_ns: int = 0) -> None:
+    """On the current stream: q, k, v of the next layer from `out` (next_layer_inputs.cu),
+    launched programmatically where the device allows."""
+    from . import _prepare
+
+    device_id = cupy.cuda.Device().id
+    stream = cupy.cuda.get_current_stream().ptr
+    arguments = [(ctypes.c_void_p, out.data.ptr), (ctypes.c_int, out.size),
+                 (ctypes.c_void_p, q.data.ptr), (ctypes.c_int, q.size),
+                 (ctypes.c_void_p, k.data.ptr), (ctypes.c_void_p, v.data.ptr),
+                 (ctypes.c_int, k.size), (ctypes.c_uint64, delay_ns)]
+    blocks = max(1, min(132, -(-max(q.size, k.size) // 256)))
+    _launch.launch_with_arguments(next_layer_kernel(device_id), (blocks,), 256, arguments, stream,
+                                  _launch.programmatic_available(_prepare.device_arch(device_id)))
+
+
+class CapturedGraph:
+    """What `record()` queues on `stream`, captured once (cuda.bindings' stream capture) and
+    instantiated; `programmatic_edges` counts the graph's programmatic dependencies."""
+
+    def __init__(self, cupy, stream, record):
+        from cuda.bindings import driver
+
+        self.driver, self.stream = driver, stream
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _check(driver.cuStreamBeginCapture(stream.ptr, mode), "cuStreamBeginCapture")
+        try:
+            with stream:
+                record()
+        finally:
+            err, graph = driver.cuStreamEndCapture(stream.ptr)
+        _check((err,), "cuStreamEndCapture")
+        self.graph = graph
+        self.programmatic_edges = _programmatic_edges(driver, graph)
+        err, self.exec = driver.cuGraphInstantiate(graph, 0)
+        _check((err,), "cuGraphInstantiate")
+
+    def launch(self) -> None:
+        _check(self.driver.cuGraphLaunch(self.exec, self.stream.ptr), "cuGraphLaunch")
+
+    def __del__(self):
+        try:
+            self.driver.cuGraphExecDestroy(self.exec)
+            self.driver.cuGraphDestroy(self.graph)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _check(result, what: str) -> None:
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: CUresult {int(err)}")
+
+
+def _programmatic_edges(driver, graph) -> int:
+    err, _, _, _, count = driver.cuGraphGetEdges(graph, 0)
+    _check((err,), "cuGraphGetEdges")
+    if not count:
+        return 0
+    err, _, _, data, count = driver.cuGraphGetEdges(graph, count)
+    _check((err,), "cuGraphGetEdges")
+    programmatic = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    return sum(1 for d in data[:count] if int(d.type) == int(programmatic))
+
+
+class DecodeStep:
+    """LAYERS decoding layers of one model step: caches, q / k / v buffers and the step as a
+    CUDA graph. `run()` replays it on its stream."""
+
+    def __init__(self, cupy, batch: int, cache_len: int, nheads: int, nheads_kv: int,
+                 headdim: int = 128, dtype="float16", num_splits: int = 0):
+        import cuflash2
+
+        self.cupy = cupy
+        rng = cupy.random.default_rng(cache_len + batch)
+        shape = (batch, cache_len, nheads_kv, headdim)
+        self.caches = [(rng.standard_normal(shape, dtype=cupy.float32).astype(dtype),
+                        rng.standard_normal(shape, dtype=cupy.float32).astype(dtype))
+                       for _ in range(LAYERS)]
+        self.q = rng.standard_normal((batch, 1, nheads, headdim), dtype=cupy.float32).astype(dtype)
+        self.k = rng.standard_normal((batch, 1, nheads_kv, headdim),
+                                     dtype=cupy.float32).astype(dtype)
+        self.v = rng.standard_normal(self.k.shape, dtype=cupy.float32).astype(dtype)
+        self.lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
+        self.num_splits = num_splits
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.outputs = []
+        self._attention = cuflash2.attention_with_kvcache
+        with self.stream:
+            self._record(keep=False)  # plans, scratch and pool blocks exist before the capture
+        self.stream.synchronize()
+        self.graph = CapturedGraph(cupy, self.stream, lambda: self._record(keep=True))
+
+    def _record(self, keep: bool) -> list:
+        """Queues the step's launches on the current stream; returns the layers' outputs."""
+        outputs = []
+        for k_cache, v_cache in self.caches:
+            out = self._attention(self.q, k_cache, v_cache, k=self.k, v=self.v,
+                                  cache_seqlens=self.lengths, causal=True,
+                                  num_splits=self.num_splits)
+            launch_next_layer_inputs(self.cupy, out, self.q, self.k, self.v)
+            outputs.append(out)
+        if keep:
+            self.outputs = outputs  # the graph writes them on every replay
+        return outputs
+
+    def run(self) -> None:
+        self.graph.launch()
+
+
+def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=GRAPH_HEADS,
+                         headdim: int = 128, progress=sys.stderr) -> list[dict]:
+    """The in-graph rows: us per layer with programmatic launches and without, and the
+    fraction of the copy ceiling a layer reaches."""
+    from . import _kvcache
+    from .bench import copy_ceiling, decode_bytes, l2_flush
+
+    ceiling = copy_ceiling(cupy)
+    flush_l2 = l2_flush(cupy)
+    nheads, nheads_kv = heads
+    results = []
+    for batch, cache_len in rows:
+        row = {"dtype": "fp16", "headdim": headdim, "batch": batch, "cache": cache_len,
+               "nheads": nheads, "nheads_kv": nheads_kv, "layers": LAYERS,
+               "copy_ceiling_gb_per_s": ceiling / 1e9}
+        saved = _launch.PROGRAMMATIC
+        try:
+            for programmatic in (True, False):
+                _launch.PROGRAMMATIC = programmatic
+                _kvcache._plans_by_key.plans.clear()  # plans keep the launch they were made with
+                step = DecodeStep(cupy, batch, cache_len, nheads, nheads_kv, headdim)
+                ms = _time_step(cupy, step, warmup, iters, flush_l2)
+                label = "programmatic" if programmatic else "plain"
+                row[f"{label}_us_per_layer"] = ms * 1e3 / LAYERS
+                row[f"{label}_edges"] = step.graph.programmatic_edges
+                del step
+        finally:
+            _launch.PROGRAMMATIC = saved
+            _kvcache._plans_by_key.plans.clear()
+        moved = decode_bytes(batch, cache_len, nheads, nheads_kv, headdim)
+        row["fraction_of_copy"] = moved / (row["programmatic_us_per_layer"] * 1e-6) / ceiling
+        row["plain_fraction_of_copy"] = moved / (row["plain_us_per_layer"] * 1e-6) / ceiling
+        results.append(row)
+        print(f"decode graph b={batch} cache={cache_len}: {row['programmatic_us_per_layer']:.2f} "
+              f"us/layer ({row['fraction_of_copy']:.0%} of copy; plain launches "
+              f"{row['plain_us_per_layer']:.2f}), {row['programmatic_edges']} programmatic edges",
+              file=progress, flush=True)
+    return results
+
+
+def _time_step(cupy, step: DecodeStep, warmup: int, iters: int, flush_l2) -> float:
+    """Median ms of a replayed step, L2 flushed before each (the flush outside the events)."""
+    times = []
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    for i in range(warmup + iters):
+        with step.stream:
+            flush_l2()
+            start.record(step.stream)
+            step.run()
+            end.record(step.stream)
+        end.synchronize()
+        if i >= warmup:
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def decode_graph_table(rows: list[dict]) -> str:
+    lines = ["| dtype | d | heads (q/kv) | batch | cache | us per layer | of copy ceiling | "
+             "plain launches: us per layer | programmatic edges |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['nheads']}/{r['nheads_kv']} | "
+                     f"{r['batch']} | {r['cache']} | {r['programmatic_us_per_layer']:.2f} | "
+                     f"{r['fraction_of_copy']:.0%} | {r['plain_us_per_layer']:.2f} "
+                     f"({r['plain_fraction_of_copy']:.0%}) | {r['programmatic_edges']} |")
+    return "\n".join(lines)
