@@ -84,18 +84,25 @@ def main():
     decode = _kvcache._plans_by_key.get(_kvcache._key(
         cupy, q1, cache, v_cache, new, new, lengths, None, None, None, False, (-1, -1), 0.0,
         None, 0))
-    print(f"decode plan: {decode.splits} splits, grid {decode.plan.launches[0].grid}")
     dlaunch = decode.plan.launches[0]
-    for cooperative in (True, False):
-        object.__setattr__(dlaunch, "cooperative", cooperative)
+    print(f"decode plan: {decode.splits} splits, grid {dlaunch.grid}, cluster {dlaunch.cluster}, "
+          f"programmatic {dlaunch.programmatic}, cooperative {dlaunch.cooperative}")
+    if dlaunch.extended is None:  # (a launch with attributes has them in its config)
+        for cooperative in (True, False):
+            object.__setattr__(dlaunch, "cooperative", cooperative)
+            us = per_call_us(lambda: _launch._launch_once(dlaunch, decode.plan.block, stream,
+                                                           *dlaunch.grid))
+            print(f"{us:7.2f} us  one decode launch, cooperative={cooperative}")
+        object.__setattr__(dlaunch, "cooperative", True)
+    else:
         us = per_call_us(lambda: _launch._launch_once(dlaunch, decode.plan.block, stream,
                                                        *dlaunch.grid))
-        print(f"{us:7.2f} us  one decode launch, cooperative={cooperative}")
-    object.__setattr__(dlaunch, "cooperative", True)
+        print(f"{us:7.2f} us  one decode launch through cuLaunchKernelEx")
+    scalars = {"cache_len_all": 0}
+    if decode.barrier:
+        scalars["split_counters"] = _kvcache.split_counters(decode.groups, 0, stream, cupy)
     rows["  kvcache Plan.run"] = lambda: decode.plan.run(
-        (q1, cache, v_cache, new, new, lengths, None, None, None), cupy,
-        {"cache_len_all": 0, "split_counters": _kvcache.split_counters(
-            decode.groups, 0, stream, cupy)}, wrap=1)
+        (q1, cache, v_cache, new, new, lengths, None, None, None), cupy, scalars, wrap=1)
     rows["  kvcache key"] = lambda: _kvcache._key(
         cupy, q1, cache, v_cache, new, new, lengths, None, None, None, False, (-1, -1), 0.0,
         None, 0)
