@@ -99,3 +99,36 @@ def test_launch_attribute_structs_match_cuda_h():
     assert _launch._LaunchConfig.hStream.offset == 32
     assert _launch._LaunchConfig.attrs.offset == 40
     assert _launch._LaunchConfig.numAttrs.offset == 48
+
+
+def test_launch_configs_carry_their_attributes(monkeypatch):
+    """cuLaunchKernelEx's launch configs, as both driver paths build them: grid, block, shared
+    memory, and the programmatic, cooperative and cluster attributes asked for."""
+    import ctypes
+
+    from cuflash2 import _launch
+
+    bindings = pytest.importorskip("cuda.bindings.driver")
+    monkeypatch.setattr(_launch, "_bindings", bindings)
+    monkeypatch.setattr(_launch, "METHOD", "bindings")
+    config = _launch._extended_config((32, 4, 70000), 128, 99000, False, True, 16)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (32, 4, _launch.MAX_GRID_Z)
+    assert (config.blockDimX, config.sharedMemBytes, config.numAttrs) == (128, 99000, 2)
+    ids = [int(a.id) for a in config.attrs]
+    assert ids == [_launch._ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                   _launch._ATTRIBUTE_CLUSTER_DIMENSION]
+    assert config.attrs[0].value.programmaticStreamSerializationAllowed == 1
+    assert (config.attrs[1].value.clusterDim.x, config.attrs[1].value.clusterDim.y) == (16, 1)
+    cooperative = _launch._extended_config((8, 1, 1), 64, 0, True, True)
+    assert [int(a.id) for a in cooperative.attrs] == [
+        _launch._ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, _launch._ATTRIBUTE_COOPERATIVE]
+
+    monkeypatch.setattr(_launch, "METHOD", "libcuda")
+    config = _launch._extended_config((32, 4, 2), 128, 99000, True, True, 1)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ, config.numAttrs) == (32, 4, 2, 2)
+    assert [config.attrs[i].id for i in range(2)] == [
+        _launch._ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, _launch._ATTRIBUTE_COOPERATIVE]
+    assert [config.attrs[i].value[0] for i in range(2)] == [1, 1]
+    clustered = _launch._extended_config((32, 1, 1), 128, 0, False, False, 8)
+    assert clustered.numAttrs == 1 and list(clustered.attrs[0].value[:3]) == [8, 1, 1]
+    assert ctypes.sizeof(clustered) == 56
