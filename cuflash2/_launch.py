@@ -16,7 +16,8 @@ launched with programmatic stream serialisation on sm_90 and newer, through `cuL
 with a launch config built once per plan: it may then start while the previous kernel on the
 stream finishes, in a CUDA graph too (stream capture keeps the programmatic edge).
 CUFLASH2_PDL=0 launches it as any other kernel; so does the "cupy" path, which has no launch
-attributes.
+attributes. Thread-block clusters chosen at run time (the decode kernel's split merge on sm_90)
+take the same path, with the cluster attribute.
 """
 
 from __future__ import annotations
