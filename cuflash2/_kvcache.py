@@ -57,7 +57,7 @@ def num_splits_for(requested: int, ctas: int, tiles: int, slots: int,
         if ctas >= 0.8 * slots:
             return 1
         fit = min(fit, AUTO_MAX_SPLITS)
-        return max(-(-tiles // -(-tiles // s)) for s in range(1, fit + 1))
+        return max(_even(s, tiles) for s in range(1, fit + 1))
     return max(1, min(requested, fit))
 
 
@@ -80,6 +80,7 @@ def split_counters(groups: int, device_id: int, stream_ptr: int, cupy) -> int:
 
 _outgrown_counters: list = []
 _slots_cache: dict = {}
+
 
 def _even(splits: int, tiles: int) -> int:
     """The split count once every split but the last has ceil(tiles / splits) tiles."""
@@ -111,7 +112,6 @@ def choose_splits(config, requested: int, groups: int, tiles: int, device_id: in
         if _launch.cluster_fits(candidate, device_id, splits, groups):
             return candidate, splits, splits
     return config, barrier_splits, 1
-
 
 
 def decode_slots(config, device_id: int) -> int:
@@ -244,8 +244,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "page_size": kv.page_size, "num_blocks": kv.num_blocks, "capacity": kv.capacity,
         "seqlen_q": kv.seqlen_q, "nheads": kv.nheads, "heads_per_kv_head": group,
         "head_dim": kv.head_dim, "num_m_blocks": m_blocks, "num_splits": splits,
-        "tiles_per_split": tiles_per_split, "split_cluster": int(cluster > 1), "scale_log2": mods.softmax_scale * LOG2E,
-        "window_left": window[0], "window_right": window[1], **mods.fields()}
+        "tiles_per_split": tiles_per_split, "split_cluster": int(cluster > 1),
+        "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0], "window_right": window[1], **mods.fields()}
     # Pointer fields by position in the call's input tuple; an int or absent cache_seqlens leaves
     # its field null (the kernel then reads cache_len_all).
     given = {"cache_seqlens": 5 if "cache_seqlens" in arrays else None,

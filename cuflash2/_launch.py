@@ -283,7 +283,8 @@ def run(launch: Launch, block, stream_ptr: int, batch_offset_slot) -> None:
 
 def _launch_once(launch: Launch, block, stream_ptr: int, gx: int, gy: int, gz: int) -> None:
     if launch.extended is not None:
-        err = _launch_extended(launch.extended, launch.handle, block, stream_ptr, gz)
+        params = block.kernel_params_address
+        err = _launch_extended(launch.extended, launch.handle, params, stream_ptr, gz)
         if err == _CUDA_ERROR_INVALID_CONTEXT:
             # A thread without a current context (see below); CuPy's launch cannot set the
             # attributes, so the runtime makes the device's context current and the launch is
@@ -291,7 +292,7 @@ def _launch_once(launch: Launch, block, stream_ptr: int, gx: int, gy: int, gz: i
             import cupy
 
             cupy.cuda.runtime.free(0)
-            err = _launch_extended(launch.extended, launch.handle, block, stream_ptr, gz)
+            err = _launch_extended(launch.extended, launch.handle, params, stream_ptr, gz)
         if err != _CUDA_SUCCESS:
             raise RuntimeError(f"launching {launch.function.name} failed: CUresult {err}")
         return
@@ -321,15 +322,17 @@ def _launch_once(launch: Launch, block, stream_ptr: int, gx: int, gy: int, gz: i
         raise RuntimeError(f"launching {launch.function.name} failed: CUresult {err}")
 
 
-def _launch_extended(config, handle, block, stream_ptr: int, gz: int) -> int:
-    """cuLaunchKernelEx with the prebuilt `config`; gridDim.z set per slice."""
+def _launch_extended(config, handle, kernel_params_address: int, stream_ptr: int,
+                     gz: int) -> int:
+    """cuLaunchKernelEx with the prebuilt `config` (`handle`: the function as the launch path
+    takes it); gridDim.z set per slice."""
     if config.gridDimZ != gz:
         config.gridDimZ = gz
     config.hStream = stream_ptr
     if METHOD == "bindings":
-        (err,) = _bindings.cuLaunchKernelEx(config, handle, block.kernel_params_address, 0)
+        (err,) = _bindings.cuLaunchKernelEx(config, handle, kernel_params_address, 0)
         return int(err)
-    return _libcuda_extended(ctypes.byref(config), handle, block.kernel_params_address, None)
+    return _libcuda_extended(ctypes.byref(config), handle, kernel_params_address, None)
 
 
 def _cupy_launch(launch: Launch, block, gx: int, gy: int, gz: int) -> None:
@@ -356,7 +359,7 @@ def launch_with_arguments(function, grid, threads: int, arguments, stream_ptr: i
     pairs, programmatically where `programmatic` (the caller checked programmatic_available):
     the stand-in model kernels of the benchmark and the tests (cuda_src/next_layer_inputs.cu)."""
     grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-    if METHOD == "cupy" or (METHOD == "libcuda" and _libcuda_extended is None):
+    if not extended_available():
         import numpy  # CuPy's launch, on its current stream, with sized scalars
 
         sized = {ctypes.c_int: numpy.int32, ctypes.c_uint64: numpy.uint64,
@@ -365,14 +368,10 @@ def launch_with_arguments(function, grid, threads: int, arguments, stream_ptr: i
         return
     values = [ctype(value) for ctype, value in arguments]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    address = ctypes.addressof(pointers)
-    config = _extended_config(grid, threads, 0, False, programmatic)
-    config.hStream = stream_ptr
     handle = function.kernel.ptr
     if METHOD == "bindings":
-        (err,) = _bindings.cuLaunchKernelEx(config, _bindings.CUfunction(handle), address, 0)
-        err = int(err)
-    else:
-        err = _libcuda_extended(ctypes.byref(config), handle, address, None)
+        handle = _bindings.CUfunction(handle)
+    err = _launch_extended(_extended_config(grid, threads, 0, False, programmatic), handle,
+                           ctypes.addressof(pointers), stream_ptr, grid[2])
     if err != _CUDA_SUCCESS:
         raise RuntimeError(f"launching {function.name} failed: CUresult {err}")

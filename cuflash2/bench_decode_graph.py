@@ -148,10 +148,11 @@ def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=G
     """The in-graph rows: us per layer with programmatic launches and without, and the
     fraction of the copy ceiling a layer reaches."""
     from . import _kvcache
-    from .bench import copy_ceiling, decode_bytes, l2_flush
+    from .bench import Backlog, copy_ceiling, decode_bytes, l2_flush
 
     ceiling = copy_ceiling(cupy)
     flush_l2 = l2_flush(cupy)
+    backlog = Backlog(cupy)
     nheads, nheads_kv = heads
     results = []
     for batch, cache_len in rows:
@@ -164,7 +165,7 @@ def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=G
                 _launch.PROGRAMMATIC = programmatic
                 _kvcache._plans_by_key.plans.clear()  # plans keep the launch they were made with
                 step = DecodeStep(cupy, batch, cache_len, nheads, nheads_kv, headdim)
-                ms = _time_step(cupy, step, warmup, iters, flush_l2)
+                ms = time_step(cupy, step, warmup, iters, backlog, flush_l2)
                 label = "programmatic" if programmatic else "plain"
                 row[f"{label}_us_per_layer"] = ms * 1e3 / LAYERS
                 row[f"{label}_edges"] = step.graph.programmatic_edges
@@ -183,21 +184,13 @@ def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=G
     return results
 
 
-def _time_step(cupy, step: DecodeStep, warmup: int, iters: int, flush_l2) -> float:
-    """Median ms of a replayed step, L2 flushed before each (the flush outside the events)."""
-    times = []
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    for i in range(warmup + iters):
-        with step.stream:
-            flush_l2()
-            start.record(step.stream)
-            step.run()
-            end.record(step.stream)
-        end.synchronize()
-        if i >= warmup:
-            times.append(cupy.cuda.get_elapsed_time(start, end))
-    times.sort()
-    return times[len(times) // 2]
+def time_step(cupy, step: DecodeStep, warmup: int, iters: int, backlog, flush_l2) -> float:
+    """Median ms of a replayed step on its stream (bench.time_cupy), L2 flushed before each
+    replay, untimed."""
+    from .bench import time_cupy
+
+    with step.stream:
+        return time_cupy(cupy, step.run, warmup, iters, backlog, flush_l2)
 
 
 def decode_graph_table(rows: list[dict]) -> str:

@@ -11,7 +11,7 @@ import argparse
 import cupy
 
 from cuflash2 import _kvcache, _launch, bench_decode_graph
-from cuflash2.bench import copy_ceiling, decode_bytes, l2_flush
+from cuflash2.bench import Backlog, copy_ceiling, decode_bytes, l2_flush
 
 
 def main() -> None:
@@ -28,6 +28,7 @@ def main() -> None:
         rows = [tuple(int(x) for x in r.split("x")) for r in args.rows]
     ceiling = copy_ceiling(cupy)
     flush = l2_flush(cupy)
+    backlog = Backlog(cupy)
     nheads, nheads_kv = bench_decode_graph.GRAPH_HEADS
     print(f"copy ceiling {ceiling / 1e9:.0f} GB/s; us per layer ({bench_decode_graph.LAYERS} "
           f"layers a step, L2 flushed before each step)")
@@ -43,7 +44,8 @@ def main() -> None:
                                                          num_splits=splits)
                     planned = next(iter(_kvcache._plans_by_key.plans.values()))
                     launch = planned.plan.launches[0]
-                    ms = bench_decode_graph._time_step(cupy, step, args.warmup, args.iters, flush)
+                    ms = bench_decode_graph.time_step(cupy, step, args.warmup, args.iters,
+                                                      backlog, flush)
                     us = ms * 1e3 / bench_decode_graph.LAYERS
                     print(f"b={batch} cache={cache:6d} splits={splits:3d}->{planned.splits:3d} "
                           f"cluster={launch.cluster:2d} pdl={int(launch.programmatic)}: "
