@@ -140,11 +140,11 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     then). An int cache_seqlens enters as "an int", its value going to the kernel per call."""
     ndarray = cupy.ndarray
     key = [cupy.cuda.runtime.getDevice(), type(cache_seqlens)]
-    if cache_seqlens is not None and not _is_int(cache_seqlens):
-        if type(cache_seqlens) is not ndarray:
-            return None
+    if type(cache_seqlens) is ndarray:
         key.append((cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
                     cache_seqlens.data.device_id))
+    elif cache_seqlens is not None and not _is_int(cache_seqlens):
+        return None
     arrays = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes)
     if not _plans.add_signature(key, ndarray, arrays, window_size):
         return None
@@ -168,9 +168,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
                         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
                         check_cache)
         _plans_by_key.put(key, planned)
-    # An int (or no) cache_seqlens goes to the kernel as one length for every sequence.
+    # An int (or no) cache_seqlens goes to the kernel as one length for every sequence (the
+    # signature holds its type, and its first call was checked in full).
     length_all = 0
-    if cache_seqlens is None or _is_int(cache_seqlens):
+    if type(cache_seqlens) is not cupy.ndarray:
         length_all = planned.default_cache_len if cache_seqlens is None else int(cache_seqlens)
         if not -2**31 <= length_all < 2**31:
             raise ValueError(f"cache_seqlens must fit in int32; got {length_all}")

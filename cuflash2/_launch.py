@@ -18,6 +18,12 @@ stream finishes, in a CUDA graph too (stream capture keeps the programmatic edge
 CUFLASH2_PDL=0 launches it as any other kernel; so does the "cupy" path, which has no launch
 attributes. Thread-block clusters chosen at run time (the decode kernel's split merge on sm_90)
 take the same path, with the cluster attribute.
+
+A plan's launches are replayed as one CUDA graph where the driver allows it (`LaunchGraphs`):
+on an H200 a three-kernel graph whose nodes get their parameters again each call costs the host
+3.6-3.8 us, one kernel launch 5.3 us (`benchmarks/dev/multi_launch_cost.py`). A stream that is
+being captured gets the plain launches instead, so a captured call records kernel nodes (and
+programmatic edges) as before. CUFLASH2_GRAPHS=0 launches every kernel on its own.
 """
 
 from __future__ import annotations
@@ -91,6 +97,47 @@ def _load_libcuda():
     return launch, cooperative, extended
 
 
+class _KernelNodeParams(ctypes.Structure):
+    """cuda.h's CUDA_KERNEL_NODE_PARAMS (its v2, which cuGraphAddKernelNode_v2 takes)."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("gridDimX", ctypes.c_uint),
+                ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint),
+                ("blockDimZ", ctypes.c_uint), ("sharedMemBytes", ctypes.c_uint),
+                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+class _GraphAPI:
+    """The driver's graph functions through ctypes (argument types set once)."""
+
+    def __init__(self, lib):
+        p, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        signatures = {
+            "create": ("cuGraphCreate", [p, u]),
+            "add_kernel_node": ("cuGraphAddKernelNode_v2", [p, p, p, ctypes.c_size_t, p]),
+            "set_attribute": ("cuGraphKernelNodeSetAttribute", [p, i, p]),
+            "instantiate": ("cuGraphInstantiateWithFlags", [p, p, ctypes.c_ulonglong]),
+            "destroy": ("cuGraphDestroy", [p]),
+            "destroy_exec": ("cuGraphExecDestroy", [p]),
+            "set_params": ("cuGraphExecKernelNodeSetParams_v2", [p, p, p]),
+            "launch": ("cuGraphLaunch", [p, p]),
+            "is_capturing": ("cuStreamIsCapturing", [p, p]),
+        }
+        for name, (symbol, argtypes) in signatures.items():
+            function = getattr(lib, symbol)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+            setattr(self, name, function)
+
+
+def _load_graph_api():
+    try:
+        return _GraphAPI(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
+        return None
+
+
 def _load_bindings():
     try:
         from cuda.bindings import driver
@@ -133,6 +180,18 @@ PROGRAMMATIC = _programmatic_wanted()
 PROGRAMMATIC_MIN_ARCH = 90
 
 
+def _graphs_wanted() -> bool:
+    wanted = os.environ.get("CUFLASH2_GRAPHS", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"CUFLASH2_GRAPHS must be 0 or 1; got {wanted!r}")
+    return wanted == "1"
+
+
+_graph_api = _load_graph_api()
+#: Plans replay their launches as a CUDA graph (LaunchGraphs); read when a plan is made.
+GRAPHS = _graphs_wanted()
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a plan: the compiled function and its grid. `cooperative`: all CTAs
@@ -150,6 +209,12 @@ class Launch:
     # Launches with attributes (the two above): cuLaunchKernelEx's config (grid, block,
     # attributes) built once; a call sets its stream (plans launch under their lock).
     extended: object = None
+
+
+def graphs_available() -> bool:
+    """Whether plans made now replay their launches as CUDA graphs (the "cupy" launch path
+    has no graphs)."""
+    return GRAPHS and METHOD != "cupy" and _graph_api is not None
 
 
 def kernel_launch(config, device_id: int, grid, cooperative: bool = False,
@@ -375,3 +440,134 @@ def launch_with_arguments(function, grid, threads: int, arguments, stream_ptr: i
                            ctypes.addressof(pointers), stream_ptr, grid[2])
     if err != _CUDA_SUCCESS:
         raise RuntimeError(f"launching {function.name} failed: CUresult {err}")
+
+
+#: Stream capture statuses of cuStreamIsCapturing: only NONE gets the graph.
+_CAPTURE_NONE = 0
+#: cuda.h's CUlaunchAttributeValue: a 64-byte union.
+_AttributeValue = ctypes.c_uint * 16
+
+
+class LaunchGraphs:
+    """A plan's launches as one CUDA graph (a chain of kernel nodes, each with its kernel's
+    cooperative and cluster attributes), instantiated once per stream: launches of one
+    executable graph run one after the other whatever their streams, so calls on different
+    streams keep their own. A call sets every node's parameters again (the driver copies the
+    struct then, as at a kernel launch; launches already queued keep theirs) and launches the
+    graph on the stream. Programmatic launches have no counterpart in a graph launch, which
+    starts after the previous work of its stream."""
+
+    #: Executable graphs kept per plan; dropped all at once beyond (a queued launch of a
+    #: destroyed graph still runs: the driver frees it after).
+    MAX_STREAMS = 16
+
+    def __init__(self, launches, blocks):
+        self.nodes = tuple((launch, block.kernel_params_address)
+                           for launch, block in zip(launches, blocks))
+        self.by_stream: dict = {}
+        self.status = ctypes.c_int(0)
+        self.status_address = ctypes.addressof(self.status)
+
+    @staticmethod
+    def covers(launches) -> bool:
+        """Whether `launches` can be one graph: each a single launch (no batch slices)."""
+        return bool(launches) and all(launch.grid[2] <= MAX_GRID_Z for launch in launches)
+
+    def launch(self, stream_ptr: int) -> bool:
+        """Launches the graph on the stream; False where the caller launches the kernels
+        instead: a stream being captured, or a thread without a current context (whose first
+        launch through CuPy makes one current)."""
+        api = _graph_api
+        if (api.is_capturing(stream_ptr, self.status_address) != _CUDA_SUCCESS
+                or self.status.value != _CAPTURE_NONE):
+            return False
+        graph = self.by_stream.get(stream_ptr)
+        if graph is None:
+            graph = self._instantiate()
+            if graph is None:
+                return False
+            if len(self.by_stream) >= self.MAX_STREAMS:
+                self.by_stream.clear()
+            self.by_stream[stream_ptr] = graph
+        executable, calls = graph.executable, graph.calls
+        set_params = api.set_params
+        for node, params in calls:
+            err = set_params(executable, node, params)
+            if err != _CUDA_SUCCESS:
+                raise RuntimeError(f"setting a graph node's parameters failed: CUresult {err}")
+        err = api.launch(executable, stream_ptr)
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"launching the plan's graph failed: CUresult {err}")
+        return True
+
+    def _instantiate(self):
+        api = _graph_api
+        graph = ctypes.c_void_p()
+        if api.create(ctypes.byref(graph), 0) != _CUDA_SUCCESS:
+            return None
+        try:
+            calls, previous = [], None
+            for launch, params_address in self.nodes:
+                gx, gy, gz = launch.grid
+                params = _KernelNodeParams(int(launch.function.kernel.ptr), gx, gy, gz,
+                                           launch.threads, 1, 1, launch.smem_bytes,
+                                           params_address, None, None, None)
+                node = ctypes.c_void_p()
+                dependencies = None if previous is None else (ctypes.c_void_p * 1)(previous)
+                err = api.add_kernel_node(ctypes.byref(node), graph, dependencies,
+                                          0 if previous is None else 1, ctypes.byref(params))
+                if err == _CUDA_ERROR_INVALID_CONTEXT:
+                    api.destroy(graph)
+                    return None
+                if err != _CUDA_SUCCESS:
+                    raise RuntimeError(f"adding {launch.function.name} to a graph failed: "
+                                       f"CUresult {err}")
+                for attribute_id, value in _node_attributes(launch):
+                    err = api.set_attribute(node, attribute_id, ctypes.byref(value))
+                    if err != _CUDA_SUCCESS:
+                        raise RuntimeError(f"setting attribute {attribute_id} of a graph node "
+                                           f"failed: CUresult {err}")
+                calls.append((node.value, params))
+                previous = node.value
+            executable = ctypes.c_void_p()
+            err = api.instantiate(ctypes.byref(executable), graph, 0)
+            if err != _CUDA_SUCCESS:
+                raise RuntimeError(f"instantiating a plan's graph failed: CUresult {err}")
+        except BaseException:
+            api.destroy(graph)
+            raise
+        return _Executable(graph.value, executable.value,
+                           tuple((node, ctypes.addressof(params)) for node, params in calls),
+                           tuple(params for _, params in calls))
+
+
+class _Executable:
+    """One instantiated graph: the graph it was made from (whose node handles setting a
+    node's parameters takes, so it lives as long), its handle, (node, parameters address) a
+    node, and the parameter structs those addresses point into."""
+
+    def __init__(self, graph: int, executable: int, calls: tuple, keep: tuple):
+        self.graph, self.executable, self.calls, self._keep = graph, executable, calls, keep
+
+    def __del__(self):
+        api = _graph_api
+        if api is not None:
+            try:
+                api.destroy_exec(self.executable)
+                api.destroy(self.graph)
+            except Exception:  # interpreter shutdown
+                pass
+
+
+def _node_attributes(launch: Launch):
+    """The graph node attributes of `launch`: cooperative, thread-block cluster."""
+    attributes = []
+    if launch.cooperative:
+        value = _AttributeValue()
+        value[0] = 1
+        attributes.append((_ATTRIBUTE_COOPERATIVE, value))
+    if launch.cluster > 1:
+        value = _AttributeValue()
+        value[0], value[1], value[2] = launch.cluster, 1, 1
+        attributes.append((_ATTRIBUTE_CLUSTER_DIMENSION, value))
+    return attributes

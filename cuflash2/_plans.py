@@ -143,11 +143,29 @@ class Plan:
         self.output_offsets, output_bytes = carve(
             [dtype.itemsize * _size(shape) for shape, dtype in self.outputs])
         self.output_prefix = self.output_offsets + [output_bytes]
-        self.output_slots = tuple((*self.block.slot(f), i, off) for f, i, off in output_fields)
+        self.output_count = len(self.outputs)
+        # (view, index, output, byte offset from the allocation's start)
+        self.output_slots = tuple((*self.block.slot(f), i, self.output_offsets[i] + off)
+                                  for f, i, off in output_fields)
         self.workspace_bytes = workspace_bytes
         self.workspace_slots = tuple((*self.block.slot(f), off) for f, off in workspace_fields)
+        # Scratch bytes of a call returning its first n outputs: workspace, then the others.
+        self.scratch_bytes = [workspace_bytes + output_bytes - self.output_prefix[n]
+                              for n in range(self.output_count + 1)]
         self.aligned = tuple(aligned)
+        # (input position, its name where it is read in 16-byte chunks, its struct slots)
+        slots_by_position: dict = {}
+        for view, index, pos, off in self.input_slots:
+            slots_by_position.setdefault(pos, []).append((view, index, off))
+        aligned_names = dict(self.aligned)
+        self.input_reads = tuple(
+            (pos, aligned_names.get(pos), tuple(slots_by_position.get(pos, ())))
+            for pos in dict.fromkeys([*slots_by_position, *aligned_names]))
         self.per_call = {f: self.block.slot(f) for f in per_call}
+        # The launches as one CUDA graph a stream, where the driver path allows it.
+        self.graphs = (_launch.LaunchGraphs(self.launches, self.launch_blocks)
+                       if _launch.graphs_available() and _launch.LaunchGraphs.covers(
+                           self.launches) else None)
         self.lock = threading.Lock()
 
     def run(self, inputs: tuple, cupy, scalars: dict | None = None, wrap: int | None = None,
@@ -159,20 +177,14 @@ class Plan:
             from ._prepare import cupy_module
 
             cupy = cupy_module()
-        for pos, name in self.aligned:
-            x = inputs[pos]
-            if x.data.ptr & 15 and x.size:
-                from ._prepare import check_aligned
-
-                check_aligned(name, x)
-        n = len(self.outputs) if wrap is None else wrap
-        outputs, chunk = self._allocate(cupy, n)
+        n = self.output_count if wrap is None else wrap
         if not self.launches:
-            return outputs
+            self._read_inputs(inputs)
+            return self._allocate(cupy, n)[0]
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
         # Scratch: the workspace, then the outputs not returned.
-        scratch_bytes = self.workspace_bytes + self.output_prefix[-1] - self.output_prefix[n]
+        scratch_bytes = self.scratch_bytes[n]
         memory = None
         if not scratch_bytes:
             scratch = 0
@@ -181,22 +193,35 @@ class Plan:
         else:
             memory = cupy.cuda.alloc(scratch_bytes)  # freed on return, in stream order
             scratch = memory.ptr
-        unreturned = scratch + self.workspace_bytes - self.output_prefix[n]
         with self.lock:
-            for view, index, pos, off in self.input_slots:
-                view[index] = inputs[pos].data.ptr + off
-            offsets = self.output_offsets
-            for view, index, i, off in self.output_slots:
-                view[index] = (chunk if i < n else unreturned) + offsets[i] + off
+            self._read_inputs(inputs)
+            outputs, chunk = self._allocate(cupy, n)
+            unreturned = scratch + self.workspace_bytes - self.output_prefix[n]
+            for view, index, i, offset in self.output_slots:
+                view[index] = (chunk if i < n else unreturned) + offset
             for view, index, off in self.workspace_slots:
                 view[index] = scratch + off
             if scalars:
                 for field, value in scalars.items():
                     view, index = self.per_call[field]
                     view[index] = value
-            for launch, block in zip(self.launches, self.launch_blocks):
-                _launch.run(launch, block, stream, self.batch_offset_slot)
+            if self.graphs is None or not self.graphs.launch(stream):
+                for launch, block in zip(self.launches, self.launch_blocks):
+                    _launch.run(launch, block, stream, self.batch_offset_slot)
         return outputs
+
+    def _read_inputs(self, inputs: tuple) -> None:
+        """Reads each input's address once: checks the 16-byte alignment of those read in
+        chunks, patches it into the struct (under the lock, where there are launches)."""
+        for pos, name, slots in self.input_reads:
+            x = inputs[pos]
+            ptr = x.data.ptr
+            if ptr & 15 and name is not None and x.size:
+                from ._prepare import check_aligned
+
+                check_aligned(name, x)
+            for view, index, off in slots:
+                view[index] = ptr + off
 
     @property
     def kernels(self) -> tuple:

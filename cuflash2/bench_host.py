@@ -223,7 +223,10 @@ def run(cupy, args) -> int:
 
 
 def _launch_method() -> str:
-    from ._launch import METHOD
+    from ._launch import METHOD, graphs_available
 
-    return {"libcuda": "the driver's cuLaunchKernel (ctypes)",
-            "bindings": "cuda.bindings.driver", "cupy": "CuPy"}[METHOD]
+    method = {"libcuda": "the driver's cuLaunchKernel (ctypes)",
+              "bindings": "cuda.bindings.driver", "cupy": "CuPy"}[METHOD]
+    if graphs_available():
+        return f"a call's kernels replayed as one CUDA graph (captured streams: {method})"
+    return method

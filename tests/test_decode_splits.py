@@ -101,6 +101,38 @@ def test_launch_attribute_structs_match_cuda_h():
     assert _launch._LaunchConfig.numAttrs.offset == 48
 
 
+def test_graph_node_structs_match_cuda_h():
+    """The ctypes mirror of cuda.h's CUDA_KERNEL_NODE_PARAMS (v2) that the plans' graphs are
+    built from, and the launch attribute value union their nodes take."""
+    import ctypes
+
+    from cuflash2 import _launch
+
+    assert ctypes.sizeof(_launch._KernelNodeParams) == 72
+    assert _launch._KernelNodeParams.sharedMemBytes.offset == 32
+    assert _launch._KernelNodeParams.kernelParams.offset == 40
+    assert _launch._KernelNodeParams.extra.offset == 48
+    assert _launch._KernelNodeParams.ctx.offset == 64
+    assert ctypes.sizeof(_launch._AttributeValue) == 64
+
+
+def test_graph_nodes_carry_the_cooperative_and_cluster_attributes():
+    from cuflash2 import _launch
+
+    def launch(cooperative=False, cluster=1, grid=(4, 2, 3)):
+        return _launch.Launch(None, None, grid, 128, 0, cooperative, cluster=cluster)
+
+    assert _launch._node_attributes(launch()) == []
+    ((attribute, value),) = _launch._node_attributes(launch(cooperative=True))
+    assert attribute == _launch._ATTRIBUTE_COOPERATIVE and value[0] == 1
+    ((attribute, value),) = _launch._node_attributes(launch(cluster=16))
+    assert attribute == _launch._ATTRIBUTE_CLUSTER_DIMENSION and list(value[:3]) == [16, 1, 1]
+    # A batch launched in slices stays on single launches; so does a plan without launches.
+    assert _launch.LaunchGraphs.covers([launch(), launch(cooperative=True)])
+    assert not _launch.LaunchGraphs.covers([launch(grid=(1, 1, _launch.MAX_GRID_Z + 1))])
+    assert not _launch.LaunchGraphs.covers([])
+
+
 def test_launch_configs_carry_their_attributes(monkeypatch):
     """cuLaunchKernelEx's launch configs, as both driver paths build them: grid, block, shared
     memory, and the programmatic, cooperative and cluster attributes asked for."""

@@ -50,6 +50,7 @@ def launches(monkeypatch):
         recorded.append((launch, stream, block.record.copy()))
 
     monkeypatch.setattr(_launch, "run", record)
+    monkeypatch.setattr(_launch, "graphs_available", lambda: False)  # each launch recorded
     monkeypatch.setattr(_plans, "_scratch", _plans._StreamScratch())
     return recorded
 
@@ -85,10 +86,10 @@ def test_unreturned_outputs_go_to_scratch_after_the_workspace(launches):
     assert record["varlen"]["cu_seqlens_k"] == scratch + 512
     assert record["lse"] == scratch + 1024  # after the workspace
     assert record["out"] == out.data.ptr
-    assert state["allocations"] == [256, 1 << 16]  # out; then the stream's scratch buffer
+    assert state["allocations"] == [1 << 16, 256]  # the stream's scratch buffer; then out
     plan.run((), cupy, wrap=1)
     assert launches[1][2]["varlen"]["cu_seqlens_q"] == scratch  # the scratch is kept
-    assert state["allocations"] == [256, 1 << 16, 256]
+    assert state["allocations"] == [1 << 16, 256, 256]
 
 
 def test_large_scratch_is_allocated_per_call(launches):
@@ -136,6 +137,7 @@ def test_launches_take_the_struct_or_a_nested_one(monkeypatch):
     recorded = []
     monkeypatch.setattr(_launch, "run", lambda launch, block, stream, slot: recorded.append(
         (launch, block.kernel_params_address, block.record.copy()[0])))
+    monkeypatch.setattr(_launch, "graphs_available", lambda: False)
     monkeypatch.setattr(_plans, "_scratch", _plans._StreamScratch())
     cupy, _ = _fake_cupy()
     plan = _plans.Plan(0, "BwdSm90Params", {"base.seqlen_q": 9}, ["pre", "main", "convert"],

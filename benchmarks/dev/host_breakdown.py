@@ -3,8 +3,8 @@
     python benchmarks/dev/host_breakdown.py
 
 Times, per call, on tiny inputs: the whole call; its signature key and plan lookup; Plan.run;
-the output allocation; one kernel launch by each launch path (_launch.METHOD); and a cProfile
-listing of the whole call. Uses private modules (api, _plans, _launch).
+the output allocation; one kernel launch by each launch path (_launch.METHOD); the same for
+the backward, with its plan's graph launch alone; and a cProfile listing of the whole call. Uses private modules (api, _plans, _launch).
 """
 
 import cProfile
@@ -45,6 +45,14 @@ def main():
 
     plan = api._forward_plans.get(key())
     stream = cupy.cuda.get_current_stream().ptr
+    grads_in = (dout, q, k, v, out, lse, None, None, None, None)
+
+    def backward_key():
+        return api._backward_key("attention_backward", cupy, grads_in, False, None, (-1, -1),
+                                 0.0, 0.0, False)
+
+    cuflash2.attention_backward(dout, q, k, v, out, lse)
+    bplan = api._backward_plans.get(backward_key())
     launch = plan.launches[0]
     rows = {
         "attention(q, k, v)": lambda: cuflash2.attention(q, k, v),
@@ -58,7 +66,15 @@ def main():
         "  Plan._allocate (lse, not wrapped)": lambda: plan._allocate(cupy, 0),
         "  Plan._allocate (lse wrapped)": lambda: plan._allocate(cupy, 1),
         "  cupy.cuda.get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
+        "  backward signature key": backward_key,
+        "  backward key + plan lookup": lambda: api._backward_plans.get(backward_key()),
+        "  backward Plan.run": lambda: bplan.run(grads_in, cupy, None),
+        "  backward Plan._allocate (3 gradients)": lambda: bplan._allocate(cupy, 3),
     }
+    for label, some_plan in (("forward", plan), ("backward", bplan)):
+        if some_plan.graphs is not None:
+            rows[f"  {label} plan's graph launch alone"] = (
+                lambda some_plan=some_plan: some_plan.graphs.launch(stream))
     default_method, default_handle = _launch.METHOD, launch.handle
     for method in ("libcuda", "bindings", "cupy"):
         if method == "bindings" and _launch._bindings is None:

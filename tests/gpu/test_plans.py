@@ -163,3 +163,130 @@ def test_every_launch_path_gives_the_same_bits(method, monkeypatch):
         assert _same_bits(g, w)
     assert _same_bits(dec, cuflash2.attention_with_kvcache(cache[0], cache[1], cache[2],
                                                            **kwargs))
+
+
+def _plan_of_last_forward():
+    return next(reversed(api._forward_plans.plans.values()))
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_graph_replays_and_single_launches_give_the_same_bits(graphs, monkeypatch):
+    """A plan replays its launches as one CUDA graph (cuflash2/_launch.py, LaunchGraphs) or
+    launches them one by one: same bits, for every plan kind (the backward's three kernels, the
+    decode kernel with its split merge)."""
+    if graphs and not _launch.graphs_available():
+        pytest.skip("no graph launches on this launch path")
+    from cuflash2 import _kvcache
+
+    q, k, v = _qkv((2, 150, 170, 4, 2, 64), 21)
+    cache = testing.random_qkv(cupy, 2, 1, 4096, 8, 2, 128, FP16, 22)
+    out, lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
+    dout = cupy.ones_like(out)
+    bwd = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    decodes = {n: cuflash2.attention_with_kvcache(cache[0], cache[1], cache[2],
+                                                  cache_seqlens=4000, num_splits=n)
+               for n in (1, 4, 32)}
+    monkeypatch.setattr(_launch, "GRAPHS", graphs)
+    for cache_of_plans in (api._forward_plans, api._backward_plans, _kvcache._plans_by_key):
+        monkeypatch.setattr(cache_of_plans, "plans", {})
+    got, got_lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
+    assert (_plan_of_last_forward().graphs is not None) == graphs
+    assert _same_bits(got, out) and bool((got_lse == lse).all())
+    for _ in range(2):  # the second call sets the graph's parameters again
+        got = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                          deterministic=True)
+        for g, w in zip(got, bwd):
+            assert _same_bits(g, w)
+    for n, want in decodes.items():
+        assert _same_bits(want, cuflash2.attention_with_kvcache(
+            cache[0], cache[1], cache[2], cache_seqlens=4000, num_splits=n))
+
+
+def test_calls_on_two_streams_replay_their_own_graphs():
+    if not _launch.graphs_available():
+        pytest.skip("no graph launches on this launch path")
+    inputs = [_qkv((1, 300, 300, 4, 4, 64), 30 + i) for i in range(2)]
+    want = [cuflash2.attention(*x) for x in inputs]
+    plan = _plan_of_last_forward()
+    cupy.cuda.Device().synchronize()  # the inputs, made on the null stream
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in inputs]
+    got = [None, None]
+    for _ in range(3):
+        for i, stream in enumerate(streams):
+            with stream:
+                got[i] = cuflash2.attention(*inputs[i])
+    for stream in streams:
+        stream.synchronize()
+    assert all(s.ptr in plan.graphs.by_stream for s in streams)
+    for g, w in zip(got, want):
+        assert _same_bits(g, w)
+
+
+def test_a_call_captured_in_a_graph_records_its_kernels():
+    """A stream being captured gets plain launches (a plan's own graph is not what the
+    capture records), and replaying the captured graph gives the call's results again."""
+    from cuflash2.bench_decode_graph import CapturedGraph
+
+    q, k, v = _qkv((1, 200, 200, 4, 2, 64), 40)
+    dout = cupy.ones_like(q)
+    want, lse = cuflash2.attention(q, k, v, return_lse=True)
+    want_grads = cuflash2.attention_backward(dout, q, k, v, want, lse, deterministic=True)
+    plan = _plan_of_last_forward()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    captured = {}
+
+    def record():
+        out, lse_c = cuflash2.attention(q, k, v, return_lse=True)
+        captured["out"] = out
+        captured["grads"] = cuflash2.attention_backward(dout, q, k, v, out, lse_c,
+                                                        deterministic=True)
+
+    cupy.cuda.Device().synchronize()  # the inputs, made on the null stream
+    graph = CapturedGraph(cupy, stream, record)
+    if plan.graphs is not None:
+        assert stream.ptr not in plan.graphs.by_stream
+    for _ in range(2):
+        with stream:
+            captured["out"].fill(0)
+        graph.launch()
+        stream.synchronize()
+        assert _same_bits(captured["out"], want)
+        for g, w in zip(captured["grads"], want_grads):
+            assert _same_bits(g, w)
+
+
+def test_calls_queued_behind_a_busy_stream_keep_their_own_parameters():
+    """Each call sets its graph's node parameters again while the earlier calls' launches of
+    that graph are still queued (the stream spins first): every call must still read its own
+    inputs and write its own outputs."""
+    from busy_stream import spin  # tests/gpu helper
+
+    inputs = [_qkv((1, 180, 180, 4, 2, 64), 50 + i) for i in range(6)]
+    grads_in = []
+    want, want_grads = [], []
+    for q, k, v in inputs:
+        out, lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
+        dout = cupy.ones_like(out)
+        want.append(out)
+        grads_in.append((dout, out, lse))
+        want_grads.append(cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                      deterministic=True))
+    cupy.cuda.Device().synchronize()  # the inputs, made on the null stream
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash2.attention(*inputs[0], causal=True)  # the stream's graphs exist before the spin
+        cuflash2.attention_backward(*grads_in[0][:1], *inputs[0], *grads_in[0][1:], causal=True,
+                                    deterministic=True)
+        stream.synchronize()
+        spin(0.05)
+        got = [cuflash2.attention(q, k, v, causal=True) for q, k, v in inputs]
+        got_grads = [cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                 deterministic=True)
+                     for (q, k, v), (dout, out, lse) in zip(inputs, grads_in)]
+    assert not stream.done  # the calls were queued behind the spin
+    stream.synchronize()
+    for g, w in zip(got, want):
+        assert _same_bits(g, w)
+    for gs, ws in zip(got_grads, want_grads):
+        for g, w in zip(gs, ws):
+            assert _same_bits(g, w)
