@@ -21,9 +21,10 @@ take the same path, with the cluster attribute.
 
 A plan's launches are replayed as one CUDA graph where the driver allows it (`LaunchGraphs`):
 on an H200 a three-kernel graph whose nodes get their parameters again each call costs the host
-3.6-3.8 us, one kernel launch 5.3 us (`benchmarks/dev/multi_launch_cost.py`). A stream that is
-being captured gets the plain launches instead, so a captured call records kernel nodes (and
-programmatic edges) as before. CUFLASH2_GRAPHS=0 launches every kernel on its own.
+3.6-6.7 us, one kernel launch 5.3-7.9 us (two machine states;
+`benchmarks/dev/multi_launch_cost.py`). A stream that is being captured gets the plain launches
+instead, so a captured call records kernel nodes (and programmatic edges) as before.
+CUFLASH2_GRAPHS=0 launches every kernel on its own.
 """
 
 from __future__ import annotations
