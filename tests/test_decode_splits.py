@@ -116,6 +116,22 @@ def test_graph_node_structs_match_cuda_h():
     assert ctypes.sizeof(_launch._AttributeValue) == 64
 
 
+def test_graph_replay_is_on_unless_switched_off(monkeypatch):
+    from cuflash2 import _launch
+
+    for value, expected in ((None, True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv("CUFLASH2_GRAPHS", raising=False)
+        else:
+            monkeypatch.setenv("CUFLASH2_GRAPHS", value)
+        assert _launch._graphs_wanted() is expected
+    monkeypatch.setenv("CUFLASH2_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="CUFLASH2_GRAPHS must be 0 or 1"):
+        _launch._graphs_wanted()
+    monkeypatch.setattr(_launch, "METHOD", "cupy")
+    assert not _launch.graphs_available()  # CuPy's launch path has no graphs
+
+
 def test_graph_nodes_carry_the_cooperative_and_cluster_attributes():
     from cuflash2 import _launch
 

@@ -98,17 +98,16 @@ def test_the_flag_is_on_by_default():
     import os
     import subprocess
 
-    for variable, flag in (("CUFLASH2_HOPPER_BWD", "_hopper_bwd.ENABLED"),
-                           ("CUFLASH2_HOPPER_VARLEN", "_hopper.VARLEN")):
-        for value, expected in ((None, "True"), ("0", "False"), ("1", "True")):
-            env = {k: v for k, v in os.environ.items() if k != variable}
-            if value is not None:
-                env[variable] = value
-            result = subprocess.run(
-                [sys.executable, "-c", f"from cuflash2 import _hopper, _hopper_bwd; print({flag})"],
-                env=env, capture_output=True, text=True, check=True)
-            assert result.stdout.strip() == expected, (variable, value, result.stdout,
-                                                       result.stderr)
+    variables = ("CUFLASH2_HOPPER_BWD", "CUFLASH2_HOPPER_VARLEN")
+    for value, expected in ((None, "True True"), ("0", "False False"), ("1", "True True")):
+        env = {k: v for k, v in os.environ.items() if k not in variables}
+        if value is not None:
+            env.update(dict.fromkeys(variables, value))
+        probe = ("from cuflash2 import _hopper, _hopper_bwd; "
+                 "print(_hopper_bwd.ENABLED, _hopper.VARLEN)")
+        result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                                text=True, check=True)
+        assert result.stdout.strip() == expected, (value, result.stdout, result.stderr)
 
 
 @pytest.mark.parametrize("head_dim,kernel_dim", [(8, 64), (40, 64), (64, 64), (72, 96),
