@@ -246,7 +246,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "seqlen_q": kv.seqlen_q, "nheads": kv.nheads, "heads_per_kv_head": group,
         "head_dim": kv.head_dim, "num_m_blocks": m_blocks, "num_splits": splits,
         "tiles_per_split": tiles_per_split, "split_cluster": int(cluster > 1),
-        "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0], "window_right": window[1], **mods.fields()}
+        "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
+        "window_right": window[1], **mods.fields()}
     # Pointer fields by position in the call's input tuple; an int or absent cache_seqlens leaves
     # its field null (the kernel then reads cache_len_all).
     given = {"cache_seqlens": 5 if "cache_seqlens" in arrays else None,

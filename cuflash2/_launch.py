@@ -71,10 +71,16 @@ class _LaunchConfig(ctypes.Structure):
 _libcuda_functions: dict = {}
 
 
-def _load_libcuda():
+def _open_libcuda():
+    """The driver library (loaded anyway: CuPy runs on it), or None where it does not load."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        return ctypes.CDLL("libcuda.so.1")
     except OSError:
+        return None
+
+
+def _load_libcuda(lib):
+    if lib is None:
         return None, None, None
     args = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 2
     launch = lib.cuLaunchKernel
@@ -132,10 +138,12 @@ class _GraphAPI:
             setattr(self, name, function)
 
 
-def _load_graph_api():
+def _load_graph_api(lib):
+    if lib is None:
+        return None
     try:
-        return _GraphAPI(ctypes.CDLL("libcuda.so.1"))
-    except (OSError, AttributeError):
+        return _GraphAPI(lib)
+    except AttributeError:  # a driver without the graph functions
         return None
 
 
@@ -161,17 +169,23 @@ def _choose() -> str:
     raise RuntimeError(f"CUFLASH2_LAUNCH={wanted}: that launch path is not available here")
 
 
-_libcuda_launch, _libcuda_cooperative, _libcuda_extended = _load_libcuda()
+_libcuda = _open_libcuda()
+_libcuda_launch, _libcuda_cooperative, _libcuda_extended = _load_libcuda(_libcuda)
 _bindings = _load_bindings()
 #: The launch path in use.
 METHOD = _choose()
 
 
-def _programmatic_wanted() -> bool:
-    wanted = os.environ.get("CUFLASH2_PDL", "1")
+def _switch(variable: str) -> bool:
+    """An on/off environment variable of this module: 1 (the default) or 0."""
+    wanted = os.environ.get(variable, "1")
     if wanted not in ("0", "1"):
-        raise ValueError(f"CUFLASH2_PDL must be 0 or 1; got {wanted!r}")
+        raise ValueError(f"{variable} must be 0 or 1; got {wanted!r}")
     return wanted == "1"
+
+
+def _programmatic_wanted() -> bool:
+    return _switch("CUFLASH2_PDL")
 
 
 #: Kernels that wait for the previous kernel themselves get programmatic launches (sm_90+).
@@ -182,13 +196,10 @@ PROGRAMMATIC_MIN_ARCH = 90
 
 
 def _graphs_wanted() -> bool:
-    wanted = os.environ.get("CUFLASH2_GRAPHS", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"CUFLASH2_GRAPHS must be 0 or 1; got {wanted!r}")
-    return wanted == "1"
+    return _switch("CUFLASH2_GRAPHS")
 
 
-_graph_api = _load_graph_api()
+_graph_api = _load_graph_api(_libcuda)
 #: Plans replay their launches as a CUDA graph (LaunchGraphs); read when a plan is made.
 GRAPHS = _graphs_wanted()
 

@@ -152,12 +152,11 @@ class Plan:
         # Scratch bytes of a call returning its first n outputs: workspace, then the others.
         self.scratch_bytes = [workspace_bytes + output_bytes - self.output_prefix[n]
                               for n in range(self.output_count + 1)]
-        self.aligned = tuple(aligned)
         # (input position, its name where it is read in 16-byte chunks, its struct slots)
         slots_by_position: dict = {}
         for view, index, pos, off in self.input_slots:
             slots_by_position.setdefault(pos, []).append((view, index, off))
-        aligned_names = dict(self.aligned)
+        aligned_names = dict(aligned)
         self.input_reads = tuple(
             (pos, aligned_names.get(pos), tuple(slots_by_position.get(pos, ())))
             for pos in dict.fromkeys([*slots_by_position, *aligned_names]))
