@@ -27,14 +27,16 @@
 //    stage's lse / D arrays in shared memory.
 //  - dQ needs dS with queries as rows (M = queries): each consumer stores its dS^T transposed
 //    (stmatrix .trans) into a shared dS tile [BLOCK_M queries x BLOCK_N keys], both consumers
-//    meet at a named barrier, and consumer c computes the columns of its half of the head dim,
-//    dQ_i[:, cols_c] = dS K[:, cols_c] (SS: dS K-major, K MN-major), M = 64 queries, all 128
-//    keys. The dS tile is double-buffered (by step parity), so the one barrier a step suffices.
+//    meet at a named barrier, and consumer c computes its share of dQ_i = dS K (SS: dS K-major,
+//    K MN-major, all 128 keys, M = 64 queries): with 64-row steps the columns of its half of the
+//    head dim, dQ_i[:, cols_c]; with 128-row steps (d=64) its 64 rows, dQ_i[rows_c, :]. The dS
+//    tile is double-buffered (by step parity), so the one barrier a step suffices.
 //  - dQ goes to the fp32 accumulator dq_accum in dq_accum.cuh's interleaved column order (the
 //    wgmma accumulator is, per warp, the mma.sync m16n8 layout that order was made for), so the
 //    existing preprocess (which zeroes dq_accum) and flash_bwd_convert_dq.cu serve unchanged.
 //    Up to d=128 (DQ_STAGED) the consumers store dQ_i into a shared fp32 tile laid out as its
-//    rows of dq_accum (two buffers, by step parity), and one producer thread adds the whole
+//    rows of dq_accum (DQ_BUFFERS of them taken in turn: two, or one at 128-row steps, whose
+//    shared memory has no room for a second), and one producer thread adds the whole
 //    tile with one bulk reduction, cp.reduce.async.bulk .add.f32 (FlashAttention-3's dQ path):
 //    vector reductions from the consumers' registers (red.global.add.v4.f32, the path of the
 //    wider head dims, whose shared memory has no room for the tiles) hold those registers until
@@ -77,9 +79,12 @@
 #include "constants.cuh"
 #include "kernel_params.cuh"
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool STAGED_DQ>
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int DQ_TILES>
 struct BwdSm90Traits : Sm90CtaLayout {
-    static constexpr bool DQ_STAGED = STAGED_DQ;  // dQ through shared memory (the kernel's note)
+    // dQ through shared memory (the kernel's note) in DQ_BUFFERS fp32 tiles, or (0) by vector
+    // reductions from the registers.
+    static constexpr int DQ_BUFFERS = DQ_TILES;
+    static constexpr bool DQ_STAGED = DQ_BUFFERS > 0;
     static constexpr int KEYS_PER_WARPGROUP = 64;  // the M of wgmma
     static constexpr int CONSUMER_WARPGROUPS = BLOCK_N / KEYS_PER_WARPGROUP;
     static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
@@ -103,12 +108,12 @@ struct BwdSm90Traits : Sm90CtaLayout {
     // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
     static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int DS_BYTES = (BLOCK_N / PANEL_COLS) * DS_PANEL_BYTES;
-    // dQ_i of a step in fp32, as its BLOCK_M rows of dq_accum (DQ_STAGED: two buffers).
+    // dQ_i of a step in fp32, as its BLOCK_M rows of dq_accum (DQ_BUFFERS of them).
     static constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4;
-    // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D) | 2 x dQ (DQ_STAGED), + the slack
-    // to align the base.
+    // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D) | DQ_BUFFERS x dQ, + the slack to
+    // align the base.
     static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
-                                      STAGES * 2 * STAT_BYTES + (DQ_STAGED ? 2 * DQ_TILE_BYTES : 0) +
+                                      STAGES * 2 * STAT_BYTES + DQ_BUFFERS * DQ_TILE_BYTES +
                                       SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
@@ -139,15 +144,23 @@ struct BwdSm90Traits : Sm90CtaLayout {
     __host__ __device__ static constexpr int dq_cols_0(int cols) {
         return cols <= PANEL_COLS ? cols / 2 : PANEL_COLS * (((cols + PANEL_COLS - 1) / PANEL_COLS) / 2);
     }
-    static constexpr int DQ_COLS_0 = dq_cols_0(CHUNK_COLS);
-    static constexpr int DQ_COLS_1 = CHUNK_COLS - DQ_COLS_0;
+    // dQ_i = dS K has BLOCK_M query rows and a wgmma 64: a 64-row step splits dQ_i's columns
+    // between the consumers (dq_cols_0 above), a 128-row step (d=64, FlashAttention-3's tile)
+    // its rows, consumer c computing rows 64 c .. 64 c + 63 over every column.
+    static constexpr int DQ_WGMMA_ROWS = 64;
+    static constexpr bool DQ_BY_ROWS = BLOCK_M == 2 * DQ_WGMMA_ROWS;
+    static constexpr int DQ_COLS_0 = DQ_BY_ROWS ? CHUNK_COLS : dq_cols_0(CHUNK_COLS);
+    static constexpr int DQ_COL0_1 = DQ_BY_ROWS ? 0 : DQ_COLS_0;  // consumer 1's first column
+    static constexpr int DQ_COLS_1 = DQ_BY_ROWS ? CHUNK_COLS : CHUNK_COLS - DQ_COLS_0;
+    // Staged dQ tiles taken in turn by step (one buffer where two do not fit: 128-row steps).
+    static constexpr int DQ_RING = DQ_BUFFERS > 0 ? DQ_BUFFERS : 1;
     // fp32 registers a consumer thread keeps live at the peak (dP^T just completed): dK and dV
     // (CHUNK_COLS / 2 each), S^T (or P^T) and dP^T (BLOCK_M / 2 each); the 16-bit P^T and dS^T
     // fragments grow as S^T and dP^T die (score_gradients). 192 at d=128 leaves 48 of the 240
     // for addresses, statistics, the score modifiers and the dQ tile (BLOCK_M x half the head
     // dim: HEAD_DIM / 4, live with dK, dV and the fragments). A peak with P^T packed beside
     // S^T and dP^T (208) made the softcap + ALiBi variant spill at d=128.
-    static constexpr int PEAK_ACCUMULATORS = CHUNK_COLS + BLOCK_M;
+    static constexpr int PEAK_ACCUMULATORS = CHUNK_COLS + BLOCK_M;  // d=64 at 128 rows: 192 too
 
     static_assert(BLOCK_N == 2 * KEYS_PER_WARPGROUP, "two consumer warpgroups of 64 keys");
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64 && HEAD_DIM <= 256, "head dim");
@@ -170,7 +183,11 @@ struct BwdSm90Traits : Sm90CtaLayout {
     static_assert(STAGES >= 1, "a ring of Q / dO stages (one at d=256: shared memory)");
     static_assert(PEAK_ACCUMULATORS <= 192,
                   "dK, dV, S^T, dP^T and P^T must fit the consumers' 240 registers: a chunk of "
-                  "at most 128 head-dim columns at BLOCK_M = 64 (docs/HOPPER_BWD.md)");
+                  "at most 128 head-dim columns at BLOCK_M = 64, 64 at BLOCK_M = 128 "
+                  "(docs/HOPPER_BWD.md)");
+    static_assert(BLOCK_M == DQ_WGMMA_ROWS || (DQ_BY_ROWS && NUM_CHUNKS == 1),
+                  "a step of 64 query rows, or of 128 with dQ split by rows (one chunk)");
+    static_assert(DQ_BUFFERS >= 0 && DQ_BUFFERS <= 2, "at most two staged dQ tiles");
     static_assert(split_fits(CONSUMER_THREADS), "the setmaxnreg split fits the register file");
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
     static_assert(!DQ_STAGED || NUM_CHUNKS == 1, "staged dQ tiles hold whole rows of dq_accum");
@@ -200,23 +217,24 @@ CF2_DEVICE void issue_key_gradient(float (&acc)[COLS / 8][4], u32 (&frag)[T::M_S
     }
 }
 
-// dQ_i[:, COL0 .. COL0 + N) = dS K[:, COL0 .. COL0 + N): M = BLOCK_M queries, N_STEPS k16 steps
-// over the keys; A = dS (K-major: 32 B a step inside a 64-key panel), B = K (MN-major, 2048 B a
-// step, LBO one K panel). Complete on return (the caller's dK / dV wgmmas too: one wait).
+// dQ_i[rows, COL0 .. COL0 + N) = dS K[:, COL0 .. COL0 + N) for 64 query rows: N_STEPS k16
+// steps over the keys; A = those rows of dS (`ds_rows`: their first row in the tile, a whole
+// number of swizzle atoms into each panel; K-major: 32 B a step inside a 64-key panel), B = K
+// (MN-major, 2048 B a step, LBO one K panel). Issues the wgmmas only.
 template <typename Elem, class T, int COL0, int N>
-CF2_DEVICE void issue_dq(float (&acc)[N / 8][4], u32 ds_tile, u32 k_tile) {
+CF2_DEVICE void issue_dq(float (&acc)[N / 8][4], u32 ds_rows, u32 k_tile) {
     const u32 b0 = k_tile + (COL0 / T::PANEL_COLS) * T::KV_PANEL_BYTES + 2 * (COL0 % T::PANEL_COLS);
 #pragma unroll
     for (int kk = 0; kk < T::N_STEPS; ++kk) {
-        const u64 a = smem_matrix_descriptor(ds_tile + (kk / 4) * T::DS_PANEL_BYTES + 32 * (kk % 4),
+        const u64 a = smem_matrix_descriptor(ds_rows + (kk / 4) * T::DS_PANEL_BYTES + 32 * (kk % 4),
                                              16, 1024);
         const u64 b = smem_matrix_descriptor(b0 + 2048 * kk, T::KV_PANEL_BYTES, 1024);
         wgmma_ss_trans_b<Elem, N>(acc, a, b, kk > 0);
     }
 }
 
-// Adds this warp's share of dQ_i[:, COL0 .. COL0 + N) to dq_accum: rows 16 warp + lane / 4 (+ 8)
-// of the query block, 16 columns per vector reduction in dq_accum.cuh's interleaved order (the
+// Adds this warp's share of dQ_i[rows, COL0 .. COL0 + N) to dq_accum: rows 16 warp + lane / 4
+// (+ 8) from `dq_block` (the consumer's first dQ row), 16 columns per vector reduction in dq_accum.cuh's interleaved order (the
 // wgmma accumulator is the m16n8 layout per warp, as in flash_bwd.cu's phase C).
 template <int HEAD_DIM, int COL0, int N>
 CF2_DEVICE void add_dq(float* dq_block, const float (&acc)[N / 8][4], int warp, int lane) {
@@ -230,8 +248,9 @@ CF2_DEVICE void add_dq(float* dq_block, const float (&acc)[N / 8][4], int warp, 
                          acc[2 * np + 1][2 * half + 1]);
 }
 
-// Stores this warp's share of dQ_i[:, COL0 .. COL0 + N) into the staged dQ tile `dq_tile`
-// (BLOCK_M rows of HEAD_DIM floats: the block's rows of dq_accum, add_dq's order and offsets),
+// Stores this warp's share of dQ_i[rows, COL0 .. COL0 + N) into the staged dQ tile at `dq_tile`
+// (its BLOCK_M rows of HEAD_DIM floats are the block's rows of dq_accum; `dq_tile`: the
+// consumer's first dQ row; add_dq's order and offsets),
 // for the bulk reduction that adds the whole tile to dq_accum.
 template <int HEAD_DIM, int COL0, int N>
 CF2_DEVICE void stage_dq(u32 dq_tile, const float (&acc)[N / 8][4], int warp, int lane) {
@@ -422,19 +441,19 @@ struct QueryBlockWalk {
     }
 };
 
-// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_STAGED: dQ through
-// shared memory and bulk reductions; DETERMINISTIC: those in key-block order (above). The
+// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_BUFFERS: dQ through
+// that many shared-memory tiles and bulk reductions (0: vector reductions); DETERMINISTIC: those in key-block order (above). The
 // parameters: BwdSm90Params (kernel_params.cuh); grid (key blocks, KV heads, batch), as
 // flash_bwd.cu's.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
-          bool DQ_STAGED, bool DETERMINISTIC>
+          int DQ_BUFFERS, bool DETERMINISTIC>
 __global__ void __launch_bounds__(
-    BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGED>::THREADS, 1)
+    BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>::THREADS, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
-    using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGED>;
+    using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>;
     static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
                   "varlen and dropout run on the mma.sync backward");
-    static_assert(!DETERMINISTIC || (DQ_STAGED && BLOCK_M == DQ_SEMAPHORE_ROWS),
+    static_assert(!DETERMINISTIC || (T::DQ_STAGED && BLOCK_M == DQ_SEMAPHORE_ROWS),
                   "ordered dQ: the dQ thread's bulk reductions, a semaphore a query block");
     const BwdParams& p = params.base;
 
@@ -446,7 +465,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const u32 q_smem = v_smem + T::KV_TILE_BYTES;  // stage s: Q at + s * STAGE_BYTES, dO after
     const u32 ds_smem = q_smem + STAGES * T::STAGE_BYTES;  // two buffers
     const u32 stats_smem = ds_smem + 2 * T::DS_BYTES;      // stage s: lse at + 2 s * STAT_BYTES
-    const u32 dq_smem = stats_smem + STAGES * 2 * T::STAT_BYTES;  // two buffers (DQ_STAGED)
+    const u32 dq_smem = stats_smem + STAGES * 2 * T::STAT_BYTES;  // DQ_BUFFERS tiles
     const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
     const u32 kv_full = smem_address(&bars.kv_full);
 
@@ -561,8 +580,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
                                                p.heads_per_kv_head, m_first, m_count);
             for (int j = 0; j < steps; ++j) {
-                const int buf = j % 2;
-                mbarrier_wait(smem_address(&bars.dq_full[buf]), (j / 2) & 1);
+                const int buf = j % T::DQ_RING;
+                mbarrier_wait(smem_address(&bars.dq_full[buf]), (j / T::DQ_RING) & 1);
                 const i64 row0 =
                     stats_row0<false>(batch, walk.head, p.nheads, p.seqlen_q_padded, 0) +
                     walk.m_block * BLOCK_M;
@@ -678,22 +697,26 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             wgmma_commit_group();
 
             // dQ_i: both consumers' dS^T are in the tile after the barrier; consumer c takes its
-            // head-dim columns. The buffer is rewritten two steps later, after both consumers
-            // passed the next step's barrier, i.e. after their wgmmas of this step completed.
+            // head-dim columns (64-row steps) or its 64 rows (128-row steps). The dS buffer is
+            // rewritten two steps later, after both consumers passed the next step's barrier,
+            // i.e. after their wgmmas of this step completed.
             named_barrier_sync(T::DS_BARRIER, T::CONSUMER_THREADS);
+            const int dq_row0 = T::DQ_BY_ROWS ? T::DQ_WGMMA_ROWS * consumer : 0;  // in the block
             float* dq_block = p.dq_accum + (stats_row0<false>(batch, walk.head, p.nheads,
-                                                              p.seqlen_q_padded, 0) + row0) *
-                                               HEAD_DIM + col0;
+                                                              p.seqlen_q_padded, 0) + row0 +
+                                            dq_row0) * HEAD_DIM + col0;
+            const u32 ds_rows = ds_tile + dq_row0 * T::ROW_BYTES;
             const u32 k_chunk = k_smem + chunk * T::CHUNK_KV_BYTES;
-            const u32 dq_tile = dq_smem + (j % 2) * T::DQ_TILE_BYTES;  // DQ_STAGED
-            const u32 dq_full = smem_address(&bars.dq_full[j % 2]);
-            const u32 dq_empty = smem_address(&bars.dq_empty[j % 2]);
-            const u32 dq_empty_parity = ((j / 2) & 1) ^ 1;
+            const int dq_buf = j % T::DQ_RING;  // DQ_STAGED
+            const u32 dq_tile = dq_smem + dq_buf * T::DQ_TILE_BYTES + 4 * dq_row0 * HEAD_DIM;
+            const u32 dq_full = smem_address(&bars.dq_full[dq_buf]);
+            const u32 dq_empty = smem_address(&bars.dq_empty[dq_buf]);
+            const u32 dq_empty_parity = ((j / T::DQ_RING) & 1) ^ 1;
             if (consumer == 0) {
                 float acc_dq[T::DQ_COLS_0 / 8][4];
                 pin_registers(acc_dq);
                 wgmma_fence();
-                issue_dq<Elem, T, 0, T::DQ_COLS_0>(acc_dq, ds_tile, k_chunk);
+                issue_dq<Elem, T, 0, T::DQ_COLS_0>(acc_dq, ds_rows, k_chunk);
                 wgmma_commit_group();
                 wgmma_wait_group<0>();
                 pin_registers(acc_dq);
@@ -711,7 +734,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 float acc_dq[T::DQ_COLS_1 / 8][4];
                 pin_registers(acc_dq);
                 wgmma_fence();
-                issue_dq<Elem, T, T::DQ_COLS_0, T::DQ_COLS_1>(acc_dq, ds_tile, k_chunk);
+                issue_dq<Elem, T, T::DQ_COL0_1, T::DQ_COLS_1>(acc_dq, ds_rows, k_chunk);
                 wgmma_commit_group();
                 wgmma_wait_group<0>();
                 pin_registers(acc_dq);
@@ -720,7 +743,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(p_frag);
                 pin_registers(ds_frag);
                 mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
-                write_dq<T, T::DQ_COLS_0, T::DQ_COLS_1>(acc_dq, dq_block, dq_tile, dq_full,
+                write_dq<T, T::DQ_COL0_1, T::DQ_COLS_1>(acc_dq, dq_block, dq_tile, dq_full,
                                                         dq_empty, dq_empty_parity, !narrow, warp,
                                                         lane);
             }

@@ -365,18 +365,28 @@ SM90_BWD_CHUNK_COLS = 128
 #: The features it takes: the score modifiers (varlen, dropout, deterministic mode: mma.sync).
 SM90_BWD_FEATURES = SCORE_MOD_FEATURES
 
-#: (block_m, block_n, stages) per head dim. block_n is 128 throughout: two consumer warpgroups
-#: of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90 backward at
-#: d=96/128 (hopper/flash_bwd_launch_template.h: 64 x 128, two Q / dO stages; 80 x 128
-#: non-causal d=128, a width this kernel's 16-multiple N does not take). A consumer's peak is
-#: dK + dV (head_dim / 2 each), S^T + dP^T (block_m / 2 each) and P^T packed (block_m / 4):
-#: 208 fp32 registers at d=128 of its 240. FA3 runs d=64 at 128 x 128; here 64 x 128 as a start
-#: (a 128-query step doubles S^T and dP^T: 64 + 64 + 32 + 32 + 32 = 224, too tight to start with).
-#: d=192 and 256 keep the 64 x 128 tile (K, V, Q and dO span the whole head dim: S^T and dP^T
-#: need it); d=256 has room for one Q / dO stage only (227 KiB: K + V 128 KiB, a stage 64.5 KiB,
-#: two dS tiles 32 KiB).
-SM90_BWD_TILES = {64: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2),
-                  192: (64, 128, 2), 256: (64, 128, 1)}
+#: (block_m, block_n, stages, dq_buffers) per head dim. block_n is 128 throughout: two consumer
+#: warpgroups of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90
+#: backward at d=96/128 (hopper/flash_bwd_launch_template.h: 64 x 128, two Q / dO stages; 80 x
+#: 128 non-causal d=128, a width this kernel's 16-multiple N does not take), 128 at d=64 as its
+#: d=64 tile: a consumer's peak is dK + dV (head_dim / 2 each) and S^T + dP^T (block_m / 2
+#: each), 192 fp32 registers of its 240 at d=128 x 64 rows and at d=64 x 128 rows (P^T and dS^T
+#: are packed as S^T and dP^T die). A 128-row step halves the steps a key block takes (each
+#: step's waits, barriers and statistics) and gives each wgmma of S^T and dP^T N = 128; dQ_i's
+#: 128 rows are split between the consumers by rows. dq_buffers: staged fp32 dQ tiles (0:
+#: vector reductions from registers): two where they fit, one at d=64 x 128 rows (two would
+#: need 232,448 B of dynamic shared memory beside the mbarriers), none at d=192 / 256 (K, V, Q
+#: and dO span the whole head dim, S^T and dP^T need it; d=256 has room for one Q / dO stage
+#: only: K + V 128 KiB, a stage 64.5 KiB, two dS tiles 32 KiB).
+SM90_BWD_TILES = {64: (128, 128, 2, 1), 96: (64, 128, 2, 2), 128: (64, 128, 2, 2),
+                  192: (64, 128, 2, 0), 256: (64, 128, 1, 0)}
+#: 64-row steps of the head dims whose default step is longer, for deterministic mode (it
+#: orders the dQ additions per 64-row query block, DQ_SEMAPHORE_ROWS) and for softcap and ALiBi
+#: together (at 128 rows their consumer spills 28 bytes).
+SM90_BWD_64_ROW_TILES = {64: (64, 128, 2, 2)}
+#: Static shared memory the Hopper backward may take beside its dynamic shared memory (its
+#: mbarriers, BwdSm90Barriers; checked by a probe): part of the 227 KiB a CTA may have.
+SM90_BWD_BARRIER_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -387,32 +397,47 @@ class BwdSm90Config:
 
     dtype: str
     head_dim: int  # one of SM90_BWD_HEAD_DIMS
-    block_m: int = 64  # query rows a step
+    block_m: int = 64  # query rows a step: 64, or 128 (dQ split by rows) up to d=64
     block_n: int = 128  # keys a CTA: 64 per consumer warpgroup
     stages: int = 2
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging.
     watchdog: bool = False
-    #: dQ staged in shared memory (two fp32 tiles of block_m rows) and added to the accumulator
-    #: by one bulk reduction a step, instead of vector reductions from registers
-    #: (flash_bwd_sm90.cu, DQ_STAGED): where the tiles fit, one chunk (bwd_sm90_config).
-    dq_staged: bool = False
+    #: dQ staged in shared memory (this many fp32 tiles of block_m rows, taken in turn) and
+    #: added to the accumulator by one bulk reduction a step; 0: vector reductions from
+    #: registers (flash_bwd_sm90.cu, DQ_BUFFERS). Staged where the tiles fit, one chunk
+    #: (SM90_BWD_TILES).
+    dq_buffers: int = 0
     #: deterministic=True: the staged dQ tiles added in key-block order, behind a semaphore per
-    #: query block (flash_bwd_sm90.cu, DETERMINISTIC); needs dq_staged.
+    #: 64-row query block (flash_bwd_sm90.cu, DETERMINISTIC); needs staged dQ and 64-row steps.
     deterministic: bool = False
 
     arch_suffix = "a"
     arch = 90
 
     def __post_init__(self):
-        if self.deterministic and not self.dq_staged:
+        if self.deterministic and not (self.dq_staged and self.block_m == DQ_SEMAPHORE_ROWS):
             raise ValueError("the Hopper backward's deterministic mode orders the staged dQ "
-                             "tiles' reductions: head dims up to 128 (dq_staged)")
-        if self.dq_staged and (self.num_chunks > 1 or self.smem_bytes > SM90_MAX_SMEM):
+                             "tiles' reductions per 64-row query block: head dims up to 128 "
+                             f"(dq_buffers > 0) and block_m {DQ_SEMAPHORE_ROWS}")
+        if self.block_m not in (64, 128) or (self.block_m == 128 and self.head_dim > 64):
+            raise ValueError(f"the Hopper backward takes steps of 64 query rows, or 128 up to "
+                             f"head dim 64; not {self.block_m} at {self.head_dim}")
+        if not 0 <= self.dq_buffers <= 2:
+            raise ValueError(f"dq_buffers is 0, 1 or 2; not {self.dq_buffers}")
+        budget = SM90_MAX_SMEM - SM90_BWD_BARRIER_BYTES
+        if self.dq_staged and (self.num_chunks > 1 or self.smem_bytes > budget):
             raise ValueError(
                 f"staged dQ tiles need one head-dim chunk and room beside the rest of the Hopper "
                 f"backward's shared memory: head dim {self.head_dim} has {self.num_chunks} "
-                f"chunk(s) and would need {self.smem_bytes} bytes (of {SM90_MAX_SMEM})")
+                f"chunk(s) and would need {self.smem_bytes} bytes (of {budget})")
+        if self.smem_bytes > budget:
+            raise ValueError(f"{self.smem_bytes} bytes of shared memory (of {budget})")
+
+    @property
+    def dq_staged(self) -> bool:
+        """dQ through staged shared-memory tiles and bulk reductions (dq_buffers > 0)."""
+        return self.dq_buffers > 0
 
     @property
     def threads(self) -> int:
@@ -436,12 +461,12 @@ class BwdSm90Config:
     @property
     def smem_bytes(self) -> int:
         # K + V, stages x (Q + dO), two dS tiles (block_m x block_n), stages x (lse + D) rows,
-        # two fp32 dQ tiles if staged, + 1 KiB to align the base by hand
+        # dq_buffers fp32 dQ tiles, + 1 KiB to align the base by hand
         # (BwdSm90Traits::SMEM_BYTES).
         kv = 2 * 128 * self.panels * self.block_n
         stage = 2 * 128 * self.panels * self.block_m + 2 * 4 * self.block_m
         ds = 2 * 2 * self.block_m * self.block_n
-        dq = 2 * 4 * self.block_m * self.head_dim if self.dq_staged else 0
+        dq = self.dq_buffers * 4 * self.block_m * self.head_dim
         return kv + self.stages * stage + ds + dq + 1024
 
     @property
@@ -452,31 +477,39 @@ class BwdSm90Config:
     def name_expression(self) -> str:
         return (f"flash_bwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}, "
-                f"{'true' if self.dq_staged else 'false'}, "
-                f"{'true' if self.deterministic else 'false'}>")
+                f"{self.dq_buffers}, {'true' if self.deterministic else 'false'}>")
 
     @property
     def probes(self) -> str:
         traits = (f"BwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                  f"{self.block_n}, {self.stages}, {'true' if self.dq_staged else 'false'}>")
+                  f"{self.block_n}, {self.stages}, {self.dq_buffers}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
-            "\"setmaxnreg budget\");\n")
+            "\"setmaxnreg budget\");\n"
+            f"static_assert(sizeof(BwdSm90Barriers<{self.stages}>) <= {SM90_BWD_BARRIER_BYTES}, "
+            "\"static shared memory\");\n")
 
 
-def bwd_sm90_config(dtype: str, head_dim: int) -> BwdSm90Config:
-    """The Hopper backward's tile for `head_dim` (one of SM90_BWD_HEAD_DIMS): SM90_BWD_TILES."""
+def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
+                    features: int = 0) -> BwdSm90Config:
+    """The Hopper backward's specialisation for `head_dim` (one of SM90_BWD_HEAD_DIMS) and
+    `features` (score modifiers): the tile of SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES in
+    deterministic mode and with softcap and ALiBi together; ValueError for deterministic mode
+    at head dims without staged dQ (BwdSm90Config's check)."""
     if head_dim not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
-    block_m, block_n, stages = SM90_BWD_TILES[head_dim]
-    config = BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages)
-    staged = dataclasses.replace(config, dq_staged=True) if config.num_chunks == 1 else None
-    return staged if staged is not None and staged.smem_bytes <= SM90_MAX_SMEM else config
+    both_mods = FEATURE_SOFTCAP | FEATURE_ALIBI
+    tiles = SM90_BWD_TILES
+    if deterministic or features & both_mods == both_mods:
+        tiles = {**tiles, **SM90_BWD_64_ROW_TILES}
+    block_m, block_n, stages, dq_buffers = tiles[head_dim]
+    return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,
+                         features=features, dq_buffers=dq_buffers, deterministic=deterministic)
 
 
 def all_bwd_sm90_configs(features=(0,)) -> list[BwdSm90Config]:
     """Every Hopper backward specialisation (for each of `features`)."""
-    return [with_features(bwd_sm90_config(dtype, d), f) for f in features
+    return [bwd_sm90_config(dtype, d, features=f) for f in features
             for dtype in DTYPE_TAGS for d in SM90_BWD_HEAD_DIMS]
 
 

@@ -25,7 +25,6 @@ encoded once per plan and their address words patched per call, as the forward's
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -73,12 +72,11 @@ def backward_config(problem, features: int, window, arch: int, views: dict, varl
         return None
     if not plannable(p, _configs.SM90_BWD_HEAD_DIMS):
         return None
-    config = _configs.with_features(
-        _configs.bwd_sm90_config(p.dtype, kernel_head_dim(p.head_dim)), features)
+    kernel_dim = kernel_head_dim(p.head_dim)
     if deterministic:
-        if not config.dq_staged or window[0] >= 0:
+        if not _configs.bwd_sm90_config(p.dtype, kernel_dim).dq_staged or window[0] >= 0:
             return None
-        config = dataclasses.replace(config, deterministic=True)
+    config = _configs.bwd_sm90_config(p.dtype, kernel_dim, deterministic, features)
     return config if describable(views, backward_maps(config)) else None
 
 

@@ -294,11 +294,11 @@ BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
 #: (16); every one under --exhaustive.
 #: d <= 128 with dQ by vector reductions from registers (dq_staged off: the dQ path of d=192 /
 #: 256, kept beside the staged one for timing): every one under --exhaustive, two by default.
-BWD_UNSTAGED = [dataclasses.replace(c, dq_staged=False) for c in BWD_CONFIGS if c.dq_staged]
+BWD_UNSTAGED = [dataclasses.replace(c, dq_buffers=0) for c in BWD_CONFIGS if c.dq_staged]
 #: deterministic=True (dQ added in key-block order; staged head dims only): every one under
 #: --exhaustive, two by default.
-BWD_DETERMINISTIC = [dataclasses.replace(c, deterministic=True) for c in BWD_CONFIGS
-                     if c.dq_staged]
+BWD_DETERMINISTIC = [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+                     for c in BWD_CONFIGS if c.dq_staged]
 _BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0)}
 
 
@@ -335,8 +335,13 @@ def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
 
 def test_hopper_backward_config_shapes():
     assert _configs.SM90_BWD_HEAD_DIMS == (64, 96, 128, 192, 256)
+    both_mods = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
     for config in BWD_CONFIGS:
-        assert config.threads == 384 and config.block_n == 128 and config.block_m == 64
+        # 128-row steps at d=64 (64 with softcap and ALiBi together: 128 spill there)
+        wide = config.head_dim == 64 and config.features != both_mods
+        assert config.threads == 384 and config.block_n == 128
+        assert config.block_m == (128 if wide else 64)
+        assert config.dq_buffers == (1 if wide else 2 if config.head_dim <= 128 else 0)
         assert config.stages == (1 if config.head_dim == 256 else 2)
         assert config.num_chunks == (1 if config.head_dim <= 128 else 2)
         assert config.features & (_configs.FEATURE_VARLEN | _configs.FEATURE_DROPOUT) == 0
@@ -353,9 +358,19 @@ def test_hopper_backward_config_shapes():
         2 * 64 * 32 * 4)  # two panels each, dQ tiles of 128 / 96 columns
     assert [c.head_dim for c in BWD_CONFIGS if c.dq_staged] == [
         c.head_dim for c in BWD_CONFIGS if c.head_dim <= 128]
-    assert dataclasses.replace(d128, dq_staged=False).smem_bytes == d128.smem_bytes - 65536
+    assert dataclasses.replace(d128, dq_buffers=0).smem_bytes == d128.smem_bytes - 65536
     with pytest.raises(ValueError, match="staged dQ"):
-        dataclasses.replace(_configs.bwd_sm90_config("float16", 192), dq_staged=True)
+        dataclasses.replace(_configs.bwd_sm90_config("float16", 192), dq_buffers=2)
+    # d=64: 128-row steps, one dQ tile (two would leave no room for the mbarriers)
+    d64 = _configs.bwd_sm90_config("float16", 64)
+    assert d64.smem_bytes == (
+        2 * 128 * 128 + 2 * (2 * 128 * 128 + 1024) + 2 * 128 * 256 + 128 * 64 * 4 + 1024)
+    with pytest.raises(ValueError, match="staged dQ"):
+        dataclasses.replace(d64, dq_buffers=2)
+    deterministic = _configs.bwd_sm90_config("float16", 64, deterministic=True)
+    assert (deterministic.block_m, deterministic.dq_buffers) == (64, 2)
+    with pytest.raises(ValueError, match="deterministic"):
+        dataclasses.replace(d64, deterministic=True)
     # d=192: three panels, two stages; d=256: four panels, one stage; both under 227 KiB
     assert _configs.bwd_sm90_config("float16", 192).smem_bytes == (
         2 * 128 * 384 + 2 * (2 * 64 * 384 + 512) + 2 * 64 * 256 + 1024)
@@ -370,7 +385,10 @@ def test_hopper_backward_refuses_tiles_past_its_register_budget(nvrtc_available)
     """A 128-query step at d=128 (S^T and dP^T of 64 registers each beside dK and dV) does not
     fit the consumers' registers: the traits' static_assert says so instead of ptxas spilling.
     (d=192 / 256 fit through head-dim chunks of at most 128 columns.)"""
-    config = _configs.BwdSm90Config("bfloat16", 128, block_m=128, stages=1)
+    with pytest.raises(ValueError, match="128 up to head dim 64"):
+        _configs.BwdSm90Config("bfloat16", 128, block_m=128, stages=1)
+    config = _configs.BwdSm90Config("bfloat16", 64, block_m=128, stages=1)
+    object.__setattr__(config, "head_dim", 128)  # past the host's check: the kernel's own
     with pytest.raises(RuntimeError, match="consumers' 240 registers"):
         _compile.compile_report(config, 90)
 

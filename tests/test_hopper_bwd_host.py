@@ -88,7 +88,7 @@ def test_deterministic_calls_order_their_dq_on_the_hopper_kernel(host, head_dim,
     assert config.deterministic and config.dq_staged
     assert "key-block order" in _configs.describe(config)
     assert not _config(_problem(d=head_dim), window=window).deterministic
-    assert config.name_expression.endswith(", true, true>")
+    assert config.name_expression.endswith(", 2, true>")  # two staged dQ tiles, ordered
 
 
 def test_the_flag_is_on_by_default():
@@ -237,13 +237,13 @@ def test_the_plan_runs_the_hopper_main_kernel_between_preprocess_and_conversion(
     assert plan.batch_offset_slot == plan.block.slot("base.batch_offset")
     # maps: q and dout boxes of block_m rows, k and v of block_n, in order; encoded by the
     # coverage check (_hopper.describable: a driver refusal leaves the call to mma.sync), then
-    # once for the plan
-    expected = [((2, 300, 4, 64), 64), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128),
-                ((2, 300, 4, 64), 64)]
+    # once for the plan (d=64: 128-row steps)
+    expected = [((2, 300, 4, 64), 128), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128),
+                ((2, 300, 4, 64), 128)]
     assert maps == expected + expected
     record = plan.block.record[0]
     assert [int(record[m]["v"][1]) for m in ("q_map", "k_map", "v_map", "do_map")] == [
-        64, 128, 128, 64]
+        128, 128, 128, 128]
     assert [int(record[m]["v"][2]) for m in ("q_map", "k_map", "v_map", "do_map")] == [
         5, 6, 7, 8]  # the plan's own encodings, after the coverage check's four
     b = record["base"]
@@ -420,8 +420,8 @@ def test_prepared_backward_is_the_dispatchers_plan(host_cupy):
     lse = _zeros(2, 4, 300, dtype=numpy.float32)
     prepared = _hopper_bwd.prepare_backward_sm90(out, q, k, k, out, lse, causal=True,
                                                  softmax_scale=0.5)
-    assert maps == [((2, 300, 4, 64), 64), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128),
-                    ((2, 300, 4, 64), 64)]
+    assert maps == [((2, 300, 4, 64), 128), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128),
+                    ((2, 300, 4, 64), 128)]
     assert prepared.dq.shape == q.shape and prepared.dk.shape == k.shape
     assert prepared.config == _configs.bwd_sm90_config("float16", 64)
     plan = prepared.plan

@@ -17,7 +17,9 @@ On an H100/H200 (sm_90), from the repository root:
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 512 to 16k
    tokens, fp16/bf16, d 64/96/128/192/256 (heads = 2048 // d), causal on/off: the three launches of the Hopper path next to
    cuflash2.attention_backward on the mma.sync backward (preprocess and conversion included;
-   the Hopper dispatch is switched off for it whatever CUFLASH2_HOPPER_BWD says).
+   the Hopper dispatch is switched off for it whatever CUFLASH2_HOPPER_BWD says). `--tiles 64:2
+   128:1` times each block_m:dq_buffers variant of a head dim's kernel that its config allows
+   (the fastest in the hopper column, each listed after the row).
 
 Internals it uses: cuflash2._hopper_bwd, cuflash2._configs.bwd_sm90_config.
 """
@@ -162,14 +164,29 @@ def _time(cupy, fn, iters):
     return time_ms(cupy, fn, iters)
 
 
-def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None):
+def _variants(config, tiles):
+    """`config` with each (block_m, dq_buffers) of `tiles` that it allows (the dispatched config
+    alone without `tiles`)."""
+    if not tiles:
+        return [config]
+    variants = []
+    for block_m, dq_buffers in tiles:
+        try:
+            variants.append(dataclasses.replace(config, block_m=block_m, dq_buffers=dq_buffers))
+        except ValueError:
+            pass
+    return variants
+
+
+def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None, tiles=None):
     import cuflash2
     from cuflash2 import _hopper_bwd, api
 
     _hopper_bwd.ENABLED = False  # the reference column is the mma.sync backward
     api._backward_plans.plans.clear()
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'hopper ms':>10} {'TFLOP/s':>8} "
-          f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}")
+          f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}"
+          + ("  [tiles: block_m x dq_buffers, ms]" if tiles else ""))
     for dtype in dtypes:
         for d in dims or TIMING_HEAD_DIMS:
             for causal in (False, True):
@@ -179,18 +196,22 @@ def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None)
                             False, "")
                     q, k, v, dout = _inputs(cupy, case, seed=seqlen)
                     out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
-                    hopper = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse,
-                                                               causal=causal,
-                                                               config=_config(dtype, d))
-                    times = [_time(cupy, hopper.run, iters),
+                    variants = []
+                    for config in _variants(_config(dtype, d), tiles):
+                        hopper = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse,
+                                                                   causal=causal, config=config)
+                        variants.append((config, _time(cupy, hopper.run, iters)))
+                    times = [min(t for _, t in variants),
                              _time(cupy, lambda: cuflash2.attention_backward(
                                  dout, q, k, v, out, lse, causal=causal), iters)]
                     # 5 matmuls of the forward's 2 (S, dP, dV, dK, dQ): 2.5x its FLOPs
                     flop = 2.5 * 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
                     row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}"
                                    for t, w in zip(times, (10, 11)))
+                    each = "  " + " ".join(f"{c.block_m}x{c.dq_buffers}: {t:.4f}"
+                                           for c, t in variants) if tiles else ""
                     print(f"{dtype:9} {d:>4} {int(causal):>6} {seqlen:>6} {row} "
-                          f"{times[1] / times[0]:>7.3f}x", flush=True)
+                          f"{times[1] / times[0]:>7.3f}x{each}", flush=True)
 
 
 def main():
@@ -201,6 +222,9 @@ def main():
     parser.add_argument("--only", default=None,
                         help="comma-separated case numbers (e.g. 0,1: d=128 non-causal, causal)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tiles", nargs="+", default=None,
+                        help="timing: these block_m:dq_buffers variants of each head dim's "
+                             "kernel (e.g. 64:2 128:1 128:0), the fastest in the hopper column")
     from hopper_fwd_check import add_timing_options  # this folder
 
     add_timing_options(parser)
@@ -218,7 +242,8 @@ def main():
           f"({count} shapes)")
     if failures or args.no_time or args.watchdog:
         return 1 if failures else 0
-    timing(cupy, args.iters, args.dtypes, args.dims, args.seqlens)
+    tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles] if args.tiles else None
+    timing(cupy, args.iters, args.dtypes, args.dims, args.seqlens, tiles)
     return 0
 
 

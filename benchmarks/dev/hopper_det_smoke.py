@@ -30,7 +30,7 @@ def check(b, sq, sk, h, hk, d, causal) -> bool:
     out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
     kernel_dim = min(x for x in _configs.SM90_BWD_HEAD_DIMS if x >= d)
     _attention_plans.FORCED["bwd"] = dataclasses.replace(
-        _configs.bwd_sm90_config("bfloat16", kernel_dim), watchdog=True)
+        _configs.bwd_sm90_config("bfloat16", kernel_dim, deterministic=True), watchdog=True)
     api._backward_plans.plans.clear()
     try:
         runs = [cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal,

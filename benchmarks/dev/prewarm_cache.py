@@ -48,8 +48,8 @@ def main():
         if args.arch == 90:  # the Hopper backward's main kernels, default and deterministic
             sm90 = _configs.all_bwd_sm90_configs(
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
-            configs += sm90 + [dataclasses.replace(c, deterministic=True) for c in sm90
-                               if c.dq_staged]
+            configs += sm90 + [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+                               for c in sm90 if c.dq_staged]
     if "decode" in args.kernels:
         configs += _configs.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
