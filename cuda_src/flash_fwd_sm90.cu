@@ -82,6 +82,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
     static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
     static constexpr int ENTRY_REGISTERS = entry_registers(THREADS);
+    // 240 registers a consumer thread with two consumer warpgroups, 160 with three.
+    static constexpr int CONSUMER_REGISTERS = consumer_registers(CONSUMER_WARPGROUPS);
     // Named barriers (0 is __syncthreads): one per consumer for its epilogue, and one per
     // consumer for its turns of the ping-pong schedule.
     static constexpr int EPILOGUE_BARRIER = 1;
@@ -131,7 +133,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
-    static_assert(split_fits(CONSUMER_THREADS), "the setmaxnreg split fits the register file");
+    static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS),
+                  "the setmaxnreg split fits the register file");
     static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
                   "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "
                   "128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do not fit)");

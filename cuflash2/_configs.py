@@ -232,6 +232,10 @@ class FwdSm90Config:
     persistent: bool = False
 
     def __post_init__(self):
+        if self.block_m not in (128, 192) or (self.pingpong and self.block_m != 128):
+            raise ValueError(f"the Hopper forward has two consumer warpgroups (block_m 128, "
+                             f"either schedule) or three (block_m 192, no ping-pong), not "
+                             f"block_m {self.block_m}{' with ping-pong' if self.pingpong else ''}")
         if self.persistent and self.features & FEATURE_VARLEN:
             raise ValueError("varlen runs on the one-tile-per-CTA grid of the Hopper forward, "
                              "not the persistent one")
@@ -286,12 +290,24 @@ class FwdSm90Config:
         traits = (f"FwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
                   f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}>")
         return _traits_probes(traits, self) + (
-            f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
-            "\"setmaxnreg budget\");\n")
+            f"static_assert({traits}::CONSUMER_REGISTERS == "
+            f"{sm90_consumer_registers(self.block_m // 64)}, \"setmaxnreg budget\");\n")
 
 
-#: Registers of a consumer thread after setmaxnreg.inc (FwdSm90Traits::CONSUMER_REGISTERS).
+#: Registers of a consumer thread after setmaxnreg.inc with two consumer warpgroups
+#: (Sm90CtaLayout::CONSUMER_REGISTERS).
 SM90_CONSUMER_REGISTERS = 240
+#: Registers of the producer warpgroup's threads after setmaxnreg.dec.
+SM90_PRODUCER_REGISTERS = 24
+
+
+def sm90_consumer_registers(warpgroups: int) -> int:
+    """Registers of a consumer thread after setmaxnreg.inc beside `warpgroups` - 1 others and
+    the producer (Sm90CtaLayout::consumer_registers): the register file's 64K less the
+    producer's, shared, a multiple of 8, at most SM90_CONSUMER_REGISTERS (240 for two, 160 for
+    three)."""
+    share = (65536 - SM90_PRODUCER_REGISTERS * 128) // (warpgroups * 128) // 8 * 8
+    return min(share, SM90_CONSUMER_REGISTERS)
 #: Shared memory one CTA of the Hopper forward may use: 227 KiB (the 1 KiB alignment slack
 #: included).
 SM90_MAX_SMEM = 227 * 1024
@@ -324,16 +340,34 @@ SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256:
 #: (295,936 B) do not fit even with their 2 stages, and have no persistent specialisation.
 SM90_PERSISTENT_TILES = {64: (128, 2), 96: (128, 2), 128: (128, 2)}
 
+#: (block_n, stages) of the Hopper forward with three consumer warpgroups (block_m 192,
+#: FlashAttention-3's d=64 tile; either grid: 91,136 / 115,712 B), for the head dims where their
+#: 160 registers a thread hold O, S and P of the in-order schedule without spilling: d=64 (O 32 +
+#: S 64 + P 32; the overlap inside a warpgroup spills 104 B there, d=128 would need O 64 more).
+SM90_THREE_CONSUMER_TILES = {64: (128, 2)}
 
-def fwd_sm90_config(dtype: str, head_dim: int, persistent: bool = False) -> FwdSm90Config:
+
+def fwd_sm90_config(dtype: str, head_dim: int, persistent: bool = False,
+                    consumers: int = 2) -> FwdSm90Config:
     """The Hopper forward's tile for `head_dim` (one of SM90_FWD_HEAD_DIMS): SM90_FWD_TILES, or
-    SM90_PERSISTENT_TILES for the persistent grid (ValueError for a head dim it does not have)."""
+    SM90_PERSISTENT_TILES for the persistent grid; with three `consumers` (warpgroups of 64 query
+    rows) SM90_THREE_CONSUMER_TILES (either grid). ValueError for a head dim it does not have."""
     if head_dim not in SM90_FWD_HEAD_DIMS:
         raise ValueError(f"the Hopper forward has head dims {SM90_FWD_HEAD_DIMS}, not {head_dim}")
     if persistent and head_dim not in SM90_PERSISTENT_TILES:
         raise ValueError(f"the persistent Hopper forward has head dims "
                          f"{tuple(SM90_PERSISTENT_TILES)} (its O buffer must fit shared memory), "
                          f"not {head_dim}")
+    if consumers == 3:
+        if head_dim not in SM90_THREE_CONSUMER_TILES:
+            raise ValueError(f"three consumer warpgroups run head dims "
+                             f"{tuple(SM90_THREE_CONSUMER_TILES)}, not {head_dim}")
+        block_n, stages = SM90_THREE_CONSUMER_TILES[head_dim]
+        return FwdSm90Config(dtype, head_dim, block_m=192, block_n=block_n, stages=stages,
+                             persistent=persistent)
+    if consumers != 2:
+        raise ValueError(f"the Hopper forward has two or three consumer warpgroups, not "
+                         f"{consumers}")
     block_n, stages = (SM90_PERSISTENT_TILES if persistent else SM90_FWD_TILES)[head_dim]
     return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages, persistent=persistent)
 
@@ -860,9 +894,10 @@ def describe(config) -> str:
         if config.overlap:
             schedule += " overlapping (softmax under P V)"
         grid = ", persistent grid" if config.persistent else ""
+        three = " (three warpgroups)" if config.block_m == 192 else ""
         return (f"Hopper forward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
-                f"K/V stages, {schedule} consumers{grid}{extra}")
+                f"K/V stages, {schedule} consumers{three}{grid}{extra}")
     if isinstance(config, FwdConfig):
         return (f"mma.sync forward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.kv_stages} K/V "

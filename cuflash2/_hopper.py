@@ -146,8 +146,17 @@ SCHEDULES = {(64, False): (True, True), (64, True): (True, True),
 
 def dispatch_configs(features=(0,)) -> list:
     """Every Hopper forward configuration the dispatcher can choose (for each of `features`;
-    the persistent grid where PERSISTENT_MAX_KEYS has the head dim and no feature is varlen)."""
+    the persistent grid where PERSISTENT_MAX_KEYS has the head dim and no feature is varlen;
+    three consumer warpgroups where THREE_CONSUMER_MIN_KEYS has the head dim, not varlen)."""
     configs = []
+    for dim in sorted({dim for dim, _ in THREE_CONSUMER_MIN_KEYS}):
+        for dtype in _configs.DTYPE_TAGS:
+            for f in features:
+                if f & _configs.FEATURE_VARLEN:
+                    continue
+                for persistent in (False, True):
+                    configs.append(_configs.with_features(
+                        _configs.fwd_sm90_config(dtype, dim, persistent, consumers=3), f))
     for (dim, causal), (pingpong, overlap) in SCHEDULES.items():
         for dtype in _configs.DTYPE_TAGS:
             for f in features:
@@ -181,6 +190,20 @@ PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 4096, (96, False): 512, (9
                        (128, False): 512, (128, True): 1024}
 
 
+#: Three consumer warpgroups (192 query rows a CTA, _configs.SM90_THREE_CONSUMER_TILES; the
+#: in-order schedule, since ping-pong takes two and the overlap inside a warpgroup spills at
+#: their 160 registers) run the calls with at least this many keys, by (kernel head dim,
+#: causal), without a window (a full or causal mask) and not varlen; on the persistent grid up
+#: to THREE_CONSUMER_PERSISTENT_MAX_KEYS keys. At d=64 each key tile's exponentials take the
+#: multi-function unit about as long as its two GEMMs take the tensor cores: with three
+#: warpgroups one's softmax runs under the others' GEMMs without a turn protocol. H200, bf16
+#: (docs/PERF_NOTES.md, "Hopper forward"): 1.03-1.15x the two-consumer kernel non-causal from 512
+#: to 16k keys, causal 0.98-1.07x from 2k keys on (0.89-0.90x at 512-1k: 192-row tiles of a
+#: short causal row are mostly masked).
+THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 2049}
+THREE_CONSUMER_PERSISTENT_MAX_KEYS = 4096
+
+
 def forward_config(problem, features: int, window, arch: int, views: dict, varlen=None):
     """The Hopper forward's configuration for a checked call, or None where the call stays on
     the mma.sync kernel: not sm_90, switched off, dropout, varlen unless VARLEN, a head dim
@@ -204,11 +227,19 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
     if kernel_dim <= MMA_SYNC_MAX_DIM and p.seqlen_k <= MMA_SYNC_MAX_KEYS:
         return None
     causal = window[1] == 0 and window[0] < 0
-    persistent = varlen is None and p.seqlen_k <= PERSISTENT_MAX_KEYS.get((kernel_dim, causal), 0)
-    config = _configs.fwd_sm90_config(p.dtype, kernel_dim, persistent)
-    pingpong, overlap = SCHEDULES[kernel_dim, causal]
-    config = dataclasses.replace(_configs.with_features(config, features), pingpong=pingpong,
-                                 overlap=overlap)
+    unwindowed = window[0] < 0 and (window[1] < 0 or causal)
+    if (varlen is None and unwindowed
+            and p.seqlen_k >= THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), 1 << 62)):
+        persistent = p.seqlen_k <= THREE_CONSUMER_PERSISTENT_MAX_KEYS
+        config = _configs.with_features(
+            _configs.fwd_sm90_config(p.dtype, kernel_dim, persistent, consumers=3), features)
+    else:
+        persistent = (varlen is None
+                      and p.seqlen_k <= PERSISTENT_MAX_KEYS.get((kernel_dim, causal), 0))
+        config = _configs.fwd_sm90_config(p.dtype, kernel_dim, persistent)
+        pingpong, overlap = SCHEDULES[kernel_dim, causal]
+        config = dataclasses.replace(_configs.with_features(config, features),
+                                     pingpong=pingpong, overlap=overlap)
     return config if describable(views, forward_maps(config)) else None
 
 

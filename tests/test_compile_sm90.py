@@ -34,6 +34,10 @@ MAX_SMEM_SM90 = 227 * 1024
 SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI)}
 SAMPLE_HEAD_DIM = 128
 DISPATCHED = set(_hopper.dispatch_configs(_configs.SM90_FWD_FEATURES))
+#: Three consumer warpgroups (block_m 192): the dispatched ones are all there are (d=64, the
+#: in-order schedule, both grids, every dtype and score-modifier set: 16), the SAMPLE_PAIRS ones
+#: (4) by default.
+THREE_CONSUMER_CONFIGS = sorted((c for c in DISPATCHED if c.block_m == 192), key=repr)
 
 
 def _sampled(config) -> bool:
@@ -78,7 +82,8 @@ def reports(nvrtc_available, compile_jobs, request):
         return
     selected = [item.callspec.params["config"] for item in request.session.items
                 if item.originalname in ("test_hopper_forward_compiles_without_spills",
-                                         "test_hopper_varlen_forward_compiles_without_spills")
+                                         "test_hopper_varlen_forward_compiles_without_spills",
+                                         "test_hopper_three_consumer_forward_compiles_without_spills")
                 and hasattr(item, "callspec")]
     pool = ProcessPoolExecutor(compile_jobs, mp_context=multiprocessing.get_context("spawn"))
     futures = {config: pool.submit(_compile.compile_report, config, 90)
@@ -115,6 +120,17 @@ def test_hopper_forward_compiles_without_spills(config, reports):
     assert "C7508" not in report.log, report.log  # setmaxnreg honoured
     assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
     assert config.smem_bytes <= MAX_SMEM_SM90
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(c, id=_config_id(c) + "-three-consumers",
+                 marks=() if (c.dtype, c.features) in SAMPLE_PAIRS else pytest.mark.exhaustive)
+    for c in THREE_CONSUMER_CONFIGS])
+def test_hopper_three_consumer_forward_compiles_without_spills(config, reports):
+    """512 threads (128 registers at entry), the consumers at 160 after setmaxnreg: the same
+    checks as every other specialisation."""
+    assert config.threads == 512 and _entry_registers(config) == 128
+    test_hopper_forward_compiles_without_spills(config, reports)
 
 
 @pytest.mark.parametrize("config", [
@@ -215,8 +231,9 @@ def test_default_sample_covers_the_dispatch_table():
     SAMPLE_HEAD_DIM."""
     sample = [c for c in CONFIGS if _sampled(c)]
     assert len(sample) == 34
-    assert DISPATCHED <= set(CONFIGS)
-    for config in DISPATCHED:
+    assert DISPATCHED - set(THREE_CONSUMER_CONFIGS) <= set(CONFIGS)
+    assert len(THREE_CONSUMER_CONFIGS) == 16
+    for config in DISPATCHED - set(THREE_CONSUMER_CONFIGS):  # those: their own test's sample
         if (config.dtype, config.features) in SAMPLE_PAIRS or config.head_dim == SAMPLE_HEAD_DIM:
             assert config in sample
     assert {c.head_dim for c in sample} == set(EXPECTED_TILES)

@@ -171,11 +171,60 @@ def test_overlap_and_persistent_are_specialisations_the_dispatcher_takes():
     assert both.name_expression.endswith("true, true, 0, true>")
     assert "overlap" in _configs.describe(both) and "persistent" in _configs.describe(both)
     dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
-    assert all(c.overlap for c in dispatched)
-    assert {(c.head_dim, c.pingpong) for c in dispatched} == {
+    two = [c for c in dispatched if c.block_m == 128]  # three consumers: test below
+    assert all(c.overlap for c in two)
+    assert {(c.head_dim, c.pingpong) for c in two} == {
         (dim, pingpong) for (dim, _), (pingpong, _) in _hopper.SCHEDULES.items()}
-    assert {c.head_dim for c in dispatched if c.persistent} == {
+    assert {c.head_dim for c in two if c.persistent} == {
         dim for dim, _ in _hopper.PERSISTENT_MAX_KEYS} == set(_configs.SM90_PERSISTENT_TILES)
+
+
+def test_three_consumer_warpgroups_are_specialisations_the_dispatcher_takes():
+    """block_m 192: three consumer warpgroups of 64 rows, 512 threads, 160 registers each after
+    setmaxnreg (a probe checks the kernel's figure), the in-order schedule only (ping-pong takes
+    two consumers), both grids, at the head dims of SM90_THREE_CONSUMER_TILES."""
+    from cuflash2 import _configs
+
+    config = _configs.fwd_sm90_config("bfloat16", 64, consumers=3)
+    assert (config.block_m, config.block_n, config.stages, config.threads) == (192, 128, 2, 512)
+    assert not config.pingpong and not config.overlap
+    assert config.smem_bytes == 128 * (192 + 2 * 2 * 128) + 1024
+    persistent = _configs.fwd_sm90_config("bfloat16", 64, persistent=True, consumers=3)
+    assert persistent.smem_bytes == config.smem_bytes + 128 * 192
+    assert _configs.sm90_consumer_registers(2) == 240
+    assert _configs.sm90_consumer_registers(3) == 160
+    assert "== 160, \"setmaxnreg budget\"" in config.probes
+    assert "(three warpgroups)" in _configs.describe(config)
+    with pytest.raises(ValueError, match="ping-pong"):
+        dataclasses.replace(config, pingpong=True)
+    with pytest.raises(ValueError, match="head dims"):
+        _configs.fwd_sm90_config("bfloat16", 128, consumers=3)
+    dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
+    three = [c for c in dispatched if c.block_m == 192]
+    assert {(c.head_dim, c.persistent) for c in three} == {
+        (dim, grid) for dim, _ in _hopper.THREE_CONSUMER_MIN_KEYS for grid in (False, True)}
+    assert not any(c.block_m == 192 for c in _hopper.dispatch_configs(
+        _configs.SM90_FWD_VARLEN_FEATURES))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_d64_calls_take_three_consumers_from_their_key_bound(monkeypatch, causal):
+    """Full and causal d<=64 calls: three consumer warpgroups from THREE_CONSUMER_MIN_KEYS on,
+    on the persistent grid up to THREE_CONSUMER_PERSISTENT_MAX_KEYS; windows and varlen keep
+    two."""
+    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    window = (-1, 0) if causal else (-1, -1)
+    bound = _hopper.THREE_CONSUMER_MIN_KEYS[64, causal]
+    for seqlen_k in (257, 512, 1024, 2048, 2049, 4096, 4097, 16384):
+        config = _hopper.forward_config(_dense_problem(40, seqlen_k), 0, window, 90, {})
+        three = seqlen_k >= bound
+        assert config.block_m == (192 if three else 128), seqlen_k
+        if three:
+            assert config.persistent == (seqlen_k <= _hopper.THREE_CONSUMER_PERSISTENT_MAX_KEYS)
+            assert config in _hopper.dispatch_configs()
+    windowed = _hopper.forward_config(_dense_problem(64, 4096), 0, (256, 0), 90, {})
+    assert windowed.block_m == 128
 
 
 def _dense_problem(head_dim, seqlen_k, dtype="float16"):
@@ -199,6 +248,9 @@ def test_dense_calls_take_the_persistent_grid_up_to_its_key_bound(monkeypatch, h
         config = _hopper.forward_config(_dense_problem(head_dim, seqlen_k), 0, window, 90, {})
         if kernel_dim <= _hopper.MMA_SYNC_MAX_DIM and seqlen_k <= _hopper.MMA_SYNC_MAX_KEYS:
             assert config is None
+            continue
+        if seqlen_k >= _hopper.THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), 1 << 62):
+            assert config.block_m == 192  # the next test
             continue
         assert config.head_dim == kernel_dim
         assert config.persistent == (bound is not None and seqlen_k <= bound), seqlen_k

@@ -34,8 +34,8 @@ one-tile-per-CTA ones, 512 and 2048 tokens added to the default lengths (the sho
 per-CTA fixed cost shows), and pers/best: the fastest one-tile-per-CTA schedule over the fastest
 persistent one (above 1: the persistent grid is faster).
 --no-check skips the correctness part; --dtypes, --dims and --seqlens narrow the timing rows.
---tiles BLOCK_NxSTAGES ... (e.g. 128x2 160x2) runs each selected schedule with each of these K/V
-tiles instead of the head dim's own (_configs.SM90_FWD_TILES / SM90_PERSISTENT_TILES): a column
+--tiles BLOCK_NxSTAGES ... (e.g. 128x2 160x2; or BLOCK_MxBLOCK_NxSTAGES, 192x128x2: three
+consumer warpgroups) runs each selected schedule with each of these K/V tiles instead of the head dim's own (_configs.SM90_FWD_TILES / SM90_PERSISTENT_TILES): a column
 per tile, and the correctness shapes of the head dims of --dims (all when not given) once per
 tile; a tile that does not fit shared memory at a head dim is skipped, saying so.
 With --varlen, instead: varlen (FEATURE_VARLEN, opt-in through cuflash2._hopper.VARLEN, which
@@ -156,8 +156,8 @@ def _has_persistent(head_dim):
 
 
 def _config(dtype, head_dim, schedule, watchdog=False, persistent=False, tile=None):
-    """The kernel of `schedule` at `head_dim`; `tile` (block_n, stages) replaces the head dim's
-    own. None where that tile does not fit shared memory."""
+    """The kernel of `schedule` at `head_dim`; `tile` (block_n, stages[, block_m]) replaces the
+    head dim's own. None where that tile does not fit shared memory."""
     from cuflash2 import _configs
 
     pingpong, overlap = SCHEDULES[schedule]
@@ -166,18 +166,27 @@ def _config(dtype, head_dim, schedule, watchdog=False, persistent=False, tile=No
     if tile is None:
         return config
     try:
-        config = dataclasses.replace(config, block_n=tile[0], stages=tile[1])
+        config = dataclasses.replace(config, block_n=tile[0], stages=tile[1],
+                                     block_m=tile[2] if len(tile) > 2 else config.block_m)
     except ValueError:
         return None  # a persistent grid whose O buffer no longer fits
+    if config.pingpong and config.block_m != 128:
+        return None  # ping-pong takes two consumer warpgroups
     return config if config.smem_bytes <= _configs.SM90_MAX_SMEM else None
 
 
 def _tile_name(tile):
-    return "" if tile is None else f"@{tile[0]}x{tile[1]}"
+    if tile is None:
+        return ""
+    return f"@{tile[2]}x{tile[0]}x{tile[1]}" if len(tile) > 2 else f"@{tile[0]}x{tile[1]}"
 
 
 def _parse_tile(text):
-    block_n, stages = (int(x) for x in text.lower().split("x"))
+    """BLOCK_NxSTAGES, or BLOCK_MxBLOCK_NxSTAGES (block_m 192: three consumer warpgroups)."""
+    numbers = [int(x) for x in text.lower().split("x")]
+    if len(numbers) == 3:
+        return numbers[1], numbers[2], numbers[0]
+    block_n, stages = numbers
     return block_n, stages
 
 
@@ -218,7 +227,8 @@ def check(cupy, schedules, watchdog, persistent=False, tiles=(None,), dims=None)
                  f"d{d} {dtype} causal={int(causal)} window={window}{' packed' if packed else ''}")
         config = _config(dtype, d, schedule, watchdog, grid, tile)
         if config is None:
-            print(f"skip  {label}: the tile does not fit shared memory", flush=True)
+            print(f"skip  {label}: no such specialisation (shared memory, or ping-pong "
+                  f"beside three consumers)", flush=True)
             continue
         q, k, v = _inputs(cupy, case, seed=i)
         prepared = _hopper.prepare_forward_sm90(
@@ -428,7 +438,8 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-check", action="store_true", help="timing only")
     parser.add_argument("--tiles", nargs="+", type=_parse_tile,
-                        help="K/V tiles BLOCK_NxSTAGES to run instead of each head dim's own")
+                        help="K/V tiles BLOCK_NxSTAGES (or BLOCK_MxBLOCK_NxSTAGES) to run "
+                             "instead of each head dim's own")
     add_timing_options(parser)
     parser.add_argument("--varlen", action="store_true",
                         help="varlen on the Hopper forward (turns _hopper.VARLEN on): "

@@ -169,6 +169,36 @@ def test_unbatched_inputs():
     assert out.shape == q.shape and lse.shape == (4, 190)
 
 
+@needs_hopper
+@pytest.mark.parametrize("shape", [(2, 333, 600, 4, 2, 64), (1, 1000, 700, 4, 1, 40),
+                                   (1, 700, 4111, 2, 2, 64), (1, 4100, 4100, 2, 2, 56),
+                                   (3, 193, 191, 4, 4, 64), (1, 5000, 5000, 2, 1, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_three_consumer_warpgroups(dtype, causal, shape):
+    """d <= 64 with three consumer warpgroups (192-row tiles; _hopper.THREE_CONSUMER_MIN_KEYS)
+    wherever the dispatcher gives them a call, on both grids (persistent up to
+    THREE_CONSUMER_PERSISTENT_MAX_KEYS keys): odd lengths, rows past a 192-row tile's end,
+    seqlen_q != seqlen_k both ways, GQA/MQA; and forced where it would not (short causal rows),
+    softcap and ALiBi together included, against the reference too."""
+    q, k, v = _qkv(*shape, dtype)
+    sk = shape[2]
+    three = sk >= _hopper.THREE_CONSUMER_MIN_KEYS[64, causal]
+    (kernel,) = cuflash2.forward_kernels(q, k, v, causal=causal)
+    assert ("three warpgroups" in kernel) == three, kernel
+    if three:
+        assert ("persistent" in kernel) == (sk <= _hopper.THREE_CONSUMER_PERSISTENT_MAX_KEYS)
+    _check(q, k, v, causal=causal)
+    with switched(_hopper, {"THREE_CONSUMER_MIN_KEYS": {(64, False): 0, (64, True): 0}},
+                  api._forward_plans):
+        assert "three warpgroups" in cuflash2.forward_kernels(q, k, v, causal=causal)[0]
+        _check(q, k, v, causal=causal)
+        slopes = cupy.asarray(numpy.linspace(0.05, 0.4, shape[3], dtype=numpy.float32))
+        options = {"causal": causal, "softcap": 5.0, "alibi_slopes": slopes}
+        assert "three warpgroups" in cuflash2.forward_kernels(q, k, v, **options)[0]
+        _check(q, k, v, **options)
+
+
 # --------------------------------------------------------------------------------------------
 # The mma.sync forward on sm_90 (what runs there with CUFLASH2_HOPPER=0, and for dropout/varlen)
 

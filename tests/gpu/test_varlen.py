@@ -83,7 +83,8 @@ def test_varlen_matches_dense_loop_and_reference(dtype, headdim, layout, option)
     # Against a loop of dense calls: the same tiles in the same order, so bitwise equal
     # (deterministic backward; dK and dV never use atomics). The dense calls run on the forward
     # kernel family the varlen call ran on (on an H100/H200 the Hopper kernel takes a short
-    # sequence that the dispatcher would leave to mma.sync, and the other way round), and the
+    # sequence that the dispatcher would leave to mma.sync, and the other way round; dense d=64
+    # calls on its two-consumer tiles, as varlen calls), and the
     # backward on the mma.sync kernels, as varlen backwards do.
     on_hopper = "Hopper" in cuflash2.varlen_forward_kernels(q, k, v, *args, **options)[0]
     det = [testing.poison_like(cupy, x.shape, dtype) for x in (q, k, v)]
@@ -95,8 +96,8 @@ def test_varlen_matches_dense_loop_and_reference(dtype, headdim, layout, option)
         seq_options = dict(options)
         if "alibi_slopes" in seq_options:
             seq_options["alibi_slopes"] = cupy.ascontiguousarray(options["alibi_slopes"][b])
-        with switched(_hopper, {"ENABLED": on_hopper, "MMA_SYNC_MAX_KEYS": 0},
-                      api._forward_plans):
+        with switched(_hopper, {"ENABLED": on_hopper, "MMA_SYNC_MAX_KEYS": 0,
+                                "THREE_CONSUMER_MIN_KEYS": {}}, api._forward_plans):
             o_b, lse_b = cuflash2.attention(q[rq], k[rk], v[rk], return_lse=True,
                                             **seq_options)
         assert bool((o_b.view(cupy.uint16) == out[rq].view(cupy.uint16)).all()), b
