@@ -13,7 +13,8 @@ On an H100/H200 (sm_90), from the repository root:
 
 Schedules (--schedule): plain (in order), pingpong, overlap (in order with the overlap inside a
 warpgroup: FwdSm90Config.overlap), pingpong-overlap (both); `both` is plain + pingpong (the
-default), `all` every one of them.
+default), `all` every one of them, `dispatched` plain + pingpong-overlap (the schedules of
+three and two consumer warpgroups the dispatcher runs up to d=128).
 
 1. Correctness: the kernel, in each selected schedule, through
    cuflash2._hopper.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dims 64, 96, 128, 192, 256 on
@@ -89,7 +90,8 @@ CASES = [
 SCHEDULES = {"plain": (False, False), "pingpong": (True, False), "overlap": (False, True),
              "pingpong-overlap": (True, True)}
 #: The names --schedule takes for several schedules.
-SCHEDULE_SETS = {"both": ("plain", "pingpong"), "all": tuple(SCHEDULES)}
+SCHEDULE_SETS = {"both": ("plain", "pingpong"), "all": tuple(SCHEDULES),
+                 "dispatched": ("plain", "pingpong-overlap")}
 
 #: With --persistent: shapes whose CTAs loop over many work tiles on 132 SMs (ring positions and
 #: Q rounds carried from tile to tile), with tiles that see no key inside the loop.
