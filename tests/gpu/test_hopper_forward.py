@@ -179,18 +179,21 @@ def test_three_consumer_warpgroups(dtype, causal, shape):
     """d <= 64 with three consumer warpgroups (192-row tiles; _hopper.THREE_CONSUMER_MIN_KEYS)
     wherever the dispatcher gives them a call, on both grids (persistent up to
     THREE_CONSUMER_PERSISTENT_MAX_KEYS keys): odd lengths, rows past a 192-row tile's end,
-    seqlen_q != seqlen_k both ways, GQA/MQA; and forced where it would not (short causal rows),
+    seqlen_q != seqlen_k both ways, GQA/MQA; and forced where it would not (short causal rows,
+    rows short enough for mma.sync),
     softcap and ALiBi together included, against the reference too."""
     q, k, v = _qkv(*shape, dtype)
     sk = shape[2]
-    three = sk >= _hopper.THREE_CONSUMER_MIN_KEYS[64, causal]
+    hopper = sk > _hopper.MMA_SYNC_MAX_KEYS  # shorter rows: mma.sync
+    three = hopper and sk >= _hopper.THREE_CONSUMER_MIN_KEYS[64, causal]
     (kernel,) = cuflash2.forward_kernels(q, k, v, causal=causal)
+    assert kernel.startswith("Hopper" if hopper else "mma.sync"), kernel
     assert ("three warpgroups" in kernel) == three, kernel
     if three:
         assert ("persistent" in kernel) == (sk <= _hopper.THREE_CONSUMER_PERSISTENT_MAX_KEYS)
     _check(q, k, v, causal=causal)
-    with switched(_hopper, {"THREE_CONSUMER_MIN_KEYS": {(64, False): 0, (64, True): 0}},
-                  api._forward_plans):
+    with switched(_hopper, {"THREE_CONSUMER_MIN_KEYS": {(64, False): 0, (64, True): 0},
+                            "MMA_SYNC_MAX_KEYS": 0}, api._forward_plans):
         assert "three warpgroups" in cuflash2.forward_kernels(q, k, v, causal=causal)[0]
         _check(q, k, v, causal=causal)
         slopes = cupy.asarray(numpy.linspace(0.05, 0.4, shape[3], dtype=numpy.float32))
