@@ -453,7 +453,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>;
     static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
                   "varlen and dropout run on the mma.sync backward");
-    static_assert(!DETERMINISTIC || (T::DQ_STAGED && BLOCK_M == DQ_SEMAPHORE_ROWS),
+    // A query block of BLOCK_M rows orders its additions on the semaphore of its first
+    // DQ_SEMAPHORE_ROWS rows (a 128-row block leaves the second unused).
+    static_assert(!DETERMINISTIC || (T::DQ_STAGED && BLOCK_M % DQ_SEMAPHORE_ROWS == 0),
                   "ordered dQ: the dQ thread's bulk reductions, a semaphore a query block");
     const BwdParams& p = params.base;
 

@@ -384,10 +384,11 @@ def test_hopper_backward_config_shapes():
         2 * 128 * 128 + 2 * (2 * 128 * 128 + 1024) + 2 * 128 * 256 + 128 * 64 * 4 + 1024)
     with pytest.raises(ValueError, match="staged dQ"):
         dataclasses.replace(d64, dq_buffers=2)
+    # deterministic mode on the same tile (its semaphore: the 128-row block's first 64 rows)
     deterministic = _configs.bwd_sm90_config("float16", 64, deterministic=True)
-    assert (deterministic.block_m, deterministic.dq_buffers) == (64, 2)
+    assert deterministic == dataclasses.replace(d64, deterministic=True)
     with pytest.raises(ValueError, match="deterministic"):
-        dataclasses.replace(d64, deterministic=True)
+        dataclasses.replace(d64, dq_buffers=0, deterministic=True)
     # d=192: three panels, two stages; d=256: four panels, one stage; both under 227 KiB
     assert _configs.bwd_sm90_config("float16", 192).smem_bytes == (
         2 * 128 * 384 + 2 * (2 * 64 * 384 + 512) + 2 * 64 * 256 + 1024)

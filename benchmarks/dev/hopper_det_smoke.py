@@ -20,7 +20,9 @@ from cuflash2 import _attention_plans, _configs, api, testing  # noqa: E402
 # (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal): many key blocks adding to the
 # same rows (GQA, 4k keys), rows that see no key, each staged head dim.
 CASES = [(2, 1500, 4096, 8, 2, 128, True), (2, 1024, 1024, 4, 4, 128, False),
-         (1, 700, 300, 4, 4, 64, True), (2, 333, 517, 4, 2, 96, False)]
+         (1, 700, 300, 4, 4, 64, True), (2, 333, 517, 4, 2, 96, False),
+         # d=64's 128-row query blocks (a semaphore each, every second one unused)
+         (2, 1500, 4096, 8, 2, 64, True), (1, 1000, 1000, 4, 4, 40, False)]
 
 
 def check(b, sq, sk, h, hk, d, causal) -> bool:
