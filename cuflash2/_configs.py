@@ -414,8 +414,8 @@ SM90_BWD_FEATURES = SCORE_MOD_FEATURES
 #: only: K + V 128 KiB, a stage 64.5 KiB, two dS tiles 32 KiB).
 SM90_BWD_TILES = {64: (128, 128, 2, 1), 96: (64, 128, 2, 2), 128: (64, 128, 2, 2),
                   192: (64, 128, 2, 0), 256: (64, 128, 1, 0)}
-#: 64-row steps of the head dims whose default step is longer, for softcap and ALiBi together
-#: (at 128 rows their consumer spills 28 bytes).
+#: 64-row steps of the head dims whose default step is longer, for ALiBi with softcap or with
+#: deterministic mode (at 128 rows their consumers spill: 28 and 4 bytes).
 SM90_BWD_64_ROW_TILES = {64: (64, 128, 2, 2)}
 #: Static shared memory the Hopper backward may take beside its dynamic shared memory (its
 #: mbarriers, BwdSm90Barriers; checked by a probe): part of the 227 KiB a CTA may have.
@@ -527,13 +527,13 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
                     features: int = 0) -> BwdSm90Config:
     """The Hopper backward's specialisation for `head_dim` (one of SM90_BWD_HEAD_DIMS) and
     `features` (score modifiers), in deterministic mode with `deterministic`: the tile of
-    SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES with softcap and ALiBi together; ValueError for
-    deterministic mode at head dims without staged dQ (BwdSm90Config's check)."""
+    SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES for ALiBi with softcap or in deterministic mode;
+    ValueError for deterministic mode at head dims without staged dQ (BwdSm90Config's check)."""
     if head_dim not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
     both_mods = FEATURE_SOFTCAP | FEATURE_ALIBI
     tiles = SM90_BWD_TILES
-    if features & both_mods == both_mods:
+    if features & both_mods == both_mods or (deterministic and features & FEATURE_ALIBI):
         tiles = {**tiles, **SM90_BWD_64_ROW_TILES}
     block_m, block_n, stages, dq_buffers = tiles[head_dim]
     return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,

@@ -384,9 +384,13 @@ def test_hopper_backward_config_shapes():
         2 * 128 * 128 + 2 * (2 * 128 * 128 + 1024) + 2 * 128 * 256 + 128 * 64 * 4 + 1024)
     with pytest.raises(ValueError, match="staged dQ"):
         dataclasses.replace(d64, dq_buffers=2)
-    # deterministic mode on the same tile (its semaphore: the 128-row block's first 64 rows)
+    # deterministic mode on the same tile (its semaphore: the 128-row block's first 64 rows), but
+    # with ALiBi (64-row steps, as ALiBi with softcap: 128 spill)
     deterministic = _configs.bwd_sm90_config("float16", 64, deterministic=True)
     assert deterministic == dataclasses.replace(d64, deterministic=True)
+    for features in (_configs.FEATURE_ALIBI, _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI):
+        assert _configs.bwd_sm90_config("float16", 64, True, features).block_m == 64
+    assert _configs.bwd_sm90_config("float16", 64, True, _configs.FEATURE_SOFTCAP).block_m == 128
     with pytest.raises(ValueError, match="deterministic"):
         dataclasses.replace(d64, dq_buffers=0, deterministic=True)
     # d=192: three panels, two stages; d=256: four panels, one stage; both under 227 KiB

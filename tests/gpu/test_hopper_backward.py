@@ -137,7 +137,8 @@ def test_every_head_dim(dtype, causal, headdim):
 
 @needs_hopper
 @pytest.mark.parametrize("case", ["full", "causal", "gqa_causal_long", "sq_gt_sk_causal",
-                                  "right_window", "mods", "d40", "d96"])
+                                  "right_window", "mods", "d40", "d96", "alibi_d64",
+                                  "softcap_d64"])
 def test_deterministic_on_the_hopper_kernel(case):
     """deterministic=True runs the Hopper kernel with dQ added in key-block order: the 2x rule,
     and three runs bitwise identical (each into poisoned gradients), also where many key blocks
@@ -155,6 +156,8 @@ def test_deterministic_on_the_hopper_kernel(case):
         options = score_mod_options(cupy, "both")
     elif case in ("d40", "d96"):
         shape = (1, 333, 600, 4, 2, int(case[1:]), FP16)
+    elif case in ("alibi_d64", "softcap_d64"):  # d=64: 64-row steps with ALiBi, 128 with softcap
+        shape, options = (2, 300, 517, 4, 2, 64, FP16), score_mod_options(cupy, case[:-4])
     q, k, v, dout = _inputs(*shape)
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     runs = []
