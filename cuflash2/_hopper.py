@@ -197,8 +197,8 @@ PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 4096, (96, False): 512, (9
 #: to THREE_CONSUMER_PERSISTENT_MAX_KEYS keys. At d=64 each key tile's exponentials take the
 #: multi-function unit about as long as its two GEMMs take the tensor cores: with three
 #: warpgroups one's softmax runs under the others' GEMMs without a turn protocol. H200, bf16
-#: (docs/PERF_NOTES.md, "Hopper forward"): 1.03-1.15x the two-consumer kernel non-causal from 512
-#: to 16k keys, causal 0.98-1.07x from 2k keys on (0.89-0.90x at 512-1k: 192-row tiles of a
+#: (docs/PERF_NOTES.md, "Hopper forward"): 1.01-1.15x the two-consumer kernel non-causal from 512
+#: to 16k keys, causal 1.00-1.07x from 2k keys on (0.89-0.90x at 512-1k: 192-row tiles of a
 #: short causal row are mostly masked).
 THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 2049}
 THREE_CONSUMER_PERSISTENT_MAX_KEYS = 4096
