@@ -234,8 +234,9 @@ CF2_DEVICE void issue_dq(float (&acc)[N / 8][4], u32 ds_rows, u32 k_tile) {
 }
 
 // Adds this warp's share of dQ_i[rows, COL0 .. COL0 + N) to dq_accum: rows 16 warp + lane / 4
-// (+ 8) from `dq_block` (the consumer's first dQ row), 16 columns per vector reduction in dq_accum.cuh's interleaved order (the
-// wgmma accumulator is the m16n8 layout per warp, as in flash_bwd.cu's phase C).
+// (+ 8) from `dq_block` (the consumer's first dQ row), 16 columns per vector reduction in
+// dq_accum.cuh's interleaved order (the wgmma accumulator is the m16n8 layout per warp, as in
+// flash_bwd.cu's phase C).
 template <int HEAD_DIM, int COL0, int N>
 CF2_DEVICE void add_dq(float* dq_block, const float (&acc)[N / 8][4], int warp, int lane) {
     float* rows = dq_block + (16 * warp + lane / 4) * HEAD_DIM + COL0 + 4 * (lane % 4);
@@ -442,9 +443,9 @@ struct QueryBlockWalk {
 };
 
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_BUFFERS: dQ through
-// that many shared-memory tiles and bulk reductions (0: vector reductions); DETERMINISTIC: those in key-block order (above). The
-// parameters: BwdSm90Params (kernel_params.cuh); grid (key blocks, KV heads, batch), as
-// flash_bwd.cu's.
+// that many shared-memory tiles and bulk reductions (0: vector reductions); DETERMINISTIC: those
+// in key-block order (above). The parameters: BwdSm90Params (kernel_params.cuh); grid (key
+// blocks, KV heads, batch), as flash_bwd.cu's.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
           int DQ_BUFFERS, bool DETERMINISTIC>
 __global__ void __launch_bounds__(

@@ -477,17 +477,17 @@ struct Sm90CtaLayout {
         return (65536 / threads) / 8 * 8;
     }
     // The setmaxnreg split fits the register file (24 x 128 + 240 x 256 = 64512 <= 65536).
-    __host__ __device__ static constexpr bool split_fits(int consumer_threads,
-                                                         int consumer_registers = CONSUMER_REGISTERS) {
+    __host__ __device__ static constexpr bool split_fits(
+        int consumer_threads, int consumer_registers = CONSUMER_REGISTERS) {
         return PRODUCER_REGISTERS * WARPGROUP_THREADS + consumer_registers * consumer_threads <=
                65536;
     }
     // What a consumer thread may take after setmaxnreg.inc beside the producer's 24, with
     // `warpgroups` consumer warpgroups: 240 for two, 160 for three (a multiple of 8, at most 240).
     __host__ __device__ static constexpr int consumer_registers(int warpgroups) {
-        return ((65536 - PRODUCER_REGISTERS * WARPGROUP_THREADS) / (warpgroups * WARPGROUP_THREADS)) / 8 * 8 < CONSUMER_REGISTERS
-                   ? ((65536 - PRODUCER_REGISTERS * WARPGROUP_THREADS) / (warpgroups * WARPGROUP_THREADS)) / 8 * 8
-                   : CONSUMER_REGISTERS;
+        const int share = (65536 - PRODUCER_REGISTERS * WARPGROUP_THREADS) /
+                          (warpgroups * WARPGROUP_THREADS) / 8 * 8;
+        return share < CONSUMER_REGISTERS ? share : CONSUMER_REGISTERS;
     }
 };
 

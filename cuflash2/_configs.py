@@ -308,6 +308,8 @@ def sm90_consumer_registers(warpgroups: int) -> int:
     three)."""
     share = (65536 - SM90_PRODUCER_REGISTERS * 128) // (warpgroups * 128) // 8 * 8
     return min(share, SM90_CONSUMER_REGISTERS)
+
+
 #: Shared memory one CTA of the Hopper forward may use: 227 KiB (the 1 KiB alignment slack
 #: included).
 SM90_MAX_SMEM = 227 * 1024
@@ -442,7 +444,8 @@ class BwdSm90Config:
     #: (SM90_BWD_TILES).
     dq_buffers: int = 0
     #: deterministic=True: the staged dQ tiles added in key-block order, behind a semaphore per
-    #: 64-row query block (flash_bwd_sm90.cu, DETERMINISTIC); needs staged dQ and 64-row steps.
+    #: query block (flash_bwd_sm90.cu, DETERMINISTIC); needs staged dQ and block_m a multiple of
+    #: DQ_SEMAPHORE_ROWS.
     deterministic: bool = False
 
     arch_suffix = "a"
