@@ -139,7 +139,7 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     """The signature of a call (as api._forward_key); None where it has none (checked in full
     then). An int cache_seqlens enters as "an int", its value going to the kernel per call."""
     ndarray = cupy.ndarray
-    key = [cupy.cuda.runtime.getDevice(), type(cache_seqlens)]
+    key = [type(cache_seqlens)]
     if type(cache_seqlens) is ndarray:
         key.append((cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
                     cache_seqlens.data.device_id))
@@ -148,8 +148,9 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     arrays = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes)
     if not _plans.add_signature(key, ndarray, arrays, window_size):
         return None
-    key += (type(softmax_scale), softmax_scale, type(causal), causal, type(softcap), softcap,
-            type(num_splits), num_splits)
+    # The current device once the arrays are CuPy ones (api._forward_key says why).
+    key += (cupy.cuda.runtime.getDevice(), type(softmax_scale), softmax_scale, type(causal),
+            causal, type(softcap), softcap, type(num_splits), num_splits)
     return tuple(key)
 
 

@@ -59,11 +59,13 @@ def _forward_key(kind, cupy, arrays, causal, softmax_scale, window_size, softcap
     where the call has none (a non-CuPy argument; the full check then says what is wrong)."""
     if cupy is None:
         return None
-    key = [kind, cupy.cuda.runtime.getDevice()]
+    key = [kind]
     if not _plans.add_signature(key, cupy.ndarray, arrays, window_size):
         return None
-    key += (type(causal), causal, type(softmax_scale), softmax_scale, type(softcap), softcap,
-            type(dropout_p), dropout_p, *extra)
+    # The current device only once every array is a CuPy one: a call with a NumPy array gets
+    # the full check's message, also where CuPy finds no usable GPU.
+    key += (cupy.cuda.runtime.getDevice(), type(causal), causal, type(softmax_scale),
+            softmax_scale, type(softcap), softcap, type(dropout_p), dropout_p, *extra)
     return tuple(key)
 
 
