@@ -458,6 +458,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     // DQ_SEMAPHORE_ROWS rows (a 128-row block leaves the second unused).
     static_assert(!DETERMINISTIC || (T::DQ_STAGED && BLOCK_M % DQ_SEMAPHORE_ROWS == 0),
                   "ordered dQ: the dQ thread's bulk reductions, a semaphore a query block");
+    // The order of a step's last products. With staged dQ, dK += dS^T Q_i is issued behind
+    // dQ_i and runs while the consumer stages dQ_i (FlashAttention-3's order; H200: d=128 1.04-
+    // 1.05x, d=64 1.01x). With vector reductions (d=192 / 256) it is issued beside dV, before
+    // the barrier (dK behind dQ_i was 0.97-0.99x there), and at d=64's 128-row steps with score
+    // modifiers too (dQ_i's 64 rows live beside dK's operands spill 4-16 B there).
+    constexpr bool DK_BEHIND_DQ = T::DQ_STAGED && !(T::DQ_BY_ROWS && FEATURES != 0);
     const BwdParams& p = params.base;
 
     extern __shared__ unsigned char smem[];
@@ -684,7 +690,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             store_ds_transposed<T>(ds_tile, ds_frag, 8 * consumer + 2 * warp, lane);
             fence_proxy_async_shared();  // the generic stores, before wgmma reads them
 
-            // dV += P^T dO_i, dK += dS^T Q_i.
+            // dV += P^T dO_i (and dK += dS^T Q_i where it is not issued behind dQ_i), while the
+            // consumers meet at the barrier below.
             pin_registers(acc_dv);
             pin_registers(acc_dk);
             pin_registers(p_frag);
@@ -696,13 +703,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             // branch to N = 64 products spilled (softcap + ALiBi), as did one around dQ's.
             const u32 b_chunk = chunk * T::CHUNK_Q_BYTES;
             issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dv, p_frag, do_tile + b_chunk);
-            issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
+            if constexpr (!DK_BEHIND_DQ)
+                issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
             wgmma_commit_group();
 
             // dQ_i: both consumers' dS^T are in the tile after the barrier; consumer c takes its
-            // head-dim columns (64-row steps) or its 64 rows (128-row steps). The dS buffer is
-            // rewritten two steps later, after both consumers passed the next step's barrier,
-            // i.e. after their wgmmas of this step completed.
+            // head-dim columns (64-row steps) or its 64 rows (128-row steps). With DK_BEHIND_DQ,
+            // dK += dS^T Q_i is issued behind dQ_i, so that the tensor cores run it while dQ_i is
+            // written out. The dS buffer is rewritten two steps later, after both consumers passed
+            // the next step's barrier, i.e. after their dQ_i completed.
             named_barrier_sync(T::DS_BARRIER, T::CONSUMER_THREADS);
             const int dq_row0 = T::DQ_BY_ROWS ? T::DQ_WGMMA_ROWS * consumer : 0;  // in the block
             float* dq_block = p.dq_accum + (stats_row0<false>(batch, walk.head, p.nheads,
@@ -721,15 +730,27 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 wgmma_fence();
                 issue_dq<Elem, T, 0, T::DQ_COLS_0>(acc_dq, ds_rows, k_chunk);
                 wgmma_commit_group();
-                wgmma_wait_group<0>();
+                if constexpr (DK_BEHIND_DQ) {
+                    issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
+                    wgmma_commit_group();
+                    wgmma_wait_group<1>();  // dV and dQ_i completed, dK in flight
+                } else {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
                 pin_registers(acc_dq);
                 pin_registers(acc_dv);
-                pin_registers(acc_dk);
                 pin_registers(p_frag);
-                pin_registers(ds_frag);
-                mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
                 write_dq<T, 0, T::DQ_COLS_0>(acc_dq, dq_block, dq_tile, dq_full, dq_empty,
                                              dq_empty_parity, true, warp, lane);
+                if constexpr (DK_BEHIND_DQ) {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
             } else {
                 // The narrower last chunk (d=192: 64 columns, one panel) is consumer 0's alone:
                 // there, this product reads the panel past K (V's first, not written before the
@@ -739,16 +760,28 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 wgmma_fence();
                 issue_dq<Elem, T, T::DQ_COL0_1, T::DQ_COLS_1>(acc_dq, ds_rows, k_chunk);
                 wgmma_commit_group();
-                wgmma_wait_group<0>();
+                if constexpr (DK_BEHIND_DQ) {
+                    issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
+                    wgmma_commit_group();
+                    wgmma_wait_group<1>();  // dV and dQ_i completed, dK in flight
+                } else {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
                 pin_registers(acc_dq);
                 pin_registers(acc_dv);
-                pin_registers(acc_dk);
                 pin_registers(p_frag);
-                pin_registers(ds_frag);
-                mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
                 write_dq<T, T::DQ_COL0_1, T::DQ_COLS_1>(acc_dq, dq_block, dq_tile, dq_full,
                                                         dq_empty, dq_empty_parity, !narrow, warp,
                                                         lane);
+                if constexpr (DK_BEHIND_DQ) {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
             }
 
             walk.advance();
