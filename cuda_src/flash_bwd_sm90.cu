@@ -46,7 +46,8 @@
 //    to a query block's rows of dq_accum in key-block order, so every run adds the same numbers
 //    in the same order. A semaphore per (batch, head, query block), zeroed by the preprocess,
 //    counts the key blocks that have added: the dQ thread of key block n waits until it reads n,
-//    adds, waits for its reduction to complete and increments it. Without a left window edge the
+//    adds, frees the staged tile once the reduction has read it (the consumers go on), waits for
+//    the reduction to complete and increments the count. Without a left window edge the
 //    key blocks that see a query block are 0, 1, ..., so the count reaches each of them in turn
 //    (a left edge takes the mma.sync backward's deterministic path: _hopper_bwd.backward_config).
 //    A key block waits only for lower ones, which the GPU dispatched before it (grid x). Its
@@ -602,14 +603,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM, dq_smem + buf * T::DQ_TILE_BYTES,
                                     T::DQ_TILE_BYTES);
                 bulk_commit_group();
+                // The buffer is free once the reduction has read it; DETERMINISTIC: the next key
+                // block's turn once its additions are done, which the consumers need not wait for.
+                bulk_wait_group_read<0>();
+                mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
                 if constexpr (DETERMINISTIC) {
-                    bulk_wait_group<0>();  // the additions done, then the next key block's turn
+                    bulk_wait_group<0>();
                     fence_proxy_async_global();
                     increment_release_gpu(semaphore);
-                } else {
-                    bulk_wait_group_read<0>();
                 }
-                mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
                 walk.advance();
             }
             bulk_wait_group<0>();  // the reductions complete before the CTA's shared memory goes
