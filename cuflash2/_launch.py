@@ -116,7 +116,9 @@ class _KernelNodeParams(ctypes.Structure):
 
 
 class _GraphAPI:
-    """The driver's graph functions through ctypes (argument types set once)."""
+    """The driver's graph functions a plan's graph is made with, through ctypes (argument
+    types set once); the capture check and the graph launch of each call go through CuPy's
+    runtime instead (`cuda_runtime`)."""
 
     def __init__(self, lib):
         p, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
@@ -128,8 +130,6 @@ class _GraphAPI:
             "destroy": ("cuGraphDestroy", [p]),
             "destroy_exec": ("cuGraphExecDestroy", [p]),
             "set_params": ("cuGraphExecKernelNodeSetParams_v2", [p, p, p]),
-            "launch": ("cuGraphLaunch", [p, p]),
-            "is_capturing": ("cuStreamIsCapturing", [p, p]),
         }
         for name, (symbol, argtypes) in signatures.items():
             function = getattr(lib, symbol)
@@ -176,8 +176,8 @@ _bindings = _load_bindings()
 METHOD = _choose()
 
 
-def _switch(variable: str) -> bool:
-    """An on/off environment variable of this module: 1 (the default) or 0."""
+def switch(variable: str) -> bool:
+    """An on/off environment variable of cuflash2: 1 (the default) or 0."""
     wanted = os.environ.get(variable, "1")
     if wanted not in ("0", "1"):
         raise ValueError(f"{variable} must be 0 or 1; got {wanted!r}")
@@ -185,7 +185,7 @@ def _switch(variable: str) -> bool:
 
 
 def _programmatic_wanted() -> bool:
-    return _switch("CUFLASH2_PDL")
+    return switch("CUFLASH2_PDL")
 
 
 #: Kernels that wait for the previous kernel themselves get programmatic launches (sm_90+).
@@ -196,7 +196,7 @@ PROGRAMMATIC_MIN_ARCH = 90
 
 
 def _graphs_wanted() -> bool:
-    return _switch("CUFLASH2_GRAPHS")
+    return switch("CUFLASH2_GRAPHS")
 
 
 _graph_api = _load_graph_api(_libcuda)
@@ -454,8 +454,31 @@ def launch_with_arguments(function, grid, threads: int, arguments, stream_ptr: i
         raise RuntimeError(f"launching {function.name} failed: CUresult {err}")
 
 
-#: Stream capture statuses of cuStreamIsCapturing: only NONE gets the graph.
-_CAPTURE_NONE = 0
+#: CuPy's CUDA runtime module once a plan needed it (its Cython functions cost the host less
+#: than a ctypes call: the capture check and the graph launch of every call).
+_cuda_runtime = None
+
+
+def cuda_runtime():
+    """cupy_backends' runtime module (imported on first use: cuflash2 imports without CuPy)."""
+    global _cuda_runtime
+    if _cuda_runtime is None:
+        from cupy_backends.cuda.api import runtime
+
+        _cuda_runtime = runtime
+    return _cuda_runtime
+
+
+def stream_not_capturing(stream_ptr: int) -> bool:
+    """Whether the stream is not being captured into a CUDA graph; False too where the runtime
+    cannot say (the legacy stream while another stream captures in global mode) and for a
+    capture an error invalidated (CuPy raises for both)."""
+    try:
+        return not (_cuda_runtime or cuda_runtime()).streamIsCapturing(stream_ptr)
+    except RuntimeError:
+        return False
+
+
 #: cuda.h's CUlaunchAttributeValue: a 64-byte union.
 _AttributeValue = ctypes.c_uint * 16
 
@@ -464,53 +487,40 @@ class LaunchGraphs:
     """A plan's launches as one CUDA graph (a chain of kernel nodes, each with its kernel's
     cooperative and cluster attributes), instantiated once per stream: launches of one
     executable graph run one after the other whatever their streams, so calls on different
-    streams keep their own. A call sets every node's parameters again (the driver copies the
-    struct then, as at a kernel launch; launches already queued keep theirs) and launches the
-    graph on the stream. Programmatic launches have no counterpart in a graph launch, which
-    starts after the previous work of its stream."""
+    streams keep their own. A call sets every node's parameters again where the struct's bytes
+    differ from those last set (the driver copies the struct then, as at a kernel launch;
+    launches already queued keep theirs) and launches the graph on the stream. Programmatic
+    launches have no counterpart in a graph launch, which starts after the previous work of
+    its stream."""
 
     #: Executable graphs kept per plan; dropped all at once beyond (a queued launch of a
     #: destroyed graph still runs: the driver frees it after).
     MAX_STREAMS = 16
 
-    def __init__(self, launches, blocks):
+    def __init__(self, launches, blocks, struct):
         self.nodes = tuple((launch, block.kernel_params_address)
                            for launch, block in zip(launches, blocks))
+        self.struct = struct  # the bytes every node's parameters point into
         self.by_stream: dict = {}
-        self.status = ctypes.c_int(0)
-        self.status_address = ctypes.addressof(self.status)
 
     @staticmethod
     def covers(launches) -> bool:
         """Whether `launches` can be one graph: each a single launch (no batch slices)."""
         return bool(launches) and all(launch.grid[2] <= MAX_GRID_Z for launch in launches)
 
-    def launch(self, stream_ptr: int) -> bool:
-        """Launches the graph on the stream; False where the caller launches the kernels
-        instead: a stream being captured, or a thread without a current context (whose first
-        launch through CuPy makes one current)."""
-        api = _graph_api
-        if (api.is_capturing(stream_ptr, self.status_address) != _CUDA_SUCCESS
-                or self.status.value != _CAPTURE_NONE):
-            return False
+    def executable(self, stream_ptr: int):
+        """The executable graph of a stream that is not being captured (the caller checks;
+        instantiated on first use); None where the caller launches the kernels instead: a
+        thread without a current context (whose first launch through CuPy makes one current)."""
         graph = self.by_stream.get(stream_ptr)
         if graph is None:
             graph = self._instantiate()
             if graph is None:
-                return False
+                return None
             if len(self.by_stream) >= self.MAX_STREAMS:
                 self.by_stream.clear()
             self.by_stream[stream_ptr] = graph
-        executable, calls = graph.executable, graph.calls
-        set_params = api.set_params
-        for node, params in calls:
-            err = set_params(executable, node, params)
-            if err != _CUDA_SUCCESS:
-                raise RuntimeError(f"setting a graph node's parameters failed: CUresult {err}")
-        err = api.launch(executable, stream_ptr)
-        if err != _CUDA_SUCCESS:
-            raise RuntimeError(f"launching the plan's graph failed: CUresult {err}")
-        return True
+        return graph
 
     def _instantiate(self):
         api = _graph_api
@@ -550,16 +560,36 @@ class LaunchGraphs:
             raise
         return _Executable(graph.value, executable.value,
                            tuple((node, ctypes.addressof(params)) for node, params in calls),
-                           tuple(params for _, params in calls))
+                           tuple(params for _, params in calls), self.struct)
 
 
 class _Executable:
     """One instantiated graph: the graph it was made from (whose node handles setting a
     node's parameters takes, so it lives as long), its handle, (node, parameters address) a
-    node, and the parameter structs those addresses point into."""
+    node, the parameter structs those addresses point into, and the kernel parameter struct
+    (`struct`, numpy bytes) with the bytes it held when the nodes' parameters were last set."""
 
-    def __init__(self, graph: int, executable: int, calls: tuple, keep: tuple):
+    def __init__(self, graph: int, executable: int, calls: tuple, keep: tuple, struct):
         self.graph, self.executable, self.calls, self._keep = graph, executable, calls, keep
+        self.struct, self.set_from = struct, None
+
+    def launch(self, stream_ptr: int) -> None:
+        """Sets every node's parameters again where the struct changed since they were last
+        set (the driver copies it then; a call on the arrays of the one before, or on memory
+        the pool hands out again, changes nothing and saves 0.4-1.3 us a node) and launches
+        the graph on the stream."""
+        api = _graph_api
+        current = self.struct.tobytes()
+        if current != self.set_from:
+            executable, set_params = self.executable, api.set_params
+            self.set_from = None  # until every node has it
+            for node, params in self.calls:
+                err = set_params(executable, node, params)
+                if err != _CUDA_SUCCESS:
+                    raise RuntimeError(
+                        f"setting a graph node's parameters failed: CUresult {err}")
+            self.set_from = current
+        (_cuda_runtime or cuda_runtime()).graphLaunch(self.executable, stream_ptr)
 
     def __del__(self):
         api = _graph_api

@@ -8,7 +8,8 @@ struct with every size, stride and scale filled in, the compiled kernels and the
 outputs and workspace to allocate. A later call of the same signature only reads its arrays'
 addresses, checks their 16-byte alignment, allocates, patches the pointers into the struct and
 launches; the current device is part of the key and every array's device is part of its
-signature, so those checks hold by construction.
+signature, so those checks hold by construction. Small outputs that nothing references any more
+are reused by the plan's next call on their stream instead of allocated (`_recycle`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 
 import numpy
 
-from . import _launch, _params
+from . import _launch, _params, _recycle
 
 #: Plans kept per entry point; the cache is emptied when it fills (a workload has few shapes).
 MAX_PLANS = 256
@@ -162,9 +163,14 @@ class Plan:
             for pos in dict.fromkeys([*slots_by_position, *aligned_names]))
         self.per_call = {f: self.block.slot(f) for f in per_call}
         # The launches as one CUDA graph a stream, where the driver path allows it.
-        self.graphs = (_launch.LaunchGraphs(self.launches, self.launch_blocks)
+        self.graphs = (_launch.LaunchGraphs(self.launches, self.launch_blocks,
+                                             self.block.bytes)
                        if _launch.graphs_available() and _launch.LaunchGraphs.covers(
                            self.launches) else None)
+        # Outputs of earlier calls that nothing references any more, reused (_recycle); for
+        # each count of returned outputs, whether they are small enough to be kept.
+        self.recycled = _recycle.OutputCache() if _recycle.ENABLED else None
+        self.recyclable = [0 < nbytes <= _recycle.MAX_BYTES for nbytes in self.output_prefix]
         self.lock = threading.Lock()
 
     def run(self, inputs: tuple, cupy, scalars: dict | None = None, wrap: int | None = None,
@@ -194,7 +200,18 @@ class Plan:
             scratch = memory.ptr
         with self.lock:
             self._read_inputs(inputs)
-            outputs, chunk = self._allocate(cupy, n)
+            # A stream being captured gets the kernels launched one by one (the capture
+            # records them) and new outputs (a captured kernel writes them at every replay).
+            not_capturing = _launch.stream_not_capturing(stream)
+            graph = (self.graphs.executable(stream)
+                     if not_capturing and self.graphs is not None else None)
+            reused = None
+            if not_capturing and self.recycled is not None and self.recyclable[n]:
+                reused = self.recycled.take(stream, n)
+                if reused is None:
+                    reused = self._allocate(cupy, n)
+                    self.recycled.keep(stream, *reused)
+            outputs, chunk = reused or self._allocate(cupy, n)
             unreturned = scratch + self.workspace_bytes - self.output_prefix[n]
             for view, index, i, offset in self.output_slots:
                 view[index] = (chunk if i < n else unreturned) + offset
@@ -204,7 +221,9 @@ class Plan:
                 for field, value in scalars.items():
                     view, index = self.per_call[field]
                     view[index] = value
-            if self.graphs is None or not self.graphs.launch(stream):
+            if graph is not None:
+                graph.launch(stream)
+            else:
                 for launch, block in zip(self.launches, self.launch_blocks):
                     _launch.run(launch, block, stream, self.batch_offset_slot)
         return outputs

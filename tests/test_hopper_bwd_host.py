@@ -303,6 +303,8 @@ def test_a_call_patches_map_addresses_pointers_and_workspace(host, monkeypatch):
     recorded = []
     monkeypatch.setattr(_plans._launch, "run", lambda launch, block, stream, slot: recorded.append(
         (launch.config, numpy.frombuffer(block.bytes.copy(), block.record.dtype)[0])))
+    # No driver call on the stand-in stream: launched one by one, as under a capture.
+    monkeypatch.setattr(_plans._launch, "stream_not_capturing", lambda stream: False)
     monkeypatch.setattr(_plans, "_scratch", _plans._StreamScratch())
     cupy, _ = _fake_cupy()
 

@@ -4,26 +4,29 @@ which records the parameter struct it would have passed. Checks where every poin
 struct comes from: inputs at byte offsets, returned outputs in one allocation, unreturned
 outputs and the workspace in per-stream scratch, per-call scalars."""
 
+import sys
 import types
 
 import numpy
 import pytest
 
-from cuflash2 import _launch, _plans
+from cuflash2 import _launch, _plans, _recycle
 
 
 class _Memory:
-    def __init__(self, ptr, size):
-        self.ptr, self.mem = ptr, types.SimpleNamespace(size=size)
+    """A MemoryPointer: an address into an allocation (`mem`), shared by pointers into it."""
+
+    def __init__(self, ptr, mem):
+        self.ptr, self.mem = ptr, mem
 
     def __add__(self, offset):
-        return _Memory(self.ptr + offset, self.mem.size - offset)
+        return _Memory(self.ptr + offset, self.mem)
 
 
 class _Array:
     def __init__(self, shape, dtype, memory=None, ptr=0x1000):
         self.shape, self.dtype = shape, numpy.dtype(dtype)
-        self.data = types.SimpleNamespace(ptr=memory.ptr if memory is not None else ptr)
+        self.data = memory if memory is not None else types.SimpleNamespace(ptr=ptr)
         self.size = int(numpy.prod(shape))
 
 
@@ -31,7 +34,7 @@ def _fake_cupy():
     state = {"next": 0x10_0000_0000, "allocations": []}
 
     def alloc(nbytes):
-        memory = _Memory(state["next"], nbytes)
+        memory = _Memory(state["next"], types.SimpleNamespace(size=nbytes))
         state["allocations"].append(nbytes)
         state["next"] += -(-nbytes // 4096) * 4096 + 4096
         return memory
@@ -51,6 +54,8 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(_launch, "run", record)
     monkeypatch.setattr(_launch, "graphs_available", lambda: False)  # each launch recorded
+    # No driver call on the stand-in stream; outputs are reused only where a test says so.
+    monkeypatch.setattr(_launch, "stream_not_capturing", lambda *args: False)
     monkeypatch.setattr(_plans, "_scratch", _plans._StreamScratch())
     return recorded
 
@@ -138,6 +143,7 @@ def test_launches_take_the_struct_or_a_nested_one(monkeypatch):
     monkeypatch.setattr(_launch, "run", lambda launch, block, stream, slot: recorded.append(
         (launch, block.kernel_params_address, block.record.copy()[0])))
     monkeypatch.setattr(_launch, "graphs_available", lambda: False)
+    monkeypatch.setattr(_launch, "stream_not_capturing", lambda *args: False)
     monkeypatch.setattr(_plans, "_scratch", _plans._StreamScratch())
     cupy, _ = _fake_cupy()
     plan = _plans.Plan(0, "BwdSm90Params", {"base.seqlen_q": 9}, ["pre", "main", "convert"],
@@ -155,3 +161,114 @@ def test_launches_take_the_struct_or_a_nested_one(monkeypatch):
     assert main_record["q_map"]["v"][0] == 0x4000
     with pytest.raises(ValueError, match="one entry a launch"):
         _plans.Plan(0, "FwdParams", {}, ["a", "b"], launch_structs=("",))
+
+
+@pytest.mark.skipif(not _recycle.ENABLED, reason="output reuse is off here")
+def test_outputs_nothing_holds_are_reused_outside_a_capture(launches, monkeypatch):
+    """Plan.run hands out an earlier output again once nothing holds it (cuflash2/_recycle.py),
+    on its own stream, and allocates while the stream is being captured."""
+    capturing = {"now": False}
+    monkeypatch.setattr(_launch, "stream_not_capturing", lambda *args: not capturing["now"])
+    cupy, state = _fake_cupy()
+    plan = _plan(outputs=[((4, 8), "float16"), ((2, 5), "float32")],
+                 output_fields=[("out", 0, 0), ("lse", 1, 0)])
+    first = plan.run((), cupy, wrap=1)[0]
+    first_ptr = first.data.ptr
+    held = plan.run((), cupy, wrap=1)[0]  # `first` is held: a new allocation
+    assert held.data.ptr != first_ptr and len(state["allocations"]) == 3  # + scratch
+    del first
+    again = plan.run((), cupy, wrap=1)[0]
+    assert again.data.ptr == first_ptr and len(state["allocations"]) == 3
+    assert launches[-1][2]["out"] == first_ptr
+    view_of_again = again.data + 16  # a pointer into its memory keeps it
+    del again
+    assert plan.run((), cupy, wrap=1)[0].data.ptr not in (first_ptr, held.data.ptr)
+    del view_of_again
+    assert plan.run((), cupy, wrap=1)[0].data.ptr == first_ptr
+    out, lse = plan.run((), cupy)  # two outputs: kept apart from the one-output calls
+    assert out.data.ptr != first_ptr and lse.data.ptr - out.data.ptr == 256
+    out_ptr = out.data.ptr
+    del out, lse
+    capturing["now"] = True
+    assert plan.run((), cupy)[0].data.ptr != out_ptr
+    capturing["now"] = False
+    assert plan.run((), cupy)[0].data.ptr == out_ptr
+    reshaped = plan.run((), cupy, wrap=1)[0]
+    assert reshaped.data.ptr == first_ptr
+    reshaped.shape = (32,)
+    del reshaped
+    assert plan.run((), cupy, wrap=1)[0].shape == (4, 8)
+
+
+def test_idle_reference_counts_match_this_interpreter():
+    """The counts a kept record reads when nothing else holds it, measured on stand-ins, tell
+    an extra reference to the array, its pointer or its memory apart."""
+    memory = types.SimpleNamespace()
+    arrays = [_Array((2,), "float16", _Memory(0x1000 + 256 * i, memory)) for i in range(2)]
+    kept = _recycle.Kept(arrays, 0x1000)
+    assert not kept.idle()  # `arrays` holds them, `memory` their memory
+    del memory
+    assert not kept.idle()
+    pointer = arrays[1].data
+    del arrays
+    assert not kept.idle()  # `pointer` holds one
+    del pointer
+    assert kept.idle()
+    shared = kept.memory
+    assert not kept.idle()
+    del shared
+    assert kept.idle()
+
+
+def test_graph_nodes_get_parameters_again_only_when_the_struct_changed(monkeypatch):
+    """_launch._Executable.launch sets its nodes' parameters on the first launch and whenever
+    the struct's bytes differ from those it last set them from; it launches every time."""
+    calls = []
+    api = types.SimpleNamespace(
+        set_params=lambda executable, node, params: calls.append(("set", node)) or 0,
+        destroy_exec=lambda executable: 0, destroy=lambda graph: 0)
+    monkeypatch.setattr(_launch, "_graph_api", api)
+    monkeypatch.setattr(_launch, "_cuda_runtime", types.SimpleNamespace(
+        graphLaunch=lambda executable, stream: calls.append(("launch", stream))))
+    struct = numpy.zeros(64, dtype=numpy.uint8)
+    executable = _launch._Executable(1, 2, ((10, 0), (11, 0)), (), struct)
+    executable.launch(7)
+    assert calls == [("set", 10), ("set", 11), ("launch", 7)]
+    del calls[:]
+    executable.launch(7)
+    assert calls == [("launch", 7)]
+    struct[40] = 3  # a new address patched in
+    executable.launch(8)
+    struct[40] = 3
+    executable.launch(8)
+    assert calls == [("launch", 7), ("set", 10), ("set", 11), ("launch", 8), ("launch", 8)]
+    del executable
+
+
+def test_output_reuse_is_on_unless_switched_off(monkeypatch):
+    for value, expected in ((None, True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv("CUFLASH2_RECYCLE", raising=False)
+        else:
+            monkeypatch.setenv("CUFLASH2_RECYCLE", value)
+        monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
+        assert _recycle._wanted() is expected
+        monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+        assert _recycle._wanted() is False  # no GIL: reference counts are not read this simply
+    monkeypatch.setenv("CUFLASH2_RECYCLE", "on")
+    with pytest.raises(ValueError, match="CUFLASH2_RECYCLE must be 0 or 1"):
+        _recycle._wanted()
+
+
+def test_outputs_are_kept_for_a_bounded_number_of_streams():
+    """A program that makes a new stream every step does not pile up kept outputs."""
+    cache = _recycle.OutputCache()
+    memory = types.SimpleNamespace()
+    arrays = []
+    for stream in range(_recycle.MAX_KEYS + 1):
+        arrays.append(_Array((2,), "float16", _Memory(0x1000 * (stream + 1), memory)))
+        cache.keep(stream, [arrays[-1]], 0x1000 * (stream + 1))
+        for _ in range(_recycle.SLOTS + 1):
+            cache.keep(stream, [arrays[-1]], 0x1000 * (stream + 1))
+        assert len(cache.kept[(stream, 1)]) == _recycle.SLOTS
+    assert len(cache.kept) == 1  # the 17th stream emptied the cache
