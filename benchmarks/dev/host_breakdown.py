@@ -74,7 +74,7 @@ def main():
     for label, some_plan in (("forward", plan), ("backward", bplan)):
         if some_plan.graphs is not None:
             rows[f"  {label} plan's graph launch alone"] = (
-                lambda some_plan=some_plan: some_plan.graphs.launch(stream))
+                lambda some_plan=some_plan: some_plan.graphs.executable(stream).launch(stream))
     default_method, default_handle = _launch.METHOD, launch.handle
     for method in ("libcuda", "bindings", "cupy"):
         if method == "bindings" and _launch._bindings is None:
