@@ -245,19 +245,15 @@ def test_graph_nodes_get_parameters_again_only_when_the_struct_changed(monkeypat
     del executable
 
 
-def test_output_reuse_is_on_unless_switched_off(monkeypatch):
-    for value, expected in ((None, True), ("1", True), ("0", False)):
-        if value is None:
-            monkeypatch.delenv("CUFLASH2_RECYCLE", raising=False)
-        else:
-            monkeypatch.setenv("CUFLASH2_RECYCLE", value)
-        monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
-        assert _recycle._wanted() is expected
-        monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
-        assert _recycle._wanted() is False  # no GIL: reference counts are not read this simply
-    monkeypatch.setenv("CUFLASH2_RECYCLE", "on")
-    with pytest.raises(ValueError, match="CUFLASH2_RECYCLE must be 0 or 1"):
-        _recycle._wanted()
+def test_output_reuse_follows_its_switch_and_the_gil(monkeypatch):
+    """CUFLASH2_RECYCLE is read by _launch.switch (tested with CUFLASH2_GRAPHS); without a
+    GIL, reference counts are not read this simply and outputs are never reused."""
+    for wanted in (True, False):
+        monkeypatch.setattr(_launch, "switch", lambda variable: wanted and
+                            variable == "CUFLASH2_RECYCLE")
+        for gil in (True, False):
+            monkeypatch.setattr(sys, "_is_gil_enabled", lambda: gil, raising=False)
+            assert _recycle._wanted() is (wanted and gil)
 
 
 def test_outputs_are_kept_for_a_bounded_number_of_streams():
