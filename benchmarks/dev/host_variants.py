@@ -7,8 +7,8 @@ call / only when the struct changed (`_launch._Executable.launch`); the capture 
 graph launch through CuPy's runtime / through ctypes on libcuda. Each call is timed as
 `bench --host` times it (back-to-back calls on tiny inputs) and queued behind a spinning kernel
 (host time alone), on the same arrays every call and alternating between two sets of inputs
-(so every call patches new addresses into its struct). Then the parts of a decoding call's hit path, one by one. Uses private modules
-(`_plans`, `_launch`, `_recycle`, `_kvcache`, `api`).
+(so every call patches new addresses into its struct). Then the parts of a decoding call's hit
+path, one by one. Uses private modules (`_plans`, `_launch`, `_recycle`, `_kvcache`, `api`).
 """
 
 import argparse

@@ -192,7 +192,7 @@ def test_graph_replays_and_single_launches_give_the_same_bits(graphs, monkeypatc
     got, got_lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
     assert (_plan_of_last_forward().graphs is not None) == graphs
     assert _same_bits(got, out) and bool((got_lse == lse).all())
-    for _ in range(2):  # the second call sets the graph's parameters again
+    for _ in range(2):  # the second call replays the graph (parameters set where changed)
         got = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True,
                                           deterministic=True)
         for g, w in zip(got, bwd):
