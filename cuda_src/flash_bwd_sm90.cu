@@ -43,17 +43,20 @@
 //    the memory system has taken them, and the next step's products waited on that (Nsight
 //    Compute: a third of the consumers' stalls on L1TEX at d=128).
 //  - Deterministic mode (DETERMINISTIC, with DQ_STAGED; FlashAttention-3's): the key blocks add
-//    to a query block's rows of dq_accum in key-block order, so every run adds the same numbers
-//    in the same order. A semaphore per (batch, head, query block), zeroed by the preprocess,
-//    counts the key blocks that have added: the dQ thread of key block n waits until it reads n,
-//    adds, frees the staged tile once the reduction has read it (the consumers go on), waits for
-//    the reduction to complete and increments the count. Without a left window edge the
-//    key blocks that see a query block are 0, 1, ..., so the count reaches each of them in turn
-//    (a left edge takes the mma.sync backward's deterministic path: _hopper_bwd.backward_config).
-//    A key block waits only for lower ones, which the GPU dispatched before it (grid x). Its
-//    steps run query block by query block from the last one down (QueryBlockWalk), where every
-//    key block's range ends, so all key blocks reach a query block at the same step and each
-//    waits for the one before it about a reduction's latency, under causal masking too.
+//    to a query block's rows of dq_accum in a fixed order, so every run adds the same numbers in
+//    the same order. A semaphore per (batch, head, query block), zeroed by the preprocess, counts
+//    the key blocks that have added: the dQ thread of a key block waits until it reads the
+//    block's rank, adds, frees the staged tile once the reduction has read it (the consumers go
+//    on), waits for the reduction to complete and increments the count. Without a left window
+//    edge the key blocks that see a query block are 0 .. last (KeyVisibility::tile_range of its
+//    rows; a left edge takes the mma.sync backward's deterministic path:
+//    _hopper_bwd.backward_config); they add from the last down, key block n of rank last - n.
+//    The grid runs the key blocks from the last down too (grid x reversed), so a key block waits
+//    only on higher ones, which the GPU dispatched before it, and its steps run query block by
+//    query block from its first up (QueryBlockWalk): a higher key block's first query block is
+//    no earlier, so it reaches each query block at the same step as the lower one (no causal
+//    edge) or earlier (causal or right window edge), and the lower one waits about a reduction's
+//    latency at most.
 //
 // Masking: the query blocks a key block sees come from KeyVisibility (causal, windows, bottom-
 // right aligned); blocks outside are never loaded. Masks run only on boundary steps (the key
@@ -412,29 +415,29 @@ struct BwdSm90Barriers {
 // The steps of a key block, one per (query head of its KV head's group, query block whose rows
 // see its keys) pair, taken in the same order by the producer, the dQ thread and the consumers.
 // By default head by head, each head's query blocks from the first up (the CTAs of one head then
-// walk the same Q / dO blocks together and share them in L2). LAST_FIRST (deterministic mode):
-// query block by query block from the last down, every head of the group inside a block.
-// Without a left window edge every key block's query blocks end at the last one, so every key
-// block takes a given (head, query block) pair at the same step, (m_last - m) * heads + head:
-// key block n, which adds its dQ to a block right after key block n - 1, waits for it about one
-// reduction's latency. From the first block up, causal key block n would start at query block
-// 2n (BLOCK_N = 2 BLOCK_M) and meet key block n - 1, which has two more blocks a head behind it,
-// later at every block, its SM idle meanwhile.
-template <bool LAST_FIRST>
+// walk the same Q / dO blocks together and share them in L2). BLOCK_MAJOR (deterministic mode):
+// query block by query block from the first up, every head of the group inside a block, so a
+// key block takes the pair (head, m) at step (m - m_first) * heads + head. The ordered additions
+// go from the highest key block down; a higher key block's m_first is no smaller, so it takes
+// every pair at the same step or earlier and the next adder finds it done. (From the last query
+// block down, where every range ends, all key blocks meet a pair at the same step, but causal key
+// block n's rows start at block 2n (BLOCK_N = 2 BLOCK_M): the adders in ascending order then
+// stand in a chain, key block n waiting about n reductions' latencies, a causal mask's
+// short high key blocks idling on their SMs.)
+template <bool BLOCK_MAJOR>
 struct QueryBlockWalk {
     int head, m_block;  // the step's query head and query block
     int head_first, head_end, m_first, m_end;
 
     CF2_DEVICE QueryBlockWalk(int head0, int heads, int m_first_, int m_count)
-        : head(head0), m_block(LAST_FIRST ? m_first_ + m_count - 1 : m_first_),
-          head_first(head0), head_end(head0 + heads), m_first(m_first_),
-          m_end(m_first_ + m_count) {}
+        : head(head0), m_block(m_first_), head_first(head0), head_end(head0 + heads),
+          m_first(m_first_), m_end(m_first_ + m_count) {}
 
     CF2_DEVICE void advance() {
-        if constexpr (LAST_FIRST) {
+        if constexpr (BLOCK_MAJOR) {
             if (++head == head_end) {
                 head = head_first;
-                --m_block;
+                ++m_block;
             }
         } else if (++m_block == m_end) {
             m_block = m_first;
@@ -457,7 +460,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                   "varlen and dropout run on the mma.sync backward");
     // A query block of BLOCK_M rows orders its additions on the semaphore of its first
     // DQ_SEMAPHORE_ROWS rows (a 128-row block leaves the second unused).
-    static_assert(!DETERMINISTIC || (T::DQ_STAGED && BLOCK_M % DQ_SEMAPHORE_ROWS == 0),
+    static_assert(!DETERMINISTIC ||
+                      (T::DQ_STAGED && T::NUM_CHUNKS == 1 && BLOCK_M % DQ_SEMAPHORE_ROWS == 0),
                   "ordered dQ: the dQ thread's bulk reductions, a semaphore a query block");
     // The order of a step's last products. With staged dQ, dK += dS^T Q_i is issued behind
     // dQ_i and runs while the consumer stages dQ_i (FlashAttention-3's order; H200: d=128 1.04-
@@ -479,7 +483,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
     const u32 kv_full = smem_address(&bars.kv_full);
 
-    const int kv_block = blockIdx.x / T::NUM_CHUNKS;
+    // DETERMINISTIC: the last key block first, so that the ones a key block waits for (above)
+    // were dispatched before it (one chunk: the head dim is at most 128).
+    const int kv_block =
+        DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x / T::NUM_CHUNKS;
     const int chunk = blockIdx.x % T::NUM_CHUNKS;  // of the head dim (0 up to d=128)
     // This CTA's first dK / dV / dQ column, and whether its chunk is the narrower last one (d=192:
     // 64 columns, computed 128 wide, the rest discarded). Constants up to d=128.
@@ -597,7 +604,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                     walk.m_block * BLOCK_M;
                 int* semaphore = DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS : nullptr;
                 if constexpr (DETERMINISTIC) {
-                    wait_semaphore(semaphore, kv_block);  // key blocks 0 .. kv_block - 1 added
+                    // The key blocks that see the query block's rows are 0 .. last_adder (no
+                    // left edge); those above this one have added.
+                    const int m_row0 = walk.m_block * BLOCK_M;
+                    int first_adder, adders_end;
+                    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, p.seqlen_q) - 1, BLOCK_N,
+                                   first_adder, adders_end);
+                    wait_semaphore(semaphore, adders_end - 1 - kv_block);
                     fence_proxy_async_global();
                 }
                 bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM, dq_smem + buf * T::DQ_TILE_BYTES,

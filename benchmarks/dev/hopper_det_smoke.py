@@ -17,36 +17,42 @@ import ml_dtypes  # noqa: E402
 import cuflash2  # noqa: E402
 from cuflash2 import _attention_plans, _configs, api, testing  # noqa: E402
 
-# (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal): many key blocks adding to the
-# same rows (GQA, 4k keys), rows that see no key, each staged head dim.
-CASES = [(2, 1500, 4096, 8, 2, 128, True), (2, 1024, 1024, 4, 4, 128, False),
-         (1, 700, 300, 4, 4, 64, True), (2, 333, 517, 4, 2, 96, False),
+# (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal, right window edge or -1): many key
+# blocks adding to the same rows (GQA, 4k keys), rows that see no key, each staged head dim, and
+# the orders a right window edge gives (query blocks with fewer adders than key blocks).
+CASES = [(2, 1500, 4096, 8, 2, 128, True, -1), (2, 1024, 1024, 4, 4, 128, False, -1),
+         (1, 700, 300, 4, 4, 64, True, -1), (2, 333, 517, 4, 2, 96, False, -1),
          # d=64's 128-row query blocks (a semaphore each, every second one unused)
-         (2, 1500, 4096, 8, 2, 64, True), (1, 1000, 1000, 4, 4, 40, False)]
+         (2, 1500, 4096, 8, 2, 64, True, -1), (1, 1000, 1000, 4, 4, 40, False, -1),
+         (1, 1300, 700, 4, 4, 128, True, -1), (1, 900, 1300, 4, 2, 64, False, 100),
+         (2, 600, 1500, 4, 4, 128, False, 0), (1, 2048, 2048, 4, 1, 64, False, 300)]
 
 
-def check(b, sq, sk, h, hk, d, causal) -> bool:
+def check(b, sq, sk, h, hk, d, causal, right) -> bool:
     bf16 = ml_dtypes.bfloat16
     q, k, v = testing.random_qkv(cupy, b, sq, sk, h, hk, d, bf16, seed=d + sq)
     dout = testing.random_qkv(cupy, b, sq, sq, h, h, d, bf16, seed=d + 1)[0]
-    out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+    window = (-1, right)
+    out, lse = cuflash2.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
     kernel_dim = min(x for x in _configs.SM90_BWD_HEAD_DIMS if x >= d)
     _attention_plans.FORCED["bwd"] = dataclasses.replace(
         _configs.bwd_sm90_config("bfloat16", kernel_dim, deterministic=True), watchdog=True)
     api._backward_plans.plans.clear()
     try:
         runs = [cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                            deterministic=True) for _ in range(3)]
+                                            window_size=window, deterministic=True)
+                for _ in range(3)]
         cupy.cuda.Device().synchronize()
     finally:
         del _attention_plans.FORCED["bwd"]
         api._backward_plans.plans.clear()
     same = all(bool((a.view(cupy.uint16) == c.view(cupy.uint16)).all())
                for run in runs[1:] for a, c in zip(runs[0], run))
-    results = testing.check_backward(dout, q, k, v, *runs[0], causal=causal)
+    results = testing.check_backward(dout, q, k, v, *runs[0], causal=causal, window_size=window)
     ok = same and all(r.ok for r in results)
-    print(f"{'ok  ' if ok else 'FAIL'} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} causal={causal}: bitwise "
-          f"{'same' if same else 'DIFFERENT'}; " + "; ".join(map(str, results)), flush=True)
+    print(f"{'ok  ' if ok else 'FAIL'} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} causal={causal} "
+          f"window={window}: bitwise {'same' if same else 'DIFFERENT'}; "
+          + "; ".join(map(str, results)), flush=True)
     return ok
 
 
