@@ -43,11 +43,11 @@
 // (opt-in, FlashAttention-3's persistent scheme, not dispatched yet): at most one CTA per SM,
 // each looping over work tiles in a static order (PersistentTiles), so that the per-CTA fixed
 // cost is paid once and hidden: the producer's ring position continues across work tiles (it
-// loads the next tile's K/V as soon as stages free up), Q has two buffers taken in turn (the
-// next tile's Q lands while the consumers still read this one's; a buffer is loaded again once
-// the consumers have completed their last S GEMM of the tile before: q_empty), and O is staged
-// in a buffer of its own, so the epilogue of tile t runs under the loads of tile t + 1. The
-// extra Q and O buffers fit head dims 64, 96 (2 stages instead of 3) and 128
+// loads the next tile's K/V as soon as stages free up), the next Q is loaded once the consumers
+// have completed their last S GEMM of the tile that last used its buffer (q_empty; above d=64
+// two Q buffers taken in turn, so the next tile's Q lands while this one's is still read), and
+// O is staged in a buffer of its own, so the epilogue of tile t runs under the loads of tile
+// t + 1. The extra buffers fit head dims 64, 96 (2 stages instead of 3) and 128
 // (_configs.SM90_PERSISTENT_TILES).
 // The two compose: every schedule (in order or ping-pong, with or without OVERLAP) runs on
 // either grid; the consumer loops address the ring through ring0-relative positions, and Q is
@@ -108,12 +108,13 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile, then V tile
     static constexpr int KV_STAGES = STAGES;
-    // The persistent grid has two Q buffers, taken work tile after work tile, so that the next
-    // tile's Q loads while this one's S GEMMs still read its own (a single buffer left the Q
-    // load's latency between the two tiles), and stages O in a buffer of its own, after the
-    // ring (Q's shape and layout), because the Q buffers take the next Qs while the epilogue
-    // runs. Otherwise one Q buffer, in which O is staged.
-    static constexpr int Q_BUFFERS = PERSISTENT ? 2 : 1;
+    // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and
+    // layout), because the Q buffer takes the next work tile's Q while the epilogue runs; above
+    // d=64 it has two Q buffers, taken work tile after work tile, so that the next tile's Q
+    // loads while this one's S GEMMs still read its own (H200, d=128 512 tokens: 5% faster;
+    // d=64 2-3% slower, so one buffer there: _configs.FwdSm90Config.q_buffers). Otherwise one Q
+    // buffer, in which O is staged.
+    static constexpr int Q_BUFFERS = PERSISTENT && HEAD_DIM > 64 ? 2 : 1;
     static constexpr int O_BYTES = PERSISTENT ? Q_BYTES : 0;
     static constexpr int SMEM_BYTES =
         Q_BUFFERS * Q_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
@@ -250,12 +251,12 @@ struct FwdSm90Barriers : FwdSm90KvBarriers<STAGES, V_EMPTY> {};
 template <int STAGES, bool V_EMPTY>
 struct FwdSm90Barriers<STAGES, V_EMPTY, true> : FwdSm90KvBarriers<STAGES, V_EMPTY> {
     u64 q_empty[2];  // buffer b: every consumer thread is done reading its Q (its last S GEMM)
-    u64 q_full_1;    // Q buffer 1 landed
+    u64 q_full_1;    // Q buffer 1 landed (two buffers: above d=64)
 };
 
 // The Q buffer of a CTA's q_round-th work tile (the tiles that load a Q, counted from 0) and its
-// barriers: one buffer (round 0) without PERSISTENT; with it buffer q_round % 2, whose barriers
-// are in their (q_round / 2)-th phase.
+// barriers: with one buffer (T::Q_BUFFERS) its barriers are in their q_round-th phase; with two,
+// buffer q_round % 2, whose barriers are in their (q_round / 2)-th phase.
 template <class T, bool PERSISTENT>
 struct FwdQBuffer {
     u32 tile;     // shared-memory address of the buffer
@@ -265,10 +266,12 @@ struct FwdQBuffer {
 
     template <class Barriers>
     CF2_DEVICE FwdQBuffer(u32 q_smem, int q_round, Barriers& bars) {
-        buffer = PERSISTENT ? q_round & 1 : 0;
+        constexpr bool TWO = T::Q_BUFFERS == 2;
+        static_assert(!TWO || PERSISTENT, "two Q buffers: the persistent grid's barriers");
+        buffer = TWO ? q_round & 1 : 0;
         tile = q_smem + buffer * T::Q_BYTES;
-        phase = PERSISTENT ? (q_round >> 1) & 1 : q_round & 1;
-        if constexpr (PERSISTENT)
+        phase = TWO ? (q_round >> 1) & 1 : q_round & 1;
+        if constexpr (TWO)
             full = smem_address(buffer == 0 ? &bars.q_full : &bars.q_full_1);
         else
             full = smem_address(&bars.q_full);
@@ -673,28 +676,10 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
     } else if constexpr (!PINGPONG) {
         // Per tile, in order: S_j = Q K_j^T as soon as K_j landed; P_j; O += P_j V_j as soon as
         // V_j landed; the stage goes back to the producer.
-        // A KV tile that no row of this warpgroup sees (the work tile's range is the union of
-        // its warpgroups': a causal diagonal or window edge that crosses a 192-row tile, rows
-        // past seqlen_q in the last query block) is skipped: its S would be masked whole, so the
-        // online softmax is unchanged without it. The warpgroup waits for the stage's loads only
-        // so that its arrivals stay in the stage's phase. (Ping-pong's turns take both consumers
-        // on every tile, hence this schedule only.)
-        const int wg_row_first = row_first + wg_row0;
-        const int wg_row_last =
-            min(wg_row_first + T::ROWS_PER_WARPGROUP, tile_seqlen_q<VARLEN>(p, c)) - 1;
-        int wg_tile_first = tile_end, wg_tile_end = tile_end;  // empty: no row of the sequence
-        if (wg_row_first <= wg_row_last)
-            vis.tile_range(wg_row_first, wg_row_last, BLOCK_N, wg_tile_first, wg_tile_end);
         for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
             float acc_s[1][T::N_TILES][4];
             u32 p_frag[T::PV_STEPS][4];
             wait_k(j);
-            if (tile < wg_tile_first || tile >= wg_tile_end) {
-                if (tile == tile_first) release_q();
-                wait_v(j);
-                release(j);
-                continue;
-            }
             gemm_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
             if (tile == tile_first) release_q();
             softmax_step(acc_s, p_frag, tile);
