@@ -43,12 +43,10 @@
 // (opt-in, FlashAttention-3's persistent scheme, not dispatched yet): at most one CTA per SM,
 // each looping over work tiles in a static order (PersistentTiles), so that the per-CTA fixed
 // cost is paid once and hidden: the producer's ring position continues across work tiles (it
-// loads the next tile's K/V as soon as stages free up), the next Q is loaded once the consumers
-// have completed their last S GEMM of the tile that last used its buffer (q_empty; above d=64
-// two Q buffers taken in turn, so the next tile's Q lands while this one's is still read), and
-// O is staged in a buffer of its own, so the epilogue of tile t runs under the loads of tile
-// t + 1. The extra buffers fit head dims 64, 96 (2 stages instead of 3) and 128
-// (_configs.SM90_PERSISTENT_TILES).
+// loads the next tile's K/V as soon as stages free up), the next Q is loaded once both consumers
+// have completed their last S GEMM of the current tile (q_empty), and O is staged in a buffer of
+// its own, so the epilogue of tile t runs under the loads of tile t + 1. The extra O buffer
+// fits head dims 64, 96 (2 stages instead of 3) and 128 (_configs.SM90_PERSISTENT_TILES).
 // The two compose: every schedule (in order or ping-pong, with or without OVERLAP) runs on
 // either grid; the consumer loops address the ring through ring0-relative positions, and Q is
 // given back (q_empty) once the wait that completes the work tile's last S = Q K^T returned.
@@ -108,16 +106,11 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile, then V tile
     static constexpr int KV_STAGES = STAGES;
-    // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and
-    // layout), because the Q buffer takes the next work tile's Q while the epilogue runs; above
-    // d=64 it has two Q buffers, taken work tile after work tile, so that the next tile's Q
-    // loads while this one's S GEMMs still read its own (H200, d=128 512 tokens: 5% faster;
-    // d=64 2-3% slower, so one buffer there: _configs.FwdSm90Config.q_buffers). Otherwise one Q
-    // buffer, in which O is staged.
-    static constexpr int Q_BUFFERS = PERSISTENT && HEAD_DIM > 64 ? 2 : 1;
+    // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and layout),
+    // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
+    // staged in the Q buffer.
     static constexpr int O_BYTES = PERSISTENT ? Q_BYTES : 0;
-    static constexpr int SMEM_BYTES =
-        Q_BUFFERS * Q_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
     static constexpr int KEYS_PER_TILE = BLOCK_N;
@@ -143,9 +136,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS),
                   "the setmaxnreg split fits the register file");
     static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
-                  "persistent: two Q buffers, the K/V ring and an O buffer must fit 227 KiB (head "
-                  "dims 64 and 128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do "
-                  "not fit)");
+                  "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "
+                  "128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do not fit)");
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
 };
 
@@ -224,10 +216,9 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 // barriers after those of the layers below it (derived structs), so that a specialisation
 // without either flag keeps the layout of the first struct, one with OVERLAP alone adds v_empty
 // right after kv_empty and one with PERSISTENT alone q_empty right after kv_empty.
-// q_full is Q buffer 0's; PERSISTENT adds buffer 1's (FwdQBuffer).
 template <int STAGES>
 struct FwdSm90RingBarriers {
-    u64 q_full;             // the Q tile (PERSISTENT: of buffer 0) landed
+    u64 q_full;             // the Q tile landed
     u64 k_full[STAGES];     // K tile of the stage landed
     u64 v_full[STAGES];     // V tile of the stage landed
     u64 kv_empty[STAGES];   // every consumer thread is done with the stage's K (and V, unless
@@ -245,37 +236,12 @@ struct FwdSm90KvBarriers<STAGES, true> : FwdSm90RingBarriers<STAGES> {
     u64 v_empty[STAGES];    // every consumer thread is done with the stage's V
 };
 
-// Q_EMPTY (with PERSISTENT): the persistent grid reloads its two Q buffers in turn.
+// Q_EMPTY (with PERSISTENT): the persistent grid reloads Q: one more barrier.
 template <int STAGES, bool V_EMPTY, bool Q_EMPTY>
 struct FwdSm90Barriers : FwdSm90KvBarriers<STAGES, V_EMPTY> {};
 template <int STAGES, bool V_EMPTY>
 struct FwdSm90Barriers<STAGES, V_EMPTY, true> : FwdSm90KvBarriers<STAGES, V_EMPTY> {
-    u64 q_empty[2];  // buffer b: every consumer thread is done reading its Q (its last S GEMM)
-    u64 q_full_1;    // Q buffer 1 landed (two buffers: above d=64)
-};
-
-// The Q buffer of a CTA's q_round-th work tile (the tiles that load a Q, counted from 0) and its
-// barriers: with one buffer (T::Q_BUFFERS) its barriers are in their q_round-th phase; with two,
-// buffer q_round % 2, whose barriers are in their (q_round / 2)-th phase.
-template <class T, bool PERSISTENT>
-struct FwdQBuffer {
-    u32 tile;     // shared-memory address of the buffer
-    u32 full;     // its q_full barrier
-    u32 phase;    // the phase parity of its barriers this round
-    int buffer;
-
-    template <class Barriers>
-    CF2_DEVICE FwdQBuffer(u32 q_smem, int q_round, Barriers& bars) {
-        constexpr bool TWO = T::Q_BUFFERS == 2;
-        static_assert(!TWO || PERSISTENT, "two Q buffers: the persistent grid's barriers");
-        buffer = TWO ? q_round & 1 : 0;
-        tile = q_smem + buffer * T::Q_BYTES;
-        phase = TWO ? (q_round >> 1) & 1 : q_round & 1;
-        if constexpr (TWO)
-            full = smem_address(buffer == 0 ? &bars.q_full : &bars.q_full_1);
-        else
-            full = smem_address(&bars.q_full);
-    }
+    u64 q_empty;  // every consumer thread is done reading Q (its last S GEMM of the tile)
 };
 
 // One unit of work: BLOCK_M query rows (block m_block) of one (batch, head).
@@ -414,9 +380,9 @@ CF2_DEVICE void store_empty_rows(const FwdParams& p, const FwdTileContext& c, in
 // tile visited takes position ring0 + j, stage (ring0 + j) % STAGES, whose barriers are in their
 // ((ring0 + j) / STAGES)-th phase. Positions continue across a persistent CTA's work tiles, so
 // the producer runs ahead into the next work tile while the consumers finish this one.
-// PERSISTENT: Q goes in after K of the first KV tile (which needs only a free stage), into the
-// buffer of its round once every consumer thread is done with the Q that buffer held before
-// (q_empty, the work tile two rounds back; fresh barriers pass rounds 0 and 1 at once).
+// PERSISTENT: Q goes in after K of the first KV tile (which needs only a free stage), once every
+// consumer thread is done with the previous work tile's Q (q_empty, round q_round - 1; a fresh
+// barrier passes round 0 at once).
 // OVERLAP: kv_empty gives back a stage's K alone; V goes in once its V is given back (v_empty).
 // With both, Q comes before the wait for V: the previous work tile's last S = Q K^T completes
 // before the P V whose V the wait is for.
@@ -435,10 +401,10 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
     const int batch = VARLEN ? 0 : w.batch;        // the maps' batch coordinate
     const int q_row0 = VARLEN ? c.seq_q.start : 0;  // the maps' row of the sequence's row 0
     const int k_row0 = VARLEN ? c.seq_k.start : 0;
-    const FwdQBuffer<T, PERSISTENT> q(q_smem, q_round, bars);
     auto load_q = [&]() {
-        mbarrier_arrive_expect_tx(q.full, T::Q_BYTES);
-        tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q.tile, params.q_map, q.full,
+        const u32 q_full = smem_address(&bars.q_full);
+        mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
+        tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_smem, params.q_map, q_full,
                                                    q_row0 + span.row_first, w.head, batch);
     };
     if constexpr (!PERSISTENT) load_q();
@@ -459,7 +425,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
                                                     batch);
         if constexpr (PERSISTENT) {
             if (j == 0) {
-                mbarrier_wait(smem_address(&bars.q_empty[q.buffer]), q.phase ^ 1);
+                mbarrier_wait(smem_address(&bars.q_empty), (q_round & 1) ^ 1);
                 load_q();
             }
         }
@@ -474,7 +440,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
 
 // One work tile of a consumer warpgroup (warpgroup 1 + c owns rows 64 c .. 64 c + 63 of it):
 // the FA2 loop over its KV tiles from ring position ring0 on (produce_tile), then the epilogue.
-// q_round: the how-many-th Q of this CTA the tile's Q is (its buffer and phase: FwdQBuffer).
+// q_round: the how-many-th Q of this CTA the tile's Q is (the parity of its q_full phase).
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT>
 CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
                              const FwdTileContext& c, int head_chunks, int ring0, int q_round,
@@ -490,9 +456,8 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
     const int warp = (threadIdx.x / 32) % 4;  // in the warpgroup: rows 16 warp .. + 15
     const int lane = threadIdx.x % 32;
     const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;  // in the tile
-    // This warpgroup's rows in every panel of the tile's Q (A operand of S = Q K^T).
-    const FwdQBuffer<T, PERSISTENT> q(q_smem, q_round, bars);
-    const u32 q_rows = q.tile + wg_row0 * T::ROW_BYTES;
+    // This warpgroup's rows in every panel of Q (A operand of S = Q K^T).
+    const u32 q_rows = q_smem + wg_row0 * T::ROW_BYTES;
 
     // The unnormalised output, as one m16 tile a warp (the layout online_softmax.cuh takes).
     float acc_o[1][T::D_TILES][4];
@@ -536,7 +501,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
     // After the work tile's last S GEMM has completed, Q is no longer read: the producer may load
     // the next work tile's Q (persistent grid) under this tile's last P V and epilogue.
     auto release_q = [&]() {
-        if constexpr (PERSISTENT) mbarrier_arrive(smem_address(&bars.q_empty[q.buffer]));
+        if constexpr (PERSISTENT) mbarrier_arrive(smem_address(&bars.q_empty));
     };
 
     // S_j in place: score modifiers, mask (boundary tiles only). S is in the mma.sync
@@ -562,7 +527,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
                                             p.scale_log2);
     };
 
-    mbarrier_wait(q.full, q.phase);
+    mbarrier_wait(smem_address(&bars.q_full), q_round & 1);
     if constexpr (OVERLAP) {
         // The overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining).
         // Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two commit groups, in that
@@ -792,9 +757,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     extern __shared__ unsigned char smem[];
     __shared__ FwdSm90Barriers<STAGES, OVERLAP, PERSISTENT> bars;
     const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
-    const u32 q_smem = smem_base;  // Q_BUFFERS buffers (FwdQBuffer)
-    const u32 kv_smem = q_smem + T::Q_BUFFERS * T::Q_BYTES;  // stage s: K at + s * STAGE_BYTES,
-                                                              // V after it
+    const u32 q_smem = smem_base;
+    const u32 kv_smem = q_smem + T::Q_BYTES;  // stage s: K at + s * STAGE_BYTES, V after it
     // O is staged in the Q buffer, or after the ring in a buffer of its own (PERSISTENT).
     const u32 o_smem = PERSISTENT ? kv_smem + STAGES * T::STAGE_BYTES : q_smem;
 
@@ -836,11 +800,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
 
     if (threadIdx.x == 0) {
         mbarrier_init(smem_address(&bars.q_full), 1);
-        if constexpr (PERSISTENT) {
-            mbarrier_init(smem_address(&bars.q_full_1), 1);
-            mbarrier_init(smem_address(&bars.q_empty[0]), T::CONSUMER_THREADS);
-            mbarrier_init(smem_address(&bars.q_empty[1]), T::CONSUMER_THREADS);
-        }
+        if constexpr (PERSISTENT) mbarrier_init(smem_address(&bars.q_empty), T::CONSUMER_THREADS);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(smem_address(&bars.k_full[s]), 1);  // the producer's expect_tx arrival

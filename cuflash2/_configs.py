@@ -267,19 +267,11 @@ class FwdSm90Config:
 
     @property
     def smem_bytes(self) -> int:
-        # q_buffers Q tiles + stages x (K tile + V tile) (+ an O tile of Q's size when
-        # persistent), rows of `panels` x 128 bytes, + 1 KiB to align the base to 1024 B by hand
+        # Q tile + stages x (K tile + V tile) (+ an O tile of Q's size when persistent), rows of
+        # `panels` x 128 bytes, + 1 KiB to align the base to 1024 B by hand
         # (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
         o_rows = self.block_m if self.persistent else 0
-        return 128 * self.panels * (self.q_buffers * self.block_m + o_rows
-                                    + 2 * self.stages * self.block_n) + 1024
-
-    @property
-    def q_buffers(self) -> int:
-        """Q tiles in shared memory (FwdSm90Traits::Q_BUFFERS): the persistent grid takes two in
-        turn above d=64 (the next work tile's Q loads under this one's S GEMMs; H200, d=128 at
-        512 tokens: 5% faster, d=64 2-3% slower), one otherwise."""
-        return 2 if self.persistent and self.head_dim > 64 else 1
+        return 128 * self.panels * (self.block_m + 2 * self.stages * self.block_n + o_rows) + 1024
 
     @property
     def source_file(self) -> str:
@@ -344,11 +336,10 @@ SM90_MAX_SMEM = 227 * 1024
 SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 
-#: (block_n, stages) of the persistent Hopper forward, for the head dims where its O buffer (and
-#: above d=64 a second Q buffer; Q's size each) fits beside Q and the ring: d=64 99,328 B and
-#: d=128 230,400 B with their usual tiles; d=96 drops to 2 stages (230,400 B; 3 would need
-#: 295,936 B); d=192 (320,512 B) and d=256 (361,472 B) do not fit even with their 2 stages, and
-#: have no persistent specialisation.
+#: (block_n, stages) of the persistent Hopper forward, for the head dims where its O buffer (Q's
+#: size) fits beside Q and the ring: d=64 99,328 B and d=128 197,632 B with their usual tiles;
+#: d=96 drops to 2 stages (197,632 B; 3 would need 263,168 B); d=192 (271,360 B) and d=256
+#: (295,936 B) do not fit even with their 2 stages, and have no persistent specialisation.
 SM90_PERSISTENT_TILES = {64: (128, 2), 96: (128, 2), 128: (128, 2)}
 
 #: (block_n, stages) of the Hopper forward with three consumer warpgroups (block_m 192,

@@ -259,23 +259,18 @@ def test_hopper_smem_counts_whole_panels():
         assert config.smem_bytes <= MAX_SMEM_SM90
 
 
-def test_persistent_configs_add_q_and_o_buffers_where_they_fit():
-    """The persistent grid stages O in a buffer of Q's size (FwdSm90Traits::O_BYTES) and above
-    d=64 has two Q buffers (Q_BUFFERS): head dims 64 and 128 keep their tiles, 96 drops to 2
-    stages, 192 and 256 do not fit and are refused."""
+def test_persistent_configs_add_an_o_buffer_where_it_fits():
+    """The persistent grid stages O in a buffer of Q's size (FwdSm90Traits::O_BYTES): head dims
+    64 and 128 keep their tiles, 96 drops to 2 stages, 192 and 256 do not fit and are refused."""
     for d, (block_n, stages) in EXPECTED_PERSISTENT_TILES.items():
         config = _configs.fwd_sm90_config("float16", d, persistent=True)
         panels = -(-d // 64)
-        q_buffers = 2 if d > 64 else 1
-        assert config.q_buffers == q_buffers
-        assert _configs.fwd_sm90_config("float16", d).q_buffers == 1
-        assert config.smem_bytes == (128 * panels * ((q_buffers + 1) * 128 + 2 * stages * block_n)
-                                     + 1024)
+        assert config.smem_bytes == 128 * panels * (2 * 128 + 2 * stages * block_n) + 1024
         assert config.smem_bytes <= MAX_SMEM_SM90
         assert config.name_expression.endswith(", true>")
         assert "true>::SMEM_BYTES" in config.probes
     assert _configs.fwd_sm90_config("float16", 64, persistent=True).smem_bytes == 99_328
-    assert _configs.fwd_sm90_config("float16", 128, persistent=True).smem_bytes == 230_400
+    assert _configs.fwd_sm90_config("float16", 128, persistent=True).smem_bytes == 197_632
     for d in (192, 256):
         with pytest.raises(ValueError, match="persistent"):
             _configs.fwd_sm90_config("bfloat16", d, persistent=True)
