@@ -456,8 +456,11 @@ __global__ void __launch_bounds__(
     BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>::THREADS, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>;
-    static_assert((FEATURES & (FEATURE_VARLEN | FEATURE_DROPOUT)) == 0,
-                  "varlen and dropout run on the mma.sync backward");
+    static_assert((FEATURES & FEATURE_DROPOUT) == 0, "dropout runs on the mma.sync backward");
+    constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
+    // Varlen's per-sequence statistics rows start where the packing puts them (varlen.cuh), not
+    // on whole 64-row blocks: no semaphore per query block (deterministic varlen: mma.sync).
+    static_assert(!(VARLEN && DETERMINISTIC), "deterministic varlen runs on the mma.sync backward");
     // A query block of BLOCK_M rows orders its additions on the semaphore of its first
     // DQ_SEMAPHORE_ROWS rows (a 128-row block leaves the second unused).
     static_assert(!DETERMINISTIC ||
@@ -495,22 +498,38 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z + p.batch_offset;
     const int key_first = kv_block * BLOCK_N;
-    const int key_last = min(key_first + BLOCK_N, p.seqlen_k) - 1;
+    // This batch entry's rows (VARLEN: one packed sequence, varlen.cuh; the grid is sized by the
+    // longest, and a key block past its sequence's end exits here, the whole CTA, before any
+    // barrier is initialised). The maps of VARLEN calls cover the packed arrays with a batch
+    // extent of 1: rows count from the sequence's first row, the batch coordinate is 0.
+    const SequenceRows seq_q =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const SequenceRows seq_k =
+        sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+    const int seqlen_q = seq_q.length;
+    const int seqlen_k = seq_k.length;
+    if (VARLEN && key_first >= seqlen_k) return;
+    const int map_batch = VARLEN ? 0 : batch;
+    // First row of the sequence's per-row statistics and dQ accumulator for query head `head`.
+    auto stats_first = [&](int head) {
+        return stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq_q.start);
+    };
+    const int key_last = min(key_first + BLOCK_N, seqlen_k) - 1;
 
     // Query blocks whose rows can see keys [key_first, key_last] (causal / window), as
     // flash_bwd.cu; a step is one (query head of the group, query block) pair.
-    const KeyVisibility vis{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
-    int row_begin = 0, row_end = p.seqlen_q;
+    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
+    int row_begin = 0, row_end = seqlen_q;
     if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
-    if (p.window_left >= 0) row_end = min(p.seqlen_q, key_last - vis.diag + p.window_left + 1);
+    if (p.window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + p.window_left + 1);
     const int m_first = row_begin / BLOCK_M;
     const int m_count = row_end > row_begin ? (row_end + BLOCK_M - 1) / BLOCK_M - m_first : 0;
     const int steps = m_count * p.heads_per_kv_head;
     const int head_chunks = p.head_dim / 8;
     u16* dk_block = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
-                    key_first * p.dk_row_stride;
+                    (seq_k.start + key_first) * p.dk_row_stride;
     u16* dv_block = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
-                    key_first * p.dv_row_stride;
+                    (seq_k.start + key_first) * p.dv_row_stride;
 
     if (steps == 0) {
         // No query sees these keys: dK = dV = 0 (the whole CTA, before any role).
@@ -518,7 +537,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         if constexpr (T::NUM_CHUNKS == 1) {
             for (int idx = threadIdx.x; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
                 const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
-                if (key_first + row < p.seqlen_k && chunk < head_chunks) {
+                if (key_first + row < seqlen_k && chunk < head_chunks) {
                     store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
                     store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
                 }
@@ -528,7 +547,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             constexpr int CHUNKS = T::CHUNK_COLS / 8;
             for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
                 const int row = idx / CHUNKS, c = col0 / 8 + idx % CHUNKS;
-                if (key_first + row < p.seqlen_k && c < head_chunks) {
+                if (key_first + row < seqlen_k && c < head_chunks) {
                     store_16B_global(dk_block + row * p.dk_row_stride + c * 8, zeros);
                     store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
                 }
@@ -562,10 +581,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_tx(kv_full, 2 * T::KV_TILE_BYTES);
-            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_smem, params.k_map, kv_full, key_first,
-                                                        kv_head, batch);
-            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full, key_first,
-                                                        kv_head, batch);
+            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_smem, params.k_map, kv_full,
+                                                        seq_k.start + key_first, kv_head,
+                                                        map_batch);
+            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full,
+                                                        seq_k.start + key_first, kv_head,
+                                                        map_batch);
             QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
                                                p.heads_per_kv_head, m_first, m_count);
             for (int j = 0; j < steps; ++j) {
@@ -573,20 +594,21 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 mbarrier_wait(smem_address(&bars.stage_empty[stage]), ((j / STAGES) & 1) ^ 1);
                 const int row0 = walk.m_block * BLOCK_M;
                 // lse_log2 and D are padded to whole Q blocks (+inf / 0): never out of bounds.
-                const i64 stat0 =
-                    stats_row0<false>(batch, walk.head, p.nheads, p.seqlen_q_padded, 0) + row0;
+                const i64 stat0 = stats_first(walk.head) + row0;
                 const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
                 const u32 do_tile = q_tile + T::Q_TILE_BYTES;
                 const u32 lse_s = stats_smem + stage * 2 * T::STAT_BYTES;
                 const u32 q_full = smem_address(&bars.q_full[stage]);
                 const u32 do_full = smem_address(&bars.do_full[stage]);
                 mbarrier_arrive_expect_tx(q_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full, row0,
-                                                           walk.head, batch);
+                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full,
+                                                           seq_q.start + row0, walk.head,
+                                                           map_batch);
                 bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
                 mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full, row0,
-                                                           walk.head, batch);
+                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full,
+                                                           seq_q.start + row0, walk.head,
+                                                           map_batch);
                 bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
                 walk.advance();
             }
@@ -599,16 +621,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             for (int j = 0; j < steps; ++j) {
                 const int buf = j % T::DQ_RING;
                 mbarrier_wait(smem_address(&bars.dq_full[buf]), (j / T::DQ_RING) & 1);
-                const i64 row0 =
-                    stats_row0<false>(batch, walk.head, p.nheads, p.seqlen_q_padded, 0) +
-                    walk.m_block * BLOCK_M;
+                const i64 row0 = stats_first(walk.head) + walk.m_block * BLOCK_M;
                 int* semaphore = DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS : nullptr;
                 if constexpr (DETERMINISTIC) {
                     // The key blocks that see the query block's rows are 0 .. last_adder (no
                     // left edge); those above this one have added.
                     const int m_row0 = walk.m_block * BLOCK_M;
                     int first_adder, adders_end;
-                    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, p.seqlen_q) - 1, BLOCK_N,
+                    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N,
                                    first_adder, adders_end);
                     wait_semaphore(semaphore, adders_end - 1 - kv_block);
                     fence_proxy_async_global();
@@ -684,12 +704,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             const int thread_query0 = row0 + 2 * (tid_now % 4);
             const float offset0 = static_cast<float>(thread_query0 - thread_key0);
             const float* lse = stats + stage * 2 * BLOCK_M + 2 * (tid_now % 4);
-            ScoreMods<FEATURES> mods(p.mods, p.seqlen_q, p.seqlen_k);
+            ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
             mods.select_head(p.mods, batch, walk.head);
             mods.apply_softcap(acc_s);
-            const int row_last = min(row0 + BLOCK_M, p.seqlen_q) - 1;
+            const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
             const bool needs_mask =
-                key_first + BLOCK_N > p.seqlen_k ||
+                key_first + BLOCK_N > seqlen_k ||
                 (p.window_right >= 0 && key_last > row0 + vis.diag + p.window_right) ||
                 (p.window_left >= 0 && key_first < row_last + vis.diag - p.window_left);
             if (needs_mask) mask_transposed(acc_s[0], thread_key0, thread_query0, vis);
@@ -729,9 +749,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             // the next step's barrier, i.e. after their dQ_i completed.
             named_barrier_sync(T::DS_BARRIER, T::CONSUMER_THREADS);
             const int dq_row0 = T::DQ_BY_ROWS ? T::DQ_WGMMA_ROWS * consumer : 0;  // in the block
-            float* dq_block = p.dq_accum + (stats_row0<false>(batch, walk.head, p.nheads,
-                                                              p.seqlen_q_padded, 0) + row0 +
-                                            dq_row0) * HEAD_DIM + col0;
+            float* dq_block =
+                p.dq_accum + (stats_first(walk.head) + row0 + dq_row0) * HEAD_DIM + col0;
             const u32 ds_rows = ds_tile + dq_row0 * T::ROW_BYTES;
             const u32 k_chunk = k_smem + chunk * T::CHUNK_KV_BYTES;
             const int dq_buf = j % T::DQ_RING;  // DQ_STAGED
@@ -830,7 +849,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             const int idx = tid + T::WARPGROUP_THREADS * i;
             const int row = key0 + idx / CHUNKS;
             const int chunk = idx % CHUNKS;
-            if (key_first + row < p.seqlen_k && chunk < head_chunks - col0 / 8) {
+            if (key_first + row < seqlen_k && chunk < head_chunks - col0 / 8) {
                 u32 vals[4];
                 load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
                 store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);

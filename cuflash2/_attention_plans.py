@@ -126,13 +126,13 @@ def _backward_main_config(problem, features: int, window, deterministic: bool, a
     p = problem
     forced = config if config is not None else FORCED.get("bwd")
     if isinstance(forced, _configs.BwdSm90Config):
-        if varlen is not None or features & ~_hopper_bwd.COVERED_FEATURES:
-            raise ValueError("the Hopper backward has no varlen or dropout")
-        if deterministic and (not forced.dq_staged or window[0] >= 0
+        if features & ~_hopper_bwd.COVERED_FEATURES:
+            raise ValueError("the Hopper backward has no dropout")
+        if deterministic and (not forced.dq_staged or window[0] >= 0 or varlen is not None
                               or forced.block_m % _configs.DQ_SEMAPHORE_ROWS):
             raise ValueError("the Hopper backward's deterministic mode needs staged dQ tiles "
-                             "(head dims up to 128), steps of whole 64-row blocks and no left "
-                             "window edge")
+                             "(head dims up to 128), steps of whole 64-row blocks, no left "
+                             "window edge and no varlen")
         forced = dataclasses.replace(forced, deterministic=deterministic)
         return _configs.with_features(forced, features), True
     hopper = None

@@ -398,8 +398,10 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
 SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 #: The widest head-dim chunk of one CTA (BwdSm90Traits::CHUNK_COLS).
 SM90_BWD_CHUNK_COLS = 128
-#: The features it takes: the score modifiers (varlen, dropout, deterministic mode: mma.sync).
+#: The features it takes: the score modifiers (dropout: mma.sync), and varlen with each of them
+#: (SM90_BWD_VARLEN_FEATURES; not in deterministic mode: mma.sync).
 SM90_BWD_FEATURES = SCORE_MOD_FEATURES
+SM90_BWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SCORE_MOD_FEATURES)
 
 #: (block_m, block_n, stages, dq_buffers) per head dim. block_n is 128 throughout: two consumer
 #: warpgroups of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90
@@ -417,7 +419,8 @@ SM90_BWD_FEATURES = SCORE_MOD_FEATURES
 SM90_BWD_TILES = {64: (128, 128, 2, 1), 96: (64, 128, 2, 2), 128: (64, 128, 2, 2),
                   192: (64, 128, 2, 0), 256: (64, 128, 1, 0)}
 #: 64-row steps of the head dims whose default step is longer, for ALiBi with softcap or with
-#: deterministic mode (at 128 rows their consumers spill: 28 and 4 bytes).
+#: deterministic mode, and for varlen (at 128 rows their consumers spill: 28, 4 and 16 bytes; the
+#: last without score modifiers, the sequence's rows held across the loop).
 SM90_BWD_64_ROW_TILES = {64: (64, 128, 2, 2)}
 #: Static shared memory the Hopper backward may take beside its dynamic shared memory (its
 #: mbarriers, BwdSm90Barriers; checked by a probe): part of the 227 KiB a CTA may have.
@@ -435,7 +438,7 @@ class BwdSm90Config:
     block_m: int = 64  # query rows a step: 64, or 128 (dQ split by rows) up to d=64
     block_n: int = 128  # keys a CTA: 64 per consumer warpgroup
     stages: int = 2
-    features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
+    features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_VARLEN
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging.
     watchdog: bool = False
     #: dQ staged in shared memory (this many fp32 tiles of block_m rows, taken in turn) and
@@ -456,6 +459,11 @@ class BwdSm90Config:
             raise ValueError("the Hopper backward's deterministic mode orders the staged dQ "
                              "tiles' reductions per query block: head dims up to 128 "
                              f"(dq_buffers > 0), block_m a multiple of {DQ_SEMAPHORE_ROWS}")
+        if self.deterministic and self.features & FEATURE_VARLEN:
+            raise ValueError("the Hopper backward's deterministic mode has no varlen (a varlen "
+                             "sequence's statistics rows do not start on whole 64-row blocks)")
+        if self.features & FEATURE_DROPOUT:
+            raise ValueError("the Hopper backward has no dropout")
         if self.block_m not in (64, 128) or (self.block_m == 128 and self.head_dim > 64):
             raise ValueError(f"the Hopper backward takes steps of 64 query rows, or 128 up to "
                              f"head dim 64; not {self.block_m} at {self.head_dim}")
@@ -530,13 +538,15 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
                     features: int = 0) -> BwdSm90Config:
     """The Hopper backward's specialisation for `head_dim` (one of SM90_BWD_HEAD_DIMS) and
     `features` (score modifiers), in deterministic mode with `deterministic`: the tile of
-    SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES for ALiBi with softcap or in deterministic mode;
+    SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES for ALiBi with softcap or in deterministic mode,
+    and for varlen;
     ValueError for deterministic mode at head dims without staged dQ (BwdSm90Config's check)."""
     if head_dim not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
     both_mods = FEATURE_SOFTCAP | FEATURE_ALIBI
     tiles = SM90_BWD_TILES
-    if features & both_mods == both_mods or (deterministic and features & FEATURE_ALIBI):
+    if (features & both_mods == both_mods or (deterministic and features & FEATURE_ALIBI)
+            or features & FEATURE_VARLEN):
         tiles = {**tiles, **SM90_BWD_64_ROW_TILES}
     block_m, block_n, stages, dq_buffers = tiles[head_dim]
     return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,

@@ -1,9 +1,10 @@
 """Host side of the Hopper backward (cuda_src/flash_bwd_sm90.cu, docs/HOPPER_BWD.md).
 
-Dispatched: `cuflash2.attention_backward` (and the packed backwards) on sm_90 run the Hopper main
-kernel for every call `backward_config` covers, `deterministic=True` included (up to d=128, no
-left window edge: dQ added in key-block order); for the calls it refuses (varlen, dropout, the
-other deterministic ones), and with CUFLASH2_HOPPER_BWD=0, the mma.sync backward runs.
+Dispatched: `cuflash2.attention_backward` (and the packed and varlen backwards) on sm_90 run the
+Hopper main kernel for every call `backward_config` covers, `deterministic=True` included (up to
+d=128, no left window edge, not varlen: dQ added in key-block order); for the calls it refuses
+(dropout, the other deterministic ones), with CUFLASH2_HOPPER_BWD=0, and for varlen calls with
+CUFLASH2_HOPPER_BWD_VARLEN=0, the mma.sync backward runs.
 
 A call is three launches on the current stream (`_attention_plans.backward_plan` builds them,
 for the dispatcher and for `prepare_backward_sm90` alike):
@@ -37,8 +38,13 @@ from ._hopper import describable, plannable
 #: is planned; tests flip `ENABLED` and clear the plan caches).
 ENABLED = os.environ.get("CUFLASH2_HOPPER_BWD", "1") != "0"
 
-#: The features the Hopper backward compiles in (varlen, dropout: the mma.sync backward).
-COVERED_FEATURES = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
+#: Varlen calls (`attention_varlen_backward`) run on the Hopper backward too (FEATURE_VARLEN:
+#: the maps cover the packed arrays with a batch extent of 1, each CTA adds its sequence's first
+#: row, as the Hopper forward's varlen); CUFLASH2_HOPPER_BWD_VARLEN=0 keeps them on mma.sync.
+VARLEN = os.environ.get("CUFLASH2_HOPPER_BWD_VARLEN", "1") != "0"
+
+#: The features the Hopper backward compiles in (dropout: the mma.sync backward).
+COVERED_FEATURES = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI | _configs.FEATURE_VARLEN
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -60,13 +66,16 @@ def backward_maps(config) -> dict:
 def backward_config(problem, features: int, window, arch: int, views: dict, varlen=None,
                     deterministic: bool = False):
     """The Hopper backward's configuration for a checked call, or None where the call stays on
-    the mma.sync backward: switched off (ENABLED), not sm_90, varlen, dropout, a head dim beyond
-    the Hopper kernels', an empty problem, no driver bindings to encode the maps, or q, k, v,
-    dout the TMA cannot describe; and deterministic mode where the kernel cannot order its dQ
-    additions (head dims above 128, whose dQ is not staged; a left window edge, under which the
-    key blocks that see a query block do not start at block 0: flash_bwd_sm90.cu)."""
+    the mma.sync backward: switched off (ENABLED; varlen: VARLEN), not sm_90, dropout, a head
+    dim beyond the Hopper kernels', an empty problem, no driver bindings to encode the maps, or
+    q, k, v, dout the TMA cannot describe; and deterministic mode where the kernel cannot order
+    its dQ additions (head dims above 128, whose dQ is not staged; a left window edge, under
+    which the key blocks that see a query block do not start at block 0; varlen, whose
+    sequences' statistics rows do not start on whole query blocks: flash_bwd_sm90.cu)."""
     p = problem
-    if not ENABLED or arch != 90 or varlen is not None:
+    if not ENABLED or arch != 90 or (varlen is not None and not VARLEN):
+        return None
+    if varlen is not None and deterministic:
         return None
     if features & ~COVERED_FEATURES:
         return None

@@ -316,11 +316,17 @@ BWD_UNSTAGED = [dataclasses.replace(c, dq_buffers=0) for c in BWD_CONFIGS if c.d
 #: --exhaustive, two by default.
 BWD_DETERMINISTIC = [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
                      for c in BWD_CONFIGS if c.dq_staged]
-_BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0)}
+#: Varlen (FEATURE_VARLEN with each score-modifier set, every head dim): every one under
+#: --exhaustive, two by default.
+BWD_VARLEN = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
+_BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0),
+               ("float16", 128, _configs.FEATURE_VARLEN),
+               ("bfloat16", 256, _configs.FEATURE_VARLEN | 3)}
 
 
 def _bwd_param(config):
-    plain = (config.dq_staged or config.num_chunks > 1) and not config.deterministic
+    plain = ((config.dq_staged or config.num_chunks > 1) and not config.deterministic
+             and not config.features & _configs.FEATURE_VARLEN)
     if plain:
         sampled = ((config.dtype, config.features) in SAMPLE_PAIRS
                    or config.head_dim == SAMPLE_HEAD_DIM)
@@ -333,7 +339,8 @@ def _bwd_param(config):
 
 
 @pytest.mark.parametrize("config", [_bwd_param(c) for c in
-                                    BWD_CONFIGS + BWD_UNSTAGED + BWD_DETERMINISTIC])
+                                    BWD_CONFIGS + BWD_UNSTAGED + BWD_DETERMINISTIC
+                                    + BWD_VARLEN])
 def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     """Same checks as the forward's: entry registers of 384 threads, no spills, setmaxnreg
     honoured (the consumers hold dK, dV, S^T and dP^T: 192 fp32 registers at d=128, and at

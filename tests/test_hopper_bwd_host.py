@@ -144,7 +144,20 @@ def test_packed_views_are_covered(host):
     assert _config(_problem(sk=300, hkv=4), views=views) is not None
 
 
-@pytest.mark.parametrize("case", ["disabled", "sm80", "sm100", "varlen", "deterministic_d192",
+def test_varlen_calls_are_covered_unless_switched_off_or_deterministic(host, monkeypatch):
+    varlen = _prepare.Varlen(300, 200, 2)
+    features = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP
+    config = _config(_problem(), varlen=varlen, features=features)
+    assert config is not None and config.features == features
+    assert _config(_problem(), varlen=varlen, features=features, deterministic=True) is None
+    monkeypatch.setattr(_hopper_bwd, "VARLEN", False)
+    assert _config(_problem(), varlen=varlen, features=features) is None
+    assert _config(_problem()) is not None  # dense calls: VARLEN does not apply
+    with pytest.raises(ValueError, match="varlen"):
+        _configs.bwd_sm90_config("float16", 64, True, _configs.FEATURE_VARLEN)
+
+
+@pytest.mark.parametrize("case", ["disabled", "sm80", "sm100", "deterministic_d192",
                                   "deterministic_left_window", "dropout", "d264", "d512",
                                   "empty_q", "empty_k", "no_batch", "no_bindings",
                                   "reversed_rows"])
@@ -155,8 +168,6 @@ def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
         monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
     elif case in ("sm80", "sm100"):
         kwargs["arch"] = {"sm80": 80, "sm100": 100}[case]
-    elif case == "varlen":
-        kwargs["varlen"] = _prepare.Varlen(300, 200, 2)
     elif case == "deterministic_d192":  # dQ not staged: no ordered additions
         kwargs["deterministic"] = True
         problem = _problem(d=192)

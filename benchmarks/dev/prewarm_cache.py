@@ -50,6 +50,8 @@ def main():
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
             configs += sm90 + [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
                                for c in sm90 if c.dq_staged]
+            if _configs.FEATURE_VARLEN in args.features:  # varlen with each modifier set
+                configs += _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
     if "decode" in args.kernels:
         configs += _configs.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])

@@ -85,7 +85,7 @@ def test_switched_off_the_mma_sync_backward_runs():
 
 
 @pytest.mark.parametrize("case", ["deterministic_d192", "deterministic_left_window", "dropout",
-                                  "varlen"])
+                                  "deterministic_varlen"])
 def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
     # every head dim the checks take (up to 256) has a Hopper kernel: none is refused by size;
     # deterministic mode only where its dQ additions can be ordered (d <= 128, no left edge)
@@ -100,12 +100,13 @@ def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
             options["window_size"] = (50, 0)
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     with _hopper_backward():
-        if case == "varlen":  # backward_kernels has no varlen form: run it, read its plan
+        if case == "deterministic_varlen":  # no varlen backward_kernels: run it, read the plan
             cu_q = cupy.asarray(numpy.array([0, 200], numpy.int32))
             cu_k = cupy.asarray(numpy.array([0, 300], numpy.int32))
             args = (cu_q, cu_k, 200, 300)
             out, lse = cuflash2.attention_varlen(q[0], k[0], v[0], *args, return_lse=True)
-            cuflash2.attention_varlen_backward(dout[0], q[0], k[0], v[0], out, lse, *args)
+            cuflash2.attention_varlen_backward(dout[0], q[0], k[0], v[0], out, lse, *args,
+                                               deterministic=True)
             (plan,) = api._backward_plans.plans.values()
             assert not any(isinstance(c, _configs.BwdSm90Config) for c in plan.kernels)
             return

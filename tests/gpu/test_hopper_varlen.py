@@ -1,6 +1,7 @@
 """GPU tests of varlen on the Hopper forward (FEATURE_VARLEN of cuda_src/flash_fwd_sm90.cu;
-docs/HOPPER_FWD.md, "Varlen"): `attention_varlen` with _hopper.VARLEN on (off by default until
-these have passed on an H200) against the reference, on ragged batches with empty and one-token
+docs/HOPPER_FWD.md, "Varlen") and backward (flash_bwd_sm90.cu; docs/HOPPER_BWD.md, "Varlen"):
+`attention_varlen` with _hopper.VARLEN on, and `attention_varlen_backward` with
+_hopper_bwd.VARLEN on, against the reference, on ragged batches with empty and one-token
 sequences, lengths that are not multiples of the tiles, seqlen_q != seqlen_k per sequence,
 causal masks, windows, GQA, softcap and per-sequence ALiBi, every kernel head dim and head dims
 between them, each schedule (in order, ping-pong, with and without the overlap inside a
@@ -23,7 +24,7 @@ from grids import seed_of as _seed
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper, api, reference, testing  # noqa: E402
+from cuflash2 import _configs, _hopper, _hopper_bwd, api, reference, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -213,3 +214,76 @@ def test_varlen_plan_hit_patches_the_maps():
                                                 causal=True)
             result = testing.check_close("out", out, ref_hi, ref_lo)
             assert result.ok, str(result)
+
+
+# --------------------------------------------------------------------------------------------
+# The Hopper backward on varlen calls
+
+
+def _hopper_bwd_varlen(enabled: bool = True):
+    """Plans made inside run varlen backwards on the Hopper backward (or not)."""
+    return switched(_hopper_bwd, {"VARLEN": enabled}, api._backward_plans)
+
+
+def _main_kernel_of_last_backward():
+    (plan,) = api._backward_plans.plans.values()
+    return plan.kernels[1] if len(plan.kernels) > 1 else plan.kernels[0]
+
+
+def _check_backward(layout, headdim, dtype, option, deterministic=False):
+    """The varlen backward (on the kernel the flags choose) against the reference's gradients,
+    2x rule; returns the main kernel's configuration."""
+    seed = _seed("bwd", layout, headdim, option, str(dtype))
+    q, k, v, args = _inputs(layout, headdim, dtype, seed)
+    batch, nheads = args[0].shape[0] - 1, q.shape[1]
+    options = _options(option, batch, nheads, seed + 1)
+    rng = numpy.random.default_rng(seed + 2)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
+    out, lse = cuflash2.attention_varlen(q, k, v, *args, return_lse=True, **options)
+    poisoned = [testing.poison_like(cupy, x.shape, dtype) for x in (q, k, v)]
+    api._backward_plans.plans.clear()
+    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args,
+                                               deterministic=deterministic, dq=poisoned[0],
+                                               dk=poisoned[1], dv=poisoned[2], **options)
+    config = _main_kernel_of_last_backward()
+    refs_hi = reference.attention_varlen_backward(dout, q, k, v, None, None, *args,
+                                                  compute_dtype=numpy.float32, **options)
+    refs_lo = reference.attention_varlen_backward(dout, q, k, v, None, None, *args,
+                                                  compute_dtype=q.dtype, **options)
+    for name, got, hi, lo in zip(("dq", "dk", "dv"), grads, refs_hi, refs_lo):
+        result = testing.check_close(name, got, hi, lo)
+        assert result.ok, f"{name}: {result} ({_configs.describe(config)})"
+    return config
+
+
+@needs_hopper
+def test_varlen_backward_runs_on_the_hopper_kernel_unless_switched_off_or_deterministic():
+    with _hopper_bwd_varlen():
+        config = _check_backward("ragged", 128, FP16, "causal")
+        assert isinstance(config, _configs.BwdSm90Config)
+        assert config.features & _configs.FEATURE_VARLEN
+        config = _check_backward("ragged", 128, FP16, "causal", deterministic=True)
+        assert not isinstance(config, _configs.BwdSm90Config)
+    with _hopper_bwd_varlen(enabled=False):
+        config = _check_backward("ragged", 128, FP16, "causal")
+        assert not isinstance(config, _configs.BwdSm90Config)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("option", ["plain", "causal", "window", "softcap-alibi-causal"])
+def test_varlen_backward_matches_the_reference(dtype, headdim, layout, option):
+    with _hopper_bwd_varlen():
+        config = _check_backward(layout, headdim, dtype, option)
+    assert isinstance(config, _configs.BwdSm90Config), config
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [40, 72, 80, 136, 200])
+@pytest.mark.parametrize("option", ["causal", "left-window-causal", "softcap", "alibi"])
+def test_varlen_backward_head_dims_between_the_kernels(headdim, option):
+    with _hopper_bwd_varlen():
+        config = _check_backward("sq!=sk-gqa", headdim, BF16, option)
+    assert isinstance(config, _configs.BwdSm90Config), config
