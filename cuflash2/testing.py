@@ -28,6 +28,7 @@ __all__ = [
     "check_close",
     "check_forward",
     "check_backward",
+    "check_varlen_backward",
     "default_atol",
     "lse_close",
     "poison_like",
@@ -233,7 +234,57 @@ def check_backward(
     refs_lo = reference.attention_backward(
         dout, q, k, v, None, None, compute_dtype=q.dtype, **options
     )
+    return _gradient_results((dq, dk, dv), refs_hi, refs_lo, atol)
+
+
+def check_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    atol=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_mask=None,
+):
+    """check_backward for the gradients of ``attention_varlen`` (packed like q, k, v), against
+    the reference varlen backward with the same cu_seqlens, maxima and options.
+
+    Returns a list of CheckResult for "dq", "dk", "dv".
+    """
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
+    )
+    refs_hi = reference.attention_varlen_backward(
+        dout, q, k, v, None, None, *args, compute_dtype=numpy.float32, **options
+    )
+    refs_lo = reference.attention_varlen_backward(
+        dout, q, k, v, None, None, *args, compute_dtype=q.dtype, **options
+    )
+    return _gradient_results((dq, dk, dv), refs_hi, refs_lo, atol)
+
+
+def _gradient_results(grads, refs_hi, refs_lo, atol):
     return [
         check_close(name, got, ref_hi, ref_lo, atol)
-        for name, got, ref_hi, ref_lo in zip(("dq", "dk", "dv"), (dq, dk, dv), refs_hi, refs_lo)
+        for name, got, ref_hi, ref_lo in zip(("dq", "dk", "dv"), grads, refs_hi, refs_lo)
     ]

@@ -416,3 +416,21 @@ def test_check_backward_accepts_reference_and_rejects_perturbed():
     grads[1] = grads[1] * FP16.type(1.1)
     results = testing.check_backward(dout, q, k, v, *grads, causal=True)
     assert [r.ok for r in results] == [True, False, True]
+
+
+def test_check_varlen_backward_accepts_reference_and_rejects_perturbed():
+    lengths_q, lengths_k = [5, 0, 9], [7, 3, 12]
+    q = _inputs(1, sum(lengths_q), 1, 4, 2, 16, dtype=FP16, seed=20)[0][0]
+    k, v = (x[0] for x in _inputs(1, 1, sum(lengths_k), 4, 2, 16, dtype=FP16, seed=21)[1:])
+    dout = _inputs(1, sum(lengths_q), 1, 4, 2, 16, dtype=FP16, seed=22)[0][0]
+    args = (numpy.cumsum([0] + lengths_q).astype(numpy.int32),
+            numpy.cumsum([0] + lengths_k).astype(numpy.int32), max(lengths_q), max(lengths_k))
+    exact = reference.attention_varlen_backward(
+        dout, q, k, v, None, None, *args, causal=True, compute_dtype=numpy.float64
+    )
+    grads = [g.astype(FP16) for g in exact]
+    results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
+    assert [r.name for r in results] == ["dq", "dk", "dv"] and all(r.ok for r in results)
+    grads[2] = grads[2] * FP16.type(1.1)
+    results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
+    assert [r.ok for r in results] == [True, True, False]
