@@ -1,9 +1,12 @@
-"""The cost of deterministic mode: the backward with dQ by fp32 atomics (default) against
-deterministic=True (dQ by a Q-parallel kernel that recomputes S and dP), same inputs.
+"""The cost of deterministic mode: the backward with dQ by fp32 atomics in any order (default)
+against deterministic=True (on sm_90 the Hopper backward with its dQ additions in key-block
+order; elsewhere a Q-parallel dQ kernel that recomputes S and dP), same inputs: fp16 arrays of
+the paper grid, without a mask, causal, and with a left window edge.
 
-    python benchmarks/bwd_deterministic_cost.py
+    python benchmarks/bwd_deterministic_cost.py [--headdims 64,128,256] [--seqlens 1024,4096]
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -14,18 +17,29 @@ import cupy  # noqa: E402
 import cuflash2  # noqa: E402
 from cuflash2 import bench  # noqa: E402
 
+#: The masks of each (head dim, seqlen): label -> attention options.
+MASKS = {"none": {}, "causal": {"causal": True}, "window (512, 0)": {"window_size": (512, 0)}}
+
+
+def _ints(text):
+    return tuple(int(x) for x in text.split(","))
+
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--headdims", type=_ints, default=(64, 128, 256))
+    parser.add_argument("--seqlens", type=_ints, default=(1024, 4096, 16384))
+    args = parser.parse_args()
     backlog = bench.Backlog(cupy)
-    print("| d | seqlen | causal | atomic ms | deterministic ms | cost |")
+    print("| d | seqlen | mask | default ms | deterministic ms | cost |")
     print("|---|---|---|---|---|---|")
-    for d, s, (q, k, v, dout) in bench.paper_grid_arrays(cupy):
-        for causal in (False, True):
-            out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+    for d, s, (q, k, v, dout) in bench.paper_grid_arrays(cupy, args.headdims, args.seqlens):
+        for label, options in MASKS.items():
+            out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
             ms = [bench.time_cupy(cupy, lambda det=det: cuflash2.attention_backward(
-                dout, q, k, v, out, lse, causal=causal, deterministic=det), 3, 15, backlog)
+                dout, q, k, v, out, lse, deterministic=det, **options), 3, 15, backlog)
                   for det in (False, True)]
-            print(f"| {d} | {s} | {causal} | {ms[0]:.3f} | {ms[1]:.3f} | "
+            print(f"| {d} | {s} | {label} | {ms[0]:.3f} | {ms[1]:.3f} | "
                   f"{ms[1] / ms[0]:.2f}x |", flush=True)
 
 

@@ -4,7 +4,8 @@
 // D = 0 and lse = +inf, so P = exp2(s - inf) = 0 there and the main kernel needs no row masking.
 // With the atomic dQ path (dq_accum set) the same rows of the fp32 dQ accumulator are zeroed
 // here, which the main kernel then adds to (same stream): no memset of its own before it; so are
-// the deterministic Hopper backward's dQ semaphores (dq_semaphore set), one a block of rows.
+// the deterministic Hopper backward's dQ semaphores (dq_semaphore set), a slot per
+// DQ_SEMAPHORE_ROWS rows.
 #include "mma_primitives.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"

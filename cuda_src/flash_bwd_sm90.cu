@@ -42,21 +42,22 @@
 //    wider head dims, whose shared memory has no room for the tiles) hold those registers until
 //    the memory system has taken them, and the next step's products waited on that (Nsight
 //    Compute: a third of the consumers' stalls on L1TEX at d=128).
-//  - Deterministic mode (DETERMINISTIC, with DQ_STAGED; FlashAttention-3's): the key blocks add
-//    to a query block's rows of dq_accum in a fixed order, so every run adds the same numbers in
-//    the same order. A semaphore per (batch, head, query block), zeroed by the preprocess, counts
-//    the key blocks that have added: the dQ thread of a key block waits until it reads the
-//    block's rank, adds, frees the staged tile once the reduction has read it (the consumers go
-//    on), waits for the reduction to complete and increments the count. Without a left window
-//    edge the key blocks that see a query block are 0 .. last (KeyVisibility::tile_range of its
-//    rows; a left edge takes the mma.sync backward's deterministic path:
-//    _hopper_bwd.backward_config); they add from the last down, key block n of rank last - n.
-//    The grid runs the key blocks from the last down too (grid x reversed), so a key block waits
-//    only on higher ones, which the GPU dispatched before it, and its steps run query block by
-//    query block from its first up (QueryBlockWalk): a higher key block's first query block is
-//    no earlier, so it reaches each query block at the same step as the lower one (no causal
-//    edge) or earlier (causal or right window edge), and the lower one waits about a reduction's
-//    latency at most.
+//  - Deterministic mode (DETERMINISTIC; FlashAttention-3's): the key blocks add to a query
+//    block's rows of dq_accum in a fixed order, so every run adds the same numbers in the same
+//    order. A semaphore per (batch, head, query block, head-dim chunk), zeroed by the preprocess,
+//    counts the key blocks that have added. The dQ thread of a key block waits until it reads
+//    the block's turn, then with staged dQ adds, frees the staged tile once the reduction has read
+//    it (the consumers go on), waits for the reduction to complete and increments the count;
+//    with vector reductions (d=192 / 256) it hands the turn to the consumers (dq_empty), which
+//    add and arrive on dq_full, and increments the count after them. The key blocks that see a
+//    query block are a contiguous range first .. last (a window's edges both grow with the key
+//    block; last: KeyVisibility::tile_range of its rows); they add from the last down, key
+//    block n's turn last - n (first does not enter). The grid runs the key blocks from the last
+//    down too (grid x reversed), so a key block waits only on higher ones, which the GPU
+//    dispatched before it, and its steps run query block by query block from its first up
+//    (QueryBlockWalk): a higher key block's first query block is no earlier, so it reaches each
+//    query block at the same step as the lower one (no causal edge) or earlier (causal or right
+//    window edge), and the lower one waits about a reduction's latency at most.
 //
 // Masking: the query blocks a key block sees come from KeyVisibility (causal, windows, bottom-
 // right aligned); blocks outside are never loaded. Masks run only on boundary steps (the key
@@ -74,7 +75,7 @@
 // dV, dQ of columns 0 .. 127, chunk 1 the rest (d=192: 64, computed 128 wide and the rest
 // discarded; d=256: 128), each recomputing S^T and dP^T over the whole head dim (K, V, Q_i, dO_i
 // are whole-width tiles). docs/HOPPER_BWD.md compares this with FlashAttention-3's tiles.
-// Left out (static_assert): varlen, dropout.
+// Left out (static_assert): dropout.
 #include "hopper_primitives.cuh"
 #include "masking.cuh"
 #include "score_mods.cuh"
@@ -271,14 +272,21 @@ CF2_DEVICE void stage_dq(u32 dq_tile, const float (&acc)[N / 8][4], int warp, in
 
 // This consumer's dQ_i columns to dq_accum: staged in `dq_tile` (DQ_STAGED; the bulk reduction
 // is issued by the producer's dQ thread once every consumer thread arrived on `dq_full`, after
-// `dq_empty` said the buffer's previous reduction had read it), or by vector reductions.
-template <class T, int COL0, int N>
+// `dq_empty` said the buffer's previous reduction had read it), or by vector reductions; with
+// ORDERED vector reductions (deterministic mode above d=128) in the key block's turn: after
+// `dq_empty` (the dQ thread's arrival once the turn came), then every consumer thread arrives on
+// `dq_full` (release at CTA scope), after which the dQ thread passes the turn on.
+template <class T, int COL0, int N, bool ORDERED>
 CF2_DEVICE void write_dq(const float (&acc)[N / 8][4], float* dq_block, u32 dq_tile, u32 dq_full,
                          u32 dq_empty, u32 empty_parity, bool add, int warp, int lane) {
     if constexpr (T::DQ_STAGED) {
         mbarrier_wait(dq_empty, empty_parity);
         stage_dq<T::DIM, COL0, N>(dq_tile, acc, warp, lane);
         fence_proxy_async_shared();  // the generic stores, before the bulk reduction reads them
+        mbarrier_arrive(dq_full);
+    } else if constexpr (ORDERED) {
+        mbarrier_wait(dq_empty, empty_parity);
+        if (add) add_dq<T::DIM, COL0, N>(dq_block, acc, warp, lane);
         mbarrier_arrive(dq_full);
     } else if (add) {
         add_dq<T::DIM, COL0, N>(dq_block, acc, warp, lane);
@@ -458,14 +466,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     using T = BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>;
     static_assert((FEATURES & FEATURE_DROPOUT) == 0, "dropout runs on the mma.sync backward");
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    // Varlen's per-sequence statistics rows start where the packing puts them (varlen.cuh), not
-    // on whole 64-row blocks: no semaphore per query block (deterministic varlen: mma.sync).
-    static_assert(!(VARLEN && DETERMINISTIC), "deterministic varlen runs on the mma.sync backward");
-    // A query block of BLOCK_M rows orders its additions on the semaphore of its first
-    // DQ_SEMAPHORE_ROWS rows (a 128-row block leaves the second unused).
-    static_assert(!DETERMINISTIC ||
-                      (T::DQ_STAGED && T::NUM_CHUNKS == 1 && BLOCK_M % DQ_SEMAPHORE_ROWS == 0),
-                  "ordered dQ: the dQ thread's bulk reductions, a semaphore a query block");
+    // DETERMINISTIC: chunk c of a query block orders its additions on the semaphore of the
+    // block's first row, plus c (a slot per DQ_SEMAPHORE_ROWS rows of the per-row arrays: a
+    // varlen sequence's rows start on a 4-row boundary, and a block has more slots than chunks).
+    static_assert(BLOCK_M % DQ_SEMAPHORE_ROWS == 0 &&
+                      BLOCK_M / DQ_SEMAPHORE_ROWS >= T::NUM_CHUNKS,
+                  "ordered dQ: a semaphore slot per query block and head-dim chunk");
     // The order of a step's last products. With staged dQ, dK += dS^T Q_i is issued behind
     // dQ_i and runs while the consumer stages dQ_i (FlashAttention-3's order; H200: d=128 1.04-
     // 1.05x, d=64 1.01x). With vector reductions (d=192 / 256) it is issued beside dV, before
@@ -487,10 +493,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const u32 kv_full = smem_address(&bars.kv_full);
 
     // DETERMINISTIC: the last key block first, so that the ones a key block waits for (above)
-    // were dispatched before it (one chunk: the head dim is at most 128).
-    const int kv_block =
-        DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x / T::NUM_CHUNKS;
-    const int chunk = blockIdx.x % T::NUM_CHUNKS;  // of the head dim (0 up to d=128)
+    // were dispatched before it.
+    const int cta_x = DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int kv_block = cta_x / T::NUM_CHUNKS;
+    const int chunk = cta_x % T::NUM_CHUNKS;  // of the head dim (0 up to d=128)
     // This CTA's first dK / dV / dQ column, and whether its chunk is the narrower last one (d=192:
     // 64 columns, computed 128 wide, the rest discarded). Constants up to d=128.
     const int col0 = chunk * T::CHUNK_COLS;
@@ -612,42 +618,65 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
                 walk.advance();
             }
-        } else if (T::DQ_STAGED && threadIdx.x == 32) {
-            // The dQ thread: adds each step's staged dQ tile to its rows of dq_accum with one bulk
-            // reduction (element-wise atomic: other key blocks add to the same rows), and frees
-            // the buffer once the reduction has read it. DETERMINISTIC: in key-block order.
+        } else if ((T::DQ_STAGED || DETERMINISTIC) && threadIdx.x == 32) {
+            // The dQ thread. Staged dQ: adds each step's staged dQ tile to its rows of dq_accum
+            // with one bulk reduction (element-wise atomic: other key blocks add to the same
+            // rows), and frees the buffer once the reduction has read it. DETERMINISTIC: in
+            // key-block order, the turn of the query block's adders taken from its semaphore
+            // (staged: the bulk reduction; vector reductions, above d=128: the consumers', between
+            // dq_empty and dq_full).
             QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
                                                p.heads_per_kv_head, m_first, m_count);
             for (int j = 0; j < steps; ++j) {
                 const int buf = j % T::DQ_RING;
-                mbarrier_wait(smem_address(&bars.dq_full[buf]), (j / T::DQ_RING) & 1);
+                const u32 parity = (j / T::DQ_RING) & 1;
                 const i64 row0 = stats_first(walk.head) + walk.m_block * BLOCK_M;
-                int* semaphore = DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS : nullptr;
+                int* semaphore =
+                    DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS + chunk : nullptr;
+                int turn = 0;
                 if constexpr (DETERMINISTIC) {
-                    // The key blocks that see the query block's rows are 0 .. last_adder (no
-                    // left edge); those above this one have added.
+                    // The key blocks that see the query block's rows are a contiguous range
+                    // ending at last_adder (a window's edges both grow with the key block);
+                    // they add from the last down, so this one's turn is last_adder - kv_block.
                     const int m_row0 = walk.m_block * BLOCK_M;
                     int first_adder, adders_end;
                     vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N,
                                    first_adder, adders_end);
-                    wait_semaphore(semaphore, adders_end - 1 - kv_block);
-                    fence_proxy_async_global();
+                    turn = adders_end - 1 - kv_block;
                 }
-                bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM, dq_smem + buf * T::DQ_TILE_BYTES,
-                                    T::DQ_TILE_BYTES);
-                bulk_commit_group();
-                // The buffer is free once the reduction has read it; DETERMINISTIC: the next key
-                // block's turn once its additions are done, which the consumers need not wait for.
-                bulk_wait_group_read<0>();
-                mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
-                if constexpr (DETERMINISTIC) {
-                    bulk_wait_group<0>();
-                    fence_proxy_async_global();
+                if constexpr (T::DQ_STAGED) {
+                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
+                    if constexpr (DETERMINISTIC) {
+                        wait_semaphore(semaphore, turn);
+                        fence_proxy_async_global();
+                    }
+                    bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM,
+                                        dq_smem + buf * T::DQ_TILE_BYTES, T::DQ_TILE_BYTES);
+                    bulk_commit_group();
+                    // The buffer is free once the reduction has read it; DETERMINISTIC: the next
+                    // key block's turn once its additions are done, which the consumers need
+                    // not wait for.
+                    bulk_wait_group_read<0>();
+                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
+                    if constexpr (DETERMINISTIC) {
+                        bulk_wait_group<0>();
+                        fence_proxy_async_global();
+                        increment_release_gpu(semaphore);
+                    }
+                } else {
+                    // The consumers' vector reductions, ordered: the turn (acquire) is handed to
+                    // them through dq_empty, and passed on (release) once every consumer thread
+                    // arrived on dq_full after its reductions: the mbarrier's release and
+                    // acquire at CTA scope put those before this thread's release at GPU scope.
+                    wait_semaphore(semaphore, turn);
+                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
+                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
                     increment_release_gpu(semaphore);
                 }
                 walk.advance();
             }
-            bulk_wait_group<0>();  // the reductions complete before the CTA's shared memory goes
+            if constexpr (T::DQ_STAGED)
+                bulk_wait_group<0>();  // the reductions complete before the shared memory goes
         }
     } else {
         // ---- consumers: warpgroup 1 + c owns keys 64 c .. 64 c + 63 of the block ----
@@ -757,7 +786,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             const u32 dq_tile = dq_smem + dq_buf * T::DQ_TILE_BYTES + 4 * dq_row0 * HEAD_DIM;
             const u32 dq_full = smem_address(&bars.dq_full[dq_buf]);
             const u32 dq_empty = smem_address(&bars.dq_empty[dq_buf]);
-            const u32 dq_empty_parity = ((j / T::DQ_RING) & 1) ^ 1;
+            // Staged buffers start empty; the ordered vector reductions' turn starts not given.
+            const u32 dq_empty_parity = ((j / T::DQ_RING) & 1) ^ (T::DQ_STAGED ? 1u : 0u);
             if (consumer == 0) {
                 float acc_dq[T::DQ_COLS_0 / 8][4];
                 pin_registers(acc_dq);
@@ -777,7 +807,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(acc_dq);
                 pin_registers(acc_dv);
                 pin_registers(p_frag);
-                write_dq<T, 0, T::DQ_COLS_0>(acc_dq, dq_block, dq_tile, dq_full, dq_empty,
+                write_dq<T, 0, T::DQ_COLS_0, DETERMINISTIC>(acc_dq, dq_block, dq_tile, dq_full, dq_empty,
                                              dq_empty_parity, true, warp, lane);
                 if constexpr (DK_BEHIND_DQ) {
                     wgmma_wait_group<0>();
@@ -807,7 +837,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(acc_dq);
                 pin_registers(acc_dv);
                 pin_registers(p_frag);
-                write_dq<T, T::DQ_COL0_1, T::DQ_COLS_1>(acc_dq, dq_block, dq_tile, dq_full,
+                write_dq<T, T::DQ_COL0_1, T::DQ_COLS_1, DETERMINISTIC>(acc_dq, dq_block, dq_tile, dq_full,
                                                         dq_empty, dq_empty_parity, !narrow, warp,
                                                         lane);
                 if constexpr (DK_BEHIND_DQ) {

@@ -103,7 +103,7 @@ struct BwdParams {
     float* lse_log2;   // per-row statistics, rows padded (varlen.cuh, stats_row0)
     float* delta;      // D = rowsum(dO * O)
     float* dq_accum;   // fp32 dQ of the atomic path, (stats rows, accum_dim), interleaved
-    int* dq_semaphore; // the deterministic Hopper backward's: one a DQ_SEMAPHORE_ROWS block, or null
+    int* dq_semaphore; // the deterministic Hopper backward's: a slot per DQ_SEMAPHORE_ROWS rows, or null
     u16* dq;
     u16* dk;
     u16* dv;

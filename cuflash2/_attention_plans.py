@@ -128,11 +128,6 @@ def _backward_main_config(problem, features: int, window, deterministic: bool, a
     if isinstance(forced, _configs.BwdSm90Config):
         if features & ~_hopper_bwd.COVERED_FEATURES:
             raise ValueError("the Hopper backward has no dropout")
-        if deterministic and (not forced.dq_staged or window[0] >= 0 or varlen is not None
-                              or forced.block_m % _configs.DQ_SEMAPHORE_ROWS):
-            raise ValueError("the Hopper backward's deterministic mode needs staged dQ tiles "
-                             "(head dims up to 128), steps of whole 64-row blocks, no left "
-                             "window edge and no varlen")
         forced = dataclasses.replace(forced, deterministic=deterministic)
         return _configs.with_features(forced, features), True
     hopper = None
@@ -173,7 +168,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         stats_rows = p.nheads * seqlen_q_padded
     # Scratch: lse in log2 units, D, and the fp32 dQ accumulator of the atomic path (zeroed by
     # the preprocess): O(seqlen_q * headdim), like the inputs. The Hopper kernel's deterministic
-    # mode keeps the accumulator (its additions ordered) and adds a semaphore a query block.
+    # mode keeps the accumulator (its additions ordered) and adds its semaphore slots, one per
+    # DQ_SEMAPHORE_ROWS rows.
     ordered = hopper and deterministic
     accumulate = ordered or not deterministic
     pieces = [4 * stats_rows, 4 * stats_rows]

@@ -64,9 +64,11 @@ MASK_WARPS = 8
 BWD_DQ_WARPS = 4
 #: The decode kernel's packed query rows a CTA.
 DECODE_BLOCK_M = 16
-#: Query rows per dQ semaphore of the deterministic Hopper backward (its block_m; one semaphore
-#: a block of the per-row arrays, zeroed by the preprocess, whose CTAs cover as many rows).
-DQ_SEMAPHORE_ROWS = 64
+#: Rows of the backward's per-row arrays per dQ semaphore slot of the deterministic Hopper
+#: backward (zeroed by the preprocess): a query block's head-dim chunk c orders its additions on
+#: the slot of the block's first row, plus c. Varlen sequences start on 4-row boundaries there
+#: (varlen.cuh), and a block of 64 rows has 16 slots, for at most two chunks.
+DQ_SEMAPHORE_ROWS = 4
 
 CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
@@ -399,7 +401,7 @@ SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 #: The widest head-dim chunk of one CTA (BwdSm90Traits::CHUNK_COLS).
 SM90_BWD_CHUNK_COLS = 128
 #: The features it takes: the score modifiers (dropout: mma.sync), and varlen with each of them
-#: (SM90_BWD_VARLEN_FEATURES; not in deterministic mode: mma.sync).
+#: (SM90_BWD_VARLEN_FEATURES).
 SM90_BWD_FEATURES = SCORE_MOD_FEATURES
 SM90_BWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SCORE_MOD_FEATURES)
 
@@ -446,22 +448,15 @@ class BwdSm90Config:
     #: registers (flash_bwd_sm90.cu, DQ_BUFFERS). Staged where the tiles fit, one chunk
     #: (SM90_BWD_TILES).
     dq_buffers: int = 0
-    #: deterministic=True: the staged dQ tiles added in key-block order, behind a semaphore per
-    #: query block (flash_bwd_sm90.cu, DETERMINISTIC); needs staged dQ and block_m a multiple of
-    #: DQ_SEMAPHORE_ROWS.
+    #: deterministic=True: dQ added in key-block order (the staged tiles' bulk reductions, or
+    #: the consumers' vector reductions), behind a semaphore per query block and head-dim chunk
+    #: (flash_bwd_sm90.cu, DETERMINISTIC).
     deterministic: bool = False
 
     arch_suffix = "a"
     arch = 90
 
     def __post_init__(self):
-        if self.deterministic and not (self.dq_staged and self.block_m % DQ_SEMAPHORE_ROWS == 0):
-            raise ValueError("the Hopper backward's deterministic mode orders the staged dQ "
-                             "tiles' reductions per query block: head dims up to 128 "
-                             f"(dq_buffers > 0), block_m a multiple of {DQ_SEMAPHORE_ROWS}")
-        if self.deterministic and self.features & FEATURE_VARLEN:
-            raise ValueError("the Hopper backward's deterministic mode has no varlen (a varlen "
-                             "sequence's statistics rows do not start on whole 64-row blocks)")
         if self.features & FEATURE_DROPOUT:
             raise ValueError("the Hopper backward has no dropout")
         if self.block_m not in (64, 128) or (self.block_m == 128 and self.head_dim > 64):
@@ -539,8 +534,7 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
     """The Hopper backward's specialisation for `head_dim` (one of SM90_BWD_HEAD_DIMS) and
     `features` (score modifiers), in deterministic mode with `deterministic`: the tile of
     SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES for ALiBi with softcap or in deterministic mode,
-    and for varlen;
-    ValueError for deterministic mode at head dims without staged dQ (BwdSm90Config's check)."""
+    and for varlen."""
     if head_dim not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
     both_mods = FEATURE_SOFTCAP | FEATURE_ALIBI

@@ -1,17 +1,16 @@
 """Host side of the Hopper backward (cuda_src/flash_bwd_sm90.cu, docs/HOPPER_BWD.md).
 
 Dispatched: `cuflash2.attention_backward` (and the packed and varlen backwards) on sm_90 run the
-Hopper main kernel for every call `backward_config` covers, `deterministic=True` included (up to
-d=128, no left window edge, not varlen: dQ added in key-block order); for the calls it refuses
-(dropout, the other deterministic ones), with CUFLASH2_HOPPER_BWD=0, and for varlen calls with
-CUFLASH2_HOPPER_BWD_VARLEN=0, the mma.sync backward runs.
+Hopper main kernel for every call `backward_config` covers, `deterministic=True` included (dQ
+added in key-block order); for the calls it refuses (dropout), with CUFLASH2_HOPPER_BWD=0, and
+for varlen calls with CUFLASH2_HOPPER_BWD_VARLEN=0, the mma.sync backward runs.
 
 A call is three launches on the current stream (`_attention_plans.backward_plan` builds them,
 for the dispatcher and for `prepare_backward_sm90` alike):
 
 1. the existing preprocess (flash_bwd_preprocess.cu): D = rowsum(dO o O), lse in log2 units,
    both padded to whole 128-row blocks (+inf / 0), and the fp32 dQ accumulator zeroed (and in
-   deterministic mode the dQ semaphores, one a 64-row query block);
+   deterministic mode the dQ semaphores, a slot per 4 rows);
 2. the Hopper main kernel: dK, dV of each 128-key block, dQ added to the accumulator (above
    d=128 a key block's columns split over two CTAs, `BwdSm90Config.num_chunks`);
 3. the existing conversion (flash_bwd_convert_dq.cu): dQ = softmax_scale * accumulator.
@@ -68,23 +67,15 @@ def backward_config(problem, features: int, window, arch: int, views: dict, varl
     """The Hopper backward's configuration for a checked call, or None where the call stays on
     the mma.sync backward: switched off (ENABLED; varlen: VARLEN), not sm_90, dropout, a head
     dim beyond the Hopper kernels', an empty problem, no driver bindings to encode the maps, or
-    q, k, v, dout the TMA cannot describe; and deterministic mode where the kernel cannot order
-    its dQ additions (head dims above 128, whose dQ is not staged; a left window edge, under
-    which the key blocks that see a query block do not start at block 0; varlen, whose
-    sequences' statistics rows do not start on whole query blocks: flash_bwd_sm90.cu)."""
+    q, k, v, dout the TMA cannot describe."""
     p = problem
     if not ENABLED or arch != 90 or (varlen is not None and not VARLEN):
-        return None
-    if varlen is not None and deterministic:
         return None
     if features & ~COVERED_FEATURES:
         return None
     if not plannable(p, _configs.SM90_BWD_HEAD_DIMS):
         return None
     kernel_dim = kernel_head_dim(p.head_dim)
-    if deterministic:
-        if not _configs.bwd_sm90_config(p.dtype, kernel_dim).dq_staged or window[0] >= 0:
-            return None
     config = _configs.bwd_sm90_config(p.dtype, kernel_dim, deterministic, features)
     return config if describable(views, backward_maps(config)) else None
 

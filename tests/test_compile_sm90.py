@@ -312,16 +312,19 @@ BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
 #: d <= 128 with dQ by vector reductions from registers (dq_staged off: the dQ path of d=192 /
 #: 256, kept beside the staged one for timing): every one under --exhaustive, two by default.
 BWD_UNSTAGED = [dataclasses.replace(c, dq_buffers=0) for c in BWD_CONFIGS if c.dq_staged]
-#: deterministic=True (dQ added in key-block order; staged head dims only): every one under
-#: --exhaustive, two by default.
-BWD_DETERMINISTIC = [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
-                     for c in BWD_CONFIGS if c.dq_staged]
 #: Varlen (FEATURE_VARLEN with each score-modifier set, every head dim): every one under
 #: --exhaustive, two by default.
 BWD_VARLEN = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
+#: deterministic=True (dQ added in key-block order: the staged tiles' bulk reductions up to
+#: d=128, the consumers' vector reductions above; dense and varlen): every one under
+#: --exhaustive, three by default.
+BWD_DETERMINISTIC = [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+                     for c in BWD_CONFIGS + BWD_VARLEN]
 _BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0),
                ("float16", 128, _configs.FEATURE_VARLEN),
                ("bfloat16", 256, _configs.FEATURE_VARLEN | 3)}
+_BWD_DETERMINISTIC_SAMPLE = {("float16", 64, 0), ("bfloat16", 256, 3),
+                             ("float16", 128, _configs.FEATURE_VARLEN)}
 
 
 def _bwd_param(config):
@@ -331,7 +334,8 @@ def _bwd_param(config):
         sampled = ((config.dtype, config.features) in SAMPLE_PAIRS
                    or config.head_dim == SAMPLE_HEAD_DIM)
     else:
-        sampled = (config.dtype, config.head_dim, config.features) in _BWD_SAMPLE
+        sampled = (config.dtype, config.head_dim, config.features) in (
+            _BWD_DETERMINISTIC_SAMPLE if config.deterministic else _BWD_SAMPLE)
     path = ("-det" if config.deterministic else "" if plain or config.dq_staged
             or config.num_chunks > 1 else "-red")
     return pytest.param(config, marks=() if sampled else pytest.mark.exhaustive,
@@ -398,8 +402,10 @@ def test_hopper_backward_config_shapes():
     for features in (_configs.FEATURE_ALIBI, _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI):
         assert _configs.bwd_sm90_config("float16", 64, True, features).block_m == 64
     assert _configs.bwd_sm90_config("float16", 64, True, _configs.FEATURE_SOFTCAP).block_m == 128
-    with pytest.raises(ValueError, match="deterministic"):
-        dataclasses.replace(d64, dq_buffers=0, deterministic=True)
+    # above d=128 the consumers' vector reductions, ordered (the same tiles)
+    for d in (192, 256):
+        assert _configs.bwd_sm90_config("float16", d, deterministic=True) == dataclasses.replace(
+            _configs.bwd_sm90_config("float16", d), deterministic=True)
     # d=192: three panels, two stages; d=256: four panels, one stage; both under 227 KiB
     assert _configs.bwd_sm90_config("float16", 192).smem_bytes == (
         2 * 128 * 384 + 2 * (2 * 64 * 384 + 512) + 2 * 64 * 256 + 1024)

@@ -6,6 +6,7 @@ words, the BwdParams fields under `base` identical to the mma.sync plan's, the l
 grids and the struct each takes, the per-call patching of maps and pointers), and
 `prepare_backward_sm90`, which builds the same plan."""
 
+import dataclasses
 import sys
 import types
 
@@ -79,17 +80,19 @@ def _config(problem=None, features=0, arch=90, views=None, varlen=None, determin
                                        deterministic)
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (-1, 37)])
-@pytest.mark.parametrize("head_dim", [40, 64, 96, 128])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (-1, 37), (100, 0), (50, 50), (0, -1)])
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 160, 192, 256])
 def test_deterministic_calls_order_their_dq_on_the_hopper_kernel(host, head_dim, window):
-    """deterministic=True up to d=128 without a left window edge: the staged-dQ kernel with its
+    """deterministic=True under any window and at every head dim: the kernel with its dQ
     additions in key-block order (flash_bwd_sm90.cu, DETERMINISTIC)."""
     config = _config(_problem(d=head_dim), deterministic=True, window=window)
-    assert config.deterministic and config.dq_staged
+    assert config.deterministic
     assert "key-block order" in _configs.describe(config)
     assert not _config(_problem(d=head_dim), window=window).deterministic
-    # staged dQ tiles (one at d=64's 128-row steps, two above), ordered
-    assert config.name_expression.endswith(f", {1 if head_dim <= 64 else 2}, true>")
+    # staged dQ tiles (one at d=64's 128-row steps, two up to d=128) or the consumers' vector
+    # reductions (above), ordered
+    buffers = 1 if head_dim <= 64 else 2 if head_dim <= 128 else 0
+    assert config.name_expression.endswith(f", {buffers}, true>")
 
 
 def test_the_flag_is_on_by_default():
@@ -144,23 +147,22 @@ def test_packed_views_are_covered(host):
     assert _config(_problem(sk=300, hkv=4), views=views) is not None
 
 
-def test_varlen_calls_are_covered_unless_switched_off_or_deterministic(host, monkeypatch):
+def test_varlen_calls_are_covered_unless_switched_off(host, monkeypatch):
     varlen = _prepare.Varlen(300, 200, 2)
     features = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP
     config = _config(_problem(), varlen=varlen, features=features)
     assert config is not None and config.features == features
-    assert _config(_problem(), varlen=varlen, features=features, deterministic=True) is None
+    ordered = _config(_problem(), varlen=varlen, features=features, deterministic=True)
+    assert ordered == dataclasses.replace(config, deterministic=True)
     monkeypatch.setattr(_hopper_bwd, "VARLEN", False)
     assert _config(_problem(), varlen=varlen, features=features) is None
+    assert _config(_problem(), varlen=varlen, features=features, deterministic=True) is None
     assert _config(_problem()) is not None  # dense calls: VARLEN does not apply
-    with pytest.raises(ValueError, match="varlen"):
-        _configs.bwd_sm90_config("float16", 64, True, _configs.FEATURE_VARLEN)
 
 
-@pytest.mark.parametrize("case", ["disabled", "sm80", "sm100", "deterministic_d192",
-                                  "deterministic_left_window", "dropout", "d264", "d512",
-                                  "empty_q", "empty_k", "no_batch", "no_bindings",
-                                  "reversed_rows"])
+@pytest.mark.parametrize("case", ["disabled", "sm80", "sm100", "dropout",
+                                  "deterministic_dropout", "d264", "d512", "empty_q", "empty_k",
+                                  "no_batch", "no_bindings", "reversed_rows"])
 def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
     kwargs = {}
     problem = _problem()
@@ -168,14 +170,11 @@ def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
         monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
     elif case in ("sm80", "sm100"):
         kwargs["arch"] = {"sm80": 80, "sm100": 100}[case]
-    elif case == "deterministic_d192":  # dQ not staged: no ordered additions
-        kwargs["deterministic"] = True
-        problem = _problem(d=192)
-    elif case == "deterministic_left_window":
-        kwargs["deterministic"] = True
-        kwargs["window"] = (100, 0)
     elif case == "dropout":
         kwargs["features"] = _configs.FEATURE_DROPOUT
+    elif case == "deterministic_dropout":
+        kwargs["features"] = _configs.FEATURE_DROPOUT
+        kwargs["deterministic"] = True
     elif case in ("d264", "d512"):
         problem = _problem(d=int(case[1:]))
     elif case == "empty_q":
@@ -358,9 +357,9 @@ def test_a_call_patches_map_addresses_pointers_and_workspace(host, monkeypatch):
 
 def test_the_deterministic_hopper_plan_zeroes_and_passes_the_dq_semaphores(host):
     """deterministic=True on the Hopper kernel: the atomic path's three launches (preprocess,
-    main kernel, conversion) and workspace, plus one int32 semaphore per 64 rows of the
-    per-row arrays after the accumulator, which the preprocess zeroes; the default plan has
-    none (null pointer)."""
+    main kernel, conversion) and workspace, plus one int32 semaphore slot per
+    DQ_SEMAPHORE_ROWS rows of the per-row arrays after the accumulator, which the preprocess
+    zeroes; the default plan has none (null pointer)."""
     arrays = _separate()
     plan = _backward_plan(arrays, deterministic=True)
     pre, main, conv = plan.launches
@@ -374,20 +373,23 @@ def test_the_deterministic_hopper_plan_zeroes_and_passes_the_dq_semaphores(host)
     semaphore = offsets[plan.block.slot("base.dq_semaphore")[1]]
     accum = offsets[plan.block.slot("base.dq_accum")[1]]
     assert semaphore >= accum + 4 * stats_rows * 64  # after the d=64 accumulator
-    assert plan.workspace_bytes >= semaphore + 4 * stats_rows // 64
+    assert _configs.DQ_SEMAPHORE_ROWS == 4  # a varlen sequence's rows start on 4-row boundaries
+    assert plan.workspace_bytes >= semaphore + 4 * stats_rows // _configs.DQ_SEMAPHORE_ROWS
     assert len(default.workspace_slots) == len(plan.workspace_slots) - 1
     assert default.block.record[0]["base"]["dq_semaphore"] == 0
 
 
-def test_the_mma_sync_backward_keeps_deterministic_dropout_and_forced_tiles(host):
+def test_the_mma_sync_backward_keeps_dropout_and_forced_tiles(host):
     arrays = _separate()
     assert _backward_plan(arrays, deterministic=True).launches[1].config.deterministic
-    deterministic = _backward_plan(_separate(d=192), deterministic=True)
+    wide = _backward_plan(_separate(d=192), deterministic=True)  # ordered vector reductions
+    assert wide.launches[1].config.deterministic and not wide.launches[1].config.dq_staged
+    dropout = _backward_plan(arrays, dropout_p=0.1)
+    assert isinstance(dropout.launches[1].config, _configs.BwdConfig)
+    deterministic = _backward_plan(arrays, dropout_p=0.1, deterministic=True)
     assert deterministic.block.layout.name == "BwdParams"
     assert [type(c).__name__ for c in deterministic.kernels] == [
         "AuxKernel", "BwdConfig", "BwdDqConfig"]
-    dropout = _backward_plan(arrays, dropout_p=0.1)
-    assert isinstance(dropout.launches[1].config, _configs.BwdConfig)
     assert not isinstance(_backward_plan(arrays, arch=80).launches[1].config,
                           _configs.BwdSm90Config)
     forced = _configs.bwd_config("float16", 64, 90)
@@ -406,9 +408,9 @@ def test_a_forced_hopper_config_runs_whatever_the_flag(host, monkeypatch):
     assert plan.block.record[0]["base"]["accum_dim"] == 128
     ordered = _backward_plan(_separate(), config=config, deterministic=True)
     assert ordered.launches[1].config.deterministic
-    with pytest.raises(ValueError, match="deterministic mode needs"):
-        _backward_plan(_separate(d=192), config=_configs.bwd_sm90_config("float16", 192),
-                       deterministic=True)
+    wide = _backward_plan(_separate(d=192), config=_configs.bwd_sm90_config("float16", 192),
+                          deterministic=True)
+    assert wide.launches[1].config.deterministic
     with pytest.raises(ValueError, match="dropout"):
         _backward_plan(_separate(), config=config, dropout_p=0.1)
 

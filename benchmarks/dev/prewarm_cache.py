@@ -30,7 +30,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--features", type=int, nargs="+", default=list(_configs.ALL_FEATURES))
     ap.add_argument("--arch", type=int, default=None, help="default: device 0's")
-    ap.add_argument("--kernels", nargs="+", choices=("fwd", "bwd", "decode", "sm90-dev"),
+    ap.add_argument("--kernels", nargs="+",
+                    choices=("fwd", "bwd", "decode", "sm90-dev", "det-smoke"),
                     default=["fwd", "bwd", "decode"])
     args = ap.parse_args()
     if args.arch is None:
@@ -48,10 +49,10 @@ def main():
         if args.arch == 90:  # the Hopper backward's main kernels, default and deterministic
             sm90 = _configs.all_bwd_sm90_configs(
                 [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
-            configs += sm90 + [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
-                               for c in sm90 if c.dq_staged]
             if _configs.FEATURE_VARLEN in args.features:  # varlen with each modifier set
-                configs += _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
+                sm90 += _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
+            configs += sm90 + [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+                               for c in sm90]
     if "decode" in args.kernels:
         configs += _configs.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
@@ -63,6 +64,9 @@ def main():
         configs += _hopper.dispatch_configs(_configs.SM90_FWD_VARLEN_FEATURES)  # varlen tests
         configs += [dataclasses.replace(c, watchdog=w) for c in _configs.all_bwd_sm90_configs((0,))
                     for w in (False, True)]
+    if "det-smoke" in args.kernels:  # what hopper_det_smoke builds (bf16, under the watchdog)
+        configs += [dataclasses.replace(_configs.bwd_sm90_config("bfloat16", d, True),
+                                        watchdog=True) for d in _configs.SM90_BWD_HEAD_DIMS]
     configs = list(dict.fromkeys(configs))
     start = time.time()
     chunks = [configs[i::args.jobs] for i in range(args.jobs)]

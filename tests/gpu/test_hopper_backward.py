@@ -84,33 +84,15 @@ def test_switched_off_the_mma_sync_backward_runs():
         assert _main_kernel(dout, q, k, v, out, lse).startswith("mma.sync backward")
 
 
-@pytest.mark.parametrize("case", ["deterministic_d192", "deterministic_left_window", "dropout",
-                                  "deterministic_varlen"])
-def test_calls_the_hopper_backward_does_not_cover_run_on_mma_sync(case):
-    # every head dim the checks take (up to 256) has a Hopper kernel: none is refused by size;
-    # deterministic mode only where its dQ additions can be ordered (d <= 128, no left edge)
-    q, k, v, dout = _inputs(1, 200, 300, 4, 2, 192 if case == "deterministic_d192" else 64,
-                            FP16)
-    options, backward_only = {}, {}
-    if case == "dropout":
-        options = {"dropout_p": 0.1, "seed": 3}
-    elif case.startswith("deterministic"):
-        backward_only = {"deterministic": True}
-        if case == "deterministic_left_window":
-            options["window_size"] = (50, 0)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dropout_runs_on_mma_sync(deterministic):
+    # every head dim the checks take (up to 256) has a Hopper kernel, deterministic mode too:
+    # dropout is what the Hopper backward leaves to the mma.sync one
+    q, k, v, dout = _inputs(1, 200, 300, 4, 2, 64, FP16)
+    options = {"dropout_p": 0.1, "seed": 3}
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     with _hopper_backward():
-        if case == "deterministic_varlen":  # no varlen backward_kernels: run it, read the plan
-            cu_q = cupy.asarray(numpy.array([0, 200], numpy.int32))
-            cu_k = cupy.asarray(numpy.array([0, 300], numpy.int32))
-            args = (cu_q, cu_k, 200, 300)
-            out, lse = cuflash2.attention_varlen(q[0], k[0], v[0], *args, return_lse=True)
-            cuflash2.attention_varlen_backward(dout[0], q[0], k[0], v[0], out, lse, *args,
-                                               deterministic=True)
-            (plan,) = api._backward_plans.plans.values()
-            assert not any(isinstance(c, _configs.BwdSm90Config) for c in plan.kernels)
-            return
-        kernel = _main_kernel(dout, q, k, v, out, lse, **options, **backward_only)
+        kernel = _main_kernel(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     assert kernel.startswith("mma.sync backward"), kernel
 
 
@@ -138,12 +120,15 @@ def test_every_head_dim(dtype, causal, headdim):
 
 @needs_hopper
 @pytest.mark.parametrize("case", ["full", "causal", "gqa_causal_long", "sq_gt_sk_causal",
-                                  "right_window", "mods", "d40", "d96", "alibi_d64",
-                                  "softcap_d64"])
+                                  "right_window", "left_window", "sliding_window",
+                                  "left_window_d64", "mods", "d40", "d96", "alibi_d64",
+                                  "softcap_d64", "d192", "d256_causal", "d256_gqa_long",
+                                  "d160_window", "mods_d256"])
 def test_deterministic_on_the_hopper_kernel(case):
     """deterministic=True runs the Hopper kernel with dQ added in key-block order: the 2x rule,
     and three runs bitwise identical (each into poisoned gradients), also where many key blocks
-    add to the same rows at once (4k keys, GQA)."""
+    add to the same rows at once (4k keys, GQA); above d=128 the consumers' vector reductions
+    take the turns (one semaphore slot per head-dim chunk); window edges on either side."""
     shape, options = (2, 300, 517, 4, 2, 128, BF16), {}
     if case == "causal":
         options["causal"] = True
@@ -153,6 +138,22 @@ def test_deterministic_on_the_hopper_kernel(case):
         shape, options = (2, 700, 300, 4, 4, 128, FP16), {"causal": True}
     elif case == "right_window":
         options["window_size"] = (-1, 40)
+    elif case == "left_window":
+        options["window_size"] = (100, -1)
+    elif case == "sliding_window":  # query blocks whose adders start past key block 0
+        shape, options = (1, 1500, 2000, 4, 2, 128, FP16), {"window_size": (256, 64)}
+    elif case == "left_window_d64":  # 128-row query blocks
+        shape, options = (2, 1100, 1500, 4, 1, 64, BF16), {"window_size": (300, 0)}
+    elif case == "d192":
+        shape = (2, 300, 517, 4, 2, 192, BF16)
+    elif case == "d256_causal":
+        shape, options = (2, 700, 600, 4, 2, 256, FP16), {"causal": True}
+    elif case == "d256_gqa_long":
+        shape = (1, 700, 2500, 8, 2, 256, BF16)
+    elif case == "d160_window":
+        shape, options = (1, 500, 900, 4, 4, 160, FP16), {"window_size": (200, 50)}
+    elif case == "mods_d256":
+        shape, options = (2, 300, 517, 4, 2, 256, BF16), score_mod_options(cupy, "both")
     elif case == "mods":
         options = score_mod_options(cupy, "both")
     elif case in ("d40", "d96"):

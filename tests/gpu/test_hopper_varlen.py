@@ -230,9 +230,10 @@ def _main_kernel_of_last_backward():
     return plan.kernels[1] if len(plan.kernels) > 1 else plan.kernels[0]
 
 
-def _check_backward(layout, headdim, dtype, option, deterministic=False):
+def _check_backward(layout, headdim, dtype, option, deterministic=False, runs=1):
     """The varlen backward (on the kernel the flags choose) against the reference's gradients,
-    2x rule; returns the main kernel's configuration."""
+    2x rule, `runs` times into poisoned gradients, every run bitwise the first (deterministic
+    mode); returns the main kernel's configuration."""
     seed = _seed("bwd", layout, headdim, option, str(dtype))
     q, k, v, args = _inputs(layout, headdim, dtype, seed)
     batch, nheads = args[0].shape[0] - 1, q.shape[1]
@@ -240,28 +241,47 @@ def _check_backward(layout, headdim, dtype, option, deterministic=False):
     rng = numpy.random.default_rng(seed + 2)
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
     out, lse = cuflash2.attention_varlen(q, k, v, *args, return_lse=True, **options)
-    poisoned = [testing.poison_like(cupy, x.shape, dtype) for x in (q, k, v)]
     api._backward_plans.plans.clear()
-    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args,
-                                               deterministic=deterministic, dq=poisoned[0],
-                                               dk=poisoned[1], dv=poisoned[2], **options)
+    all_grads = []
+    for _ in range(runs):
+        poisoned = [testing.poison_like(cupy, x.shape, dtype) for x in (q, k, v)]
+        all_grads.append(cuflash2.attention_varlen_backward(
+            dout, q, k, v, out, lse, *args, deterministic=deterministic, dq=poisoned[0],
+            dk=poisoned[1], dv=poisoned[2], **options))
     config = _main_kernel_of_last_backward()
+    grads = all_grads[0]
     for result in testing.check_varlen_backward(dout, q, k, v, *grads, *args, **options):
         assert result.ok, f"{result} ({_configs.describe(config)})"
+    for run in all_grads[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), grads, run):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), name
     return config
 
 
 @needs_hopper
-def test_varlen_backward_runs_on_the_hopper_kernel_unless_switched_off_or_deterministic():
+def test_varlen_backward_runs_on_the_hopper_kernel_unless_switched_off():
     with _hopper_bwd_varlen():
         config = _check_backward("ragged", 128, FP16, "causal")
         assert isinstance(config, _configs.BwdSm90Config)
         assert config.features & _configs.FEATURE_VARLEN
-        config = _check_backward("ragged", 128, FP16, "causal", deterministic=True)
-        assert not isinstance(config, _configs.BwdSm90Config)
     with _hopper_bwd_varlen(enabled=False):
         config = _check_backward("ragged", 128, FP16, "causal")
         assert not isinstance(config, _configs.BwdSm90Config)
+        config = _check_backward("ragged", 128, FP16, "causal", deterministic=True)
+        assert not isinstance(config, _configs.BwdSm90Config)
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["ragged", "sq!=sk-gqa"])
+@pytest.mark.parametrize("option", ["plain", "causal", "window", "softcap-alibi-causal"])
+def test_deterministic_varlen_backward_on_the_hopper_kernel(headdim, layout, option):
+    """deterministic=True with varlen: the semaphore slot of each sequence's query block (its
+    first statistics row / DQ_SEMAPHORE_ROWS, plus the head-dim chunk); three runs bitwise equal,
+    the 2x rule."""
+    with _hopper_bwd_varlen():
+        config = _check_backward(layout, headdim, BF16, option, deterministic=True, runs=3)
+    assert isinstance(config, _configs.BwdSm90Config) and config.deterministic, config
 
 
 @needs_hopper
