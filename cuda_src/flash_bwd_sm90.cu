@@ -807,8 +807,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(acc_dq);
                 pin_registers(acc_dv);
                 pin_registers(p_frag);
-                write_dq<T, 0, T::DQ_COLS_0, DETERMINISTIC>(acc_dq, dq_block, dq_tile, dq_full, dq_empty,
-                                             dq_empty_parity, true, warp, lane);
+                write_dq<T, 0, T::DQ_COLS_0, DETERMINISTIC>(acc_dq, dq_block, dq_tile, dq_full,
+                                                            dq_empty, dq_empty_parity, true, warp,
+                                                            lane);
                 if constexpr (DK_BEHIND_DQ) {
                     wgmma_wait_group<0>();
                     pin_registers(acc_dk);
@@ -837,9 +838,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 pin_registers(acc_dq);
                 pin_registers(acc_dv);
                 pin_registers(p_frag);
-                write_dq<T, T::DQ_COL0_1, T::DQ_COLS_1, DETERMINISTIC>(acc_dq, dq_block, dq_tile, dq_full,
-                                                        dq_empty, dq_empty_parity, !narrow, warp,
-                                                        lane);
+                write_dq<T, T::DQ_COL0_1, T::DQ_COLS_1, DETERMINISTIC>(
+                    acc_dq, dq_block, dq_tile, dq_full, dq_empty, dq_empty_parity, !narrow, warp,
+                    lane);
                 if constexpr (DK_BEHIND_DQ) {
                     wgmma_wait_group<0>();
                     pin_registers(acc_dk);

@@ -7,9 +7,10 @@ where an out-of-bounds access or a race would show.
 Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
 and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
 both consumer schedules across the head dims, on the persistent grid for the short rows and on
-one tile per CTA for the 600-key ones at d=96/128; the backwards run on the Hopper backward
-(deterministic and dropout calls on mma.sync), and `_hopper_backward` switches it on for its own
-section whatever the environment says.
+one tile per CTA for the 600-key ones at d=96/128; the backwards run on the Hopper backward,
+deterministic ones too (its ordered dQ, staged and by vector reductions, dense and varlen; the
+dropout calls on mma.sync), and `_hopper_backward` switches it on for its own section whatever
+the environment says.
 """
 
 import sys
