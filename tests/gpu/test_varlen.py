@@ -3,6 +3,8 @@ a loop of dense calls over the sequences (deterministic backward), within the 2x
 reference (default backward), with ragged and empty sequences, seqlen_q != seqlen_k per
 sequence, GQA, causal masks, windows, softcap and per-sequence ALiBi slopes, both dtypes."""
 
+import dataclasses
+
 import numpy
 import pytest
 from grids import DTYPES, seed_of, switched  # tests/gpu helper
@@ -10,7 +12,8 @@ from grids import DTYPES, seed_of, switched  # tests/gpu helper
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _configs, _hopper, _hopper_bwd, api, reference, testing  # noqa: E402
+from cuflash2 import _attention_plans, _configs, _hopper, _hopper_bwd, api, reference  # noqa: E402
+from cuflash2 import testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -79,12 +82,19 @@ def test_varlen_matches_dense_loop_and_reference(dtype, headdim, layout, option)
     # (deterministic backward; dK and dV never use atomics). The dense calls run on the forward
     # kernel family the varlen call ran on (on an H100/H200 the Hopper kernel takes a short
     # sequence that the dispatcher would leave to mma.sync, and the other way round; dense d=64
-    # calls on its two-consumer tiles, as varlen calls), and the
-    # backward on the mma.sync kernels, as varlen backwards do.
+    # calls on its two-consumer tiles, as varlen calls), and the backward on the main kernel
+    # the varlen backward ran on: the Hopper one (forced to the varlen call's tile, which d=64
+    # dense calls would not take by default) or the mma.sync one.
     on_hopper = "Hopper" in cuflash2.varlen_forward_kernels(q, k, v, *args, **options)[0]
     det = [testing.poison_like(cupy, x.shape, dtype) for x in (q, k, v)]
+    api._backward_plans.plans.clear()
     cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, deterministic=True,
                                        dq=det[0], dk=det[1], dv=det[2], **options)
+    (plan,) = api._backward_plans.plans.values()
+    main = plan.launches[1].config
+    dense_main = None
+    if isinstance(main, _configs.BwdSm90Config):
+        dense_main = dataclasses.replace(main, features=main.features & ~_configs.FEATURE_VARLEN)
     cu_q_h, cu_k_h = cu_q.get(), cu_k.get()
     for b in range(batch):
         rq, rk = slice(int(cu_q_h[b]), int(cu_q_h[b + 1])), slice(int(cu_k_h[b]), int(cu_k_h[b + 1]))
@@ -97,7 +107,12 @@ def test_varlen_matches_dense_loop_and_reference(dtype, headdim, layout, option)
                                             **seq_options)
         assert bool((o_b.view(cupy.uint16) == out[rq].view(cupy.uint16)).all()), b
         assert bool((lse_b == lse[:, rq]).all()), b
-        with switched(_hopper_bwd, {"ENABLED": False}, api._backward_plans):
+        if dense_main is not None and rq.stop > rq.start and rk.stop > rk.start:
+            backward = switched(_attention_plans, {"FORCED": {"bwd": dense_main}},
+                                api._backward_plans)
+        else:
+            backward = switched(_hopper_bwd, {"ENABLED": False}, api._backward_plans)
+        with backward:
             g_b = cuflash2.attention_backward(dout[rq], q[rq], k[rk], v[rk], o_b, lse_b,
                                               deterministic=True, **seq_options)
         for name, got, want in zip(("dq", "dk", "dv"), (det[0][rq], det[1][rk], det[2][rk]), g_b):
