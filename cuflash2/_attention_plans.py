@@ -117,8 +117,8 @@ def _dropout_slots(mods) -> tuple:
     return tuple(f"dropout.{name}" for name in mods.dropout)
 
 
-def _backward_main_config(problem, features: int, window, deterministic: bool, arch: int,
-                          views: dict, varlen, config):
+def _backward_main_config(problem, features: int, deterministic: bool, arch: int, views: dict,
+                          varlen, config):
     """(main kernel configuration, whether it is the Hopper kernel's) of a backward call:
     `config` or a tuning script's forced one if given (a BwdSm90Config forces the Hopper
     kernel), else the Hopper kernel where _hopper_bwd.backward_config covers the call, else the
@@ -132,8 +132,7 @@ def _backward_main_config(problem, features: int, window, deterministic: bool, a
         return _configs.with_features(forced, features), True
     hopper = None
     if forced is None:
-        hopper = _hopper_bwd.backward_config(p, features, window, arch, views, varlen,
-                                             deterministic)
+        hopper = _hopper_bwd.backward_config(p, features, arch, views, varlen, deterministic)
     if hopper is not None:
         return hopper, True
     if forced is None:
@@ -156,8 +155,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one)."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
-    config, hopper = _backward_main_config(p, features, window, deterministic, arch, views,
-                                           varlen, config)
+    config, hopper = _backward_main_config(p, features, deterministic, arch, views, varlen,
+                                           config)
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
     if varlen is None:

@@ -62,7 +62,7 @@ def backward_maps(config) -> dict:
             "v_map": ("v", config.block_n), "do_map": ("dout", config.block_m)}
 
 
-def backward_config(problem, features: int, window, arch: int, views: dict, varlen=None,
+def backward_config(problem, features: int, arch: int, views: dict, varlen=None,
                     deterministic: bool = False):
     """The Hopper backward's configuration for a checked call, or None where the call stays on
     the mma.sync backward: switched off (ENABLED; varlen: VARLEN), not sm_90, dropout, a head
