@@ -630,6 +630,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             for (int j = 0; j < steps; ++j) {
                 const int buf = j % T::DQ_RING;
                 const u32 parity = (j / T::DQ_RING) & 1;
+                // Staged: the tile's wait first; the rows' address, worked out after it, is not
+                // held across it (held there, it spilled from the producer's 24 registers).
+                if constexpr (T::DQ_STAGED)
+                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
                 const i64 row0 = stats_first(walk.head) + walk.m_block * BLOCK_M;
                 int* semaphore =
                     DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS + chunk : nullptr;
@@ -645,7 +649,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                     turn = adders_end - 1 - kv_block;
                 }
                 if constexpr (T::DQ_STAGED) {
-                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
                     if constexpr (DETERMINISTIC) {
                         wait_semaphore(semaphore, turn);
                         fence_proxy_async_global();
