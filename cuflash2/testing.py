@@ -219,22 +219,11 @@ def check_backward(
     softcap, alibi_slopes, dropout_p and dropout_mask as in check_forward.
     Returns a list of CheckResult for "dq", "dk", "dv".
     """
-    options = dict(
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        dropout_p=dropout_p,
-        dropout_mask=dropout_mask,
+    return _check_gradients(
+        reference.attention_backward, (dout, q, k, v, None, None), (dq, dk, dv), atol,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
     )
-    refs_hi = reference.attention_backward(
-        dout, q, k, v, None, None, compute_dtype=numpy.float32, **options
-    )
-    refs_lo = reference.attention_backward(
-        dout, q, k, v, None, None, compute_dtype=q.dtype, **options
-    )
-    return _gradient_results((dq, dk, dv), refs_hi, refs_lo, atol)
 
 
 def check_varlen_backward(
@@ -264,26 +253,20 @@ def check_varlen_backward(
 
     Returns a list of CheckResult for "dq", "dk", "dv".
     """
-    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = dict(
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        dropout_p=dropout_p,
-        dropout_mask=dropout_mask,
+    return _check_gradients(
+        reference.attention_varlen_backward,
+        (dout, q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        (dq, dk, dv), atol,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
     )
-    refs_hi = reference.attention_varlen_backward(
-        dout, q, k, v, None, None, *args, compute_dtype=numpy.float32, **options
-    )
-    refs_lo = reference.attention_varlen_backward(
-        dout, q, k, v, None, None, *args, compute_dtype=q.dtype, **options
-    )
-    return _gradient_results((dq, dk, dv), refs_hi, refs_lo, atol)
 
 
-def _gradient_results(grads, refs_hi, refs_lo, atol):
+def _check_gradients(reference_backward, args, grads, atol, **options):
+    """The 2x rule for dq, dk, dv: `reference_backward(*args, **options)` in fp32 and in the
+    input dtype (that of args[1], q)."""
+    refs_hi = reference_backward(*args, compute_dtype=numpy.float32, **options)
+    refs_lo = reference_backward(*args, compute_dtype=args[1].dtype, **options)
     return [
         check_close(name, got, ref_hi, ref_lo, atol)
         for name, got, ref_hi, ref_lo in zip(("dq", "dk", "dv"), grads, refs_hi, refs_lo)
