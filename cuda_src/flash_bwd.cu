@@ -106,10 +106,8 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
     const int key_first = kv_block * BLOCK_N;
     // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    const SequenceRows seq_q =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
-    const SequenceRows seq_k =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+    const SequenceRows seq_q = query_rows<VARLEN>(p, batch);
+    const SequenceRows seq_k = key_rows<VARLEN>(p, batch);
     const int seqlen_q = seq_q.length;
     const int seqlen_k = seq_k.length;
     if (VARLEN && key_first >= seqlen_k) return;

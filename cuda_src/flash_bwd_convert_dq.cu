@@ -14,8 +14,7 @@ __global__ void __launch_bounds__(CONVERT_THREADS)
 flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int head = blockIdx.y;
     const int batch = blockIdx.z + p.batch_offset;
-    const SequenceRows seq =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const SequenceRows seq = query_rows<VARLEN>(p, batch);
     const int seqlen_q = seq.length;
     const int chunks = p.head_dim / 8;
     const int idx = blockIdx.x * CONVERT_THREADS + threadIdx.x;

@@ -24,8 +24,7 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     const int warp = threadIdx.x / 32;
     const int head = blockIdx.y;
     const int batch = blockIdx.z + p.batch_offset;
-    const SequenceRows seq =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+    const SequenceRows seq = query_rows<VARLEN>(p, batch);
     const i64 stat_offset =
         stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq.start);
     const i64 lse_offset =

@@ -508,10 +508,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     // longest, and a key block past its sequence's end exits here, the whole CTA, before any
     // barrier is initialised). The maps of VARLEN calls cover the packed arrays with a batch
     // extent of 1: rows count from the sequence's first row, the batch coordinate is 0.
-    const SequenceRows seq_q =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
-    const SequenceRows seq_k =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+    const SequenceRows seq_q = query_rows<VARLEN>(p, batch);
+    const SequenceRows seq_k = key_rows<VARLEN>(p, batch);
     const int seqlen_q = seq_q.length;
     const int seqlen_k = seq_k.length;
     if (VARLEN && key_first >= seqlen_k) return;

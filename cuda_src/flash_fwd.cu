@@ -128,10 +128,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     const int row_first = m_block * BLOCK_M;
     // This batch entry's rows (varlen: one packed sequence; its blocks past the end exit).
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    const SequenceRows seq_q =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
-    const SequenceRows seq_k =
-        sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+    const SequenceRows seq_q = query_rows<VARLEN>(p, batch);
+    const SequenceRows seq_k = key_rows<VARLEN>(p, batch);
     const i64 lse_first =
         lse_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q, p.varlen.total_q, seq_q.start);
     const int seqlen_q = seq_q.length;

@@ -771,10 +771,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     // VARLEN: batch index = sequence; its rows in the packed arrays (varlen.cuh), and the m
     // blocks past its end exit here, the whole CTA, before any barrier is initialised or used
     // (the grid is sized by the longest sequence). Dense batches: {0, seqlen}.
-    const SequenceRows seq_q = sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, own_tile.batch,
-                                                     p.seqlen_q, p.varlen.total_q);
-    const SequenceRows seq_k = sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, own_tile.batch,
-                                                     p.seqlen_k, p.varlen.total_k);
+    const SequenceRows seq_q = query_rows<VARLEN>(p, own_tile.batch);
+    const SequenceRows seq_k = key_rows<VARLEN>(p, own_tile.batch);
     if (VARLEN && row_first >= seq_q.length) return;
     const int row_last = min(row_first + BLOCK_M, VARLEN ? seq_q.length : p.seqlen_q) - 1;
     const KeyVisibility vis = key_visibility<VARLEN>(p, seq_q, seq_k);

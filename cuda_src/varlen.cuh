@@ -26,6 +26,18 @@ CF2_DEVICE SequenceRows sequence_rows(const int* cu_seqlens, int batch, int dens
     return {0, dense_length};
 }
 
+// Batch entry `batch`'s query rows and key rows, for any kernel parameter struct with seqlen_q,
+// seqlen_k and `varlen` (one place that pairs each side's cu_seqlens with its own lengths).
+template <bool VARLEN, class Params>
+CF2_DEVICE SequenceRows query_rows(const Params& p, int batch) {
+    return sequence_rows<VARLEN>(p.varlen.cu_seqlens_q, batch, p.seqlen_q, p.varlen.total_q);
+}
+
+template <bool VARLEN, class Params>
+CF2_DEVICE SequenceRows key_rows(const Params& p, int batch) {
+    return sequence_rows<VARLEN>(p.varlen.cu_seqlens_k, batch, p.seqlen_k, p.varlen.total_k);
+}
+
 // First row of (batch, head) in the backward's per-row arrays (lse_log2, D, the fp32 dQ
 // accumulator). Dense: (batch, nheads, rows_padded). Varlen: (nheads, rows_padded), sequence b
 // starting at row (cu_seqlens_q[b] + VARLEN_STATS_GAP * b) rounded down to a multiple of 4 (so
