@@ -454,6 +454,37 @@ struct QueryBlockWalk {
     }
 };
 
+// Which (key block x head-dim chunk, KV head, batch entry) a CTA of the grid (key blocks x
+// chunks, KV heads, batch) takes, in the order the GPU dispatches the CTAs (x fastest).
+// DETERMINISTIC: x reversed, each (KV head, batch) pair's last key block first, so that the ones
+// a key block waits for (above) were dispatched before it. Otherwise key-block-major inside
+// groups of pairs of about DISPATCH_GROUP_CTAS CTAs (two waves of 132 SMs): key block 0 of every
+// pair of the group, then key block 1, and so on. Under a causal mask the low key blocks are the
+// long ones (they see the most query rows), so each group's long CTAs start first and its short
+// ones fill the tail; head by head, the last head's key block 0 started last and ran alone. A
+// group's pairs share their Q / dO tiles in L2 as one head's key blocks did.
+struct CtaWork {
+    int x, kv_head, batch;
+};
+
+constexpr int DISPATCH_GROUP_CTAS = 256;
+
+template <bool DETERMINISTIC>
+CF2_DEVICE CtaWork cta_work() {
+    if constexpr (DETERMINISTIC)
+        return {static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
+                static_cast<int>(blockIdx.z)};
+    const int xs = gridDim.x, pairs = gridDim.y * gridDim.z;
+    const int cta = blockIdx.x + xs * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int group_pairs = max(1, DISPATCH_GROUP_CTAS / xs);
+    const int first_pair = cta / (group_pairs * xs) * group_pairs;
+    const int group_size = min(group_pairs, pairs - first_pair);  // the last group: the rest
+    const int in_group = cta - first_pair * xs;
+    const int pair = first_pair + in_group % group_size;
+    return {in_group / group_size, pair % static_cast<int>(gridDim.y),
+            pair / static_cast<int>(gridDim.y)};
+}
+
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_BUFFERS: dQ through
 // that many shared-memory tiles and bulk reductions (0: vector reductions); DETERMINISTIC: those
 // in key-block order (above). The parameters: BwdSm90Params (kernel_params.cuh); grid (key
@@ -492,17 +523,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
     const u32 kv_full = smem_address(&bars.kv_full);
 
-    // DETERMINISTIC: the last key block first, so that the ones a key block waits for (above)
-    // were dispatched before it.
-    const int cta_x = DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int kv_block = cta_x / T::NUM_CHUNKS;
-    const int chunk = cta_x % T::NUM_CHUNKS;  // of the head dim (0 up to d=128)
+    const CtaWork work = cta_work<DETERMINISTIC>();
+    const int kv_block = work.x / T::NUM_CHUNKS;
+    const int chunk = work.x % T::NUM_CHUNKS;  // of the head dim (0 up to d=128)
     // This CTA's first dK / dV / dQ column, and whether its chunk is the narrower last one (d=192:
     // 64 columns, computed 128 wide, the rest discarded). Constants up to d=128.
     const int col0 = chunk * T::CHUNK_COLS;
     const bool narrow = T::HAS_NARROW && chunk == T::NUM_CHUNKS - 1;
-    const int kv_head = blockIdx.y;
-    const int batch = blockIdx.z + p.batch_offset;
+    const int kv_head = work.kv_head;
+    const int batch = work.batch + p.batch_offset;
     const int key_first = kv_block * BLOCK_N;
     // This batch entry's rows (VARLEN: one packed sequence, varlen.cuh; the grid is sized by the
     // longest, and a key block past its sequence's end exits here, the whole CTA, before any
