@@ -409,7 +409,7 @@ CF2_DEVICE void store_ds_transposed(u32 ds_tile, const u32 (&ds_frag)[T::M_STEPS
                           ds_frag[ks]);
 }
 
-// The mbarriers of the CTA (static shared memory).
+// The mbarriers of the CTA, and the one word it keeps beside them (static shared memory).
 template <int STAGES>
 struct BwdSm90Barriers {
     u64 kv_full;               // K and V of the block landed
@@ -418,6 +418,11 @@ struct BwdSm90Barriers {
     u64 stage_empty[STAGES];   // every consumer thread is done with the stage
     u64 dq_full[2];            // every consumer thread staged its dQ of the buffer (DQ_STAGED)
     u64 dq_empty[2];           // the buffer's bulk reduction has read it
+    // The block's first key, which the consumers read each step (load_4B_shared_fresh) rather
+    // than hold: it comes from the dispatch order's arithmetic (cta_work), which the compiler
+    // cannot rematerialise as it did blockIdx.x * BLOCK_N, and held across their loop it spilled
+    // (d=64 with ALiBi and dQ by vector reductions: 4 bytes).
+    int key_first;
 };
 
 // The steps of a key block, one per (query head of its KV head's group, query block whose rows
@@ -458,25 +463,24 @@ struct QueryBlockWalk {
 // chunks, KV heads, batch) takes, in the order the GPU dispatches the CTAs (x fastest).
 // DETERMINISTIC: x reversed, each (KV head, batch) pair's last key block first, so that the ones
 // a key block waits for (above) were dispatched before it. Otherwise key-block-major inside
-// groups of pairs of about DISPATCH_GROUP_CTAS CTAs (two waves of 132 SMs): key block 0 of every
-// pair of the group, then key block 1, and so on. Under a causal mask the low key blocks are the
-// long ones (they see the most query rows), so each group's long CTAs start first and its short
-// ones fill the tail; head by head, the last head's key block 0 started last and ran alone. A
-// group's pairs share their Q / dO tiles in L2 as one head's key blocks did.
+// groups of `group_pairs` (KV head, batch) pairs: key block 0 of every pair of the group, then
+// key block 1, and so on (group_pairs 1: pair by pair, the grid's own order). Under a causal
+// mask the low key blocks are the long ones (they see the most query rows): grouped, each
+// group's long CTAs start first and its short ones fill the tail, where pair by pair the last
+// pair's key block 0 starts last and runs alone. The host chooses the groups
+// (_hopper_bwd.dispatch_group_pairs).
 struct CtaWork {
     int x, kv_head, batch;
 };
 
-constexpr int DISPATCH_GROUP_CTAS = 256;
-
 template <bool DETERMINISTIC>
-CF2_DEVICE CtaWork cta_work() {
+CF2_DEVICE CtaWork cta_work(int group_pairs) {
     if constexpr (DETERMINISTIC)
         return {static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
                 static_cast<int>(blockIdx.z)};
+    group_pairs = max(group_pairs, 1);  // a struct filled without it (0): pair by pair
     const int xs = gridDim.x, pairs = gridDim.y * gridDim.z;
     const int cta = blockIdx.x + xs * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int group_pairs = max(1, DISPATCH_GROUP_CTAS / xs);
     const int first_pair = cta / (group_pairs * xs) * group_pairs;
     const int group_size = min(group_pairs, pairs - first_pair);  // the last group: the rest
     const int in_group = cta - first_pair * xs;
@@ -523,7 +527,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
     const u32 kv_full = smem_address(&bars.kv_full);
 
-    const CtaWork work = cta_work<DETERMINISTIC>();
+    const CtaWork work = cta_work<DETERMINISTIC>(params.dispatch_group_pairs);
     const int kv_block = work.x / T::NUM_CHUNKS;
     const int chunk = work.x % T::NUM_CHUNKS;  // of the head dim (0 up to d=128)
     // This CTA's first dK / dV / dQ column, and whether its chunk is the narrower last one (d=192:
@@ -590,6 +594,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     }
 
     if (threadIdx.x == 0) {
+        bars.key_first = key_first;
         mbarrier_init(kv_full, 1);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
@@ -758,7 +763,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             // here, each step, as in flash_bwd.cu (the slope is one cached load): nothing of
             // them is held across the loop, registers being scarcest here.
             const int tid_now = thread_index_fresh();
-            const int thread_key0 = key_first + (tid_now - T::WARPGROUP_THREADS) / 32 * 16 +
+            const int key_first_now = load_4B_shared_fresh(smem_address(&bars.key_first));
+            const int thread_key0 = key_first_now + (tid_now - T::WARPGROUP_THREADS) / 32 * 16 +
                                     (tid_now % 32) / 4;
             const int thread_query0 = row0 + 2 * (tid_now % 4);
             const float offset0 = static_cast<float>(thread_query0 - thread_key0);
@@ -768,9 +774,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             mods.apply_softcap(acc_s);
             const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
             const bool needs_mask =
-                key_first + BLOCK_N > seqlen_k ||
-                (p.window_right >= 0 && key_last > row0 + vis.diag + p.window_right) ||
-                (p.window_left >= 0 && key_first < row_last + vis.diag - p.window_left);
+                key_first_now + BLOCK_N > seqlen_k ||
+                (p.window_right >= 0 &&
+                 min(key_first_now + BLOCK_N, seqlen_k) - 1 > row0 + vis.diag + p.window_right) ||
+                (p.window_left >= 0 && key_first_now < row_last + vis.diag - p.window_left);
             if (needs_mask) mask_transposed(acc_s[0], thread_key0, thread_query0, vis);
             if constexpr (!ScoreMods<FEATURES>::SOFTCAP)
                 exponentiate<T>(acc_s[0], lse, mods, p.scale_log2, offset0);

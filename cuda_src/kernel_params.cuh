@@ -158,6 +158,7 @@ struct BwdSm90Params {
     TensorMap v_map;
     TensorMap do_map;
     BwdParams base;
+    int dispatch_group_pairs;  // (KV head, batch) pairs taken key-block-major together (1: none)
 };
 
 // flash_decode.cu

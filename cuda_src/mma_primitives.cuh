@@ -139,6 +139,14 @@ CF2_DEVICE void store_4B_shared(u32 smem_addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
 }
 
+// A shared-memory word read through volatile asm, where it is used: a value kept there for the
+// whole kernel is read again each time instead of held in a register (as thread_index_fresh).
+CF2_DEVICE int load_4B_shared_fresh(u32 smem_addr) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr));
+    return v;
+}
+
 // threadIdx.x read through volatile asm: the compiler cannot hoist what is derived from it out of
 // a loop. Used where keeping per-thread addresses live across the KV loop would cost registers
 // the accumulators need (recomputing them is a handful of integer instructions per tile).

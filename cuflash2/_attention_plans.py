@@ -98,9 +98,10 @@ def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, views: dic
     """The plan of an sm_90a kernel whose struct is tensor maps (`maps`: map field -> (view
     name, box rows)) followed by the sm_80 kernels' struct as `base`: `fields`, `inputs`,
     `output_fields` and `workspace_fields` are that struct's, moved under `base.`;
-    `own_fields` are the sm_90a struct's own (the persistent grid's batch). The maps are
-    encoded here, once; a call patches each map's address (its word 0, _hopper.ADDRESS_WORD)
-    with its array's pointer like any other pointer of the struct."""
+    `own_fields` are the sm_90a struct's own (the persistent forward grid's batch, the
+    backward's dispatch groups). The maps are encoded here, once; a call patches each map's
+    address (its word 0, _hopper.ADDRESS_WORD) with its array's pointer like any other pointer
+    of the struct."""
     base = "base."
     return _plans.Plan(
         device_id, struct,
@@ -243,6 +244,9 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         return _plans.Plan(device_id, "BwdParams", fields, kernels, inputs, outputs,
                            output_fields, workspace_bytes, workspace_fields, aligned,
                            per_call=_dropout_slots(mods))
+    group_pairs = _hopper_bwd.dispatch_group_pairs(-(-p.seqlen_k // config.block_n),
+                                                   config.num_chunks, window, deterministic)
     return _sm90_plan(device_id, "BwdSm90Params", fields, _hopper_bwd.backward_maps(config),
                       views, kernels, inputs, outputs, output_fields, workspace_bytes,
-                      workspace_fields, aligned, [struct for _, struct in launches])
+                      workspace_fields, aligned, [struct for _, struct in launches],
+                      own_fields={"dispatch_group_pairs": group_pairs})

@@ -56,6 +56,34 @@ def kernel_head_dim(head_dim: int) -> int:
                      f"{max(_configs.SM90_BWD_HEAD_DIMS)}, not {head_dim}")
 
 
+#: The main kernel's dispatch order (flash_bwd_sm90.cu, cta_work). Under a causal mask a key
+#: block's work falls with its index (key block 0 sees every query block), and the grid's own
+#: order, pair by pair of (KV head, batch), starts the last pair's longest CTA last, a tail that
+#: runs alone. Taking groups of pairs key-block-major (every pair's key block 0, then key block
+#: 1, ...) starts the long CTAs first; a group is about DISPATCH_GROUP_CTAS CTAs (two waves of
+#: the H200's 132 SMs), so that its pairs' Q / dO tiles are still in L2 for its later key blocks.
+#: Measured on the H200 against the grid's order, alternating on the same arrays
+#: (benchmarks/results/2026-12-03-h200-hopper-bwd-dispatch-order.txt), causal rows: d=128
+#: 1.03-1.09x at 2k-8k tokens, d=64 1.01-1.03x at 4k-8k, d=256 1.04x at 4k; with groups of two
+#: pairs (d=256 8k, 16k at d<=128) 0.98-1.01x, about the spread between rounds (the same code,
+#: d=256 16k's group of one, measured 0.99x). At 512 tokens (4 key blocks) 2-6% slower, causal
+#: or not, at 1k up to 3%, and without a mask level from 2k. So: grouped under a causal mask from
+#: DISPATCH_MIN_KEY_BLOCKS key blocks on.
+DISPATCH_GROUP_CTAS = 256
+DISPATCH_MIN_KEY_BLOCKS = 16
+
+
+def dispatch_group_pairs(key_blocks: int, chunks: int, window, deterministic: bool) -> int:
+    """BwdSm90Params.dispatch_group_pairs: (KV head, batch) pairs the main kernel takes
+    key-block-major together, 1 for the grid's own order. `window` is the kernels' (left,
+    right): a right edge with no left one is the causal mask's shape (the low key blocks the
+    long ones). Deterministic mode has an order of its own (the kernel ignores this)."""
+    left, right = window
+    if deterministic or not (right >= 0 > left) or key_blocks < DISPATCH_MIN_KEY_BLOCKS:
+        return 1
+    return max(1, DISPATCH_GROUP_CTAS // (key_blocks * chunks))
+
+
 def backward_maps(config) -> dict:
     """The tensor maps of BwdSm90Params: map field -> (the array's view name, box rows)."""
     return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n),

@@ -261,6 +261,30 @@ def test_the_plan_runs_the_hopper_main_kernel_between_preprocess_and_conversion(
     assert (b["window_left"], b["window_right"]) == (-1, 0)
     assert abs(b["scale_log2"] - 64 ** -0.5 * LOG2E) < 1e-6
     assert plan.workspace_bytes >= 4 * 2 * 4 * 384 * (2 + 64)
+    assert record["dispatch_group_pairs"] == 1  # 2 key blocks: the grid's own order
+
+
+@pytest.mark.parametrize("causal,deterministic,seqlen,head_dim,expected", [
+    (True, False, 4096, 128, 8),    # 32 key blocks: groups of 256 // 32 (KV head, batch) pairs
+    (True, False, 2048, 64, 16),    # 16 key blocks, the fewest that are grouped
+    (True, False, 8192, 256, 2),    # 64 key blocks of two head-dim chunks each
+    (True, False, 16384, 256, 1),   # 256 CTAs a pair: a group is one pair
+    (True, False, 1024, 128, 1),    # 8 key blocks: the grid's own order
+    (False, False, 4096, 128, 1),   # no mask: every key block has the same work
+    (True, True, 4096, 128, 1),     # deterministic mode: an order of its own
+])
+def test_causal_grids_take_key_blocks_in_groups_of_pairs(host, causal, deterministic, seqlen,
+                                                         head_dim, expected):
+    plan = _backward_plan(_separate(batch=1, sq=seqlen, sk=seqlen, h=2, hkv=2, d=head_dim),
+                          causal=causal, deterministic=deterministic)
+    assert plan.block.record[0]["dispatch_group_pairs"] == expected
+
+
+@pytest.mark.parametrize("window,expected", [
+    ((-1, 0), 8), ((-1, 64), 8),  # a right edge alone: the low key blocks are the long ones
+    ((256, 0), 1), ((256, -1), 1), ((-1, -1), 1)])
+def test_only_a_causal_shaped_window_groups_the_dispatch(window, expected):
+    assert _hopper_bwd.dispatch_group_pairs(32, 1, window, False) == expected
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 160, 192, 224, 256])
