@@ -213,6 +213,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     # the Hopper kernel's chunk is the whole head dim.
     launches = []
     aux = "base" if hopper else ""
+    num_kv_blocks = -(-p.seqlen_k // config.block_n)
     if p.batch and p.nheads:
         if max_rows_padded:
             pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel", varlen is not None)
@@ -220,7 +221,6 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
             launches.append((_launch.kernel_launch(
                 pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch)), aux))
         if p.seqlen_k:
-            num_kv_blocks = -(-p.seqlen_k // config.block_n)
             launches.append((_launch.kernel_launch(
                 config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch)),
                 ""))
@@ -244,8 +244,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         return _plans.Plan(device_id, "BwdParams", fields, kernels, inputs, outputs,
                            output_fields, workspace_bytes, workspace_fields, aligned,
                            per_call=_dropout_slots(mods))
-    group_pairs = _hopper_bwd.dispatch_group_pairs(-(-p.seqlen_k // config.block_n),
-                                                   config.num_chunks, window, deterministic)
+    group_pairs = _hopper_bwd.dispatch_group_pairs(num_kv_blocks, config.num_chunks, window,
+                                                   deterministic)
     return _sm90_plan(device_id, "BwdSm90Params", fields, _hopper_bwd.backward_maps(config),
                       views, kernels, inputs, outputs, output_fields, workspace_bytes,
                       workspace_fields, aligned, [struct for _, struct in launches],

@@ -425,7 +425,8 @@ SM90_BWD_TILES = {64: (128, 128, 2, 1), 96: (64, 128, 2, 2), 128: (64, 128, 2, 2
 #: last without score modifiers, the sequence's rows held across the loop).
 SM90_BWD_64_ROW_TILES = {64: (64, 128, 2, 2)}
 #: Static shared memory the Hopper backward may take beside its dynamic shared memory (its
-#: mbarriers, BwdSm90Barriers; checked by a probe): part of the 227 KiB a CTA may have.
+#: mbarriers and the block's first key, BwdSm90Barriers; checked by a probe): part of the 227 KiB
+#: a CTA may have.
 SM90_BWD_BARRIER_BYTES = 128
 
 
