@@ -85,10 +85,10 @@ CF2_DEVICE void append_new_rows(const KVCacheIndex& index, const KVCacheRows& k_
         const int position = cache_len + token;
         int block, row;
         if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
-        u32 vals[4];
-        load_16B_global(vals, k_new_rows + token * kn_row_stride + chunk * 8);
-        store_16B_global(const_cast<u16*>(k_rows.at(block, row)) + chunk * 8, vals);
-        load_16B_global(vals, v_new_rows + token * vn_row_stride + chunk * 8);
-        store_16B_global(const_cast<u16*>(v_rows.at(block, row)) + chunk * 8, vals);
+        u32 k_vals[4], v_vals[4];  // both loads in flight, then both stores
+        load_16B_global_l2(k_vals, k_new_rows + token * kn_row_stride + chunk * 8);
+        load_16B_global_l2(v_vals, v_new_rows + token * vn_row_stride + chunk * 8);
+        store_16B_global(const_cast<u16*>(k_rows.at(block, row)) + chunk * 8, k_vals);
+        store_16B_global(const_cast<u16*>(v_rows.at(block, row)) + chunk * 8, v_vals);
     }
 }

@@ -177,6 +177,15 @@ CF2_DEVICE void load_16B_global(u32 (&v)[4], const void* gmem_ptr) {
                  : "l"(gmem_ptr));
 }
 
+// The same through L2 only (ld.global.cg): for what the previous kernel on the stream writes
+// while this one runs (a programmatic launch, dependent_launch.cuh), which the read-only path
+// above may not hold.
+CF2_DEVICE void load_16B_global_l2(u32 (&v)[4], const void* gmem_ptr) {
+    asm volatile("ld.global.cg.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "l"(gmem_ptr));
+}
+
 // dst[0..3] += v[0..3] in global memory (16-byte aligned), fire-and-forget (no return value:
 // `red`, not `atom`). sm_90 has a vector form: one instruction and one L2 transaction.
 CF2_DEVICE void atomic_add_4(float* dst, float a, float b, float c, float d) {
