@@ -21,7 +21,9 @@
 //   them all resident). With one split the CTA writes out and lse itself.
 // - On sm_90 the kernel is launched programmatically (dependent_launch.cuh): it starts while
 //   the previous kernel on the stream finishes and waits for that kernel's writes before it
-//   touches memory; it lets the next kernel start once its last tile is computed.
+//   touches memory (with EARLY_CACHE_READS, before it reads q and the new tokens: the lengths
+//   and the first tiles of cached positions are read while that kernel finishes); it lets the
+//   next kernel start once its last tile is computed.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
@@ -127,17 +129,21 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
     }
 }
 
-// Up to d=128 two or three CTAs share an SM (configs.decode_config: the cache bytes in flight),
-// so the registers must allow three (168 a thread); larger head dims need the register file of
-// one.
-template <int HEAD_DIM>
+// Up to d=128 two or three CTAs of 4 warps share an SM (configs.decode_config: the cache bytes
+// in flight), so the registers must allow three (168 a thread); larger head dims and CTAs of
+// more warps need the register file of one.
+template <int HEAD_DIM, int NUM_WARPS>
 __host__ __device__ constexpr int decode_min_ctas() {
-    return HEAD_DIM > 128 ? 1 : 3;
+    return HEAD_DIM > 128 || NUM_WARPS > 4 ? 1 : 3;
 }
 
 // FEATURES: softcap and ALiBi (score_mods.cuh). The parameters: DecodeParams (kernel_params.cuh).
-template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES>
-__global__ void __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM>())
+// EARLY_CACHE_READS: the caller promised that the previous kernel on the stream writes none of
+// the cache, its lengths, block table or batch index (attention_with_kvcache's
+// early_cache_reads), so they may be read before the wait.
+template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES,
+          bool EARLY_CACHE_READS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM, NUM_WARPS>())
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES>;
     using QTile = typename T::QTile;
@@ -163,9 +169,11 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int row_last = min(row_first + T::BLOCK_M, rows_total) - 1;
     // Up to here only the parameters were read. With a programmatic launch the previous kernel
     // may still be running: wait for its writes (q, k_new, the lengths, ...) before reading or
-    // writing any memory. (Asking the split's first tiles into L2 before the wait did not pay:
-    // docs/DECODE_DESIGN.md.)
-    wait_for_previous_grid();
+    // writing any memory. With EARLY_CACHE_READS the wait comes later: before q, the new tokens
+    // and the ALiBi slopes are read and before anything is written, at step 0 of the KV loop or
+    // before the first tile with new tokens, whichever comes first. (Asking the first tiles into
+    // L2 before the wait, without the caller's promise, did not pay: docs/DECODE_DESIGN.md.)
+    if constexpr (!EARLY_CACHE_READS) wait_for_previous_grid();
     // Keys: the cached tokens (cache_seqlens, or cache_len_all for every sequence) plus the
     // appended ones, never past the cache's capacity.
     const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_len_all;
@@ -193,23 +201,25 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const u16* v_new_rows = p.v_new + batch * p.vn_batch_stride + kv_head * p.vn_head_stride;
 
     // The append: split 0's first row block writes the new tokens into the cache (no CTA reads
-    // the cache at those positions: they read k_new / v_new instead).
-    if (p.seqlen_new > 0 && blockIdx.x == 0) {
-        append_new_rows(index, k_rows, v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
-                        p.vn_row_stride, p.seqlen_new, cache_len, p.capacity, p.head_dim, tid,
-                        T::THREADS);
-    }
-
-    // Q: packed row r of this block is position p = (row_first + r) / group, head
-    // kv_head * group + (row_first + r) % group; rows past the end are zero-filled.
-    for (int idx = tid; idx < T::BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
-        const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
-        const int packed = row_first + r;
-        const bool valid = packed < rows_total && chunk < head_chunks;
-        const u16* src = p.q + batch * p.q_batch_stride + (packed / group) * p.q_row_stride +
-                         (kv_head * group + packed % group) * p.q_head_stride + chunk * 8;
-        cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : p.q, valid);
-    }
+    // the cache at those positions: they read k_new / v_new instead). Then Q: packed row r of
+    // this block is position p = (row_first + r) / group, head kv_head * group +
+    // (row_first + r) % group; rows past the end are zero-filled.
+    auto append_and_load_q = [&]() {
+        if (p.seqlen_new > 0 && blockIdx.x == 0) {
+            append_new_rows(index, k_rows, v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
+                            p.vn_row_stride, p.seqlen_new, cache_len, p.capacity, p.head_dim,
+                            tid, T::THREADS);
+        }
+        for (int idx = tid; idx < T::BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
+            const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
+            const int packed = row_first + r;
+            const bool valid = packed < rows_total && chunk < head_chunks;
+            const u16* src = p.q + batch * p.q_batch_stride + (packed / group) * p.q_row_stride +
+                             (kv_head * group + packed % group) * p.q_head_stride + chunk * 8;
+            cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : p.q, valid);
+        }
+    };
+    if constexpr (!EARLY_CACHE_READS) append_and_load_q();
     auto load_tile = [&](int tile, int stage) {
         const u32 k_smem = stage0 + stage * T::STAGE_BYTES;
         load_kv_tile_async<KVTile, T::THREADS>(k_smem, k_smem + KVTile::BYTES, index, k_rows,
@@ -227,14 +237,17 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         row_head[half] = kv_head * group + packed % group;
     }
     float row_slope[2] = {0.f, 0.f};  // ALiBi slopes in score units, per row (rows span heads)
-    if constexpr ((FEATURES & FEATURE_ALIBI) != 0) {
+    auto read_slopes = [&]() {
+        if constexpr ((FEATURES & FEATURE_ALIBI) != 0) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-            if (row_head[half] < p.nheads)
-                row_slope[half] =
-                    -p.mods.alibi_slopes[batch * p.mods.alibi_batch_stride + row_head[half]] *
-                    p.mods.alibi_to_units;
-    }
+            for (int half = 0; half < 2; ++half)
+                if (row_head[half] < p.nheads)
+                    row_slope[half] =
+                        -p.mods.alibi_slopes[batch * p.mods.alibi_batch_stride + row_head[half]] *
+                        p.mods.alibi_to_units;
+        }
+    };
+    if constexpr (!EARLY_CACHE_READS) read_slopes();
     const ScoreMods<FEATURES & FEATURE_SOFTCAP> softcap(p.mods, p.seqlen_q, seqlen_k);
 
     float acc_o[1][T::D_TILES][4];
@@ -244,18 +257,41 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 
     // The KV loop, KV_STAGES - 1 tiles ahead: step i loads tile i + KV_STAGES - 1 and computes
     // tile i; the first KV_STAGES - 1 steps only load. One place issues the loads, so their code
-    // is fetched once (see load_kv_tile_async).
+    // is fetched once (see load_kv_tile_async). With EARLY_CACHE_READS step 0 waits for the
+    // previous kernel first (it runs even when the split has no tile), and Q is a cp.async group
+    // of its own after the tiles loaded before the wait.
     const int num_tiles = tile_end - tile_first;
+    bool waited = !EARLY_CACHE_READS;
 #pragma unroll 1
-    for (int i = 1 - KV_STAGES; i < num_tiles; ++i) {
+    for (int i = 1 - KV_STAGES; i < (EARLY_CACHE_READS ? max(num_tiles, 1) : num_tiles); ++i) {
+        if constexpr (EARLY_CACHE_READS) {
+            if (i == 0) {
+                if (!waited) wait_for_previous_grid();
+                waited = true;
+                append_and_load_q();
+                read_slopes();
+                cp_async_commit();
+                cp_async_wait<0>();  // Q, and the tiles loaded before the wait
+            }
+        }
         if (i >= 0) {
+            // Tile i landed (with EARLY_CACHE_READS, Q's group follows tile KV_STAGES - 2's and
+            // the count still waits for tile i); every warp is done with the stage refilled.
             cp_async_wait<KV_STAGES - 2>();
-            __syncthreads();  // tile i landed; every warp is done with the stage refilled below
+            __syncthreads();
         }
         const int ahead = i + KV_STAGES - 1;  // one commit group a step, empty past the end
-        if (ahead < num_tiles) load_tile(tile_first + ahead, ahead % KV_STAGES);
+        if (ahead < num_tiles) {
+            // Before the wait only tiles of cached positions: one with new tokens reads k_new /
+            // v_new, which the previous kernel writes.
+            if (!waited && (tile_first + ahead + 1) * T::BLOCK_N > cache_len) {
+                wait_for_previous_grid();
+                waited = true;
+            }
+            load_tile(tile_first + ahead, ahead % KV_STAGES);
+        }
         cp_async_commit();
-        if (i < 0) continue;
+        if (i < 0 || (EARLY_CACHE_READS && i >= num_tiles)) continue;
         const int tile = tile_first + i;
         const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;
         const u32 v_smem = k_smem + KVTile::BYTES;
@@ -419,7 +455,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #endif
     // The splits of this row block wait for each other, then merge its rows together
     // (split_merge.cuh; the launch is cooperative).
-    split_barrier(p.split_counters + 2 * group_id, p.num_splits);
+    split_barrier(p.split_counters + group_id, p.num_splits, split);
     const i64 group_row0 = static_cast<i64>(group_id) * p.num_splits * T::BLOCK_M;
     merge_split_share<HEAD_DIM, T::THREADS, T::BLOCK_M>(p.o_partial + group_row0 * HEAD_DIM,
                                                         p.lse_partial + group_row0, p.num_splits,

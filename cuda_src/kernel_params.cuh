@@ -172,7 +172,7 @@ struct DecodeParams {
     float* lse;
     float* o_partial;     // split-KV workspace, (row block, split, row, head dim)
     float* lse_partial;
-    int* split_counters;  // two per row block, zero between launches (split_merge.cuh)
+    int* split_counters;  // one per row block, never reset (split_merge.cuh: split_barrier)
     const int* cache_seqlens;  // (batch,), or null: cache_len_all for every sequence
     const int* cache_batch_idx;
     const int* block_table;

@@ -14,22 +14,22 @@ CF2_DEVICE int load_acquire_gpu(const int* ptr) {
 }
 
 // Returns once all `count` CTAs of a group have called it; what each wrote before is then
-// visible to all. counters[0] counts arrivals, counters[1] departures, and the last CTA to leave
-// resets both to 0 for the next launch on the stream. The CTAs wait on each other, so the launch
-// must keep them all resident: a cooperative launch.
-CF2_DEVICE void split_barrier(int* counters, int count) {
-    __threadfence();  // this CTA's partial results are visible device-wide before it arrives
-    __syncthreads();
+// visible to all. One counter, never reset: split 0 adds 2^31 - (count - 1), the others 1, so
+// the counter's top bit flips when the last CTA arrives and its other bits come back to what they
+// were (any count, launch after launch); each CTA waits for the flip it saw coming. The CTAs wait
+// on each other, so the launch must keep them all resident: a cooperative launch.
+// (The counters were reset by the last CTA to leave, a second atomic round trip on every CTA's
+// way out: 0.8 us a batch-1 layer at 16k and 64k tokens in a CUDA graph, H200.)
+CF2_DEVICE void split_barrier(int* counter, int count, int split) {
+    __syncthreads();  // the CTA's partial results are written
     if (threadIdx.x == 0) {
-        atomicAdd(counters, 1);
-        while (load_acquire_gpu(counters) < count) __nanosleep(32);
-        if (atomicAdd(counters + 1, 1) == count - 1) {  // every CTA has seen them all arrive
-            atomicExch(counters, 0);
-            atomicExch(counters + 1, 0);
-        }
+        const unsigned add = split == 0 ? 0x80000000u - static_cast<unsigned>(count - 1) : 1u;
+        __threadfence();  // ... and visible device-wide before the arrival
+        const unsigned seen = atomicAdd(reinterpret_cast<unsigned*>(counter), add);
+        while (((static_cast<unsigned>(load_acquire_gpu(counter)) ^ seen) & 0x80000000u) == 0)
+            __nanosleep(32);
     }
-    __syncthreads();
-    __threadfence();
+    __syncthreads();  // every thread reads the others' partial results after the acquire
 }
 
 // Merges this split's share of the (row, 4-float column chunk) items of a block of `rows` query

@@ -801,6 +801,9 @@ class DecodeConfig:
     keys_per_warp: int
     kv_stages: int
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
+    # The cache read before the previous kernel ends (attention_with_kvcache's
+    # early_cache_reads, with a programmatic launch).
+    early_cache_reads: bool = False
 
     block_m = DECODE_BLOCK_M
 
@@ -827,7 +830,8 @@ class DecodeConfig:
     @property
     def name_expression(self) -> str:
         return (f"flash_decode_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.num_warps}, "
-                f"{self.keys_per_warp}, {self.kv_stages}, {self.features}>")
+                f"{self.keys_per_warp}, {self.kv_stages}, {self.features}, "
+                f"{str(self.early_cache_reads).lower()}>")
 
     @property
     def probes(self) -> str:
@@ -885,6 +889,9 @@ def all_decode_configs(arch: int, features=(0,)) -> list:
     if arch >= CLUSTER_MIN_ARCH:
         configs += [with_features(decode_cluster_config(dtype, d, arch), f) for f in features
                     for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+        # Programmatic launches (from _launch.PROGRAMMATIC_MIN_ARCH, the same arch) may read
+        # the cache early.
+        configs += [dataclasses.replace(c, early_cache_reads=True) for c in configs]
     return list(dict.fromkeys(configs))
 
 

@@ -65,16 +65,16 @@ _counters: dict = {}
 
 
 def split_counters(groups: int, device_id: int, stream_ptr: int, cupy) -> int:
-    """The address of the decode kernel's split barrier counters, two per row block (zero
-    between launches: the last split to leave resets them). One buffer per (device, stream),
+    """The address of the decode kernel's split barrier counters, one per row block (never
+    reset: each barrier flips its top bit, split_merge.cuh). One buffer per (device, stream),
     since launches on one stream run in order and never share a counter; grown, zeroed, when a
     call needs more (the outgrown one is kept: queued work may still use it)."""
     key = (device_id, stream_ptr)
     counters = _counters.get(key)
-    if counters is None or counters.size < 2 * groups:
+    if counters is None or counters.size < groups:
         if counters is not None:
             _outgrown_counters.append(counters)
-        counters = _counters[key] = cupy.zeros(max(2 * groups, 1024), dtype=cupy.int32)
+        counters = _counters[key] = cupy.zeros(max(groups, 1024), dtype=cupy.int32)
     return counters.data.ptr
 
 
@@ -107,7 +107,9 @@ def choose_splits(config, requested: int, groups: int, tiles: int, device_id: in
     short = -(-tiles // max(splits, 1)) <= _configs.CLUSTER_MAX_TILES_PER_SPLIT
     if splits < 2 or (requested == 0 and not short):
         return config, barrier_splits, 1
-    deep = _configs.with_features(_configs.decode_cluster_config(dtype, head_dim, arch), features)
+    deep = dataclasses.replace(
+        _configs.with_features(_configs.decode_cluster_config(dtype, head_dim, arch), features),
+        early_cache_reads=config.early_cache_reads)
     for candidate in dict.fromkeys((deep, config) if short else (config,)):
         if _launch.cluster_fits(candidate, device_id, splits, groups):
             return candidate, splits, splits
@@ -135,7 +137,7 @@ class KVCachePlan:
 
 
 def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits):
+         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, early_cache_reads):
     """The signature of a call (as api._forward_key); None where it has none (checked in full
     then). An int cache_seqlens enters as "an int", its value going to the kernel per call."""
     ndarray = cupy.ndarray
@@ -150,24 +152,25 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
         return None
     # The current device once the arrays are CuPy ones (api._forward_key says why).
     key += (cupy.cuda.runtime.getDevice(), type(softmax_scale), softmax_scale, type(causal),
-            causal, type(softcap), softcap, type(num_splits), num_splits)
+            causal, type(softcap), softcap, type(num_splits), num_splits,
+            type(early_cache_reads), early_cache_reads)
     return tuple(key)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                            block_table, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, num_splits, return_lse, check_cache):
+                           alibi_slopes, num_splits, return_lse, check_cache, early_cache_reads):
     global _cupy
     cupy = _cupy or _prepare.cupy_module()
     _cupy = cupy
     key = None if check_cache else _key(
         cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
+        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, early_cache_reads)
     planned = _plans_by_key.get(key)
     if planned is None:
         planned = _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-                        check_cache)
+                        check_cache, early_cache_reads)
         _plans_by_key.put(key, planned)
     # An int (or no) cache_seqlens goes to the kernel as one length for every sequence (the
     # signature holds its type, and its first call was checked in full).
@@ -189,7 +192,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
 
 
 def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-          causal, window_size, softcap, alibi_slopes, num_splits, check_cache) -> KVCachePlan:
+          causal, window_size, softcap, alibi_slopes, num_splits, check_cache,
+          early_cache_reads) -> KVCachePlan:
     """Checks a call in full (values too with `check_cache`) and plans its launch."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
@@ -200,6 +204,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         arrays["cache_seqlens"] = cache_seqlens
     cupy = _prepare.require_cupy_arrays(arrays)
     _prepare.check_flag("causal", causal)
+    _prepare.check_flag("early_cache_reads", early_cache_reads)
     num_splits = check_num_splits(num_splits)
     kv = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
                                         cache_batch_idx, block_table,
@@ -219,6 +224,12 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     arch = _prepare.device_arch(device_id)
     config = _configs.with_features(_configs.decode_config(problem.dtype, kv.head_dim, arch),
                                     mods.features)
+    # The kernel waits for the previous kernel's writes itself (dependent_launch.cuh), so a
+    # programmatic launch lets it start while that kernel finishes; with the caller's promise
+    # its specialisation reads the cache meanwhile (without the overlap there is nothing to gain).
+    programmatic = _launch.programmatic_available(arch)
+    if early_cache_reads and programmatic:
+        config = dataclasses.replace(config, early_cache_reads=True)
     group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
     m_blocks = -(-kv.seqlen_q * group // config.block_m)
     tiles = -(-kv.capacity // config.block_n)
@@ -227,7 +238,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     config, splits, cluster = (config, 1, 1) if empty else choose_splits(
         config, num_splits, groups, tiles, device_id, arch, problem.dtype, kv.head_dim,
         mods.features)
-    tiles_per_split = -(-tiles // splits)
+    tiles_per_split = -(-(-(-kv.capacity // config.block_n)) // splits)  # the chosen tiles
     new_tokens = k is not None and kv.seqlen_new > 0
     table_stride = block_table.strides[0] // 4 if block_table is not None else 0
 
@@ -264,9 +275,6 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         rows = groups * splits * config.block_m
         offsets, workspace_bytes = _plans.carve([4 * rows * config.head_dim, 4 * rows])
         workspace_fields = [("o_partial", offsets[0]), ("lse_partial", offsets[1])]
-    # The kernel waits for the previous kernel's writes itself (dependent_launch.cuh), so a
-    # programmatic launch lets it start while that kernel finishes.
-    programmatic = _launch.programmatic_available(arch)
     launches = [] if empty else [_launch.kernel_launch(
         config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=barrier,
         programmatic=programmatic, cluster=cluster)]

@@ -576,7 +576,8 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                            cache_batch_idx=None, block_table=None, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           num_splits=0, return_lse=False, check_cache=False):
+                           num_splits=0, return_lse=False, check_cache=False,
+                           early_cache_reads=False):
     """Attention of q against a KV cache, for inference (flash-attn's `flash_attn_with_kvcache`).
 
     q: (batch, seqlen_q, nheads, headdim). Contiguous cache: k_cache, v_cache (batch_cache,
@@ -594,10 +595,20 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     unchecked bad values never cause out-of-bounds accesses: positions past the capacity are
     neither written nor read, and a block id or cache row outside the cache reads as zeros and
     is not written.
+
+    `early_cache_reads=True` promises that the kernel queued just before this call on the
+    stream writes none of k_cache, v_cache, cache_seqlens, cache_batch_idx and block_table (it
+    may write q, k, v: a serving loop's step, whose previous kernel computes them, qualifies;
+    two calls on the same cache back to back do not). On sm_90, where the kernel starts while
+    the previous one finishes (a programmatic launch), it then reads the lengths and its first
+    cache tiles before that kernel has ended, instead of after. If the promise is broken, the
+    results may come from the cache as it was before that kernel's writes. Elsewhere it
+    changes nothing.
     """
     return _kvcache.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, num_splits, return_lse, check_cache)
+        causal, window_size, softcap, alibi_slopes, num_splits, return_lse, check_cache,
+        early_cache_reads)
 
 
 @contextlib.contextmanager

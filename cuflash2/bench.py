@@ -832,7 +832,10 @@ def run(cupy, args) -> int:
               f"token appended, causal; between layers a kernel computing the next layer's q, "
               f"k, v from the layer's output; L2 flushed before each step; a layer's time "
               f"includes that kernel). Programmatic launches let a kernel start while the one "
-              f"before it finishes; the plain column is the same step without them:\n")
+              f"before it finishes, and the layers' calls pass early_cache_reads=True (the "
+              f"kernel between layers writes only q, k, v), so the cache is read while the "
+              f"previous kernel finishes; the next columns are the same step with the cache "
+              f"read after the previous kernel, and without programmatic launches:\n")
         print(decode_graph_table(decode_graph))
     if args.json:
         report = {"environment": env, "settings": _settings(args), "rows": [r.to_json() for r in rows],

@@ -180,3 +180,18 @@ def test_launch_configs_carry_their_attributes(monkeypatch):
     clustered = _launch._extended_config((32, 1, 1), 128, 0, False, False, 8)
     assert clustered.numAttrs == 1 and list(clustered.attrs[0].value[:3]) == [8, 1, 1]
     assert ctypes.sizeof(clustered) == 56
+
+
+def test_early_cache_reads_are_specialisations_of_the_programmatic_archs():
+    """attention_with_kvcache(early_cache_reads=True) runs its own specialisations where launches
+    are programmatic: the compile matrix holds them from that arch on, and none before."""
+    from cuflash2 import _configs, _launch
+
+    assert _configs.CLUSTER_MIN_ARCH == _launch.PROGRAMMATIC_MIN_ARCH
+    before = _configs.all_decode_configs(89)
+    assert before and not [c for c in before if c.early_cache_reads]
+    configs = _configs.all_decode_configs(90)
+    early = [c for c in configs if c.early_cache_reads]
+    assert len(early) == len(configs) // 2
+    assert {c.name_expression.replace(", true>", ", false>") for c in early} == {
+        c.name_expression for c in configs if not c.early_cache_reads}

@@ -82,13 +82,13 @@ def _kv_key(cache_seqlens, cupy=None, **kwargs):
     cache = _Array((2, 1024, 2, 128))
     arguments = dict(k=None, v=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
                      causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     num_splits=0)
+                     num_splits=0, early_cache_reads=False)
     arguments.update(kwargs)
     a = arguments
     return _kvcache._key(cupy or _cupy(), q, cache, cache, a["k"], a["v"], cache_seqlens,
                          a["cache_batch_idx"], a["block_table"], a["softmax_scale"],
                          a["causal"], a["window_size"], a["softcap"], a["alibi_slopes"],
-                         a["num_splits"])
+                         a["num_splits"], a["early_cache_reads"])
 
 
 def test_an_int_cache_length_is_a_per_call_value_an_array_is_part_of_the_key():
@@ -99,4 +99,6 @@ def test_an_int_cache_length_is_a_per_call_value_an_array_is_part_of_the_key():
     assert _kv_key(_Array((3,), dtype="int32")) != _kv_key(lengths)
     assert _kv_key(100, num_splits=4) != _kv_key(100)
     assert _kv_key(100, causal=1) != _kv_key(100)
+    assert _kv_key(100, early_cache_reads=True) != _kv_key(100)
+    assert _kv_key(100, early_cache_reads=1) != _kv_key(100, early_cache_reads=True)
     assert _kv_key([100, 100]) is None  # not a CuPy array: checked in full
