@@ -1,14 +1,24 @@
 """In-graph decoding step (cuflash2/bench_decode_graph.py) under variants of the launch and the
-split merge: programmatic launches on / off, the splits merged inside a thread-block cluster or
-through the barrier in L2, forced split counts (0: the rule). Prints us per layer for each
+split merge: programmatic launches on / off, the cache read before the previous kernel ends or
+after (early_cache_reads), the splits merged inside a thread-block cluster or through the
+barrier in L2, forced split counts (0: the rule), and with --alt a second version of the kernel
+sources (an overlay folder, as benchmarks/dev/ab_sources.py). Prints us per layer for each
 (batch, cache) row.
 
     PYTHONPATH=. python3 benchmarks/dev/decode_graph_sweep.py [--iters 30] [--splits 0 16 32]
+        [--early 1 0] [--alt alt_src] [--single]
+
+--single (with --alt) times instead the single steps of `bench --decode`'s table (one call,
+event to event, L2 flushed before it) under both versions, alternating on the same arrays.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import cupy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuflash2 import _kvcache, _launch, bench_decode_graph
 from cuflash2.bench import Backlog, copy_ceiling, decode_bytes, l2_flush
@@ -21,8 +31,39 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[0])
     parser.add_argument("--merge", nargs="+", default=["cluster", "barrier"])
     parser.add_argument("--pdl", type=int, nargs="+", default=[1, 0])
+    parser.add_argument("--early", type=int, nargs="+", default=[1, 0])
     parser.add_argument("--rows", nargs="+", default=None, help="BATCHxCACHE, e.g. 1x16384")
+    parser.add_argument("--alt", type=Path, default=None, help="overlay folder of cuda_src files")
+    parser.add_argument("--single", action="store_true")
+    parser.add_argument("--cluster-tile", type=int, nargs=2, default=None,
+                        metavar=("WARPS", "STAGES"),
+                        help="the clustered steps' tile instead of decode_cluster_config's")
+    parser.add_argument("--tile", type=int, nargs=2, default=None, metavar=("WARPS", "STAGES"),
+                        help="the decode tile instead of decode_config's")
     args = parser.parse_args()
+    if args.tile:
+        import dataclasses
+
+        from cuflash2 import _configs
+        tile_warps, tile_stages = args.tile
+        chosen = _configs.decode_config
+        _configs.decode_config = lambda *a: dataclasses.replace(
+            chosen(*a), num_warps=tile_warps, kv_stages=tile_stages)
+    if args.cluster_tile:
+        import dataclasses
+
+        from cuflash2 import _configs
+        warps, stages = args.cluster_tile
+        default = _configs.decode_cluster_config
+        _configs.decode_cluster_config = lambda *a: dataclasses.replace(
+            default(*a), num_warps=warps, kv_stages=stages)
+    sources = None
+    if args.alt is not None:
+        from ab_sources import Sources
+        sources = Sources(args.alt)
+    if args.single:
+        single_steps(sources, args)
+        return
     rows = bench_decode_graph.GRAPH_ROWS
     if args.rows:
         rows = [tuple(int(x) for x in r.split("x")) for r in args.rows]
@@ -32,28 +73,75 @@ def main() -> None:
     nheads, nheads_kv = bench_decode_graph.GRAPH_HEADS
     print(f"copy ceiling {ceiling / 1e9:.0f} GB/s; us per layer ({bench_decode_graph.LAYERS} "
           f"layers a step, L2 flushed before each step)")
+    versions = ("base", "alt") if sources else ("base",)
     for batch, cache in rows:
         moved = decode_bytes(batch, cache, nheads, nheads_kv, 128)
         for splits in args.splits:
             for merge in args.merge:
                 for programmatic in args.pdl:
-                    _launch.PROGRAMMATIC = bool(programmatic)
-                    _kvcache.CLUSTER_MERGE = merge == "cluster"
-                    _kvcache._plans_by_key.plans.clear()
-                    step = bench_decode_graph.DecodeStep(cupy, batch, cache, nheads, nheads_kv,
-                                                         num_splits=splits)
-                    planned = next(iter(_kvcache._plans_by_key.plans.values()))
-                    launch = planned.plan.launches[0]
-                    ms = bench_decode_graph.time_step(cupy, step, args.warmup, args.iters,
-                                                      backlog, flush)
-                    us = ms * 1e3 / bench_decode_graph.LAYERS
-                    print(f"b={batch} cache={cache:6d} splits={splits:3d}->{planned.splits:3d} "
-                          f"cluster={launch.cluster:2d} pdl={int(launch.programmatic)}: "
-                          f"{us:7.2f} us/layer {moved / (us * 1e-6) / ceiling:5.0%} of copy",
-                          flush=True)
-                    del step
+                    for early in args.early:
+                        for version in versions:
+                            if sources:  # the cluster probe sets an attribute per function
+                                sources.use(version)
+                                _launch._cluster_fits_cache.clear()
+                            _launch.PROGRAMMATIC = bool(programmatic)
+                            _kvcache.CLUSTER_MERGE = merge == "cluster"
+                            _kvcache._plans_by_key.plans.clear()
+                            step = bench_decode_graph.DecodeStep(
+                                cupy, batch, cache, nheads, nheads_kv, num_splits=splits,
+                                early_cache_reads=bool(early))
+                            planned = next(iter(_kvcache._plans_by_key.plans.values()))
+                            launch = planned.plan.launches[0]
+                            ms = bench_decode_graph.time_step(cupy, step, args.warmup,
+                                                              args.iters, backlog, flush)
+                            us = ms * 1e3 / bench_decode_graph.LAYERS
+                            print(f"b={batch} cache={cache:6d} "
+                                  f"splits={splits:3d}->{planned.splits:3d} "
+                                  f"cluster={launch.cluster:2d} "
+                                  f"pdl={int(launch.programmatic)} early={early} {version}: "
+                                  f"{us:7.2f} us/layer {moved / (us * 1e-6) / ceiling:5.0%} "
+                                  f"of copy", flush=True)
+                            del step
     _kvcache.CLUSTER_MERGE = True
     _launch.PROGRAMMATIC = True
+
+
+def single_steps(sources, args) -> None:
+    """bench --decode's single-step rows, base against alt, the versions alternating."""
+    import cuflash2
+    from cuflash2 import bench
+
+    backlog, flush = Backlog(cupy), l2_flush(cupy)
+    for nheads, nheads_kv in bench.DECODE_HEADS:
+        for cache_len in bench.DECODE_CACHES:
+            for batch in bench.DECODE_BATCHES:
+                if batch * cache_len * nheads_kv * 128 * 4 > (24 << 30):
+                    continue
+                rng = cupy.random.default_rng(cache_len + batch)
+                kc = rng.standard_normal((batch, cache_len, nheads_kv, 128),
+                                         dtype=cupy.float32).astype(cupy.float16)
+                vc = rng.standard_normal(kc.shape, dtype=cupy.float32).astype(cupy.float16)
+                q = rng.standard_normal((batch, 1, nheads, 128),
+                                        dtype=cupy.float32).astype(cupy.float16)
+                k1 = rng.standard_normal((batch, 1, nheads_kv, 128),
+                                         dtype=cupy.float32).astype(cupy.float16)
+                lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
+                times = {"base": [], "alt": []}
+                for _ in range(3):
+                    for version in times:
+                        sources.use(version)
+                        _launch._cluster_fits_cache.clear()
+                        _kvcache._plans_by_key.plans.clear()
+                        cupy.cuda.Device().synchronize()
+                        _kvcache._counters.clear()  # versions may keep them differently
+                        fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
+                            q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
+                        times[version].append(bench.time_cupy(cupy, fn, args.warmup,
+                                                              args.iters, backlog, flush))
+                base, alt = (sorted(times[v])[1] * 1e3 for v in ("base", "alt"))
+                print(f"single b={batch:2d} cache={cache_len:6d} h={nheads}/{nheads_kv}: "
+                      f"base {base:7.2f} us, alt {alt:7.2f} us, base/alt {base / alt:.3f}",
+                      flush=True)
 
 
 if __name__ == "__main__":
