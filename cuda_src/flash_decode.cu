@@ -201,15 +201,17 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const u16* v_new_rows = p.v_new + batch * p.vn_batch_stride + kv_head * p.vn_head_stride;
 
     // The append: split 0's first row block writes the new tokens into the cache (no CTA reads
-    // the cache at those positions: they read k_new / v_new instead). Then Q: packed row r of
-    // this block is position p = (row_first + r) / group, head kv_head * group +
-    // (row_first + r) % group; rows past the end are zero-filled.
-    auto append_and_load_q = [&]() {
+    // the cache at those positions: they read k_new / v_new instead).
+    auto append_new_tokens = [&]() {
         if (p.seqlen_new > 0 && blockIdx.x == 0) {
             append_new_rows(index, k_rows, v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
                             p.vn_row_stride, p.seqlen_new, cache_len, p.capacity, p.head_dim,
                             tid, T::THREADS);
         }
+    };
+    // Q: packed row r of this block is position p = (row_first + r) / group, head
+    // kv_head * group + (row_first + r) % group; rows past the end are zero-filled.
+    auto load_q = [&]() {
         for (int idx = tid; idx < T::BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
             const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
             const int packed = row_first + r;
@@ -219,7 +221,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : p.q, valid);
         }
     };
-    if constexpr (!EARLY_CACHE_READS) append_and_load_q();
+    if constexpr (!EARLY_CACHE_READS) {
+        append_new_tokens();
+        load_q();
+    }
     auto load_tile = [&](int tile, int stage) {
         const u32 k_smem = stage0 + stage * T::STAGE_BYTES;
         load_kv_tile_async<KVTile, T::THREADS>(k_smem, k_smem + KVTile::BYTES, index, k_rows,
@@ -268,9 +273,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             if (i == 0) {
                 if (!waited) wait_for_previous_grid();
                 waited = true;
-                append_and_load_q();
-                read_slopes();
+                load_q();
                 cp_async_commit();
+                append_new_tokens();  // (its loads in flight beside Q's)
+                read_slopes();
                 cp_async_wait<0>();  // Q, and the tiles loaded before the wait
             }
         }
