@@ -238,7 +238,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     config, splits, cluster = (config, 1, 1) if empty else choose_splits(
         config, num_splits, groups, tiles, device_id, arch, problem.dtype, kv.head_dim,
         mods.features)
-    tiles_per_split = -(-(-(-kv.capacity // config.block_n)) // splits)  # the chosen tiles
+    chosen_tiles = -(-kv.capacity // config.block_n)  # of the tile choose_splits returned
+    tiles_per_split = -(-chosen_tiles // splits)
     new_tokens = k is not None and kv.seqlen_new > 0
     table_stride = block_table.strides[0] // 4 if block_table is not None else 0
 

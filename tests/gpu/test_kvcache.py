@@ -241,6 +241,26 @@ def _programmatic_here() -> bool:
     return _launch.programmatic_available(_prepare.device_arch(cupy.cuda.Device().id))
 
 
+def _run_recorded(stream, record, in_graph: bool):
+    """What `record()` returns, its launches queued on `stream` directly or captured into a CUDA
+    graph and replayed (which then keeps a programmatic edge where launches are programmatic);
+    synchronised."""
+    from cuflash2 import bench_decode_graph
+
+    if in_graph:
+        outputs = []
+        graph = bench_decode_graph.CapturedGraph(cupy, stream, lambda: outputs.append(record()))
+        if _programmatic_here():
+            assert graph.programmatic_edges >= 1
+        graph.launch()
+        got = outputs[0]
+    else:
+        with stream:
+            got = record()
+    stream.synchronize()
+    return got
+
+
 @pytest.mark.parametrize("in_graph", [False, True], ids=["stream", "graph"])
 def test_programmatic_launch_waits_for_the_previous_kernel(in_graph):
     """With programmatic launches (sm_90) a decode kernel starts while the kernel before it
@@ -268,17 +288,7 @@ def test_programmatic_launch_waits_for_the_previous_kernel(in_graph):
     with stream:
         cuflash2.attention_with_kvcache(q, k_cache, v_cache, **kwargs)  # the plan, the scratch
     stream.synchronize()
-    if in_graph:
-        outputs = []
-        graph = bench_decode_graph.CapturedGraph(cupy, stream, lambda: outputs.append(record()))
-        if _programmatic_here():
-            assert graph.programmatic_edges >= 1
-        graph.launch()
-        got = outputs[0]
-    else:
-        with stream:
-            got = record()
-    stream.synchronize()
+    got = _run_recorded(stream, record, in_graph)
     assert all(launch.programmatic == _programmatic_here()
                for planned in _kvcache._plans_by_key.plans.values()
                for launch in planned.plan.launches)
@@ -318,17 +328,7 @@ def test_early_cache_reads_wait_for_q_and_the_new_tokens(in_graph, num_splits):
     with stream:  # the plan, the scratch
         cuflash2.attention_with_kvcache(q, k_cache, v_cache, early_cache_reads=True, **kwargs)
     stream.synchronize()
-    if in_graph:
-        outputs = []
-        graph = bench_decode_graph.CapturedGraph(cupy, stream, lambda: outputs.append(record()))
-        if _programmatic_here():
-            assert graph.programmatic_edges >= 1
-        graph.launch()
-        got = outputs[0]
-    else:
-        with stream:
-            got = record()
-    stream.synchronize()
+    got = _run_recorded(stream, record, in_graph)
     from cuflash2 import _kvcache  # the early specialisation runs where launches are programmatic
     assert any(launch.config.early_cache_reads for planned in _kvcache._plans_by_key.plans.values()
                for launch in planned.plan.launches) == _programmatic_here()
