@@ -694,6 +694,29 @@ def copy_ceiling(cupy, nbytes=1 << 30, iters=10) -> float:
     return 2 * src.nbytes / ms * 1e3
 
 
+def decode_rows(headdim=128):
+    """(nheads, nheads_kv, cache_len, batch) of the decode table's rows, in its order (rows whose
+    K and V would pass 24 GiB left out)."""
+    for nheads, nheads_kv in DECODE_HEADS:
+        for cache_len in DECODE_CACHES:
+            for batch in DECODE_BATCHES:
+                if batch * cache_len * nheads_kv * headdim * 4 <= (24 << 30):
+                    yield nheads, nheads_kv, cache_len, batch
+
+
+def decode_inputs(cupy, dtype, batch, cache_len, nheads, nheads_kv, headdim=128):
+    """A decode row's arrays: q (one token), the K and V caches, the appended token (k = v) and
+    the cache lengths (the capacity less that token)."""
+    rng = cupy.random.default_rng(cache_len + batch)
+    kc = rng.standard_normal((batch, cache_len, nheads_kv, headdim),
+                             dtype=cupy.float32).astype(dtype)
+    vc = rng.standard_normal(kc.shape, dtype=cupy.float32).astype(dtype)
+    q = rng.standard_normal((batch, 1, nheads, headdim), dtype=cupy.float32).astype(dtype)
+    k1 = rng.standard_normal((batch, 1, nheads_kv, headdim), dtype=cupy.float32).astype(dtype)
+    lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
+    return q, kc, vc, k1, lengths
+
+
 def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.stderr) -> list[dict]:
     """Decode rows: one query token against caches of 4k-64k tokens (a token appended), batch
     1/8/64, GQA 8:1 and MHA; achieved bandwidth next to the copy ceiling, and at batch 1 the time
@@ -708,33 +731,24 @@ def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.st
     ceiling = copy_ceiling(cupy)
     flush_l2 = l2_flush(cupy)
     rows = []
-    for nheads, nheads_kv in DECODE_HEADS:
-        for cache_len in DECODE_CACHES:
-            for batch in DECODE_BATCHES:
-                if batch * cache_len * nheads_kv * headdim * 4 > (24 << 30):
-                    continue  # K and V over 24 GiB
-                rng = cupy.random.default_rng(cache_len + batch)
-                kc = rng.standard_normal((batch, cache_len, nheads_kv, headdim),
-                                         dtype=cupy.float32).astype(dtype)
-                vc = rng.standard_normal(kc.shape, dtype=cupy.float32).astype(dtype)
-                q = rng.standard_normal((batch, 1, nheads, headdim), dtype=cupy.float32).astype(dtype)
-                k1 = rng.standard_normal((batch, 1, nheads_kv, headdim), dtype=cupy.float32).astype(dtype)
-                lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
-                fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
-                    q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
-                ms = time_cupy(cupy, fn, warmup, iters, backlog, flush_l2)
-                moved = decode_bytes(batch, cache_len, nheads, nheads_kv, headdim)
-                row = {"dtype": dtype_name, "headdim": headdim, "batch": batch,
-                       "cache": cache_len, "nheads": nheads, "nheads_kv": nheads_kv, "ms": ms,
-                       "gb_per_s": moved / ms / 1e6, "fraction_of_copy": moved / ms * 1e3 / ceiling,
-                       "dense_ms": None}
-                if batch == 1:
-                    dense = lambda: cuflash2.attention(q, kc, vc, causal=True)  # noqa: E731
-                    row["dense_ms"] = time_cupy(cupy, dense, warmup, iters, backlog, flush_l2)
-                rows.append(row)
-                print(f"decode b={batch} cache={cache_len} h={nheads}/{nheads_kv}: {ms:.3f} ms, "
-                      f"{row['gb_per_s']:.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)",
-                      file=progress, flush=True)
+    for nheads, nheads_kv, cache_len, batch in decode_rows(headdim):
+        q, kc, vc, k1, lengths = decode_inputs(cupy, dtype, batch, cache_len, nheads,
+                                               nheads_kv, headdim)
+        fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
+            q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
+        ms = time_cupy(cupy, fn, warmup, iters, backlog, flush_l2)
+        moved = decode_bytes(batch, cache_len, nheads, nheads_kv, headdim)
+        row = {"dtype": dtype_name, "headdim": headdim, "batch": batch,
+               "cache": cache_len, "nheads": nheads, "nheads_kv": nheads_kv, "ms": ms,
+               "gb_per_s": moved / ms / 1e6, "fraction_of_copy": moved / ms * 1e3 / ceiling,
+               "dense_ms": None}
+        if batch == 1:
+            dense = lambda: cuflash2.attention(q, kc, vc, causal=True)  # noqa: E731
+            row["dense_ms"] = time_cupy(cupy, dense, warmup, iters, backlog, flush_l2)
+        rows.append(row)
+        print(f"decode b={batch} cache={cache_len} h={nheads}/{nheads_kv}: {ms:.3f} ms, "
+              f"{row['gb_per_s']:.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)",
+              file=progress, flush=True)
     for row in rows:
         row["copy_ceiling_gb_per_s"] = ceiling / 1e9
     return rows

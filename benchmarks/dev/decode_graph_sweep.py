@@ -42,21 +42,9 @@ def main() -> None:
                         help="the decode tile instead of decode_config's")
     args = parser.parse_args()
     if args.tile:
-        import dataclasses
-
-        from cuflash2 import _configs
-        tile_warps, tile_stages = args.tile
-        chosen = _configs.decode_config
-        _configs.decode_config = lambda *a: dataclasses.replace(
-            chosen(*a), num_warps=tile_warps, kv_stages=tile_stages)
+        _override_tile("decode_config", *args.tile)
     if args.cluster_tile:
-        import dataclasses
-
-        from cuflash2 import _configs
-        warps, stages = args.cluster_tile
-        default = _configs.decode_cluster_config
-        _configs.decode_cluster_config = lambda *a: dataclasses.replace(
-            default(*a), num_warps=warps, kv_stages=stages)
+        _override_tile("decode_cluster_config", *args.cluster_tile)
     sources = None
     if args.alt is not None:
         from ab_sources import Sources
@@ -106,42 +94,41 @@ def main() -> None:
     _launch.PROGRAMMATIC = True
 
 
+def _override_tile(name: str, warps: int, stages: int) -> None:
+    """_configs.<name> returns its tile with `warps` and `stages` instead."""
+    import dataclasses
+
+    from cuflash2 import _configs
+
+    chosen = getattr(_configs, name)
+    setattr(_configs, name, lambda *a: dataclasses.replace(chosen(*a), num_warps=warps,
+                                                           kv_stages=stages))
+
+
 def single_steps(sources, args) -> None:
     """bench --decode's single-step rows, base against alt, the versions alternating."""
     import cuflash2
     from cuflash2 import bench
 
     backlog, flush = Backlog(cupy), l2_flush(cupy)
-    for nheads, nheads_kv in bench.DECODE_HEADS:
-        for cache_len in bench.DECODE_CACHES:
-            for batch in bench.DECODE_BATCHES:
-                if batch * cache_len * nheads_kv * 128 * 4 > (24 << 30):
-                    continue
-                rng = cupy.random.default_rng(cache_len + batch)
-                kc = rng.standard_normal((batch, cache_len, nheads_kv, 128),
-                                         dtype=cupy.float32).astype(cupy.float16)
-                vc = rng.standard_normal(kc.shape, dtype=cupy.float32).astype(cupy.float16)
-                q = rng.standard_normal((batch, 1, nheads, 128),
-                                        dtype=cupy.float32).astype(cupy.float16)
-                k1 = rng.standard_normal((batch, 1, nheads_kv, 128),
-                                         dtype=cupy.float32).astype(cupy.float16)
-                lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
-                times = {"base": [], "alt": []}
-                for _ in range(3):
-                    for version in times:
-                        sources.use(version)
-                        _launch._cluster_fits_cache.clear()
-                        _kvcache._plans_by_key.plans.clear()
-                        cupy.cuda.Device().synchronize()
-                        _kvcache._counters.clear()  # versions may keep them differently
-                        fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
-                            q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
-                        times[version].append(bench.time_cupy(cupy, fn, args.warmup,
-                                                              args.iters, backlog, flush))
-                base, alt = (sorted(times[v])[1] * 1e3 for v in ("base", "alt"))
-                print(f"single b={batch:2d} cache={cache_len:6d} h={nheads}/{nheads_kv}: "
-                      f"base {base:7.2f} us, alt {alt:7.2f} us, base/alt {base / alt:.3f}",
-                      flush=True)
+    for nheads, nheads_kv, cache_len, batch in bench.decode_rows():
+        q, kc, vc, k1, lengths = bench.decode_inputs(cupy, cupy.float16, batch, cache_len,
+                                                     nheads, nheads_kv)
+        times = {"base": [], "alt": []}
+        for _ in range(3):
+            for version in times:
+                sources.use(version)
+                _launch._cluster_fits_cache.clear()
+                _kvcache._plans_by_key.plans.clear()
+                cupy.cuda.Device().synchronize()
+                _kvcache._counters.clear()  # versions may keep them differently
+                fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
+                    q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
+                times[version].append(bench.time_cupy(cupy, fn, args.warmup, args.iters,
+                                                      backlog, flush))
+        base, alt = (sorted(times[v])[1] * 1e3 for v in ("base", "alt"))
+        print(f"single b={batch:2d} cache={cache_len:6d} h={nheads}/{nheads_kv}: "
+              f"base {base:7.2f} us, alt {alt:7.2f} us, base/alt {base / alt:.3f}", flush=True)
 
 
 if __name__ == "__main__":
