@@ -327,10 +327,12 @@ CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p) {
 // b + gridDim.x, b + 2 gridDim.x, ... (a static schedule). The (batch, head) pairs, numbered
 // batch * nheads + head (the heads of one K/V head side by side), are cut into sections of
 // section_pairs; a section's tiles come m block by m block, every pair of the section inside an m
-// block, so the CTAs running at one time read the K/V of one section, which the host sizes to
-// fit L2 (FlashAttention-3's L2 swizzle). Under an upper limit on keys (causal) the m blocks run
-// from the last: the longest tiles first, the short ones fill the tail. A 1-D index over every
-// batch: no grid dimension limits the batch.
+// block. Under an upper limit on keys (causal) the m blocks run from the last: the longest tiles
+// first, the short ones fill the tail; the host sizes the sections to fit L2 (FlashAttention-3's
+// L2 swizzle), so that the later m blocks find the section's K/V there. Without one the host
+// gives sections of one pair (_hopper.persistent_schedule): the order is pair by pair, a pair's
+// m blocks side by side, and the CTAs running at one time share each K/V tile's read from DRAM.
+// A 1-D index over every batch: no grid dimension limits the batch.
 struct PersistentTiles {
     int m_blocks;
     int pairs;          // batch * nheads

@@ -79,7 +79,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         if hopper is not None:  # or the persistent grid, with fields of its own
             grid, grid_fields = _hopper.forward_grid(config, p.batch, p.nheads, p.nheads_kv,
                                                      p.seqlen_q, p.seqlen_k, p.head_dim,
-                                                     q.itemsize, device_id)
+                                                     q.itemsize, window[1], device_id)
         launches.append(_launch.kernel_launch(config, device_id, grid))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]

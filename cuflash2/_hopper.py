@@ -281,40 +281,52 @@ def _as_batched(x):
     return x if x.ndim == 4 else x[None]
 
 
-#: K/V bytes that the CTAs of the persistent grid running at one time should find in L2: the
-#: persistent tile order (flash_fwd_sm90.cu, PersistentTiles) walks sections of (batch, head)
-#: pairs whose K and V fit this. FlashAttention-3's figure (size_l2 in its tile scheduler set-up),
-#: of the H100's 50 MiB and the H200's 60 MiB of L2.
+#: K/V bytes that the CTAs of the persistent grid running at one time should find in L2 under
+#: an upper limit on keys: the persistent tile order (flash_fwd_sm90.cu, PersistentTiles) then
+#: walks sections of (batch, head) pairs whose K and V fit this. FlashAttention-3's figure
+#: (size_l2 in its tile scheduler set-up), of the H100's 50 MiB and the H200's 60 MiB of L2.
 PERSISTENT_L2_BYTES = 32 << 20
 
 
 def persistent_schedule(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
-                        head_dim: int, itemsize: int, block_m: int, slots: int):
+                        head_dim: int, itemsize: int, block_m: int, slots: int,
+                        longest_first: bool):
     """(CTAs, section_pairs) of the persistent Hopper forward: one CTA per resident slot (`slots`:
     SMs x CTAs an SM), fewer if there are fewer work tiles (m blocks x heads x batch), and the
-    (batch, head) pairs a section of the tile order holds: as many K/V heads' K and V as fit
-    PERSISTENT_L2_BYTES (at least one), times the query heads that share each (GQA), at most
-    every pair. One 1-D grid covers every batch, however many."""
+    (batch, head) pairs a section of the tile order holds. One 1-D grid covers every batch,
+    however many.
+
+    `longest_first` (an upper limit on keys, window_right >= 0: the kernel runs the m blocks from
+    the last): as many K/V heads' K and V as fit PERSISTENT_L2_BYTES (at least one), times the
+    query heads that share each (GQA), at most every pair; the kernel takes a section m block by
+    m block. Otherwise one pair a section, which makes the kernel's order pair by pair, a pair's
+    m blocks side by side: the CTAs running at one time then share each K/V tile's DRAM read
+    (1.05-1.08x at 512 tokens on the H200 against sections m block by m block, whose first m
+    block read every pair's K/V from DRAM at once; docs/HOPPER_FWD.md)."""
     m_blocks = -(-seqlen_q // block_m)
     pairs = batch * nheads
     tiles = m_blocks * pairs
     if tiles >= 1 << 31:
         raise ValueError(f"{tiles} work tiles: the persistent grid counts them in 32 bits")
+    if not longest_first:
+        return min(tiles, slots), 1
     kv_head_bytes = 2 * seqlen_k * head_dim * itemsize  # K and V of one (batch, K/V head)
     section = max(1, PERSISTENT_L2_BYTES // max(1, kv_head_bytes)) * (nheads // nheads_kv)
     return min(tiles, slots), min(section, pairs)
 
 
 def forward_grid(config, batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
-                 head_dim: int, itemsize: int, device_id: int, persistent_ctas=None):
+                 head_dim: int, itemsize: int, window_right: int, device_id: int,
+                 persistent_ctas=None):
     """(grid, FwdSm90Params' own fields) of a Hopper forward launch: (m blocks, heads, batch)
     one tile per CTA, or with `config.persistent` the 1-D persistent grid (persistent_schedule;
-    at most `persistent_ctas` CTAs if given, for tests) with its batch and section size."""
+    at most `persistent_ctas` CTAs if given, for tests) with its batch and section size.
+    window_right: the struct's (0 causal, -1 none)."""
     if not config.persistent:
         return (-(-seqlen_q // config.block_m), nheads, batch), {}
     ctas, section_pairs = persistent_schedule(
         batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, itemsize, config.block_m,
-        persistent_ctas or persistent_slots(config, device_id))
+        persistent_ctas or persistent_slots(config, device_id), window_right >= 0)
     return (ctas, 1, 1), {"batch": batch, "section_pairs": section_pairs}
 
 
@@ -404,7 +416,8 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
     launch = None
     if batch and seqlen_q and nheads:
         grid, grid_fields = forward_grid(config, batch, nheads, nheads_kv, seqlen_q, seqlen_k,
-                                         head_dim, q.itemsize, device_id, persistent_ctas)
+                                         head_dim, q.itemsize, right, device_id,
+                                         persistent_ctas)
         for name, value in grid_fields.items():
             block.set(name, value)
         launch = _launch.kernel_launch(config, device_id, grid)

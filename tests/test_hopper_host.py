@@ -259,31 +259,47 @@ def test_dense_calls_take_the_persistent_grid_up_to_its_key_bound(monkeypatch, h
 
 
 def test_persistent_schedule_sizes_the_grid_and_the_l2_sections():
-    """One CTA per slot, fewer when there are fewer work tiles; sections of (batch, head) pairs
-    whose K and V fit PERSISTENT_L2_BYTES, times the query heads that share a K/V head."""
+    """One CTA per slot, fewer when there are fewer work tiles; under an upper key limit
+    (longest first) sections of (batch, head) pairs whose K and V fit PERSISTENT_L2_BYTES, times
+    the query heads that share a K/V head."""
     l2 = _hopper.PERSISTENT_L2_BYTES
+
+    def schedule(*args):
+        return _hopper.persistent_schedule(*args, longest_first=True)
+
     # 512 tokens, d=128, fp16: 256 KiB of K and V per (batch, head), 128 of them fit 32 MiB.
-    ctas, section = _hopper.persistent_schedule(32, 16, 16, 512, 512, 128, 2, 128, 132)
+    ctas, section = schedule(32, 16, 16, 512, 512, 128, 2, 128, 132)
     assert ctas == 132 and section == l2 // (2 * 512 * 128 * 2) == 128
     # fewer tiles than slots: one CTA per tile
-    assert _hopper.persistent_schedule(1, 2, 2, 200, 200, 64, 2, 128, 132) == (4, 2)
+    assert schedule(1, 2, 2, 200, 200, 64, 2, 128, 132) == (4, 2)
     # a K/V head larger than the budget: sections of one pair (times the GQA group)
-    assert _hopper.persistent_schedule(1, 16, 16, 16384, 1 << 20, 128, 2, 128, 132)[1] == 1
-    assert _hopper.persistent_schedule(1, 16, 4, 16384, 1 << 20, 128, 2, 128, 132)[1] == 4
+    assert schedule(1, 16, 16, 16384, 1 << 20, 128, 2, 128, 132)[1] == 1
+    assert schedule(1, 16, 4, 16384, 1 << 20, 128, 2, 128, 132)[1] == 4
     # GQA: the heads of one K/V head share its K and V, so a section holds 4x the pairs
-    assert _hopper.persistent_schedule(64, 32, 8, 4096, 4096, 128, 2, 128, 132)[1] == (
-        l2 // (2 * 4096 * 128 * 2) * 4)
+    assert schedule(64, 32, 8, 4096, 4096, 128, 2, 128, 132)[1] == l2 // (2 * 4096 * 128 * 2) * 4
     # a section never exceeds the pairs there are
-    assert _hopper.persistent_schedule(2, 4, 4, 128, 128, 64, 2, 128, 132) == (8, 8)
+    assert schedule(2, 4, 4, 128, 128, 64, 2, 128, 132) == (8, 8)
+
+
+def test_persistent_schedule_goes_pair_by_pair_without_a_key_limit():
+    """Without an upper key limit every section holds one pair, so the kernel's order is pair by
+    pair, a pair's m blocks side by side (the CTAs running at one time share K/V reads)."""
+    for args in ((32, 16, 16, 512, 512, 128, 2, 128, 132), (1, 2, 2, 200, 200, 64, 2, 128, 132),
+                 (64, 32, 8, 4096, 4096, 128, 2, 128, 132)):
+        ctas, section = _hopper.persistent_schedule(*args, longest_first=False)
+        assert section == 1
+        assert ctas == _hopper.persistent_schedule(*args, longest_first=True)[0]
 
 
 def test_persistent_schedule_covers_batches_past_the_grid_limit():
     """The persistent grid is 1-D and its tile index covers every batch: more than 65535
     sequences need no slicing of gridDim.z (the struct's batch_offset stays 0)."""
-    ctas, section = _hopper.persistent_schedule(100_000, 2, 2, 100, 100, 64, 2, 128, 132)
+    ctas, section = _hopper.persistent_schedule(100_000, 2, 2, 100, 100, 64, 2, 128, 132,
+                                                longest_first=True)
     assert ctas == 132 and section == _hopper.PERSISTENT_L2_BYTES // (2 * 100 * 64 * 2)
     with pytest.raises(ValueError, match="32 bits"):
-        _hopper.persistent_schedule(1 << 20, 64, 64, 1 << 16, 1, 64, 2, 128, 132)
+        _hopper.persistent_schedule(1 << 20, 64, 64, 1 << 16, 1, 64, 2, 128, 132,
+                                    longest_first=False)
 
 
 def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
@@ -311,6 +327,7 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     assert record["base"]["batch_offset"] == 0
     small = _hopper.prepare_forward_sm90(q[:1, :100], k[:1, :100], k[:1, :100], config=config)
     assert small.launch[1] == (8, 1, 1)  # 1 m block x 8 heads
+    assert small.block.record[0]["section_pairs"] == 1  # no key limit: pair by pair
     plain = _hopper.prepare_forward_sm90(q, k, k, causal=True)
     assert plain.launch[1] == (8, 8, 3) and plain.block.record[0]["batch"] == 0
     _hopper.persistent_slots.cache_clear()
@@ -355,7 +372,9 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
     (launch,), record = long.launches, long.block.record[0]
     assert not launch.config.persistent
     assert launch.grid == (-(-(bound + 1) // 128), 8, 3) and record["batch"] == 0
-    assert plan(64, False).launches[0].grid == (24, 1, 1)  # 1 m block x 8 heads x 3: 24 tiles
+    unlimited = plan(64, False)
+    assert unlimited.launches[0].grid == (24, 1, 1)  # 1 m block x 8 heads x 3: 24 tiles
+    assert unlimited.block.record[0]["section_pairs"] == 1  # no key limit: pair by pair
     _hopper.persistent_slots.cache_clear()
 
 
