@@ -329,10 +329,13 @@ CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p) {
 // section_pairs; a section's tiles come m block by m block, every pair of the section inside an m
 // block. Under an upper limit on keys (causal) the m blocks run from the last: the longest tiles
 // first, the short ones fill the tail; the host sizes the sections to fit L2 (FlashAttention-3's
-// L2 swizzle), so that the later m blocks find the section's K/V there. Without one the host
-// gives sections of one pair (_hopper.persistent_schedule): the order is pair by pair, a pair's
-// m blocks side by side, and the CTAs running at one time share each K/V tile's read from DRAM.
-// A 1-D index over every batch: no grid dimension limits the batch.
+// L2 swizzle), so that the later m blocks find the section's K/V there. Without one, and with
+// one at d=96/128, the host gives sections of one pair (_hopper.persistent_schedule): the order
+// is pair by pair, a pair's m blocks side by side, and the CTAs running at one time share each
+// K/V tile's read from DRAM; under a key limit each pair's m blocks then start from a different
+// one (rotated by the pair), else a grid of a multiple of m_blocks CTAs would give each CTA the
+// same m block, long or short, every round. A 1-D index over every batch: no grid dimension
+// limits the batch.
 struct PersistentTiles {
     int m_blocks;
     int pairs;          // batch * nheads
@@ -349,8 +352,10 @@ struct PersistentTiles {
         const int first_pair = section * section_pairs;
         const int width = min(section_pairs, pairs - first_pair);  // the last section: the rest
         const int in_section = t - section * section_tiles;
-        const int m = in_section / width;
+        int m = in_section / width;
         const int pair = first_pair + in_section - m * width;
+        // Sections of one pair under a key limit: each pair's m blocks from a different one.
+        if (longest_first && width == 1) m = (m + pair) % m_blocks;
         const int batch = pair / nheads;
         return {longest_first ? m_blocks - 1 - m : m, pair - batch * nheads, batch + batch_offset};
     }

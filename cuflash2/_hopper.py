@@ -281,34 +281,42 @@ def _as_batched(x):
     return x if x.ndim == 4 else x[None]
 
 
-#: K/V bytes that the CTAs of the persistent grid running at one time should find in L2 under
-#: an upper limit on keys: the persistent tile order (flash_fwd_sm90.cu, PersistentTiles) then
-#: walks sections of (batch, head) pairs whose K and V fit this. FlashAttention-3's figure
-#: (size_l2 in its tile scheduler set-up), of the H100's 50 MiB and the H200's 60 MiB of L2.
+#: K/V bytes that the CTAs of the persistent grid running at one time should find in L2 where
+#: the tile order goes by sections (persistent_schedule): the persistent tile order
+#: (flash_fwd_sm90.cu, PersistentTiles) then walks sections of (batch, head) pairs whose K and V
+#: fit this. FlashAttention-3's figure (size_l2 in its tile scheduler set-up), of the H100's
+#: 50 MiB and the H200's 60 MiB of L2.
 PERSISTENT_L2_BYTES = 32 << 20
+
+#: Kernel head dims whose persistent calls go pair by pair under an upper limit on keys (causal,
+#: a right window edge) too (forward_grid). H200, causal, against the L2 sections
+#: (`benchmarks/results/2026-12-03-h200-hopper-fwd-tile-order.txt`): d=128 1.02-1.03x at 512
+#: tokens and 1.08-1.10x at 1k; d=64 0.98-1.01x (2k 0.98x), so d=64 keeps the sections; d=96
+#: follows d=128 (the same two panels a row), not measured.
+CAUSAL_PAIR_ORDER_DIMS = (96, 128)
 
 
 def persistent_schedule(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
                         head_dim: int, itemsize: int, block_m: int, slots: int,
-                        longest_first: bool):
+                        pair_order: bool):
     """(CTAs, section_pairs) of the persistent Hopper forward: one CTA per resident slot (`slots`:
     SMs x CTAs an SM), fewer if there are fewer work tiles (m blocks x heads x batch), and the
     (batch, head) pairs a section of the tile order holds. One 1-D grid covers every batch,
     however many.
 
-    `longest_first` (an upper limit on keys, window_right >= 0: the kernel runs the m blocks from
-    the last): as many K/V heads' K and V as fit PERSISTENT_L2_BYTES (at least one), times the
-    query heads that share each (GQA), at most every pair; the kernel takes a section m block by
-    m block. Otherwise one pair a section, which makes the kernel's order pair by pair, a pair's
-    m blocks side by side: the CTAs running at one time then share each K/V tile's DRAM read
-    (1.05-1.08x at 512 tokens on the H200 against sections m block by m block, whose first m
-    block read every pair's K/V from DRAM at once; docs/HOPPER_FWD.md)."""
+    `pair_order`: one pair a section, which makes the kernel's order pair by pair, a pair's m
+    blocks side by side (under an upper key limit each pair's from a rotated start): the CTAs
+    running at one time then share each K/V tile's DRAM read (without a key limit 1.05-1.08x at
+    512 tokens on the H200 against sections m block by m block, whose first m block read every
+    pair's K/V from DRAM at once; docs/HOPPER_FWD.md). Otherwise as many K/V heads' K and V as
+    fit PERSISTENT_L2_BYTES (at least one), times the query heads that share each (GQA), at most
+    every pair; the kernel takes a section m block by m block, the longest tiles first."""
     m_blocks = -(-seqlen_q // block_m)
     pairs = batch * nheads
     tiles = m_blocks * pairs
     if tiles >= 1 << 31:
         raise ValueError(f"{tiles} work tiles: the persistent grid counts them in 32 bits")
-    if not longest_first:
+    if pair_order:
         return min(tiles, slots), 1
     kv_head_bytes = 2 * seqlen_k * head_dim * itemsize  # K and V of one (batch, K/V head)
     section = max(1, PERSISTENT_L2_BYTES // max(1, kv_head_bytes)) * (nheads // nheads_kv)
@@ -320,13 +328,15 @@ def forward_grid(config, batch: int, nheads: int, nheads_kv: int, seqlen_q: int,
                  persistent_ctas=None):
     """(grid, FwdSm90Params' own fields) of a Hopper forward launch: (m blocks, heads, batch)
     one tile per CTA, or with `config.persistent` the 1-D persistent grid (persistent_schedule;
-    at most `persistent_ctas` CTAs if given, for tests) with its batch and section size.
-    window_right: the struct's (0 causal, -1 none)."""
+    at most `persistent_ctas` CTAs if given, for tests) with its batch and section size: pair by
+    pair without an upper key limit (window_right < 0: the struct's, 0 when causal) and at the
+    kernel head dims of CAUSAL_PAIR_ORDER_DIMS, L2 sections otherwise."""
     if not config.persistent:
         return (-(-seqlen_q // config.block_m), nheads, batch), {}
+    pair_order = window_right < 0 or config.head_dim in CAUSAL_PAIR_ORDER_DIMS
     ctas, section_pairs = persistent_schedule(
         batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, itemsize, config.block_m,
-        persistent_ctas or persistent_slots(config, device_id), window_right >= 0)
+        persistent_ctas or persistent_slots(config, device_id), pair_order)
     return (ctas, 1, 1), {"batch": batch, "section_pairs": section_pairs}
 
 

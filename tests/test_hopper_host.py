@@ -259,13 +259,13 @@ def test_dense_calls_take_the_persistent_grid_up_to_its_key_bound(monkeypatch, h
 
 
 def test_persistent_schedule_sizes_the_grid_and_the_l2_sections():
-    """One CTA per slot, fewer when there are fewer work tiles; under an upper key limit
-    (longest first) sections of (batch, head) pairs whose K and V fit PERSISTENT_L2_BYTES, times
-    the query heads that share a K/V head."""
+    """One CTA per slot, fewer when there are fewer work tiles; in the sectioned order sections
+    of (batch, head) pairs whose K and V fit PERSISTENT_L2_BYTES, times the query heads that
+    share a K/V head."""
     l2 = _hopper.PERSISTENT_L2_BYTES
 
     def schedule(*args):
-        return _hopper.persistent_schedule(*args, longest_first=True)
+        return _hopper.persistent_schedule(*args, pair_order=False)
 
     # 512 tokens, d=128, fp16: 256 KiB of K and V per (batch, head), 128 of them fit 32 MiB.
     ctas, section = schedule(32, 16, 16, 512, 512, 128, 2, 128, 132)
@@ -281,25 +281,25 @@ def test_persistent_schedule_sizes_the_grid_and_the_l2_sections():
     assert schedule(2, 4, 4, 128, 128, 64, 2, 128, 132) == (8, 8)
 
 
-def test_persistent_schedule_goes_pair_by_pair_without_a_key_limit():
-    """Without an upper key limit every section holds one pair, so the kernel's order is pair by
-    pair, a pair's m blocks side by side (the CTAs running at one time share K/V reads)."""
+def test_persistent_schedule_goes_pair_by_pair_in_the_pair_order():
+    """In the pair order every section holds one pair, so the kernel's order is pair by pair, a
+    pair's m blocks side by side (the CTAs running at one time share K/V reads)."""
     for args in ((32, 16, 16, 512, 512, 128, 2, 128, 132), (1, 2, 2, 200, 200, 64, 2, 128, 132),
                  (64, 32, 8, 4096, 4096, 128, 2, 128, 132)):
-        ctas, section = _hopper.persistent_schedule(*args, longest_first=False)
+        ctas, section = _hopper.persistent_schedule(*args, pair_order=True)
         assert section == 1
-        assert ctas == _hopper.persistent_schedule(*args, longest_first=True)[0]
+        assert ctas == _hopper.persistent_schedule(*args, pair_order=False)[0]
 
 
 def test_persistent_schedule_covers_batches_past_the_grid_limit():
     """The persistent grid is 1-D and its tile index covers every batch: more than 65535
     sequences need no slicing of gridDim.z (the struct's batch_offset stays 0)."""
     ctas, section = _hopper.persistent_schedule(100_000, 2, 2, 100, 100, 64, 2, 128, 132,
-                                                longest_first=True)
+                                                pair_order=False)
     assert ctas == 132 and section == _hopper.PERSISTENT_L2_BYTES // (2 * 100 * 64 * 2)
     with pytest.raises(ValueError, match="32 bits"):
         _hopper.persistent_schedule(1 << 20, 64, 64, 1 << 16, 1, 64, 2, 128, 132,
-                                    longest_first=False)
+                                    pair_order=True)
 
 
 def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
@@ -323,7 +323,12 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     launched, grid = prepared.launch
     assert launched is config and grid == (132, 1, 1)  # 8 m blocks x 8 heads x 3 = 192 tiles
     assert record["batch"] == 3
-    assert record["section_pairs"] == 24  # every pair: 4 x 1000 x 128 x 2 B per K/V head fit
+    assert record["section_pairs"] == 1  # causal at d=128: pair by pair (CAUSAL_PAIR_ORDER_DIMS)
+    q64 = _HostArray(numpy.zeros((3, 1000, 8, 64), numpy.float16))
+    k64 = _HostArray(numpy.zeros((3, 1000, 2, 64), numpy.float16))
+    config64 = _configs.fwd_sm90_config("float16", 64, persistent=True)
+    sectioned = _hopper.prepare_forward_sm90(q64, k64, k64, causal=True, config=config64)
+    assert sectioned.block.record[0]["section_pairs"] == 24  # every pair's K and V fit L2
     assert record["base"]["batch_offset"] == 0
     small = _hopper.prepare_forward_sm90(q[:1, :100], k[:1, :100], k[:1, :100], config=config)
     assert small.launch[1] == (8, 1, 1)  # 1 m block x 8 heads
@@ -367,7 +372,7 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
     short, long = plan(bound, True), plan(bound + 1, True)
     (launch,), record = short.launches, short.block.record[0]
     assert launch.config.persistent and launch.grid == (132, 1, 1)  # 8 x 8 heads x 3 tiles
-    assert (record["batch"], record["section_pairs"]) == (3, 24)
+    assert (record["batch"], record["section_pairs"]) == (3, 1)  # causal d=128: pair by pair
     assert (record["base"]["seqlen_k"], record["base"]["window_right"]) == (bound, 0)
     (launch,), record = long.launches, long.block.record[0]
     assert not launch.config.persistent
