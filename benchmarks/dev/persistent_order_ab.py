@@ -1,7 +1,8 @@
 """The persistent Hopper forward's tile order under a causal mask, A/B in one process on the same
 arrays: `sections` (the host's L2 sections, m block by m block, the longest tiles first) against
 `pairs` (sections of one pair: pair by pair, each pair's m blocks from a rotated start, the
-CTAs running together sharing each K/V tile's DRAM read). Same kernel; only
+CTAs running together sharing each K/V tile's DRAM read), each forced at every head dim
+whatever _hopper.CAUSAL_PAIR_ORDER_DIMS says. Same kernel; only
 _hopper.persistent_schedule's section size differs. The dev check's shapes of the
 persistent head dims under `pairs` (full grid and 7 CTAs, outputs poisoned), after the paper
 grid's causal rows, the two orders alternating round by round (median).
@@ -11,7 +12,6 @@ grid's causal rows, the two orders alternating round by round (median).
 
 import argparse
 import contextlib
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -21,18 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hopper_fwd_check as check_script  # noqa: E402
 
+import cuflash2  # noqa: E402
 from cuflash2 import _hopper, api, bench  # noqa: E402
+from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 ORIGINAL = _hopper.persistent_schedule
 
 
 @contextlib.contextmanager
 def order(name):
-    def pairs(*args, **kwargs):
-        ctas, section = ORIGINAL(*args, **kwargs)
-        return ctas, 1
+    """The persistent grid in `name`'s order at every head dim, whatever forward_grid's rule
+    (its last argument, pair_order, replaced)."""
+    def forced(*args):
+        return ORIGINAL(*args[:-1], name == "pairs")
 
-    _hopper.persistent_schedule = pairs if name == "pairs" else ORIGINAL
+    _hopper.persistent_schedule = forced
     api._forward_plans.plans.clear()
     try:
         yield
@@ -55,11 +58,7 @@ def main():
     print(f"{'configuration':<44} {'sections':>9} {'pairs':>9} {'sections/pairs':>15}  kernel")
     ratios = []
     for seed, config in enumerate(configs):
-        from cuflash2.selfcheck import dtype_from_name
-
         q, k, v = bench.random_inputs(cupy, config, dtype_from_name(config.dtype), seed)
-        import cuflash2
-
         (kernel,) = cuflash2.forward_kernels(q, k, v, causal=True)
         times = {"sections": [], "pairs": []}
         for _ in range(args.rounds):
@@ -72,7 +71,7 @@ def main():
         print(f"{config.describe():<44} {a:9.4f} {b:9.4f} {a / b:15.3f}  "
               f"{'persistent' if 'persistent' in kernel else 'one tile a CTA'}", flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
-    mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    mean = statistics.geometric_mean(ratios)
     print(f"sections/pairs geometric mean {mean:.3f} (min {min(ratios):.3f}, max "
           f"{max(ratios):.3f})", flush=True)
     with order("pairs"):
