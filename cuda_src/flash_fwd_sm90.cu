@@ -35,30 +35,25 @@
 //
 // Scheduling: with PINGPONG the two consumers alternate on the tensor cores (named barriers),
 // each issuing S_j and P_{j-1} V_{j-1} in one turn; without it each runs its tiles in order.
-// _hopper.PINGPONG picks per head dim and causality, as measured. OVERLAP (either schedule; not
-// dispatched yet) runs the softmax of tile j while P_{j-1} V_{j-1} is on the tensor cores of the
-// same warpgroup (wgmma.wait_group 1), K and V of a stage given back separately.
+// _hopper.SCHEDULES picks per head dim and causality, as measured. OVERLAP (either schedule)
+// runs the softmax of tile j while P_{j-1} V_{j-1} is on the tensor cores of the same warpgroup
+// (wgmma.wait_group 1), K and V of a stage given back separately.
 //
-// Grid: one CTA per work tile (BLOCK_M query rows of one head and batch) by default. PERSISTENT
-// (opt-in, FlashAttention-3's persistent scheme, not dispatched yet): at most one CTA per SM,
-// each looping over work tiles in a static order (PersistentTiles), so that the per-CTA fixed
-// cost is paid once and hidden: the producer's ring position continues across work tiles (it
-// loads the next tile's K/V as soon as stages free up), the next Q is loaded once both consumers
-// have completed their last S GEMM of the current tile (q_empty), and O is staged in a buffer of
-// its own, so the epilogue of tile t runs under the loads of tile t + 1. The extra O buffer
-// fits head dims 64, 96 (2 stages instead of 3) and 128 (_configs.SM90_PERSISTENT_TILES).
+// Grid: one CTA per work tile (BLOCK_M query rows of one head and batch), or with PERSISTENT
+// (FlashAttention-3's persistent scheme; _hopper.forward_config takes it where it measured
+// faster) at most one CTA per SM, each looping over work tiles (PersistentTiles for the order,
+// WorkTileClaims for which CTA takes which: statically, or claimed one by one from a counter
+// under a key limit, where tiles differ in length), so that the per-CTA fixed cost is paid once
+// and hidden: the producer's ring position continues across work tiles (it loads the next
+// tile's K/V as soon as stages free up), the next Q is loaded once both consumers have completed
+// their last S GEMM of the current tile (q_empty), and O is staged in a buffer of its own, so
+// the epilogue of tile t runs under the loads of tile t + 1. The extra O buffer fits head dims
+// 64, 96 (2 stages instead of 3) and 128 (_configs.SM90_PERSISTENT_TILES).
 // The two compose: every schedule (in order or ping-pong, with or without OVERLAP) runs on
 // either grid; the consumer loops address the ring through ring0-relative positions, and Q is
 // given back (q_empty) once the wait that completes the work tile's last S = Q K^T returned.
 //
-// TODO (next steps, docs/HOPPER_FWD.md):
-//  - dispatch OVERLAP where the H200 measured it ahead (it passed the 25 dev-check shapes and
-//    leads most timing rows);
-//  - the persistent grid (alone and with OVERLAP) checked and measured on the H200, then
-//    dispatched where it wins (short sequences lose 25-30% to cuDNN on the per-CTA fixed cost);
-//    a dynamic (atomic) tile scheduler;
-//  - varlen (FEATURE_VARLEN, compiled, opt-in on the host: _hopper.VARLEN) checked on the H200;
-//    dropout.
+// Next steps: docs/HOPPER_FWD.md.
 //
 // Varlen (FEATURE_VARLEN; docs/HOPPER_FWD.md, "Varlen"): the maps cover the packed
 // (total, heads, d) arrays as rank-4 maps with a batch extent of 1; the grid is (m blocks of the
@@ -244,6 +239,17 @@ struct FwdSm90Barriers<STAGES, V_EMPTY, true> : FwdSm90KvBarriers<STAGES, V_EMPT
     u64 q_empty;  // every consumer thread is done reading Q (its last S GEMM of the tile)
 };
 
+// CLAIMS (persistent, tiles claimed dynamically): the claimed work tiles (WorkTileClaims), the
+// CTA's k-th (k >= 1) in slot (k - 1) % CLAIM_SLOTS, full once the claimer put it there.
+template <int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS>
+struct FwdSm90ClaimBarriers : FwdSm90Barriers<STAGES, V_EMPTY, Q_EMPTY> {};
+template <int STAGES, bool V_EMPTY>
+struct FwdSm90ClaimBarriers<STAGES, V_EMPTY, true, true> : FwdSm90Barriers<STAGES, V_EMPTY, true> {
+    static constexpr int CLAIM_SLOTS = 4;
+    u64 claim_full[CLAIM_SLOTS];
+    int claimed[CLAIM_SLOTS];
+};
+
 // One unit of work: BLOCK_M query rows (block m_block) of one (batch, head).
 struct FwdWorkTile {
     int m_block;
@@ -358,6 +364,81 @@ struct PersistentTiles {
         if (longest_first && width == 1) m = (m + pair) % m_blocks;
         const int batch = pair / nheads;
         return {longest_first ? m_blocks - 1 - m : m, pair - batch * nheads, batch + batch_offset};
+    }
+};
+
+// Which work tiles a CTA of the persistent grid takes, one after the other (its k-th, k = 0,
+// 1, ...): first its own, blockIdx.x, then
+//  - static (the kernel without CLAIMS): every gridDim.x-th, blockIdx.x + gridDim.x, ...;
+//  - dynamic (CLAIMS, this struct): the next tile nobody has claimed yet, gridDim.x + a ticket
+//    of counters[0] (one atomic a tile). A CTA whose tiles were short takes more, so the order's
+//    tiles (the longest first under a key limit) spread evenly however long each is;
+//    statically the CTAs of a causal call, whose tiles are 1 to m_blocks KV tiles long, end
+//    3-45% apart. (A specialisation of its own: the claims' code in the static kernel's loop
+//    cost its short rows 1-2%.)
+// The dynamic claims are made by one consumer thread (`claimer`), not by the producer: an
+// atomic with a return value anywhere in the producer warpgroup's 24 registers spills (48
+// bytes at d=128). The claimer claims the k-th tile at the start of its own work tile k - LEAD
+// and puts it in slot (k - 1) % CLAIM_SLOTS at that tile's end, the atomic's round trip under
+// the tile's work; the first LEAD - 1 are claimed before its loop. The producer needs the k-th
+// tile once it has issued tile k - 1's loads, which is never before the consumers work on tile
+// k - 2 (Q is loaded once a tile, after their last S GEMM of the tile before). Every role reads
+// the k-th tile from its slot once it is full (claim_full). A slot is written again SLOTS tiles
+// later, at the end of the claimer's tile k + SLOTS - LEAD >= k + 1: that tile's Q was loaded
+// once every consumer thread was done with tile k's S GEMMs, after the producer had read tile
+// k + 1, so every role has read tile k by then. That holds where every work tile loads a Q:
+// tiles that see no key would let the consumers run ahead of a lagging reader without a
+// barrier, so the host claims dynamically only where every query row sees a key
+// (_hopper.dynamic_schedule).
+// counters[1] counts the CTAs that ran out of tiles; the last one resets both counters for the
+// next launch (launches on one stream run one after the other, and the host gives each stream
+// its own pair: FwdSm90Params.tile_counters, never null for these launches).
+template <bool VALUE>
+struct CompileTimeFlag {
+    static constexpr bool value = VALUE;
+};
+
+template <class Bars>
+struct WorkTileClaims {
+    static constexpr int LEAD = 3;
+    static constexpr int SLOTS = Bars::CLAIM_SLOTS;
+    static_assert(SLOTS > LEAD, "a slot is written again once every role has read it");
+    int* counters;
+    int count;  // work tiles in all
+    Bars& bars;
+
+    // The k-th work tile (k >= 1; count or more: none left). Every role of the CTA calls it for
+    // every k until it returns none.
+    CF2_DEVICE int take(int k) const {
+        const int slot = (k - 1) % SLOTS;
+        mbarrier_wait(smem_address(&bars.claim_full[slot]), ((k - 1) / SLOTS) & 1);
+        return *static_cast<volatile int*>(&bars.claimed[slot]);
+    }
+
+    // ---- the claimer (one consumer thread) ----
+    CF2_DEVICE int claim() const { return atomicAdd(counters, 1) + static_cast<int>(gridDim.x); }
+    // The k-th tile into its slot.
+    CF2_DEVICE void put(int k, int tile) const {
+        const int slot = (k - 1) % SLOTS;
+        bars.claimed[slot] = tile;
+        mbarrier_arrive(smem_address(&bars.claim_full[slot]));  // releases the write
+    }
+    // Before the loop: tiles 1 .. LEAD - 1, waited for (the producer needs tile 1 as soon as
+    // tile 0's loads are issued).
+    CF2_DEVICE void start() const {
+        for (int k = 1; k < LEAD; ++k) put(k, claim());
+    }
+    // At the start of work tile k, claim() for tile k + LEAD; at its end, the tile into its
+    // slot. (A claim past the last tile comes back with none, as many times as asked.)
+    CF2_DEVICE void put_ahead(int k, int tile) const { put(k + LEAD, tile); }
+
+    // After the loop, every claim of this CTA having come back.
+    CF2_DEVICE void finish() const {
+        __threadfence();  // this CTA's claims come before its arrival
+        if (atomicAdd(counters + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+            atomicExch(counters, 0);  // every CTA has claimed its last tile
+            atomicExch(counters + 1, 0);
+        }
     }
 };
 
@@ -749,8 +830,10 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
 // the producer loads the next work tile's Q and K/V while the consumers finish the current one
 // and store it (O staged in a buffer of its own). Otherwise one CTA per work tile, the grid
 // (m blocks, heads, batch).
+// CLAIMS (with PERSISTENT): the CTAs claim their work tiles one by one (WorkTileClaims) instead
+// of taking every gridDim.x-th.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
-          bool OVERLAP, int FEATURES, bool PERSISTENT>
+          bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS>
 __global__ void __launch_bounds__(
     FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
@@ -762,7 +845,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     const FwdParams& p = params.base;
 
     extern __shared__ unsigned char smem[];
-    __shared__ FwdSm90Barriers<STAGES, OVERLAP, PERSISTENT> bars;
+    static_assert(!CLAIMS || PERSISTENT, "tiles are claimed on the persistent grid");
+    __shared__ FwdSm90ClaimBarriers<STAGES, OVERLAP, PERSISTENT, CLAIMS> bars;
     const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
     const u32 q_smem = smem_base;
     const u32 kv_smem = q_smem + T::Q_BYTES;  // stage s: K at + s * STAGE_BYTES, V after it
@@ -806,6 +890,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     if (threadIdx.x == 0) {
         mbarrier_init(smem_address(&bars.q_full), 1);
         if constexpr (PERSISTENT) mbarrier_init(smem_address(&bars.q_empty), T::CONSUMER_THREADS);
+        if constexpr (CLAIMS) {
+            for (int s = 0; s < bars.CLAIM_SLOTS; ++s)
+                mbarrier_init(smem_address(&bars.claim_full[s]), 1);  // the claimer's put
+        }
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(smem_address(&bars.k_full[s]), 1);  // the producer's expect_tx arrival
@@ -822,24 +910,54 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     // empty(tile) for the others (tile: its FwdTileContext). ring0 is the ring position of the
     // tile's first KV tile (the KV tiles of the CTA's earlier work tiles), q_round the number of
     // Qs loaded before its own; a tile that sees no key is loaded by no one and takes neither.
-    // Both roles walk the same tiles in the same order, so their ring positions and phases agree.
-    auto for_each_work_tile = [&](auto&& work, auto&& empty) {
+    // Both roles walk the same tiles in the same order (with CLAIMS: WorkTileClaims), so their
+    // ring positions and phases agree. `claimer` (CLAIMS): this thread makes the claims; the
+    // producer's instance has no claiming code at all (`may_claim`: an atomic with a return
+    // value there spills, WorkTileClaims).
+    auto for_each_work_tile = [&](auto may_claim, bool claimer, auto&& work, auto&& empty) {
         if constexpr (!PERSISTENT) {
             work(own, 0, 0);
         } else {
             const PersistentTiles order{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M,
                                         params.batch * p.nheads, params.section_pairs, p.nheads,
                                         p.batch_offset, p.window_right >= 0};
-            int ring = 0, q_round = 0;
-            for (int t = blockIdx.x; t < order.count(); t += gridDim.x) {
-                const FwdTileContext tile = tile_context<BLOCK_M, BLOCK_N>(p, order[t]);
+            auto run = [&](const FwdTileContext& tile, int& ring, int& q_round) {
                 if (tile.span.empty()) {
                     empty(tile);
-                    continue;
+                    return;
                 }
                 work(tile, ring, q_round);
                 ring += tile.span.tile_end - tile.span.tile_first;
                 ++q_round;
+            };
+            int ring = 0, q_round = 0;
+            if constexpr (!CLAIMS) {
+                for (int t = blockIdx.x; t < order.count(); t += gridDim.x) {
+                    const FwdTileContext tile = tile_context<BLOCK_M, BLOCK_N>(p, order[t]);
+                    if (tile.span.empty()) {
+                        empty(tile);
+                        continue;
+                    }
+                    work(tile, ring, q_round);
+                    ring += tile.span.tile_end - tile.span.tile_first;
+                    ++q_round;
+                }
+            } else {
+                constexpr bool MAY_CLAIM = decltype(may_claim)::value;
+                const WorkTileClaims<decltype(bars)> claims{params.tile_counters, order.count(),
+                                                            bars};
+                if constexpr (MAY_CLAIM)
+                    if (claimer) claims.start();
+                for (int k = 0, t = blockIdx.x; t < order.count(); t = claims.take(++k)) {
+                    int ahead = 0;
+                    if constexpr (MAY_CLAIM)
+                        if (claimer) ahead = claims.claim();
+                    run(tile_context<BLOCK_M, BLOCK_N>(p, order[t]), ring, q_round);
+                    if constexpr (MAY_CLAIM)
+                        if (claimer) claims.put_ahead(k, ahead);
+                }
+                if constexpr (MAY_CLAIM)
+                    if (claimer) claims.finish();
             }
         }
     };
@@ -850,6 +968,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
         if (threadIdx.x == 0)
             for_each_work_tile(
+                CompileTimeFlag<false>{}, false,
                 [&](const FwdTileContext& tile, int ring0, int q_round) {
                     produce_tile<T, OVERLAP, PERSISTENT, VARLEN>(params, tile, ring0, q_round,
                                                                  q_smem, kv_smem, bars);
@@ -860,6 +979,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
         setmaxnreg_inc<T::CONSUMER_REGISTERS>();
         const int consumer = warpgroup - 1;
         for_each_work_tile(
+            CompileTimeFlag<true>{},
+            threadIdx.x == T::WARPGROUP_THREADS,  // the first consumer thread claims
             [&](const FwdTileContext& tile, int ring0, int q_round) {
                 consume_tile<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
                     p, vis, tile, head_chunks, ring0, q_round, consumer, q_smem, kv_smem, o_smem,

@@ -81,7 +81,7 @@ struct FwdParams {
 // the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with 128-byte
 // swizzle (cuflash2/_hopper.py builds them). The maps come first: at offsets 0, 128 and 256 they
 // keep their 64-byte alignment whatever FwdParams holds. The persistent grid (one 1-D grid over
-// every batch) reads its work from the last two fields; the one-CTA-per-tile grid ignores them.
+// every batch) reads its work from the last three fields; the one-CTA-per-tile grid ignores them.
 struct FwdSm90Params {
     TensorMap q_map;
     TensorMap k_map;
@@ -89,6 +89,10 @@ struct FwdSm90Params {
     FwdParams base;
     int batch;          // sequences: the persistent grid's tiles cover all of them
     int section_pairs;  // (batch, head) pairs a section of the persistent tile order (L2 reuse)
+    // The dynamic schedule's two counters (tiles claimed, CTAs done), zero before and after
+    // each launch (the last CTA resets them); null: the static schedule (flash_fwd_sm90.cu,
+    // WorkTileClaims).
+    int* tile_counters;
 };
 
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)

@@ -73,13 +73,15 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         output_fields.append(("out", 0, 0))
     output_fields.append(("lse", len(outputs), 0))
     outputs.append((tuple(lse_shape), "float32"))
-    launches, grid_fields = [], {}
+    launches, grid_fields, counters = [], {}, ()
     if p.batch and p.seqlen_q and p.nheads:
         grid = (-(-p.seqlen_q // config.block_m), p.nheads, p.batch)
         if hopper is not None:  # or the persistent grid, with fields of its own
             grid, grid_fields = _hopper.forward_grid(config, p.batch, p.nheads, p.nheads_kv,
                                                      p.seqlen_q, p.seqlen_k, p.head_dim,
                                                      q.itemsize, window[1], device_id)
+            if config.claims:
+                counters = ("tile_counters",)
         launches.append(_launch.kernel_launch(config, device_id, grid))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
@@ -89,19 +91,20 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`.
     return _sm90_plan(device_id, "FwdSm90Params", fields, _hopper.forward_maps(config), views,
                       launches, inputs, outputs, output_fields, aligned=aligned,
-                      own_fields=grid_fields)
+                      own_fields=grid_fields, counters=counters)
 
 
 def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, views: dict, launches,
                inputs, outputs, output_fields, workspace_bytes: int = 0, workspace_fields=(),
-               aligned=(), launch_structs=(), own_fields=None) -> _plans.Plan:
+               aligned=(), launch_structs=(), own_fields=None, counters=()) -> _plans.Plan:
     """The plan of an sm_90a kernel whose struct is tensor maps (`maps`: map field -> (view
     name, box rows)) followed by the sm_80 kernels' struct as `base`: `fields`, `inputs`,
     `output_fields` and `workspace_fields` are that struct's, moved under `base.`;
     `own_fields` are the sm_90a struct's own (the persistent forward grid's batch, the
     backward's dispatch groups). The maps are encoded here, once; a call patches each map's
     address (its word 0, _hopper.ADDRESS_WORD) with its array's pointer like any other pointer
-    of the struct."""
+    of the struct. `counters`: own fields set to the stream's counters a call
+    (_plans.stream_counters)."""
     base = "base."
     return _plans.Plan(
         device_id, struct,
@@ -111,7 +114,7 @@ def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, views: dic
         [(base + f, pos, off) for f, pos, off in inputs] + _hopper.map_inputs(inputs, maps),
         outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
         [(base + f, off) for f, off in workspace_fields], aligned,
-        batch_offset=base + "batch_offset", launch_structs=launch_structs)
+        batch_offset=base + "batch_offset", launch_structs=launch_structs, counters=counters)
 
 
 def _dropout_slots(mods) -> tuple:

@@ -229,15 +229,22 @@ class FwdSm90Config:
     #: its trap makes ptxas spill, so never for timing).
     watchdog: bool = False
     #: A persistent grid (at most one CTA per SM looping over work tiles; the next tile's Q and
-    #: K/V load under the current epilogue; O staged in a buffer of its own). Opt-in, not
-    #: dispatched: head dims of SM90_PERSISTENT_TILES only (the O buffer must fit).
+    #: K/V load under the current epilogue; O staged in a buffer of its own): head dims of
+    #: SM90_PERSISTENT_TILES only (the O buffer must fit); the dispatcher's choice is
+    #: _hopper.forward_config's.
     persistent: bool = False
+    #: With `persistent`: the CTAs claim their work tiles one by one from a pair of counters a
+    #: stream (flash_fwd_sm90.cu, WorkTileClaims; FwdSm90Params.tile_counters) instead of taking
+    #: every gridDim.x-th (_hopper.DYNAMIC_SCHEDULE_KEYS).
+    claims: bool = False
 
     def __post_init__(self):
         if self.block_m not in (128, 192) or (self.pingpong and self.block_m != 128):
             raise ValueError(f"the Hopper forward has two consumer warpgroups (block_m 128, "
                              f"either schedule) or three (block_m 192, no ping-pong), not "
                              f"block_m {self.block_m}{' with ping-pong' if self.pingpong else ''}")
+        if self.claims and not self.persistent:
+            raise ValueError("work tiles are claimed on the persistent grid only")
         if self.persistent and self.features & FEATURE_VARLEN:
             raise ValueError("varlen runs on the one-tile-per-CTA grid of the Hopper forward, "
                              "not the persistent one")
@@ -285,7 +292,8 @@ class FwdSm90Config:
                 f"{self.block_m}, {self.block_n}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.overlap else 'false'}, {self.features}, "
-                f"{'true' if self.persistent else 'false'}>")
+                f"{'true' if self.persistent else 'false'}, "
+                f"{'true' if self.claims else 'false'}>")
 
     @property
     def probes(self) -> str:
@@ -380,13 +388,17 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
                          persistent: bool = False) -> list[FwdSm90Config]:
     """Every Hopper forward specialisation (for each of `features`), in both schedules, with and
     without the overlap inside a warpgroup (`overlap`: which of the two); with `persistent`, the
-    persistent ones (head dims of SM90_PERSISTENT_TILES, every schedule and overlap) too."""
+    persistent ones (head dims of SM90_PERSISTENT_TILES, every schedule and overlap) too, and
+    with ping-pong and the overlap (the dispatcher's two-consumer schedule) their twins whose
+    tiles are claimed one by one (`claims`)."""
     grids = (False, True) if persistent else (False,)
-    return [dataclasses.replace(with_features(fwd_sm90_config(dtype, d, grid), f),
-                                pingpong=pingpong, overlap=ov)
-            for grid in grids for ov in overlap for pingpong in (False, True) for f in features
-            for dtype in DTYPE_TAGS
-            for d in (SM90_PERSISTENT_TILES if grid else SM90_FWD_HEAD_DIMS)]
+    configs = [dataclasses.replace(with_features(fwd_sm90_config(dtype, d, grid), f),
+                                   pingpong=pingpong, overlap=ov)
+               for grid in grids for ov in overlap for pingpong in (False, True)
+               for f in features for dtype in DTYPE_TAGS
+               for d in (SM90_PERSISTENT_TILES if grid else SM90_FWD_HEAD_DIMS)]
+    return configs + [dataclasses.replace(c, claims=True) for c in configs
+                      if c.persistent and c.pingpong and c.overlap]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -907,7 +919,8 @@ def describe(config) -> str:
         schedule = "ping-pong" if config.pingpong else "in-order"
         if config.overlap:
             schedule += " overlapping (softmax under P V)"
-        grid = ", persistent grid" if config.persistent else ""
+        grid = ((", persistent grid" + (" (tiles claimed one by one)" if config.claims else ""))
+                if config.persistent else "")
         three = " (three warpgroups)" if config.block_m == 192 else ""
         return (f"Hopper forward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
                 f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import _configs, _launch, _params
+from . import _configs, _launch, _params, _plans
 from ._prepare import LOG2E, element_strides, output_strides
 
 #: Columns of a TMA box: 64 16-bit elements = 128 bytes, the span of CU_TENSOR_MAP_SWIZZLE_128B
@@ -168,6 +168,10 @@ def dispatch_configs(features=(0,)) -> list:
                         _configs.fwd_sm90_config(dtype, dim, persistent), f)
                     configs.append(dataclasses.replace(config, pingpong=pingpong,
                                                        overlap=overlap))
+    # Persistent calls under a key limit claim their tiles at the head dims of
+    # DYNAMIC_SCHEDULE_KEYS.
+    configs += [dataclasses.replace(c, claims=True) for c in configs
+                if c.persistent and c.head_dim in DYNAMIC_SCHEDULE_KEYS]
     return list(dict.fromkeys(configs))
 
 
@@ -179,29 +183,35 @@ def dispatch_configs(features=(0,)) -> list:
 MMA_SYNC_MAX_DIM = 64
 MMA_SYNC_MAX_KEYS = 256
 
+#: A key bound that no call reaches.
+NO_LIMIT = 1 << 62
+
 #: The persistent grid (at most one CTA per SM looping over work tiles, the next tile's Q and
 #: K/V loaded under the current epilogue) runs the dense calls with at most this many keys, by
-#: (kernel head dim, causal): there each CTA's tile is short and its fixed cost shows, and the
-#: persistent grid measured 3-18% faster on the H200 (causal d=64 up to 4096 keys, 2-4% there);
-#: on longer rows the one-tile-per-CTA grid is as fast or faster (up to 11% at 16k, causal). Head
-#: dims without a persistent kernel (192, 256: no room for the O buffer) and varlen calls never
-#: take it.
+#: (kernel head dim, causal), with the static schedule; causal calls also where they claim
+#: their tiles dynamically (DYNAMIC_SCHEDULE_KEYS). Short rows, where each CTA's tile is short
+#: and its fixed cost shows, measured 3-18% faster on the H200; at d=128 without a key limit
+#: every length from 1k to 16k too (1.01-1.09x, the pair order; 2026-12-03), while the static
+#: schedule of causal rows loses to the one-tile grid from 2k keys on (up to 11% at 16k: its
+#: CTAs end apart). Head dims without a persistent kernel (192, 256: no room for the O buffer)
+#: and varlen calls never take it.
 PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 4096, (96, False): 512, (96, True): 1024,
-                       (128, False): 512, (128, True): 1024}
+                       (128, False): NO_LIMIT, (128, True): 1024}
 
 
 #: Three consumer warpgroups (192 query rows a CTA, _configs.SM90_THREE_CONSUMER_TILES; the
 #: in-order schedule, since ping-pong takes two and the overlap inside a warpgroup spills at
 #: their 160 registers) run the calls with at least this many keys, by (kernel head dim,
 #: causal), without a window (a full or causal mask) and not varlen; on the persistent grid up
-#: to THREE_CONSUMER_PERSISTENT_MAX_KEYS keys. At d=64 each key tile's exponentials take the
+#: to THREE_CONSUMER_PERSISTENT_MAX_KEYS keys (every length: 1.00-1.07x the one-tile grid
+#: non-causal, causal with dynamic claims from 2k keys on, 2026-12-03). At d=64 each key tile's exponentials take the
 #: multi-function unit about as long as its two GEMMs take the tensor cores: with three
 #: warpgroups one's softmax runs under the others' GEMMs without a turn protocol. H200, bf16
 #: (docs/PERF_NOTES.md, "Hopper forward"): 1.01-1.15x the two-consumer kernel non-causal from 512
 #: to 16k keys, causal 1.00-1.07x from 2k keys on (0.89-0.90x at 512-1k: 192-row tiles of a
 #: short causal row are mostly masked).
-THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 2049}
-THREE_CONSUMER_PERSISTENT_MAX_KEYS = 4096
+THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 2048}
+THREE_CONSUMER_PERSISTENT_MAX_KEYS = NO_LIMIT
 
 
 def forward_config(problem, features: int, window, arch: int, views: dict, varlen=None):
@@ -228,18 +238,21 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
         return None
     causal = window[1] == 0 and window[0] < 0
     unwindowed = window[0] < 0 and (window[1] < 0 or causal)
+    claims = varlen is None and dynamic_schedule(kernel_dim, p.seqlen_q, p.seqlen_k, window[1])
     if (varlen is None and unwindowed
             and p.seqlen_k >= THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), 1 << 62)):
         persistent = p.seqlen_k <= THREE_CONSUMER_PERSISTENT_MAX_KEYS
         config = _configs.with_features(
             _configs.fwd_sm90_config(p.dtype, kernel_dim, persistent, consumers=3), features)
     else:
-        persistent = (varlen is None
-                      and p.seqlen_k <= PERSISTENT_MAX_KEYS.get((kernel_dim, causal), 0))
+        persistent = varlen is None and (
+            p.seqlen_k <= PERSISTENT_MAX_KEYS.get((kernel_dim, causal), 0) or causal and claims)
         config = _configs.fwd_sm90_config(p.dtype, kernel_dim, persistent)
         pingpong, overlap = SCHEDULES[kernel_dim, causal]
         config = dataclasses.replace(_configs.with_features(config, features),
                                      pingpong=pingpong, overlap=overlap)
+    if config.persistent and claims:
+        config = dataclasses.replace(config, claims=True)
     return config if describable(views, forward_maps(config)) else None
 
 
@@ -296,6 +309,32 @@ PERSISTENT_L2_BYTES = 32 << 20
 CAUSAL_PAIR_ORDER_DIMS = (96, 128)
 
 
+#: Persistent calls under an upper limit on keys (causal, a right window edge) with keys in
+#: DYNAMIC_SCHEDULE_KEYS[kernel head dim] (first, last) claim their work tiles dynamically
+#: (flash_fwd_sm90.cu, WorkTileClaims: an atomic ticket a tile from a pair of counters a stream,
+#: _plans.stream_counters), in the L2 sections' order: their tiles are 1 to m_blocks KV tiles
+#: long, and the static schedule (tile b, b + CTAs, ...) leaves CTAs 3-45% apart. H200, bf16,
+#: causal (2026-12-03): d=64 (three consumers) 1.02x the static schedule at 4k and 1.04x at
+#: 16k (the one-tile grid's 1.04x there); d=128 1.04x the best static order at 2k, 1.03x the
+#: one-tile grid at 4k, 1.00x at 8k, 0.94x at 16k; at 512-1k keys the claims cost 1-4% (tiles
+#: of one to eight KV tiles). Only where every query row sees a key (the kernel's claim ring
+#: relies on every work tile loading a Q). Without a key limit every tile is as long as the
+#: next and the static schedule is kept. DYNAMIC_SCHEDULE = False turns the claims off.
+DYNAMIC_SCHEDULE = True
+DYNAMIC_SCHEDULE_KEYS = {64: (2048, NO_LIMIT), 128: (2048, 8192)}
+
+
+def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int) -> bool:
+    """Whether a persistent launch (kernel head dim `kernel_dim`) claims its tiles dynamically:
+    FwdSm90Config.claims (its plan then sets FwdSm90Params.tile_counters to the stream's
+    counters a call)."""
+    first, last = DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0))
+    return (DYNAMIC_SCHEDULE and window_right >= 0 and first <= seqlen_k <= last
+            and seqlen_q <= seqlen_k + window_right)  # every query row sees a key
+
+
+
+
 def persistent_schedule(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
                         head_dim: int, itemsize: int, block_m: int, slots: int,
                         pair_order: bool):
@@ -330,10 +369,11 @@ def forward_grid(config, batch: int, nheads: int, nheads_kv: int, seqlen_q: int,
     one tile per CTA, or with `config.persistent` the 1-D persistent grid (persistent_schedule;
     at most `persistent_ctas` CTAs if given, for tests) with its batch and section size: pair by
     pair without an upper key limit (window_right < 0: the struct's, 0 when causal) and at the
-    kernel head dims of CAUSAL_PAIR_ORDER_DIMS, L2 sections otherwise."""
+    kernel head dims of CAUSAL_PAIR_ORDER_DIMS unless `config.claims`, L2 sections otherwise."""
     if not config.persistent:
         return (-(-seqlen_q // config.block_m), nheads, batch), {}
-    pair_order = window_right < 0 or config.head_dim in CAUSAL_PAIR_ORDER_DIMS
+    pair_order = window_right < 0 or (config.head_dim in CAUSAL_PAIR_ORDER_DIMS
+                                      and not config.claims)
     ctas, section_pairs = persistent_schedule(
         batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, itemsize, config.block_m,
         persistent_ctas or persistent_slots(config, device_id), pair_order)
@@ -402,6 +442,8 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
     left, right = window_size
     if causal:
         right = 0
+    if config.persistent and dynamic_schedule(config.head_dim, seqlen_q, seqlen_k, right):
+        config = dataclasses.replace(config, claims=True)  # as the dispatcher would
 
     out4 = cupy.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype)
     lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
@@ -430,6 +472,9 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
                                          persistent_ctas)
         for name, value in grid_fields.items():
             block.set(name, value)
+        if config.claims:  # the counters of the stream current now
+            block.set("tile_counters", _plans.stream_counters.get(
+                device_id, cupy.cuda.get_current_stream().ptr, cupy))
         launch = _launch.kernel_launch(config, device_id, grid)
     return PreparedForward(out4, lse, launch, block, batched)
 

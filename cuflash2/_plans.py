@@ -110,6 +110,28 @@ class _StreamScratch:
 _scratch = _StreamScratch()
 
 
+class _StreamCounters:
+    """Counters that kernels on a stream leave as they found them (zero), by (device, stream):
+    the persistent Hopper forward's dynamic tile claims, whose last CTA resets them
+    (flash_fwd_sm90.cu, WorkTileClaims). Launches on one stream run one after the other, so
+    they share one set; launches on different streams could run at once and get their own."""
+
+    COUNTERS = 2  # int32s a set
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def get(self, device_id: int, stream_ptr: int, cupy) -> int:
+        key = (device_id, stream_ptr)
+        counters = self.buffers.get(key)
+        if counters is None:
+            counters = self.buffers[key] = cupy.zeros(self.COUNTERS, dtype=cupy.int32)
+        return counters.data.ptr
+
+
+stream_counters = _StreamCounters()
+
+
 class Plan:
     """The launches of one call signature and what each call fills in.
 
@@ -123,12 +145,13 @@ class Plan:
     batch_offset: the field that tells a slice of a launch split along gridDim.z its first
     sequence (_launch.run). launch_structs: for each launch, the nested struct of `struct` its
     kernel takes ("" or None: the whole struct; "base": the BwdParams of BwdSm90Params, which
-    the backward's preprocess and dQ conversion take beside the Hopper main kernel)."""
+    the backward's preprocess and dQ conversion take beside the Hopper main kernel).
+    counters: fields set to the call's stream's counters (_StreamCounters)."""
 
     def __init__(self, device_id: int, struct: str, fields: dict, launches, inputs=(),
                  outputs=(), output_fields=(), workspace_bytes: int = 0, workspace_fields=(),
                  aligned=(), per_call=(), batch_offset: str = "batch_offset",
-                 launch_structs=()):
+                 launch_structs=(), counters=()):
         self.device_id = device_id
         self.block = _params.ParamBlock(struct, fields)
         self.launches = tuple(launches)
@@ -162,6 +185,7 @@ class Plan:
             (pos, aligned_names.get(pos), tuple(slots_by_position.get(pos, ())))
             for pos in dict.fromkeys([*slots_by_position, *aligned_names]))
         self.per_call = {f: self.block.slot(f) for f in per_call}
+        self.counter_slots = tuple(self.block.slot(f) for f in counters)
         # The launches as one CUDA graph a stream, where the driver path allows it.
         self.graphs = (_launch.LaunchGraphs(self.launches, self.launch_blocks,
                                              self.block.bytes)
@@ -221,6 +245,8 @@ class Plan:
                 for field, value in scalars.items():
                     view, index = self.per_call[field]
                     view[index] = value
+            for view, index in self.counter_slots:
+                view[index] = stream_counters.get(self.device_id, stream, cupy)
             if graph is not None:
                 graph.launch(stream)
             else:

@@ -8,10 +8,11 @@ has no C7508 and no warning that ptxas serialised the wgmmas (which it does wher
 prove that registers of an in-flight wgmma are left alone: the overlapping schedule's
 wait_group 1 window). The cross product: both schedules, with and without the overlap inside a
 warpgroup, on the one-tile-per-CTA grid (every head dim) and the persistent grid (head dims 64,
-96, 128), every dtype and score-modifier set: 256 compiles under --exhaustive. The default run
-compiles a sample of 34 (the dispatcher's choices at every head dim, every flag combination and
-every dtype and score-modifier set at SAMPLE_HEAD_DIM), the compiles of the selected tests spread
-over a process pool (--compile-jobs, as tests/test_compile.py).
+96, 128; its tiles taken statically or claimed one by one), every dtype and score-modifier set:
+352 compiles under --exhaustive. The default run compiles a sample (the dispatcher's choices at
+every head dim, every flag combination and every dtype and score-modifier set at
+SAMPLE_HEAD_DIM), the compiles of the selected tests spread over a process pool
+(--compile-jobs, as tests/test_compile.py).
 """
 
 import dataclasses
@@ -35,8 +36,8 @@ SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs
 SAMPLE_HEAD_DIM = 128
 DISPATCHED = set(_hopper.dispatch_configs(_configs.SM90_FWD_FEATURES))
 #: Three consumer warpgroups (block_m 192): the dispatched ones are all there are (d=64, the
-#: in-order schedule, both grids, every dtype and score-modifier set: 16), the SAMPLE_PAIRS ones
-#: (4) by default.
+#: in-order schedule, both grids, the persistent one with and without claims, every dtype and
+#: score-modifier set: 24), the SAMPLE_PAIRS ones (6) by default.
 THREE_CONSUMER_CONFIGS = sorted((c for c in DISPATCHED if c.block_m == 192), key=repr)
 
 
@@ -49,7 +50,8 @@ def _sampled(config) -> bool:
 
 def _config_id(c) -> str:
     return (f"{c.dtype}-d{c.head_dim}-f{c.features}{'-pingpong' if c.pingpong else ''}"
-            f"{'-overlap' if c.overlap else ''}{'-persistent' if c.persistent else ''}")
+            f"{'-overlap' if c.overlap else ''}{'-persistent' if c.persistent else ''}"
+            f"{'-claims' if c.claims else ''}")
 
 
 #: The varlen specialisations (one-tile-per-CTA grid: both schedules, with and without the
@@ -216,7 +218,11 @@ def test_hopper_config_shapes():
                                                     (True, EXPECTED_PERSISTENT_TILES))
         for d in tiles for t in _configs.DTYPE_TAGS
         for f in _configs.SM90_FWD_FEATURES for pp in (False, True) for ov in (False, True)}
-    assert len(CONFIGS) == len(set(CONFIGS)) == 160 + 96
+    # and the claiming twins of the persistent ping-pong + overlap ones
+    assert {c for c in CONFIGS if c.claims} == {
+        dataclasses.replace(c, claims=True) for c in CONFIGS
+        if c.persistent and c.pingpong and c.overlap}
+    assert len(CONFIGS) == len(set(CONFIGS)) == 160 + 96 + 24
     assert not _configs.fwd_sm90_config("float16", 64).pingpong  # off until measured
     assert not _configs.fwd_sm90_config("float16", 128).overlap  # off until measured
     assert not _configs.fwd_sm90_config("float16", 64).persistent  # opt-in
@@ -225,23 +231,23 @@ def test_hopper_config_shapes():
 
 
 def test_default_sample_covers_the_dispatch_table():
-    """The sample compiled without --exhaustive (34 compiles): every configuration the
+    """The sample compiled without --exhaustive (44 compiles): every configuration the
     dispatcher can choose at every head dim for the sample pairs and at SAMPLE_HEAD_DIM for
     every dtype and score-modifier set, and every (schedule, overlap, grid) combination at
     SAMPLE_HEAD_DIM."""
     sample = [c for c in CONFIGS if _sampled(c)]
-    assert len(sample) == 34
+    assert len(sample) == 44
     assert DISPATCHED - set(THREE_CONSUMER_CONFIGS) <= set(CONFIGS)
-    assert len(THREE_CONSUMER_CONFIGS) == 16
+    assert len(THREE_CONSUMER_CONFIGS) == 24
     for config in DISPATCHED - set(THREE_CONSUMER_CONFIGS):  # those: their own test's sample
         if (config.dtype, config.features) in SAMPLE_PAIRS or config.head_dim == SAMPLE_HEAD_DIM:
             assert config in sample
     assert {c.head_dim for c in sample} == set(EXPECTED_TILES)
     assert {(c.dtype, c.features) for c in sample} == {
         (t, f) for t in _configs.DTYPE_TAGS for f in _configs.SM90_FWD_FEATURES}
-    combos = {(c.pingpong, c.overlap, c.persistent) for c in CONFIGS}
-    assert len(combos) == 8
-    assert {(c.pingpong, c.overlap, c.persistent) for c in sample
+    combos = {(c.pingpong, c.overlap, c.persistent, c.claims) for c in CONFIGS}
+    assert len(combos) == 9
+    assert {(c.pingpong, c.overlap, c.persistent, c.claims) for c in sample
             if c.head_dim == SAMPLE_HEAD_DIM} == combos
     for bad in (80, 160, 512):
         with pytest.raises(ValueError):
@@ -267,7 +273,7 @@ def test_persistent_configs_add_an_o_buffer_where_it_fits():
         panels = -(-d // 64)
         assert config.smem_bytes == 128 * panels * (2 * 128 + 2 * stages * block_n) + 1024
         assert config.smem_bytes <= MAX_SMEM_SM90
-        assert config.name_expression.endswith(", true>")
+        assert config.name_expression.endswith(", true, false>")
         assert "true>::SMEM_BYTES" in config.probes
     assert _configs.fwd_sm90_config("float16", 64, persistent=True).smem_bytes == 99_328
     assert _configs.fwd_sm90_config("float16", 128, persistent=True).smem_bytes == 197_632
@@ -281,15 +287,15 @@ def test_persistent_configs_add_an_o_buffer_where_it_fits():
 
 
 def test_template_arguments_in_order():
-    """<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, OVERLAP, FEATURES, PERSISTENT>: the
-    flags of both opt-in variants, persistent last."""
+    """<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, OVERLAP, FEATURES, PERSISTENT,
+    CLAIMS>: the flags of the variants, the grid's last."""
     config = _configs.fwd_sm90_config("bfloat16", 128)
     assert config.name_expression == (
-        "flash_fwd_sm90_kernel<bf16_tag, 128, 128, 128, 2, false, false, 0, false>")
+        "flash_fwd_sm90_kernel<bf16_tag, 128, 128, 128, 2, false, false, 0, false, false>")
     both = dataclasses.replace(_configs.fwd_sm90_config("float16", 96, persistent=True),
-                               pingpong=True, overlap=True, features=3)
+                               pingpong=True, overlap=True, features=3, claims=True)
     assert both.name_expression == (
-        "flash_fwd_sm90_kernel<fp16_tag, 96, 128, 128, 2, true, true, 3, true>")
+        "flash_fwd_sm90_kernel<fp16_tag, 96, 128, 128, 2, true, true, 3, true, true>")
     assert "FwdSm90Traits<fp16_tag, 96, 128, 128, 2, true>::SMEM_BYTES" in both.probes
 
 

@@ -162,14 +162,19 @@ def test_overlap_and_persistent_are_specialisations_the_dispatcher_takes():
     config = _configs.fwd_sm90_config("bfloat16", 128)
     overlapping = dataclasses.replace(config, overlap=True)
     assert not config.overlap and overlapping != config
-    # <..., PINGPONG, OVERLAP, FEATURES, PERSISTENT>
-    assert overlapping.name_expression.endswith("false, true, 0, false>")
-    assert config.name_expression.endswith("false, false, 0, false>")
+    # <..., PINGPONG, OVERLAP, FEATURES, PERSISTENT, CLAIMS>
+    assert overlapping.name_expression.endswith("false, true, 0, false, false>")
+    assert config.name_expression.endswith("false, false, 0, false, false>")
     assert "overlap" in _configs.describe(overlapping)
     both = dataclasses.replace(_configs.fwd_sm90_config("bfloat16", 128, persistent=True),
                                overlap=True, pingpong=True)
-    assert both.name_expression.endswith("true, true, 0, true>")
+    assert both.name_expression.endswith("true, true, 0, true, false>")
     assert "overlap" in _configs.describe(both) and "persistent" in _configs.describe(both)
+    claiming = dataclasses.replace(both, claims=True)
+    assert claiming.name_expression.endswith("true, true, 0, true, true>")
+    assert "claimed" in _configs.describe(claiming) and "claimed" not in _configs.describe(both)
+    with pytest.raises(ValueError, match="persistent grid only"):
+        dataclasses.replace(config, claims=True)
     dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
     two = [c for c in dispatched if c.block_m == 128]  # three consumers: test below
     assert all(c.overlap for c in two)
@@ -177,6 +182,8 @@ def test_overlap_and_persistent_are_specialisations_the_dispatcher_takes():
         (dim, pingpong) for (dim, _), (pingpong, _) in _hopper.SCHEDULES.items()}
     assert {c.head_dim for c in two if c.persistent} == {
         dim for dim, _ in _hopper.PERSISTENT_MAX_KEYS} == set(_configs.SM90_PERSISTENT_TILES)
+    assert {c.head_dim for c in dispatched if c.claims} == set(_hopper.DYNAMIC_SCHEDULE_KEYS)
+    assert all(c.persistent for c in dispatched if c.claims)
 
 
 def test_three_consumer_warpgroups_are_specialisations_the_dispatcher_takes():
@@ -201,8 +208,9 @@ def test_three_consumer_warpgroups_are_specialisations_the_dispatcher_takes():
         _configs.fwd_sm90_config("bfloat16", 128, consumers=3)
     dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
     three = [c for c in dispatched if c.block_m == 192]
-    assert {(c.head_dim, c.persistent) for c in three} == {
-        (dim, grid) for dim, _ in _hopper.THREE_CONSUMER_MIN_KEYS for grid in (False, True)}
+    assert {(c.head_dim, c.persistent, c.claims) for c in three} == {
+        (dim, grid, claims) for dim, _ in _hopper.THREE_CONSUMER_MIN_KEYS
+        for grid, claims in ((False, False), (True, False), (True, True))}
     assert not any(c.block_m == 192 for c in _hopper.dispatch_configs(
         _configs.SM90_FWD_VARLEN_FEATURES))
 
@@ -239,12 +247,15 @@ def _dense_problem(head_dim, seqlen_k, dtype="float16"):
 def test_dense_calls_take_the_persistent_grid_up_to_its_key_bound(monkeypatch, head_dim,
                                                                  kernel_dim, causal):
     """The persistent grid exactly up to PERSISTENT_MAX_KEYS[kernel dim, causal] keys (never at
-    d=192/256), the schedule of SCHEDULES either way, and short d<=64 calls on mma.sync."""
+    d=192/256), causal calls also over DYNAMIC_SCHEDULE_KEYS' range (tiles claimed
+    dynamically), the schedule of SCHEDULES either way, and short d<=64 calls on mma.sync."""
     monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
     monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
     window = (-1, 0) if causal else (-1, -1)
     bound = _hopper.PERSISTENT_MAX_KEYS.get((kernel_dim, causal))
-    for seqlen_k in (1, 200, 256, 257, 512, 513, 1024, 1025, 2048, 2049, 16384):
+    first, last = _hopper.DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0)) if causal else (1, 0)
+    for seqlen_k in (1, 200, 256, 257, 512, 513, 1024, 1025, 2047, 2048, 2049, 8192, 8193,
+                     16384):
         config = _hopper.forward_config(_dense_problem(head_dim, seqlen_k), 0, window, 90, {})
         if kernel_dim <= _hopper.MMA_SYNC_MAX_DIM and seqlen_k <= _hopper.MMA_SYNC_MAX_KEYS:
             assert config is None
@@ -253,7 +264,9 @@ def test_dense_calls_take_the_persistent_grid_up_to_its_key_bound(monkeypatch, h
             assert config.block_m == 192  # the next test
             continue
         assert config.head_dim == kernel_dim
-        assert config.persistent == (bound is not None and seqlen_k <= bound), seqlen_k
+        dynamic = first <= seqlen_k <= last
+        assert config.persistent == (bound is not None and seqlen_k <= bound or dynamic), seqlen_k
+        assert config.claims == dynamic
         assert (config.pingpong, config.overlap) == _hopper.SCHEDULES[kernel_dim, causal]
         assert config in _hopper.dispatch_configs()
 
@@ -304,13 +317,18 @@ def test_persistent_schedule_covers_batches_past_the_grid_limit():
 
 def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     """A persistent config: a (min(tiles, slots), 1, 1) grid, and the struct's batch and
-    section_pairs, which the one-tile-per-CTA grid leaves 0."""
+    section_pairs, which the one-tile-per-CTA grid leaves 0; under a key limit the current
+    stream's tile counters (the dynamic schedule), null without one (the static schedule)."""
     numpy = pytest.importorskip("numpy")
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _plans
 
     fake_cupy = types.SimpleNamespace(
-        empty=lambda shape, dtype: _HostArray(numpy.empty(shape, dtype)), float32=numpy.float32)
+        empty=lambda shape, dtype: _HostArray(numpy.empty(shape, dtype)), float32=numpy.float32,
+        zeros=lambda shape, dtype: _HostArray(numpy.zeros(shape, dtype)), int32=numpy.int32,
+        cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=7)))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    counters = _plans._StreamCounters()
+    monkeypatch.setattr(_plans, "stream_counters", counters)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: bytes(128))
     monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))
     monkeypatch.setattr(_hopper._launch, "occupancy_slots", lambda config, device: 132)
@@ -324,6 +342,14 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     assert launched is config and grid == (132, 1, 1)  # 8 m blocks x 8 heads x 3 = 192 tiles
     assert record["batch"] == 3
     assert record["section_pairs"] == 1  # causal at d=128: pair by pair (CAUSAL_PAIR_ORDER_DIMS)
+    assert record["tile_counters"] == 0  # 1000 keys: the static schedule
+    long_q = _HostArray(numpy.zeros((1, 2048, 8, 128), numpy.float16))
+    long_k = _HostArray(numpy.zeros((1, 2048, 2, 128), numpy.float16))
+    claimed = _hopper.prepare_forward_sm90(long_q, long_k, long_k, causal=True, config=config)
+    long_record = claimed.block.record[0]
+    assert long_record["tile_counters"] == counters.get(0, 7, fake_cupy) != 0  # claimed
+    assert set(counters.buffers) == {(0, 7)}
+    assert long_record["section_pairs"] == 8  # in the L2 sections' order (4 MiB a K/V head)
     q64 = _HostArray(numpy.zeros((3, 1000, 8, 64), numpy.float16))
     k64 = _HostArray(numpy.zeros((3, 1000, 2, 64), numpy.float16))
     config64 = _configs.fwd_sm90_config("float16", 64, persistent=True)
@@ -333,6 +359,7 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     small = _hopper.prepare_forward_sm90(q[:1, :100], k[:1, :100], k[:1, :100], config=config)
     assert small.launch[1] == (8, 1, 1)  # 1 m block x 8 heads
     assert small.block.record[0]["section_pairs"] == 1  # no key limit: pair by pair
+    assert small.block.record[0]["tile_counters"] == 0  # and the static schedule
     plain = _hopper.prepare_forward_sm90(q, k, k, causal=True)
     assert plain.launch[1] == (8, 8, 3) and plain.block.record[0]["batch"] == 0
     _hopper.persistent_slots.cache_clear()

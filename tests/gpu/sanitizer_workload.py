@@ -7,7 +7,8 @@ where an out-of-bounds access or a race would show.
 Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
 and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
 both consumer schedules across the head dims, on the persistent grid for the short rows and on
-one tile per CTA for the 600-key ones at d=96/128; the backwards run on the Hopper backward,
+one tile per CTA for the 600-key ones at d=96, and with its tiles claimed one by one
+(`_claimed_tiles`); the backwards run on the Hopper backward,
 deterministic ones too (its ordered dQ, staged and by vector reductions, dense and varlen; the
 dropout calls on mma.sync), and `_hopper_backward` switches it on for its own section whatever
 the environment says.
@@ -23,7 +24,7 @@ import ml_dtypes  # noqa: E402
 import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper_bwd, api, testing  # noqa: E402
+from cuflash2 import _hopper, _hopper_bwd, api, testing  # noqa: E402
 
 
 def _features(dtype, d) -> None:
@@ -124,11 +125,37 @@ def _decode(dtype, d) -> None:
     assert not bool(cupy.isnan(out).any())
 
 
+def _claimed_tiles(dtype) -> None:
+    """The persistent grid's work tiles claimed one by one (causal; d=64 on three consumer
+    warpgroups, d=128 on two), forced onto short rows (the dispatcher claims from 2048 keys
+    on), on the full grid and on 3 CTAs (many claims each), call after call on the stream's
+    counters."""
+    saved = {name: getattr(_hopper, name) for name in (
+        "persistent_slots", "DYNAMIC_SCHEDULE_KEYS", "THREE_CONSUMER_MIN_KEYS")}
+    _hopper.DYNAMIC_SCHEDULE_KEYS = {64: (0, _hopper.NO_LIMIT), 128: (0, _hopper.NO_LIMIT)}
+    _hopper.THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 0}
+    try:
+        for ctas in (None, 3):
+            if ctas is not None:
+                _hopper.persistent_slots = lambda config, device: ctas
+            api._forward_plans.plans.clear()
+            for d in (64, 128):
+                q, k, v = testing.random_qkv(cupy, 1, 700, 705, 2, 1, d, dtype, seed=d)
+                assert "claimed" in cuflash2.forward_kernels(q, k, v, causal=True)[0]
+                for _ in range(2):
+                    out = cuflash2.attention(q, k, v, causal=True)
+                    assert not bool(cupy.isnan(out).any())
+    finally:
+        for name, value in saved.items():
+            setattr(_hopper, name, value)
+        api._forward_plans.plans.clear()
+
+
 def main(quick: bool) -> None:
     head_dims = (64, 128) if quick else (32, 40, 64, 96, 128, 160, 192, 224, 256)
     dtypes = (numpy.float16,) if quick else (numpy.float16, ml_dtypes.bfloat16)
     # On sm_90, d <= 64 with more than 256 keys runs on the Hopper kernel, as every larger head
-    # dim does (_hopper.forward_config); the 600-key shape leaves the persistent grid at d=96/128
+    # dim does (_hopper.forward_config); the 600-key shape leaves the persistent grid at d=96
     # and runs d <= 64 without a window on three consumer warpgroups (192-row tiles).
     shapes = ((1, 77, 45, 2, 1), (2, 45, 77, 4, 2), (1, 150, 600, 2, 1)) if quick else (
         (1, 77, 45, 2, 1), (2, 45, 77, 4, 2), (1, 130, 130, 3, 3), (1, 1, 200, 2, 1),
@@ -151,6 +178,8 @@ def main(quick: bool) -> None:
                 _features(dtype, d)
                 _decode(dtype, d)
         _hopper_backward(dtype, (64, 128) if quick else (40, 64, 96, 128))
+        if api.device_arch(cupy.cuda.Device().id) == 90:
+            _claimed_tiles(dtype)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")
 

@@ -202,6 +202,100 @@ def test_three_consumer_warpgroups(dtype, causal, shape):
         _check(q, k, v, **options)
 
 
+def _persistent_everywhere(dynamic: bool, ctas=None):
+    """Plans made inside run every Hopper call the persistent grid takes at all on it (at most
+    `ctas` CTAs), its tiles claimed dynamically under a key limit or not (DYNAMIC_SCHEDULE)."""
+    always = 1 << 40
+    slots = _hopper.persistent_slots
+    return switched(_hopper, {
+        "PERSISTENT_MAX_KEYS": {key: always for key in _hopper.PERSISTENT_MAX_KEYS},
+        "THREE_CONSUMER_PERSISTENT_MAX_KEYS": always, "DYNAMIC_SCHEDULE": dynamic,
+        "DYNAMIC_SCHEDULE_KEYS": {dim: (0, always) for dim in (64, 96, 128)},
+        "persistent_slots": (lambda config, device: min(ctas, slots(config, device))) if ctas
+        else slots}, api._forward_plans)
+
+
+def _stream_counters():
+    from cuflash2 import _plans
+
+    stream = cupy.cuda.get_current_stream().ptr
+    return _plans.stream_counters.buffers[(cupy.cuda.Device().id, stream)]
+
+
+def _same_bits(a, b):
+    return bool((a.view(numpy.uint16) == b.view(numpy.uint16)).all())
+
+
+@needs_hopper
+@pytest.mark.parametrize("shape,window", [
+    ((2, 700, 700, 4, 2, 64), (-1, 0)),     # causal, two consumer warpgroups (< 2049 keys)
+    ((1, 3000, 3000, 4, 1, 64), (-1, 0)),   # causal, three
+    ((2, 900, 500, 4, 2, 128), (-1, 0)),    # seqlen_q > seqlen_k: tiles that see no key
+    ((3, 333, 1000, 4, 2, 128), (-1, 0)),   # seqlen_q < seqlen_k
+    ((2, 600, 800, 4, 4, 96), (100, 0)),    # a window: a key limit and a lower edge
+    ((1, 1100, 1100, 2, 2, 40), (-1, 30)),  # a right edge past the diagonal
+])
+@pytest.mark.parametrize("ctas", [None, 7])
+def test_persistent_tiles_claimed_dynamically(shape, window, ctas):
+    """Under a key limit the persistent grid claims its work tiles dynamically (WorkTileClaims
+    in flash_fwd_sm90.cu) where every query row sees a key (else statically: seqlen_q >
+    seqlen_k under a causal mask): against the reference, bit for bit the static schedule's
+    results, on the full grid and on 7 CTAs (a dozen tiles or more each), call after call, and
+    the stream's counters back at zero after each call (the last CTA resets them)."""
+    q, k, v = _qkv(*shape, FP16)
+    options = {"window_size": window}
+    with _persistent_everywhere(False, ctas):
+        assert "persistent" in cuflash2.forward_kernels(q, k, v, **options)[0]
+        want = cuflash2.attention(q, k, v, **options)
+    with _persistent_everywhere(True, ctas):
+        kernel_dim = min(d for d in (64, 96, 128) if d >= shape[5])
+        dynamic = _hopper.dynamic_schedule(kernel_dim, shape[1], shape[2], window[1])
+        assert dynamic == (shape[1] <= shape[2] + window[1])
+        _check(q, k, v, **options)
+        for _ in range(3):
+            out = cuflash2.attention(q, k, v, **options)
+            assert _same_bits(out, want)
+        if dynamic:
+            assert _stream_counters().get().tolist() == [0, 0]
+
+
+@needs_hopper
+def test_persistent_tiles_claimed_dynamically_on_streams_and_in_a_graph():
+    """Each stream has its own counters (calls on two streams at once claim from their own),
+    and a captured call (the counters of the capture stream) replays to the same bits, the
+    counters at zero after each replay."""
+    from cuflash2.bench_decode_graph import CapturedGraph
+
+    inputs = [_qkv(2, 1000, 1000, 4, 2, 128, BF16), _qkv(4, 500, 700, 4, 1, 64, BF16)]
+    with _persistent_everywhere(True, 9):
+        want = [cuflash2.attention(*x, causal=True) for x in inputs]
+        cupy.cuda.Device().synchronize()
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in inputs]
+        got = [None, None]
+        for _ in range(3):
+            for i, stream in enumerate(streams):
+                with stream:
+                    got[i] = cuflash2.attention(*inputs[i], causal=True)
+        for stream in streams:
+            stream.synchronize()
+            with stream:
+                assert _stream_counters().get().tolist() == [0, 0]
+        assert all(_same_bits(g, w) for g, w in zip(got, want))
+        captured = {}
+        stream = cupy.cuda.Stream(non_blocking=True)
+        graph = CapturedGraph(cupy, stream,
+                              lambda: captured.update(out=cuflash2.attention(*inputs[0],
+                                                                             causal=True)))
+        for _ in range(3):
+            with stream:
+                captured["out"].fill(0)
+            graph.launch()
+            stream.synchronize()
+            assert _same_bits(captured["out"], want[0])
+            with stream:
+                assert _stream_counters().get().tolist() == [0, 0]
+
+
 # --------------------------------------------------------------------------------------------
 # The mma.sync forward on sm_90 (what runs there with CUFLASH2_HOPPER=0, and for dropout/varlen)
 
