@@ -89,9 +89,9 @@ struct FwdSm90Params {
     FwdParams base;
     int batch;          // sequences: the persistent grid's tiles cover all of them
     int section_pairs;  // (batch, head) pairs a section of the persistent tile order (L2 reuse)
-    // The dynamic schedule's two counters (tiles claimed, CTAs done), zero before and after
-    // each launch (the last CTA resets them); null: the static schedule (flash_fwd_sm90.cu,
-    // WorkTileClaims).
+    // The claimed schedule's two counters (tiles claimed, CTAs done), zero before and after
+    // each launch (the last CTA resets them); read only by the CLAIMS specialisations
+    // (flash_fwd_sm90.cu, WorkTileClaims), null for the others.
     int* tile_counters;
 };
 

@@ -204,9 +204,10 @@ PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 4096, (96, False): 512, (9
 #: their 160 registers) run the calls with at least this many keys, by (kernel head dim,
 #: causal), without a window (a full or causal mask) and not varlen; on the persistent grid up
 #: to THREE_CONSUMER_PERSISTENT_MAX_KEYS keys (every length: 1.00-1.07x the one-tile grid
-#: non-causal, causal with dynamic claims from 2k keys on, 2026-12-03). At d=64 each key tile's exponentials take the
-#: multi-function unit about as long as its two GEMMs take the tensor cores: with three
-#: warpgroups one's softmax runs under the others' GEMMs without a turn protocol. H200, bf16
+#: non-causal, causal with dynamic claims from 2k keys on; 2026-12-03). At d=64 each key tile's
+#: exponentials take the multi-function unit about as long as its two GEMMs take the tensor
+#: cores: with three warpgroups one's softmax runs under the others' GEMMs without a turn
+#: protocol. H200, bf16
 #: (docs/PERF_NOTES.md, "Hopper forward"): 1.01-1.15x the two-consumer kernel non-causal from 512
 #: to 16k keys, causal 1.00-1.07x from 2k keys on (0.89-0.90x at 512-1k: 192-row tiles of a
 #: short causal row are mostly masked).
@@ -314,10 +315,10 @@ CAUSAL_PAIR_ORDER_DIMS = (96, 128)
 #: (flash_fwd_sm90.cu, WorkTileClaims: an atomic ticket a tile from a pair of counters a stream,
 #: _plans.stream_counters), in the L2 sections' order: their tiles are 1 to m_blocks KV tiles
 #: long, and the static schedule (tile b, b + CTAs, ...) leaves CTAs 3-45% apart. H200, bf16,
-#: causal (2026-12-03): d=64 (three consumers) 1.02x the static schedule at 4k and 1.04x at
-#: 16k (the one-tile grid's 1.04x there); d=128 1.04x the best static order at 2k, 1.03x the
-#: one-tile grid at 4k, 1.00x at 8k, 0.94x at 16k; at 512-1k keys the claims cost 1-4% (tiles
-#: of one to eight KV tiles). Only where every query row sees a key (the kernel's claim ring
+#: causal (2026-12-03, docs/PERF_NOTES.md): d=128 1.04x the best static choice at 2k and 4k,
+#: 1.01x at 8k, 0.95x the one-tile grid at 16k; d=64 (three consumers) 1.02x the static
+#: sections at 4k, 1.03x the one-tile grid at 8k-16k; at 512-1k keys the claims cost 1-4%
+#: (tiles of one to eight KV tiles). Only where every query row sees a key (the kernel's claim ring
 #: relies on every work tile loading a Q). Without a key limit every tile is as long as the
 #: next and the static schedule is kept. DYNAMIC_SCHEDULE = False turns the claims off.
 DYNAMIC_SCHEDULE = True
@@ -331,7 +332,6 @@ def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right
     first, last = DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0))
     return (DYNAMIC_SCHEDULE and window_right >= 0 and first <= seqlen_k <= last
             and seqlen_q <= seqlen_k + window_right)  # every query row sees a key
-
 
 
 
