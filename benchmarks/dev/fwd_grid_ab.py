@@ -139,7 +139,7 @@ def main():
                     fn = lambda: cuflash2.attention(q, k, v, causal=causal)  # noqa: E731
                     times[name].append(bench.time_cupy(cupy, fn, 3, args.iters, backlog, None))
                     if name not in outputs:
-                        outputs[name] = (fn(), None)
+                        outputs[name] = fn()
         cudnn_ms = None
         if torch is not None:
             reference = bench.TorchSdpaCudnn(torch, cupy, config.dtype)
@@ -147,9 +147,9 @@ def main():
             with reference.only():
                 cudnn_ms = bench.time_torch(torch, run, 3, args.iters, backlog)
         ms = {name: statistics.median(t) for name, t in times.items()}
-        base = outputs[names[0]][0]
+        base = outputs[names[0]]
         diffs = max(float(cupy.abs(out.astype(cupy.float32) - base.astype(cupy.float32)).max())
-                    for out, _ in outputs.values())
+                    for out in outputs.values())
         best = min(ms, key=ms.get)
         cells = []
         for name in names:
