@@ -61,24 +61,16 @@ def num_splits_for(requested: int, ctas: int, tiles: int, slots: int,
     return max(1, min(requested, fit))
 
 
-_counters: dict = {}
+#: The decode kernel's split barrier counters, one per row block (never reset: each barrier flips
+#: its top bit, split_merge.cuh), a buffer per (device, stream).
+_split_counters = _plans.StreamCounters(1024)
 
 
 def split_counters(groups: int, device_id: int, stream_ptr: int, cupy) -> int:
-    """The address of the decode kernel's split barrier counters, one per row block (never
-    reset: each barrier flips its top bit, split_merge.cuh). One buffer per (device, stream),
-    since launches on one stream run in order and never share a counter; grown, zeroed, when a
-    call needs more (the outgrown one is kept: queued work may still use it)."""
-    key = (device_id, stream_ptr)
-    counters = _counters.get(key)
-    if counters is None or counters.size < groups:
-        if counters is not None:
-            _outgrown_counters.append(counters)
-        counters = _counters[key] = cupy.zeros(max(groups, 1024), dtype=cupy.int32)
-    return counters.data.ptr
+    """The address of the stream's split barrier counters, at least `groups` of them."""
+    return _split_counters.get(device_id, stream_ptr, cupy, groups)
 
 
-_outgrown_counters: list = []
 _slots_cache: dict = {}
 
 

@@ -110,26 +110,33 @@ class _StreamScratch:
 _scratch = _StreamScratch()
 
 
-class _StreamCounters:
-    """Counters that kernels on a stream leave as they found them (zero), by (device, stream):
-    the persistent Hopper forward's dynamic tile claims, whose last CTA resets them
-    (flash_fwd_sm90.cu, WorkTileClaims). Launches on one stream run one after the other, so
-    they share one set; launches on different streams could run at once and get their own."""
+class StreamCounters:
+    """int32 counters that kernels keep between launches, one buffer per (device, stream):
+    launches on one stream run one after the other and may share them, launches on different
+    streams could run at once and get their own. A buffer starts zeroed with at least `minimum`
+    counters and is replaced by a larger zeroed one when a call needs more (the outgrown one is
+    kept: work queued on the stream, or captured in a graph, may still use it)."""
 
-    COUNTERS = 2  # int32s a set
-
-    def __init__(self):
+    def __init__(self, minimum: int):
+        self.minimum = minimum
         self.buffers: dict = {}
+        self.outgrown: list = []
 
-    def get(self, device_id: int, stream_ptr: int, cupy) -> int:
+    def get(self, device_id: int, stream_ptr: int, cupy, count: int = 0) -> int:
+        """The address of the stream's buffer, with at least `count` counters."""
         key = (device_id, stream_ptr)
         counters = self.buffers.get(key)
-        if counters is None:
-            counters = self.buffers[key] = cupy.zeros(self.COUNTERS, dtype=cupy.int32)
+        if counters is None or counters.size < count:
+            if counters is not None:
+                self.outgrown.append(counters)
+            counters = self.buffers[key] = cupy.zeros(max(count, self.minimum),
+                                                      dtype=cupy.int32)
         return counters.data.ptr
 
 
-stream_counters = _StreamCounters()
+#: The persistent Hopper forward's claimed tiles (flash_fwd_sm90.cu, WorkTileClaims): a ticket
+#: and a count of finished CTAs, which the launch's last CTA puts back to zero.
+stream_counters = StreamCounters(2)
 
 
 class Plan:
@@ -146,7 +153,7 @@ class Plan:
     sequence (_launch.run). launch_structs: for each launch, the nested struct of `struct` its
     kernel takes ("" or None: the whole struct; "base": the BwdParams of BwdSm90Params, which
     the backward's preprocess and dQ conversion take beside the Hopper main kernel).
-    counters: fields set to the call's stream's counters (_StreamCounters)."""
+    counters: fields set to the call's stream's `stream_counters`."""
 
     def __init__(self, device_id: int, struct: str, fields: dict, launches, inputs=(),
                  outputs=(), output_fields=(), workspace_bytes: int = 0, workspace_fields=(),

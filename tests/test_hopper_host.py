@@ -68,7 +68,7 @@ class _HostArray:
     def __init__(self, array):
         self.array = array
         self.shape, self.strides, self.dtype = array.shape, array.strides, array.dtype
-        self.ndim, self.itemsize = array.ndim, array.itemsize
+        self.ndim, self.itemsize, self.size = array.ndim, array.itemsize, array.size
         self.data = types.SimpleNamespace(ptr=array.ctypes.data)
         self.device = types.SimpleNamespace(id=0)
 
@@ -327,7 +327,7 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
         zeros=lambda shape, dtype: _HostArray(numpy.zeros(shape, dtype)), int32=numpy.int32,
         cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=7)))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    counters = _plans._StreamCounters()
+    counters = _plans.StreamCounters(2)
     monkeypatch.setattr(_plans, "stream_counters", counters)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: bytes(128))
     monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))

@@ -121,7 +121,7 @@ def single_steps(sources, args) -> None:
                 _launch._cluster_fits_cache.clear()
                 _kvcache._plans_by_key.plans.clear()
                 cupy.cuda.Device().synchronize()
-                _kvcache._counters.clear()  # versions may keep them differently
+                _kvcache._split_counters.buffers.clear()  # versions may keep them differently
                 fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
                     q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
                 times[version].append(bench.time_cupy(cupy, fn, args.warmup, args.iters,

@@ -190,7 +190,8 @@ def test_split_barrier_counters_and_streams_apart():
             assert bool((out.view(cupy.uint16) == want[s].view(cupy.uint16)).all()), s
     _check(want[0], cuflash2.attention_with_kvcache(q, k_cache, v_cache, return_lse=True,
                                                     **kwargs)[1], q, [k_cache], [v_cache], kwargs)
-    used = [c for key, c in _kvcache._counters.items() if key[0] == cupy.cuda.Device().id]
+    used = [c for key, c in _kvcache._split_counters.buffers.items()
+            if key[0] == cupy.cuda.Device().id]
     assert len(used) >= 4  # the default stream's and the three others'
     for counters in used:
         assert int(cupy.count_nonzero(counters & 0x7FFFFFFF)) == 0
