@@ -113,6 +113,14 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int D_TILES = HEAD_DIM / 8;   // n8 column groups of O
     static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of Q K^T (over the head dim)
     static constexpr int PV_STEPS = BLOCK_N / 16;   // k16 steps of P V (over the keys)
+    // A warpgroup whose rows see only the left half of their first KV tile's keys (the diagonal
+    // tile of a causal row block's upper half, a short sequence tail) runs the softmax of that
+    // half alone (consume_tile, the ping-pong + overlap schedule): whole k16 slices of P. Not
+    // with score modifiers: the second copy of the first tile's softmax then makes ptxas spill
+    // (d=96 and 128 on the persistent grid).
+    template <int FEATURES>
+    static constexpr bool HALF_TILES =
+        BLOCK_N % 32 == 0 && (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI)) == 0;
 
     // wgmma N (dense f16 / bf16) is a multiple of 8 up to 256; the k16 steps over the head dim
     // (Q K^T) and over the keys (P V) make both multiples of 16 here. A K/V panel of BLOCK_N rows
@@ -142,6 +150,16 @@ template <typename Elem, class T>
 CF2_DEVICE void issue_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
     issue_kmajor_ss<Elem, T::KEYS_PER_TILE, T::QK_STEPS, T::Q_PANEL_BYTES, T::KV_PANEL_BYTES>(
         acc_s, q_rows, k_tile);
+}
+
+// The left half of S (keys 0 .. BLOCK_N / 2 - 1 of the tile): in the accumulator layout d[nt]
+// holds columns 8 nt .., so it is the first half of the registers, and this view lets the
+// masking and the softmax work on it alone.
+template <int N_TILES>
+using ScoreTile = float[1][N_TILES][4];
+template <int N_TILES>
+CF2_DEVICE ScoreTile<N_TILES / 2>& left_half(ScoreTile<N_TILES>& s) {
+    return reinterpret_cast<ScoreTile<N_TILES / 2>&>(s);
 }
 
 // O += P V: PV_STEPS wgmmas, P (this warp's 16 rows x 16 keys per step) from registers, V from
@@ -564,6 +582,27 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
     int unmasked_lo, unmasked_hi;
     vis.unmasked_tile_range(row_first, row_last, BLOCK_N, unmasked_lo, unmasked_hi);
 
+    // Half tiles (ping-pong + overlap, the dispatched two-consumer schedule): this warpgroup's
+    // rows see no key at or past hi() of its last row (hi grows with the row; rows past the
+    // sequence are computed but never stored, so the last row is clipped to row_last). If that
+    // lies in the left half of the work tile's first KV tile (under a causal mask the upper 64
+    // rows of a diagonal tile; a short sequence tail), the softmax of that tile covers its left
+    // half alone (masking, row maxima, half the exponentials) and the right half's
+    // probabilities are set to 0, as the mask would have made them. That tile is a boundary
+    // tile, masked: its right half holds keys the row block does not see.
+    //  - The GEMMs stay whole. With a branch between a half and a whole wgmma ptxas joined the
+    //    two with a wgmma of its own and a wait, or serialised every wgmma for want of
+    //    registers (C7511, d=96 and 128 on the persistent grid): 10-35% slower.
+    //  - The flag is the same for the whole warpgroup, but ptxas cannot tell (it comes from
+    //    the warpgroup's index), and a branch on it around wgmmas makes it serialise them
+    //    (C7519, "WG.AR in divergent path"): a vote's result is warp-uniform to it.
+    //  - Not in the in-order schedule (three consumers at d=64): with half tiles, and with a
+    //    warpgroup skipping a first tile it does not see at all, it measured 0.96-1.02x.
+    constexpr bool HALF_TILES = T::template HALF_TILES<FEATURES> && PINGPONG && OVERLAP;
+    const int wg_key_end = vis.hi(min(row_first + wg_row0 + T::ROWS_PER_WARPGROUP - 1, row_last));
+    const bool half_tile = HALF_TILES && __all_sync(0xffffffffu, wg_key_end <= (tile_end - 1) *
+                                                                     BLOCK_N + BLOCK_N / 2);
+
     // Ring addresses of the j-th tile visited in this work tile (tile = tile_end - 1 - j): ring
     // position ring0 + j (positions continue across a persistent CTA's work tiles), stage
     // (ring0 + j) % STAGES, whose barriers are in their ((ring0 + j) / STAGES)-th phase.
@@ -594,13 +633,13 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
 
     // S_j in place: score modifiers, mask (boundary tiles only). S is in the mma.sync
     // accumulator layout of one m16 tile per warp.
-    auto score_step = [&](float (&acc_s)[1][T::N_TILES][4], int tile) {
+    auto score_step = [&](auto& acc_s, int tile) {  // S or its left_half
         // This thread's first accumulator row (query index) and key.
         const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
         const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
         if constexpr (FEATURES != 0) mods.apply(acc_s, thread_row0, thread_key0);
         if (tile < unmasked_lo || tile >= unmasked_hi)
-            mask_scores<1, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
+            mask_scores(acc_s, thread_row0, thread_key0, vis);
     };
     // S_j -> P_j: score_step, online softmax (new running max; O and l rescaled where it moved),
     // then P = exp2(S * scale_log2 - m) packed to 16 bits as the A operand of P V, one k16 slice
@@ -670,7 +709,8 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
         };
         const int tiles = tile_end - tile_first;
 
-        // Tile 0: S_0 alone, then its softmax.
+        // Tile 0: S_0 alone, then its softmax (of S_0's left half alone with half_tile, the
+        // right half's probabilities set to 0).
         wait_k(0);
         take_turn();
         pin_registers(acc_s[0]);
@@ -682,9 +722,24 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
         pin_registers(acc_s[0]);
         release_k(0);
         if (tiles == 1) release_q();  // S_0 was the last S GEMM
-        score_step(acc_s, tile_end - 1);
-        softmax.fold_max(acc_s, p.scale_log2, correction);  // O is 0: no rescale
-        softmax.exp_scores(acc_s, p.scale_log2);
+        auto first_softmax = [&](auto& s) {
+            score_step(s, tile_end - 1);
+            softmax.fold_max(s, p.scale_log2, correction);  // O is 0: no rescale
+            softmax.exp_scores(s, p.scale_log2);
+        };
+        if constexpr (HALF_TILES) {
+            if (half_tile) {
+                first_softmax(left_half(acc_s));
+#pragma unroll
+                for (int nt = T::N_TILES / 2; nt < T::N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
+            } else {
+                first_softmax(acc_s);
+            }
+        } else {
+            first_softmax(acc_s);
+        }
         for (int j = 1; j < tiles; ++j) {
             finish_pv_pack(j - 1);  // P_{j-2} V_{j-2} (none at j = 1); P_{j-1}
             wait_k(j);

@@ -4,9 +4,10 @@ Every FwdSm90Config is compiled with ptxas's resource report. The kernel relies 
 ptxas can silently take away: the setmaxnreg register split (ptxas ignores it, printing C7508 as
 an *info* line, unless it knows the register count at entry) and spill-free consumers. So: it
 compiles, uses no more registers at entry than 384 threads may have, spills nothing, and the log
-has no C7508 and no warning that ptxas serialised the wgmmas (which it does where it cannot
-prove that registers of an in-flight wgmma are left alone: the overlapping schedule's
-wait_group 1 window). The cross product: both schedules, with and without the overlap inside a
+has no C7508 and no word that ptxas serialised the wgmmas (which it does where it cannot
+prove that registers of an in-flight wgmma are left alone, the overlapping schedule's
+wait_group 1 window: a warning; or where the wgmma pipeline lacks registers, C7511: an info
+line). The cross product: both schedules, with and without the overlap inside a
 warpgroup, on the one-tile-per-CTA grid (every head dim) and the persistent grid (head dims 64,
 96, 128; its tiles taken statically or claimed one by one), every dtype and score-modifier set:
 352 compiles under --exhaustive. The default run compiles a sample (the dispatcher's choices at
@@ -121,6 +122,7 @@ def test_hopper_forward_compiles_without_spills(config, reports):
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     assert "C7508" not in report.log, report.log  # setmaxnreg honoured
     assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
+    assert "are serialized" not in report.log, report.log  # C7511 etc., "ptxas info" lines
     assert config.smem_bytes <= MAX_SMEM_SM90
 
 
@@ -364,6 +366,7 @@ def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     assert "C7508" not in report.log, report.log
     assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
+    assert "are serialized" not in report.log, report.log  # C7511 etc., "ptxas info" lines
     assert config.smem_bytes <= MAX_SMEM_SM90
 
 

@@ -202,6 +202,42 @@ def test_three_consumer_warpgroups(dtype, causal, shape):
         _check(q, k, v, **options)
 
 
+@needs_hopper
+@pytest.mark.parametrize("sq,sk,window", [
+    (512, 512, (-1, 0)),    # causal: a diagonal tile's upper 64 rows see its left half
+    (256, 320, (-1, 0)),    # the diagonal 64 keys into a tile: the lower rows' half tile
+    (300, 200, (-1, 0)),    # seqlen_q > seqlen_k: rows that see no key
+    (333, 1000, (-1, 0)),   # seqlen_q < seqlen_k
+    (400, 400, (-1, 40)),   # a right edge 40 keys past the diagonal
+    (400, 400, (90, 0)),    # a window: a key limit and a lower edge
+    (250, 150, (-1, -1)),   # no key limit: a sequence tail 22 keys into its last tile
+])
+@pytest.mark.parametrize("grid", ["one", "persistent", "claimed"])
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+def test_half_tiles(headdim, grid, sq, sk, window):
+    """A warpgroup whose rows see only the left half of its work tile's first KV tile runs the
+    softmax of that half alone (consume_tile in flash_fwd_sm90.cu, two consumer warpgroups):
+    against the reference, into a poisoned output, on the one-tile grid and the persistent
+    one (tiles taken statically or claimed), with the row blocks' diagonals, window edges and
+    sequence tails at those places in their tiles."""
+    always, never = 1 << 40, -1
+    limit = never if grid == "one" else always
+    q, k, v = _qkv(2, sq, sk, 4, 2, headdim, BF16)
+    with switched(_hopper, {
+            "MMA_SYNC_MAX_KEYS": 0, "THREE_CONSUMER_MIN_KEYS": {},
+            "PERSISTENT_MAX_KEYS": {key: limit for key in _hopper.PERSISTENT_MAX_KEYS},
+            "DYNAMIC_SCHEDULE": grid == "claimed",
+            "DYNAMIC_SCHEDULE_KEYS": {dim: (0, always) for dim in (64, 96, 128)}},
+            api._forward_plans):
+        (kernel,) = cuflash2.forward_kernels(q, k, v, window_size=window)
+        assert "three warpgroups" not in kernel, kernel
+        assert ("persistent" in kernel) == (grid != "one"), kernel
+        out = cupy.full(q.shape, numpy.nan, dtype=q.dtype)
+        _, lse = cuflash2.attention(q, k, v, window_size=window, out=out, return_lse=True)
+        results = testing.check_forward(q, k, v, out, lse, window_size=window)
+        assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
 def _persistent_everywhere(dynamic: bool, ctas=None):
     """Plans made inside run every Hopper call the persistent grid takes at all on it (at most
     `ctas` CTAs), its tiles claimed dynamically under a key limit or not (DYNAMIC_SCHEDULE)."""
