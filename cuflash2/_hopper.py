@@ -241,7 +241,7 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
     unwindowed = window[0] < 0 and (window[1] < 0 or causal)
     claims = varlen is None and dynamic_schedule(kernel_dim, p.seqlen_q, p.seqlen_k, window[1])
     if (varlen is None and unwindowed
-            and p.seqlen_k >= THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), 1 << 62)):
+            and p.seqlen_k >= THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), NO_LIMIT)):
         persistent = p.seqlen_k <= THREE_CONSUMER_PERSISTENT_MAX_KEYS
         config = _configs.with_features(
             _configs.fwd_sm90_config(p.dtype, kernel_dim, persistent, consumers=3), features)
@@ -332,7 +332,6 @@ def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right
     first, last = DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0))
     return (DYNAMIC_SCHEDULE and window_right >= 0 and first <= seqlen_k <= last
             and seqlen_q <= seqlen_k + window_right)  # every query row sees a key
-
 
 
 def persistent_schedule(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
