@@ -48,9 +48,12 @@ struct DecodeTraits {
     using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
     using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
-    // The merge of the warps' states reuses the stage buffers: O (fp32) and (m, l) per warp,
-    // then the CTA's result (O and lse) for a merge of the splits inside a cluster.
-    static constexpr int MERGE_BYTES = (NUM_WARPS * (HEAD_DIM + 2) + HEAD_DIM + 1) * BLOCK_M * 4;
+    // The merge of the warps' states reuses the stage buffers: O (fp32, rows MERGE_STRIDE floats
+    // apart) and (m, l) per warp, then the CTA's result (O and lse) for a merge of the splits
+    // inside a cluster.
+    static constexpr int MERGE_STRIDE = HEAD_DIM + DECODE_MERGE_ROW_PAD;
+    static constexpr int MERGE_BYTES =
+        (NUM_WARPS * (MERGE_STRIDE + 2) + HEAD_DIM + 1) * BLOCK_M * 4;
     static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
                                                           ? KV_STAGES * STAGE_BYTES
                                                           : MERGE_BYTES);
@@ -349,8 +352,13 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // Merge the warps' states: (m, l) in log2 units and O, through shared memory.
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the stages
-    float* merge_o = reinterpret_cast<float*>(smem + QTile::BYTES);  // [warp][row][HEAD_DIM]
-    float* merge_ml = merge_o + T::NUM_WARPS * T::BLOCK_M * HEAD_DIM;  // [warp][row][2]
+    const int rows = row_last - row_first + 1;  // of this block
+    // O's rows are T::MERGE_STRIDE floats apart: a warp's 8-byte stores of its accumulator
+    // fragments (rows lane / 4, columns 2 * (lane % 4)) then fall on 32 different banks (with a
+    // stride of HEAD_DIM, 8 rows on the same 4 banks: 8-way conflicts, ~0.5 us of every CTA's
+    // end on the H200).
+    float* merge_o = reinterpret_cast<float*>(smem + QTile::BYTES);  // [warp][row][MERGE_STRIDE]
+    float* merge_ml = merge_o + T::NUM_WARPS * T::BLOCK_M * T::MERGE_STRIDE;  // [warp][row][2]
     // The CTA's result for a merge inside its cluster: O [row][HEAD_DIM], then lse [row].
     float* result_o = merge_ml + T::NUM_WARPS * T::BLOCK_M * 2;
     float* result_lse = result_o + T::BLOCK_M * HEAD_DIM;
@@ -358,6 +366,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int half = 0; half < 2; ++half) {
         const int r = lane / 4 + 8 * half;
         const float sum = quad_sum(softmax.row_sum[half]);
+        if (r >= rows) continue;  // rows past the block's end are never merged
         if (lane % 4 == 0) {
             const bool seen = softmax.row_max[half] != neg_inf() && sum > 0.f;
             merge_ml[(warp * T::BLOCK_M + r) * 2] =
@@ -365,11 +374,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             merge_ml[(warp * T::BLOCK_M + r) * 2 + 1] = sum;
         }
 #pragma unroll
-        for (int dt = 0; dt < T::D_TILES; ++dt) {
-            float* dst = merge_o + (warp * T::BLOCK_M + r) * HEAD_DIM + 8 * dt + 2 * (lane % 4);
-            dst[0] = acc_o[0][dt][2 * half];
-            dst[1] = acc_o[0][dt][2 * half + 1];
-        }
+        for (int dt = 0; dt < T::D_TILES; ++dt)
+            *reinterpret_cast<float2*>(merge_o + (warp * T::BLOCK_M + r) * T::MERGE_STRIDE +
+                                       8 * dt + 2 * (lane % 4)) =
+                make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
     }
     __syncthreads();
     // Each row is merged by THREADS / BLOCK_M threads: the row's weights once per thread, then
@@ -382,7 +390,6 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     static_assert(T::THREADS % T::BLOCK_M == 0 && (HEAD_DIM / 4) % ROW_THREADS == 0,
                   "the rows' column chunks divide between their threads");
     const int r = tid / ROW_THREADS, t = tid % ROW_THREADS;
-    const int rows = row_last - row_first + 1;  // of this block
     const int group_id = (batch * gridDim.y + kv_head) * p.num_m_blocks + m_block;
     const i64 partial_row = (static_cast<i64>(group_id) * p.num_splits + split) * T::BLOCK_M + r;
     // Writes 4-float column chunk `chunk` of row r's output and, with the first chunk, its lse
@@ -417,8 +424,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int w = 0; w < T::NUM_WARPS; ++w) {
-                const float4 x =
-                    *reinterpret_cast<const float4*>(merge_o + (w * T::BLOCK_M + r) * HEAD_DIM + c);
+                const float4 x = *reinterpret_cast<const float4*>(
+                    merge_o + (w * T::BLOCK_M + r) * T::MERGE_STRIDE + c);
                 o[j].x = fmaf(weight[w], x.x, o[j].x);
                 o[j].y = fmaf(weight[w], x.y, o[j].y);
                 o[j].z = fmaf(weight[w], x.z, o[j].z);

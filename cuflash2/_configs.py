@@ -64,6 +64,10 @@ MASK_WARPS = 8
 BWD_DQ_WARPS = 4
 #: The decode kernel's packed query rows a CTA.
 DECODE_BLOCK_M = 16
+#: Floats after each row of the decode kernel's warps' O in shared memory (flash_decode.cu:
+#: MERGE_STRIDE): rows 8 floats apart put a warp's 8-byte stores of its accumulator fragments on
+#: 32 different banks.
+DECODE_MERGE_ROW_PAD = 8
 #: Rows of the backward's per-row arrays per dQ semaphore slot of the deterministic Hopper
 #: backward (zeroed by the preprocess): a query block's head-dim chunk c orders its additions on
 #: the slot of the block's first row, plus c. Varlen sequences start on 4-row boundaries there
@@ -78,7 +82,7 @@ CUDA_CONSTANTS = {
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
-    "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
+    "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD, "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
 }
 
 
@@ -831,8 +835,10 @@ class DecodeConfig:
     def smem_bytes(self) -> int:
         q = 2 * self.block_m * self.head_dim
         stages = self.kv_stages * 2 * 2 * self.block_n * self.head_dim
-        # After the KV loop: the warps' states, then the CTA's result for a cluster merge.
-        merge = (self.num_warps * (self.head_dim + 2) + self.head_dim + 1) * self.block_m * 4
+        # After the KV loop: the warps' states (O's rows padded, then (m, l)), then the CTA's
+        # result for a cluster merge.
+        merge = ((self.num_warps * (self.head_dim + DECODE_MERGE_ROW_PAD + 2) + self.head_dim + 1)
+                 * self.block_m * 4)
         return q + max(stages, merge)
 
     @property
