@@ -462,7 +462,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         merge_cluster_share<HEAD_DIM, T::THREADS>(smem_address(result_o), smem_address(result_lse),
                                                   p.num_splits, split, rows, p.head_dim, tid,
                                                   store_chunk);
-        cluster_barrier();
+        cluster_barrier_relaxed();  // the peers have read this CTA's result
         return;
     }
 #endif

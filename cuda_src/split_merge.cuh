@@ -7,6 +7,17 @@
 #include "mma_primitives.cuh"
 #include "constants.cuh"
 
+// Adds `value` to *ptr with release semantics at GPU scope (what this thread wrote, and what it
+// saw the CTA write through a barrier, is visible before the addition) and returns the old
+// value. (__threadfence() and an add: a sequentially consistent fence, MEMBAR.SC.GPU in SASS,
+// where a release needs MEMBAR.ALL.GPU.)
+CF2_DEVICE unsigned atomic_add_release_gpu(unsigned* ptr, unsigned value) {
+    unsigned old;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;\n"
+                 : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    return old;
+}
+
 CF2_DEVICE int load_acquire_gpu(const int* ptr) {
     int value;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(ptr) : "memory");
@@ -24,8 +35,8 @@ CF2_DEVICE void split_barrier(int* counter, int count, int split) {
     __syncthreads();  // the CTA's partial results are written
     if (threadIdx.x == 0) {
         const unsigned add = split == 0 ? 0x80000000u - static_cast<unsigned>(count - 1) : 1u;
-        __threadfence();  // ... and visible device-wide before the arrival
-        const unsigned seen = atomicAdd(reinterpret_cast<unsigned*>(counter), add);
+        // (released: the partial results are visible device-wide before the arrival)
+        const unsigned seen = atomic_add_release_gpu(reinterpret_cast<unsigned*>(counter), add);
         while (((static_cast<unsigned>(load_acquire_gpu(counter)) ^ seen) & 0x80000000u) == 0)
             __nanosleep(32);
     }
@@ -125,6 +136,15 @@ CF2_DEVICE void cluster_barrier() {
                  "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// The cluster's barrier without the release: where it only keeps each CTA's shared memory alive
+// until its peers have read it (their loads have returned before they arrive: the merge used
+// the values). A release arrive is a GPU-scope membar (MEMBAR.ALL.GPU in SASS), which would also
+// wait for this thread's stores of the output to be acknowledged, ~0.5 us at the end of a step.
+CF2_DEVICE void cluster_barrier_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+                 "barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 // The address of this CTA's shared-memory word `local` in the shared memory of cluster rank
 // `rank`.
 CF2_DEVICE u32 cluster_peer_address(u32 local, int rank) {
@@ -148,58 +168,70 @@ CF2_DEVICE float4 load_cluster_f32x4(u32 address) {
 
 // Merges this split's share of the items of a block of `rows` rows. Every split of the cluster
 // left, in its shared memory, row r's normalised output at o_result + r * HEAD_DIM (fp32) and its
-// lse (log2 units, -inf: no key seen) at lse_result + r. One thread an item, every peer's values
-// loaded together; store(r, chunk, out chunk, lse) as merge_split_share's.
+// lse (log2 units, -inf: no key seen) at lse_result + r. An item is merged by CLUSTER_ITEM_LANES
+// lanes, lane j loading splits 2j and 2j + 1 (four loads from its peers in flight), then reduced
+// by shuffles: the weighted terms are summed as a pairwise tree over the splits in order, padded
+// to a power of two, which is the order of merge_split_share's lanes and shuffles, so both merges
+// give the same bits. store(r, chunk, out chunk, lse) as merge_split_share's.
+constexpr int CLUSTER_ITEM_LANES = MAX_CLUSTER_SPLITS / 2;
+
 template <int HEAD_DIM, int THREADS, class Store>
 CF2_DEVICE void merge_cluster_share(u32 o_result, u32 lse_result, int num_splits, int split,
                                     int rows, int head_dim, int tid, const Store& store) {
+    static_assert(THREADS % 32 == 0 && 32 % CLUSTER_ITEM_LANES == 0, "items whole in warps");
+    constexpr int ITEMS_PER_PASS = THREADS / CLUSTER_ITEM_LANES;
     const int chunks = head_dim / 4;
     const int items = rows * chunks;
     const int share = (items + num_splits - 1) / num_splits;
     const int item_end = min(items, (split + 1) * share);
-    for (int item = split * share + tid; item < item_end; item += THREADS) {
+    const int lane = tid % CLUSTER_ITEM_LANES;
+    // Lanes past the splits' power of two only add zeros; the shuffles stop at that width.
+    int width = 1;
+    while (width < num_splits) width *= 2;
+    // (The loop runs warp-uniformly: the shuffles need every lane.)
+    for (int base = split * share; base < item_end; base += ITEMS_PER_PASS) {
+        const int item = base + tid / CLUSTER_ITEM_LANES;
         const int r = item / chunks, chunk = item % chunks;
-        float lse_s[MAX_CLUSTER_SPLITS];
-        float4 o_s[MAX_CLUSTER_SPLITS];
+        float lse_s[2];
+        float4 o_s[2];
 #pragma unroll
-        for (int s = 0; s < MAX_CLUSTER_SPLITS; ++s) {
-            lse_s[s] = neg_inf();
-            o_s[s] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (s < num_splits) {
-                lse_s[s] = load_cluster_f32(cluster_peer_address(lse_result + 4 * r, s));
-                o_s[s] = load_cluster_f32x4(
+        for (int i = 0; i < 2; ++i) {
+            const int s = 2 * lane + i;
+            lse_s[i] = neg_inf();
+            o_s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (item < item_end && s < num_splits) {
+                lse_s[i] = load_cluster_f32(cluster_peer_address(lse_result + 4 * r, s));
+                o_s[i] = load_cluster_f32x4(
                     cluster_peer_address(o_result + 4 * (r * HEAD_DIM + 4 * chunk), s));
             }
         }
-        float m = neg_inf();
+        float m = fmaxf(lse_s[0], lse_s[1]);
+        for (int step = 1; 2 * step < width; step *= 2)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, step));
+        float w[2];
 #pragma unroll
-        for (int s = 0; s < MAX_CLUSTER_SPLITS; ++s) m = fmaxf(m, lse_s[s]);
-        // The weighted terms, summed as a pairwise tree over the splits in order, padded to a
-        // power of two: the order of merge_split_share's lanes and shuffles, so that both
-        // merges give the same bits.
-        float w_s[MAX_CLUSTER_SPLITS];
-#pragma unroll
-        for (int s = 0; s < MAX_CLUSTER_SPLITS; ++s) {
-            w_s[s] = (m == neg_inf() || lse_s[s] == neg_inf()) ? 0.f : fast_exp2(lse_s[s] - m);
-            o_s[s] = make_float4(fmaf(w_s[s], o_s[s].x, 0.f), fmaf(w_s[s], o_s[s].y, 0.f),
-                                 fmaf(w_s[s], o_s[s].z, 0.f), fmaf(w_s[s], o_s[s].w, 0.f));
+        for (int i = 0; i < 2; ++i) {
+            w[i] = (m == neg_inf() || lse_s[i] == neg_inf()) ? 0.f : fast_exp2(lse_s[i] - m);
+            o_s[i] = make_float4(fmaf(w[i], o_s[i].x, 0.f), fmaf(w[i], o_s[i].y, 0.f),
+                                 fmaf(w[i], o_s[i].z, 0.f), fmaf(w[i], o_s[i].w, 0.f));
         }
-#pragma unroll
-        for (int width = 1; width < MAX_CLUSTER_SPLITS; width *= 2) {
-            if (width >= num_splits) break;
-#pragma unroll
-            for (int s = 0; s + width < MAX_CLUSTER_SPLITS; s += 2 * width) {
-                w_s[s] += w_s[s + width];
-                o_s[s] = make_float4(o_s[s].x + o_s[s + width].x, o_s[s].y + o_s[s + width].y,
-                                     o_s[s].z + o_s[s + width].z, o_s[s].w + o_s[s + width].w);
-            }
+        // Tree level 1 inside the lane (splits 2j, 2j + 1; with one split, the second is 0).
+        float sum = w[0] + w[1];
+        float4 acc = make_float4(o_s[0].x + o_s[1].x, o_s[0].y + o_s[1].y, o_s[0].z + o_s[1].z,
+                                 o_s[0].w + o_s[1].w);
+        for (int step = 1; 2 * step < width; step *= 2) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, step);
+            acc.x += __shfl_xor_sync(0xffffffffu, acc.x, step);
+            acc.y += __shfl_xor_sync(0xffffffffu, acc.y, step);
+            acc.z += __shfl_xor_sync(0xffffffffu, acc.z, step);
+            acc.w += __shfl_xor_sync(0xffffffffu, acc.w, step);
         }
-        const float sum = w_s[0];
-        const float4 acc = o_s[0];
-        const bool seen = sum > 0.f;
-        const float inv = seen ? 1.f / sum : 0.f;
-        store(r, chunk, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
-              seen ? m + __log2f(sum) : neg_inf());
+        if (lane == 0 && item < item_end) {
+            const bool seen = sum > 0.f;
+            const float inv = seen ? 1.f / sum : 0.f;
+            store(r, chunk, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
+                  seen ? m + __log2f(sum) : neg_inf());
+        }
     }
 }
 #endif
