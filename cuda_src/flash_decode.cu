@@ -134,10 +134,11 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
 
 // Up to d=128 two or three CTAs of 4 warps share an SM (configs.decode_config: the cache bytes
 // in flight), so the registers must allow three (168 a thread); larger head dims and CTAs of
-// more warps need the register file of one.
-template <int HEAD_DIM, int NUM_WARPS>
+// more warps need the register file of one. Warps of 32 keys (the clustered short steps'
+// 128-key tiles, configs.decode_cluster_config) share an SM by two at most.
+template <int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP>
 __host__ __device__ constexpr int decode_min_ctas() {
-    return HEAD_DIM > 128 || NUM_WARPS > 4 ? 1 : 3;
+    return HEAD_DIM > 128 || NUM_WARPS > 4 ? 1 : KEYS_PER_WARP > 16 ? 2 : 3;
 }
 
 // FEATURES: softcap and ALiBi (score_mods.cuh). The parameters: DecodeParams (kernel_params.cuh).
@@ -146,7 +147,8 @@ __host__ __device__ constexpr int decode_min_ctas() {
 // early_cache_reads), so they may be read before the wait.
 template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES,
           bool EARLY_CACHE_READS>
-__global__ void __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM, NUM_WARPS>())
+__global__ void
+__launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP>())
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES>;
     using QTile = typename T::QTile;

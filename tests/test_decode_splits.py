@@ -57,9 +57,9 @@ class _Fits:
 @pytest.mark.parametrize("most_clusters", [64, 2])
 def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clusters):
     """On sm_90 a short step (at most CLUSTER_MAX_TILES_PER_SPLIT tiles a split) or a requested
-    count a cluster holds merges inside a cluster of its splits, with the deeper-staged kernel
-    where the step is short; long steps, larger requests, clusters that do not all fit, other
-    architectures and CLUSTER_MERGE off use the barrier through L2."""
+    count a cluster holds merges inside a cluster of its splits, with the kernel that loads a
+    whole split at once where the step is short; long steps, larger requests, clusters that do
+    not all fit, other architectures and CLUSTER_MERGE off use the barrier through L2."""
     from cuflash2 import _configs, _kvcache, _launch
 
     monkeypatch.setattr(_kvcache, "decode_slots", lambda config, device_id: 264)
@@ -67,7 +67,10 @@ def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clu
     monkeypatch.setattr(_launch, "extended_available", lambda: True)
     config = _configs.decode_config("float16", 128, 90)
     deep = _configs.decode_cluster_config("float16", 128, 90)
-    assert deep.kv_stages == _configs.CLUSTER_MAX_TILES_PER_SPLIT + 1 > config.kv_stages
+    # The clustered kernel loads a whole short split at once, on 128-key tiles at d=128.
+    assert deep.keys_per_warp == 32 and deep.block_n == 2 * config.block_n
+    assert ((deep.kv_stages - 1) * deep.block_n
+            == _configs.CLUSTER_MAX_TILES_PER_SPLIT * config.block_n)
 
     def choose(requested, groups, tiles, arch=90):
         return _kvcache.choose_splits(config, requested, groups, tiles, 0, arch, "float16", 128,
