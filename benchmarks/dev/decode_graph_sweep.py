@@ -35,10 +35,11 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=None, help="BATCHxCACHE, e.g. 1x16384")
     parser.add_argument("--alt", type=Path, default=None, help="overlay folder of cuda_src files")
     parser.add_argument("--single", action="store_true")
-    parser.add_argument("--cluster-tile", type=int, nargs=2, default=None,
-                        metavar=("WARPS", "STAGES"),
+    parser.add_argument("--cluster-tile", type=int, nargs="+", default=None,
+                        metavar="WARPS STAGES [KEYS_PER_WARP]",
                         help="the clustered steps' tile instead of decode_cluster_config's")
-    parser.add_argument("--tile", type=int, nargs=2, default=None, metavar=("WARPS", "STAGES"),
+    parser.add_argument("--tile", type=int, nargs="+", default=None,
+                        metavar="WARPS STAGES [KEYS_PER_WARP]",
                         help="the decode tile instead of decode_config's")
     args = parser.parse_args()
     if args.tile:
@@ -94,15 +95,15 @@ def main() -> None:
     _launch.PROGRAMMATIC = True
 
 
-def _override_tile(name: str, warps: int, stages: int) -> None:
-    """_configs.<name> returns its tile with `warps` and `stages` instead."""
+def _override_tile(name: str, warps: int, stages: int, keys_per_warp: int = 16) -> None:
+    """_configs.<name> returns its tile with `warps`, `stages` and `keys_per_warp` instead."""
     import dataclasses
 
     from cuflash2 import _configs
 
     chosen = getattr(_configs, name)
-    setattr(_configs, name, lambda *a: dataclasses.replace(chosen(*a), num_warps=warps,
-                                                           kv_stages=stages))
+    setattr(_configs, name, lambda *a: dataclasses.replace(
+        chosen(*a), num_warps=warps, kv_stages=stages, keys_per_warp=keys_per_warp))
 
 
 def single_steps(sources, args) -> None:

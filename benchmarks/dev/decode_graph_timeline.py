@@ -3,14 +3,17 @@ microseconds of a layer go when `bench --decode`'s step (cuflash2/bench_decode_g
 replayed as a CUDA graph.
 
 The decode kernel's and the stand-in next-layer kernel's sources are patched (text
-substitutions, as dev_decode_timeline.py) so that each CTA's first thread appends a record
-(launch tag, CTA, point, %globaltimer) at each point below; the tag is the layer's cache
-address (decode) or output address (next-layer kernel), so the layers' launches are told apart
-even where they overlap. One replay after the L2 flush; per layer the points' min / median / max
-over the CTAs, in microseconds from the step's first record.
+substitutions, as dev_decode_timeline.py) so that each CTA's first thread reads %globaltimer at
+each point below into registers and writes them once, at its end, to the slot of (layer, CTA,
+point): no atomics or loads between the points (an earlier version took a slot with an atomic
+at every point, which made a step ~2 us slower). The layer is the index of the launch's tag (its
+cache's address for the decode, its input's for the next-layer kernel) in a table written before
+the replay. One replay after the L2 flush; per layer the points' min / median / max over the
+CTAs, in microseconds from the step's first record, and the SM clock over the decode CTAs'
+lifetimes (clock64 against %globaltimer).
 
     PYTHONPATH=. python3 benchmarks/dev/decode_graph_timeline.py [--rows 1x4096 1x16384]
-        [--early 1 0]
+        [--early 1 0] [--cluster-tile WARPS STAGES [KEYS_PER_WARP]] [--src overlay_dir]
 """
 
 import argparse
@@ -25,23 +28,48 @@ import numpy  # noqa: E402
 from cuflash2 import _compile, _kvcache, bench, bench_decode_graph  # noqa: E402
 
 _HEADER = r"""
-__device__ unsigned long long cf2_records[4 * 65536];
-__device__ unsigned int cf2_count;
-#define CF2_STAMP(tag, point) if (threadIdx.x == 0) { unsigned long long t_; \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); \
-    const unsigned i_ = atomicAdd(&cf2_count, 1u); \
-    if (i_ < 65536u) { cf2_records[4 * i_] = (unsigned long long)(tag); \
-        cf2_records[4 * i_ + 1] = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); \
-        cf2_records[4 * i_ + 2] = (point); cf2_records[4 * i_ + 3] = t_; } }
+// Stamps are kept in the first thread's registers and written once, at the CTA's end, to the
+// slot of (layer, CTA, point): no atomics or loads on the way (the layer comes from cf2_tags,
+// loaded at the start and compared at the end).
+#define CF2_POINTS 13
+#define CF2_LAYERS 8
+#define CF2_MAX_CTAS 4096
+__device__ unsigned long long cf2_tags[CF2_LAYERS];
+__device__ unsigned long long cf2_records[CF2_LAYERS * CF2_MAX_CTAS * CF2_POINTS];
+#define CF2_BEGIN(tag) \
+    unsigned long long cf2_t[CF2_POINTS], cf2_tag_v[CF2_LAYERS], cf2_clock0 = 0; \
+    if (threadIdx.x == 0) { \
+        _Pragma("unroll") for (int i_ = 0; i_ < CF2_POINTS; ++i_) cf2_t[i_] = 0ull; \
+        cf2_clock0 = clock64(); \
+        _Pragma("unroll") for (int i_ = 0; i_ < CF2_LAYERS; ++i_) \
+            asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(cf2_tag_v[i_]) : "l"(cf2_tags + i_)); \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(cf2_t[0])); }
+#define CF2_STAMP(tag, point) if (threadIdx.x == 0) { \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(cf2_t[point])); }
+// The last two slots: the SM clock cycles and the timer's ns from the start to the flush.
+#define CF2_FLUSH(tag) if (threadIdx.x == 0) { int layer_ = -1; \
+    cf2_t[CF2_POINTS - 2] = clock64() - cf2_clock0; \
+    { unsigned long long now_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)); \
+      cf2_t[CF2_POINTS - 1] = now_ - cf2_t[0]; } \
+    _Pragma("unroll") for (int i_ = 0; i_ < CF2_LAYERS; ++i_) \
+        if (cf2_tag_v[i_] == (unsigned long long)(tag)) layer_ = i_; \
+    const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); \
+    if (layer_ >= 0 && cta_ < CF2_MAX_CTAS) { \
+        _Pragma("unroll") for (int i_ = 0; i_ < CF2_POINTS; ++i_) \
+            cf2_records[((unsigned long long)layer_ * CF2_MAX_CTAS + cta_) * CF2_POINTS + i_] = \
+                cf2_t[i_]; } }
 """
 
 DECODE_POINTS = ("start", "cache length read", "early: previous kernel done (wait)",
                  "early: q and the first tiles landed",
-                 "first tile computed from", "last tile computed", "partial written", "end")
+                 "first tile computed from", "last tile computed", "partial written",
+                 "splits met", "merged", "end", "warps met")
+#: Slots past the points: SM cycles and timer ns from a CTA's start to its end (the clock).
+CLOCK_SLOTS = (11, 12)
 # (anchor, replacement): each anchor occurs once in flash_decode.cu (checked).
 _DECODE_STAMPS = (
     ("    const int tid = threadIdx.x;\n",
-     "    const int tid = threadIdx.x;\n    CF2_STAMP(p.k_cache, 0)\n"),
+     "    const int tid = threadIdx.x;\n    CF2_BEGIN(p.k_cache)\n"),
     ("    const int seqlen_k = min(max(cache_len + p.seqlen_new, 0), p.capacity);\n",
      "    const int seqlen_k = min(max(cache_len + p.seqlen_new, 0), p.capacity);\n"
      "    if (cache_len != -123456789) { CF2_STAMP(p.k_cache, 1) }\n"),
@@ -54,24 +82,36 @@ _DECODE_STAMPS = (
     ("        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n",
      "        if (i == 0) { CF2_STAMP(p.k_cache, 4) }\n"
      "        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n"),
-    ("    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.\n",
-     "    CF2_STAMP(p.k_cache, 5)\n"
-     "    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.\n"),
+    ("    allow_dependent_launch();\n",
+     "    CF2_STAMP(p.k_cache, 5)\n    allow_dependent_launch();\n"),
+    ("    __syncthreads();  // every warp is done with the stages\n",
+     "    __syncthreads();  // every warp is done with the stages\n    CF2_STAMP(p.k_cache, 10)\n"),
     ("    if (p.num_splits == 1) return;\n",
-     "    CF2_STAMP(p.k_cache, 6)\n    if (p.num_splits == 1) return;\n"),
-    ("                                                  store_chunk);\n        cluster_barrier();\n"
-     "        return;\n",
-     "                                                  store_chunk);\n        cluster_barrier();\n"
-     "        CF2_STAMP(p.k_cache, 7)\n        return;\n"),
+     "    CF2_STAMP(p.k_cache, 6)\n    if (p.num_splits == 1) { CF2_STAMP(p.k_cache, 9) "
+     "CF2_FLUSH(p.k_cache) return; }\n"),
+    ("        cluster_barrier();\n        merge_cluster_share",
+     "        cluster_barrier();\n        CF2_STAMP(p.k_cache, 7)\n        merge_cluster_share"),
+    ("                                                  store_chunk);\n        cluster_barrier",
+     "                                                  store_chunk);\n"
+     "        CF2_STAMP(p.k_cache, 8)\n        cluster_barrier"),
+    ("        return;\n    }\n#endif\n",
+     "        CF2_STAMP(p.k_cache, 9)\n        CF2_FLUSH(p.k_cache)\n"
+     "        return;\n    }\n#endif\n"),
+    ("    split_barrier(p.split_counters + group_id, p.num_splits, split);\n",
+     "    split_barrier(p.split_counters + group_id, p.num_splits, split);\n"
+     "    CF2_STAMP(p.k_cache, 7)\n"),
     ("split, rows, p.head_dim, tid, store_chunk);\n}",
-     "split, rows, p.head_dim, tid, store_chunk);\n    CF2_STAMP(p.k_cache, 7)\n}"),
+     "split, rows, p.head_dim, tid, store_chunk);\n    CF2_STAMP(p.k_cache, 9)\n"
+     "    CF2_FLUSH(p.k_cache)\n}"),
 )
 NEXT_POINTS = ("start", "previous kernel done (wait)", "end")
 _NEXT_STAMPS = (
-    ("    allow_dependent_launch();\n", "    CF2_STAMP(out, 0)\n    allow_dependent_launch();\n"),
+    ("    allow_dependent_launch();\n",
+     "    CF2_BEGIN(out)\n    allow_dependent_launch();\n"),
     ("    wait_for_previous_grid();\n", "    wait_for_previous_grid();\n    CF2_STAMP(out, 1)\n"),
     ("        v[i] = out[(i + kv_elems) % out_elems];\n    }\n",
-     "        v[i] = out[(i + kv_elems) % out_elems];\n    }\n    CF2_STAMP(out, 2)\n"),
+     "        v[i] = out[(i + kv_elems) % out_elems];\n    }\n    CF2_STAMP(out, 2)\n"
+     "    CF2_FLUSH(out)\n"),
 )
 
 
@@ -88,7 +128,7 @@ class Recorder:
     """Compiles the patched kernels in place of the package's and reads their records."""
 
     def __init__(self):
-        self.modules = []
+        self.decode_modules = []
         decode_source = patched("flash_decode.cu", _DECODE_STAMPS)
         original = _compile.get_kernel
         cache = {}
@@ -107,36 +147,48 @@ class Recorder:
                 if config.smem_bytes > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = config.smem_bytes
                 cache[key] = fn
-                self.modules.append(module)
+                self.decode_modules.append(module)
             return cache[key]
 
         _compile.get_kernel = get_kernel
-        next_module = cupy.RawModule(code=patched("next_layer_inputs.cu", _NEXT_STAMPS))
-        self.modules.append(next_module)
-        next_kernel = next_module.get_function("next_layer_inputs")
+        self.next_module = cupy.RawModule(code=patched("next_layer_inputs.cu", _NEXT_STAMPS))
+        next_kernel = self.next_module.get_function("next_layer_inputs")
         bench_decode_graph.next_layer_kernel = lambda device_id: next_kernel
 
-    def reset(self):
-        for m in self.modules:
-            cupy.ndarray((1,), cupy.uint32, m.get_global("cf2_count")).fill(0)
+    @staticmethod
+    def _array(module, name, dtype, count):
+        return cupy.ndarray((count,), dtype, module.get_global(name))
 
-    def records(self) -> numpy.ndarray:
-        out = []
-        for m in self.modules:
-            n = min(int(cupy.ndarray((1,), cupy.uint32, m.get_global("cf2_count")).get()[0]),
-                    65536)
-            out.append(cupy.ndarray((4 * 65536,), cupy.uint64,
-                                    m.get_global("cf2_records")).get().reshape(-1, 4)[:n])
-        return numpy.concatenate(out).astype(numpy.int64)
+    def reset(self, decode_tags, next_tags):
+        """Clears the records and names the layers: the decode kernels' tags (their caches'
+        addresses) and the next-layer kernels' (their inputs' addresses)."""
+        for modules, tags in ((self.decode_modules, decode_tags), ([self.next_module], next_tags)):
+            for m in modules:
+                self._array(m, "cf2_records", cupy.uint64, LAYERS * MAX_CTAS * POINTS).fill(0)
+                self._array(m, "cf2_tags", cupy.uint64, LAYERS)[...] = cupy.asarray(
+                    numpy.array(tags, dtype=numpy.uint64))
+        cupy.cuda.Device().synchronize()
+
+    def records(self, modules) -> numpy.ndarray:
+        """[layer, CTA, point] stamps in ns (0: not reached), summed over the modules."""
+        total = numpy.zeros((LAYERS, MAX_CTAS, POINTS), dtype=numpy.int64)
+        for m in modules:
+            total += self._array(m, "cf2_records", cupy.uint64, LAYERS * MAX_CTAS * POINTS).get(
+                ).astype(numpy.int64).reshape(LAYERS, MAX_CTAS, POINTS)
+        return total
 
 
-def summary(records, tag, points, t0, label) -> str:
-    mine = records[records[:, 0] == tag]
+LAYERS, MAX_CTAS, POINTS = 8, 4096, 13
+
+
+def summary(stamps, points, t0, label) -> str:
+    """min / median / max over the CTAs of each point reached."""
     cells = []
     for i, name in enumerate(points):
-        x = (mine[mine[:, 2] == i][:, 3] - t0) / 1e3
+        x = stamps[:, i]
+        x = (x[x > 0] - t0) / 1e3
         if len(x):
-            cells.append(f"{name} {x.min():.1f}/{numpy.median(x):.1f}/{x.max():.1f}")
+            cells.append(f"{name} {x.min():.2f}/{numpy.median(x):.2f}/{x.max():.2f}")
     return f"  {label}: " + "; ".join(cells)
 
 
@@ -144,7 +196,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", default=["1x4096", "1x16384"])
     ap.add_argument("--early", type=int, nargs="+", default=[1, 0])
+    ap.add_argument("--cluster-tile", type=int, nargs="+", default=None,
+                    metavar="WARPS STAGES [KEYS_PER_WARP]",
+                    help="the clustered steps' tile instead of decode_cluster_config's")
+    ap.add_argument("--src", type=Path, default=None,
+                    help="an overlay folder of cuda_src files to time instead (as ab_sources)")
     args = ap.parse_args()
+    if args.cluster_tile:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from decode_graph_sweep import _override_tile
+        _override_tile("decode_cluster_config", *args.cluster_tile)
+    if args.src is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from ab_sources import Sources
+        sources = Sources(args.src)  # (kept: its folder lives as long as the object)
+        sources.use("alt")
     recorder = Recorder()
     backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
     nheads, nheads_kv = bench_decode_graph.GRAPH_HEADS
@@ -154,21 +220,29 @@ def main():
             _kvcache._plans_by_key.plans.clear()
             step = bench_decode_graph.DecodeStep(cupy, batch, cache, nheads, nheads_kv,
                                                  early_cache_reads=bool(early))
+            decode_tags = [int(kc.data.ptr) for kc, _ in step.caches]
+            next_tags = [int(o.data.ptr) for o in step.outputs]
+            recorder.reset(decode_tags, next_tags)
             ms = bench_decode_graph.time_step(cupy, step, 5, 20, backlog, flush)
             with step.stream:
                 flush()
-                recorder.reset()
                 step.run()
             step.stream.synchronize()
-            rec = recorder.records()
-            t0 = rec[:, 3].min()
+            decode = recorder.records(recorder.decode_modules)
+            following = recorder.records([recorder.next_module])
+            t0 = min(x[..., :len(points)][x[..., :len(points)] > 0].min()
+                     for x, points in ((decode, DECODE_POINTS), (following, NEXT_POINTS)))
             print(f"\nb={batch} cache={cache} early={early}: {ms * 1e3 / 8:.2f} us/layer "
                   f"(with stamps); times min/median/max over CTAs, us from the first record")
-            decode_tags = [int(kc.data.ptr) for kc, _ in step.caches]
-            next_tags = [int(o.data.ptr) for o in step.outputs]
-            for layer, (dtag, ntag) in enumerate(zip(decode_tags, next_tags)):
-                print(summary(rec, dtag, DECODE_POINTS, t0, f"decode {layer}"))
-                print(summary(rec, ntag, NEXT_POINTS, t0, f"next   {layer}"))
+            for layer in range(LAYERS):
+                ctas = decode[layer][decode[layer, :, 0] > 0]
+                print(summary(ctas, DECODE_POINTS, t0, f"decode {layer}"))
+                cycles, ns = (ctas[:, i] for i in CLOCK_SLOTS)
+                if len(ns) and (ns > 0).all():
+                    print(f"  decode {layer} SM clock: median {numpy.median(cycles / ns):.2f} GHz"
+                          f" over the CTAs' lifetimes")
+                ctas = following[layer][following[layer, :, 0] > 0]
+                print(summary(ctas, NEXT_POINTS, t0, f"next   {layer}"))
             del step
 
 
