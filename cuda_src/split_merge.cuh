@@ -215,7 +215,7 @@ CF2_DEVICE void merge_cluster_share(u32 o_result, u32 lse_result, int num_splits
             o_s[i] = make_float4(fmaf(w[i], o_s[i].x, 0.f), fmaf(w[i], o_s[i].y, 0.f),
                                  fmaf(w[i], o_s[i].z, 0.f), fmaf(w[i], o_s[i].w, 0.f));
         }
-        // Tree level 1 inside the lane (splits 2j, 2j + 1; with one split, the second is 0).
+        // Tree level 1 inside the lane (splits 2j and 2j + 1; a split past num_splits adds 0).
         float sum = w[0] + w[1];
         float4 acc = make_float4(o_s[0].x + o_s[1].x, o_s[0].y + o_s[1].y, o_s[0].z + o_s[1].z,
                                  o_s[0].w + o_s[1].w);
