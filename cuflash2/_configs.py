@@ -897,17 +897,12 @@ def decode_cluster_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
     config = decode_config(dtype, head_dim, arch)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     split_keys = CLUSTER_MAX_TILES_PER_SPLIT * config.block_n
-    for keys_per_warp in (32, 16):
-        tile_keys = config.num_warps * keys_per_warp
-        whole = dataclasses.replace(config, keys_per_warp=keys_per_warp,
-                                    kv_stages=-(-split_keys // tile_keys) + 1)
-        if whole.smem_bytes + 1024 <= smem_per_sm:
-            return whole
-    for stages in range(CLUSTER_MAX_TILES_PER_SPLIT, config.kv_stages, -1):
-        deep = dataclasses.replace(config, kv_stages=stages)
-        if deep.smem_bytes + 1024 <= smem_per_sm:
-            return deep
-    return config
+    candidates = [dataclasses.replace(config, keys_per_warp=keys,
+                                      kv_stages=-(-split_keys // (config.num_warps * keys)) + 1)
+                  for keys in (32, 16)]
+    candidates += [dataclasses.replace(config, kv_stages=stages)
+                   for stages in range(CLUSTER_MAX_TILES_PER_SPLIT, config.kv_stages, -1)]
+    return next((c for c in candidates if c.smem_bytes + 1024 <= smem_per_sm), config)
 
 
 def all_decode_configs(arch: int, features=(0,)) -> list:
