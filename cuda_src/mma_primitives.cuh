@@ -66,6 +66,14 @@ CF2_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 
+// The transpose of an 8x8 16-bit matrix held one register a lane in the ldmatrix / accumulator
+// layout (lane l: row l/4, elements 2(l%4), 2(l%4)+1): lane l receives row l/4 of the transpose.
+CF2_DEVICE u32 movmatrix_trans(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
 // ---- cp.async: 16-byte global -> shared copies that bypass L1 (.cg) -------------------------
 // With `valid` false nothing is read and the 16 bytes are zero-filled: that is how sequence tails
 // and head-dim padding become zeros (a zero K row scores 0 and is masked; a zero V row adds 0).

@@ -170,3 +170,83 @@ struct OnlineSoftmax {
         }
     }
 };
+
+// The same online softmax for at most 8 query rows held on the n side of the mma (the decode
+// kernel's rows-on-n tiles, flash_decode.cu): scores come transposed, S^T = K Q^T, one m16 tile
+// of keys by the n8 tile of rows, so no mma work goes to padding rows. Each thread holds rows
+// 2(l%4) and 2(l%4)+1 (l = lane); a row's keys are spread over the 8 lanes of equal l%4 (and
+// over the m16 tiles), so its max is reduced across lanes 4, 8, 16 apart, and so are its sums,
+// once, at the end. O is transposed too, O^T = V^T P^T: element e of each m16 tile of head-dim
+// columns belongs to row 2(l%4) + e%2.
+struct OnlineSoftmaxN8 {
+    float row_max[2];     // raw scores, -inf while the row has seen no key
+    float row_sum[2];     // this thread's partial sum over its keys
+    float max_scaled[2];  // row_max * scale_log2 (0 while -inf), for the current tile
+
+    CF2_DEVICE OnlineSoftmaxN8() {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            row_max[c] = neg_inf();
+            row_sum[c] = 0.f;
+        }
+    }
+
+    CF2_DEVICE static float max_over_keys(float x) {
+#pragma unroll
+        for (int step = 4; step < 32; step *= 2)
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, step));
+        return x;
+    }
+
+    // Step 1 of a tile (OnlineSoftmax::update_max): the tile's row maxima into the running max,
+    // O^T and the sums rescaled where it moved past the threshold.
+    template <int KEY_TILES, int D_TILES16>
+    CF2_DEVICE void update_max(const float (&s)[KEY_TILES][4], float (&acc_o)[D_TILES16][4],
+                               float scale_log2) {
+        float correction[2];
+        bool any_rescale = false;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            float tile_max = row_max[c];
+#pragma unroll
+            for (int kt = 0; kt < KEY_TILES; ++kt)
+                tile_max = fmaxf(tile_max, fmaxf(s[kt][c], s[kt][2 + c]));
+            tile_max = max_over_keys(tile_max);
+            // -inf - -inf is NaN and NaN > x is false: a row with no key yet keeps m = -inf.
+            const bool rescale = (tile_max - row_max[c]) * scale_log2 > CF2_RESCALE_THRESHOLD;
+            correction[c] = rescale ? fast_exp2((row_max[c] - tile_max) * scale_log2) : 1.f;
+            if (rescale) row_max[c] = tile_max;
+            any_rescale |= rescale;
+            row_sum[c] *= correction[c];
+            max_scaled[c] = row_max[c] == neg_inf() ? 0.f : row_max[c] * scale_log2;
+        }
+        if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+            for (int dt = 0; dt < D_TILES16; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[dt][e] *= correction[e % 2];
+        }
+    }
+
+    // Step 2 for one m16 tile of keys: P^T = exp2(s * scale_log2 - max_scaled) added to the row
+    // sums, packed to 16 bits and transposed in registers (movmatrix) into the B operand of
+    // O^T += V^T P^T: keys 0-7 of the tile in b[0], keys 8-15 in b[1], row l/4.
+    template <typename Elem>
+    CF2_DEVICE void exp_pack(u32 (&b)[2], const float (&s)[4], float scale_log2) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = fast_exp2(fmaf(s[e], scale_log2, -max_scaled[e % 2]));
+        row_sum[0] += p[0] + p[2];
+        row_sum[1] += p[1] + p[3];
+        b[0] = movmatrix_trans(pack_pair<Elem>(p[0], p[1]));  // key l/4: rows 2(l%4), +1
+        b[1] = movmatrix_trans(pack_pair<Elem>(p[2], p[3]));  // key 8 + l/4
+    }
+
+    // Row c's sum over all its keys (every lane of the row's l%4 gets it).
+    CF2_DEVICE float total_sum(int c) const {
+        float x = row_sum[c];
+#pragma unroll
+        for (int step = 4; step < 32; step *= 2) x += __shfl_xor_sync(0xffffffffu, x, step);
+        return x;
+    }
+};
