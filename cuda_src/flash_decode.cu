@@ -36,28 +36,37 @@
 #include "constants.cuh"
 #include "kernel_params.cuh"
 
-template <int HEAD_DIM, int NUM_WARPS_, int KEYS_PER_WARP, int KV_STAGES>
+// BLOCK_M: the CTA's packed query rows, an m16 tile (DECODE_BLOCK_M), or at most 8 of them on
+// the n side of the mma (DECODE_BLOCK_M_N8: ROWS_ON_N), where a step's rows fit there (one
+// query token of a GQA group of up to 8): S^T = K Q^T and O^T = V^T P^T then spend no mma work
+// on padding rows, half of it for such a step on an m16 tile.
+template <int HEAD_DIM, int NUM_WARPS_, int KEYS_PER_WARP, int KV_STAGES,
+          int BLOCK_M_ = DECODE_BLOCK_M>
 struct DecodeTraits {
     static constexpr int NUM_WARPS = NUM_WARPS_;
     static constexpr int THREADS = NUM_WARPS * 32;
-    static constexpr int BLOCK_M = DECODE_BLOCK_M;  // one m16 tile
+    static constexpr int BLOCK_M = BLOCK_M_;
+    static constexpr bool ROWS_ON_N = BLOCK_M == DECODE_BLOCK_M_N8;
     static constexpr int BLOCK_N = NUM_WARPS * KEYS_PER_WARP;
     static constexpr int N_TILES = KEYS_PER_WARP / 8;
+    static constexpr int KEY_TILES = KEYS_PER_WARP / 16;  // m16 tiles of a warp's keys (ROWS_ON_N)
     static constexpr int D_TILES = HEAD_DIM / 8;
+    static constexpr int D_TILES16 = HEAD_DIM / 16;  // m16 tiles of O^T's columns (ROWS_ON_N)
     static constexpr int D_STEPS = HEAD_DIM / 16;
-    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
+    using QTile = SwizzledTile<DECODE_BLOCK_M, HEAD_DIM>;  // (ROWS_ON_N: rows 0-7 of it)
     using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
     // The merge of the warps' states reuses the stage buffers: O (fp32, rows MERGE_STRIDE floats
     // apart) and (m, l) per warp, then the CTA's result (O and lse) for a merge of the splits
     // inside a cluster.
-    static constexpr int MERGE_STRIDE = HEAD_DIM + DECODE_MERGE_ROW_PAD;
+    static constexpr int MERGE_STRIDE =
+        HEAD_DIM + (ROWS_ON_N ? DECODE_MERGE_ROW_PAD_N8 : DECODE_MERGE_ROW_PAD);
     static constexpr int MERGE_BYTES =
         (NUM_WARPS * (MERGE_STRIDE + 2) + HEAD_DIM + 1) * BLOCK_M * 4;
     static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
                                                           ? KV_STAGES * STAGE_BYTES
                                                           : MERGE_BYTES);
-    static_assert(BLOCK_M == 16, "a CTA's rows are one m16 tile");
+    static_assert(BLOCK_M == DECODE_BLOCK_M || ROWS_ON_N, "an m16 tile of rows, or an n8 one");
     static_assert(KEYS_PER_WARP % 16 == 0, "a warp's keys are whole k16 steps of P V");
     static_assert(KV_STAGES >= 2, "the KV loop is pipelined");
 };
@@ -146,11 +155,11 @@ __host__ __device__ constexpr int decode_min_ctas() {
 // the cache, its lengths, block table or batch index (attention_with_kvcache's
 // early_cache_reads), so they may be read before the wait.
 template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES,
-          bool EARLY_CACHE_READS>
+          bool EARLY_CACHE_READS, int BLOCK_M>
 __global__ void
 __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP>())
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
-    using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES>;
+    using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES, BLOCK_M>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
     constexpr float LN2 = 0.6931471805599453f;
@@ -238,11 +247,12 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                                                seqlen_k, head_chunks, thread_index_fresh());
     };
 
-    // This thread's two rows (g and g + 8 of the m16 tile): query position and head.
+    // This thread's two rows (g and g + 8 of the m16 tile; on the n side 2t and 2t + 1, t =
+    // lane % 4): query position and head.
     int row_position[2], row_head[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int packed = row_first + lane / 4 + 8 * half;
+        const int packed = row_first + (T::ROWS_ON_N ? 2 * (lane % 4) + half : lane / 4 + 8 * half);
         row_position[half] = packed / group;
         row_head[half] = kv_head * group + packed % group;
     }
@@ -260,9 +270,15 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     if constexpr (!EARLY_CACHE_READS) read_slopes();
     const ScoreMods<FEATURES & FEATURE_SOFTCAP> softcap(p.mods, p.seqlen_q, seqlen_k);
 
+    // A warp's state over its keys: on an m16 tile of rows, O and its softmax; with the rows on
+    // the n side, O^T, its softmax and Q's B fragments (loaded once, at the first tile).
     float acc_o[1][T::D_TILES][4];
     zero_fill(acc_o);
     OnlineSoftmax<1> softmax;
+    float acc_ot[1][T::D_TILES16][4];
+    zero_fill(acc_ot);
+    OnlineSoftmaxN8 softmax_n8;
+    u32 q_frag[T::D_STEPS][2];
     const int warp_key0 = warp * KEYS_PER_WARP;  // within the tile
 
     // The KV loop, KV_STAGES - 1 tiles ahead: step i loads tile i + KV_STAGES - 1 and computes
@@ -307,43 +323,114 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;
         const u32 v_smem = k_smem + KVTile::BYTES;
 
-        // S = Q K_w^T for this warp's keys.
-        float acc_s[1][T::N_TILES][4];
-        zero_fill(acc_s);
-        gemm_a_bt<Elem, 1, T::N_TILES, T::D_STEPS>(acc_s, rows_cursor<QTile>(q_smem, 0, lane),
-                                                   pairs_cursor<KVTile>(k_smem, warp_key0, lane));
-        softcap.apply_softcap(acc_s);
-        const int key_base = tile * T::BLOCK_N + warp_key0 + 2 * (lane % 4);
+        if constexpr (T::ROWS_ON_N) {
+            if (i == 0) {  // Q's B fragments: rows 0-7, 32 columns an ldmatrix.x4
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float position = static_cast<float>(row_position[half]);
-            const int lo = vis.lo(row_position[half]);
-            const int hi = vis.hi(row_position[half]);
-#pragma unroll
-            for (int nt = 0; nt < T::N_TILES; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = key_base + 8 * nt + e;
-                    float& s = acc_s[0][nt][2 * half + e];
-                    if constexpr ((FEATURES & FEATURE_ALIBI) != 0)
-                        s = fmaf(row_slope[half],
-                                 fabsf(position + static_cast<float>(vis.diag) - static_cast<float>(key)), s);
-                    if (key < lo || key >= hi) s = neg_inf();
+                for (int kq = 0; kq < HEAD_DIM / 32; ++kq) {
+                    u32 r4[4];
+                    ldmatrix_x4(r4, q_smem + QTile::offset(lane % 8, 4 * kq + lane / 8));
+                    q_frag[2 * kq][0] = r4[0];
+                    q_frag[2 * kq][1] = r4[1];
+                    q_frag[2 * kq + 1][0] = r4[2];
+                    q_frag[2 * kq + 1][1] = r4[3];
                 }
-        }
-        softmax.update_max(acc_s, acc_o, p.scale_log2);
-        // O_w += P V_w, one k16 slice of this warp's keys at a time.
+            }
+            // S^T = K_w Q^T: the warp's keys on m, the rows on n. The head dim's k16 steps
+            // alternate between two accumulators (half the dependent chain), added after.
+            float acc_s[1][T::KEY_TILES][4], acc_odd[1][T::KEY_TILES][4];
+            zero_fill(acc_s);
+            zero_fill(acc_odd);
+            const LdmatrixCursor<KVTile> k_frag = rows_cursor<KVTile>(k_smem, warp_key0, lane);
 #pragma unroll
-        for (int ks = 0; ks < KEYS_PER_WARP / 16; ++ks) {
-            u32 a[4];
-            softmax.template exp_pack<Elem>(a, acc_s[0][2 * ks], acc_s[0][2 * ks + 1], 0,
-                                            p.scale_log2);
-            const LdmatrixCursor<KVTile> v_frag = rows_cursor<KVTile>(v_smem, warp_key0, lane);
+            for (int ks = 0; ks < T::D_STEPS; ++ks)
 #pragma unroll
-            for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp));
-                mma_m16n16k16<Elem>(acc_o[0][2 * dp], acc_o[0][2 * dp + 1], a, b);
+                for (int kt = 0; kt < T::KEY_TILES; ++kt) {
+                    u32 a[4];
+                    ldmatrix_x4(a, k_frag.at(2 * kt, ks));
+                    mma_m16n8k16<Elem>(ks % 2 == 0 ? acc_s[0][kt] : acc_odd[0][kt], a, q_frag[ks]);
+                }
+#pragma unroll
+            for (int kt = 0; kt < T::KEY_TILES; ++kt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[0][kt][e] += acc_odd[0][kt][e];
+            softcap.apply_softcap(acc_s);
+            // Element e of key tile kt: key 16 kt + lane / 4 + 8 (e / 2), row 2 (lane % 4) + e % 2.
+            const int key_base = tile * T::BLOCK_N + warp_key0 + lane / 4;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float position = static_cast<float>(row_position[half]);
+                const int lo = vis.lo(row_position[half]);
+                const int hi = vis.hi(row_position[half]);
+#pragma unroll
+                for (int kt = 0; kt < T::KEY_TILES; ++kt)
+#pragma unroll
+                    for (int eh = 0; eh < 2; ++eh) {
+                        const int key = key_base + 16 * kt + 8 * eh;
+                        float& s = acc_s[0][kt][2 * eh + half];
+                        if constexpr ((FEATURES & FEATURE_ALIBI) != 0)
+                            s = fmaf(row_slope[half],
+                                     fabsf(position + static_cast<float>(vis.diag) -
+                                           static_cast<float>(key)),
+                                     s);
+                        if (key < lo || key >= hi) s = neg_inf();
+                    }
+            }
+            softmax_n8.update_max(acc_s[0], acc_ot[0], p.scale_log2);
+            // O^T_w += V_w^T P^T, one m16 tile of keys (a k16 step) at a time.
+            const LdmatrixCursor<KVTile> v_frag = pairs_cursor<KVTile>(v_smem, warp_key0, lane);
+#pragma unroll
+            for (int kt = 0; kt < T::KEY_TILES; ++kt) {
+                u32 b[2];
+                softmax_n8.template exp_pack<Elem>(b, acc_s[0][kt], p.scale_log2);
+#pragma unroll
+                for (int dt = 0; dt < T::D_TILES16; ++dt) {
+                    u32 a[4];
+                    ldmatrix_x4_trans(a, v_frag.at(2 * kt, dt));
+                    mma_m16n8k16<Elem>(acc_ot[0][dt], a, b);
+                }
+            }
+        } else {
+            // S = Q K_w^T for this warp's keys.
+            float acc_s[1][T::N_TILES][4];
+            zero_fill(acc_s);
+            gemm_a_bt<Elem, 1, T::N_TILES, T::D_STEPS>(
+                acc_s, rows_cursor<QTile>(q_smem, 0, lane),
+                pairs_cursor<KVTile>(k_smem, warp_key0, lane));
+            softcap.apply_softcap(acc_s);
+            const int key_base = tile * T::BLOCK_N + warp_key0 + 2 * (lane % 4);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float position = static_cast<float>(row_position[half]);
+                const int lo = vis.lo(row_position[half]);
+                const int hi = vis.hi(row_position[half]);
+#pragma unroll
+                for (int nt = 0; nt < T::N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = key_base + 8 * nt + e;
+                        float& s = acc_s[0][nt][2 * half + e];
+                        if constexpr ((FEATURES & FEATURE_ALIBI) != 0)
+                            s = fmaf(row_slope[half],
+                                     fabsf(position + static_cast<float>(vis.diag) -
+                                           static_cast<float>(key)),
+                                     s);
+                        if (key < lo || key >= hi) s = neg_inf();
+                    }
+            }
+            softmax.update_max(acc_s, acc_o, p.scale_log2);
+            // O_w += P V_w, one k16 slice of this warp's keys at a time.
+#pragma unroll
+            for (int ks = 0; ks < KEYS_PER_WARP / 16; ++ks) {
+                u32 a[4];
+                softmax.template exp_pack<Elem>(a, acc_s[0][2 * ks], acc_s[0][2 * ks + 1], 0,
+                                                p.scale_log2);
+                const LdmatrixCursor<KVTile> v_frag = rows_cursor<KVTile>(v_smem, warp_key0, lane);
+#pragma unroll
+                for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp));
+                    mma_m16n16k16<Elem>(acc_o[0][2 * dp], acc_o[0][2 * dp + 1], a, b);
+                }
             }
         }
     }
@@ -364,22 +451,45 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // The CTA's result for a merge inside its cluster: O [row][HEAD_DIM], then lse [row].
     float* result_o = merge_ml + T::NUM_WARPS * T::BLOCK_M * 2;
     float* result_lse = result_o + T::BLOCK_M * HEAD_DIM;
+    if constexpr (T::ROWS_ON_N) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = lane / 4 + 8 * half;
-        const float sum = quad_sum(softmax.row_sum[half]);
-        if (r >= rows) continue;  // rows past the block's end are never merged
-        if (lane % 4 == 0) {
-            const bool seen = softmax.row_max[half] != neg_inf() && sum > 0.f;
-            merge_ml[(warp * T::BLOCK_M + r) * 2] =
-                seen ? softmax.row_max[half] * p.scale_log2 : neg_inf();
-            merge_ml[(warp * T::BLOCK_M + r) * 2 + 1] = sum;
+        for (int half = 0; half < 2; ++half) {
+            // O^T's element e of column tile dt: row 2 (lane % 4) + e % 2, column 16 dt + lane / 4
+            // + 8 (e / 2); with rows MERGE_STRIDE = 4 mod 32 floats apart a store covers 32 banks.
+            const int r = 2 * (lane % 4) + half;
+            const float sum = softmax_n8.total_sum(half);
+            if (r >= rows) continue;
+            if (lane < 4) {
+                const bool seen = softmax_n8.row_max[half] != neg_inf() && sum > 0.f;
+                merge_ml[(warp * T::BLOCK_M + r) * 2] =
+                    seen ? softmax_n8.row_max[half] * p.scale_log2 : neg_inf();
+                merge_ml[(warp * T::BLOCK_M + r) * 2 + 1] = sum;
+            }
+#pragma unroll
+            for (int dt = 0; dt < T::D_TILES16; ++dt)
+#pragma unroll
+                for (int eh = 0; eh < 2; ++eh)
+                    merge_o[(warp * T::BLOCK_M + r) * T::MERGE_STRIDE + 16 * dt + 8 * eh +
+                            lane / 4] = acc_ot[0][dt][2 * eh + half];
         }
+    } else {
 #pragma unroll
-        for (int dt = 0; dt < T::D_TILES; ++dt)
-            *reinterpret_cast<float2*>(merge_o + (warp * T::BLOCK_M + r) * T::MERGE_STRIDE +
-                                       8 * dt + 2 * (lane % 4)) =
-                make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+            const int r = lane / 4 + 8 * half;
+            const float sum = quad_sum(softmax.row_sum[half]);
+            if (r >= rows) continue;  // rows past the block's end are never merged
+            if (lane % 4 == 0) {
+                const bool seen = softmax.row_max[half] != neg_inf() && sum > 0.f;
+                merge_ml[(warp * T::BLOCK_M + r) * 2] =
+                    seen ? softmax.row_max[half] * p.scale_log2 : neg_inf();
+                merge_ml[(warp * T::BLOCK_M + r) * 2 + 1] = sum;
+            }
+#pragma unroll
+            for (int dt = 0; dt < T::D_TILES; ++dt)
+                *reinterpret_cast<float2*>(merge_o + (warp * T::BLOCK_M + r) * T::MERGE_STRIDE +
+                                           8 * dt + 2 * (lane % 4)) =
+                    make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+        }
     }
     __syncthreads();
     // Each row is merged by THREADS / BLOCK_M threads: the row's weights once per thread, then
@@ -388,9 +498,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // this epilogue is on every CTA's critical path, and short CTAs (batch 1, many splits) are
     // mostly epilogue.
     constexpr int ROW_THREADS = T::THREADS / T::BLOCK_M;
-    constexpr int ROW_CHUNKS = HEAD_DIM / 4 / ROW_THREADS;  // float4 chunks per thread
-    static_assert(T::THREADS % T::BLOCK_M == 0 && (HEAD_DIM / 4) % ROW_THREADS == 0,
-                  "the rows' column chunks divide between their threads");
+    // float4 chunks per thread (the last pass partial where they do not divide: 8 rows)
+    constexpr int ROW_CHUNKS = (HEAD_DIM / 4 + ROW_THREADS - 1) / ROW_THREADS;
+    constexpr bool WHOLE_PASSES = (HEAD_DIM / 4) % ROW_THREADS == 0;
+    static_assert(T::THREADS % T::BLOCK_M == 0, "whole rows of threads");
     const int r = tid / ROW_THREADS, t = tid % ROW_THREADS;
     const int group_id = (batch * gridDim.y + kv_head) * p.num_m_blocks + m_block;
     const i64 partial_row = (static_cast<i64>(group_id) * p.num_splits + split) * T::BLOCK_M + r;
@@ -424,6 +535,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         for (int j = 0; j < ROW_CHUNKS; ++j) {
             const int c = 4 * (t + ROW_THREADS * j);
             o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (!WHOLE_PASSES && c >= HEAD_DIM) continue;
 #pragma unroll
             for (int w = 0; w < T::NUM_WARPS; ++w) {
                 const float4 x = *reinterpret_cast<const float4*>(

@@ -62,12 +62,18 @@ CONVERT_THREADS = 256
 MASK_WARPS = 8
 #: The deterministic dQ kernel: 4 warps of 16 query rows.
 BWD_DQ_WARPS = 4
-#: The decode kernel's packed query rows a CTA.
+#: The decode kernel's packed query rows a CTA: an m16 tile of the mma, or at most
+#: DECODE_BLOCK_M_N8 on its n side, where a step's rows fit there (S^T = K Q^T: no mma work on
+#: padding rows; flash_decode.cu, DecodeTraits).
 DECODE_BLOCK_M = 16
+DECODE_BLOCK_M_N8 = 8
 #: Floats after each row of the decode kernel's warps' O in shared memory (flash_decode.cu:
 #: MERGE_STRIDE): rows 8 floats apart put a warp's 8-byte stores of its accumulator fragments on
 #: 32 different banks.
 DECODE_MERGE_ROW_PAD = 8
+#: The same with the rows on the n side: a warp's 4-byte stores of O^T fragments (8 columns x 4
+#: rows) cover 32 banks with rows 4 floats (mod 32) apart.
+DECODE_MERGE_ROW_PAD_N8 = 4
 #: Rows of the backward's per-row arrays per dQ semaphore slot of the deterministic Hopper
 #: backward (zeroed by the preprocess): a query block's head-dim chunk c orders its additions on
 #: the slot of the block's first row, plus c. Varlen sequences start on 4-row boundaries there
@@ -82,7 +88,8 @@ CUDA_CONSTANTS = {
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
-    "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD, "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
+    "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
+    "DECODE_MERGE_ROW_PAD_N8": DECODE_MERGE_ROW_PAD_N8, "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
 }
 
 
@@ -808,8 +815,8 @@ def all_bwd_configs(arch: int, features=(0,)) -> list:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """One specialisation of flash_decode.cu: 16 packed query rows a CTA, warps splitting each
-    KV tile by keys."""
+    """One specialisation of flash_decode.cu: `block_m` packed query rows a CTA (an m16 tile, or
+    DECODE_BLOCK_M_N8 on the mma's n side), warps splitting each KV tile by keys."""
 
     dtype: str
     head_dim: int
@@ -820,8 +827,7 @@ class DecodeConfig:
     # The cache read before the previous kernel ends (attention_with_kvcache's
     # early_cache_reads, with a programmatic launch).
     early_cache_reads: bool = False
-
-    block_m = DECODE_BLOCK_M
+    block_m: int = DECODE_BLOCK_M
 
     @property
     def block_n(self) -> int:
@@ -833,11 +839,12 @@ class DecodeConfig:
 
     @property
     def smem_bytes(self) -> int:
-        q = 2 * self.block_m * self.head_dim
+        q = 2 * DECODE_BLOCK_M * self.head_dim  # an m16 tile (rows on n: its first 8)
         stages = self.kv_stages * 2 * 2 * self.block_n * self.head_dim
         # After the KV loop: the warps' states (O's rows padded, then (m, l)), then the CTA's
         # result for a cluster merge.
-        merge = ((self.num_warps * (self.head_dim + DECODE_MERGE_ROW_PAD + 2) + self.head_dim + 1)
+        pad = DECODE_MERGE_ROW_PAD_N8 if self.block_m == DECODE_BLOCK_M_N8 else DECODE_MERGE_ROW_PAD
+        merge = ((self.num_warps * (self.head_dim + pad + 2) + self.head_dim + 1)
                  * self.block_m * 4)
         return q + max(stages, merge)
 
@@ -849,29 +856,31 @@ class DecodeConfig:
     def name_expression(self) -> str:
         return (f"flash_decode_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.num_warps}, "
                 f"{self.keys_per_warp}, {self.kv_stages}, {self.features}, "
-                f"{str(self.early_cache_reads).lower()}>")
+                f"{str(self.early_cache_reads).lower()}, {self.block_m}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
             f"DecodeTraits<{self.head_dim}, {self.num_warps}, {self.keys_per_warp}, "
-            f"{self.kv_stages}>", self, block_m=True)
+            f"{self.kv_stages}, {self.block_m}>", self, block_m=True)
 
 
 @functools.lru_cache(maxsize=None)
-def decode_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
+def decode_config(dtype: str, head_dim: int, arch: int,
+                  block_m: int = DECODE_BLOCK_M) -> DecodeConfig:
     """4 warps of 16 keys (64-key tiles); of the cp.async stage counts (2 to 4) and CTAs per SM
     that fit, the one with the most KV tiles in flight per SM (CTAs x (stages - 1)), at least two
     CTAs per SM where possible, more CTAs on a tie: decoding is bound by the cache bytes in
     flight, and a single CTA per SM leaves mid-sized grids short of them (H200, d=128: two CTAs
     of three stages beat three of two and one of four, docs/DECODE_DESIGN.md). 2 warps where
-    even one CTA of two stages does not fit."""
+    even one CTA of two stages does not fit. `block_m`: DECODE_BLOCK_M, or DECODE_BLOCK_M_N8
+    for the rows on the mma's n side."""
     d = kernel_head_dim(head_dim)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     for warps, min_ctas in ((4, 2), (4, 1), (2, 1)):
         fitting = []
         for stages in (2, 3, 4):
-            config = DecodeConfig(dtype, d, warps, 16, stages)
+            config = DecodeConfig(dtype, d, warps, 16, stages, block_m=block_m)
             ctas = min(3, smem_per_sm // (config.smem_bytes + 1024))  # 3: the register budget
             if ctas >= min_ctas:
                 fitting.append((ctas * (stages - 1), ctas, config))
@@ -907,9 +916,11 @@ def decode_cluster_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
 
 def all_decode_configs(arch: int, features=(0,)) -> list:
     """Every decode specialisation the dispatcher can choose on `arch`."""
-    configs = [with_features(decode_config(dtype, d, arch), f) for f in features
-               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+    rows = (DECODE_BLOCK_M, DECODE_BLOCK_M_N8)
+    configs = [with_features(decode_config(dtype, d, arch, m), f) for f in features
+               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS for m in rows]
     if arch >= CLUSTER_MIN_ARCH:
+        # (clustered steps keep their rows on an m16 tile: _kvcache.choose_splits)
         configs += [with_features(decode_cluster_config(dtype, d, arch), f) for f in features
                     for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
         # Programmatic launches (from _launch.PROGRAMMATIC_MIN_ARCH, the same arch) may read

@@ -20,6 +20,11 @@ MAX_CLUSTER_SPLITS = _configs.MAX_CLUSTER_SPLITS
 #: shared memory (split_merge.cuh), at most MAX_CLUSTER_SPLITS of them; False: the barrier
 #: through L2 everywhere (development: measuring the two).
 CLUSTER_MERGE = True
+#: A step whose packed query rows fit DECODE_BLOCK_M_N8 (one token of a GQA group of up to 8)
+#: runs the decode kernel with its rows on the mma's n side (no mma work on padding rows), unless
+#: its splits merge in a cluster (choose_splits); False: on an m16 tile everywhere
+#: (development: measuring the two).
+ROWS_ON_N = True
 #: The automatic split count stops here: a step that merges more partial results a row block
 #: ends later than it streams faster (H200, in a CUDA graph, batch 1: 32 splits beat 64 by
 #: 1.1-1.2 us from 4k to 64k tokens; docs/DECODE_DESIGN.md).
@@ -99,10 +104,15 @@ def choose_splits(config, requested: int, groups: int, tiles: int, device_id: in
     short = -(-tiles // max(splits, 1)) <= _configs.CLUSTER_MAX_TILES_PER_SPLIT
     if splits < 2 or (requested == 0 and not short):
         return config, barrier_splits, 1
+    # A clustered step keeps its rows on an m16 tile: with them on the n side the batch-1 4k
+    # step in a graph took 9.6 against 9.4 us a layer (its last split, which loads its tile
+    # of new tokens after the wait, ended later), where every step merging through L2 gained
+    # 0.4-0.6 us (docs/DECODE_DESIGN.md). (Such a step has at most 8 rows: one m16 block too.)
+    m16 = dataclasses.replace(config, block_m=_configs.DECODE_BLOCK_M)
     deep = dataclasses.replace(
         _configs.with_features(_configs.decode_cluster_config(dtype, head_dim, arch), features),
         early_cache_reads=config.early_cache_reads)
-    for candidate in dict.fromkeys((deep, config) if short else (config,)):
+    for candidate in dict.fromkeys((deep, m16) if short else (m16,)):
         if _launch.cluster_fits(candidate, device_id, splits, groups):
             return candidate, splits, splits
     return config, barrier_splits, 1
@@ -214,15 +224,17 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     window = _validate.check_window(window_size, causal, kv.seqlen_q, kv.capacity)
     # The decode kernel (compiled here if need be) and its split count.
     arch = _prepare.device_arch(device_id)
-    config = _configs.with_features(_configs.decode_config(problem.dtype, kv.head_dim, arch),
-                                    mods.features)
+    group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
+    block_m = (_configs.DECODE_BLOCK_M_N8 if ROWS_ON_N and kv.seqlen_q * group
+               <= _configs.DECODE_BLOCK_M_N8 else _configs.DECODE_BLOCK_M)
+    config = _configs.with_features(
+        _configs.decode_config(problem.dtype, kv.head_dim, arch, block_m), mods.features)
     # The kernel waits for the previous kernel's writes itself (dependent_launch.cuh), so a
     # programmatic launch lets it start while that kernel finishes; with the caller's promise
     # its specialisation reads the cache meanwhile (without the overlap there is nothing to gain).
     programmatic = _launch.programmatic_available(arch)
     if early_cache_reads and programmatic:
         config = dataclasses.replace(config, early_cache_reads=True)
-    group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
     m_blocks = -(-kv.seqlen_q * group // config.block_m)
     tiles = -(-kv.capacity // config.block_n)
     groups = m_blocks * kv.nheads_kv * kv.batch

@@ -98,18 +98,20 @@ def _hopper_backward(dtype, head_dims) -> None:
 
 def _decode(dtype, d) -> None:
     """attention_with_kvcache: contiguous and paged caches (page 16), append, splits, the
-    cache read before the previous kernel ends (early_cache_reads)."""
+    cache read before the previous kernel ends (early_cache_reads); 12 query rows a KV head on
+    an m16 tile and one token's 4 on the mma's n side."""
     rng = numpy.random.default_rng(d)
     q = cupy.asarray(rng.standard_normal((2, 3, 8, d)).astype(dtype))
     k_cache = cupy.asarray(rng.standard_normal((2, 96, 2, d)).astype(dtype))
     v_cache = cupy.asarray(rng.standard_normal((2, 96, 2, d)).astype(dtype))
     k_new = cupy.asarray(rng.standard_normal((2, 2, 2, d)).astype(dtype))
     lengths = cupy.asarray(numpy.array([90, 5], numpy.int32))
-    for splits, early in ((1, False), (3, False), (1, True), (3, True), (0, True)):
-        out = cuflash2.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new,
-                                              cache_seqlens=lengths, causal=True,
-                                              num_splits=splits, early_cache_reads=early)
-        assert not bool(cupy.isnan(out).any())
+    for query in (q, q[:, :1].copy()):
+        for splits, early in ((1, False), (3, False), (1, True), (3, True), (0, True)):
+            out = cuflash2.attention_with_kvcache(query, k_cache, v_cache, k=k_new, v=k_new,
+                                                  cache_seqlens=lengths, causal=True,
+                                                  num_splits=splits, early_cache_reads=early)
+            assert not bool(cupy.isnan(out).any())
     pages = k_cache.reshape(12, 16, 2, d)
     table = cupy.asarray(numpy.arange(12, dtype=numpy.int32).reshape(2, 6)[:, ::-1].copy())
     out = cuflash2.attention_with_kvcache(q, pages, pages.copy(), k=k_new, v=k_new,
