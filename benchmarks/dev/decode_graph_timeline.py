@@ -31,7 +31,7 @@ _HEADER = r"""
 // Stamps are kept in the first thread's registers and written once, at the CTA's end, to the
 // slot of (layer, CTA, point): no atomics or loads on the way (the layer comes from cf2_tags,
 // loaded at the start and compared at the end).
-#define CF2_POINTS 13
+#define CF2_POINTS 15
 #define CF2_LAYERS 8
 #define CF2_MAX_CTAS 4096
 __device__ unsigned long long cf2_tags[CF2_LAYERS];
@@ -63,9 +63,10 @@ __device__ unsigned long long cf2_records[CF2_LAYERS * CF2_MAX_CTAS * CF2_POINTS
 DECODE_POINTS = ("start", "cache length read", "early: previous kernel done (wait)",
                  "early: q and the first tiles landed",
                  "first tile computed from", "last tile computed", "partial written",
-                 "splits met", "merged", "end", "warps met")
+                 "splits met", "merged", "end", "warps met", "step 0's copies landed (barrier)",
+                 "second tile computed from")
 #: Slots past the points: SM cycles and timer ns from a CTA's start to its end (the clock).
-CLOCK_SLOTS = (11, 12)
+CLOCK_SLOTS = (13, 14)
 # (anchor, replacement): each anchor occurs once in flash_decode.cu (checked).
 _DECODE_STAMPS = (
     ("    const int tid = threadIdx.x;\n",
@@ -79,8 +80,11 @@ _DECODE_STAMPS = (
     ("                cp_async_wait<0>();  // Q, and the tiles loaded before the wait\n",
      "                cp_async_wait<0>();  // Q, and the tiles loaded before the wait\n"
      "                CF2_STAMP(p.k_cache, 3)\n"),
+    ("            cp_async_wait<KV_STAGES - 2>();\n            __syncthreads();\n",
+     "            cp_async_wait<KV_STAGES - 2>();\n            __syncthreads();\n"
+     "            if (i == 0) { CF2_STAMP(p.k_cache, 11) }\n"),
     ("        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n",
-     "        if (i == 0) { CF2_STAMP(p.k_cache, 4) }\n"
+     "        if (i == 0) { CF2_STAMP(p.k_cache, 4) }\n        if (i == 1) { CF2_STAMP(p.k_cache, 12) }\n"
      "        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n"),
     ("    allow_dependent_launch();\n",
      "    CF2_STAMP(p.k_cache, 5)\n    allow_dependent_launch();\n"),
@@ -178,7 +182,7 @@ class Recorder:
         return total
 
 
-LAYERS, MAX_CTAS, POINTS = 8, 4096, 13
+LAYERS, MAX_CTAS, POINTS = 8, 4096, 15
 
 
 def summary(stamps, points, t0, label) -> str:
