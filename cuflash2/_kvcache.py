@@ -97,25 +97,29 @@ def choose_splits(config, requested: int, groups: int, tiles: int, device_id: in
     the cache faster (docs/DECODE_DESIGN.md, in-graph measurements)."""
     slots = decode_slots(config, device_id)
     barrier_splits = _even(num_splits_for(requested, groups, tiles, slots), tiles)
-    if not (CLUSTER_MERGE and arch >= _configs.CLUSTER_MIN_ARCH and _launch.extended_available()
+    if not (CLUSTER_MERGE and arch >= _configs.CLUSTER_MIN_ARCH
             and requested <= MAX_CLUSTER_SPLITS):
         return config, barrier_splits, 1
     splits = _even(num_splits_for(requested, groups, tiles, slots, MAX_CLUSTER_SPLITS), tiles)
     short = -(-tiles // max(splits, 1)) <= _configs.CLUSTER_MAX_TILES_PER_SPLIT
     if splits < 2 or (requested == 0 and not short):
         return config, barrier_splits, 1
-    # A clustered step keeps its rows on an m16 tile: with them on the n side the batch-1 4k
-    # step in a graph took 9.6 against 9.4 us a layer (its last split, which loads its tile
-    # of new tokens after the wait, ended later), where every step merging through L2 gained
-    # 0.4-0.6 us (docs/DECODE_DESIGN.md). (Such a step has at most 8 rows: one m16 block too.)
+    # A step that forms a cluster keeps its rows on an m16 tile: with them on the n side the
+    # batch-1 4k step in a graph took 9.6 against 9.4 us a layer (its last split, which loads its
+    # tile of new tokens after the wait, ended later), where every step merging through L2
+    # gained 0.4-0.6 us (docs/DECODE_DESIGN.md). So does such a step where no cluster launches
+    # or fits: it then merges through L2 on the same kernel, and a launch path without clusters
+    # gives the same bits. (Such a step has at most 8 rows: one m16 block too.)
     m16 = dataclasses.replace(config, block_m=_configs.DECODE_BLOCK_M)
-    deep = dataclasses.replace(
-        _configs.with_features(_configs.decode_cluster_config(dtype, head_dim, arch), features),
-        early_cache_reads=config.early_cache_reads)
-    for candidate in dict.fromkeys((deep, m16) if short else (m16,)):
-        if _launch.cluster_fits(candidate, device_id, splits, groups):
-            return candidate, splits, splits
-    return config, barrier_splits, 1
+    if _launch.extended_available():
+        deep = dataclasses.replace(
+            _configs.with_features(_configs.decode_cluster_config(dtype, head_dim, arch),
+                                   features),
+            early_cache_reads=config.early_cache_reads)
+        for candidate in dict.fromkeys((deep, m16) if short else (m16,)):
+            if _launch.cluster_fits(candidate, device_id, splits, groups):
+                return candidate, splits, splits
+    return m16, barrier_splits, 1
 
 
 def decode_slots(config, device_id: int) -> int:

@@ -91,6 +91,31 @@ def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clu
     assert choose(0, 4, 64) == (config, 32, 1)
 
 
+@pytest.mark.parametrize("clusters_launch", [True, False])
+def test_a_step_that_forms_a_cluster_keeps_its_rows_on_an_m16_tile(monkeypatch, clusters_launch):
+    """A step whose rows fit the mma's n side (one token of a GQA group) runs that kernel unless
+    its splits form a cluster; such a step runs the m16 kernel whether or not clusters launch,
+    so a launch path without them merges through L2 on the same kernel (the same bits)."""
+    from cuflash2 import _configs, _kvcache, _launch
+
+    monkeypatch.setattr(_kvcache, "decode_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(_launch, "cluster_fits", _Fits(64))
+    monkeypatch.setattr(_launch, "extended_available", lambda: clusters_launch)
+    n8 = _configs.decode_config("float16", 128, 90, _configs.DECODE_BLOCK_M_N8)
+    m16 = dataclasses.replace(n8, block_m=_configs.DECODE_BLOCK_M)
+    assert n8.block_m == 8 and m16 == _configs.decode_config("float16", 128, 90)
+    deep = _configs.decode_cluster_config("float16", 128, 90)
+
+    def choose(requested, groups, tiles, arch=90):
+        return _kvcache.choose_splits(n8, requested, groups, tiles, 0, arch, "float16", 128, 0)
+
+    assert choose(7, 4, 256) == ((m16, 7, 7) if clusters_launch else (m16, 7, 1))
+    assert choose(0, 4, 64) == ((deep, 16, 16) if clusters_launch else (m16, 32, 1))
+    assert choose(0, 4, 256) == (n8, 32, 1)
+    assert choose(64, 4, 256) == (n8, 64, 1)
+    assert choose(0, 4, 64, arch=80) == (n8, 32, 1)
+
+
 def test_launch_attribute_structs_match_cuda_h():
     """The ctypes mirrors of cuda.h's CUlaunchAttribute and CUlaunchConfig (the libcuda launch
     path): sizes and offsets as the C compiler lays them out."""
