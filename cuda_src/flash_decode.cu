@@ -4,10 +4,11 @@
 // Decoding is bound by reading the cache, so the kernel is built around reading it once:
 // - The query heads that share a KV head are packed into the rows (row rr = query position
 //   rr / group, head kv_head * group + rr % group), so each K/V byte serves the whole group; a CTA
-//   owns one m16 tile of such rows.
+//   owns one m16 tile of such rows, or, where a step has at most 8, holds them on the n side of
+//   the mma (ROWS_ON_N: S^T = K Q^T and O^T = V^T P^T, no mma work on padding rows).
 // - Its warps (4, or 2 where shared memory is short) split every KV tile by keys (KEYS_PER_WARP
 //   each) instead of splitting the rows: each warp keeps its own online softmax (m, l) and
-//   unnormalised O for the 16 rows, and the warps' partial states are merged through shared
+//   unnormalised O for the CTA's rows, and the warps' partial states are merged through shared
 //   memory once, after the last tile.
 // - K/V tiles stream through KV_STAGES cp.async stages; rows come from a contiguous or paged
 //   cache (kv_cache.cuh), positions past the sequence's cache length are never read.
