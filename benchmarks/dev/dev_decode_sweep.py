@@ -45,8 +45,9 @@ def main():
         if variant is None:
             _configs.decode_config = dispatcher
         else:
-            def chosen(dtype, head_dim, arch, variant=variant):
-                return _configs.DecodeConfig(dtype, _configs.kernel_head_dim(head_dim), *variant)
+            def chosen(dtype, head_dim, arch, block_m=_configs.DECODE_BLOCK_M, variant=variant):
+                return _configs.DecodeConfig(dtype, _configs.kernel_head_dim(head_dim), *variant,
+                                             block_m=block_m)
             _configs.decode_config = chosen
         for nheads, nheads_kv in bench.DECODE_HEADS:
             for cache_len in args.caches:
