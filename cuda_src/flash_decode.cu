@@ -281,6 +281,17 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     OnlineSoftmaxN8 softmax_n8;
     u32 q_frag[T::D_STEPS][2];
     const int warp_key0 = warp * KEYS_PER_WARP;  // within the tile
+    // Score s of this thread's row `half` at key `key`: ALiBi's bias, then the row's visible
+    // keys [lo, hi) (causal, window, the sequence's end; vis.lo / vis.hi of the row, computed
+    // once a row); the others are -inf.
+    auto bias_and_mask = [&](float& s, int half, int key, int lo, int hi) {
+        if constexpr ((FEATURES & FEATURE_ALIBI) != 0)
+            s = fmaf(row_slope[half],
+                     fabsf(static_cast<float>(row_position[half]) + static_cast<float>(vis.diag) -
+                           static_cast<float>(key)),
+                     s);
+        if (key < lo || key >= hi) s = neg_inf();
+    };
 
     // The KV loop, KV_STAGES - 1 tiles ahead: step i loads tile i + KV_STAGES - 1 and computes
     // tile i; the first KV_STAGES - 1 steps only load. One place issues the loads, so their code
@@ -359,22 +370,13 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             const int key_base = tile * T::BLOCK_N + warp_key0 + lane / 4;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const float position = static_cast<float>(row_position[half]);
-                const int lo = vis.lo(row_position[half]);
-                const int hi = vis.hi(row_position[half]);
+                const int lo = vis.lo(row_position[half]), hi = vis.hi(row_position[half]);
 #pragma unroll
                 for (int kt = 0; kt < T::KEY_TILES; ++kt)
 #pragma unroll
-                    for (int eh = 0; eh < 2; ++eh) {
-                        const int key = key_base + 16 * kt + 8 * eh;
-                        float& s = acc_s[0][kt][2 * eh + half];
-                        if constexpr ((FEATURES & FEATURE_ALIBI) != 0)
-                            s = fmaf(row_slope[half],
-                                     fabsf(position + static_cast<float>(vis.diag) -
-                                           static_cast<float>(key)),
-                                     s);
-                        if (key < lo || key >= hi) s = neg_inf();
-                    }
+                    for (int eh = 0; eh < 2; ++eh)
+                        bias_and_mask(acc_s[0][kt][2 * eh + half], half,
+                                      key_base + 16 * kt + 8 * eh, lo, hi);
             }
             softmax_n8.update_max(acc_s[0], acc_ot[0], p.scale_log2);
             // O^T_w += V_w^T P^T, one m16 tile of keys (a k16 step) at a time.
@@ -401,22 +403,13 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             const int key_base = tile * T::BLOCK_N + warp_key0 + 2 * (lane % 4);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const float position = static_cast<float>(row_position[half]);
-                const int lo = vis.lo(row_position[half]);
-                const int hi = vis.hi(row_position[half]);
+                const int lo = vis.lo(row_position[half]), hi = vis.hi(row_position[half]);
 #pragma unroll
                 for (int nt = 0; nt < T::N_TILES; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = key_base + 8 * nt + e;
-                        float& s = acc_s[0][nt][2 * half + e];
-                        if constexpr ((FEATURES & FEATURE_ALIBI) != 0)
-                            s = fmaf(row_slope[half],
-                                     fabsf(position + static_cast<float>(vis.diag) -
-                                           static_cast<float>(key)),
-                                     s);
-                        if (key < lo || key >= hi) s = neg_inf();
-                    }
+                    for (int e = 0; e < 2; ++e)
+                        bias_and_mask(acc_s[0][nt][2 * half + e], half, key_base + 8 * nt + e,
+                                      lo, hi);
             }
             softmax.update_max(acc_s, acc_o, p.scale_log2);
             // O_w += P V_w, one k16 slice of this warp's keys at a time.
