@@ -72,17 +72,25 @@ struct DecodeTraits {
     static_assert(KV_STAGES >= 2, "the KV loop is pipelined");
 };
 
+// A bool as a type: what picks one of a generic lambda's specialisations at compile time.
+template <bool VALUE>
+struct CompileTimeBool {
+    static constexpr bool value = VALUE;
+};
+
 // Copies the K and V rows of positions key0 .. key0 + BLOCK_N - 1 into swizzled tiles: positions
 // from cache_len on are new tokens, read from k_new_rows / v_new_rows; rows at or past seqlen_k,
 // rows outside the cache (bad block ids) and chunks past head_dim are zero-filled without being
 // read.
 //
 // A decoding step runs this code once or a few times per CTA, cold: the instruction fetches, not
-// the arithmetic, are what a short CTA waits on, so the code is kept small. Tiles whose rows all
-// lie in one block of the cache (a contiguous cache, or pages of a multiple of BLOCK_N positions)
-// and all precede cache_len take the fast path: one lookup for the tile, then each thread keeps
-// one 16-byte chunk and steps its K and V addresses by a constant. The other tiles (the last one,
-// with the new tokens; pages shorter than a tile) locate each row once for K and V.
+// the arithmetic, are what a short CTA waits on, so the code is kept small. Tiles that start
+// with a cached position and lie in one block of the cache (a contiguous cache, or pages of a
+// multiple of BLOCK_N positions) take the fast path: one lookup for the tile, then each thread
+// keeps one 16-byte chunk and steps its K and V addresses by a constant over the cached rows;
+// the last tile's other rows (new tokens, rows past seqlen_k) follow one by one. The other tiles
+// (pages shorter than a tile, tiles of new tokens only, head dims above 128) locate each row once
+// for K and V.
 template <class Tile, int THREADS>
 CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& index,
                                    const KVCacheRows& k_rows, const KVCacheRows& v_rows,
@@ -112,21 +120,40 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
         const int chunk = tid % Tile::CHUNKS;
         const int row0 = tid / Tile::CHUNKS;
         int block, cache_row;
+        // The tile's rows of cached positions (all of them but in the last tile).
+        const int cached_rows = min(min(seqlen_k, cache_len) - key0, Tile::ROWS);
         // (Above d=128 the accumulators leave no registers for the stepped addresses.)
-        if (Tile::COLS <= 128 && key0 + Tile::ROWS <= min(seqlen_k, cache_len) &&
+        if (Tile::COLS <= 128 && cached_rows > 0 &&
             (index.block_table == nullptr || index.page_size % Tile::ROWS == 0) &&
             index.locate(key0, block, cache_row)) {
             const bool valid = chunk < head_chunks;
             const u16* k_src = k_rows.at(block, cache_row + row0) + chunk * 8;
             const u16* v_src = v_rows.at(block, cache_row + row0) + chunk * 8;
             const i64 k_step = ROW_STEP * k_rows.row_stride, v_step = ROW_STEP * v_rows.row_stride;
+            auto copy_cached_rows = [&](auto whole_tile) {
 #pragma unroll
-            for (int i = 0; i < Tile::ROWS / ROW_STEP; ++i) {
-                const u32 offset = Tile::offset(row0 + i * ROW_STEP, chunk);
-                cp_async_16(k_smem + offset, valid ? k_src : k_rows.head_base, valid);
-                cp_async_16(v_smem + offset, valid ? v_src : v_rows.head_base, valid);
-                k_src += k_step;
-                v_src += v_step;
+                for (int i = 0; i < Tile::ROWS / ROW_STEP; ++i) {
+                    const int row = row0 + i * ROW_STEP;
+                    const u32 offset = Tile::offset(row, chunk);
+                    if (whole_tile.value || row < cached_rows) {
+                        cp_async_16(k_smem + offset, valid ? k_src : k_rows.head_base, valid);
+                        cp_async_16(v_smem + offset, valid ? v_src : v_rows.head_base, valid);
+                    }
+                    k_src += k_step;
+                    v_src += v_step;
+                }
+            };
+            if (cached_rows == Tile::ROWS) {
+                copy_cached_rows(CompileTimeBool<true>{});  // every row cached: no test a row
+            } else {
+                // The last tile: its other rows (new tokens; zeros from seqlen_k on), a few at
+                // most, one by one. It stays on this path, where a path of its own, run once a
+                // step by one split, had made that split ~1 us later than the others (H200, in a
+                // CUDA graph).
+                copy_cached_rows(CompileTimeBool<false>{});
+                for (int idx = cached_rows * Tile::CHUNKS + tid; idx < Tile::ROWS * Tile::CHUNKS;
+                     idx += THREADS)
+                    copy_row(idx / Tile::CHUNKS, idx % Tile::CHUNKS);
             }
         } else {
 #pragma unroll 2
