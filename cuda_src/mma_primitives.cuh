@@ -85,6 +85,24 @@ CF2_DEVICE void cp_async_16(u32 smem_addr, const void* gmem_ptr, bool valid) {
                  : "memory");
 }
 
+// An L2 eviction policy that evicts the lines it brings in first: for data read once, so that
+// streaming it does not push out what is read again (code, partial results, small inputs).
+CF2_DEVICE unsigned long long l2_evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
+// cp_async_16 with an L2 eviction policy (l2_evict_first_policy).
+CF2_DEVICE void cp_async_16_policy(u32 smem_addr, const void* gmem_ptr, bool valid,
+                                   unsigned long long policy) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                 :
+                 : "r"(smem_addr), "l"(gmem_ptr), "r"(src_bytes), "l"(policy)
+                 : "memory");
+}
+
 CF2_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 template <int PENDING_GROUPS>
