@@ -62,14 +62,16 @@ def main():
     flush = bench.l2_flush(cupy)
     stream_buf = cupy.ones(args.stream * (1 << 18), dtype=cupy.float32)
     lines = args.fmas * 16 / 128
+
+    def flush_and_read():
+        flush()
+        float(stream_buf.sum())
+
     kernel((sms,), (32,), (cycles, sink))  # loads the module; not measured
-    for label, before in (("after an L2 flush", flush), ("right after the previous launch", None),
-                          (f"after a flush and {args.stream} MB read", "stream")):
-        if before == "stream":
-            flush()
-            float(stream_buf.sum())
-        elif before is not None:
-            before()
+    for label, before in (("after an L2 flush", flush),
+                          ("right after the previous launch", lambda: None),
+                          (f"after a flush and {args.stream} MB read", flush_and_read)):
+        before()
         cupy.cuda.Device().synchronize()
         kernel((sms,), (32,), (cycles, sink))
         c = cycles.get().reshape(sms, 2)
