@@ -177,6 +177,22 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
     }
 }
 
+// Where a merged 4-float column chunk of an output row goes: out, and with the row's first
+// chunk its lse (log2 units in, natural log out; +inf for a row that saw no key, attention's
+// convention). Located before the split merge's wait (split_merge.cuh: merge_splits).
+template <class Elem>
+struct OutputChunk {
+    u16* out;
+    float* lse;  // null but for the first chunk
+
+    CF2_DEVICE void operator()(float4 o, float lse2) const {
+        *reinterpret_cast<uint2*>(out) =
+            make_uint2(pack_pair<Elem>(o.x, o.y), pack_pair<Elem>(o.z, o.w));
+        constexpr float LN2 = 0.6931471805599453f;
+        if (lse != nullptr) *lse = lse2 == neg_inf() ? pos_inf() : lse2 * LN2;
+    }
+};
+
 // Up to d=128 two or three CTAs of 4 warps share an SM (configs.decode_config: the cache bytes
 // in flight), so the registers must allow three (168 a thread); larger head dims and CTAs of
 // more warps need the register file of one. Warps of 32 keys (the clustered short steps'
@@ -198,7 +214,6 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES, BLOCK_M>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
-    constexpr float LN2 = 0.6931471805599453f;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 q_smem = smem_address(smem);
@@ -534,17 +549,16 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int r = tid / ROW_THREADS, t = tid % ROW_THREADS;
     const int group_id = (batch * gridDim.y + kv_head) * p.num_m_blocks + m_block;
     const i64 partial_row = (static_cast<i64>(group_id) * p.num_splits + split) * T::BLOCK_M + r;
-    // Writes 4-float column chunk `chunk` of row r's output and, with the first chunk, its lse
-    // (log2 units in, natural log out; +inf for a row that saw no key, attention's convention).
-    auto store_chunk = [&](int r, int chunk, float4 o, float lse2) {
+    // Where 4-float column chunk `chunk` of row r's output goes.
+    auto locate_output = [&](int r, int chunk) {
         const int packed = row_first + r;
         const int position = packed / group, head = kv_head * group + packed % group;
-        *reinterpret_cast<uint2*>(p.out + batch * p.o_batch_stride + position * p.o_row_stride +
-                                  head * p.o_head_stride + 4 * chunk) =
-            make_uint2(pack_pair<Elem>(o.x, o.y), pack_pair<Elem>(o.z, o.w));
-        if (chunk == 0)
-            p.lse[(static_cast<i64>(batch) * p.nheads + head) * p.seqlen_q + position] =
-                lse2 == neg_inf() ? pos_inf() : lse2 * LN2;
+        u16* out = p.out + batch * p.o_batch_stride + position * p.o_row_stride +
+                   head * p.o_head_stride + 4 * chunk;
+        float* lse = chunk == 0
+            ? p.lse + (static_cast<i64>(batch) * p.nheads + head) * p.seqlen_q + position
+            : nullptr;
+        return OutputChunk<Elem>{out, lse};
     };
     if (r < rows) {
         float m = neg_inf();
@@ -584,7 +598,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             const float4 scaled = make_float4(o[j].x * inv_l, o[j].y * inv_l, o[j].z * inv_l,
                                               o[j].w * inv_l);
             if (p.num_splits == 1)
-                store_chunk(r, chunk, scaled, lse2);
+                locate_output(r, chunk)(scaled, lse2);
             else  // this split's normalised partial result, merged below
                 *reinterpret_cast<float4*>(p.split_cluster
                                                ? result_o + r * HEAD_DIM + 4 * chunk
@@ -601,19 +615,26 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     if (p.num_splits == 1) return;
 #if __CUDA_ARCH__ >= 900
     if (p.split_cluster) {  // the splits are this cluster's CTAs (split_merge.cuh)
-        cluster_barrier();
-        merge_cluster_share<HEAD_DIM, T::THREADS>(smem_address(result_o), smem_address(result_lse),
-                                                  p.num_splits, split, rows, p.head_dim, tid,
-                                                  store_chunk);
+        cluster_arrive_release();
+        merge_splits<HEAD_DIM, T::THREADS, CLUSTER_MERGE_LANES, 2>(
+            ClusterPartials<HEAD_DIM>{smem_address(result_o), smem_address(result_lse)},
+            p.num_splits, split, rows, p.head_dim, tid, locate_output, cluster_wait_acquire);
         cluster_barrier_relaxed();  // the peers have read this CTA's result
         return;
     }
 #endif
     // The splits of this row block wait for each other, then merge its rows together
     // (split_merge.cuh; the launch is cooperative).
-    split_barrier(p.split_counters + group_id, p.num_splits, split);
+    SplitBarrier barrier{p.split_counters + group_id};
+    barrier.arrive(p.num_splits, split);
+    const auto wait_for_splits = [&] { barrier.wait(); };
     const i64 group_row0 = static_cast<i64>(group_id) * p.num_splits * T::BLOCK_M;
-    merge_split_share<HEAD_DIM, T::THREADS, T::BLOCK_M>(p.o_partial + group_row0 * HEAD_DIM,
-                                                        p.lse_partial + group_row0, p.num_splits,
-                                                        split, rows, p.head_dim, tid, store_chunk);
+    const GlobalPartials<HEAD_DIM, T::BLOCK_M> partials{p.o_partial + group_row0 * HEAD_DIM,
+                                                        p.lse_partial + group_row0};
+    if (p.num_splits <= SMALL_MERGE_SPLITS)
+        merge_splits<HEAD_DIM, T::THREADS, SMALL_MERGE_LANES, MERGE_SLOTS>(
+            partials, p.num_splits, split, rows, p.head_dim, tid, locate_output, wait_for_splits);
+    else
+        merge_splits<HEAD_DIM, T::THREADS, 32, MERGE_SLOTS>(
+            partials, p.num_splits, split, rows, p.head_dim, tid, locate_output, wait_for_splits);
 }

@@ -24,123 +24,206 @@ CF2_DEVICE int load_acquire_gpu(const int* ptr) {
     return value;
 }
 
-// Returns once all `count` CTAs of a group have called it; what each wrote before is then
-// visible to all. One counter, never reset: split 0 adds 2^31 - (count - 1), the others 1, so
-// the counter's top bit flips when the last CTA arrives and its other bits come back to what they
-// were (any count, launch after launch); each CTA waits for the flip it saw coming. The CTAs wait
-// on each other, so the launch must keep them all resident: a cooperative launch.
+// The splits of a row block meet at one counter in global memory, never reset: split 0 adds
+// 2^31 - (count - 1), the others 1, so the counter's top bit flips when the last CTA arrives and
+// its other bits come back to what they were (any count, launch after launch); each CTA waits for
+// the flip it saw coming. The CTAs wait on each other, so the launch must keep them all resident:
+// a cooperative launch. Arrival and wait are apart so that a CTA locates its share of the merge
+// while the atomic's round trip and the slowest split are under way.
 // (The counters were reset by the last CTA to leave, a second atomic round trip on every CTA's
 // way out: 0.8 us a batch-1 layer at 16k and 64k tokens in a CUDA graph, H200.)
-CF2_DEVICE void split_barrier(int* counter, int count, int split) {
-    __syncthreads();  // the CTA's partial results are written
-    if (threadIdx.x == 0) {
-        const unsigned add = split == 0 ? 0x80000000u - static_cast<unsigned>(count - 1) : 1u;
-        // (released: the partial results are visible device-wide before the arrival)
-        const unsigned seen = atomic_add_release_gpu(reinterpret_cast<unsigned*>(counter), add);
-        while (((static_cast<unsigned>(load_acquire_gpu(counter)) ^ seen) & 0x80000000u) == 0)
-            __nanosleep(32);
+struct SplitBarrier {
+    int* counter;
+    unsigned seen = 0;  // (thread 0) the counter before this CTA's arrival
+
+    CF2_DEVICE void arrive(int count, int split) {
+        __syncthreads();  // the CTA's partial results are written
+        if (threadIdx.x == 0) {
+            const unsigned add = split == 0 ? 0x80000000u - static_cast<unsigned>(count - 1) : 1u;
+            // (released: the partial results are visible device-wide before the arrival)
+            seen = atomic_add_release_gpu(reinterpret_cast<unsigned*>(counter), add);
+        }
     }
-    __syncthreads();  // every thread reads the others' partial results after the acquire
-}
+
+    // Returns once every split has arrived; what each wrote before is then visible to all.
+    CF2_DEVICE void wait() const {
+        if (threadIdx.x == 0)
+            while (((static_cast<unsigned>(load_acquire_gpu(counter)) ^ seen) & 0x80000000u) == 0)
+                __nanosleep(32);
+        __syncthreads();  // every thread reads the others' partial results after the acquire
+    }
+};
+
+// Keeps a value computed where it stands (an empty asm that claims to change it): work that is
+// placed to run while a CTA waits for its peers is not moved after the wait.
+CF2_DEVICE void compute_here(const float*& x) { asm volatile("" : "+l"(x)); }
+CF2_DEVICE void compute_here(u32& x) { asm volatile("" : "+r"(x)); }
+
+// The splits' results in L2: split s left row r's normalised output at
+// o_parts + (s * BLOCK_M + r) * HEAD_DIM (fp32) and its log-sum-exp in log2 units at
+// lse_parts[s * BLOCK_M + r] (-inf: no key seen).
+template <int HEAD_DIM, int BLOCK_M>
+struct GlobalPartials {
+    const float* o_parts;
+    const float* lse_parts;
+
+    struct Slot {
+        const float* o;
+        const float* lse;
+    };
+    CF2_DEVICE Slot locate(int s, int r, int chunk) const {
+        Slot slot{o_parts + (s * BLOCK_M + r) * HEAD_DIM + 4 * chunk, lse_parts + s * BLOCK_M + r};
+        compute_here(slot.o);
+        compute_here(slot.lse);
+        return slot;
+    }
+    CF2_DEVICE static void load(const Slot& slot, float& lse, float4& o) {
+        lse = __ldcg(slot.lse);
+        o = __ldcg(reinterpret_cast<const float4*>(slot.o));
+    }
+};
 
 // Merges this split's share of the (row, 4-float column chunk) items of a block of `rows` query
-// rows. Split s left, for row r, its normalised output at o_parts + (s * BLOCK_M + r) * HEAD_DIM
-// (fp32) and its log-sum-exp in log2 units at lse_parts[s * BLOCK_M + r] (-inf: no key seen).
-// Per row:  lse = log2 sum_s 2^lse_s,  out = sum_s 2^(lse_s - lse) O_s.
-// An item is merged by `lanes` lanes of a warp (the splits rounded up to a power of two, at most
-// 32), each lane loading its splits' values (up to four), reduced by shuffles; a pass of the CTA
-// takes 32 / lanes items a warp, two passes' loads in flight together, since what the merge waits
-// on is the round trips to L2. store(r, chunk, out chunk, lse) runs in the item's first lane (the
-// chunk is zero and lse -inf for a row no split saw a key of).
-template <int HEAD_DIM, int THREADS, int BLOCK_M, class Store>
-CF2_DEVICE void merge_split_share(const float* o_parts, const float* lse_parts, int num_splits,
-                                  int split, int rows, int head_dim, int tid, const Store& store) {
-    constexpr int SPLITS_PER_LANE = MAX_SPLITS / 32;
-    constexpr int UNROLL = 2;
-    const int warp = tid / 32, lane = tid % 32;
-    int lanes = 1;
-    while (lanes < min(num_splits, 32)) lanes *= 2;
-    const int sub = lane / lanes, split_lane = lane % lanes;
-    const int chunks = head_dim / 4;
-    const int items = rows * chunks;
+// rows, reading every split's result from `partials` once `wait_for_splits()` returns:
+//   lse = log2 sum_s 2^lse_s,   out = sum_s 2^(lse_s - lse) O_s.
+// An item is merged by LANES lanes of a warp, lane j holding splits SLOTS j .. SLOTS j + SLOTS - 1
+// (all of its loads in flight at once); the weighted terms are summed as a pairwise tree over the
+// splits in order, padded to a power of two, first inside each lane, then by shuffles: the same
+// bits for every LANES x SLOTS that holds the splits (the merge through L2 and the one inside a
+// cluster agree). A pass of the CTA takes THREADS / LANES items. The first pass's addresses, and
+// where its results go (locate(r, chunk): a callable store(out chunk, lse), run in the item's
+// first lane; chunk zero and lse -inf for a row no split saw a key of), are computed before the
+// wait: after it come only the loads and a chain of arithmetic that one warp a scheduler runs at
+// its latency (a generic merge, with run-time lane counts and its index arithmetic after the
+// wait, took 2.3 us of a batch-1 step at 32 splits on the H200).
+template <int HEAD_DIM, int THREADS, int LANES, int SLOTS, class Partials, class Locate,
+          class Wait>
+CF2_DEVICE void merge_splits(const Partials& partials, int num_splits, int split, int rows,
+                             int head_dim, int tid, const Locate& locate,
+                             const Wait& wait_for_splits) {
+    static_assert(THREADS % 32 == 0 && 32 % LANES == 0, "items whole in warps");
+    constexpr int ITEMS_PER_PASS = THREADS / LANES;
+    constexpr int CHUNKS = HEAD_DIM / 4;  // (chunks past head_dim are left out)
+    using Slot = typename Partials::Slot;
+    const int lane = tid % LANES;
+    const int items = rows * CHUNKS;
     const int share = (items + num_splits - 1) / num_splits;
     const int item_end = min(items, (split + 1) * share);
-    const int per_pass = (THREADS / 32) * (32 / lanes);
-    // (The loop runs warp-uniformly: the shuffles need every lane.)
-    for (int base = split * share + warp * (32 / lanes); base < item_end; base += UNROLL * per_pass) {
-        const int item0 = base + sub;
-        float lse_s[UNROLL][SPLITS_PER_LANE];
-        float4 o_s[UNROLL][SPLITS_PER_LANE];
+    // The tree's leaves: the splits padded to a power of two (levels past it would add zeros).
+    int width = 1;
+    while (width < num_splits) width *= 2;
+
+    int base = split * share;  // the pass's first item, the same in every thread
+    auto prepare = [&](int item, Slot (&slots)[SLOTS], bool& active) {
+        const int r = item / CHUNKS, chunk = item % CHUNKS;
+        active = item < item_end && 4 * chunk < head_dim;
 #pragma unroll
-        for (int i = 0; i < UNROLL; ++i) {
-            const int item = item0 + i * per_pass;
-            const int r = item / chunks, chunk = item % chunks;
+        for (int u = 0; u < SLOTS; ++u)  // (a slot past the splits is never read)
+            slots[u] = partials.locate(min(SLOTS * lane + u, num_splits - 1), r, chunk);
+        return locate(r, chunk);
+    };
+    Slot slots[SLOTS];
+    bool active;
+    auto store = prepare(base + tid / LANES, slots, active);
+    wait_for_splits();
+    // (The loop runs CTA-uniformly: the shuffles need every lane.)
+    while (base < item_end) {
+        float lse_s[SLOTS];
+        float4 o_s[SLOTS];
 #pragma unroll
-            for (int u = 0; u < SPLITS_PER_LANE; ++u) {
-                const int s = split_lane + lanes * u;
-                lse_s[i][u] = neg_inf();
-                o_s[i][u] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (item < item_end && s < num_splits) {
-                    lse_s[i][u] = __ldcg(lse_parts + s * BLOCK_M + r);
-                    o_s[i][u] = __ldcg(reinterpret_cast<const float4*>(
-                                           o_parts + (s * BLOCK_M + r) * HEAD_DIM) + chunk);
-                }
-            }
+        for (int u = 0; u < SLOTS; ++u) {
+            lse_s[u] = neg_inf();
+            o_s[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (active && SLOTS * lane + u < num_splits) Partials::load(slots[u], lse_s[u], o_s[u]);
         }
+        float m = lse_s[0];
 #pragma unroll
-        for (int i = 0; i < UNROLL; ++i) {
-            float m = neg_inf();
+        for (int u = 1; u < SLOTS; ++u) m = fmaxf(m, lse_s[u]);
+        // (Levels past the tree's width are selected away, not branched around: every lane runs
+        // the same straight-line code.)
 #pragma unroll
-            for (int u = 0; u < SPLITS_PER_LANE; ++u) m = fmaxf(m, lse_s[i][u]);
-            for (int step = 1; step < lanes; step *= 2)
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, step));
-            float sum = 0.f;
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int u = 0; u < SPLITS_PER_LANE; ++u) {
-                const float w = (m == neg_inf() || lse_s[i][u] == neg_inf())
-                                    ? 0.f : fast_exp2(lse_s[i][u] - m);
-                sum += w;
-                acc = make_float4(fmaf(w, o_s[i][u].x, acc.x), fmaf(w, o_s[i][u].y, acc.y),
-                                  fmaf(w, o_s[i][u].z, acc.z), fmaf(w, o_s[i][u].w, acc.w));
-            }
-            for (int step = 1; step < lanes; step *= 2) {
-                sum += __shfl_xor_sync(0xffffffffu, sum, step);
-                acc.x += __shfl_xor_sync(0xffffffffu, acc.x, step);
-                acc.y += __shfl_xor_sync(0xffffffffu, acc.y, step);
-                acc.z += __shfl_xor_sync(0xffffffffu, acc.z, step);
-                acc.w += __shfl_xor_sync(0xffffffffu, acc.w, step);
-            }
-            const int item = item0 + i * per_pass;
-            if (split_lane == 0 && item < item_end) {
-                const bool seen = sum > 0.f;
-                const float inv = seen ? 1.f / sum : 0.f;
-                store(item / chunks, item % chunks,
-                      make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
-                      seen ? m + __log2f(sum) : neg_inf());
-            }
+        for (int step = 1; step < LANES; step *= 2) {
+            const float other = __shfl_xor_sync(0xffffffffu, m, step);
+            if (SLOTS * step < width) m = fmaxf(m, other);
         }
+        float w[SLOTS];
+#pragma unroll
+        for (int u = 0; u < SLOTS; ++u) {
+            w[u] = (m == neg_inf() || lse_s[u] == neg_inf()) ? 0.f : fast_exp2(lse_s[u] - m);
+            o_s[u] = make_float4(fmaf(w[u], o_s[u].x, 0.f), fmaf(w[u], o_s[u].y, 0.f),
+                                 fmaf(w[u], o_s[u].z, 0.f), fmaf(w[u], o_s[u].w, 0.f));
+        }
+        // The tree's levels inside the lane, then across its lanes.
+#pragma unroll
+        for (int span = 1; span < SLOTS; span *= 2)
+#pragma unroll
+            for (int u = 0; u < SLOTS; u += 2 * span) {
+                const bool level = span < width;
+                w[u] = level ? w[u] + w[u + span] : w[u];
+                o_s[u] = level ? make_float4(o_s[u].x + o_s[u + span].x, o_s[u].y + o_s[u + span].y,
+                                             o_s[u].z + o_s[u + span].z, o_s[u].w + o_s[u + span].w)
+                               : o_s[u];
+            }
+        float sum = w[0];
+        float4 acc = o_s[0];
+#pragma unroll
+        for (int step = 1; step < LANES; step *= 2) {
+            const bool level = SLOTS * step < width;
+            const float s_other = __shfl_xor_sync(0xffffffffu, sum, step);
+            const float4 o_other = make_float4(__shfl_xor_sync(0xffffffffu, acc.x, step),
+                                               __shfl_xor_sync(0xffffffffu, acc.y, step),
+                                               __shfl_xor_sync(0xffffffffu, acc.z, step),
+                                               __shfl_xor_sync(0xffffffffu, acc.w, step));
+            sum = level ? sum + s_other : sum;
+            acc = level ? make_float4(acc.x + o_other.x, acc.y + o_other.y, acc.z + o_other.z,
+                                      acc.w + o_other.w)
+                        : acc;
+        }
+        if (lane == 0 && active) {
+            const bool seen = sum > 0.f;
+            const float inv = seen ? 1.f / sum : 0.f;
+            store(make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
+                  seen ? m + __log2f(sum) : neg_inf());
+        }
+        base += ITEMS_PER_PASS;
+        if (base < item_end) store = prepare(base + tid / LANES, slots, active);
     }
 }
 
+// The merge of every automatic split count (at most 32, _kvcache.AUTO_MAX_SPLITS): 8 lanes an
+// item, four splits a lane (three shuffle levels); larger requested counts take 32 lanes.
+constexpr int SMALL_MERGE_SPLITS = 32;
+constexpr int SMALL_MERGE_LANES = 8;
+constexpr int MERGE_SLOTS = 4;
+static_assert(SMALL_MERGE_LANES * MERGE_SLOTS == SMALL_MERGE_SPLITS &&
+              32 * MERGE_SLOTS >= MAX_SPLITS, "the merge's lanes hold every split");
+
 // ---- The merge inside a thread-block cluster (sm_90) -----------------------------------------
-// Where a row block's splits are one cluster (at most MAX_CLUSTER_SPLITS CTAs, rank = split),
-// each CTA leaves its normalised result in its own shared memory, the cluster's hardware barrier
-// replaces the counters, and each split merges its share of the (row, 4-float column chunk)
-// items reading its peers' shared memory directly (distributed shared memory): no partial result
-// goes through L2, no fence, no atomics. A second barrier keeps every CTA's shared memory alive
-// until its peers have read it.
+// Where a row block's splits are one thread-block cluster (at most MAX_CLUSTER_SPLITS CTAs, rank =
+// split), each CTA leaves its normalised result in its own shared memory, the cluster's hardware
+// barrier replaces the counters, and each split merges its share of the items reading its peers'
+// shared memory directly (distributed shared memory): no partial result goes through L2, no
+// atomics. A second barrier keeps every CTA's shared memory alive until its peers have read it.
 #if __CUDA_ARCH__ >= 900
-CF2_DEVICE void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+// The cluster's barrier in two halves (the CTA locates its share of the merge between them).
+// A release arrive is a GPU-scope membar in SASS (MEMBAR.ALL.GPU). The .aligned forms need
+// every lane of the warp at the instruction together: after code with data-dependent branches a
+// __syncwarp() says so.
+CF2_DEVICE void cluster_arrive_release() {
+    __syncwarp();
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+CF2_DEVICE void cluster_wait_acquire() {
+    __syncwarp();
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
 // The cluster's barrier without the release: where it only keeps each CTA's shared memory alive
 // until its peers have read it (their loads have returned before they arrive: the merge used
-// the values). A release arrive is a GPU-scope membar (MEMBAR.ALL.GPU in SASS), which would also
-// wait for this thread's stores of the output to be acknowledged, ~0.5 us at the end of a step.
+// the values). A release arrive would also wait for this thread's stores of the output to be
+// acknowledged, ~0.5 us at the end of a step.
 CF2_DEVICE void cluster_barrier_relaxed() {
+    __syncwarp();
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
                  "barrier.cluster.wait.aligned;\n" ::: "memory");
 }
@@ -166,72 +249,31 @@ CF2_DEVICE float4 load_cluster_f32x4(u32 address) {
     return v;
 }
 
-// Merges this split's share of the items of a block of `rows` rows. Every split of the cluster
-// left, in its shared memory, row r's normalised output at o_result + r * HEAD_DIM (fp32) and its
-// lse (log2 units, -inf: no key seen) at lse_result + r. An item is merged by CLUSTER_ITEM_LANES
-// lanes, lane j loading splits 2j and 2j + 1 (four loads from its peers in flight), then reduced
-// by shuffles: the weighted terms are summed as a pairwise tree over the splits in order, padded
-// to a power of two, which is the order of merge_split_share's lanes and shuffles, so both merges
-// give the same bits. store(r, chunk, out chunk, lse) as merge_split_share's.
-constexpr int CLUSTER_ITEM_LANES = MAX_CLUSTER_SPLITS / 2;
+// The splits' results in the cluster: every split left, in its own shared memory, row r's
+// normalised output at o_result + r * HEAD_DIM (fp32) and its lse (log2 units, -inf: no key seen)
+// at lse_result + r (shared-memory addresses).
+template <int HEAD_DIM>
+struct ClusterPartials {
+    u32 o_result;
+    u32 lse_result;
 
-template <int HEAD_DIM, int THREADS, class Store>
-CF2_DEVICE void merge_cluster_share(u32 o_result, u32 lse_result, int num_splits, int split,
-                                    int rows, int head_dim, int tid, const Store& store) {
-    static_assert(THREADS % 32 == 0 && 32 % CLUSTER_ITEM_LANES == 0, "items whole in warps");
-    constexpr int ITEMS_PER_PASS = THREADS / CLUSTER_ITEM_LANES;
-    const int chunks = head_dim / 4;
-    const int items = rows * chunks;
-    const int share = (items + num_splits - 1) / num_splits;
-    const int item_end = min(items, (split + 1) * share);
-    const int lane = tid % CLUSTER_ITEM_LANES;
-    // Lanes past the splits' power of two only add zeros; the shuffles stop at that width.
-    int width = 1;
-    while (width < num_splits) width *= 2;
-    // (The loop runs warp-uniformly: the shuffles need every lane.)
-    for (int base = split * share; base < item_end; base += ITEMS_PER_PASS) {
-        const int item = base + tid / CLUSTER_ITEM_LANES;
-        const int r = item / chunks, chunk = item % chunks;
-        float lse_s[2];
-        float4 o_s[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int s = 2 * lane + i;
-            lse_s[i] = neg_inf();
-            o_s[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (item < item_end && s < num_splits) {
-                lse_s[i] = load_cluster_f32(cluster_peer_address(lse_result + 4 * r, s));
-                o_s[i] = load_cluster_f32x4(
-                    cluster_peer_address(o_result + 4 * (r * HEAD_DIM + 4 * chunk), s));
-            }
-        }
-        float m = fmaxf(lse_s[0], lse_s[1]);
-        for (int step = 1; 2 * step < width; step *= 2)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, step));
-        float w[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            w[i] = (m == neg_inf() || lse_s[i] == neg_inf()) ? 0.f : fast_exp2(lse_s[i] - m);
-            o_s[i] = make_float4(fmaf(w[i], o_s[i].x, 0.f), fmaf(w[i], o_s[i].y, 0.f),
-                                 fmaf(w[i], o_s[i].z, 0.f), fmaf(w[i], o_s[i].w, 0.f));
-        }
-        // Tree level 1 inside the lane (splits 2j and 2j + 1; a split past num_splits adds 0).
-        float sum = w[0] + w[1];
-        float4 acc = make_float4(o_s[0].x + o_s[1].x, o_s[0].y + o_s[1].y, o_s[0].z + o_s[1].z,
-                                 o_s[0].w + o_s[1].w);
-        for (int step = 1; 2 * step < width; step *= 2) {
-            sum += __shfl_xor_sync(0xffffffffu, sum, step);
-            acc.x += __shfl_xor_sync(0xffffffffu, acc.x, step);
-            acc.y += __shfl_xor_sync(0xffffffffu, acc.y, step);
-            acc.z += __shfl_xor_sync(0xffffffffu, acc.z, step);
-            acc.w += __shfl_xor_sync(0xffffffffu, acc.w, step);
-        }
-        if (lane == 0 && item < item_end) {
-            const bool seen = sum > 0.f;
-            const float inv = seen ? 1.f / sum : 0.f;
-            store(r, chunk, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
-                  seen ? m + __log2f(sum) : neg_inf());
-        }
+    struct Slot {
+        u32 o;
+        u32 lse;
+    };
+    CF2_DEVICE Slot locate(int s, int r, int chunk) const {
+        Slot slot{cluster_peer_address(o_result + 4 * (r * HEAD_DIM + 4 * chunk), s),
+                  cluster_peer_address(lse_result + 4 * r, s)};
+        compute_here(slot.o);
+        compute_here(slot.lse);
+        return slot;
     }
-}
+    CF2_DEVICE static void load(const Slot& slot, float& lse, float4& o) {
+        lse = load_cluster_f32(slot.lse);
+        o = load_cluster_f32x4(slot.o);
+    }
+};
+
+// 8 lanes an item, two peers a lane (four loads from peers in flight a lane).
+constexpr int CLUSTER_MERGE_LANES = MAX_CLUSTER_SPLITS / 2;
 #endif

@@ -93,19 +93,18 @@ _DECODE_STAMPS = (
     ("    if (p.num_splits == 1) return;\n",
      "    CF2_STAMP(p.k_cache, 6)\n    if (p.num_splits == 1) { CF2_STAMP(p.k_cache, 9) "
      "CF2_FLUSH(p.k_cache) return; }\n"),
-    ("        cluster_barrier();\n        merge_cluster_share",
-     "        cluster_barrier();\n        CF2_STAMP(p.k_cache, 7)\n        merge_cluster_share"),
-    ("                                                  store_chunk);\n        cluster_barrier",
-     "                                                  store_chunk);\n"
-     "        CF2_STAMP(p.k_cache, 8)\n        cluster_barrier"),
+    ("p.num_splits, split, rows, p.head_dim, tid, locate_output, cluster_wait_acquire);\n",
+     "p.num_splits, split, rows, p.head_dim, tid, locate_output,\n"
+     "            [&] { cluster_wait_acquire(); CF2_STAMP(p.k_cache, 7) });\n"),
+    ("        cluster_barrier_relaxed();  // the peers",
+     "        CF2_STAMP(p.k_cache, 8)\n        cluster_barrier_relaxed();  // the peers"),
     ("        return;\n    }\n#endif\n",
      "        CF2_STAMP(p.k_cache, 9)\n        CF2_FLUSH(p.k_cache)\n"
      "        return;\n    }\n#endif\n"),
-    ("    split_barrier(p.split_counters + group_id, p.num_splits, split);\n",
-     "    split_barrier(p.split_counters + group_id, p.num_splits, split);\n"
-     "    CF2_STAMP(p.k_cache, 7)\n"),
-    ("split, rows, p.head_dim, tid, store_chunk);\n}",
-     "split, rows, p.head_dim, tid, store_chunk);\n    CF2_STAMP(p.k_cache, 9)\n"
+    ("    const auto wait_for_splits = [&] { barrier.wait(); };\n",
+     "    const auto wait_for_splits = [&] { barrier.wait(); CF2_STAMP(p.k_cache, 7) };\n"),
+    ("tid, locate_output, wait_for_splits);\n}",
+     "tid, locate_output, wait_for_splits);\n    CF2_STAMP(p.k_cache, 9)\n"
      "    CF2_FLUSH(p.k_cache)\n}"),
 )
 NEXT_POINTS = ("start", "previous kernel done (wait)", "end")

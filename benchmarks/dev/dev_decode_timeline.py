@@ -45,10 +45,10 @@ _STAMPS = (
     ("    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.\n",
      "    CF2_STAMP(3)\n    // Merge the warps' states: (m, l) in log2 units and O, through shared memory.\n"),
     ("    if (p.num_splits == 1) return;\n", "    CF2_STAMP(4)\n    if (p.num_splits == 1) return;\n"),
-    ("    split_barrier(p.split_counters + group_id, p.num_splits, split);\n",
-     "    split_barrier(p.split_counters + group_id, p.num_splits, split);\n    CF2_STAMP(5)\n"),
-    ("split, rows, p.head_dim, tid, store_chunk);\n}",
-     "split, rows, p.head_dim, tid, store_chunk);\n    CF2_STAMP(6)\n}"),
+    ("    const auto wait_for_splits = [&] { barrier.wait(); };\n",
+     "    const auto wait_for_splits = [&] { barrier.wait(); CF2_STAMP(5) };\n"),
+    ("tid, locate_output, wait_for_splits);\n}",
+     "tid, locate_output, wait_for_splits);\n    CF2_STAMP(6)\n}"),
 )
 
 
