@@ -495,13 +495,16 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // The CTA's result for a merge inside its cluster: O [row][HEAD_DIM], then lse [row].
     float* result_o = merge_ml + T::NUM_WARPS * T::BLOCK_M * 2;
     float* result_lse = result_o + T::BLOCK_M * HEAD_DIM;
+    // (Both rows' sums before either row's stores: their shuffle chains then run side by side,
+    // where a row past the block's end would otherwise end the first row's branch between them.)
     if constexpr (T::ROWS_ON_N) {
+        const float sums[2] = {softmax_n8.total_sum(0), softmax_n8.total_sum(1)};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             // O^T's element e of column tile dt: row 2 (lane % 4) + e % 2, column 16 dt + lane / 4
             // + 8 (e / 2); with rows MERGE_STRIDE = 4 mod 32 floats apart a store covers 32 banks.
             const int r = 2 * (lane % 4) + half;
-            const float sum = softmax_n8.total_sum(half);
+            const float sum = sums[half];
             if (r >= rows) continue;
             if (lane < 4) {
                 const bool seen = softmax_n8.row_max[half] != neg_inf() && sum > 0.f;
@@ -517,10 +520,11 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                             lane / 4] = acc_ot[0][dt][2 * eh + half];
         }
     } else {
+        const float sums[2] = {quad_sum(softmax.row_sum[0]), quad_sum(softmax.row_sum[1])};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = lane / 4 + 8 * half;
-            const float sum = quad_sum(softmax.row_sum[half]);
+            const float sum = sums[half];
             if (r >= rows) continue;  // rows past the block's end are never merged
             if (lane % 4 == 0) {
                 const bool seen = softmax.row_max[half] != neg_inf() && sum > 0.f;
@@ -535,7 +539,6 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                     make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
         }
     }
-    __syncthreads();
     // Each row is merged by THREADS / BLOCK_M threads: the row's weights once per thread, then
     // 4-float column chunks interleaved across the row's threads (conflict-free shared loads,
     // coalesced stores). Index arithmetic is compile-time except the one division by the group:
@@ -560,6 +563,13 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             : nullptr;
         return OutputChunk<Elem>{out, lse};
     };
+    // Where this thread's row of the split's normalised result goes (located before the barrier).
+    float* result_row = p.split_cluster ? result_o + r * HEAD_DIM
+                                        : p.o_partial + partial_row * HEAD_DIM;
+    float* result_row_lse = p.split_cluster ? result_lse + r : p.lse_partial + partial_row;
+    compute_here(result_row);
+    compute_here(result_row_lse);
+    __syncthreads();
     if (r < rows) {
         float m = neg_inf();
 #pragma unroll
@@ -600,17 +610,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             if (p.num_splits == 1)
                 locate_output(r, chunk)(scaled, lse2);
             else  // this split's normalised partial result, merged below
-                *reinterpret_cast<float4*>(p.split_cluster
-                                               ? result_o + r * HEAD_DIM + 4 * chunk
-                                               : p.o_partial + partial_row * HEAD_DIM + 4 * chunk) =
-                    scaled;
+                *reinterpret_cast<float4*>(result_row + 4 * chunk) = scaled;
         }
-        if (p.num_splits > 1 && t == 0) {
-            if (p.split_cluster)
-                result_lse[r] = lse2;
-            else
-                p.lse_partial[partial_row] = lse2;
-        }
+        if (p.num_splits > 1 && t == 0) *result_row_lse = lse2;
     }
     if (p.num_splits == 1) return;
 #if __CUDA_ARCH__ >= 900

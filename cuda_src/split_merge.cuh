@@ -56,7 +56,10 @@ struct SplitBarrier {
 
 // Keeps a value computed where it stands (an empty asm that claims to change it): work that is
 // placed to run while a CTA waits for its peers is not moved after the wait.
-CF2_DEVICE void compute_here(const float*& x) { asm volatile("" : "+l"(x)); }
+template <class T>
+CF2_DEVICE void compute_here(T*& x) {
+    asm volatile("" : "+l"(x));
+}
 CF2_DEVICE void compute_here(u32& x) { asm volatile("" : "+r"(x)); }
 
 // The splits' results in L2: split s left row r's normalised output at
