@@ -86,8 +86,8 @@ _DECODE_STAMPS = (
     ("        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n",
      "        if (i == 0) { CF2_STAMP(p.k_cache, 4) }\n        if (i == 1) { CF2_STAMP(p.k_cache, 12) }\n"
      "        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;\n"),
-    ("    allow_dependent_launch();\n",
-     "    CF2_STAMP(p.k_cache, 5)\n    allow_dependent_launch();\n"),
+    ("    allow_dependent_launch();  // (a CTA without tiles",
+     "    CF2_STAMP(p.k_cache, 5)\n    allow_dependent_launch();  // (a CTA without tiles"),
     ("    __syncthreads();  // every warp is done with the stages\n",
      "    __syncthreads();  // every warp is done with the stages\n    CF2_STAMP(p.k_cache, 10)\n"),
     ("    if (p.num_splits == 1) return;\n",
