@@ -896,19 +896,25 @@ CLUSTER_MAX_TILES_PER_SPLIT = 4
 CLUSTER_MIN_ARCH = 90
 
 
-def decode_cluster_config(dtype: str, head_dim: int, arch: int) -> DecodeConfig:
+def decode_cluster_config(dtype: str, head_dim: int, arch: int,
+                          early_cache_reads: bool = False) -> DecodeConfig:
     """The decode kernel for splits merged inside a cluster (sm_90): such a step is short (at
     most CLUSTER_MAX_TILES_PER_SPLIT of decode_config's tiles a split) and its grid small (one
-    CTA an SM), so every key of a split is loaded at once, in kv_stages - 1 stages. Of the tiles
-    that fit one CTA so, the widest: 32 keys a warp where it fits (half the tile steps, each
-    with its barrier and softmax: 9.45 against 9.71 us a layer at 4k tokens in a graph, H200),
-    16 otherwise; failing both, as many stages as one CTA fits."""
-    config = decode_config(dtype, head_dim, arch)
+    CTA an SM), so every key of a split is loaded at once: in kv_stages - 1 stages, or, with
+    `early_cache_reads`, in kv_stages, all but the last tile before the previous kernel ends
+    (loading every tile then delayed that kernel's end: 8.55 against 8.25 us a layer at 4k
+    tokens in a graph, H200). Of the tiles that fit one CTA so, the widest: 32 keys a warp where
+    it fits (half the tile steps, each with its barrier and softmax: 9.45 against 9.71 us a
+    layer at 4k in a graph), 16 otherwise; failing both, as many stages as one CTA fits."""
+    config = dataclasses.replace(decode_config(dtype, head_dim, arch),
+                                 early_cache_reads=early_cache_reads)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     split_keys = CLUSTER_MAX_TILES_PER_SPLIT * config.block_n
-    candidates = [dataclasses.replace(config, keys_per_warp=keys,
-                                      kv_stages=-(-split_keys // (config.num_warps * keys)) + 1)
-                  for keys in (32, 16)]
+    extra_stage = 0 if early_cache_reads else 1
+    candidates = [dataclasses.replace(
+        config, keys_per_warp=keys,
+        kv_stages=max(2, -(-split_keys // (config.num_warps * keys)) + extra_stage))
+        for keys in (32, 16)]
     candidates += [dataclasses.replace(config, kv_stages=stages)
                    for stages in range(CLUSTER_MAX_TILES_PER_SPLIT, config.kv_stages, -1)]
     return next((c for c in candidates if c.smem_bytes + 1024 <= smem_per_sm), config)
@@ -920,12 +926,13 @@ def all_decode_configs(arch: int, features=(0,)) -> list:
     configs = [with_features(decode_config(dtype, d, arch, m), f) for f in features
                for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS for m in rows]
     if arch >= CLUSTER_MIN_ARCH:
-        # (clustered steps keep their rows on an m16 tile: _kvcache.choose_splits)
-        configs += [with_features(decode_cluster_config(dtype, d, arch), f) for f in features
-                    for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
         # Programmatic launches (from _launch.PROGRAMMATIC_MIN_ARCH, the same arch) may read
         # the cache early.
         configs += [dataclasses.replace(c, early_cache_reads=True) for c in configs]
+        # (clustered steps keep their rows on an m16 tile: _kvcache.choose_splits)
+        configs += [with_features(decode_cluster_config(dtype, d, arch, early), f)
+                    for early in (False, True) for f in features
+                    for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
     return list(dict.fromkeys(configs))
 
 

@@ -112,10 +112,8 @@ def choose_splits(config, requested: int, groups: int, tiles: int, device_id: in
     # gives the same bits. (Such a step has at most 8 rows: one m16 block too.)
     m16 = dataclasses.replace(config, block_m=_configs.DECODE_BLOCK_M)
     if _launch.extended_available():
-        deep = dataclasses.replace(
-            _configs.with_features(_configs.decode_cluster_config(dtype, head_dim, arch),
-                                   features),
-            early_cache_reads=config.early_cache_reads)
+        deep = _configs.with_features(_configs.decode_cluster_config(
+            dtype, head_dim, arch, config.early_cache_reads), features)
         for candidate in dict.fromkeys((deep, m16) if short else (m16,)):
             if _launch.cluster_fits(candidate, device_id, splits, groups):
                 return candidate, splits, splits

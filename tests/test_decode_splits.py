@@ -73,6 +73,10 @@ def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clu
     assert deep.keys_per_warp == 32 and deep.block_n == 2 * config.block_n
     assert ((deep.kv_stages - 1) * deep.block_n
             == _configs.CLUSTER_MAX_TILES_PER_SPLIT * config.block_n)
+    # Reading the cache early, all but the last tile before the previous kernel ends.
+    early = _configs.decode_cluster_config("float16", 128, 90, early_cache_reads=True)
+    assert early == dataclasses.replace(deep, kv_stages=deep.kv_stages - 1,
+                                        early_cache_reads=True)
 
     def choose(requested, groups, tiles, arch=90):
         return _kvcache.choose_splits(config, requested, groups, tiles, 0, arch, "float16", 128,
@@ -81,6 +85,9 @@ def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clu
     fits = most_clusters >= 4
     # Batch 1, 4 KV heads, 4k tokens (64 tiles): 16 splits of 4 tiles, in clusters.
     assert choose(0, 4, 64) == ((deep, 16, 16) if fits else (config, 32, 1))
+    early_config = dataclasses.replace(config, early_cache_reads=True)
+    assert _kvcache.choose_splits(early_config, 0, 4, 64, 0, 90, "float16", 128, 0) == (
+        (early, 16, 16) if fits else (early_config, 32, 1))
     # 16k tokens: 16 tiles a split in a cluster is too long: 32 splits through L2.
     assert choose(0, 4, 256) == (config, 32, 1)
     # A requested count a cluster holds (the default stage count: the step is long).
@@ -223,5 +230,9 @@ def test_early_cache_reads_are_specialisations_of_the_programmatic_archs():
     configs = _configs.all_decode_configs(90)
     early = [c for c in configs if c.early_cache_reads]
     assert len(early) == len(configs) // 2
-    assert {dataclasses.replace(c, early_cache_reads=False) for c in early} == {
-        c for c in configs if not c.early_cache_reads}
+    # The same kernels with the flag, but for the clustered steps' (a stage fewer: all but the
+    # last tile of a split read before the previous kernel ends).
+    plain = {c for c in configs if not c.early_cache_reads}
+    for c in early:
+        assert (dataclasses.replace(c, early_cache_reads=False) in plain
+                or c == _configs.decode_cluster_config(c.dtype, c.head_dim, 90, True))
