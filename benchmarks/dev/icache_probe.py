@@ -6,10 +6,12 @@ One kernel runs a block of straight-line code (--fmas fused multiply-adds with d
 constants over four accumulators, one 16-byte FFMA each) twice in a loop, one CTA of one
 warp an SM: the first pass fetches the block's code, the second finds it in the SM's
 instruction caches, so their difference over the block's 128-byte lines is what a line fetch
-costs beyond the arithmetic. It is launched three times: after an L2 flush (the code comes from
+costs beyond the arithmetic. It is launched four times: after an L2 flush (the code comes from
 device memory), again right away (whether an SM keeps the code from one launch to the next, or
-only L2 does), and after another flush with --stream MB read by a kernel in between. Prints per
-launch the median over the CTAs of both passes' SM cycles and the cost of a line.
+only L2 does), after a small kernel of another module (whether one kernel between two launches,
+as between two decoding steps, empties the SM's instruction caches), and after another flush
+with --stream MB read by a kernel in between. Prints per launch the median over the CTAs of
+both passes' SM cycles and the cost of a line.
 
     PYTHONPATH=. python3 benchmarks/dev/icache_probe.py [--fmas 2048] [--stream 64]
 """
@@ -70,6 +72,7 @@ def main():
     kernel((sms,), (32,), (cycles, sink))  # loads the module; not measured
     for label, before in (("after an L2 flush", flush),
                           ("right after the previous launch", lambda: None),
+                          ("after a small other kernel", lambda: sink.fill(0)),
                           (f"after a flush and {args.stream} MB read", flush_and_read)):
         before()
         cupy.cuda.Device().synchronize()
