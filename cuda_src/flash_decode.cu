@@ -178,13 +178,13 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
 }
 
 // The next kernel on the stream may start (programmatic launch, up to its own wait) once every
-// CTA is this many KV tiles before its last (or at its first): in a loop of layers, the launches
+// CTA is this many KV tiles before its last (or at its first). In a loop of layers, the launches
 // of the kernel between layers and of the next decoding step, and that step's first cache reads
-// (EARLY_CACHE_READS), then fall in this step's tail (its last tiles, the merges, the kernel
-// boundaries), where the memory would otherwise idle. At the last tile it came too late to fill
-// that tail. In a graph of 8 layers on the H200 (batch 1, GQA 8:1, 64-key tiles), 8 tiles
-// before the end against after the last: 16k tokens (8 tiles a split) 13.1 against 13.6 us a
-// layer, 64k (32 tiles) 35.8 against 37.1, batch 8 at 16k 66.3 against 66.9.
+// (EARLY_CACHE_READS), then come while this step still streams its cache, not in its tail (the
+// merges and the kernel boundaries, chains of round trips that loads in flight slow down). In a
+// graph of 8 layers on the H200 (batch 1, GQA 8:1, 64-key tiles), 8 tiles before the end against
+// after the last tile: 16k tokens (8 tiles a split) 13.1 against 13.6 us a layer, 64k (32 tiles)
+// 35.2 against 37.1, batch 8 at 16k 66.5 against 67.0 (docs/DECODE_DESIGN.md: 4 to 12 tiles).
 constexpr int LAUNCH_DEPENDENTS_TILES_BEFORE_END = 8;
 
 // Where a merged 4-float column chunk of an output row goes: out, and with the row's first
