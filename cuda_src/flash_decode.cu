@@ -17,14 +17,15 @@
 //   KV head) writes them into the cache, which no CTA reads at those positions.
 // - With more than one split, the splits of a row block merge their normalised partial results
 //   (split_merge.cuh), each a share of the block's output: on sm_90 for short steps inside a
-//   thread-block cluster of the splits, through distributed shared memory; otherwise through a
-//   workspace in L2, the splits waiting for each other at a barrier (a cooperative launch keeps
-//   them all resident). With one split the CTA writes out and lse itself.
+//   thread-block cluster of the splits, each storing its result's pieces straight into the
+//   shared memory of the splits that merge them; otherwise through a workspace in L2, the
+//   splits waiting for each other at a barrier (a cooperative launch keeps them all resident).
+//   With one split the CTA writes out and lse itself.
 // - On sm_90 the kernel is launched programmatically (dependent_launch.cuh): it starts while
 //   the previous kernel on the stream finishes and waits for that kernel's writes before it
 //   touches memory (with EARLY_CACHE_READS, before it reads q and the new tokens: the lengths
 //   and the first tiles of cached positions are read while that kernel finishes); it lets the
-//   next kernel start once its last tile is computed.
+//   next kernel start LAUNCH_DEPENDENTS_TILES_BEFORE_END tiles before its last.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "masking.cuh"
@@ -58,12 +59,12 @@ struct DecodeTraits {
     using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
     // The merge of the warps' states reuses the stage buffers: O (fp32, rows MERGE_STRIDE floats
-    // apart) and (m, l) per warp, then the CTA's result (O and lse) for a merge of the splits
-    // inside a cluster.
+    // apart) and (m, l) per warp, then the CTA's inbox for a merge of the splits inside a
+    // cluster (split_merge.cuh: ClusterInbox; peers may store into it while the warps merge).
     static constexpr int MERGE_STRIDE =
         HEAD_DIM + (ROWS_ON_N ? DECODE_MERGE_ROW_PAD_N8 : DECODE_MERGE_ROW_PAD);
-    static constexpr int MERGE_BYTES =
-        (NUM_WARPS * (MERGE_STRIDE + 2) + HEAD_DIM + 1) * BLOCK_M * 4;
+    static constexpr int MERGE_BYTES = NUM_WARPS * (MERGE_STRIDE + 2) * BLOCK_M * 4 +
+                                       ClusterInboxSize<HEAD_DIM, BLOCK_M>::BYTES;
     static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
                                                           ? KV_STAGES * STAGE_BYTES
                                                           : MERGE_BYTES);
@@ -501,9 +502,19 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // end on the H200).
     float* merge_o = reinterpret_cast<float*>(smem + QTile::BYTES);  // [warp][row][MERGE_STRIDE]
     float* merge_ml = merge_o + T::NUM_WARPS * T::BLOCK_M * T::MERGE_STRIDE;  // [warp][row][2]
-    // The CTA's result for a merge inside its cluster: O [row][HEAD_DIM], then lse [row].
-    float* result_o = merge_ml + T::NUM_WARPS * T::BLOCK_M * 2;
-    float* result_lse = result_o + T::BLOCK_M * HEAD_DIM;
+    constexpr int CHUNKS = HEAD_DIM / 4;  // 4-column chunks of a row: the merges' items
+#if __CUDA_ARCH__ >= 900
+    // The splits of a cluster send their results into each other's inboxes (split_merge.cuh):
+    // each opens its own once its stages are free, and none sends before every inbox is open
+    // (the cluster barrier, whose wait comes before the first send).
+    const ClusterInbox<HEAD_DIM, T::BLOCK_M> inbox(
+        smem_address(merge_ml + T::NUM_WARPS * T::BLOCK_M * 2), rows * CHUNKS, p.num_splits,
+        split);
+    if (p.split_cluster) {
+        if (tid == 0) inbox.open(rows * CHUNKS, p.num_splits);
+        cluster_arrive_relaxed();
+    }
+#endif
     // (Both rows' sums before either row's stores: their shuffle chains then run side by side,
     // where a row past the block's end would otherwise end the first row's branch between them.)
     if constexpr (T::ROWS_ON_N) {
@@ -572,13 +583,25 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             : nullptr;
         return OutputChunk<Elem>{out, lse};
     };
-    // Where this thread's row of the split's normalised result goes (located before the barrier).
-    float* result_row = p.split_cluster ? result_o + r * HEAD_DIM
-                                        : p.o_partial + partial_row * HEAD_DIM;
-    float* result_row_lse = p.split_cluster ? result_lse + r : p.lse_partial + partial_row;
+    // Where this thread's row of the split's normalised result goes (located before the
+    // barrier): the workspace in L2, or the inboxes of its chunks' owners in the cluster.
+    float* result_row = p.o_partial + partial_row * HEAD_DIM;
+    float* result_row_lse = p.lse_partial + partial_row;
     compute_here(result_row);
     compute_here(result_row_lse);
+#if __CUDA_ARCH__ >= 900
+    typename ClusterInbox<HEAD_DIM, T::BLOCK_M>::Destination sent_to[ROW_CHUNKS];
+    if (p.split_cluster && r < rows) {
+#pragma unroll
+        for (int j = 0; j < ROW_CHUNKS; ++j)
+            sent_to[j] =
+                inbox.destination(r * CHUNKS + min(t + ROW_THREADS * j, CHUNKS - 1), split);
+    }
+#endif
     __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    if (p.split_cluster) cluster_wait();  // every inbox of the cluster is open
+#endif
     if (r < rows) {
         float m = neg_inf();
 #pragma unroll
@@ -613,25 +636,31 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int j = 0; j < ROW_CHUNKS; ++j) {
             const int chunk = t + ROW_THREADS * j;
-            if (4 * chunk >= p.head_dim) continue;  // head_dim is a multiple of 8
+            if (!WHOLE_PASSES && chunk >= CHUNKS) continue;
             const float4 scaled = make_float4(o[j].x * inv_l, o[j].y * inv_l, o[j].z * inv_l,
                                               o[j].w * inv_l);
+#if __CUDA_ARCH__ >= 900
+            // (every chunk of the row, those past head_dim too: its owner counts them all)
+            if (p.split_cluster) {
+                sent_to[j].send(scaled, lse2);
+                continue;
+            }
+#endif
+            if (4 * chunk >= p.head_dim) continue;  // head_dim is a multiple of 8
             if (p.num_splits == 1)
                 locate_output(r, chunk)(scaled, lse2);
             else  // this split's normalised partial result, merged below
                 *reinterpret_cast<float4*>(result_row + 4 * chunk) = scaled;
         }
-        if (p.num_splits > 1 && t == 0) *result_row_lse = lse2;
+        if (p.num_splits > 1 && !p.split_cluster && t == 0) *result_row_lse = lse2;
     }
     if (p.num_splits == 1) return;
 #if __CUDA_ARCH__ >= 900
     if (p.split_cluster) {  // the splits are this cluster's CTAs (split_merge.cuh)
-        cluster_arrive_release();
         merge_splits<HEAD_DIM, T::THREADS, CLUSTER_MERGE_LANES, 2>(
-            ClusterPartials<HEAD_DIM>{smem_address(result_o), smem_address(result_lse)},
-            p.num_splits, split, rows, p.head_dim, tid, locate_output, cluster_wait_acquire);
-        cluster_barrier_relaxed();  // the peers have read this CTA's result
-        return;
+            inbox, p.num_splits, split, rows, p.head_dim, tid, locate_output,
+            [&] { mbarrier_wait_cluster(inbox.bar, 0); });
+        return;  // (every peer's stores into this inbox have landed)
     }
 #endif
     // The splits of this row block wait for each other, then merge its rows together

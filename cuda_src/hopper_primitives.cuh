@@ -1,5 +1,5 @@
-// Hopper (sm_90a) primitives, written as inline PTX: mbarriers, TMA tile loads, wgmma, named
-// barriers, setmaxnreg.
+// Hopper (sm_90a) primitives, written as inline PTX: TMA tile loads, wgmma, named barriers,
+// setmaxnreg (and, from mbarrier.cuh, the mbarriers).
 //
 // Like mma_primitives.cuh (which explains why: cuda_fp16.h / cuda_bf16.h drift between CUDA 12
 // and 13 and are not always installed next to NVRTC), no CUDA header is included, and 16-bit
@@ -16,69 +16,7 @@
 #include "mma_primitives.cuh"
 // TensorMap, the 128 bytes of a CUtensorMap, is a kernel parameter type.
 #include "kernel_params.cuh"
-
-typedef unsigned long long u64;
-
-// ---- mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier") ----
-// A 64-bit shared-memory object counting arrivals and, for TMA, transaction bytes. A phase
-// completes when its expected arrivals have arrived and its expected bytes have landed; phase k
-// completes with parity k & 1, and a waiter names the parity it waits for.
-
-// `count` arrivals complete a phase.
-CF2_DEVICE void mbarrier_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Makes the initialised barriers visible to the async proxy (the TMA unit completes them);
-// issued once by the initialising thread, before the CTA-wide barrier that publishes them
-// ("Memory Consistency Model: proxies"; fence.mbarrier_init).
-CF2_DEVICE void fence_mbarrier_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// One arrival that also raises the bytes the current phase waits for by `bytes`: the producer's
-// announcement of a TMA load (the load's complete_tx then counts the bytes down).
-CF2_DEVICE void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-CF2_DEVICE void mbarrier_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Whether the phase of parity `parity` has completed (try_wait may also suspend the thread for
-// a while, which is why a loop over it is cheaper than one over test_wait).
-CF2_DEVICE bool mbarrier_try_wait(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-
-// Waits for the phase of parity `parity`. The loop is C++ (no PTX labels), so this inlines any
-// number of times. A freshly initialised barrier is in phase 0, so a wait for parity 1 passes at
-// once: a producer's first wait on an empty slot uses that.
-// Debugging aid: compiled with -DCF2_MBARRIER_WATCHDOG, a wait that lasts about 2^32 cycles
-// (~2 s) traps, so that a wrong byte count or parity fails the launch instead of hanging the
-// device. It is off by default: the trap's control flow alone makes ptxas spill the d=128
-// forward's consumers (28 bytes, sm_90a, NVRTC 13.5).
-CF2_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
-#ifdef CF2_MBARRIER_WATCHDOG
-    if (mbarrier_try_wait(bar, parity)) return;
-    const long long start = clock64();
-    while (!mbarrier_try_wait(bar, parity))
-        if (clock64() - start > (1ll << 32)) asm volatile("trap;\n");
-#else
-    while (!mbarrier_try_wait(bar, parity)) {
-    }
-#endif
-}
+#include "mbarrier.cuh"
 
 // ---- TMA: cp.async.bulk.tensor ("Data Movement and Conversion Instructions:
 // cp.async.bulk.tensor") ------------------------------------------------------------------------

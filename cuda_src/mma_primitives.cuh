@@ -8,6 +8,7 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
+typedef unsigned long long u64;
 
 struct fp16_tag { static constexpr bool is_bf16 = false; };
 struct bf16_tag { static constexpr bool is_bf16 = true; };

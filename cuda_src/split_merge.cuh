@@ -6,6 +6,7 @@
 #pragma once
 #include "mma_primitives.cuh"
 #include "constants.cuh"
+#include "mbarrier.cuh"
 
 // Adds `value` to *ptr with release semantics at GPU scope (what this thread wrote, and what it
 // saw the CTA write through a barrier, is visible before the addition) and returns the old
@@ -203,32 +204,38 @@ static_assert(SMALL_MERGE_LANES * MERGE_SLOTS == SMALL_MERGE_SPLITS &&
 
 // ---- The merge inside a thread-block cluster (sm_90) -----------------------------------------
 // Where a row block's splits are one thread-block cluster (at most MAX_CLUSTER_SPLITS CTAs, rank =
-// split), each CTA leaves its normalised result in its own shared memory, the cluster's hardware
-// barrier replaces the counters, and each split merges its share of the items reading its peers'
-// shared memory directly (distributed shared memory): no partial result goes through L2, no
-// atomics. A second barrier keeps every CTA's shared memory alive until its peers have read it.
-#if __CUDA_ARCH__ >= 900
-// The cluster's barrier in two halves (the CTA locates its share of the merge between them).
-// A release arrive is a GPU-scope membar in SASS (MEMBAR.ALL.GPU). The .aligned forms need
-// every lane of the warp at the instruction together: after code with data-dependent branches a
-// __syncwarp() says so.
-CF2_DEVICE void cluster_arrive_release() {
-    __syncwarp();
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-CF2_DEVICE void cluster_wait_acquire() {
-    __syncwarp();
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
+// split), each split sends every piece of its normalised result straight into the shared memory
+// of the split that merges it (its "inbox"), with st.async: a store into a peer's shared memory
+// that counts its bytes on the peer's mbarrier. A split merges its share once its mbarrier has
+// counted every split's bytes, from its own shared memory. Between the splits there is one
+// one-way trip of the stores: no partial result goes through L2, no atomics, no cooperative
+// launch, no barrier across the cluster after the KV loops (one before the first store, that
+// the peers' inboxes and mbarriers are ready, passed while a CTA merges its warps), and no fence
+// (a barrier's release arrive is a GPU-scope membar in SASS, MEMBAR.ALL.GPU).
+// (Before: each split left its result in its own shared memory, a cluster barrier with release
+// and acquire, loads from the peers, and a second barrier to keep that memory alive until the
+// peers had read it: 0.24 us longer a batch-1 layer at 4k tokens in a CUDA graph, H200.)
 
-// The cluster's barrier without the release: where it only keeps each CTA's shared memory alive
-// until its peers have read it (their loads have returned before they arrive: the merge used
-// the values). A release arrive would also wait for this thread's stores of the output to be
-// acknowledged, ~0.5 us at the end of a step.
-CF2_DEVICE void cluster_barrier_relaxed() {
+// The shared memory of a split's inbox (ClusterInbox, below): an mbarrier (16 bytes with its
+// padding), then a 16-byte chunk and a 4-byte lse per slot.
+template <int HEAD_DIM, int BLOCK_M>
+struct ClusterInboxSize {
+    static constexpr int SLOTS = BLOCK_M * (HEAD_DIM / 4) + MAX_CLUSTER_SPLITS;
+    static constexpr int BYTES = 16 + SLOTS * (16 + 4);
+};
+
+#if __CUDA_ARCH__ >= 900
+// The cluster's barrier in two halves, without release: what it orders is the inboxes'
+// initialisation (fence.mbarrier_init makes that visible across the cluster). The .aligned forms
+// need every lane of the warp at the instruction together: after code with data-dependent
+// branches a __syncwarp() says so.
+CF2_DEVICE void cluster_arrive_relaxed() {
     __syncwarp();
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
-                 "barrier.cluster.wait.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+CF2_DEVICE void cluster_wait() {
+    __syncwarp();
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
 // The address of this CTA's shared-memory word `local` in the shared memory of cluster rank
@@ -239,44 +246,96 @@ CF2_DEVICE u32 cluster_peer_address(u32 local, int rank) {
     return remote;
 }
 
-CF2_DEVICE float load_cluster_f32(u32 address) {
-    float value;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(value) : "r"(address) : "memory");
-    return value;
+// Stores into a peer's shared memory (addresses from cluster_peer_address) whose bytes complete
+// on the peer's mbarrier `remote_bar`.
+CF2_DEVICE void store_async_cluster(u32 address, float4 v, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], "
+                 "{%1, %2, %3, %4}, [%5];\n"
+                 :: "r"(address), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)),
+                    "r"(__float_as_uint(v.z)), "r"(__float_as_uint(v.w)), "r"(remote_bar)
+                 : "memory");
+}
+CF2_DEVICE void store_async_cluster(u32 address, float v, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n"
+                 :: "r"(address), "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
 }
 
-CF2_DEVICE float4 load_cluster_f32x4(u32 address) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address) : "memory");
-    return v;
+// Waits for the phase of parity `parity` of this CTA's mbarrier, with acquire at cluster scope:
+// the peers' stores counted on it are visible after.
+CF2_DEVICE void mbarrier_wait_cluster(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}\n"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
-// The splits' results in the cluster: every split left, in its own shared memory, row r's
-// normalised output at o_result + r * HEAD_DIM (fp32) and its lse (log2 units, -inf: no key seen)
-// at lse_result + r (shared-memory addresses).
-template <int HEAD_DIM>
-struct ClusterPartials {
-    u32 o_result;
-    u32 lse_result;
+// A split's inbox in its shared memory: the mbarrier, then, for each split s and each item
+// (row, 4-column chunk) of its share (slot = item - the share's first), that split's chunk at
+// o[s * share + slot] and its row's lse at lse[s * share + slot]. SLOTS bounds splits x share
+// (share = ceil(items / splits): at most items + splits - 1).
+template <int HEAD_DIM, int BLOCK_M>
+struct ClusterInbox : ClusterInboxSize<HEAD_DIM, BLOCK_M> {
+    using ClusterInboxSize<HEAD_DIM, BLOCK_M>::SLOTS;
+    static constexpr int PIECE_BYTES = 16 + 4;  // a split's chunk and its lse
+    u32 bar;   // shared-memory addresses in this CTA
+    u32 o;
+    u32 lse;
+    int share;
+    int first;  // this split's first item
 
+    CF2_DEVICE ClusterInbox(u32 base, int items, int num_splits, int split)
+        : bar(base), o(base + 16), lse(base + 16 + 16 * SLOTS),
+          share((items + num_splits - 1) / num_splits), first(split * share) {}
+
+    // This split's items: every split sends each of them, with its lse.
+    CF2_DEVICE int items_here(int items) const { return max(0, min(items, first + share) - first); }
+
+    // (thread 0, after the KV loop) The mbarrier, expecting every split's pieces of this share.
+    CF2_DEVICE void open(int items, int num_splits) const {
+        mbarrier_init(bar, 1);
+        mbarrier_arrive_expect_tx(bar, items_here(items) * num_splits * PIECE_BYTES);
+        fence_mbarrier_init();
+    }
+
+    // Where split `split` sends item `item`: the owner's o and lse slots and its mbarrier.
+    struct Destination {
+        u32 o, lse, bar;
+        CF2_DEVICE void send(float4 chunk, float lse2) const {
+            store_async_cluster(o, chunk, bar);
+            store_async_cluster(lse, lse2, bar);
+        }
+    };
+    CF2_DEVICE Destination destination(int item, int split) const {
+        const int owner = item / share;
+        const int slot = split * share + item - owner * share;
+        Destination d{cluster_peer_address(o + 16 * slot, owner),
+                      cluster_peer_address(lse + 4 * slot, owner),
+                      cluster_peer_address(bar, owner)};
+        compute_here(d.o);
+        compute_here(d.lse);
+        compute_here(d.bar);
+        return d;
+    }
+
+    // merge_splits' view of the inbox (read once the mbarrier's phase 0 has completed).
     struct Slot {
-        u32 o;
-        u32 lse;
+        const float4* o;
+        const float* lse;
     };
     CF2_DEVICE Slot locate(int s, int r, int chunk) const {
-        Slot slot{cluster_peer_address(o_result + 4 * (r * HEAD_DIM + 4 * chunk), s),
-                  cluster_peer_address(lse_result + 4 * r, s)};
-        compute_here(slot.o);
-        compute_here(slot.lse);
-        return slot;
+        const int slot = s * share + r * (HEAD_DIM / 4) + chunk - first;
+        return Slot{reinterpret_cast<const float4*>(__cvta_shared_to_generic(o)) + slot,
+                    reinterpret_cast<const float*>(__cvta_shared_to_generic(lse)) + slot};
     }
     CF2_DEVICE static void load(const Slot& slot, float& lse, float4& o) {
-        lse = load_cluster_f32(slot.lse);
-        o = load_cluster_f32x4(slot.o);
+        lse = *slot.lse;
+        o = *slot.o;
     }
 };
 
-// 8 lanes an item, two peers a lane (four loads from peers in flight a lane).
+// 8 lanes an item, two splits a lane.
 constexpr int CLUSTER_MERGE_LANES = MAX_CLUSTER_SPLITS / 2;
 #endif

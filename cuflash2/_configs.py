@@ -842,10 +842,12 @@ class DecodeConfig:
         q = 2 * DECODE_BLOCK_M * self.head_dim  # an m16 tile (rows on n: its first 8)
         stages = self.kv_stages * 2 * 2 * self.block_n * self.head_dim
         # After the KV loop: the warps' states (O's rows padded, then (m, l)), then the CTA's
-        # result for a cluster merge.
+        # inbox for a merge inside a cluster (split_merge.cuh: ClusterInboxSize, an mbarrier and
+        # a 4-column chunk and an lse a slot).
         pad = DECODE_MERGE_ROW_PAD_N8 if self.block_m == DECODE_BLOCK_M_N8 else DECODE_MERGE_ROW_PAD
-        merge = ((self.num_warps * (self.head_dim + pad + 2) + self.head_dim + 1)
-                 * self.block_m * 4)
+        inbox_slots = self.block_m * (self.head_dim // 4) + MAX_CLUSTER_SPLITS
+        merge = (self.num_warps * (self.head_dim + pad + 2) * self.block_m * 4
+                 + 16 + inbox_slots * (16 + 4))
         return q + max(stages, merge)
 
     @property

@@ -93,14 +93,11 @@ _DECODE_STAMPS = (
     ("    if (p.num_splits == 1) return;\n",
      "    CF2_STAMP(p.k_cache, 6)\n    if (p.num_splits == 1) { CF2_STAMP(p.k_cache, 9) "
      "CF2_FLUSH(p.k_cache) return; }\n"),
-    ("p.num_splits, split, rows, p.head_dim, tid, locate_output, cluster_wait_acquire);\n",
-     "p.num_splits, split, rows, p.head_dim, tid, locate_output,\n"
-     "            [&] { cluster_wait_acquire(); CF2_STAMP(p.k_cache, 7) });\n"),
-    ("        cluster_barrier_relaxed();  // the peers",
-     "        CF2_STAMP(p.k_cache, 8)\n        cluster_barrier_relaxed();  // the peers"),
-    ("        return;\n    }\n#endif\n",
-     "        CF2_STAMP(p.k_cache, 9)\n        CF2_FLUSH(p.k_cache)\n"
-     "        return;\n    }\n#endif\n"),
+    ("            [&] { mbarrier_wait_cluster(inbox.bar, 0); });\n",
+     "            [&] { mbarrier_wait_cluster(inbox.bar, 0); CF2_STAMP(p.k_cache, 7) });\n"),
+    ("        return;  // (every peer's stores into this inbox have landed)\n",
+     "        CF2_STAMP(p.k_cache, 8)\n        CF2_STAMP(p.k_cache, 9)\n        CF2_FLUSH(p.k_cache)\n"
+     "        return;  // (every peer's stores into this inbox have landed)\n"),
     ("    const auto wait_for_splits = [&] { barrier.wait(); };\n",
      "    const auto wait_for_splits = [&] { barrier.wait(); CF2_STAMP(p.k_cache, 7) };\n"),
     ("tid, locate_output, wait_for_splits);\n}",
