@@ -506,11 +506,13 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #if __CUDA_ARCH__ >= 900
     // The splits of a cluster send their results into each other's inboxes (split_merge.cuh):
     // each opens its own once its stages are free, and none sends before every inbox is open
-    // (the cluster barrier, whose wait comes before the first send).
-    const ClusterInbox<HEAD_DIM, T::BLOCK_M> inbox(
-        smem_address(merge_ml + T::NUM_WARPS * T::BLOCK_M * 2), rows * CHUNKS, p.num_splits,
-        split);
+    // (the cluster barrier, whose wait comes before the first send). Other launches skip all of
+    // it (its division too: this is every CTA's critical path).
+    ClusterInbox<HEAD_DIM, T::BLOCK_M> inbox;
     if (p.split_cluster) {
+        inbox = ClusterInbox<HEAD_DIM, T::BLOCK_M>(
+            smem_address(merge_ml + T::NUM_WARPS * T::BLOCK_M * 2), rows * CHUNKS, p.num_splits,
+            split);
         if (tid == 0) inbox.open(rows * CHUNKS, p.num_splits);
         cluster_arrive_relaxed();
     }

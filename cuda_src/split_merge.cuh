@@ -280,12 +280,13 @@ template <int HEAD_DIM, int BLOCK_M>
 struct ClusterInbox : ClusterInboxSize<HEAD_DIM, BLOCK_M> {
     using ClusterInboxSize<HEAD_DIM, BLOCK_M>::SLOTS;
     static constexpr int PIECE_BYTES = 16 + 4;  // a split's chunk and its lse
-    u32 bar;   // shared-memory addresses in this CTA
-    u32 o;
-    u32 lse;
-    int share;
-    int first;  // this split's first item
+    u32 bar = 0;  // shared-memory addresses in this CTA
+    u32 o = 0;
+    u32 lse = 0;
+    int share = 0;
+    int first = 0;  // this split's first item
 
+    ClusterInbox() = default;
     CF2_DEVICE ClusterInbox(u32 base, int items, int num_splits, int split)
         : bar(base), o(base + 16), lse(base + 16 + 16 * SLOTS),
           share((items + num_splits - 1) / num_splits), first(split * share) {}
