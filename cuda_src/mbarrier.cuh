@@ -64,3 +64,15 @@ CF2_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
     }
 #endif
 }
+
+// Waits for the phase of parity `parity` of this CTA's mbarrier, with acquire at cluster scope:
+// the peers' stores counted on it are visible after.
+CF2_DEVICE void mbarrier_wait_cluster(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}\n"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}

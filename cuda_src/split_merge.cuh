@@ -260,18 +260,6 @@ CF2_DEVICE void store_async_cluster(u32 address, float v, u32 remote_bar) {
                  :: "r"(address), "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
 }
 
-// Waits for the phase of parity `parity` of this CTA's mbarrier, with acquire at cluster scope:
-// the peers' stores counted on it are visible after.
-CF2_DEVICE void mbarrier_wait_cluster(u32 bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile(
-            "{\n\t.reg .pred p;\n\t"
-            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-            "selp.u32 %0, 1, 0, p;\n\t}\n"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
-
 // A split's inbox in its shared memory: the mbarrier, then, for each split s and each item
 // (row, 4-column chunk) of its share (slot = item - the share's first), that split's chunk at
 // o[s * share + slot] and its row's lse at lse[s * share + slot]. SLOTS bounds splits x share
