@@ -77,9 +77,9 @@ _DECODE_STAMPS = (
     ("                if (!waited) wait_for_previous_grid();\n                waited = true;\n",
      "                if (!waited) wait_for_previous_grid();\n                waited = true;\n"
      "                CF2_STAMP(p.k_cache, 2)\n"),
-    ("                cp_async_wait<0>();  // Q, and the tiles loaded before the wait\n",
-     "                cp_async_wait<0>();  // Q, and the tiles loaded before the wait\n"
-     "                CF2_STAMP(p.k_cache, 3)\n"),
+    ("        if (load_first) tile_landed();\n",
+     "        if (load_first) tile_landed();\n"
+     "        if (load_first) { CF2_STAMP(p.k_cache, 3) }\n"),
     ("            cp_async_wait<KV_STAGES - 2>();\n            __syncthreads();\n",
      "            cp_async_wait<KV_STAGES - 2>();\n            __syncthreads();\n"
      "            if (i == 0) { CF2_STAMP(p.k_cache, 11) }\n"),
