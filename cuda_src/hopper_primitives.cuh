@@ -93,14 +93,9 @@ CF2_DEVICE void fence_proxy_async_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
-// A semaphore in global memory: the value of `*sem` with acquire semantics at GPU scope, and an
-// increment with release semantics (FlashAttention-3's ordered dQ of its deterministic backward).
-CF2_DEVICE int load_acquire_gpu(const int* sem) {
-    int value;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(sem) : "memory");
-    return value;
-}
-
+// A semaphore in global memory: its value read with acquire semantics at GPU scope
+// (mma_primitives.cuh: load_acquire_gpu), and an increment with release semantics
+// (FlashAttention-3's ordered dQ of its deterministic backward).
 CF2_DEVICE void increment_release_gpu(int* sem) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }

@@ -213,6 +213,14 @@ CF2_DEVICE void load_16B_global_l2(u32 (&v)[4], const void* gmem_ptr) {
                  : "l"(gmem_ptr));
 }
 
+// *ptr in global memory with acquire semantics at GPU scope: what the thread that released it
+// wrote before is visible after (a semaphore or a counter that other CTAs advance).
+CF2_DEVICE int load_acquire_gpu(const int* ptr) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 // dst[0..3] += v[0..3] in global memory (16-byte aligned), fire-and-forget (no return value:
 // `red`, not `atom`). sm_90 has a vector form: one instruction and one L2 transaction.
 CF2_DEVICE void atomic_add_4(float* dst, float a, float b, float c, float d) {

@@ -19,12 +19,6 @@ CF2_DEVICE unsigned atomic_add_release_gpu(unsigned* ptr, unsigned value) {
     return old;
 }
 
-CF2_DEVICE int load_acquire_gpu(const int* ptr) {
-    int value;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(ptr) : "memory");
-    return value;
-}
-
 // The splits of a row block meet at one counter in global memory, never reset: split 0 adds
 // 2^31 - (count - 1), the others 1, so the counter's top bit flips when the last CTA arrives and
 // its other bits come back to what they were (any count, launch after launch); each CTA waits for
