@@ -81,6 +81,14 @@ struct GlobalPartials {
     }
 };
 
+// The splits of a row block merge its (row, 4-float column chunk) items in equal shares of
+// consecutive items: split s merges items [s * share, min(items, (s + 1) * share)) of
+// share = ceil(items / splits). merge_splits takes its share by it, and the cluster inboxes'
+// slots (ClusterInbox) are laid out by it.
+CF2_DEVICE int split_share(int items, int num_splits) {
+    return (items + num_splits - 1) / num_splits;
+}
+
 // Merges this split's share of the (row, 4-float column chunk) items of a block of `rows` query
 // rows, reading every split's result from `partials` once `wait_for_splits()` returns:
 //   lse = log2 sum_s 2^lse_s,   out = sum_s 2^(lse_s - lse) O_s.
@@ -105,7 +113,7 @@ CF2_DEVICE void merge_splits(const Partials& partials, int num_splits, int split
     using Slot = typename Partials::Slot;
     const int lane = tid % LANES;
     const int items = rows * CHUNKS;
-    const int share = (items + num_splits - 1) / num_splits;
+    const int share = split_share(items, num_splits);
     const int item_end = min(items, (split + 1) * share);
     // The tree's leaves: the splits padded to a power of two (levels past it would add zeros).
     int width = 1;
@@ -257,7 +265,7 @@ CF2_DEVICE void store_async_cluster(u32 address, float v, u32 remote_bar) {
 // A split's inbox in its shared memory: the mbarrier, then, for each split s and each item
 // (row, 4-column chunk) of its share (slot = item - the share's first), that split's chunk at
 // o[s * share + slot] and its row's lse at lse[s * share + slot]. SLOTS bounds splits x share
-// (share = ceil(items / splits): at most items + splits - 1).
+// (share = split_share(items, splits): at most items + splits - 1).
 template <int HEAD_DIM, int BLOCK_M>
 struct ClusterInbox : ClusterInboxSize<HEAD_DIM, BLOCK_M> {
     using ClusterInboxSize<HEAD_DIM, BLOCK_M>::SLOTS;
@@ -271,7 +279,7 @@ struct ClusterInbox : ClusterInboxSize<HEAD_DIM, BLOCK_M> {
     ClusterInbox() = default;
     CF2_DEVICE ClusterInbox(u32 base, int items, int num_splits, int split)
         : bar(base), o(base + 16), lse(base + 16 + 16 * SLOTS),
-          share((items + num_splits - 1) / num_splits), first(split * share) {}
+          share(split_share(items, num_splits)), first(split * share) {}
 
     // This split's items: every split sends each of them, with its lse.
     CF2_DEVICE int items_here(int items) const { return max(0, min(items, first + share) - first); }
