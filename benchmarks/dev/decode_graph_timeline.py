@@ -10,10 +10,16 @@ at every point, which made a step ~2 us slower). The layer is the index of the l
 cache's address for the decode, its input's for the next-layer kernel) in a table written before
 the replay. One replay after the L2 flush; per layer the points' min / median / max over the
 CTAs, in microseconds from the step's first record, and the SM clock over the decode CTAs'
-lifetimes (clock64 against %globaltimer).
+lifetimes (clock64 against %globaltimer); then, per layer, the decode's points' median / max
+from the layer's wait (the previous kernel done), in the order they are reached.
+
+--inside merge adds points inside the merge of the warps' states (m16 and rows on n), --inside
+step points inside KV step 4 (its tile landed, its copies issued, S computed, the max updated,
+P V issued).
 
     PYTHONPATH=. python3 benchmarks/dev/decode_graph_timeline.py [--rows 1x4096 1x16384]
         [--early 1 0] [--cluster-tile WARPS STAGES [KEYS_PER_WARP]] [--src overlay_dir]
+        [--inside merge|step]
 """
 
 import argparse
@@ -31,7 +37,7 @@ _HEADER = r"""
 // Stamps are kept in the first thread's registers and written once, at the CTA's end, to the
 // slot of (layer, CTA, point): no atomics or loads on the way (the layer comes from cf2_tags,
 // loaded at the start and compared at the end).
-#define CF2_POINTS 15
+#define CF2_POINTS 20
 #define CF2_LAYERS 8
 #define CF2_MAX_CTAS 4096
 __device__ unsigned long long cf2_tags[CF2_LAYERS];
@@ -65,8 +71,14 @@ DECODE_POINTS = ("start", "cache length read", "early: previous kernel done (wai
                  "first tile computed from", "last tile computed", "partial written",
                  "splits met", "merged", "end", "warps met", "step 0's copies landed (barrier)",
                  "second tile computed from")
+#: Points 13-17 of --inside (_INSIDE_STAMPS).
+INSIDE_POINTS = {
+    "merge": ("rows' sums", "states written", "merge barrier", "weights", "O merged"),
+    "step": ("step 4: tile landed", "step 4: copies issued", "step 4: S", "step 4: max",
+             "step 4: P V issued"),
+}
 #: Slots past the points: SM cycles and timer ns from a CTA's start to its end (the clock).
-CLOCK_SLOTS = (13, 14)
+CLOCK_SLOTS = (18, 19)
 # (anchor, replacement): each anchor occurs once in flash_decode.cu (checked).
 _DECODE_STAMPS = (
     ("    const int tid = threadIdx.x;\n",
@@ -104,6 +116,39 @@ _DECODE_STAMPS = (
      "tid, locate_output, wait_for_splits);\n    CF2_STAMP(p.k_cache, 9)\n"
      "    CF2_FLUSH(p.k_cache)\n}"),
 )
+_INSIDE_STAMPS = {
+    "merge": (
+        ("        const float sums[2] = {softmax_n8.total_sum(0), softmax_n8.total_sum(1)};\n",
+         "        const float sums[2] = {softmax_n8.total_sum(0), softmax_n8.total_sum(1)};\n"
+         "        CF2_STAMP(p.k_cache, 13)\n"),
+        ("    // Each row is merged by THREADS / BLOCK_M threads",
+         "    CF2_STAMP(p.k_cache, 14)\n    // Each row is merged by THREADS / BLOCK_M threads"),
+        ("    if (p.split_cluster) cluster_wait();  // every inbox of the cluster is open\n#endif\n",
+         "    if (p.split_cluster) cluster_wait();  // every inbox of the cluster is open\n#endif\n"
+         "    CF2_STAMP(p.k_cache, 15)\n"),
+        ("        const bool seen = l > 0.f;\n",
+         "        const bool seen = l > 0.f;\n        CF2_STAMP(p.k_cache, 16)\n"),
+        ("        const float inv_l = seen ? 1.f / l : 0.f;\n",
+         "        CF2_STAMP(p.k_cache, 17)\n        const float inv_l = seen ? 1.f / l : 0.f;\n"),
+    ),
+    "step": (
+        ("        if (i >= 0 && !load_first) tile_landed();\n",
+         "        if (i >= 0 && !load_first) tile_landed();\n"
+         "        if (i == 4) { CF2_STAMP(p.k_cache, 13) }\n"),
+        ("        cp_async_commit();\n        if (load_first) tile_landed();",
+         "        cp_async_commit();\n        if (i == 4) { CF2_STAMP(p.k_cache, 14) }\n"
+         "        if (load_first) tile_landed();"),
+        ("            softcap.apply_softcap(acc_s);\n            // Element e of key tile kt:",
+         "            softcap.apply_softcap(acc_s);\n            if (i == 4) { CF2_STAMP(p.k_cache, 15) }\n"
+         "            // Element e of key tile kt:"),
+        ("            softmax_n8.update_max(acc_s[0], acc_ot[0], p.scale_log2);\n",
+         "            softmax_n8.update_max(acc_s[0], acc_ot[0], p.scale_log2);\n"
+         "            if (i == 4) { CF2_STAMP(p.k_cache, 16) }\n"),
+        ("                    mma_m16n8k16<Elem>(acc_ot[0][dt], a, b);\n                }\n            }\n",
+         "                    mma_m16n8k16<Elem>(acc_ot[0][dt], a, b);\n                }\n            }\n"
+         "            if (i == 4) { CF2_STAMP(p.k_cache, 17) }\n"),
+    ),
+}
 NEXT_POINTS = ("start", "previous kernel done (wait)", "end")
 _NEXT_STAMPS = (
     ("    allow_dependent_launch();\n",
@@ -127,9 +172,10 @@ def patched(filename: str, stamps) -> str:
 class Recorder:
     """Compiles the patched kernels in place of the package's and reads their records."""
 
-    def __init__(self):
+    def __init__(self, inside=None):
         self.decode_modules = []
-        decode_source = patched("flash_decode.cu", _DECODE_STAMPS)
+        decode_source = patched("flash_decode.cu",
+                                _INSIDE_STAMPS.get(inside, ()) + _DECODE_STAMPS)
         original = _compile.get_kernel
         cache = {}
 
@@ -178,7 +224,7 @@ class Recorder:
         return total
 
 
-LAYERS, MAX_CTAS, POINTS = 8, 4096, 15
+LAYERS, MAX_CTAS, POINTS = 8, 4096, 20
 
 
 def summary(stamps, points, t0, label) -> str:
@@ -192,6 +238,27 @@ def summary(stamps, points, t0, label) -> str:
     return f"  {label}: " + "; ".join(cells)
 
 
+WAIT_POINT = DECODE_POINTS.index("early: previous kernel done (wait)")
+
+
+def from_wait(stamps, points, label) -> str:
+    """median / max over the CTAs of each point reached, us from the layer's wait (its median),
+    in the order the points are reached."""
+    waits = stamps[:, WAIT_POINT]
+    if not (waits > 0).any():
+        return f"  {label}: no wait recorded"
+    # (In integer ns from the first wait: the timer's values as float64 are 256 ns apart.)
+    first = waits[waits > 0].min()
+    wait = numpy.median(waits[waits > 0] - first)
+    cells = []
+    for i, name in enumerate(points):
+        x = stamps[:, i]
+        x = (x[x > 0] - first - wait) / 1e3
+        if len(x) and i != WAIT_POINT:
+            cells.append((numpy.median(x), f"{name} {numpy.median(x):.2f}/{x.max():.2f}"))
+    return f"  {label}: " + "; ".join(c for _, c in sorted(cells))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", default=["1x4096", "1x16384"])
@@ -201,7 +268,10 @@ def main():
                     help="the clustered steps' tile instead of decode_cluster_config's")
     ap.add_argument("--src", type=Path, default=None,
                     help="an overlay folder of cuda_src files to time instead (as ab_sources)")
+    ap.add_argument("--inside", choices=sorted(INSIDE_POINTS), default=None,
+                    help="points inside the merge of the warps, or inside KV step 4")
     args = ap.parse_args()
+    points = DECODE_POINTS + INSIDE_POINTS.get(args.inside, ())
     if args.cluster_tile:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from decode_graph_sweep import _override_tile
@@ -211,7 +281,7 @@ def main():
         from ab_sources import Sources
         sources = Sources(args.src)  # (kept: its folder lives as long as the object)
         sources.use("alt")
-    recorder = Recorder()
+    recorder = Recorder(args.inside)
     backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
     nheads, nheads_kv = bench_decode_graph.GRAPH_HEADS
     for row in args.rows:
@@ -230,19 +300,23 @@ def main():
             step.stream.synchronize()
             decode = recorder.records(recorder.decode_modules)
             following = recorder.records([recorder.next_module])
-            t0 = min(x[..., :len(points)][x[..., :len(points)] > 0].min()
-                     for x, points in ((decode, DECODE_POINTS), (following, NEXT_POINTS)))
+            t0 = min(x[..., :len(names)][x[..., :len(names)] > 0].min()
+                     for x, names in ((decode, DECODE_POINTS), (following, NEXT_POINTS)))
             print(f"\nb={batch} cache={cache} early={early}: {ms * 1e3 / 8:.2f} us/layer "
                   f"(with stamps); times min/median/max over CTAs, us from the first record")
             for layer in range(LAYERS):
                 ctas = decode[layer][decode[layer, :, 0] > 0]
-                print(summary(ctas, DECODE_POINTS, t0, f"decode {layer}"))
+                print(summary(ctas, points, t0, f"decode {layer}"))
                 cycles, ns = (ctas[:, i] for i in CLOCK_SLOTS)
                 if len(ns) and (ns > 0).all():
                     print(f"  decode {layer} SM clock: median {numpy.median(cycles / ns):.2f} GHz"
                           f" over the CTAs' lifetimes")
                 ctas = following[layer][following[layer, :, 0] > 0]
                 print(summary(ctas, NEXT_POINTS, t0, f"next   {layer}"))
+            print("median / max over the CTAs, us from the layer's wait:")
+            for layer in range(LAYERS):
+                ctas = decode[layer][decode[layer, :, 0] > 0]
+                print(from_wait(ctas, points, f"decode {layer}"))
             del step
 
 
