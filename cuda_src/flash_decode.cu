@@ -186,6 +186,8 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
 // graph of 8 layers on the H200 (batch 1, GQA 8:1, 64-key tiles), 8 tiles before the end against
 // after the last tile: 16k tokens (8 tiles a split) 13.1 against 13.6 us a layer, 64k (32 tiles)
 // 35.2 against 37.1, batch 8 at 16k 66.5 against 67.0 (docs/DECODE_DESIGN.md: 4 to 12 tiles).
+// At 16k that is the first tile, once Q has landed: a sharp optimum (right after the wait, before
+// Q: 14.0 against 13.1; at the second tile: 13.4).
 constexpr int LAUNCH_DEPENDENTS_TILES_BEFORE_END = 8;
 
 // Where a merged 4-float column chunk of an output row goes: out, and with the row's first
