@@ -100,17 +100,9 @@ CF2_DEVICE void increment_release_gpu(int* sem) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }
 
-// Waits until `*sem` equals `value` (acquire). With -DCF2_MBARRIER_WATCHDOG it traps after
-// about 2^32 cycles, as mbarrier_wait does.
+// Waits until `*sem` equals `value` (acquire).
 CF2_DEVICE void wait_semaphore(const int* sem, int value) {
-#ifdef CF2_MBARRIER_WATCHDOG
-    const long long start = clock64();
-    while (load_acquire_gpu(sem) != value)
-        if (clock64() - start > (1ll << 32)) asm volatile("trap;\n");
-#else
-    while (load_acquire_gpu(sem) != value) {
-    }
-#endif
+    spin_until([&] { return load_acquire_gpu(sem) == value; });
 }
 
 // Orders this thread's generic-proxy shared-memory accesses with later async-proxy ones (TMA,

@@ -46,33 +46,27 @@ CF2_DEVICE bool mbarrier_try_wait(u32 bar, u32 parity) {
     return done != 0;
 }
 
-// Waits for the phase of parity `parity`. The loop is C++ (no PTX labels), so this inlines any
-// number of times. A freshly initialised barrier is in phase 0, so a wait for parity 1 passes at
-// once: a producer's first wait on an empty slot uses that.
-// Debugging aid: compiled with -DCF2_MBARRIER_WATCHDOG, a wait that lasts about 2^32 cycles
-// (~2 s) traps, so that a wrong byte count or parity fails the launch instead of hanging the
-// device. It is off by default: the trap's control flow alone makes ptxas spill the d=128
-// forward's consumers (28 bytes, sm_90a, NVRTC 13.5).
+// Waits for the phase of parity `parity` (spin_until: C++ loops, no PTX labels, so this inlines
+// any number of times). A freshly initialised barrier is in phase 0, so a wait for parity 1
+// passes at once: a producer's first wait on an empty slot uses that.
 CF2_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
-#ifdef CF2_MBARRIER_WATCHDOG
-    if (mbarrier_try_wait(bar, parity)) return;
-    const long long start = clock64();
-    while (!mbarrier_try_wait(bar, parity))
-        if (clock64() - start > (1ll << 32)) asm volatile("trap;\n");
-#else
-    while (!mbarrier_try_wait(bar, parity)) {
-    }
-#endif
+    spin_until([&] { return mbarrier_try_wait(bar, parity); });
+}
+
+// mbarrier_try_wait with acquire at cluster scope: where the phase has completed, what the
+// cluster's peers stored and counted on the barrier (st.async) is visible after.
+CF2_DEVICE bool mbarrier_try_wait_cluster(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
 }
 
 // Waits for the phase of parity `parity` of this CTA's mbarrier, with acquire at cluster scope:
 // the peers' stores counted on it are visible after.
 CF2_DEVICE void mbarrier_wait_cluster(u32 bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile(
-            "{\n\t.reg .pred p;\n\t"
-            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-            "selp.u32 %0, 1, 0, p;\n\t}\n"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    spin_until([&] { return mbarrier_try_wait_cluster(bar, parity); });
 }

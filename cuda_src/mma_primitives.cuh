@@ -221,6 +221,25 @@ CF2_DEVICE int load_acquire_gpu(const int* ptr) {
     return value;
 }
 
+// Spins until `done()` returns true: the waits on an mbarrier's phase (mbarrier.cuh) and on a
+// semaphore in global memory (hopper_primitives.cuh: wait_semaphore).
+// Debugging aid: compiled with -DCF2_MBARRIER_WATCHDOG, a wait that lasts about 2^32 cycles
+// (~2 s) traps, so that a wrong byte count, parity or semaphore value fails the launch instead
+// of hanging the device. It is off by default: the trap's control flow alone makes ptxas spill
+// the d=128 forward's consumers (28 bytes, sm_90a, NVRTC 13.5).
+template <class Done>
+CF2_DEVICE void spin_until(const Done& done) {
+#ifdef CF2_MBARRIER_WATCHDOG
+    if (done()) return;
+    const long long start = clock64();
+    while (!done())
+        if (clock64() - start > (1ll << 32)) asm volatile("trap;\n");
+#else
+    while (!done()) {
+    }
+#endif
+}
+
 // dst[0..3] += v[0..3] in global memory (16-byte aligned), fire-and-forget (no return value:
 // `red`, not `atom`). sm_90 has a vector form: one instruction and one L2 transaction.
 CF2_DEVICE void atomic_add_4(float* dst, float a, float b, float c, float d) {
