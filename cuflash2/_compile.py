@@ -126,6 +126,9 @@ class CompileReport:
     stack_bytes: int
     cubin_bytes: int
     log: str
+    # Instructions whose memory descriptor starts at an odd uniform register, which the GPU
+    # refuses (_sass.py); None where there is no nvdisasm to read the SASS with.
+    odd_descriptors: tuple | None = None
 
 
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
@@ -150,8 +153,10 @@ def _nvrtc_log(prog, nvrtc) -> str:
 
 def compile_report(config, arch: int) -> CompileReport:
     """Compiles `config` to a cubin for sm_`arch` (sm_90a for a config whose `arch_suffix` is
-    "a") with NVRTC and returns ptxas's report."""
+    "a") with NVRTC and returns ptxas's report, with the SASS's check where nvdisasm is there."""
     from cuda.bindings import nvrtc
+
+    from . import _sass
 
     source = specialisation_source(config).encode()
     (prog,) = _nvrtc_check(
@@ -165,6 +170,11 @@ def compile_report(config, arch: int) -> CompileReport:
                      nvrtc)
         log = _nvrtc_log(prog, nvrtc)
         (cubin_size,) = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size", prog, nvrtc)
+        odd_descriptors = None
+        if _sass.nvdisasm() is not None:
+            cubin = b" " * cubin_size
+            _nvrtc_check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin", prog, nvrtc)
+            odd_descriptors = tuple(_sass.odd_descriptor_instructions(_sass.disassemble(cubin)))
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     regs = _PTXAS_REGS.search(log)
@@ -173,7 +183,7 @@ def compile_report(config, arch: int) -> CompileReport:
         raise RuntimeError(f"no ptxas resource report in the NVRTC log:\n{log}")
     stack, stores, loads = (int(x) for x in spills.groups())
     return CompileReport(config.name_expression, arch, int(regs.group(1)), stores, loads, stack,
-                         int(cubin_size), log)
+                         int(cubin_size), log, odd_descriptors)
 
 
 def compile_probe(source: str, arch: int = 80) -> None:

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from cuflash2 import _compile, _configs
+from cuflash2 import _compile, _configs, _sass
 
 # Shared memory a block may use (opt-in limit): sm_80 163 KiB, sm_86/89 99 KiB, sm_90 227 KiB.
 MAX_SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -104,6 +104,7 @@ def _report(compiled, cfg, arch):
           f"{report.stack_bytes} bytes stack, {cfg.smem_bytes} bytes smem")
     assert report.registers <= 255
     assert report.cubin_bytes > 0
+    assert not report.odd_descriptors, report.odd_descriptors  # (cuflash2/_sass.py)
     assert cfg.smem_bytes <= MAX_SMEM[arch]
     return report
 
@@ -212,6 +213,7 @@ def test_backward_main_configs_on_sm90():
 def test_dropout_mask_kernel_compiles(config, arch, compiled):
     report = compiled(config, arch)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert not report.odd_descriptors, report.odd_descriptors
 
 
 @pytest.mark.parametrize("config,arch", _cases(
@@ -219,6 +221,7 @@ def test_dropout_mask_kernel_compiles(config, arch, compiled):
 def test_decode_kernel_compiles(config, arch, compiled):
     report = _report(compiled, config, arch) if hasattr(config, "head_dim") else compiled(
         config, arch)
+    assert not report.odd_descriptors, report.odd_descriptors
     if arch == BWD_SPILL_FREE_ARCH:
         assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     else:
@@ -257,9 +260,30 @@ def test_sources_inline_their_headers():
         assert marker in source
 
 
+def test_sass_checks_have_nvdisasm():
+    """The compile tests read each kernel's SASS for memory descriptors in odd uniform registers
+    (cuflash2/_sass.py), which needs nvdisasm: the test extra installs it."""
+    if _sass.nvdisasm() is None:
+        pytest.skip("no nvdisasm (pip install '.[test]'): the compile tests skip their SASS checks")
+
+
+def test_odd_descriptor_check_finds_the_faulting_copy():
+    """The instruction compute-sanitizer faulted on (a decode kernel, NVRTC 13.0, sm_90a), between
+    two that are fine, as nvdisasm -c prints them."""
+    sass = """
+        /*5950*/                   @!PT LDS RZ, [RZ] ;
+        /*5960*/                   LDGSTS.E.BYPASS.128 [R87+UR4], desc[UR5][R72.64], !P1 ;
+        /*5970*/                   LDG.E.128.STRONG.GPU R72, desc[UR12][R72.64] ;
+        /*5980*/                   STG.E.128 desc[UR10][R84.64], R72 ;
+    """
+    assert _sass.odd_descriptor_instructions(sass) == [
+        "LDGSTS.E.BYPASS.128 [R87+UR4], desc[UR5][R72.64], !P1 ;"]
+
+
 @pytest.mark.parametrize("arch", _configs.CPU_TEST_ARCHS)
 def test_benchmark_spin_kernel_compiles(arch, nvrtc_available):
     """bench.py's backlog kernel (cuda_src/gpu_spin.cu)."""
     spin = types.SimpleNamespace(source_file="gpu_spin.cu", name_expression="gpu_spin_kernel")
     report = _compile.compile_report(spin, arch)
     assert report.spill_stores == 0 and report.registers <= 32, report.log
+    assert not report.odd_descriptors, report.odd_descriptors

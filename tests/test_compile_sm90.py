@@ -121,6 +121,7 @@ def test_hopper_forward_compiles_without_spills(config, reports):
     assert report.registers <= _entry_registers(config), report.log
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     assert "C7508" not in report.log, report.log  # setmaxnreg honoured
+    assert not report.odd_descriptors, report.odd_descriptors  # (cuflash2/_sass.py)
     assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
     assert "are serialized" not in report.log, report.log  # C7511 etc., "ptxas info" lines
     assert config.smem_bytes <= MAX_SMEM_SM90
@@ -365,6 +366,7 @@ def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     assert report.registers <= _entry_registers(config), report.log
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
     assert "C7508" not in report.log, report.log
+    assert not report.odd_descriptors, report.odd_descriptors
     assert "ptxas warning" not in report.log, report.log  # e.g. wgmma serialised (C7515 ...)
     assert "are serialized" not in report.log, report.log  # C7511 etc., "ptxas info" lines
     assert config.smem_bytes <= MAX_SMEM_SM90
