@@ -15,11 +15,13 @@ from the layer's wait (the previous kernel done), in the order they are reached.
 
 --inside merge adds points inside the merge of the warps' states (m16 and rows on n), --inside
 step points inside KV step 4 (its tile landed, its copies issued, S computed, the max updated,
-P V issued).
+P V issued). --who records each decode CTA's SM and prints which CTAs compute their last tile
+late: per layer the latest ones with their SMs and how many CTAs of the layer and of the next
+share those SMs, and per split the mean lateness of its points over the steady layers.
 
     PYTHONPATH=. python3 benchmarks/dev/decode_graph_timeline.py [--rows 1x4096 1x16384]
         [--early 1 0] [--cluster-tile WARPS STAGES [KEYS_PER_WARP]] [--src overlay_dir]
-        [--inside merge|step]
+        [--inside merge|step | --who]
 """
 
 import argparse
@@ -52,6 +54,9 @@ __device__ unsigned long long cf2_records[CF2_LAYERS * CF2_MAX_CTAS * CF2_POINTS
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(cf2_t[0])); }
 #define CF2_STAMP(tag, point) if (threadIdx.x == 0) { \
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(cf2_t[point])); }
+// (--who) The CTA's SM, as SMID_BASE + %smid in a slot of its own.
+#define CF2_SMID(tag, point) if (threadIdx.x == 0) { unsigned smid_; \
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_)); cf2_t[point] = 1000000ull + smid_; }
 // The last two slots: the SM clock cycles and the timer's ns from the start to the flush.
 #define CF2_FLUSH(tag) if (threadIdx.x == 0) { int layer_ = -1; \
     cf2_t[CF2_POINTS - 2] = clock64() - cf2_clock0; \
@@ -79,6 +84,10 @@ INSIDE_POINTS = {
 }
 #: Slots past the points: SM cycles and timer ns from a CTA's start to its end (the clock).
 CLOCK_SLOTS = (18, 19)
+#: --who: the slot of a decode CTA's SM (SMID_BASE + %smid; the slot of --inside's last point).
+SMID_SLOT, SMID_BASE = 17, 1000000
+_WHO_STAMPS = (("    CF2_BEGIN(p.k_cache)\n",
+                "    CF2_BEGIN(p.k_cache)\n    CF2_SMID(p.k_cache, 17)\n"),)
 # (anchor, replacement): each anchor occurs once in flash_decode.cu (checked).
 _DECODE_STAMPS = (
     ("    const int tid = threadIdx.x;\n",
@@ -172,10 +181,10 @@ def patched(filename: str, stamps) -> str:
 class Recorder:
     """Compiles the patched kernels in place of the package's and reads their records."""
 
-    def __init__(self, inside=None):
+    def __init__(self, inside=None, who=False):
         self.decode_modules = []
-        decode_source = patched("flash_decode.cu",
-                                _INSIDE_STAMPS.get(inside, ()) + _DECODE_STAMPS)
+        decode_source = patched("flash_decode.cu", _INSIDE_STAMPS.get(inside, ()) + _DECODE_STAMPS
+                                + (_WHO_STAMPS if who else ()))
         original = _compile.get_kernel
         cache = {}
 
@@ -259,6 +268,68 @@ def from_wait(stamps, points, label) -> str:
     return f"  {label}: " + "; ".join(c for _, c in sorted(cells))
 
 
+LAST_TILE = DECODE_POINTS.index("last tile computed")
+
+
+def who(decode, grid, latest=8) -> str:
+    """(--who) Which CTAs compute their last tile late, and whether they share their SM: per
+    layer, the `latest` CTAs by their last tile (split x, KV head y, SM, us after the layer's
+    median, the layer's CTAs and the next layer's on that SM), then the mean lateness by how many
+    of the layer's own CTAs share the SM, and the mean lateness of each split's points. `grid`:
+    the launch's (x, y, z); a CTA's record is its blockIdx.x + x (blockIdx.y + y blockIdx.z)."""
+    grid_x, grid_y = grid[0], grid[1]
+    lines = []
+    by_share = {}
+    for layer in range(LAYERS):
+        rows = numpy.nonzero(decode[layer, :, 0] > 0)[0]
+        last = decode[layer, rows, LAST_TILE]
+        sms = decode[layer, rows, SMID_SLOT] - SMID_BASE
+        if not len(rows) or (decode[layer, rows, SMID_SLOT] == 0).any():
+            continue
+        here = numpy.bincount(sms, minlength=1024)
+        following = numpy.zeros(1024, dtype=numpy.int64)
+        if layer + 1 < LAYERS:
+            nxt = decode[layer + 1][decode[layer + 1, :, 0] > 0][:, SMID_SLOT] - SMID_BASE
+            following = numpy.bincount(nxt, minlength=1024)
+        last = last - last.min()  # (int ns: the timer's values as float64 are 256 ns apart)
+        late = (last - numpy.median(last)) / 1e3
+        for share in numpy.unique(here[sms]):
+            by_share.setdefault(int(share), []).extend(late[here[sms] == share].tolist())
+        order = numpy.argsort(-late)[:latest]
+        cells = [f"x{rows[i] % grid_x} y{rows[i] // grid_x % grid_y} z{rows[i] // grid_x // grid_y} "
+                 f"sm{sms[i]} +{late[i]:.2f} "
+                 f"({here[sms[i]]}/{following[sms[i]]})" for i in order]
+        lines.append(f"  decode {layer}: " + ", ".join(cells))
+    # By split (x): the mean lateness of each point over the layers 1-6 (steady ones).
+    steady = [layer for layer in range(1, LAYERS - 1) if (decode[layer, :, 0] > 0).any()]
+    if steady:
+        points = (DECODE_POINTS.index("early: q and the first tiles landed"),
+                  DECODE_POINTS.index("first tile computed from"),
+                  DECODE_POINTS.index("second tile computed from"), LAST_TILE,
+                  DECODE_POINTS.index("partial written"))
+        mean = {}
+        for layer in steady:
+            rows = numpy.nonzero(decode[layer, :, 0] > 0)[0]
+            for p in points:
+                x = decode[layer, rows, p]
+                late = (x - x.min()) - numpy.median(x - x.min())
+                for r, v in zip(rows, late):
+                    mean.setdefault((p, r % grid_x), []).append(v / 1e3)
+        splits = sorted({k[1] for k in mean})
+        by_last = sorted(splits, key=lambda s: -numpy.mean(mean[(LAST_TILE, s)]))
+        lines.append("  mean lateness (us after each layer's median, layers " +
+                     f"{steady[0]}-{steady[-1]}) by split, latest last tiles first: point = " +
+                     ", ".join(DECODE_POINTS[p] for p in points))
+        for s in dict.fromkeys(by_last[:6] + by_last[-3:]):
+            lines.append(f"    x{s}: " + " / ".join(f"{numpy.mean(mean[(p, s)]):+.2f}"
+                                                   for p in points))
+    lines.append("  lateness of the last tile (us after the layer's median) by the layer's CTAs "
+                 "on the SM: " + "; ".join(
+                     f"{k}: mean {numpy.mean(v):+.2f} over {len(v)}" for k, v in
+                     sorted(by_share.items())))
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", default=["1x4096", "1x16384"])
@@ -270,7 +341,11 @@ def main():
                     help="an overlay folder of cuda_src files to time instead (as ab_sources)")
     ap.add_argument("--inside", choices=sorted(INSIDE_POINTS), default=None,
                     help="points inside the merge of the warps, or inside KV step 4")
+    ap.add_argument("--who", action="store_true",
+                    help="the CTAs whose last tile comes late, their SMs and SM sharing")
     args = ap.parse_args()
+    if args.who and args.inside:
+        raise SystemExit("--who uses the slot of --inside's last point")
     points = DECODE_POINTS + INSIDE_POINTS.get(args.inside, ())
     if args.cluster_tile:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -281,7 +356,7 @@ def main():
         from ab_sources import Sources
         sources = Sources(args.src)  # (kept: its folder lives as long as the object)
         sources.use("alt")
-    recorder = Recorder(args.inside)
+    recorder = Recorder(args.inside, args.who)
     backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
     nheads, nheads_kv = bench_decode_graph.GRAPH_HEADS
     for row in args.rows:
@@ -317,6 +392,11 @@ def main():
             for layer in range(LAYERS):
                 ctas = decode[layer][decode[layer, :, 0] > 0]
                 print(from_wait(ctas, points, f"decode {layer}"))
+            if args.who:
+                planned = next(iter(_kvcache._plans_by_key.plans.values()))
+                print("the latest last tiles: CTA (x, y), SM, us after the median, "
+                      "(the layer's CTAs / the next layer's on that SM):")
+                print(who(decode, planned.plan.launches[0].grid))
             del step
 
 
