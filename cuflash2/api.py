@@ -599,11 +599,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     `early_cache_reads=True` promises that the kernel queued just before this call on the
     stream writes none of k_cache, v_cache, cache_seqlens, cache_batch_idx and block_table (it
     may write q, k, v: a serving loop's step, whose previous kernel computes them, qualifies;
-    two calls on the same cache back to back do not). On sm_90, where the kernel starts while
-    the previous one finishes (a programmatic launch), it then reads the lengths and its first
-    cache tiles before that kernel has ended, instead of after. If the promise is broken, the
-    results may come from the cache as it was before that kernel's writes. Elsewhere it
-    changes nothing.
+    two calls on the same cache back to back do not). Where that kernel lets its successor
+    start before it has waited for its own predecessor (a programmatic launch that triggers
+    first, as the stand-in between layers of `bench --decode` does), that predecessor may still
+    run too, and the promise covers it: two calls on the same cache with only such kernels
+    between them do not qualify either. On sm_90, where the kernel starts while the previous
+    one finishes (a programmatic launch), it then reads the lengths and its first cache tiles
+    before that kernel has ended, instead of after. If the promise is broken, the results may
+    come from the cache as it was before that kernel's writes. Elsewhere it changes nothing.
     """
     return _kvcache.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
