@@ -717,10 +717,12 @@ def decode_inputs(cupy, dtype, batch, cache_len, nheads, nheads_kv, headdim=128)
     return q, kc, vc, k1, lengths
 
 
-def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.stderr) -> list[dict]:
+def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.stderr,
+                   torch=None) -> list[dict]:
     """Decode rows: one query token against caches of 4k-64k tokens (a token appended), batch
-    1/8/64, GQA 8:1 and MHA; achieved bandwidth next to the copy ceiling, and at batch 1 the time
-    of a dense `attention` call on the same q, K, V."""
+    1/8/64, GQA 8:1 and MHA; achieved bandwidth next to the copy ceiling, at batch 1 the time
+    of a dense `attention` call on the same q, K, V, and with `torch` SDPA's decoding on the
+    same arrays (`bench_decode_peers`)."""
     import ml_dtypes
     import numpy
 
@@ -745,6 +747,10 @@ def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.st
         if batch == 1:
             dense = lambda: cuflash2.attention(q, kc, vc, causal=True)  # noqa: E731
             row["dense_ms"] = time_cupy(cupy, dense, warmup, iters, backlog, flush_l2)
+        if torch is not None:
+            from .bench_decode_peers import measure_single
+
+            measure_single(cupy, torch, row, q, kc, vc, fn(), warmup, iters, backlog, flush_l2)
         rows.append(row)
         print(f"decode b={batch} cache={cache_len} h={nheads}/{nheads_kv}: {ms:.3f} ms, "
               f"{row['gb_per_s']:.0f} GB/s ({row['fraction_of_copy']:.0%} of copy)",
@@ -754,15 +760,30 @@ def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.st
     return rows
 
 
+DECODE_PEERS_NOTE = (
+    "SDPA's columns: torch SDPA restricted to its FlashAttention-2 backend (SDPA-flash) and to "
+    "its cuDNN backend, on (b, h, s, d) views of the same caches (enable_gqa where the heads "
+    "differ), attending over the whole cache, the token cuflash2 appended included; SDPA "
+    "appends nothing. Each time with cuflash2's speed-up over it in parentheses.")
+
+
 def decode_table(rows: list[dict]) -> str:
-    lines = ["| dtype | d | heads (q/kv) | batch | cache | us | GB/s | of copy ceiling | dense "
-             "attention us (batch 1) |", "|---|---|---|---|---|---|---|---|---|"]
+    """The single-step decode table; with the peers' times where the rows have them."""
+    from .bench_decode_peers import peer_cells, peer_headers
+
+    peers = any("sdpa_flash_us" in r for r in rows)
+    headers = ["dtype", "d", "heads (q/kv)", "batch", "cache", "us", "GB/s", "of copy ceiling",
+               "dense attention us (batch 1)"] + (peer_headers("us") if peers else [])
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
         dense = "–" if r["dense_ms"] is None else (
             f"{r['dense_ms'] * 1e3:.1f} ({r['dense_ms'] / r['ms']:.2f}x)")
-        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['nheads']}/{r['nheads_kv']} | "
-                     f"{r['batch']} | {r['cache']} | {r['ms'] * 1e3:.1f} | {r['gb_per_s']:.0f} | "
-                     f"{r['fraction_of_copy']:.0%} | {dense} |")
+        cells = [r["dtype"], r["headdim"], f"{r['nheads']}/{r['nheads_kv']}", r["batch"],
+                 r["cache"], f"{r['ms'] * 1e3:.1f}", f"{r['gb_per_s']:.0f}",
+                 f"{r['fraction_of_copy']:.0%}", dense]
+        if peers:
+            cells += peer_cells(r, "_us", r["ms"] * 1e3, 1)
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
@@ -801,8 +822,8 @@ def run(cupy, args) -> int:
     if getattr(args, "decode", False):
         from .bench_decode_graph import measure_decode_graph
 
-        decode = measure_decode(cupy, args.dtype[0], args.warmup, args.iters)
-        decode_graph = measure_decode_graph(cupy, args.warmup, args.iters)
+        decode = measure_decode(cupy, args.dtype[0], args.warmup, args.iters, torch=torch)
+        decode_graph = measure_decode_graph(cupy, args.warmup, args.iters, torch=torch)
     varlen = []
     if getattr(args, "varlen", False):
         varlen = measure_varlen(cupy, extra_headdims, args.dtype[0], VARLEN_LENGTHS, wanted,
@@ -839,6 +860,12 @@ def run(cupy, args) -> int:
         print(decode_table(decode))
         print("\nGB/s counts the K and V cache read once plus q and out; decoding only reads, "
               "and a read-only stream can pass the copy figure (HBM3e peak 4.8 TB/s on the H200).")
+        if torch is not None:
+            from .bench_decode_peers import refusal_notes
+
+            print(f"\n{DECODE_PEERS_NOTE}")
+            for note in refusal_notes(decode, "single steps"):
+                print(note)
     if decode_graph:
         from .bench_decode_graph import LAYERS, decode_graph_table
 
@@ -851,6 +878,14 @@ def run(cupy, args) -> int:
               f"previous kernel finishes; the next columns are the same step with the cache "
               f"read after the previous kernel, and without programmatic launches:\n")
         print(decode_graph_table(decode_graph))
+        if torch is not None:
+            from .bench_decode_peers import refusal_notes
+
+            print(f"\nSDPA's columns: the same {LAYERS} layers over the same caches, each an "
+                  f"SDPA call followed by the same kernel between layers, captured with torch's "
+                  f"CUDA graphs (SDPA appends nothing).")
+            for note in refusal_notes(decode_graph, "graph"):
+                print(note)
     if args.json:
         report = {"environment": env, "settings": _settings(args), "rows": [r.to_json() for r in rows],
                   "summary": summary, "windows": windows, "varlen": varlen, "decode": decode,

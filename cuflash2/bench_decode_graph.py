@@ -153,9 +153,9 @@ class DecodeStep:
 
 
 def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=GRAPH_HEADS,
-                         headdim: int = 128, progress=sys.stderr) -> list[dict]:
-    """The in-graph rows: us per layer in each of VARIANTS, and the fraction of the copy
-    ceiling a layer reaches."""
+                         headdim: int = 128, progress=sys.stderr, torch=None) -> list[dict]:
+    """The in-graph rows: us per layer in each of VARIANTS, the fraction of the copy ceiling a
+    layer reaches, and with `torch` SDPA's layers over the same caches (`bench_decode_peers`)."""
     from . import _kvcache
     from .bench import Backlog, copy_ceiling, decode_bytes, l2_flush
 
@@ -178,6 +178,10 @@ def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=G
                 ms = time_step(cupy, step, warmup, iters, backlog, flush_l2)
                 row[f"{label}_us_per_layer"] = ms * 1e3 / LAYERS
                 row[f"{label}_edges"] = step.graph.programmatic_edges
+                if torch is not None and label == VARIANTS[0][0]:
+                    from .bench_decode_peers import measure_graph
+
+                    measure_graph(cupy, torch, row, step, warmup, iters, backlog, flush_l2)
                 del step
         finally:
             _launch.PROGRAMMATIC = saved
@@ -191,7 +195,9 @@ def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=G
         print(f"decode graph b={batch} cache={cache_len}: {row['programmatic_us_per_layer']:.2f} "
               f"us/layer ({row['fraction_of_copy']:.0%} of copy; cache read after the wait "
               f"{row['after_wait_us_per_layer']:.2f}, plain launches "
-              f"{row['plain_us_per_layer']:.2f}), {row['programmatic_edges']} programmatic edges",
+              f"{row['plain_us_per_layer']:.2f}), {row['programmatic_edges']} programmatic edges"
+              + "".join(f", {label} {row[key + '_us_per_layer']:.2f}"
+                        for key, label in _peer_labels() if row.get(key + "_us_per_layer")),
               file=progress, flush=True)
     return results
 
@@ -205,15 +211,30 @@ def time_step(cupy, step: DecodeStep, warmup: int, iters: int, backlog, flush_l2
         return time_cupy(cupy, step.run, warmup, iters, backlog, flush_l2)
 
 
+def _peer_labels():
+    from .bench_decode_peers import PEERS
+
+    return [(key, label) for key, label, _ in PEERS]
+
+
 def decode_graph_table(rows: list[dict]) -> str:
-    lines = ["| dtype | d | heads (q/kv) | batch | cache | us per layer | of copy ceiling | "
-             "cache read after the wait: us per layer | plain launches: us per layer | "
-             "programmatic edges |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """The in-graph table; with the peers' layers where the rows have them."""
+    from .bench_decode_peers import peer_cells, peer_headers
+
+    peers = any("sdpa_flash_us_per_layer" in r for r in rows)
+    headers = ["dtype", "d", "heads (q/kv)", "batch", "cache", "us per layer",
+               "of copy ceiling", "cache read after the wait: us per layer",
+               "plain launches: us per layer", "programmatic edges"]
+    headers += peer_headers("us per layer") if peers else []
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['nheads']}/{r['nheads_kv']} | "
-                     f"{r['batch']} | {r['cache']} | {r['programmatic_us_per_layer']:.2f} | "
-                     f"{r['fraction_of_copy']:.0%} | {r['after_wait_us_per_layer']:.2f} "
-                     f"({r['after_wait_fraction_of_copy']:.0%}) | {r['plain_us_per_layer']:.2f} "
-                     f"({r['plain_fraction_of_copy']:.0%}) | {r['programmatic_edges']} |")
+        ours = r["programmatic_us_per_layer"]
+        cells = [r["dtype"], r["headdim"], f"{r['nheads']}/{r['nheads_kv']}", r["batch"],
+                 r["cache"], f"{ours:.2f}", f"{r['fraction_of_copy']:.0%}",
+                 f"{r['after_wait_us_per_layer']:.2f} ({r['after_wait_fraction_of_copy']:.0%})",
+                 f"{r['plain_us_per_layer']:.2f} ({r['plain_fraction_of_copy']:.0%})",
+                 r["programmatic_edges"]]
+        if peers:
+            cells += peer_cells(r, "_us_per_layer", ours, 2)
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)

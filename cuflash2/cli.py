@@ -58,7 +58,8 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                            help="forward, backward (attention_backward) or both")
     bench_cmd.add_argument("--compare", choices=("torch",), default=None,
                            help="also time torch SDPA on the same arrays, restricted to its "
-                                "FlashAttention-2 backend and to its cuDNN backend")
+                                "FlashAttention-2 backend and to its cuDNN backend (with "
+                                "--decode, their decoding too)")
     bench_cmd.add_argument("--json", metavar="PATH", default=None,
                            help="save every row and the environment as JSON")
     bench_cmd.add_argument("--windows", nargs="+", type=_positive_int, default=None,

@@ -416,6 +416,60 @@ def test_decode_bytes():
     assert build_parser().parse_args(["bench", "--decode"]).decode
 
 
+def _decode_row(**extra):
+    row = {"dtype": "fp16", "headdim": 128, "batch": 1, "cache": 16384, "nheads": 32,
+           "nheads_kv": 4, "ms": 0.0173, "gb_per_s": 1939.0, "fraction_of_copy": 0.47,
+           "dense_ms": 0.1867}
+    row.update(extra)
+    return row
+
+
+def test_decode_table_has_the_peers_columns_only_when_measured():
+    plain = bench.decode_table([_decode_row()])
+    assert "SDPA-flash" not in plain and plain.splitlines()[-1].endswith("| 186.7 (10.79x) |")
+    with_peers = bench.decode_table([_decode_row(
+        sdpa_flash_us=32.7, sdpa_flash_error=None, cudnn_us=None,
+        cudnn_error="cuDNN refused: no kernel")])
+    header, rule, line = with_peers.splitlines()
+    assert header.endswith("| SDPA-flash us | cuDNN us |")
+    assert rule.count("---") == header.count("|") - 1
+    assert line.endswith("| 32.7 (1.89x) | n/a |")
+
+
+def test_decode_graph_table_peers_and_refusal_notes():
+    from cuflash2 import bench_decode_graph, bench_decode_peers
+
+    row = {"dtype": "fp16", "headdim": 128, "batch": 1, "cache": 16384, "nheads": 32,
+           "nheads_kv": 4, "programmatic_us_per_layer": 13.25, "fraction_of_copy": 0.61,
+           "after_wait_us_per_layer": 14.6, "after_wait_fraction_of_copy": 0.55,
+           "plain_us_per_layer": 16.3, "plain_fraction_of_copy": 0.5, "programmatic_edges": 15}
+    assert "cuDNN" not in bench_decode_graph.decode_graph_table([row])
+    row.update(sdpa_flash_us_per_layer=31.04, sdpa_flash_error=None, cudnn_us_per_layer=None,
+               cudnn_error="no kernel")
+    table = bench_decode_graph.decode_graph_table([row])
+    assert table.splitlines()[0].endswith("| SDPA-flash us per layer | cuDNN us per layer |")
+    assert table.splitlines()[-1].endswith("| 15 | 31.04 (2.34x) | n/a |")
+    assert bench_decode_peers.refusal_notes([row], "graph") == [
+        "cuDNN n/a in the graph (b=1 cache=16384 h=32/4): no kernel"]
+
+
+def test_measure_decode_peers_record_a_refusal_per_backend(monkeypatch):
+    # Without torch's backends every peer refuses: the row keeps its keys, times empty, and a
+    # reason for each; nothing raises.
+    from cuflash2 import bench_decode_peers
+
+    class NoBackend:
+        def __init__(self, *args):
+            raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(bench_decode_peers, "SdpaDecode", NoBackend)
+    row = {}
+    bench_decode_peers.measure_single(None, None, row, None, None, None, None, 1, 1, None, None)
+    for key, _, _ in bench_decode_peers.PEERS:
+        assert row[f"{key}_us"] is None and row[f"{key}_max_abs_diff"] is None
+        assert row[f"{key}_error"] == "RuntimeError: No available kernel. Aborting execution."
+
+
 def test_measure_times_flash_and_cudnn_on_every_row(monkeypatch):
     # The flow of `measure` with the timed pieces faked: each row gets cuflash2, SDPA-flash and
     # cuDNN; a cuDNN refusal leaves the row good (no error, n/a), a flash failure does not stop

@@ -406,6 +406,37 @@ def test_decode_steps_replayed_in_a_cuda_graph():
         assert not bool((first == later).all())
 
 
+def test_decode_peers_on_the_same_caches():
+    """`bench --decode --compare torch`'s peers: each SDPA backend either computes the step
+    cuflash2 computed on the same arrays (single step) and replays its graph of layers with the
+    stand-in kernel between them, or says why it refused."""
+    torch = pytest.importorskip("torch")
+    from cuflash2 import bench, bench_decode_graph, bench_decode_peers
+
+    backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
+    q, kc, vc, k1, lengths = bench.decode_inputs(cupy, numpy.float16, 2, 2048, 8, 2)
+    ours = cuflash2.attention_with_kvcache(q, kc, vc, k=k1, v=k1, cache_seqlens=lengths,
+                                           causal=True)
+    single, in_graph = {}, {}
+    bench_decode_peers.measure_single(cupy, torch, single, q, kc, vc, ours, 1, 2, backlog,
+                                      flush)
+    step = bench_decode_graph.DecodeStep(cupy, batch=2, cache_len=2048, nheads=8, nheads_kv=2)
+    q_before = step.q.copy()
+    bench_decode_peers.measure_graph(cupy, torch, in_graph, step, 1, 2, backlog, flush)
+    cupy.cuda.runtime.deviceSynchronize()
+    for key, _, _ in bench_decode_peers.PEERS:
+        if single[f"{key}_error"] is None:
+            assert single[f"{key}_us"] > 0 and single[f"{key}_max_abs_diff"] < 1e-2, key
+        else:
+            assert single[f"{key}_us"] is None and single[f"{key}_error"].strip()
+        if in_graph[f"{key}_error"] is None:
+            assert in_graph[f"{key}_us_per_layer"] > 0
+        else:
+            assert in_graph[f"{key}_us_per_layer"] is None and in_graph[f"{key}_error"].strip()
+    assert single["sdpa_flash_error"] is None and in_graph["sdpa_flash_error"] is None
+    assert not bool((step.q == q_before).all())  # the peers' layers ran the chain of q's
+
+
 @pytest.mark.parametrize("num_splits", [2, 7, 16])
 @pytest.mark.parametrize("seqlen_q,heads", [(1, (32, 4)), (3, (8, 8)), (5, (16, 2))])
 def test_cluster_and_barrier_merges(num_splits, seqlen_q, heads):

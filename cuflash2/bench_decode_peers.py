@@ -1,0 +1,165 @@
+"""torch SDPA's decoding next to cuflash2's: `bench --decode --compare torch`.
+
+The peers are SDPA's FlashAttention-2 backend and its cuDNN backend, one query token against
+(b, h_kv, s, d) views of the same caches (`enable_gqa` where the heads differ). SDPA has no KV
+cache: it attends over the whole cache, the appended token's slot included (cuflash2's call
+wrote that token there before), and appends nothing. A single step is timed as cuflash2's, L2
+flushed before each call; its output is compared with cuflash2's. In a graph, a peer's step is
+`bench_decode_graph.LAYERS` layers of the SDPA call over the in-graph step's own caches, each
+followed by the same stand-in kernel (`next_layer_inputs.cu`) reading the layer's output and
+writing the next q, captured with torch's CUDA graphs and replayed with L2 flushed before it.
+A backend that refuses a row leaves its time empty and the reason in `<key>_error`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+#: (key in the rows, label in the tables, member of torch's SDPBackend).
+PEERS = (("sdpa_flash", "SDPA-flash", "FLASH_ATTENTION"),
+         ("cudnn", "cuDNN", "CUDNN_ATTENTION"))
+
+
+class SdpaDecode:
+    """One SDPA backend on (b, h, s, d) views of cuflash2's (b, s, h, d) arrays."""
+
+    def __init__(self, torch, cupy, backend: str):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        self.torch, self.cupy = torch, cupy
+        self.only = lambda: sdpa_kernel(getattr(SDPBackend, backend))
+
+    def as_bhsd(self, array):
+        from .bench import _torch_view
+
+        torch_dtype = {"float16": self.torch.float16}.get(array.dtype.name,
+                                                          self.torch.bfloat16)
+        return _torch_view(self.torch, self.cupy, array, torch_dtype).transpose(1, 2)
+
+    def attend(self, q, k_cache, v_cache):
+        """The call on torch tensors in (b, h, s, d); the keys are the whole cache."""
+        gqa = q.shape[1] != k_cache.shape[1]
+        with self.only():
+            return self.torch.nn.functional.scaled_dot_product_attention(
+                q, k_cache, v_cache, enable_gqa=gqa)
+
+
+def _refused(exc, caught) -> str:
+    from .bench import refusal_reason
+
+    return refusal_reason(exc, [str(w.message) for w in caught])
+
+
+def measure_single(cupy, torch, row: dict, q, k_cache, v_cache, ours_out, warmup, iters,
+                   backlog, flush_l2) -> None:
+    """Each peer's single step into `row`: `<key>_us`, `<key>_max_abs_diff` (against
+    `ours_out`, whose call appended the token the peer reads), or `<key>_error`."""
+    from .bench import _max_abs_diff, time_cupy
+
+    for key, _, backend in PEERS:
+        row[f"{key}_us"] = row[f"{key}_max_abs_diff"] = row[f"{key}_error"] = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                peer = SdpaDecode(torch, cupy, backend)
+                qt, kt, vt = (peer.as_bhsd(x) for x in (q, k_cache, v_cache))
+                ms = time_cupy(cupy, lambda: peer.attend(qt, kt, vt), warmup, iters, backlog,
+                               flush_l2)
+                row[f"{key}_us"] = ms * 1e3
+                row[f"{key}_max_abs_diff"] = _max_abs_diff(cupy, torch, ours_out,
+                                                           peer.attend(qt, kt, vt))
+            except Exception as exc:
+                row[f"{key}_error"] = _refused(exc, caught)
+
+
+class PeerDecodeStep:
+    """`layers` SDPA calls over `caches` (cuflash2 arrays), each followed by the stand-in
+    kernel, captured as a torch CUDA graph on a stream of its own."""
+
+    def __init__(self, cupy, torch, peer: SdpaDecode, q, k_new, v_new, caches):
+        self.cupy, self.torch, self.peer = cupy, torch, peer
+        self.q, self.k_new, self.v_new = q, k_new, v_new
+        self.q_bhsd = peer.as_bhsd(q)
+        self.caches = [(peer.as_bhsd(k), peer.as_bhsd(v)) for k, v in caches]
+        self.stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.stream):
+            self._record()  # compiles the stand-in and warms the backend before the capture
+        self.stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            self._record()
+        self.stream.synchronize()
+
+    def _record(self) -> None:
+        from .bench_decode_graph import launch_next_layer_inputs
+
+        cupy = self.cupy
+        for k_cache, v_cache in self.caches:
+            out = self.peer.attend(self.q_bhsd, k_cache, v_cache)
+            with cupy.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream):
+                launch_next_layer_inputs(cupy, _cupy_view(cupy, out, self.q.dtype), self.q,
+                                         self.k_new, self.v_new)
+
+    def run(self) -> None:
+        self.graph.replay()
+
+
+def _cupy_view(cupy, tensor, dtype):
+    """A cupy array over a contiguous torch tensor's memory (no synchronisation, so it may be
+    made while a graph is being captured)."""
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                     tensor, tensor.device.index)
+    return cupy.ndarray((tensor.numel(),), dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def measure_graph(cupy, torch, row: dict, step, warmup, iters, backlog, flush_l2) -> None:
+    """Each peer's in-graph step over `step`'s caches (a bench_decode_graph.DecodeStep) into
+    `row`: `<key>_us_per_layer` or `<key>_error`."""
+    from .bench import time_cupy
+    from .bench_decode_graph import LAYERS
+
+    for key, _, backend in PEERS:
+        row[f"{key}_us_per_layer"] = row[f"{key}_error"] = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                peer = SdpaDecode(torch, cupy, backend)
+                peer_step = PeerDecodeStep(cupy, torch, peer, step.q, step.k, step.v,
+                                           step.caches)
+                with torch.cuda.stream(peer_step.stream), \
+                        cupy.cuda.ExternalStream(peer_step.stream.cuda_stream):
+                    ms = time_cupy(cupy, peer_step.run, warmup, iters, backlog, flush_l2)
+                row[f"{key}_us_per_layer"] = ms * 1e3 / LAYERS
+                del peer_step
+            except Exception as exc:
+                row[f"{key}_error"] = _refused(exc, caught)
+
+
+def peer_cells(row: dict, suffix: str, ours: float, digits: int) -> list[str]:
+    """Table cells of the peers' times (`<key><suffix>`) with cuflash2's speed-up over each,
+    or "n/a" where the backend refused."""
+    cells = []
+    for key, _, _ in PEERS:
+        theirs = row.get(f"{key}{suffix}")
+        if theirs is None:
+            cells.append("n/a" if row.get(f"{key}_error") else "–")
+        else:
+            cells.append(f"{theirs:.{digits}f} ({theirs / ours:.2f}x)")
+    return cells
+
+
+def peer_headers(what: str) -> list[str]:
+    return [f"{label} {what}" for _, label, _ in PEERS]
+
+
+def refusal_notes(rows: list[dict], table: str) -> list[str]:
+    """One line per backend and reason for the rows a backend refused."""
+    notes = {}
+    for row in rows:
+        for key, label, _ in PEERS:
+            reason = row.get(f"{key}_error")
+            if reason:
+                notes.setdefault((label, reason), []).append(
+                    f"b={row['batch']} cache={row['cache']} h={row['nheads']}/{row['nheads_kv']}")
+    return [f"{label} n/a in the {table} ({', '.join(where)}): {reason}"
+            for (label, reason), where in notes.items()]
