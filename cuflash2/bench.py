@@ -356,6 +356,14 @@ class TorchSdpa:
         qt, kt, vt = (self.as_bhsd(x) for x in (q, k, v))
         return lambda: sdpa(qt, kt, vt, is_causal=causal)
 
+    def attend_all(self, q, k, v):
+        """SDPA under this backend on torch tensors in (b, h, s, d), every key seen by every
+        query (a decoding step's one token against its whole cache), GQA where the heads
+        differ."""
+        with self.only():
+            return self.torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
     def backward(self, q, k, v, dout, causal):
         sdpa = self.torch.nn.functional.scaled_dot_product_attention
         qt, kt, vt = (self.as_bhsd(x).detach().requires_grad_() for x in (q, k, v))
@@ -760,18 +768,11 @@ def measure_decode(cupy, dtype_name, warmup, iters, headdim=128, progress=sys.st
     return rows
 
 
-DECODE_PEERS_NOTE = (
-    "SDPA's columns: torch SDPA restricted to its FlashAttention-2 backend (SDPA-flash) and to "
-    "its cuDNN backend, on (b, h, s, d) views of the same caches (enable_gqa where the heads "
-    "differ), attending over the whole cache, the token cuflash2 appended included; SDPA "
-    "appends nothing. Each time with cuflash2's speed-up over it in parentheses.")
-
-
 def decode_table(rows: list[dict]) -> str:
     """The single-step decode table; with the peers' times where the rows have them."""
-    from .bench_decode_peers import peer_cells, peer_headers
+    from .bench_decode_peers import has_peers, peer_cells, peer_headers
 
-    peers = any("sdpa_flash_us" in r for r in rows)
+    peers = has_peers(rows, "_us")
     headers = ["dtype", "d", "heads (q/kv)", "batch", "cache", "us", "GB/s", "of copy ceiling",
                "dense attention us (batch 1)"] + (peer_headers("us") if peers else [])
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -861,11 +862,9 @@ def run(cupy, args) -> int:
         print("\nGB/s counts the K and V cache read once plus q and out; decoding only reads, "
               "and a read-only stream can pass the copy figure (HBM3e peak 4.8 TB/s on the H200).")
         if torch is not None:
-            from .bench_decode_peers import refusal_notes
+            from .bench_decode_peers import SINGLE_STEP_NOTE, peer_notes
 
-            print(f"\n{DECODE_PEERS_NOTE}")
-            for note in refusal_notes(decode, "single steps"):
-                print(note)
+            print("\n" + "\n".join(peer_notes(decode, SINGLE_STEP_NOTE, "single steps")))
     if decode_graph:
         from .bench_decode_graph import LAYERS, decode_graph_table
 
@@ -879,13 +878,9 @@ def run(cupy, args) -> int:
               f"read after the previous kernel, and without programmatic launches:\n")
         print(decode_graph_table(decode_graph))
         if torch is not None:
-            from .bench_decode_peers import refusal_notes
+            from .bench_decode_peers import GRAPH_NOTE, peer_notes
 
-            print(f"\nSDPA's columns: the same {LAYERS} layers over the same caches, each an "
-                  f"SDPA call followed by the same kernel between layers, captured with torch's "
-                  f"CUDA graphs (SDPA appends nothing).")
-            for note in refusal_notes(decode_graph, "graph"):
-                print(note)
+            print("\n" + "\n".join(peer_notes(decode_graph, GRAPH_NOTE, "graph")))
     if args.json:
         report = {"environment": env, "settings": _settings(args), "rows": [r.to_json() for r in rows],
                   "summary": summary, "windows": windows, "varlen": varlen, "decode": decode,

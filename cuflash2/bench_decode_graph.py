@@ -196,8 +196,7 @@ def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=G
               f"us/layer ({row['fraction_of_copy']:.0%} of copy; cache read after the wait "
               f"{row['after_wait_us_per_layer']:.2f}, plain launches "
               f"{row['plain_us_per_layer']:.2f}), {row['programmatic_edges']} programmatic edges"
-              + "".join(f", {label} {row[key + '_us_per_layer']:.2f}"
-                        for key, label in _peer_labels() if row.get(key + "_us_per_layer")),
+              + _peers_progress(row),
               file=progress, flush=True)
     return results
 
@@ -211,17 +210,18 @@ def time_step(cupy, step: DecodeStep, warmup: int, iters: int, backlog, flush_l2
         return time_cupy(cupy, step.run, warmup, iters, backlog, flush_l2)
 
 
-def _peer_labels():
+def _peers_progress(row: dict) -> str:
     from .bench_decode_peers import PEERS
 
-    return [(key, label) for key, label, _ in PEERS]
+    return "".join(f", {peer.LABEL} {row[key + '_us_per_layer']:.2f}" for key, peer in PEERS
+                   if row.get(key + "_us_per_layer"))
 
 
 def decode_graph_table(rows: list[dict]) -> str:
     """The in-graph table; with the peers' layers where the rows have them."""
-    from .bench_decode_peers import peer_cells, peer_headers
+    from .bench_decode_peers import has_peers, peer_cells, peer_headers
 
-    peers = any("sdpa_flash_us_per_layer" in r for r in rows)
+    peers = has_peers(rows, "_us_per_layer")
     headers = ["dtype", "d", "heads (q/kv)", "batch", "cache", "us per layer",
                "of copy ceiling", "cache read after the wait: us per layer",
                "plain launches: us per layer", "programmatic edges"]

@@ -15,68 +15,61 @@ from __future__ import annotations
 
 import warnings
 
-#: (key in the rows, label in the tables, member of torch's SDPBackend).
-PEERS = (("sdpa_flash", "SDPA-flash", "FLASH_ATTENTION"),
-         ("cudnn", "cuDNN", "CUDNN_ATTENTION"))
+from .bench import TorchSdpaCudnn, TorchSdpaFlash
+
+#: (key in the rows, the backend: bench.TorchSdpa with its LABEL and BACKEND).
+PEERS = (("sdpa_flash", TorchSdpaFlash), ("cudnn", TorchSdpaCudnn))
+
+SINGLE_STEP_NOTE = (
+    "SDPA's columns: torch SDPA restricted to its FlashAttention-2 backend (SDPA-flash) and to "
+    "its cuDNN backend, on (b, h, s, d) views of the same caches (enable_gqa where the heads "
+    "differ), attending over the whole cache, the token cuflash2 appended included; SDPA "
+    "appends nothing. Each time with cuflash2's speed-up over it in parentheses.")
+GRAPH_NOTE = (
+    "SDPA's columns: the same layers over the same caches, each an SDPA call followed by the "
+    "same kernel between layers, captured with torch's CUDA graphs (SDPA appends nothing).")
 
 
-class SdpaDecode:
-    """One SDPA backend on (b, h, s, d) views of cuflash2's (b, s, h, d) arrays."""
-
-    def __init__(self, torch, cupy, backend: str):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        self.torch, self.cupy = torch, cupy
-        self.only = lambda: sdpa_kernel(getattr(SDPBackend, backend))
-
-    def as_bhsd(self, array):
-        from .bench import _torch_view
-
-        torch_dtype = {"float16": self.torch.float16}.get(array.dtype.name,
-                                                          self.torch.bfloat16)
-        return _torch_view(self.torch, self.cupy, array, torch_dtype).transpose(1, 2)
-
-    def attend(self, q, k_cache, v_cache):
-        """The call on torch tensors in (b, h, s, d); the keys are the whole cache."""
-        gqa = q.shape[1] != k_cache.shape[1]
-        with self.only():
-            return self.torch.nn.functional.scaled_dot_product_attention(
-                q, k_cache, v_cache, enable_gqa=gqa)
-
-
-def _refused(exc, caught) -> str:
+def _each_peer(cupy, torch, row: dict, dtype_name: str, fields, measure) -> None:
+    """For each of PEERS: `measure(key, peer)` fills row[key + field] for `fields`; where the
+    backend refuses, they stay None and row[key + "_error"] says why (as bench._measure_cudnn
+    does for the main grid)."""
     from .bench import refusal_reason
 
-    return refusal_reason(exc, [str(w.message) for w in caught])
+    for key, backend in PEERS:
+        row.update({key + field: None for field in fields + ("_error",)})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                measure(key, backend(torch, cupy, dtype_name))
+            except Exception as exc:
+                row.update({key + field: None for field in fields})
+                row[key + "_error"] = refusal_reason(exc, [str(w.message) for w in caught])
 
 
 def measure_single(cupy, torch, row: dict, q, k_cache, v_cache, ours_out, warmup, iters,
                    backlog, flush_l2) -> None:
-    """Each peer's single step into `row`: `<key>_us`, `<key>_max_abs_diff` (against
-    `ours_out`, whose call appended the token the peer reads), or `<key>_error`."""
+    """Each peer's single step into `row` (a decode row, with its "dtype"): `<key>_us`,
+    `<key>_max_abs_diff` (against `ours_out`, whose call appended the token the peer reads), or
+    `<key>_error`."""
     from .bench import _max_abs_diff, time_cupy
 
-    for key, _, backend in PEERS:
-        row[f"{key}_us"] = row[f"{key}_max_abs_diff"] = row[f"{key}_error"] = None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                peer = SdpaDecode(torch, cupy, backend)
-                qt, kt, vt = (peer.as_bhsd(x) for x in (q, k_cache, v_cache))
-                ms = time_cupy(cupy, lambda: peer.attend(qt, kt, vt), warmup, iters, backlog,
-                               flush_l2)
-                row[f"{key}_us"] = ms * 1e3
-                row[f"{key}_max_abs_diff"] = _max_abs_diff(cupy, torch, ours_out,
-                                                           peer.attend(qt, kt, vt))
-            except Exception as exc:
-                row[f"{key}_error"] = _refused(exc, caught)
+    def measure(key, peer):
+        qt, kt, vt = (peer.as_bhsd(x) for x in (q, k_cache, v_cache))
+        ms = time_cupy(cupy, lambda: peer.attend_all(qt, kt, vt), warmup, iters, backlog,
+                       flush_l2)
+        row[f"{key}_us"] = ms * 1e3
+        row[f"{key}_max_abs_diff"] = _max_abs_diff(cupy, torch, ours_out,
+                                                   peer.attend_all(qt, kt, vt))
+
+    _each_peer(cupy, torch, row, row["dtype"], ("_us", "_max_abs_diff"), measure)
 
 
 class PeerDecodeStep:
-    """`layers` SDPA calls over `caches` (cuflash2 arrays), each followed by the stand-in
-    kernel, captured as a torch CUDA graph on a stream of its own."""
+    """An SDPA call (`peer`, a bench.TorchSdpa) over each of `caches` (cuflash2 arrays), each
+    followed by the stand-in kernel, captured as a torch CUDA graph on a stream of its own."""
 
-    def __init__(self, cupy, torch, peer: SdpaDecode, q, k_new, v_new, caches):
+    def __init__(self, cupy, torch, peer, q, k_new, v_new, caches):
         self.cupy, self.torch, self.peer = cupy, torch, peer
         self.q, self.k_new, self.v_new = q, k_new, v_new
         self.q_bhsd = peer.as_bhsd(q)
@@ -95,7 +88,7 @@ class PeerDecodeStep:
 
         cupy = self.cupy
         for k_cache, v_cache in self.caches:
-            out = self.peer.attend(self.q_bhsd, k_cache, v_cache)
+            out = self.peer.attend_all(self.q_bhsd, k_cache, v_cache)
             with cupy.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream):
                 launch_next_layer_inputs(cupy, _cupy_view(cupy, out, self.q.dtype), self.q,
                                          self.k_new, self.v_new)
@@ -114,32 +107,30 @@ def _cupy_view(cupy, tensor, dtype):
 
 def measure_graph(cupy, torch, row: dict, step, warmup, iters, backlog, flush_l2) -> None:
     """Each peer's in-graph step over `step`'s caches (a bench_decode_graph.DecodeStep) into
-    `row`: `<key>_us_per_layer` or `<key>_error`."""
+    `row` (an in-graph row, with its "dtype"): `<key>_us_per_layer` or `<key>_error`."""
     from .bench import time_cupy
     from .bench_decode_graph import LAYERS
 
-    for key, _, backend in PEERS:
-        row[f"{key}_us_per_layer"] = row[f"{key}_error"] = None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                peer = SdpaDecode(torch, cupy, backend)
-                peer_step = PeerDecodeStep(cupy, torch, peer, step.q, step.k, step.v,
-                                           step.caches)
-                with torch.cuda.stream(peer_step.stream), \
-                        cupy.cuda.ExternalStream(peer_step.stream.cuda_stream):
-                    ms = time_cupy(cupy, peer_step.run, warmup, iters, backlog, flush_l2)
-                row[f"{key}_us_per_layer"] = ms * 1e3 / LAYERS
-                del peer_step
-            except Exception as exc:
-                row[f"{key}_error"] = _refused(exc, caught)
+    def measure(key, peer):
+        peer_step = PeerDecodeStep(cupy, torch, peer, step.q, step.k, step.v, step.caches)
+        with torch.cuda.stream(peer_step.stream), \
+                cupy.cuda.ExternalStream(peer_step.stream.cuda_stream):
+            ms = time_cupy(cupy, peer_step.run, warmup, iters, backlog, flush_l2)
+        row[f"{key}_us_per_layer"] = ms * 1e3 / LAYERS
+
+    _each_peer(cupy, torch, row, row["dtype"], ("_us_per_layer",), measure)
+
+
+def has_peers(rows: list[dict], suffix: str) -> bool:
+    """Whether the rows were measured with the peers (their `<key><suffix>` fields)."""
+    return any(PEERS[0][0] + suffix in r for r in rows)
 
 
 def peer_cells(row: dict, suffix: str, ours: float, digits: int) -> list[str]:
     """Table cells of the peers' times (`<key><suffix>`) with cuflash2's speed-up over each,
     or "n/a" where the backend refused."""
     cells = []
-    for key, _, _ in PEERS:
+    for key, _ in PEERS:
         theirs = row.get(f"{key}{suffix}")
         if theirs is None:
             cells.append("n/a" if row.get(f"{key}_error") else "–")
@@ -149,17 +140,17 @@ def peer_cells(row: dict, suffix: str, ours: float, digits: int) -> list[str]:
 
 
 def peer_headers(what: str) -> list[str]:
-    return [f"{label} {what}" for _, label, _ in PEERS]
+    return [f"{peer.LABEL} {what}" for _, peer in PEERS]
 
 
-def refusal_notes(rows: list[dict], table: str) -> list[str]:
-    """One line per backend and reason for the rows a backend refused."""
-    notes = {}
+def peer_notes(rows: list[dict], note: str, table: str) -> list[str]:
+    """`note`, then one line per backend and reason for the rows a backend refused."""
+    refused = {}
     for row in rows:
-        for key, label, _ in PEERS:
+        for key, peer in PEERS:
             reason = row.get(f"{key}_error")
             if reason:
-                notes.setdefault((label, reason), []).append(
+                refused.setdefault((peer.LABEL, reason), []).append(
                     f"b={row['batch']} cache={row['cache']} h={row['nheads']}/{row['nheads_kv']}")
-    return [f"{label} n/a in the {table} ({', '.join(where)}): {reason}"
-            for (label, reason), where in notes.items()]
+    return [note] + [f"{label} n/a in the {table} ({', '.join(where)}): {reason}"
+                     for (label, reason), where in refused.items()]

@@ -449,8 +449,8 @@ def test_decode_graph_table_peers_and_refusal_notes():
     table = bench_decode_graph.decode_graph_table([row])
     assert table.splitlines()[0].endswith("| SDPA-flash us per layer | cuDNN us per layer |")
     assert table.splitlines()[-1].endswith("| 15 | 31.04 (2.34x) | n/a |")
-    assert bench_decode_peers.refusal_notes([row], "graph") == [
-        "cuDNN n/a in the graph (b=1 cache=16384 h=32/4): no kernel"]
+    assert bench_decode_peers.peer_notes([row], "NOTE", "graph") == [
+        "NOTE", "cuDNN n/a in the graph (b=1 cache=16384 h=32/4): no kernel"]
 
 
 def test_measure_decode_peers_record_a_refusal_per_backend(monkeypatch):
@@ -462,10 +462,11 @@ def test_measure_decode_peers_record_a_refusal_per_backend(monkeypatch):
         def __init__(self, *args):
             raise RuntimeError("No available kernel. Aborting execution.")
 
-    monkeypatch.setattr(bench_decode_peers, "SdpaDecode", NoBackend)
-    row = {}
+    monkeypatch.setattr(bench_decode_peers, "PEERS",
+                        tuple((key, NoBackend) for key, _ in bench_decode_peers.PEERS))
+    row = {"dtype": "fp16"}
     bench_decode_peers.measure_single(None, None, row, None, None, None, None, 1, 1, None, None)
-    for key, _, _ in bench_decode_peers.PEERS:
+    for key, _ in bench_decode_peers.PEERS:
         assert row[f"{key}_us"] is None and row[f"{key}_max_abs_diff"] is None
         assert row[f"{key}_error"] == "RuntimeError: No available kernel. Aborting execution."
 

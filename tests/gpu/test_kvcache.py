@@ -417,14 +417,14 @@ def test_decode_peers_on_the_same_caches():
     q, kc, vc, k1, lengths = bench.decode_inputs(cupy, numpy.float16, 2, 2048, 8, 2)
     ours = cuflash2.attention_with_kvcache(q, kc, vc, k=k1, v=k1, cache_seqlens=lengths,
                                            causal=True)
-    single, in_graph = {}, {}
+    single, in_graph = {"dtype": "fp16"}, {"dtype": "fp16"}
     bench_decode_peers.measure_single(cupy, torch, single, q, kc, vc, ours, 1, 2, backlog,
                                       flush)
     step = bench_decode_graph.DecodeStep(cupy, batch=2, cache_len=2048, nheads=8, nheads_kv=2)
     q_before = step.q.copy()
     bench_decode_peers.measure_graph(cupy, torch, in_graph, step, 1, 2, backlog, flush)
     cupy.cuda.runtime.deviceSynchronize()
-    for key, _, _ in bench_decode_peers.PEERS:
+    for key, _ in bench_decode_peers.PEERS:
         if single[f"{key}_error"] is None:
             assert single[f"{key}_us"] > 0 and single[f"{key}_max_abs_diff"] < 1e-2, key
         else:
