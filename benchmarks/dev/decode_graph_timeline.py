@@ -35,13 +35,22 @@ import numpy  # noqa: E402
 
 from cuflash2 import _compile, _kvcache, bench, bench_decode_graph  # noqa: E402
 
-_HEADER = r"""
+#: The records' shape (layer, CTA, slot), and the slots a CTA has: its points, then CLOCK_SLOTS.
+LAYERS, MAX_CTAS, POINTS = 8, 4096, 20
+#: Slots past the points: SM cycles and timer ns from a CTA's start to its end (the clock).
+CLOCK_SLOTS = (POINTS - 2, POINTS - 1)
+#: --who: the slot of a decode CTA's SM (SMID_BASE + %smid; the slot of --inside's last point).
+SMID_SLOT, SMID_BASE = 17, 1000000
+
+_HEADER = f"""
+#define CF2_POINTS {POINTS}
+#define CF2_LAYERS {LAYERS}
+#define CF2_MAX_CTAS {MAX_CTAS}
+#define CF2_SMID_BASE {SMID_BASE}ull
+""" + r"""
 // Stamps are kept in the first thread's registers and written once, at the CTA's end, to the
 // slot of (layer, CTA, point): no atomics or loads on the way (the layer comes from cf2_tags,
 // loaded at the start and compared at the end).
-#define CF2_POINTS 20
-#define CF2_LAYERS 8
-#define CF2_MAX_CTAS 4096
 __device__ unsigned long long cf2_tags[CF2_LAYERS];
 __device__ unsigned long long cf2_records[CF2_LAYERS * CF2_MAX_CTAS * CF2_POINTS];
 #define CF2_BEGIN(tag) \
@@ -56,7 +65,7 @@ __device__ unsigned long long cf2_records[CF2_LAYERS * CF2_MAX_CTAS * CF2_POINTS
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(cf2_t[point])); }
 // (--who) The CTA's SM, as SMID_BASE + %smid in a slot of its own.
 #define CF2_SMID(tag, point) if (threadIdx.x == 0) { unsigned smid_; \
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_)); cf2_t[point] = 1000000ull + smid_; }
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_)); cf2_t[point] = CF2_SMID_BASE + smid_; }
 // The last two slots: the SM clock cycles and the timer's ns from the start to the flush.
 #define CF2_FLUSH(tag) if (threadIdx.x == 0) { int layer_ = -1; \
     cf2_t[CF2_POINTS - 2] = clock64() - cf2_clock0; \
@@ -82,12 +91,8 @@ INSIDE_POINTS = {
     "step": ("step 4: tile landed", "step 4: copies issued", "step 4: S", "step 4: max",
              "step 4: P V issued"),
 }
-#: Slots past the points: SM cycles and timer ns from a CTA's start to its end (the clock).
-CLOCK_SLOTS = (18, 19)
-#: --who: the slot of a decode CTA's SM (SMID_BASE + %smid; the slot of --inside's last point).
-SMID_SLOT, SMID_BASE = 17, 1000000
 _WHO_STAMPS = (("    CF2_BEGIN(p.k_cache)\n",
-                "    CF2_BEGIN(p.k_cache)\n    CF2_SMID(p.k_cache, 17)\n"),)
+                f"    CF2_BEGIN(p.k_cache)\n    CF2_SMID(p.k_cache, {SMID_SLOT})\n"),)
 # (anchor, replacement): each anchor occurs once in flash_decode.cu (checked).
 _DECODE_STAMPS = (
     ("    const int tid = threadIdx.x;\n",
@@ -232,8 +237,6 @@ class Recorder:
                 ).astype(numpy.int64).reshape(LAYERS, MAX_CTAS, POINTS)
         return total
 
-
-LAYERS, MAX_CTAS, POINTS = 8, 4096, 20
 
 
 def summary(stamps, points, t0, label) -> str:
