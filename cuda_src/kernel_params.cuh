@@ -12,12 +12,14 @@
 #pragma once
 #include "mma_primitives.cuh"
 
-// softcap and ALiBi (score_mods.cuh); read only by specialisations that compile them in.
-struct ScoreModParams {
+// The attention variant's own parameters (variant.cuh): softcap and ALiBi (score_mods.cuh), the
+// learnable sinks; each read only by the specialisations that compile its feature in.
+struct VariantParams {
     float softcap_scale;        // softmax_scale / softcap: raw score -> tanh argument
     const float* alibi_slopes;  // (nheads,) or (batch, nheads)
     i64 alibi_batch_stride;     // 0 for (nheads,) slopes
     float alibi_to_units;       // 1 / the effective softmax scale
+    const float* sinks;         // (nheads,): one logit a head in every row's softmax denominator
 };
 
 // Packed variable-length sequences (varlen.cuh); read only by FEATURE_VARLEN specialisations.
@@ -71,7 +73,7 @@ struct FwdParams {
     float scale_log2;     // softmax_scale * log2(e): scores -> exp2 arguments
     int window_left;      // -1: unbounded
     int window_right;
-    ScoreModParams mods;
+    VariantParams mods;
     VarlenParams varlen;
     DropoutParams dropout;
     int batch_offset;  // first sequence of this launch (grids of more than 65535 sequences)
@@ -111,6 +113,7 @@ struct BwdParams {
     u16* dq;
     u16* dk;
     u16* dv;
+    float* dsinks;     // (nheads,): the sinks' gradient (FEATURE_SINKS; flash_bwd_sinks.cu)
     i64 q_batch_stride;
     i64 q_row_stride;
     i64 q_head_stride;
@@ -135,6 +138,7 @@ struct BwdParams {
     i64 dv_batch_stride;
     i64 dv_row_stride;
     i64 dv_head_stride;
+    int batch;            // sequences (the sinks' gradient sums over all of them)
     int seqlen_q;
     int seqlen_q_padded;  // rows per head of the per-row arrays
     int seqlen_k;
@@ -146,7 +150,7 @@ struct BwdParams {
     float scale_log2;     // the scale the softmax saw (softcap's, with softcap) times log2(e)
     int window_left;
     int window_right;
-    ScoreModParams mods;
+    VariantParams mods;
     VarlenParams varlen;
     DropoutParams dropout;
     int batch_offset;
@@ -215,7 +219,7 @@ struct DecodeParams {
     float scale_log2;
     int window_left;
     int window_right;
-    ScoreModParams mods;
+    VariantParams mods;
     int batch_offset;
 };
 

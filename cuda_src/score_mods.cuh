@@ -30,13 +30,13 @@ struct ScoreMods {
     float slope_units;    // -slope / effective softmax scale, for the current (batch, head)
     float diag;           // seqlen_k - seqlen_q
 
-    CF2_DEVICE ScoreMods(const ScoreModParams& params, int seqlen_q, int seqlen_k)
+    CF2_DEVICE ScoreMods(const VariantParams& params, int seqlen_q, int seqlen_k)
         : softcap_scale(params.softcap_scale), slope_units(0.f),
           diag(static_cast<float>(seqlen_k - seqlen_q)) {}
 
     // Loads the slope of (batch, head): alibi_slopes[batch * alibi_batch_stride + head], times
     // alibi_to_units = 1 / effective softmax scale, negated.
-    CF2_DEVICE void select_head(const ScoreModParams& params, int batch, int head) {
+    CF2_DEVICE void select_head(const VariantParams& params, int batch, int head) {
         if constexpr (ALIBI)
             slope_units = -params.alibi_slopes[batch * params.alibi_batch_stride + head] *
                           params.alibi_to_units;

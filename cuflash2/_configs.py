@@ -26,6 +26,10 @@ FEATURE_SOFTCAP = 1
 FEATURE_ALIBI = 2
 FEATURE_VARLEN = 4  # packed variable-length sequences (cuda_src/varlen.cuh)
 FEATURE_DROPOUT = 8  # Philox dropout on P (cuda_src/dropout.cuh)
+#: Learnable attention sinks: one logit a head in every row's softmax denominator, no value row
+#: (cuda_src/variant.cuh). The backward main kernels are the same with or without them (P comes
+#: from the lse, which counts the sink); their gradient is flash_bwd_sinks.cu's.
+FEATURE_SINKS = 16
 ALL_FEATURES = tuple(range(16))
 #: The features the decode kernel takes (softcap, ALiBi: no varlen, no backward).
 SCORE_MOD_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_SOFTCAP | FEATURE_ALIBI)
@@ -58,6 +62,8 @@ PREPROCESS_THREADS = 256
 PREPROCESS_ROWS_PER_WARP = 8
 #: The dQ conversion (flash_bwd_convert_dq.cu): threads a CTA, one 8-column chunk each.
 CONVERT_THREADS = 256
+#: The sinks' gradient (flash_bwd_sinks.cu): threads of its one CTA a head.
+SINKS_THREADS = 256
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
 #: The deterministic dQ kernel: 4 warps of 16 query rows.
@@ -83,10 +89,12 @@ DQ_SEMAPHORE_ROWS = 4
 CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
+    "FEATURE_SINKS": FEATURE_SINKS,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
     "MAX_SPLITS": MAX_SPLITS, "MAX_CLUSTER_SPLITS": MAX_CLUSTER_SPLITS,
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
+    "SINKS_THREADS": SINKS_THREADS,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
     "DECODE_MERGE_ROW_PAD_N8": DECODE_MERGE_ROW_PAD_N8, "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
@@ -719,19 +727,23 @@ class AuxKernel:
     """A small kernel specialised on the dtype only (backward pre- and post-processing)."""
 
     dtype: str
-    kernel: str  # "flash_bwd_preprocess_kernel" or "flash_bwd_convert_dq_kernel"
+    #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
+    #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only)
+    kernel: str
     varlen: bool = False  # packed variable-length sequences
     smem_bytes: int = 0
 
     @property
     def threads(self) -> int:
-        return (PREPROCESS_THREADS if self.kernel == "flash_bwd_preprocess_kernel"
-                else CONVERT_THREADS)
+        return {"flash_bwd_preprocess_kernel": PREPROCESS_THREADS,
+                "flash_bwd_convert_dq_kernel": CONVERT_THREADS,
+                "flash_bwd_sinks_kernel": SINKS_THREADS}[self.kernel]
 
     @property
     def source_file(self) -> str:
         return {"flash_bwd_preprocess_kernel": "flash_bwd_preprocess.cu",
-                "flash_bwd_convert_dq_kernel": "flash_bwd_convert_dq.cu"}[self.kernel]
+                "flash_bwd_convert_dq_kernel": "flash_bwd_convert_dq.cu",
+                "flash_bwd_sinks_kernel": "flash_bwd_sinks.cu"}[self.kernel]
 
     @property
     def name_expression(self) -> str:
@@ -796,7 +808,8 @@ class DropoutMaskKernel:
 
 def aux_kernels() -> list[AuxKernel]:
     return [AuxKernel(dtype, kernel, varlen) for dtype in DTYPE_TAGS
-            for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")
+            for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel",
+                           "flash_bwd_sinks_kernel")
             for varlen in (False, True)]
 
 
@@ -977,7 +990,8 @@ def describe(config) -> str:
                 f"{config.block_m}x{config.block_n} tiles{extra}")
     if isinstance(config, AuxKernel):
         what = {"flash_bwd_preprocess_kernel": "backward preprocess (D, lse, dQ accumulator)",
-                "flash_bwd_convert_dq_kernel": "backward dQ conversion"}.get(config.kernel,
+                "flash_bwd_convert_dq_kernel": "backward dQ conversion",
+                "flash_bwd_sinks_kernel": "backward sinks gradient"}.get(config.kernel,
                                                                             config.kernel)
         return f"{what}, {dtype}{', varlen' if config.varlen else ''}"
     return config.name_expression

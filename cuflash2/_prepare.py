@@ -92,7 +92,7 @@ def check_device(tensors: dict, others: dict, cupy) -> int:
 @dataclass(frozen=True)
 class ScoreMods:
     """softcap / ALiBi / dropout of one call, as the kernels take them (cuda_src/score_mods.cuh,
-    cuda_src/dropout.cuh, kernel_params.cuh's ScoreModParams and DropoutParams)."""
+    cuda_src/dropout.cuh, kernel_params.cuh's VariantParams and DropoutParams)."""
 
     features: int  # FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_DROPOUT template bits
     softmax_scale: float  # scale of the scores the softmax sees: softcap, or the softmax scale
@@ -102,7 +102,7 @@ class ScoreMods:
     dropout: dict  # DropoutParams field -> value ({} without dropout)
 
     def fields(self) -> dict:
-        """The ScoreModParams (`mods.*`) and DropoutParams (`dropout.*`) fields."""
+        """The VariantParams (`mods.*`) and DropoutParams (`dropout.*`) fields."""
         values = {"mods.softcap_scale": self.softcap_scale,
                   "mods.alibi_batch_stride": self.alibi_batch_stride,
                   "mods.alibi_to_units": self.alibi_to_units}
