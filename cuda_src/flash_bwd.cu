@@ -23,10 +23,9 @@
 // registers.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
-#include "masking.cuh"
+#include "variant.cuh"
 #include "warp_gemm.cuh"
 #include "dq_accum.cuh"
-#include "score_mods.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
 #include "kernel_params.cuh"
@@ -75,8 +74,9 @@ struct BwdTraits {
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the 128-byte bank alignment of the tiles");
 };
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
-// dropout (dropout.cuh); 0 for plain attention. The parameters: BwdParams (kernel_params.cuh).
+// FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi), varlen batches
+// (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters: BwdParams
+// (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
           int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ,
           int FEATURES>
@@ -119,7 +119,9 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
     const int head_chunks = p.head_dim / 8;
 
     // Q blocks whose rows can see keys [key_first, key_last] (causal / window).
-    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
+    using Variant = AttentionVariant<FEATURES>;
+    const KeyVisibility vis =
+        Variant::visibility(seqlen_q, seqlen_k, p.window_left, p.window_right);
     int row_begin = 0, row_end = seqlen_q;
     if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
     if (p.window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + p.window_left + 1);
@@ -202,17 +204,17 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
             gemm_a_bt<Elem, T::SDP_MT, T::SDP_NT, T::D_STEPS>(
                 acc_s, rows_cursor<QTile>(q_stage, a_row0, lane),
                 pairs_cursor<KVTile>(k_smem, a_key0, lane));
-            ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
-            mods.select_head(p.mods, batch, head);
-            mods.apply_softcap(acc_s);  // t = tanh(...) with softcap; the bias comes with P
+            Variant variant(p.mods, seqlen_q, seqlen_k);
+            variant.select_head(p.mods, batch, head);
+            variant.apply_softcap(acc_s);  // t = tanh(...) with softcap; the bias comes with P
             const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
             const bool needs_mask =
                 key_first + BLOCK_N > seqlen_k ||
                 (p.window_right >= 0 && key_last > row0 + vis.diag + p.window_right) ||
                 (p.window_left >= 0 && key_first < row_last + vis.diag - p.window_left);
             if (needs_mask)
-                mask_scores<T::SDP_MT, T::SDP_NT>(acc_s, row0 + a_row0 + lane / 4,
-                                                  key_first + a_key0 + 2 * (lane % 4), vis);
+                Variant::mask(acc_s, row0 + a_row0 + lane / 4,
+                              key_first + a_key0 + 2 * (lane % 4), vis);
             // P = exp2((S + bias) * scale_log2 - lse_log2[row]): rows 16 mt + 8 half + lane / 4.
             // With softcap, P is stored right away and acc_s keeps P * (1 - t^2), the factor dS
             // needs (no extra registers for t). With dropout, the keep bits of each 16 x 16
@@ -244,8 +246,8 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
                             const float key = static_cast<float>(key_first + a_key0 + 8 * nt +
                                                                  2 * (lane % 4) + e);
                             prob[e] = fast_exp2(
-                                fmaf(mods.biased(s, row, key), p.scale_log2, -row_lse));
-                            s = ScoreMods<FEATURES>::SOFTCAP ? prob[e] * mods.dtanh(s) : prob[e];
+                                fmaf(variant.biased(s, row, key), p.scale_log2, -row_lse));
+                            s = Variant::SOFTCAP ? prob[e] * variant.dtanh(s) : prob[e];
                             if constexpr (DROPOUT) {
                                 const bool kept =
                                     (keep[nt / 2] >> dropout_index(half, nt % 2, e)) & 1u;
@@ -253,7 +255,7 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
                                 prob[e] = kept ? prob[e] * p.dropout.scale : 0.f;
                             }
                         }
-                        if constexpr (ScoreMods<FEATURES>::SOFTCAP)
+                        if constexpr (Variant::SOFTCAP)
                             store_4B_shared(p_smem + PTile::offset(row_in_block, a_key0 / 8 + nt) +
                                                 4 * (lane % 4),
                                             pack_pair<Elem>(prob[0], prob[1]));
@@ -293,7 +295,7 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
             // The stores come after both products: the compiler keeps shared-memory stores and
             // ldmatrix in program order, so storing P earlier would keep the dP product from
             // overlapping the exp2 work above.
-            if constexpr (!ScoreMods<FEATURES>::SOFTCAP)
+            if constexpr (!Variant::SOFTCAP)
                 store_accumulator<Elem, PTile>(p_smem, acc_s, a_row0, a_key0 / 8, lane);
             store_accumulator<Elem, PTile>(ds_smem, acc_dp, a_row0, a_key0 / 8, lane);
         }

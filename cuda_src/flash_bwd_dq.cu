@@ -9,8 +9,7 @@
 // products (S and dP are computed by both kernels) and writes dQ directly in the input dtype.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
-#include "masking.cuh"
-#include "score_mods.cuh"
+#include "variant.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
 #include "kernel_params.cuh"
@@ -56,8 +55,9 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
     }
 }
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
-// dropout (dropout.cuh); 0 for plain attention. The parameters: BwdParams (kernel_params.cuh).
+// FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi), varlen batches
+// (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters: BwdParams
+// (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
 __global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
 flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
@@ -89,7 +89,9 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
     const int head_chunks = p.head_dim / 8;
 
-    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
+    using Variant = AttentionVariant<FEATURES>;
+    const KeyVisibility vis =
+        Variant::visibility(seqlen_q, seqlen_k, p.window_left, p.window_right);
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
 
@@ -133,8 +135,8 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     const LdmatrixCursor<KVTile> kv_rows_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const LdmatrixCursor<KVTile> k_trans_frag(k_smem, lane % 16, lane / 16);
     const int thread_row0 = row_first + warp * 16 + lane / 4;
-    ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
-    mods.select_head(p.mods, batch, head);
+    Variant variant(p.mods, seqlen_q, seqlen_k);
+    variant.select_head(p.mods, batch, head);
     constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
     const Dropout dropout(p.dropout, static_cast<u32>(batch * p.nheads + head));
 
@@ -160,7 +162,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         gemm_dq_rows<Elem, T>(acc_s, rows_frag, 0, kv_rows_frag, stage_offset);
         {
             float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
-            mods.apply_softcap(s);  // t = tanh(...) with softcap; the bias comes with P
+            variant.apply_softcap(s);  // t = tanh(...) with softcap; the bias comes with P
         }
         const bool needs_mask =
             key0 + BLOCK_N > seqlen_k ||
@@ -168,7 +170,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
             (p.window_left >= 0 && key0 < row_last + vis.diag - p.window_left);
         if (needs_mask) {
             float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
-            mask_scores<1, T::N_TILES>(s, thread_row0, key0 + 2 * (lane % 4), vis);
+            Variant::mask(s, thread_row0, key0 + 2 * (lane % 4), vis);
         }
         float acc_dp[T::N_TILES][4];
         gemm_dq_rows<Elem, T>(acc_dp, rows_frag, QTile::BYTES, kv_rows_frag,
@@ -191,13 +193,13 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                     const float key =
                         static_cast<float>(key0 + 8 * (2 * ks + j) + 2 * (lane % 4) + e % 2);
                     const float prob =
-                        fast_exp2(fmaf(mods.biased(s, row, key), p.scale_log2, -row_lse[e / 2]));
+                        fast_exp2(fmaf(variant.biased(s, row, key), p.scale_log2, -row_lse[e / 2]));
                     float dp = acc_dp[2 * ks + j][e];
                     if constexpr (DROPOUT)
                         dp = (keep >> dropout_index(e / 2, j, e % 2)) & 1u ? dp * p.dropout.scale
                                                                            : 0.f;
                     ds[j][e] = prob * (dp - row_delta[e / 2]);
-                    if constexpr (ScoreMods<FEATURES>::SOFTCAP) ds[j][e] *= mods.dtanh(s);
+                    if constexpr (Variant::SOFTCAP) ds[j][e] *= variant.dtanh(s);
                 }
             }
             u32 a[4];

@@ -10,7 +10,7 @@
 // a fixed order and the CTA adds the threads' sums in a fixed tree, so the result is the same bits
 // on every run (no atomics; deterministic mode needs nothing more). Rows past a sequence's end
 // are the preprocess's padding (lse_log2 +inf, D 0: they add 0); a varlen sequence's rows are
-// read from cu_seqlens. The parameters: BwdParams (kernel_params.cuh), of which this kernel reads
+// read from cu_seqlens. The statistics of a call are a few MB, fresh in L2 from the preprocess. The parameters: BwdParams (kernel_params.cuh), of which this kernel reads
 // lse_log2, delta, mods.sinks and writes dsinks[head].
 #include "mma_primitives.cuh"
 #include "varlen.cuh"
@@ -23,12 +23,24 @@ flash_bwd_sinks_kernel(const __grid_constant__ BwdParams p) {
     constexpr float LOG2E = 1.4426950408889634f;
     const int head = blockIdx.x;
     const float sink_log2 = p.mods.sinks[head] * LOG2E;
+    // Four rows a thread at a time: a (sequence, head)'s rows start on a 16-byte boundary of the
+    // statistics (whole padded blocks dense, multiples of 4 rows varlen: varlen.cuh), and the
+    // preprocess wrote its padding up to a whole BWD_ROW_PADDING block past its last row, so the
+    // last group of four reads padding (adding 0), never unwritten memory.
     float sum = 0.f;
     for (int batch = 0; batch < p.batch; ++batch) {
         const SequenceRows seq = query_rows<VARLEN>(p, batch);
         const i64 row0 = stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq.start);
-        for (int row = threadIdx.x; row < seq.length; row += SINKS_THREADS)
-            sum += fast_exp2(sink_log2 - p.lse_log2[row0 + row]) * p.delta[row0 + row];
+        const float4* lse4 = reinterpret_cast<const float4*>(p.lse_log2 + row0);
+        const float4* delta4 = reinterpret_cast<const float4*>(p.delta + row0);
+#pragma unroll 2
+        for (int i = threadIdx.x; 4 * i < seq.length; i += SINKS_THREADS) {
+            const float4 lse = lse4[i], delta = delta4[i];
+            sum = fmaf(fast_exp2(sink_log2 - lse.x), delta.x, sum);
+            sum = fmaf(fast_exp2(sink_log2 - lse.y), delta.y, sum);
+            sum = fmaf(fast_exp2(sink_log2 - lse.z), delta.z, sum);
+            sum = fmaf(fast_exp2(sink_log2 - lse.w), delta.w, sum);
+        }
     }
     __shared__ float warp_sums[SINKS_THREADS / 32];
 #pragma unroll

@@ -28,10 +28,8 @@
 //   next kernel start LAUNCH_DEPENDENTS_TILES_BEFORE_END tiles before its last.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
-#include "masking.cuh"
-#include "online_softmax.cuh"
+#include "variant.cuh"
 #include "warp_gemm.cuh"
-#include "score_mods.cuh"
 #include "kv_cache.cuh"
 #include "split_merge.cuh"
 #include "dependent_launch.cuh"
@@ -215,7 +213,8 @@ __host__ __device__ constexpr int decode_min_ctas() {
     return HEAD_DIM > 128 || NUM_WARPS > 4 ? 1 : KEYS_PER_WARP > 16 ? 2 : 3;
 }
 
-// FEATURES: softcap and ALiBi (score_mods.cuh). The parameters: DecodeParams (kernel_params.cuh).
+// FEATURES: the attention variant's (variant.cuh): softcap, ALiBi, sinks. The parameters:
+// DecodeParams (kernel_params.cuh).
 // EARLY_CACHE_READS: the caller promised that the previous kernel on the stream writes none of
 // the cache, its lengths, block table or batch index (attention_with_kvcache's
 // early_cache_reads), so they may be read before the wait.
@@ -258,7 +257,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int seqlen_k = min(max(cache_len + p.seqlen_new, 0), p.capacity);
     const int head_chunks = p.head_dim / 8;
 
-    const KeyVisibility vis{seqlen_k - p.seqlen_q, p.window_left, p.window_right, seqlen_k};
+    using Variant = AttentionVariant<FEATURES>;
+    const KeyVisibility vis =
+        Variant::visibility(p.seqlen_q, seqlen_k, p.window_left, p.window_right);
     int tile_first, tile_end;
     vis.tile_range(row_first / group, row_last / group, T::BLOCK_N, tile_first, tile_end);
     tile_first = max(tile_first, split * p.tiles_per_split);
@@ -620,8 +621,16 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         float m = neg_inf();
 #pragma unroll
         for (int w = 0; w < T::NUM_WARPS; ++w) m = fmaxf(m, merge_ml[(w * T::BLOCK_M + r) * 2]);
+        // The row's sink (variant.cuh) enters split 0's merge as one more state: its max the
+        // sink, its sum 1, its O 0. The splits' merge then counts it once.
+        float sink2 = neg_inf();
+        if constexpr (Variant::SINKS) {
+            if (split == 0)
+                sink2 = Variant::sink_log2(p.mods, kv_head * group + (row_first + r) % group);
+            m = fmaxf(m, sink2);
+        }
         float weight[T::NUM_WARPS];
-        float l = 0.f;
+        float l = (Variant::SINKS && sink2 != neg_inf()) ? fast_exp2(sink2 - m) : 0.f;
 #pragma unroll
         for (int w = 0; w < T::NUM_WARPS; ++w) {
             const float mw = merge_ml[(w * T::BLOCK_M + r) * 2];

@@ -15,9 +15,7 @@
 // come first and the rest run without masking code.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
-#include "masking.cuh"
-#include "online_softmax.cuh"
-#include "score_mods.cuh"
+#include "variant.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
 #include "kernel_params.cuh"
@@ -101,8 +99,9 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
     }
 }
 
-// FEATURES: score modifiers of score_mods.cuh (softcap, ALiBi), varlen batches (varlen.cuh) and
-// dropout (dropout.cuh); 0 for plain attention. The parameters: FwdParams (kernel_params.cuh).
+// FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi, sinks), varlen batches
+// (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters: FwdParams
+// (kernel_params.cuh).
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
           int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
@@ -110,6 +109,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
+    using Variant = AttentionVariant<FEATURES>;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 q_smem = smem_address(smem);
@@ -149,12 +149,13 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                    (seq_q.start + row_first) * p.o_row_stride;
     float* lse_block = p.lse + lse_first + row_first;
 
-    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
+    const KeyVisibility vis =
+        Variant::visibility(seqlen_q, seqlen_k, p.window_left, p.window_right);
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
 
     if (tile_end <= tile_first) {
-        // No row of this block sees any key: output 0, lse +inf.
+        // No row of this block sees any key: output 0, lse +inf (the sink with sinks).
         const u32 zeros[4] = {0u, 0u, 0u, 0u};
         for (int idx = tid; idx < BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
             const int row = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
@@ -162,7 +163,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                 store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
         }
         for (int row = tid; row < BLOCK_M; row += T::THREADS)
-            if (row_first + row < seqlen_q) lse_block[row] = pos_inf();
+            if (row_first + row < seqlen_q)
+                lse_block[row] = Variant::empty_row_lse(p.mods, head);
         return;
     }
 
@@ -200,8 +202,9 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
     OnlineSoftmax<T::M_TILES> softmax;
-    ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
-    mods.select_head(p.mods, batch, head);
+    Variant::start_softmax(softmax, p.mods, head, lane % 4 == 0);
+    Variant variant(p.mods, seqlen_q, seqlen_k);
+    variant.select_head(p.mods, batch, head);
     constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
     const Dropout dropout(p.dropout, static_cast<u32>(batch * p.nheads + head));
 
@@ -236,9 +239,9 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
         gemm_qk<Elem, T>(acc_s, q_frag, k_frag, stage_offset);
-        if constexpr (FEATURES != 0) {
+        if constexpr (Variant::TRANSFORMS_SCORES) {
             const int t = thread_index_fresh();
-            mods.apply(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
+            variant.apply(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
                        key0 + 2 * (t % 4));
         }
         if (tile < unmasked_lo || tile >= unmasked_hi) {
@@ -247,7 +250,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             const int t = thread_index_fresh();
             const int thread_row0 = row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4;
             const int thread_key0 = key0 + 2 * (t % 4);
-            mask_scores<T::M_TILES, T::N_TILES>(acc_s, thread_row0, thread_key0, vis);
+            Variant::mask(acc_s, thread_row0, thread_key0, vis);
         }
 
         softmax.update_max(acc_s, acc_o, p.scale_log2);

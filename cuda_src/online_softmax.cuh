@@ -31,6 +31,22 @@ struct OnlineSoftmax {
         }
     }
 
+    // A learnable sink (variant.cuh): one more term in every row's denominator, with no value.
+    // It enters as the state of a row that has already seen one key, of score `sink` (raw score
+    // units, those of row_max) and value 0: the running max starts at the sink and the sum at 1,
+    // which one thread of the row holds (`holds_sum`: the quad's partial sums are added at the
+    // end). The online softmax then counts it like any key: rescaled when a tile raises the max,
+    // in l at the end and in the lse; a row that sees no key ends with out 0 and lse = the sink.
+    // Called before the first tile.
+    // (A sink of -inf is no sink: its sum starts at 0.)
+    CF2_DEVICE void start_with_sink(float sink, bool holds_sum) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            row_max[r] = sink;
+            row_sum[r] = holds_sum && sink != neg_inf() ? 1.f : 0.f;
+        }
+    }
+
     // Step 1 of a tile: folds the tile's row maxima into the running max and rescales the output
     // accumulator and the sums where the max moved. Leaves the scaled max for step 2.
     // It is fold_max then rescale_o; the Hopper kernel's intra-warpgroup overlap runs the two

@@ -1,0 +1,86 @@
+// The attention variant: the one place where a feature that changes the attention itself enters
+// the kernels. Every kernel family (the mma.sync forward, backward, deterministic dQ and decode
+// kernels, the Hopper forward and backward) asks its specialisation's AttentionVariant<FEATURES>,
+// at the same points of FlashAttention-2's loop:
+//
+//   1. which keys a query row sees: visibility() (causal, windows, the sequence's own lengths
+//      under varlen), from which the kernels take the KV tiles a Q tile visits (tile_range), the
+//      tiles that need no mask (unmasked_tile_range) and, backward, the Q tiles a KV tile sees;
+//   2. the scores' transform, on every tile before the mask (ScoreMods: softcap, then the ALiBi
+//      bias), and for the backward its derivative (dtanh) and the bias with P;
+//   3. the mask of a boundary tile: mask() (the invisible keys to -inf);
+//   4. what enters each row's softmax denominator besides the keys: the learnable sinks (one
+//      logit a query head, no value), as the online softmax's state before the first tile
+//      (start_softmax: a key already seen; the decode kernel's split 0 alone, so that the merge
+//      of the splits counts it once), and their gradient (flash_bwd_sinks.cu). The backward's
+//      main kernels need nothing: P comes from the lse, which counts the sink, and
+//      D = rowsum(dO o O) is the same.
+//
+// A feature is a bit of FEATURES (constants.cuh, generated from cuflash2/_configs.py), so a plain
+// kernel compiles none of it. Adding one means: a bit, its parameters in kernel_params.cuh's
+// VariantParams, its code here at the points above, its host side in cuflash2/_options.py and
+// its maths in cuflash2/reference.py (docs/ARCHITECTURE.md, "Where a feature enters").
+#pragma once
+#include "mma_primitives.cuh"
+#include "constants.cuh"
+#include "kernel_params.cuh"
+#include "masking.cuh"
+#include "online_softmax.cuh"
+#include "score_mods.cuh"
+
+template <int FEATURES>
+struct AttentionVariant : ScoreMods<FEATURES> {
+    static constexpr bool SINKS = (FEATURES & FEATURE_SINKS) != 0;
+    static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
+    static constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
+    // Whether the scores change before the mask (softcap, ALiBi): the kernels skip the
+    // transform's pass over a tile otherwise.
+    static constexpr bool TRANSFORMS_SCORES =
+        ScoreMods<FEATURES>::SOFTCAP || ScoreMods<FEATURES>::ALIBI;
+
+    using ScoreMods<FEATURES>::ScoreMods;
+
+    // 1. Which keys a query row sees, for a sequence of seqlen_q queries and seqlen_k keys
+    // (masking.cuh: bottom-right aligned causal masks and windows; -1 an unbounded edge).
+    CF2_DEVICE static KeyVisibility visibility(int seqlen_q, int seqlen_k, int window_left,
+                                               int window_right) {
+        return {seqlen_k - seqlen_q, window_left, window_right, seqlen_k};
+    }
+
+    // 3. The invisible scores of a boundary tile to -inf (the accumulator layout of mask_scores).
+    template <int M_TILES, int N_TILES>
+    CF2_DEVICE static void mask(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
+                                const KeyVisibility& vis) {
+        mask_scores<M_TILES, N_TILES>(s, row0, key0, vis);
+    }
+
+    // The sink of query head `head` in log2 units of the scaled scores (the units of the
+    // softmax's scaled maxima), for a merge of partial softmax states (the decode kernel's);
+    // -inf (no sink) without SINKS.
+    CF2_DEVICE static float sink_log2(const VariantParams& params, int head) {
+        if constexpr (SINKS) return params.sinks[head] * 1.4426950408889634f;
+        return neg_inf();
+    }
+
+    // The lse of a row that sees no key (natural log): +inf (the log of an empty sum), or with
+    // SINKS the sink itself (the sink alone in the denominator; a sink of -inf is none). Its
+    // output is 0 either way.
+    CF2_DEVICE static float empty_row_lse(const VariantParams& params, int head) {
+        if constexpr (SINKS) {
+            const float sink = params.sinks[head];
+            return sink == neg_inf() ? pos_inf() : sink;
+        }
+        return pos_inf();
+    }
+
+    // The online softmax of rows of query head `head` before the first tile: with SINKS it starts
+    // with the head's sink as a key already seen, of score sink / softmax scale (raw score units:
+    // alibi_to_units is 1 / the effective softmax scale) and value 0, its 1 in the sum of the
+    // thread that `holds_sum` (OnlineSoftmax::start_with_sink); without, as constructed.
+    template <class Softmax>
+    CF2_DEVICE static void start_softmax(Softmax& softmax, const VariantParams& params, int head,
+                                         bool holds_sum) {
+        if constexpr (SINKS)
+            softmax.start_with_sink(params.sinks[head] * params.alibi_to_units, holds_sum);
+    }
+};
