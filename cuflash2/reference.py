@@ -50,10 +50,11 @@ softcap and ALiBi bias), the probabilities P before ``P @ V`` and the output (an
 backward, dP, dS and the gradients). The dropout factor ``mask / (1 - dropout_p)`` and the
 softcap derivative are applied in float32 without an extra rounding. A sink is one more logit of
 the same softmax and is rounded like the scores: once to ``compute_dtype`` (a float32 sink of an
-fp16 call becomes an fp16 value) before the denominator is formed, and its probability
-``exp(sink - lse)``, where the backward uses it for dsinks, is rounded like P. dsinks, a sum over
-rows like lse, is accumulated and returned in float32 (float64 with ``compute_dtype`` float64),
-not rounded to ``compute_dtype``: the kernels return it in float32.
+fp16 call becomes an fp16 value; beyond fp16's range, +-inf) before the denominator is formed.
+In the backward, dsinks = -sum_i P_sink_i * D_i takes the sink's probability exp(sink - lse)
+rounded like P and D_i = rowsum(dO_i * O_i) from the output rounded to ``compute_dtype`` (as an
+implementation reads the forward's stored output), and is accumulated and returned in float32
+(float64 with ``compute_dtype`` float64), not rounded: the kernels return it in float32.
 """
 
 import math
@@ -537,7 +538,8 @@ def attention_backward(
         # out = (P * Z) V with Z = mask / (1 - p) (Z = 1 without dropout), P = softmax(S),
         # S = bias + cap(scale * q k^T). Key-less rows have P = 0, so every gradient term below
         # is 0 for them.
-        dv = xp.matmul((probs if keep is None else probs * keep).swapaxes(-1, -2), dout_part)
+        dropped = probs if keep is None else probs * keep
+        dv = xp.matmul(dropped.swapaxes(-1, -2), dout_part)
         dprobs = prec.round(xp.matmul(dout_part, v_part.swapaxes(-1, -2)))
         if keep is not None:
             dprobs = dprobs * keep  # gradient w.r.t. P (not P * Z)
@@ -546,8 +548,12 @@ def attention_backward(
         delta = (probs * dprobs).sum(axis=-1, keepdims=True)
         if sink_probs is not None:
             # The sink is a logit with no value row: its dS is P_sink * (0 - D), summed over
-            # the rows (and batch entries) of its head. dS of the keys is unchanged.
-            terms = (sink_probs * delta).reshape(-1, nheads_kv, group, seqlen_q)
+            # the rows (and batch entries) of its head. dS of the keys is unchanged. Here D is
+            # rowsum(dO * O) with O the forward's output as returned (rounded to compute_dtype),
+            # the D an implementation reads; in float32/float64 it equals delta.
+            out_part = prec.round(xp.matmul(dropped, v_part))
+            row_delta = (dout_part * out_part).sum(axis=-1, keepdims=True)
+            terms = (sink_probs * row_delta).reshape(-1, nheads_kv, group, seqlen_q)
             dsinks = dsinks - terms.sum(axis=(0, 3)).reshape(nheads)
         dscores = probs * (dprobs - delta)
         if tanh is not None:
