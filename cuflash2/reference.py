@@ -553,7 +553,7 @@ def attention_backward(
             # the D an implementation reads; in float32/float64 it equals delta.
             out_part = prec.round(xp.matmul(dropped, v_part))
             row_delta = (dout_part * out_part).sum(axis=-1, keepdims=True)
-            terms = (sink_probs * row_delta).reshape(-1, nheads_kv, group, seqlen_q)
+            terms = (sink_probs * row_delta).reshape(len(q_part), nheads_kv, group, seqlen_q)
             dsinks = dsinks - terms.sum(axis=(0, 3)).reshape(nheads)
         dscores = probs * (dprobs - delta)
         if tanh is not None:
