@@ -16,6 +16,19 @@ flash-attn's optional features, all off by default:
   ``dropout_p > 0`` without a mask is an error.
 - ``attention_varlen`` / ``attention_varlen_backward``: packed ``(total_tokens, nheads,
   headdim)`` sequences delimited by int32 ``cu_seqlens``, computed sequence by sequence.
+- ``sinks`` (``(nheads,)``, any real float dtype; gpt-oss's learnable attention sinks): one logit
+  per query head added to every row's softmax denominator, with no value row::
+
+      lse_i = log(sum_j exp(s_ij) + exp(sink_h)),   out_i = sum_j exp(s_ij - lse_i) v_j
+
+  with s_ij the scores as the softmax sees them (scaled, capped, biased, masked keys left out);
+  the sink itself is neither scaled, capped, biased nor masked. The returned lse counts the
+  sink. A row that sees no key gives out 0 and ``lse = sink`` (without sinks: 0 and +inf).
+  Dropout multiplies the normalised key probabilities only (the sink has no value to drop).
+  ``sinks = -inf`` is exactly no sink. The backward also returns
+  ``dsinks_h = -sum_i exp(sink_h - lse_i) * D_i`` (``D_i = rowsum(dO_i * O_i)``) summed over
+  every row of head h (all batch entries, all sequences of a varlen batch); dq, dk and dv keep
+  their formulas with P from this lse. Sink values must be finite or -inf (+inf or nan give nan).
 
 Order of operations (flash-attn, csrc/flash_attn/src/flash_fwd_kernel.h
 ``compute_attn_1rowblock``: ``apply_softcap(acc_s)`` then ``mask.apply_mask(acc_s, ...)``, which
@@ -26,7 +39,7 @@ flash_bwd_kernel.h does the same and multiplies dS by ``calculate_dtanh``)::
     s = softcap * tanh(s / softcap)             # if softcap > 0
     s = s - slope * |i + seqlen_k - seqlen_q - j|   # if alibi_slopes is not None
     s = -inf where masked (causal / window)
-    P = softmax(s); lse = logsumexp(s)          # lse of the capped, biased scores
+    lse = logsumexp([s, sink]); P = exp(s - lse)    # sink only if given: lse counts it
     out = (P * dropout_mask / (1 - dropout_p)) @ V
 
 ``compute_dtype`` float32/float64 computes everything in that dtype (the exact reference).
@@ -35,7 +48,13 @@ matmuls still accumulate in float32, but the values are rounded to ``compute_dty
 low-precision implementation would round them: the inputs, the scores (once, after scaling,
 softcap and ALiBi bias), the probabilities P before ``P @ V`` and the output (and, in the
 backward, dP, dS and the gradients). The dropout factor ``mask / (1 - dropout_p)`` and the
-softcap derivative are applied in float32 without an extra rounding.
+softcap derivative are applied in float32 without an extra rounding. A sink is one more logit of
+the same softmax and is rounded like the scores: once to ``compute_dtype`` (a float32 sink of an
+fp16 call becomes an fp16 value; beyond fp16's range, +-inf) before the denominator is formed.
+In the backward, dsinks = -sum_i P_sink_i * D_i takes the sink's probability exp(sink - lse)
+rounded like P and D_i = rowsum(dO_i * O_i) from the output rounded to ``compute_dtype`` (as an
+implementation reads the forward's stored output), and is accumulated and returned in float32
+(float64 with ``compute_dtype`` float64), not rounded: the kernels return it in float32.
 """
 
 import math
@@ -176,7 +195,7 @@ def _kv_heads_first(x):
 
 
 # --------------------------------------------------------------------------------------------
-# Optional features: softcap, ALiBi, dropout with an explicit mask.
+# Optional features: softcap, ALiBi, dropout with an explicit mask, attention sinks.
 
 
 def _check_dropout_p(dropout_p):
@@ -194,6 +213,36 @@ def _check_alibi_slopes(xp, alibi_slopes, batch, nheads, unbatched):
         return None
     _validate.check_alibi_slopes(alibi_slopes, batch, nheads, not unbatched, contiguous=False)
     return xp.broadcast_to(xp.asarray(alibi_slopes), (batch, nheads))
+
+
+def _check_sinks(xp, sinks, nheads):
+    """sinks as an xp array (nheads,) of its own dtype, or None.
+
+    Any real float dtype (float16, bfloat16, float32, float64) is accepted: the kernels take
+    float32, and a float64 array lets the float64 reference be differentiated w.r.t. the sinks.
+    Values are not checked (finite or -inf, as documented).
+    """
+    if sinks is None:
+        return None
+    dtype = getattr(sinks, "dtype", None)
+    if dtype is None:
+        raise TypeError(
+            "sinks must be a float array of one logit per query head, shape (nheads,); got "
+            f"{type(sinks).__name__}"
+        )
+    dtype = numpy.dtype(dtype)
+    if dtype.kind != "f" and dtype not in _LOW_PRECISION:
+        raise TypeError(
+            "sinks must be a real float array (float32 for the kernels; float16, bfloat16, "
+            f"float32 or float64 for the reference); got dtype {dtype}"
+        )
+    shape = tuple(sinks.shape)
+    if shape != (nheads,):
+        raise ValueError(
+            f"sinks must have shape (nheads,) = ({nheads},), one logit per query head; got "
+            f"{shape}"
+        )
+    return xp.asarray(sinks)
 
 
 def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):
@@ -224,13 +273,15 @@ def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):
 
 
 class _Features:
-    """softcap, ALiBi and dropout of one dense (batched-form) call, checked."""
+    """softcap, ALiBi, dropout and sinks of one dense (batched-form) call, checked."""
 
-    def __init__(self, xp, prec, shape, softcap, alibi_slopes, dropout_p, dropout_mask, unbatched):
+    def __init__(self, xp, prec, shape, softcap, alibi_slopes, dropout_p, dropout_mask, unbatched,
+                 sinks=None):
         batch, nheads, seqlen_q, seqlen_k = shape
         self.xp, self.prec, self.nheads = xp, prec, nheads
         self.softcap = _check_softcap(softcap)
         self.slopes = _check_alibi_slopes(xp, alibi_slopes, batch, nheads, unbatched)
+        self.sinks = _check_sinks(xp, sinks, nheads)
         if self.slopes is not None:
             # |i + seqlen_k - seqlen_q - j|: distance from the bottom-right aligned diagonal.
             # flash-attn's kernel adds slope * j instead in causal (non-local) mode (mask.h:
@@ -252,6 +303,13 @@ class _Features:
         slopes = slopes.reshape(b, nheads_kv, self.nheads // nheads_kv, 1, 1)
         return -slopes * self.distance
 
+    def sink_logits(self, nheads_kv):
+        """The sinks as (1, nheads_kv, group, 1, 1) in prec.acc (not yet rounded), or None."""
+        if self.sinks is None:
+            return None
+        sinks = self.sinks.astype(self.prec.acc)
+        return sinks.reshape(1, nheads_kv, self.nheads // nheads_kv, 1, 1)
+
     def keep(self, part, nheads_kv):
         """mask / (1 - p) as (b, nheads_kv, group * seqlen_q, seqlen_k) in prec.acc, or None."""
         if self.mask is None:
@@ -264,14 +322,18 @@ class _Features:
         return mask.astype(self.prec.acc) * factor
 
 
-def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=None):
+def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=None, sinks=None):
     """P = softmax(mask(bias + cap(q k^T * scale))), its lse and the softcap's tanh.
 
     q: (b, nheads_kv, group * seqlen_q, d) and k: (b, nheads_kv, seqlen_k, d), both in
-    prec.acc; bias None or (b, nheads_kv, group, seqlen_q, seqlen_k). Returns P
-    (b, nheads_kv, group * seqlen_q, seqlen_k) and lse (b, nheads, seqlen_q) in prec.acc, and
-    tanh(scaled scores / softcap) shaped like P (None without softcap) for the backward. Rows
-    that see no key get P = 0 and lse = +inf.
+    prec.acc; bias None or (b, nheads_kv, group, seqlen_q, seqlen_k); sinks None or
+    (1, nheads_kv, group, 1, 1) in prec.acc. Returns P (b, nheads_kv, group * seqlen_q,
+    seqlen_k) and lse (b, nheads, seqlen_q) in prec.acc, tanh(scaled scores / softcap) shaped
+    like P (None without softcap) for the backward, and the sinks' probabilities
+    exp(sink - lse) (b, nheads_kv, group * seqlen_q, 1) (None without sinks). The sink is one
+    more term of the denominator (here, the only place where it is formed, for the forward and
+    the backward alike). Rows that see no key get P = 0 and lse = +inf, or lse = sink with a
+    sink.
     """
     b, nheads_kv = q.shape[:2]
     seqlen_q, seqlen_k = visible.shape
@@ -290,21 +352,36 @@ def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=None
     scores = prec.round(scores)
     scores = xp.where(visible, scores, -math.inf)
 
-    has_key = visible.any(axis=-1)[:, None]
+    # has_mass: the row's denominator has a term (a visible key, or a sink > -inf).
+    has_mass = visible.any(axis=-1)[:, None]
     if seqlen_k > 0:
-        row_max = scores.max(axis=-1, keepdims=True)
+        row_max = scores.max(axis=-1, keepdims=True)  # -inf for key-less rows
     else:  # max of an empty axis is an error; every row is key-less anyway
-        row_max = xp.zeros(scores.shape[:-1] + (1,), dtype=scores.dtype)
-    # Key-less rows have max -inf; shifting by 0 instead avoids -inf - -inf = nan.
-    row_max = xp.where(has_key, row_max, 0)
+        row_max = xp.full(scores.shape[:-1] + (1,), -math.inf, dtype=scores.dtype)
+    if sinks is not None:
+        # The sink is one more logit: rounded as the scores are, part of the max and the sum.
+        sinks = prec.round(sinks)
+        row_max = xp.maximum(row_max, sinks)
+        has_mass = row_max > -math.inf
+    # Rows without mass have max -inf; shifting by 0 instead avoids -inf - -inf = nan.
+    row_max = xp.where(has_mass, row_max, 0)
     weights = xp.exp(scores - row_max)  # masked entries: exp(-inf) = 0
-    row_sum = xp.where(has_key, weights.sum(axis=-1, keepdims=True), 1)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink_weights = xp.exp(sinks - row_max)  # a sink of -inf adds exactly 0
+        row_sum = row_sum + sink_weights
+    row_sum = xp.where(has_mass, row_sum, 1)
     probs = prec.round(weights / row_sum)
-    lse = xp.where(has_key, row_max + xp.log(row_sum), math.inf)
+    lse = xp.where(has_mass, row_max + xp.log(row_sum), math.inf)
+    sink_probs = None
+    if sinks is not None:
+        sink_probs = prec.round(sink_weights / row_sum)
+        sink_probs = sink_probs.reshape(b, nheads_kv, group * seqlen_q, 1)
     return (
         probs.reshape(b, nheads_kv, group * seqlen_q, seqlen_k),
         lse.reshape(b, nheads_kv * group, seqlen_q),
         tanh,
+        sink_probs,
     )
 
 
@@ -326,6 +403,7 @@ def attention(
     compute_dtype=numpy.float32,
     softcap=0.0,
     alibi_slopes=None,
+    sinks=None,
     dropout_p=0.0,
     dropout_mask=None,
 ):
@@ -343,8 +421,11 @@ def attention(
     ``P @ V`` (lse unchanged); the mask is boolean (True = kept), broadcastable to
     (batch, nheads, seqlen_q, seqlen_k) (unbatched: (nheads, seqlen_q, seqlen_k)), and required
     when dropout_p > 0. A mask given with dropout_p = 0 is applied as is (factor 1).
+    sinks: (nheads,) real float array, one logit per query head added to every row's softmax
+    denominator (no value row; see the module docstring): lse counts it, a row that sees no key
+    gives out 0 and lse = sink.
     """
-    xp = _array_module(q, k, v, alibi_slopes, dropout_mask)
+    xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
     _check_shapes(q, k, v)
     unbatched = q.ndim == 3
@@ -358,7 +439,7 @@ def attention(
     visible = _visible_keys(xp, seqlen_q, seqlen_k, causal, window_size)
     features = _Features(
         xp, prec, (batch, nheads, seqlen_q, seqlen_k), softcap, alibi_slopes, dropout_p,
-        dropout_mask, unbatched,
+        dropout_mask, unbatched, sinks,
     )
 
     outs, lses = [], []
@@ -366,9 +447,9 @@ def attention(
         q_part = _group_query_heads(prec.load(q[part]), nheads_kv)
         k_part = _kv_heads_first(prec.load(k[part]))
         v_part = _kv_heads_first(prec.load(v[part]))
-        probs, lse, _ = _probabilities(
+        probs, lse, _, _ = _probabilities(
             xp, q_part, k_part, scale, visible, group, prec,
-            features.softcap, features.bias(part, nheads_kv),
+            features.softcap, features.bias(part, nheads_kv), features.sink_logits(nheads_kv),
         )
         keep = features.keep(part, nheads_kv)
         if keep is not None:
@@ -397,22 +478,26 @@ def attention_backward(
     compute_dtype=numpy.float32,
     softcap=0.0,
     alibi_slopes=None,
+    sinks=None,
     dropout_p=0.0,
     dropout_mask=None,
 ):
-    """Reference attention backward: (dq, dk, dv) in compute_dtype, shaped like q, k, v.
+    """Reference attention backward: (dq, dk, dv) in compute_dtype, shaped like q, k, v, and
+    with ``sinks``, (dq, dk, dv, dsinks).
 
     The exact gradient of ``attention`` (same arguments) w.r.t. q, k and v for the upstream
     gradient ``dout``; with GQA, dk and dv sum over the query heads that share a KV head.
     softcap, alibi_slopes and dropout (with the forward's mask) as in ``attention``; there is
-    no gradient w.r.t. the slopes.
+    no gradient w.r.t. the slopes. With sinks, dsinks (nheads,) is the gradient w.r.t. them,
+    ``-sum_i exp(sink_h - lse_i) * rowsum(dO_i * O_i)`` over every row of head h and every
+    batch entry, in float32 (float64 when compute_dtype is float64).
 
     ``out`` and ``lse`` (the forward's results, may be None) are taken for signature parity with
     a kernel backward and are only shape-checked: the reference recomputes P from q, k, v so
     that a wrong ``out`` or ``lse`` from an implementation under test cannot leak into its
     reference.
     """
-    xp = _array_module(dout, q, k, v, alibi_slopes, dropout_mask)
+    xp = _array_module(dout, q, k, v, alibi_slopes, sinks, dropout_mask)
     dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
     _check_shapes(q, k, v)
     out_shape = q.shape[:-1] + v.shape[-1:]
@@ -434,30 +519,42 @@ def attention_backward(
     visible = _visible_keys(xp, seqlen_q, seqlen_k, causal, window_size)
     features = _Features(
         xp, prec, (batch, nheads, seqlen_q, seqlen_k), softcap, alibi_slopes, dropout_p,
-        dropout_mask, unbatched,
+        dropout_mask, unbatched, sinks,
     )
 
     dqs, dks, dvs = [], [], []
+    sink_logits = features.sink_logits(nheads_kv)
+    dsinks = None if sink_logits is None else xp.zeros(nheads, dtype=prec.acc)
     for part in _batch_slices(batch, nheads * seqlen_q * seqlen_k):
         q_part = _group_query_heads(prec.load(q[part]), nheads_kv)
         dout_part = _group_query_heads(prec.load(dout[part]), nheads_kv)
         k_part = _kv_heads_first(prec.load(k[part]))
         v_part = _kv_heads_first(prec.load(v[part]))
-        probs, _, tanh = _probabilities(
+        probs, _, tanh, sink_probs = _probabilities(
             xp, q_part, k_part, scale, visible, group, prec,
-            features.softcap, features.bias(part, nheads_kv),
+            features.softcap, features.bias(part, nheads_kv), sink_logits,
         )
         keep = features.keep(part, nheads_kv)
         # out = (P * Z) V with Z = mask / (1 - p) (Z = 1 without dropout), P = softmax(S),
         # S = bias + cap(scale * q k^T). Key-less rows have P = 0, so every gradient term below
         # is 0 for them.
-        dv = xp.matmul((probs if keep is None else probs * keep).swapaxes(-1, -2), dout_part)
+        dropped = probs if keep is None else probs * keep
+        dv = xp.matmul(dropped.swapaxes(-1, -2), dout_part)
         dprobs = prec.round(xp.matmul(dout_part, v_part.swapaxes(-1, -2)))
         if keep is not None:
             dprobs = dprobs * keep  # gradient w.r.t. P (not P * Z)
         # Softmax backward: dS = P * (dP - rowsum(P * dP)); rowsum(P * dP) = rowsum(dO * O),
         # with O including the dropout, since P * dP = (P * Z) * (dO . V).
         delta = (probs * dprobs).sum(axis=-1, keepdims=True)
+        if sink_probs is not None:
+            # The sink is a logit with no value row: its dS is P_sink * (0 - D), summed over
+            # the rows (and batch entries) of its head. dS of the keys is unchanged. Here D is
+            # rowsum(dO * O) with O the forward's output as returned (rounded to compute_dtype),
+            # the D an implementation reads; in float32/float64 it equals delta.
+            out_part = prec.round(xp.matmul(dropped, v_part))
+            row_delta = (dout_part * out_part).sum(axis=-1, keepdims=True)
+            terms = (sink_probs * row_delta).reshape(len(q_part), nheads_kv, group, seqlen_q)
+            dsinks = dsinks - terms.sum(axis=(0, 3)).reshape(nheads)
         dscores = probs * (dprobs - delta)
         if tanh is not None:
             # d/dx softcap * tanh(x / softcap) = 1 - tanh(x / softcap)^2; the bias has
@@ -472,6 +569,8 @@ def attention_backward(
     grads = [xp.ascontiguousarray(xp.concatenate(parts)) for parts in (dqs, dks, dvs)]
     if unbatched:
         grads = [g[0] for g in grads]
+    if dsinks is not None:
+        grads.append(dsinks)
     return tuple(grads)
 
 
@@ -493,7 +592,7 @@ class _Varlen:
 
     def __init__(
         self, xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, dropout_p, dropout_mask,
+        alibi_slopes, dropout_p, dropout_mask, sinks=None,
     ):
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.ndim != 3:
@@ -518,6 +617,7 @@ class _Varlen:
             "max_seqlen_k", max_seqlen_k, numpy.diff(self.cu_k), "key sequence"
         )
         self.slopes = _check_alibi_slopes(xp, alibi_slopes, self.batch, nheads, False)
+        self.sinks = _check_sinks(xp, sinks, nheads)  # shared by every sequence
         shape = (self.batch, nheads, self.max_seqlen_q, self.max_seqlen_k)
         self.dropout_p, self.mask = _check_dropout(
             xp, dropout_p, dropout_mask, shape, "(batch, nheads, max_seqlen_q, max_seqlen_k)"
@@ -528,7 +628,7 @@ class _Varlen:
         for b in range(self.batch):
             rows_q = slice(int(self.cu_q[b]), int(self.cu_q[b + 1]))
             rows_k = slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
-            options = dict(dropout_p=self.dropout_p)
+            options = dict(dropout_p=self.dropout_p, sinks=self.sinks)
             if self.slopes is not None:
                 options["alibi_slopes"] = self.slopes[b]
             if self.mask is not None:
@@ -553,6 +653,7 @@ def attention_varlen(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    sinks=None,
     return_lse=False,
     compute_dtype=numpy.float32,
     dropout_p=0.0,
@@ -568,17 +669,19 @@ def attention_varlen(
     (causal and window bottom-right aligned per sequence). alibi_slopes: float32 (nheads,) or
     (batch, nheads), row b for sequence b. dropout_mask: broadcastable to (batch, nheads,
     max_seqlen_q, max_seqlen_k); sequence b uses ``[b, :, :seqlen_q_b, :seqlen_k_b]``.
+    sinks: (nheads,), the same logits for every sequence (a query row of an empty key sequence
+    gets out 0 and lse = sink).
 
     Returns out (total_q, nheads, headdim) in compute_dtype, or (out, lse) with lse float32
     (nheads, total_q) (flash-attn's varlen lse layout).
     """
-    xp = _array_module(q, k, v, alibi_slopes, dropout_mask)
+    xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
     prec = _Precision(compute_dtype)
     _check_softcap(softcap)
     varlen = _Varlen(
         xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, dropout_p, dropout_mask,
+        alibi_slopes, dropout_p, dropout_mask, sinks,
     )
     # Filled sequence by sequence (every row belongs to exactly one), in the accumulation dtype
     # and cast at the end: a cast is the bf16 operation CuPy is known to support.
@@ -613,24 +716,27 @@ def attention_varlen_backward(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    sinks=None,
     compute_dtype=numpy.float32,
     dropout_p=0.0,
     dropout_mask=None,
 ):
-    """Reference variable-length backward: packed (dq, dk, dv) in compute_dtype.
+    """Reference variable-length backward: packed (dq, dk, dv) in compute_dtype, and with
+    ``sinks``, (dq, dk, dv, dsinks).
 
     The gradient of ``attention_varlen`` (same arguments) for the upstream gradient dout
     (total_q, nheads, headdim), sequence by sequence through ``attention_backward``. ``out``
     (total_q, nheads, headdim) and ``lse`` (nheads, total_q) may be None and are only
-    shape-checked, as in ``attention_backward``.
+    shape-checked, as in ``attention_backward``. dsinks (nheads,) sums the sequences' dsinks
+    (float32, or float64 when compute_dtype is float64).
     """
-    xp = _array_module(dout, q, k, v, alibi_slopes, dropout_mask)
+    xp = _array_module(dout, q, k, v, alibi_slopes, sinks, dropout_mask)
     dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
     prec = _Precision(compute_dtype)
     _check_softcap(softcap)
     varlen = _Varlen(
         xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, dropout_p, dropout_mask,
+        alibi_slopes, dropout_p, dropout_mask, sinks,
     )
     out_shape = q.shape[:-1] + v.shape[-1:]
     lse_shape = (q.shape[1], q.shape[0])
@@ -641,6 +747,7 @@ def attention_varlen_backward(
     if lse is not None and tuple(lse.shape) != lse_shape:
         raise ValueError(f"lse must have shape (nheads, total_q) = {lse_shape}, got {lse.shape}")
     grads = [xp.zeros(x.shape, dtype=prec.acc) for x in (q, k, v)]
+    dsinks = None if varlen.sinks is None else xp.zeros(q.shape[1], dtype=prec.acc)
     for rows_q, rows_k, options in varlen.sequences():
         parts = attention_backward(
             dout[rows_q], q[rows_q], k[rows_k], v[rows_k], None, None, causal=causal,
@@ -649,7 +756,10 @@ def attention_varlen_backward(
         )
         for grad, rows, part in zip(grads, (rows_q, rows_k, rows_k), parts):
             grad[rows] = part.astype(prec.acc)
-    return tuple(grad.astype(prec.result) for grad in grads)
+        if dsinks is not None:
+            dsinks += parts[3]
+    grads = [grad.astype(prec.result) for grad in grads]
+    return tuple(grads) if dsinks is None else (*grads, dsinks)
 
 
 def attention_with_kvcache(
@@ -667,6 +777,7 @@ def attention_with_kvcache(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    sinks=None,
     return_lse=False,
     compute_dtype=numpy.float32,
 ):
@@ -683,12 +794,13 @@ def attention_with_kvcache(
     nheads_kv, headdim), written **into the cache arrays in place** at positions
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before the attention, which runs over
     the first cache_seqlens[b] + seqlen_new positions (causal and windows bottom-right aligned,
-    as ``attention``; alibi_slopes (nheads,) or (batch, nheads)).
+    as ``attention``; alibi_slopes (nheads,) or (batch, nheads); sinks (nheads,), counted once
+    in each row's denominator).
 
     Returns out (batch, seqlen_q, nheads, headdim) in compute_dtype, or (out, lse) with lse
     float32 (batch, nheads, seqlen_q).
     """
-    xp = _array_module(q, k_cache, v_cache, k, v, alibi_slopes)
+    xp = _array_module(q, k_cache, v_cache, k, v, alibi_slopes, sinks)
     problem = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
                                              cache_batch_idx, block_table, _to_host)
     lengths = _validate.kvcache_lengths(problem, cache_seqlens, _to_host)
@@ -696,6 +808,7 @@ def attention_with_kvcache(
             else _to_host(cache_batch_idx).astype(numpy.int64))
     table = _to_host(block_table).astype(numpy.int64) if problem.paged else None
     slopes = _check_alibi_slopes(xp, alibi_slopes, problem.batch, problem.nheads, False)
+    sinks = _check_sinks(xp, sinks, problem.nheads)
 
     def cache_index(b, positions):
         if problem.paged:
@@ -711,7 +824,9 @@ def attention_with_kvcache(
             k_cache[new] = k[b]
             v_cache[new] = v[b]
         everything = cache_index(b, numpy.arange(total))
-        options = {} if slopes is None else {"alibi_slopes": slopes[b]}
+        options = {"sinks": sinks}
+        if slopes is not None:
+            options["alibi_slopes"] = slopes[b]
         out, lse = attention(q[b], k_cache[everything], v_cache[everything], causal=causal,
                              softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, return_lse=True, compute_dtype=compute_dtype,

@@ -11,6 +11,9 @@ ref_hi is ``reference.attention(..., compute_dtype=float32)`` and ref_lo the sam
 arithmetic cannot avoid for this very problem (sequence length, head dim, masking), instead of a
 fixed tolerance that is loose for easy problems and flaky for hard ones.
 
+The sinks' gradient dsinks (float32, a sum over every row of a head) is judged by the same rule
+with an absolute slack grown with those rows (``dsinks_tolerance``).
+
 Works for NumPy and CuPy arrays; only the final max scalars are copied to the host.
 """
 
@@ -30,6 +33,7 @@ __all__ = [
     "check_backward",
     "check_varlen_backward",
     "default_atol",
+    "dsinks_tolerance",
     "lse_close",
     "poison_like",
     "random_qkv",
@@ -155,37 +159,15 @@ def poison_like(xp, shape, dtype):
     return xp.full(shape, math.nan, dtype=numpy.float32).astype(dtype)
 
 
-def check_forward(
-    q,
-    k,
-    v,
-    out,
-    lse=None,
-    *,
-    causal=False,
-    softmax_scale=None,
-    window_size=(-1, -1),
-    atol=None,
-    softcap=0.0,
-    alibi_slopes=None,
-    dropout_p=0.0,
-    dropout_mask=None,
-):
+def check_forward(q, k, v, out, lse=None, *, atol=None, **options):
     """Check an implementation's forward result (and lse, if given) against the reference.
 
-    softcap, alibi_slopes, dropout_p and dropout_mask go to the reference as they are (with
-    dropout_p > 0, dropout_mask must be the keep-mask the implementation used).
+    options go to ``reference.attention`` as they are: causal, softmax_scale, window_size,
+    softcap, alibi_slopes, sinks, dropout_p and dropout_mask (with dropout_p > 0, dropout_mask
+    must be the keep-mask the implementation used). With sinks the reference's lse counts the
+    sink, and a row that sees no key has lse = sink (finite).
     Returns a list of CheckResult: "out", then "lse" when lse is not None.
     """
-    options = dict(
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        dropout_p=dropout_p,
-        dropout_mask=dropout_mask,
-    )
     ref_hi, ref_lse = reference.attention(
         q, k, v, return_lse=True, compute_dtype=numpy.float32, **options
     )
@@ -196,78 +178,94 @@ def check_forward(
     return results
 
 
-def check_backward(
-    dout,
-    q,
-    k,
-    v,
-    dq,
-    dk,
-    dv,
-    *,
-    causal=False,
-    softmax_scale=None,
-    window_size=(-1, -1),
-    atol=None,
-    softcap=0.0,
-    alibi_slopes=None,
-    dropout_p=0.0,
-    dropout_mask=None,
-):
+def check_backward(dout, q, k, v, dq, dk, dv, dsinks=None, *, atol=None, dsinks_atol=None,
+                   **options):
     """Check an implementation's gradients against the reference backward.
 
-    softcap, alibi_slopes, dropout_p and dropout_mask as in check_forward.
-    Returns a list of CheckResult for "dq", "dk", "dv".
+    options go to ``reference.attention_backward`` as they are (those of check_forward). With
+    ``sinks`` in options the implementation's ``dsinks`` (float32 (nheads,), the fourth
+    gradient: ``check_backward(dout, q, k, v, *grads, sinks=sinks)``) is required and checked by
+    the same rule, with the absolute slack of ``dsinks_tolerance`` unless ``dsinks_atol`` is
+    given; ``atol`` is dq's, dk's and dv's.
+    Returns a list of CheckResult for "dq", "dk", "dv" (and "dsinks").
     """
     return _check_gradients(
-        reference.attention_backward, (dout, q, k, v, None, None), (dq, dk, dv), atol,
-        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
+        reference.attention_backward, reference.attention, (dout, q, k, v, None, None), (q, k, v),
+        (dq, dk, dv), dsinks, atol, dsinks_atol, options,
     )
 
 
-def check_varlen_backward(
-    dout,
-    q,
-    k,
-    v,
-    dq,
-    dk,
-    dv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    *,
-    causal=False,
-    softmax_scale=None,
-    window_size=(-1, -1),
-    atol=None,
-    softcap=0.0,
-    alibi_slopes=None,
-    dropout_p=0.0,
-    dropout_mask=None,
-):
+def check_varlen_backward(dout, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, *, atol=None, dsinks=None, dsinks_atol=None, **options):
     """check_backward for the gradients of ``attention_varlen`` (packed like q, k, v), against
-    the reference varlen backward with the same cu_seqlens, maxima and options.
+    the reference varlen backward with the same cu_seqlens, maxima and options. With ``sinks``
+    in options, ``dsinks=`` (a keyword here: the positional arguments after dv are the
+    cu_seqlens) is required and checked as in check_backward.
 
-    Returns a list of CheckResult for "dq", "dk", "dv".
+    Returns a list of CheckResult for "dq", "dk", "dv" (and "dsinks").
     """
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _check_gradients(
-        reference.attention_varlen_backward,
-        (dout, q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-        (dq, dk, dv), atol,
-        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
+        reference.attention_varlen_backward, reference.attention_varlen,
+        (dout, q, k, v, None, None, *varlen), (q, k, v, *varlen), (dq, dk, dv), dsinks, atol,
+        dsinks_atol, options,
     )
 
 
-def _check_gradients(reference_backward, args, grads, atol, **options):
-    """The 2x rule for dq, dk, dv: `reference_backward(*args, **options)` in fp32 and in the
-    input dtype (that of args[1], q)."""
+def dsinks_tolerance(dtype, dout, out, lse, sinks):
+    """The absolute slack of the 2x rule for dsinks, for inputs of this dtype.
+
+    dsinks is float32 and is not rounded to the input dtype, but it is a sum over every row i
+    of a head (all batch entries, all sequences) of ``-exp(sink - lse_i) * D_i`` with
+    ``D_i = rowsum(dO_i * O_i)``, and an implementation reads O from the forward's output,
+    rounded to the input dtype: each product dO_ic * O_ic carries a relative error of up to
+    eps / 2. Over the products of the rows such errors add like a random walk, so the sum's
+    error is of the order of eps times the quadrature sum (2-norm) of those products, weighted
+    by the sink's probability: ``eps * sqrt(sum_ic (P_sink_i * dO_ic * O_ic)^2)`` (about 3.5
+    standard deviations of one rounding of the output). That is what ``default_atol`` is for
+    the outputs (the error one rounding may leave where ref_lo happens to land close to
+    ref_hi) grown with the number of rows like the sum's own error, and scaled by how much the
+    sink takes of each row: a fixed slack would be loose where the sink is weak (dsinks ~ 1e-3)
+    and flaky over many rows. Taken per head, the largest over the heads. On 300 random
+    fp16/bf16 problems (1-2 batch entries, 1-200 rows, 1-300 keys, GQA, causal or not, sinks of
+    std 0.5-3), a dsinks computed in fp32 from the low-precision reference's output (scores and
+    P rounded: more error than a kernel's) stayed below 0.78 of the bound
+    (2 |ref_lo - ref_hi| + this), while a dsinks of 0 or of twice the value failed every one.
+
+    dout, out (the float32 reference's): (..., nheads, headdim) rows; lse (float32 reference's,
+    counting the sink): their (nheads, rows) layout, i.e. ``(batch, nheads, seqlen_q)``,
+    ``(nheads, seqlen_q)`` or varlen ``(nheads, total_q)``; sinks (nheads,).
+    """
+    xp = _array_module(dout, out, lse, sinks)
+    eps = default_atol(dtype)
+    nheads = int(sinks.shape[0])
+    products = _as_float64(xp, dout) * _as_float64(xp, out)
+    per_row = (products * products).sum(axis=-1).swapaxes(-1, -2)  # lse's layout
+    sink_probs = xp.exp(_as_float64(xp, sinks)[:, None] - _as_float64(xp, lse))  # 0 where +inf
+    per_head = (sink_probs * sink_probs * per_row).sum(axis=-1).reshape(-1, nheads).sum(axis=0)
+    return eps * math.sqrt(_max_abs(xp, per_head)) if nheads else eps
+
+
+def _check_gradients(reference_backward, reference_forward, args, forward_args, grads, dsinks,
+                     atol, dsinks_atol, options):
+    """The 2x rule for dq, dk, dv (and dsinks with sinks): `reference_backward(*args,
+    **options)` in fp32 and in the input dtype (that of args[1], q); `reference_forward(
+    *forward_args, **options)` gives the out and lse of dsinks' slack."""
+    sinks = options.get("sinks")
+    if sinks is None and dsinks is not None:
+        raise ValueError("dsinks given without sinks: pass the forward's sinks=")
+    if sinks is not None and dsinks is None:
+        raise ValueError("sinks given: pass the implementation's dsinks as well (dsinks=)")
+    q = args[1]
     refs_hi = reference_backward(*args, compute_dtype=numpy.float32, **options)
-    refs_lo = reference_backward(*args, compute_dtype=args[1].dtype, **options)
-    return [
+    refs_lo = reference_backward(*args, compute_dtype=q.dtype, **options)
+    results = [
         check_close(name, got, ref_hi, ref_lo, atol)
         for name, got, ref_hi, ref_lo in zip(("dq", "dk", "dv"), grads, refs_hi, refs_lo)
     ]
+    if sinks is not None:
+        if dsinks_atol is None:
+            out, lse = reference_forward(*forward_args, return_lse=True, **options)
+            dsinks_atol = dsinks_tolerance(q.dtype, args[0], out, lse, sinks)
+        results.append(check_close("dsinks", dsinks, refs_hi[3], refs_lo[3], dsinks_atol))
+    return results

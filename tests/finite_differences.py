@@ -5,16 +5,26 @@ import numpy
 from cuflash2 import reference
 
 
-def finite_difference_grads(dout, q, k, v, step=1e-6, **options):
+def finite_difference_grads(dout, q, k, v, step=1e-6, forward=None, **options):
     """d sum(attention(q, k, v, **options) * dout) / d(q, k, v), one element at a time (tiny
-    shapes only); q, k, v are float64 numpy arrays, perturbed in place and restored."""
+    shapes only); q, k, v are float64 numpy arrays, perturbed in place and restored.
+
+    With ``sinks`` in options (a float64 numpy array, perturbed in place and restored too) the
+    derivative w.r.t. the sinks comes fourth, as the reference backward returns it.
+    ``forward(q, k, v, compute_dtype=..., **options)`` replaces ``reference.attention`` (e.g.
+    ``reference.attention_varlen`` with its cu_seqlens bound).
+    """
+    forward = reference.attention if forward is None else forward
 
     def loss():
-        out = reference.attention(q, k, v, compute_dtype=numpy.float64, **options)
+        out = forward(q, k, v, compute_dtype=numpy.float64, **options)
         return float(numpy.sum(out * dout))
 
+    wrt = [q, k, v]
+    if options.get("sinks") is not None:
+        wrt.append(options["sinks"])
     grads = []
-    for x in (q, k, v):
+    for x in wrt:
         grad = numpy.zeros_like(x)
         for index in numpy.ndindex(x.shape):
             saved = x[index]
