@@ -37,7 +37,6 @@ import ast
 import atexit
 import importlib.util
 import json
-import math
 import re
 import shutil
 import statistics
@@ -162,20 +161,15 @@ def summarize(rows: list[Row]) -> dict:
             continue
         worst = max(timed, key=lambda row: row.ratio)
         entry = {"configs": len(timed),
-                 "geomean_ratio": geometric_mean(row.ratio for row in timed),
+                 "geomean_ratio": statistics.geometric_mean(row.ratio for row in timed),
                  "worst_ratio": worst.ratio, "worst_config": worst.config.describe(),
                  "best_ratio": min(row.ratio for row in timed)}
         cudnn = [row.head_ms / row.cudnn_ms for row in timed if row.cudnn_ms]
         if cudnn:
             entry["cudnn_configs"] = len(cudnn)
-            entry["cudnn_geomean_ratio"] = geometric_mean(cudnn)
+            entry["cudnn_geomean_ratio"] = statistics.geometric_mean(cudnn)
         summary[direction] = entry
     return summary
-
-
-def geometric_mean(values) -> float:
-    values = list(values)
-    return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
 def _cell(value, spec: str, missing: str = "–") -> str:
