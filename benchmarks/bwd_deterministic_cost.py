@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import bench  # noqa: E402
+from cuflash2.bench import paper_grid, timing  # noqa: E402
 
 #: The masks of each (head dim, seqlen): label -> attention options.
 MASKS = {"none": {}, "causal": {"causal": True}, "window (512, 0)": {"window_size": (512, 0)}}
@@ -30,13 +30,13 @@ def main():
     parser.add_argument("--headdims", type=_ints, default=(64, 128, 256))
     parser.add_argument("--seqlens", type=_ints, default=(1024, 4096, 16384))
     args = parser.parse_args()
-    backlog = bench.Backlog(cupy)
+    backlog = timing.Backlog(cupy)
     print("| d | seqlen | mask | default ms | deterministic ms | cost |")
     print("|---|---|---|---|---|---|")
-    for d, s, (q, k, v, dout) in bench.paper_grid_arrays(cupy, args.headdims, args.seqlens):
+    for d, s, (q, k, v, dout) in paper_grid.paper_grid_arrays(cupy, args.headdims, args.seqlens):
         for label, options in MASKS.items():
             out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
-            ms = [bench.time_cupy(cupy, lambda det=det: cuflash2.attention_backward(
+            ms = [timing.time_cupy(cupy, lambda det=det: cuflash2.attention_backward(
                 dout, q, k, v, out, lse, deterministic=det, **options), 3, 15, backlog)
                   for det in (False, True)]
             print(f"| {d} | {s} | {label} | {ms[0]:.3f} | {ms[1]:.3f} | "

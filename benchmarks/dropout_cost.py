@@ -12,14 +12,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import bench  # noqa: E402
+from cuflash2.bench import paper_grid, timing  # noqa: E402
 
 
 def main():
-    backlog = bench.Backlog(cupy)
+    backlog = timing.Backlog(cupy)
     print("| d | seqlen | causal | fwd ms | fwd ms, p=0.1 | cost | bwd ms | bwd ms, p=0.1 | cost |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for d, s, (q, k, v, dout) in bench.paper_grid_arrays(cupy):
+    for d, s, (q, k, v, dout) in paper_grid.paper_grid_arrays(cupy):
         for causal in (False, True):
             cells = []
             for direction in ("fwd", "bwd"):
@@ -34,7 +34,7 @@ def main():
 
                         def call():
                             return cuflash2.attention_backward(dout, q, k, v, out, lse, **drop)
-                    ms.append(bench.time_cupy(cupy, call, 3, 15, backlog))
+                    ms.append(timing.time_cupy(cupy, call, 3, 15, backlog))
                 cells += [f"{ms[0]:.3f}", f"{ms[1]:.3f}", f"{ms[1] / ms[0]:.2f}x"]
             print(f"| {d} | {s} | {causal} | " + " | ".join(cells) + " |", flush=True)
 

@@ -253,3 +253,73 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
                       views, kernels, inputs, outputs, output_fields, workspace_bytes,
                       workspace_fields, aligned, [struct for _, struct in launches],
                       own_fields={"dispatch_group_pairs": group_pairs})
+
+
+# --------------------------------------------------------------------------------------------
+# The Hopper backward on its own: the development entry point of benchmarks/dev/hopper_bwd_check.py
+
+@dataclasses.dataclass
+class PreparedBackward:
+    """One backward call on the Hopper kernel, planned once (the plan the dispatcher would make
+    for it) with its gradients allocated: `run()` runs the plan on the current stream, again and
+    again for timing (the workspace comes from the plan's per-stream scratch)."""
+
+    dq: object
+    dk: object
+    dv: object
+    plan: object  # _plans.Plan
+    inputs: tuple  # the plan's inputs: dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes
+
+    @property
+    def config(self) -> _configs.BwdSm90Config:
+        """The main kernel's configuration (the plan's second launch)."""
+        return self.plan.launches[1].config
+
+    def run(self):
+        self.plan.run(self.inputs, None)
+        return self.dq, self.dk, self.dv
+
+
+def prepare_backward_sm90(dout, q, k, v, out, lse, *, causal: bool = False,
+                          softmax_scale: float | None = None, window_size=(-1, -1),
+                          softcap: float = 0.0, alibi_slopes=None,
+                          config: _configs.BwdSm90Config | None = None) -> PreparedBackward:
+    """Lays out the backward of attention on the Hopper kernel (sm_90a only), whatever
+    `_hopper_bwd.ENABLED` says: CuPy arrays (batch, seqlen, heads, headdim) or (seqlen, heads,
+    headdim), fp16 or bf16, head dim a multiple of 8 up to 256 (run on the smallest of 64, 96,
+    128, 192, 256 that holds it, or on `config`; above 128 two CTAs a key block, one per
+    head-dim chunk), `out` and `lse` from the forward; GQA/MQA through fewer k/v heads (dk, dv
+    have k's heads: the group's sums); causal and windows as cuflash2.attention; softcap and
+    ALiBi slopes ((heads,) or (batch, heads), fp32) as there. Checked as
+    `cuflash2.attention_backward` checks a call, and planned by the same code (`backward_plan`),
+    so what runs here is what the dispatcher runs. No dropout, varlen or deterministic mode: a
+    development entry point, not the public API."""
+    import cupy
+
+    from . import _prepare, _validate
+
+    problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
+    _validate.check_backward_inputs(problem, dout, q, k, v, out, lse)
+    # raises where the kernel does not cover it
+    kernel_dim = _hopper_bwd.kernel_head_dim(problem.head_dim)
+    window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
+    mods = _prepare.score_mods(problem, softcap, alibi_slopes)
+    if config is None:
+        config = _configs.bwd_sm90_config(problem.dtype, kernel_dim)
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=k.dtype)
+    dv = cupy.empty(v.shape, dtype=v.dtype)
+    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
+    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)
+    views = dict(zip(names, inputs))
+    sources = {n: (i, x) for i, (n, x) in enumerate(zip(names, inputs))}
+    sources["mods.alibi_slopes"] = (9, alibi_slopes)
+    plan = backward_plan(
+        {**views, "mods.alibi_slopes": alibi_slopes}, sources, problem, mods, window, False,
+        q.device.id, 90, {"dq": q.shape, "dk": k.shape, "dv": v.shape}, config=config)
+    return PreparedBackward(dq, dk, dv, plan, inputs)
+
+
+def backward_sm90(dout, q, k, v, out, lse, **options):
+    """dq, dk, dv on the Hopper backward kernel (prepare_backward_sm90's arguments)."""
+    return prepare_backward_sm90(dout, q, k, v, out, lse, **options).run()

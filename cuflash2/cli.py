@@ -24,7 +24,8 @@ def _positive_int(text: str) -> int:
 
 def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
     """`prog`: the command as the user typed it, for usage and help lines."""
-    from cuflash2 import bench, selfcheck
+    from cuflash2 import selfcheck
+    from cuflash2.bench.paper_grid import PAPER_HIDDEN, PAPER_SEQLENS, PAPER_TOKENS
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -52,7 +53,7 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
     bench_cmd.add_argument("--dtype", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"])
     bench_cmd.add_argument("--causal", choices=("both", "on", "off"), default="both")
     bench_cmd.add_argument("--seqlens", nargs="+", type=_positive_int, default=None,
-                           help=f"sequence lengths (default {' '.join(map(str, bench.PAPER_SEQLENS))}"
+                           help=f"sequence lengths (default {' '.join(map(str, PAPER_SEQLENS))}"
                                 "; 16384 for --flex)")
     bench_cmd.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                            help="forward, backward (attention_backward) or both")
@@ -82,9 +83,9 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                                 "default rows d=128 at 16k tokens")
     bench_cmd.add_argument("--warmup", type=int, default=3)
     bench_cmd.add_argument("--iters", type=_positive_int, default=25)
-    bench_cmd.add_argument("--tokens", type=_positive_int, default=bench.PAPER_TOKENS,
+    bench_cmd.add_argument("--tokens", type=_positive_int, default=PAPER_TOKENS,
                            help="tokens per batch: batch = tokens // seqlen")
-    bench_cmd.add_argument("--hidden", type=_positive_int, default=bench.PAPER_HIDDEN,
+    bench_cmd.add_argument("--hidden", type=_positive_int, default=PAPER_HIDDEN,
                            help="hidden size: nheads = hidden // headdim")
     bench_cmd.set_defaults(func=_bench)
     return parser
@@ -127,13 +128,13 @@ def _bench(args) -> int:
     cupy = _require_gpu("bench")
     if cupy is None:
         return EXIT_NO_GPU
-    from cuflash2 import bench, bench_flex, bench_host
+    from cuflash2.bench import flex, host, report
 
     if args.host:
-        return bench_host.run(cupy, args)
+        return host.run(cupy, args)
     if args.flex:
-        return bench_flex.run(cupy, args)
-    return bench.run(cupy, args)
+        return flex.run(cupy, args)
+    return report.run(cupy, args)
 
 
 def main(argv=None, prog: str = "cuflash2") -> int:

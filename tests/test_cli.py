@@ -12,7 +12,9 @@ import numpy
 import pytest
 
 import cuflash2
-from cuflash2 import bench, reference, selfcheck
+from cuflash2 import reference, selfcheck
+from cuflash2.bench import (decode, decode_peers, flex, paper_grid, report, timing, torch_peers,
+                            varlen, windows)
 from cuflash2.cli import EXIT_NO_GPU, build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,13 +86,13 @@ def test_console_script_help_says_cuflash2(capsys):
 
 def test_bench_defaults_are_the_paper_grid():
     args = build_parser().parse_args(["bench"])
-    assert args.headdim is None  # the default grid: bench.grid_headdims(None)
-    assert bench.grid_headdims(None) == ((64, 128, 256), {256: 4096})
-    assert bench.grid_headdims([128]) == ((128,), {})
+    assert args.headdim is None  # the default grid: paper_grid.grid_headdims(None)
+    assert paper_grid.grid_headdims(None) == ((64, 128, 256), {256: 4096})
+    assert paper_grid.grid_headdims([128]) == ((128,), {})
     assert args.dtype == ["fp16", "bf16"]
     assert args.causal == "both"
-    assert args.seqlens is None  # the grid's lengths (bench.run), 16k for --flex
-    assert bench.PAPER_SEQLENS == (512, 1024, 2048, 4096, 8192, 16384)
+    assert args.seqlens is None  # the grid's lengths (report.run), 16k for --flex
+    assert paper_grid.PAPER_SEQLENS == (512, 1024, 2048, 4096, 8192, 16384)
     assert args.direction == "both" and not args.flex
     assert args.compare is None and args.json is None
     assert args.warmup >= 1 and 10 <= args.iters <= 50
@@ -99,15 +101,13 @@ def test_bench_defaults_are_the_paper_grid():
 def test_bench_flex_rows():
     """--flex: bf16/fp16 d=128 at 16k tokens by default (the issue's FlexAttention rows), the
     paper grid's batch and heads, both directions and causal modes."""
-    from cuflash2 import bench_flex
-
-    configs = bench_flex.configs_from_args(build_parser().parse_args(
+    configs = flex.configs_from_args(build_parser().parse_args(
         ["bench", "--flex", "--dtype", "bf16"]))
     assert {(c.direction, c.causal) for c in configs} == {
         (d, c) for d in ("fwd", "bwd") for c in (False, True)}
     assert {(c.dtype, c.headdim, c.seqlen, c.batch, c.nheads) for c in configs} == {
         ("bf16", 128, 16384, 1, 16)}
-    configs = bench_flex.configs_from_args(build_parser().parse_args(
+    configs = flex.configs_from_args(build_parser().parse_args(
         ["bench", "--flex", "--seqlens", "4096", "--headdim", "64", "--direction", "bwd"]))
     assert {(c.direction, c.headdim, c.seqlen, c.batch, c.nheads) for c in configs} == {
         ("bwd", 64, 4096, 4, 32)}
@@ -133,7 +133,7 @@ def test_bench_rejects_bad_options(bad, capsys):
 
 
 def test_paper_grid_keeps_tokens_and_hidden_fixed():
-    configs = bench.paper_grid(headdims=(64, 128), dtypes=("fp16",), causal_modes=(False,))
+    configs = paper_grid.paper_grid(headdims=(64, 128), dtypes=("fp16",), causal_modes=(False,))
     assert len(configs) == 2 * 6
     for config in configs:
         assert config.batch * config.seqlen == 16384
@@ -142,7 +142,8 @@ def test_paper_grid_keeps_tokens_and_hidden_fixed():
 
 def test_cost_scripts_arrays_are_paper_grid_sized():
     # NumPy stands in for CuPy: the same default_rng / standard_normal / astype calls.
-    points = list(bench.paper_grid_arrays(numpy, headdims=(64,), seqlens=(1024, 4096), count=2))
+    points = list(paper_grid.paper_grid_arrays(numpy, headdims=(64,), seqlens=(1024, 4096),
+                                               count=2))
     assert [(d, s) for d, s, _ in points] == [(64, 1024), (64, 4096)]
     for d, s, arrays in points:
         assert len(arrays) == 2
@@ -152,10 +153,10 @@ def test_cost_scripts_arrays_are_paper_grid_sized():
 
 
 def test_default_grid_adds_d256_from_4k():
-    headdims, min_seqlen = bench.grid_headdims(None)
-    configs = bench.paper_grid(headdims, ("fp16", "bf16"), bench.causal_modes("both"),
-                               bench.PAPER_SEQLENS, bench.directions("both"),
-                               min_seqlen=min_seqlen)
+    headdims, min_seqlen = paper_grid.grid_headdims(None)
+    configs = paper_grid.paper_grid(headdims, ("fp16", "bf16"), paper_grid.causal_modes("both"),
+                                    paper_grid.PAPER_SEQLENS, paper_grid.directions("both"),
+                                    min_seqlen=min_seqlen)
     d256 = [c for c in configs if c.headdim == 256]
     assert len(configs) == 2 * 2 * 2 * 6 * 2 + len(d256)
     assert len(d256) == 2 * 2 * 2 * 3  # fwd/bwd x fp16/bf16 x causal off/on x s 4k, 8k, 16k
@@ -167,44 +168,44 @@ def test_default_grid_adds_d256_from_4k():
     # same nesting order as before: d=256 follows d=128 within each direction and dtype
     assert [c.headdim for c in configs[:30]] == [64] * 12 + [128] * 12 + [256] * 6
     # an explicit --headdim 256 runs at every seqlen
-    headdims, min_seqlen = bench.grid_headdims([256])
-    assert len(bench.paper_grid(headdims, ("fp16",), (False,), bench.PAPER_SEQLENS,
-                                min_seqlen=min_seqlen)) == 6
+    headdims, min_seqlen = paper_grid.grid_headdims([256])
+    assert len(paper_grid.paper_grid(headdims, ("fp16",), (False,), paper_grid.PAPER_SEQLENS,
+                                     min_seqlen=min_seqlen)) == 6
 
 
 def test_json_settings_name_the_grid_headdims():
-    settings = bench._settings(build_parser().parse_args(["bench", "--compare", "torch"]))
+    settings = report._settings(build_parser().parse_args(["bench", "--compare", "torch"]))
     assert settings["headdim"] == [64, 128, 256]
     assert settings["headdim_min_seqlen"] == {"256": 4096}
     assert "func" not in settings and settings["compare"] == "torch"
-    settings = bench._settings(build_parser().parse_args(["bench", "--headdim", "128"]))
+    settings = report._settings(build_parser().parse_args(["bench", "--headdim", "128"]))
     assert (settings["headdim"], settings["headdim_min_seqlen"]) == ([128], {})
 
 
 def test_grid_size_follows_the_options():
-    configs = bench.paper_grid((64, 128), ("fp16", "bf16"), bench.causal_modes("both"),
-                               bench.PAPER_SEQLENS, bench.directions("both"))
+    configs = paper_grid.paper_grid((64, 128), ("fp16", "bf16"), paper_grid.causal_modes("both"),
+                                    paper_grid.PAPER_SEQLENS, paper_grid.directions("both"))
     assert len(configs) == 2 * 2 * 2 * 6 * 2
-    assert bench.causal_modes("on") == (True,) and bench.directions("bwd") == ("bwd",)
+    assert paper_grid.causal_modes("on") == (True,) and paper_grid.directions("bwd") == ("bwd",)
 
 
 def test_flops_forward_causal_and_backward():
-    full = bench.attention_flops(2, 16, 4096, 4096, 128, causal=False)
+    full = paper_grid.attention_flops(2, 16, 4096, 4096, 128, causal=False)
     assert full == 4 * 2 * 16 * 4096 * 4096 * 128
-    assert bench.attention_flops(2, 16, 4096, 4096, 128, causal=True) == full / 2
-    assert bench.attention_flops(2, 16, 4096, 4096, 128, False, "bwd") == 2.5 * full
+    assert paper_grid.attention_flops(2, 16, 4096, 4096, 128, causal=True) == full / 2
+    assert paper_grid.attention_flops(2, 16, 4096, 4096, 128, False, "bwd") == 2.5 * full
 
 
 def _row(seqlen, ours, theirs, direction="fwd", cudnn=None, cudnn_error=None):
-    config = bench.Config(direction, "fp16", 128, False, seqlen, 16384 // seqlen, 16)
-    return bench.Row(config, ms=1.0, tflops=ours, torch_ms=1.0, torch_tflops=theirs,
-                     cudnn_ms=None if cudnn is None else 1.0, cudnn_tflops=cudnn,
-                     cudnn_error=cudnn_error)
+    config = paper_grid.Config(direction, "fp16", 128, False, seqlen, 16384 // seqlen, 16)
+    return paper_grid.Row(config, ms=1.0, tflops=ours, torch_ms=1.0, torch_tflops=theirs,
+                          cudnn_ms=None if cudnn is None else 1.0, cudnn_tflops=cudnn,
+                          cudnn_error=cudnn_error)
 
 
 def test_summary_geometric_mean_and_minimum():
     rows = [_row(512, 200.0, 100.0), _row(1024, 100.0, 200.0), _row(2048, 300.0, 300.0)]
-    summary = bench.summarize(rows)["fwd"]
+    summary = paper_grid.summarize(rows)["fwd"]
     assert math.isclose(summary["geomean_ratio"], 1.0)
     assert summary["min_ratio"] == 0.5
     assert "s=1024" in summary["min_config"]
@@ -213,13 +214,13 @@ def test_summary_geometric_mean_and_minimum():
 
 def test_summary_skips_rows_without_torch():
     rows = [_row(512, 200.0, None)]
-    assert bench.summarize(rows) == {}
+    assert paper_grid.summarize(rows) == {}
 
 
 def test_markdown_table_has_one_line_per_row():
     rows = [_row(512, 200.0, 100.0), _row(1024, 150.0, None)]
     rows[1].errors.append("boom")
-    table = bench.markdown_table(rows, compare=True).splitlines()
+    table = paper_grid.markdown_table(rows, compare=True).splitlines()
     assert len(table) == 2 + len(rows)
     assert table[0].count("|") == table[2].count("|")
     assert "| 2.000 |" in table[2]
@@ -229,7 +230,7 @@ def test_markdown_table_has_one_line_per_row():
 def test_row_json_has_config_flops_and_ratio():
     data = _row(512, 200.0, 100.0).to_json()
     assert data["seqlen"] == 512 and data["ratio"] == 2.0
-    assert data["flops"] == bench.attention_flops(32, 16, 512, 512, 128, False)
+    assert data["flops"] == paper_grid.attention_flops(32, 16, 512, 512, 128, False)
 
 
 def test_row_json_keeps_the_old_fields_and_adds_cudnn():
@@ -248,28 +249,28 @@ def test_row_json_keeps_the_old_fields_and_adds_cudnn():
 def test_summary_has_both_baselines():
     rows = [_row(512, 200.0, 100.0, cudnn=400.0), _row(1024, 100.0, 200.0, cudnn=100.0),
             _row(2048, 300.0, 300.0, cudnn_error="refused")]
-    summary = bench.summarize(rows)["fwd"]
+    summary = paper_grid.summarize(rows)["fwd"]
     assert summary["configs"] == 3 and math.isclose(summary["geomean_ratio"], 1.0)
     assert summary["cudnn_configs"] == 2  # the refused row is left out of the cuDNN ratios
     assert math.isclose(summary["cudnn_geomean_ratio"], math.sqrt(0.5))
     assert summary["cudnn_min_ratio"] == 0.5 and "s=512" in summary["cudnn_min_config"]
-    table = bench.summary_table(bench.summarize(rows)).splitlines()
+    table = paper_grid.summary_table(paper_grid.summarize(rows)).splitlines()
     assert len(table) == 2 + 2
     assert "| fwd | SDPA-flash | 3 | 1.000 | 0.500 |" in table[2]
     assert "| fwd | cuDNN | 2 | 0.707 | 0.500 |" in table[3]
 
 
 def test_summary_with_cudnn_alone():
-    summary = bench.summarize([_row(512, 200.0, None, cudnn=100.0)])
+    summary = paper_grid.summarize([_row(512, 200.0, None, cudnn=100.0)])
     assert summary["fwd"] == {"cudnn_configs": 1, "cudnn_geomean_ratio": 2.0,
                               "cudnn_min_ratio": 2.0,
                               "cudnn_min_config": "fwd fp16 d=128 s=512 full (b=32 h=16)"}
-    assert bench.summary_table(summary).count("\n") == 2
+    assert paper_grid.summary_table(summary).count("\n") == 2
 
 
 def test_markdown_table_shows_cudnn_and_na():
     rows = [_row(512, 200.0, 100.0, cudnn=400.0), _row(1024, 150.0, 100.0, cudnn_error="no")]
-    table = bench.markdown_table(rows, compare=True).splitlines()
+    table = paper_grid.markdown_table(rows, compare=True).splitlines()
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
     assert header[8:] == ["SDPA-flash TFLOP/s", "cuDNN TFLOP/s", "cuflash2 / SDPA-flash",
                           "cuflash2 / cuDNN", "max abs diff (SDPA-flash)", "max abs diff (cuDNN)"]
@@ -278,17 +279,17 @@ def test_markdown_table_shows_cudnn_and_na():
     cells = [cell.strip() for cell in table[3].strip("|").split("|")]
     assert cells[9] == cells[11] == cells[13] == "n/a" and cells[10] == "1.500"
     assert all(line.count("|") == table[0].count("|") for line in table)
-    assert len(bench.markdown_table(rows, compare=False).splitlines()[0].split("|")) == 10
+    assert len(paper_grid.markdown_table(rows, compare=False).splitlines()[0].split("|")) == 10
 
 
 def test_cudnn_notes_group_rows_by_reason():
     rows = [_row(512, 1.0, 1.0, cudnn_error="A"), _row(1024, 1.0, 1.0, cudnn=1.0),
             _row(2048, 1.0, 1.0, cudnn_error="A"), _row(4096, 1.0, 1.0, cudnn_error="B")]
-    notes = bench.cudnn_notes(rows)
+    notes = paper_grid.cudnn_notes(rows)
     assert len(notes) == 2
     assert notes[0].startswith("note: cuDNN n/a for 2 row(s)") and notes[0].endswith(": A")
     assert "s=512" in notes[0] and "s=2048" in notes[0] and "s=4096" in notes[1]
-    assert bench.cudnn_notes([_row(512, 1.0, 1.0)]) == []
+    assert paper_grid.cudnn_notes([_row(512, 1.0, 1.0)]) == []
 
 
 def test_refusal_reason_takes_torchs_cudnn_warnings():
@@ -301,13 +302,14 @@ def test_refusal_reason_takes_torchs_cudnn_warnings():
                 "cuDNN attention kernel not used because:" + where.format(990),
                 "head_dim should be no more than 256" + where.format(522)]
     exc = RuntimeError("No available kernel. Aborting execution.")
-    assert bench.refusal_reason(exc, warnings) == "head_dim should be no more than 256"
-    assert bench.refusal_reason(exc, warnings + ["dtype"]) == "head_dim should be no more than 256; dtype"
-    assert bench.refusal_reason(exc, warnings[:3]) == (
+    assert torch_peers.refusal_reason(exc, warnings) == "head_dim should be no more than 256"
+    assert torch_peers.refusal_reason(exc, warnings + ["dtype"]) == (
+        "head_dim should be no more than 256; dtype")
+    assert torch_peers.refusal_reason(exc, warnings[:3]) == (
         "RuntimeError: No available kernel. Aborting execution.")
-    assert bench.refusal_reason(AttributeError("CUDNN_ATTENTION\nmore")) == (
+    assert torch_peers.refusal_reason(AttributeError("CUDNN_ATTENTION\nmore")) == (
         "AttributeError: CUDNN_ATTENTION")
-    assert len(bench.refusal_reason(RuntimeError("x" * 1000))) == 300
+    assert len(torch_peers.refusal_reason(RuntimeError("x" * 1000))) == 300
 
 
 def test_measure_cudnn_fills_the_row_or_says_why_not(monkeypatch):
@@ -317,10 +319,10 @@ def test_measure_cudnn_fills_the_row_or_says_why_not(monkeypatch):
         def __init__(self, torch, cupy, dtype_name):
             pass
 
-    monkeypatch.setattr(bench, "TorchSdpaCudnn", FakeCudnn)
-    monkeypatch.setattr(bench, "_measure_torch", lambda *args: (2.0, 1e-3))
+    monkeypatch.setattr(torch_peers, "TorchSdpaCudnn", FakeCudnn)
+    monkeypatch.setattr(torch_peers, "measure_torch", lambda *args: (2.0, 1e-3))
     row = _row(4096, 300.0, 250.0)
-    bench._measure_cudnn(None, None, row, None, None, None, None, None, 1, 5, None)
+    torch_peers.measure_cudnn(None, None, row, None, None, None, None, None, 1, 5, None)
     assert (row.cudnn_ms, row.cudnn_max_abs_diff, row.cudnn_error) == (2.0, 1e-3, None)
     assert row.cudnn_tflops == row.config.flops / 2.0 / 1e9 and row.ratio_vs_cudnn
 
@@ -329,12 +331,12 @@ def test_measure_cudnn_fills_the_row_or_says_why_not(monkeypatch):
         warnings.warn("unsupported head dim")
         raise RuntimeError("No available kernel. Aborting execution.")
 
-    monkeypatch.setattr(bench, "_measure_torch", refuse)
+    monkeypatch.setattr(torch_peers, "measure_torch", refuse)
     row = _row(4096, 300.0, 250.0)
-    bench._measure_cudnn(None, None, row, None, None, None, None, None, 1, 5, None)
+    torch_peers.measure_cudnn(None, None, row, None, None, None, None, None, 1, 5, None)
     assert row.cudnn_ms is None and row.cudnn_tflops is None and row.ratio_vs_cudnn is None
     assert row.cudnn_error == "unsupported head dim" and not row.errors
-    assert "cuDNN n/a" in bench._progress_line(row)
+    assert "cuDNN n/a" in paper_grid._progress_line(row)
 
 
 def test_check_grid_covers_dtypes_headdims_causal_and_shapes():
@@ -396,8 +398,8 @@ def test_check_reports_an_exception_as_a_failure(monkeypatch):
 def test_window_pairs_match_a_direct_count():
     for seqlen, left in ((10, 3), (10, 0), (10, 9), (10, 50), (1, 0), (7, 6)):
         direct = sum(min(i, left) + 1 for i in range(seqlen))
-        assert bench.window_pairs(seqlen, left) == direct
-    assert bench.window_pairs(16384, 16384) == 16384 * 16385 // 2
+        assert windows.window_pairs(seqlen, left) == direct
+    assert windows.window_pairs(16384, 16384) == 16384 * 16385 // 2
 
 
 def test_bench_windows_option_parses():
@@ -406,13 +408,13 @@ def test_bench_windows_option_parses():
 
 
 def test_bench_varlen_lengths_total_the_paper_tokens():
-    assert sum(bench.VARLEN_LENGTHS) == bench.PAPER_TOKENS
+    assert sum(varlen.VARLEN_LENGTHS) == paper_grid.PAPER_TOKENS
     assert build_parser().parse_args(["bench", "--varlen"]).varlen
 
 
 def test_decode_bytes():
     # batch 1, 4096 cached tokens, 4 KV heads of 128: K and V are 2 x 4 MiB, plus q and out.
-    assert bench.decode_bytes(1, 4096, 32, 4, 128) == 2 * 4096 * 4 * 128 * 2 + 2 * 32 * 128 * 2
+    assert decode.decode_bytes(1, 4096, 32, 4, 128) == 2 * 4096 * 4 * 128 * 2 + 2 * 32 * 128 * 2
     assert build_parser().parse_args(["bench", "--decode"]).decode
 
 
@@ -425,9 +427,9 @@ def _decode_row(**extra):
 
 
 def test_decode_table_has_the_peers_columns_only_when_measured():
-    plain = bench.decode_table([_decode_row()])
+    plain = decode.decode_table([_decode_row()])
     assert "SDPA-flash" not in plain and plain.splitlines()[-1].endswith("| 186.7 (10.79x) |")
-    with_peers = bench.decode_table([_decode_row(
+    with_peers = decode.decode_table([_decode_row(
         sdpa_flash_us=32.7, sdpa_flash_error=None, cudnn_us=None,
         cudnn_error="cuDNN refused: no kernel")])
     header, rule, line = with_peers.splitlines()
@@ -437,36 +439,32 @@ def test_decode_table_has_the_peers_columns_only_when_measured():
 
 
 def test_decode_graph_table_peers_and_refusal_notes():
-    from cuflash2 import bench_decode_graph, bench_decode_peers
-
     row = {"dtype": "fp16", "headdim": 128, "batch": 1, "cache": 16384, "nheads": 32,
            "nheads_kv": 4, "programmatic_us_per_layer": 13.25, "fraction_of_copy": 0.61,
            "after_wait_us_per_layer": 14.6, "after_wait_fraction_of_copy": 0.55,
            "plain_us_per_layer": 16.3, "plain_fraction_of_copy": 0.5, "programmatic_edges": 15}
-    assert "cuDNN" not in bench_decode_graph.decode_graph_table([row])
+    assert "cuDNN" not in decode.decode_graph_table([row])
     row.update(sdpa_flash_us_per_layer=31.04, sdpa_flash_error=None, cudnn_us_per_layer=None,
                cudnn_error="no kernel")
-    table = bench_decode_graph.decode_graph_table([row])
+    table = decode.decode_graph_table([row])
     assert table.splitlines()[0].endswith("| SDPA-flash us per layer | cuDNN us per layer |")
     assert table.splitlines()[-1].endswith("| 15 | 31.04 (2.34x) | n/a |")
-    assert bench_decode_peers.peer_notes([row], "NOTE", "graph") == [
+    assert decode_peers.peer_notes([row], "NOTE", "graph") == [
         "NOTE", "cuDNN n/a in the graph (b=1 cache=16384 h=32/4): no kernel"]
 
 
 def test_measure_decode_peers_record_a_refusal_per_backend(monkeypatch):
     # Without torch's backends every peer refuses: the row keeps its keys, times empty, and a
     # reason for each; nothing raises.
-    from cuflash2 import bench_decode_peers
-
     class NoBackend:
         def __init__(self, *args):
             raise RuntimeError("No available kernel. Aborting execution.")
 
-    monkeypatch.setattr(bench_decode_peers, "PEERS",
-                        tuple((key, NoBackend) for key, _ in bench_decode_peers.PEERS))
+    monkeypatch.setattr(decode_peers, "PEERS",
+                        tuple((key, NoBackend) for key, _ in decode_peers.PEERS))
     row = {"dtype": "fp16"}
-    bench_decode_peers.measure_single(None, None, row, None, None, None, None, 1, 1, None, None)
-    for key, _ in bench_decode_peers.PEERS:
+    decode_peers.measure_single(None, None, row, None, None, None, None, 1, 1, None, None)
+    for key, _ in decode_peers.PEERS:
         assert row[f"{key}_us"] is None and row[f"{key}_max_abs_diff"] is None
         assert row[f"{key}_error"] == "RuntimeError: No available kernel. Aborting execution."
 
@@ -506,19 +504,19 @@ def test_measure_times_flash_and_cudnn_on_every_row(monkeypatch):
             raise RuntimeError("flash broke")
         return 2.0, (1e-3 if ours_out is not None else None)
 
-    monkeypatch.setattr(bench, "Backlog", lambda cupy: None)
-    monkeypatch.setattr(bench, "TorchSdpaFlash", Flash)
-    monkeypatch.setattr(bench, "TorchSdpaCudnn", Cudnn)
-    monkeypatch.setattr(bench, "_measure_forward", ours_forward)
-    monkeypatch.setattr(bench, "_measure_backward", ours_backward)
-    monkeypatch.setattr(bench, "_measure_torch", theirs)
+    monkeypatch.setattr(timing, "Backlog", lambda cupy: None)
+    monkeypatch.setattr(torch_peers, "TorchSdpaFlash", Flash)
+    monkeypatch.setattr(torch_peers, "TorchSdpaCudnn", Cudnn)
+    monkeypatch.setattr(paper_grid, "_measure_forward", ours_forward)
+    monkeypatch.setattr(paper_grid, "_measure_backward", ours_backward)
+    monkeypatch.setattr(torch_peers, "measure_torch", theirs)
     monkeypatch.setattr(cuflash2, "attention_backward", lambda *a, **k: None, raising=False)
     fake_cupy = types.SimpleNamespace(
         random=numpy.random, float32=numpy.float32,
         get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
-    configs = bench.paper_grid((64, 256), ("fp16",), (False, True), (1024,), ("fwd", "bwd"),
-                               tokens=2048, hidden=512)
-    rows = bench.measure(fake_cupy, object(), configs, 1, 2, progress=open(os.devnull, "w"))
+    configs = paper_grid.paper_grid((64, 256), ("fp16",), (False, True), (1024,),
+                                    ("fwd", "bwd"), tokens=2048, hidden=512)
+    rows = paper_grid.measure(fake_cupy, object(), configs, 1, 2, progress=open(os.devnull, "w"))
     assert len(calls) == 2 * len(rows)
     for row in rows:
         c = row.config

@@ -284,7 +284,7 @@ def test_odd_descriptor_check_finds_the_faulting_copy():
 
 @pytest.mark.parametrize("arch", _configs.CPU_TEST_ARCHS)
 def test_benchmark_spin_kernel_compiles(arch, nvrtc_available):
-    """bench.py's backlog kernel (cuda_src/gpu_spin.cu)."""
+    """The benchmarks' backlog kernel (cuda_src/gpu_spin.cu, cuflash2/bench/timing.py)."""
     spin = types.SimpleNamespace(source_file="gpu_spin.cu", name_expression="gpu_spin_kernel")
     report = _compile.compile_report(spin, arch)
     assert report.spill_stores == 0 and report.registers <= 32, report.log

@@ -456,7 +456,7 @@ def test_prepared_backward_is_the_dispatchers_plan(host_cupy):
     k = _zeros(2, 200, 2, 64)
     out = _zeros(2, 300, 4, 64)
     lse = _zeros(2, 4, 300, dtype=numpy.float32)
-    prepared = _hopper_bwd.prepare_backward_sm90(out, q, k, k, out, lse, causal=True,
+    prepared = _attention_plans.prepare_backward_sm90(out, q, k, k, out, lse, causal=True,
                                                  softmax_scale=0.5)
     assert maps == [((2, 300, 4, 64), 128), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128),
                     ((2, 300, 4, 64), 128)]
@@ -482,7 +482,7 @@ def test_prepared_backward_is_the_dispatchers_plan(host_cupy):
 def test_prepared_backward_picks_the_kernel_head_dim(host_cupy, head_dim, kernel_dim):
     q = _zeros(1, 100, 2, head_dim)
     lse = _zeros(1, 2, 100, dtype=numpy.float32)
-    prepared = _hopper_bwd.prepare_backward_sm90(q, q, q, q, q, lse, softcap=30.0)
+    prepared = _attention_plans.prepare_backward_sm90(q, q, q, q, q, lse, softcap=30.0)
     config = prepared.config
     assert config.head_dim == kernel_dim and config.features == _configs.FEATURE_SOFTCAP
     base = prepared.plan.block.record[0]["base"]
@@ -500,7 +500,7 @@ def test_prepared_backward_refuses_what_it_does_not_cover(host_cupy):
     q = _zeros(1, 10, 2, 264)
     lse = _zeros(1, 2, 10, dtype=numpy.float32)
     with pytest.raises(ValueError, match="between 8 and 256"):
-        _hopper_bwd.prepare_backward_sm90(q, q, q, q, q, lse)
+        _attention_plans.prepare_backward_sm90(q, q, q, q, q, lse)
 
 
 def test_describe_names_the_backward_kernels():

@@ -17,7 +17,8 @@ CUDA_SOURCES = sorted(
     for p in (REPO / "cuda_src").rglob("*")
     if p.is_file() and p.suffix in (".cu", ".cuh", ".h")
 )
-PYTHON_MODULES = sorted(p.name for p in (REPO / "cuflash2").glob("*.py"))
+PYTHON_MODULES = sorted(p.relative_to(REPO / "cuflash2").as_posix()
+                        for p in (REPO / "cuflash2").rglob("*.py") if "__pycache__" not in p.parts)
 # Nothing that a build, a test run or a kernel compile leaves behind may ship.
 UNWANTED_DIRS = ("__pycache__", ".pytest_cache", ".benchmarks", "build", "dist")
 UNWANTED_SUFFIXES = (".pyc", ".cubin", ".ptx", ".fatbin", ".o", ".so", ".egg-info")
@@ -73,7 +74,8 @@ def test_wheel_ships_every_cuda_source_inside_the_package(wheel_names):
 
 
 def test_wheel_ships_the_python_modules(wheel_names):
-    for module in PYTHON_MODULES + ["__init__.py", "__main__.py", "cli.py", "bench.py"]:
+    for module in PYTHON_MODULES + ["__init__.py", "__main__.py", "cli.py", "bench/__init__.py",
+                                    "bench/paper_grid.py", "bench/report.py"]:
         assert f"cuflash2/{module}" in wheel_names
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuflash2 import _compile, api, bench  # noqa: E402
+from cuflash2 import _compile, api  # noqa: E402
+from cuflash2.bench import paper_grid, timing, torch_peers  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def _max_diff(cupy, a, b) -> float:
 def _measure(cupy, torch, sources, config, seed, args, backlog):
     """(the table's line, alt / base time) of one configuration."""
     dtype = dtype_from_name(config.dtype)
-    q, k, v = bench.random_inputs(cupy, config, dtype, seed)
+    q, k, v = paper_grid.random_inputs(cupy, config, dtype, seed)
     dout = cupy.random.default_rng(seed + 10_000).standard_normal(
         q.shape, dtype=cupy.float32).astype(dtype)
     causal = config.causal
@@ -85,17 +86,17 @@ def _measure(cupy, torch, sources, config, seed, args, backlog):
     for _ in range(args.rounds):
         for name in ("base", "alt"):
             sources.use(name)
-            times[name].append(bench.time_cupy(cupy, call(name), args.warmup, args.iters,
-                                               backlog))
+            times[name].append(timing.time_cupy(cupy, call(name), args.warmup, args.iters,
+                                                backlog))
     base_ms, alt_ms = (statistics.median(times[n]) for n in ("base", "alt"))
     outputs = 1 if args.direction == "fwd" else 3
     diffs = [_max_diff(cupy, results["alt"][i], results["base"][i]) for i in range(outputs)]
     line = f"{config.describe():<44} {base_ms:8.3f} {alt_ms:8.3f} {alt_ms / base_ms:8.3f}"
     if torch is not None:
-        row = bench.Row(config)
+        row = paper_grid.Row(config)
         forward_out = results["base"][0] if args.direction == "fwd" else None
-        bench._measure_cudnn(cupy, torch, row, q, k, v, dout, forward_out, args.warmup,
-                             args.iters, backlog)
+        torch_peers.measure_cudnn(cupy, torch, row, q, k, v, dout, forward_out, args.warmup,
+                                  args.iters, backlog)
         if row.cudnn_ms:
             line += (f" {row.cudnn_ms:8.3f} {row.cudnn_ms / base_ms:10.3f} "
                      f"{row.cudnn_ms / alt_ms:9.3f}")
@@ -111,7 +112,7 @@ def main():
     ap.add_argument("--alt", type=Path, required=True, help="folder of files to replace cuda_src's")
     ap.add_argument("--direction", choices=("fwd", "bwd"), default="bwd")
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=list(bench.PAPER_SEQLENS))
+    ap.add_argument("--seqlens", type=int, nargs="+", default=list(paper_grid.PAPER_SEQLENS))
     ap.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"])
     ap.add_argument("--causal", choices=("both", "on", "off"), default="both")
     ap.add_argument("--rounds", type=int, default=3)
@@ -121,11 +122,11 @@ def main():
     args = ap.parse_args()
 
     sources = Sources(args.alt)
-    torch = bench._load_torch() if args.cudnn else None
-    backlog = bench.Backlog(cupy)
-    configs = bench.paper_grid(headdims=tuple(args.headdims), dtypes=tuple(args.dtypes),
-                               causal_modes=bench.causal_modes(args.causal),
-                               directions=(args.direction,), seqlens=tuple(args.seqlens))
+    torch = torch_peers.load_torch() if args.cudnn else None
+    backlog = timing.Backlog(cupy)
+    configs = paper_grid.paper_grid(headdims=tuple(args.headdims), dtypes=tuple(args.dtypes),
+                                    causal_modes=paper_grid.causal_modes(args.causal),
+                                    directions=(args.direction,), seqlens=tuple(args.seqlens))
     print(f"{'configuration':<44} {'base ms':>8} {'alt ms':>8} {'alt/base':>8}"
           + (f" {'cuDNN ms':>8} {'base/cuDNN':>10} {'alt/cuDNN':>9}" if torch else "")
           + "  max |alt - base|", flush=True)

@@ -1,4 +1,4 @@
-"""In-graph decoding step (cuflash2/bench_decode_graph.py) under variants of the launch and the
+"""In-graph decoding step (cuflash2/bench/decode_graph.py) under variants of the launch and the
 split merge: programmatic launches on / off, the cache read before the previous kernel ends or
 after (early_cache_reads), the splits merged inside a thread-block cluster or through the
 barrier in L2, forced split counts (0: the rule), and with --alt a second version of the kernel
@@ -20,8 +20,10 @@ import cupy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuflash2 import _kvcache, _launch, bench_decode_graph
-from cuflash2.bench import Backlog, copy_ceiling, decode_bytes, l2_flush
+from cuflash2 import _kvcache, _launch
+from cuflash2.bench import decode, decode_graph
+from cuflash2.bench.decode import decode_bytes
+from cuflash2.bench.timing import Backlog, copy_ceiling, l2_flush, time_cupy
 
 
 def main() -> None:
@@ -53,14 +55,14 @@ def main() -> None:
     if args.single:
         single_steps(sources, args)
         return
-    rows = bench_decode_graph.GRAPH_ROWS
+    rows = decode.GRAPH_ROWS
     if args.rows:
         rows = [tuple(int(x) for x in r.split("x")) for r in args.rows]
     ceiling = copy_ceiling(cupy)
     flush = l2_flush(cupy)
     backlog = Backlog(cupy)
-    nheads, nheads_kv = bench_decode_graph.GRAPH_HEADS
-    print(f"copy ceiling {ceiling / 1e9:.0f} GB/s; us per layer ({bench_decode_graph.LAYERS} "
+    nheads, nheads_kv = decode.GRAPH_HEADS
+    print(f"copy ceiling {ceiling / 1e9:.0f} GB/s; us per layer ({decode_graph.LAYERS} "
           f"layers a step, L2 flushed before each step)")
     versions = ("base", "alt") if sources else ("base",)
     for batch, cache in rows:
@@ -76,14 +78,14 @@ def main() -> None:
                             _launch.PROGRAMMATIC = bool(programmatic)
                             _kvcache.CLUSTER_MERGE = merge == "cluster"
                             _kvcache._plans_by_key.plans.clear()
-                            step = bench_decode_graph.DecodeStep(
+                            step = decode_graph.DecodeStep(
                                 cupy, batch, cache, nheads, nheads_kv, num_splits=splits,
                                 early_cache_reads=bool(early))
                             planned = next(iter(_kvcache._plans_by_key.plans.values()))
                             launch = planned.plan.launches[0]
-                            ms = bench_decode_graph.time_step(cupy, step, args.warmup,
-                                                              args.iters, backlog, flush)
-                            us = ms * 1e3 / bench_decode_graph.LAYERS
+                            ms = decode_graph.time_step(cupy, step, args.warmup,
+                                                        args.iters, backlog, flush)
+                            us = ms * 1e3 / decode_graph.LAYERS
                             print(f"b={batch} cache={cache:6d} "
                                   f"splits={splits:3d}->{planned.splits:3d} "
                                   f"cluster={launch.cluster:2d} "
@@ -109,12 +111,11 @@ def _override_tile(name: str, warps: int, stages: int, keys_per_warp: int = 16) 
 def single_steps(sources, args) -> None:
     """bench --decode's single-step rows, base against alt, the versions alternating."""
     import cuflash2
-    from cuflash2 import bench
 
     backlog, flush = Backlog(cupy), l2_flush(cupy)
-    for nheads, nheads_kv, cache_len, batch in bench.decode_rows():
-        q, kc, vc, k1, lengths = bench.decode_inputs(cupy, cupy.float16, batch, cache_len,
-                                                     nheads, nheads_kv)
+    for nheads, nheads_kv, cache_len, batch in decode.decode_rows():
+        q, kc, vc, k1, lengths = decode.decode_inputs(cupy, cupy.float16, batch, cache_len,
+                                                      nheads, nheads_kv)
         times = {"base": [], "alt": []}
         for _ in range(3):
             for version in times:
@@ -125,8 +126,8 @@ def single_steps(sources, args) -> None:
                 _kvcache._split_counters.buffers.clear()  # versions may keep them differently
                 fn = lambda: cuflash2.attention_with_kvcache(  # noqa: E731
                     q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
-                times[version].append(bench.time_cupy(cupy, fn, args.warmup, args.iters,
-                                                      backlog, flush))
+                times[version].append(time_cupy(cupy, fn, args.warmup, args.iters, backlog,
+                                                flush))
         base, alt = (sorted(times[v])[1] * 1e3 for v in ("base", "alt"))
         print(f"single b={batch:2d} cache={cache_len:6d} h={nheads}/{nheads_kv}: "
               f"base {base:7.2f} us, alt {alt:7.2f} us, base/alt {base / alt:.3f}", flush=True)

@@ -1,5 +1,5 @@
 """Development timeline of the in-graph decoding step (not a benchmark of record): where the
-microseconds of a layer go when `bench --decode`'s step (cuflash2/bench_decode_graph.py) is
+microseconds of a layer go when `bench --decode`'s step (cuflash2/bench/decode_graph.py) is
 replayed as a CUDA graph.
 
 The decode kernel's and the stand-in next-layer kernel's sources are patched (text
@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 import numpy  # noqa: E402
 
-from cuflash2 import _compile, _kvcache, bench, bench_decode_graph  # noqa: E402
+from cuflash2 import _compile, _kvcache  # noqa: E402
+from cuflash2.bench import decode, decode_graph, timing  # noqa: E402
 
 #: The records' shape (layer, CTA, slot), and the slots a CTA has: its points, then CLOCK_SLOTS.
 LAYERS, MAX_CTAS, POINTS = 8, 4096, 20
@@ -213,7 +214,7 @@ class Recorder:
         _compile.get_kernel = get_kernel
         self.next_module = cupy.RawModule(code=patched("next_layer_inputs.cu", _NEXT_STAMPS))
         next_kernel = self.next_module.get_function("next_layer_inputs")
-        bench_decode_graph.next_layer_kernel = lambda device_id: next_kernel
+        decode_graph.next_layer_kernel = lambda device_id: next_kernel
 
     @staticmethod
     def _array(module, name, dtype, count):
@@ -360,18 +361,18 @@ def main():
         sources = Sources(args.src)  # (kept: its folder lives as long as the object)
         sources.use("alt")
     recorder = Recorder(args.inside, args.who)
-    backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
-    nheads, nheads_kv = bench_decode_graph.GRAPH_HEADS
+    backlog, flush = timing.Backlog(cupy), timing.l2_flush(cupy)
+    nheads, nheads_kv = decode.GRAPH_HEADS
     for row in args.rows:
         batch, cache = (int(x) for x in row.split("x"))
         for early in args.early:
             _kvcache._plans_by_key.plans.clear()
-            step = bench_decode_graph.DecodeStep(cupy, batch, cache, nheads, nheads_kv,
-                                                 early_cache_reads=bool(early))
+            step = decode_graph.DecodeStep(cupy, batch, cache, nheads, nheads_kv,
+                                           early_cache_reads=bool(early))
             decode_tags = [int(kc.data.ptr) for kc, _ in step.caches]
             next_tags = [int(o.data.ptr) for o in step.outputs]
             recorder.reset(decode_tags, next_tags)
-            ms = bench_decode_graph.time_step(cupy, step, 5, 20, backlog, flush)
+            ms = decode_graph.time_step(cupy, step, 5, 20, backlog, flush)
             with step.stream:
                 flush()
                 step.run()

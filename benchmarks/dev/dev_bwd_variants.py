@@ -103,7 +103,8 @@ def use_variant(name):
 def main():
     import cupy
 
-    from cuflash2 import api, bench, testing
+    from cuflash2 import api, testing
+    from cuflash2.bench import timing
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="+", default=["base"])
@@ -113,7 +114,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     args = ap.parse_args()
     dtype = numpy.dtype(numpy.float16)
-    backlog = bench.Backlog(cupy)
+    backlog = timing.Backlog(cupy)
     s = args.seqlen
     for spec in args.configs:
         d, shape = spec.split(":")
@@ -137,7 +138,7 @@ def main():
                                                deterministic=args.deterministic, dq=grads[0],
                                                dk=grads[1], dv=grads[2])
 
-                ms = bench.time_cupy(cupy, backward, 3, 20, backlog)
+                ms = timing.time_cupy(cupy, backward, 3, 20, backlog)
                 print(f"d={d} {shape} causal={causal} {name}: {ms:.3f} ms "
                       f"{flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 

@@ -17,13 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _compile, _configs, bench  # noqa: E402
+from cuflash2 import _compile, _configs  # noqa: E402
+from cuflash2.bench import timing  # noqa: E402
 
 
 def main():
-    backlog = bench.Backlog(cupy)
-    flush_l2 = bench.l2_flush(cupy)
-    spin = bench.spin_kernel(cupy)
+    backlog = timing.Backlog(cupy)
+    flush_l2 = timing.l2_flush(cupy)
+    spin = timing.spin_kernel(cupy)
     zero = cupy.uint64(0)
     rows = [("one empty launch", lambda: spin((1,), (1,), (zero,)), None),
             ("two empty launches",
@@ -52,7 +53,7 @@ def main():
             _compile.get_kernel(config, device).preferred_shared_memory_carveout = carveout
         for label, call, before in rows:
             results.setdefault(label, []).append(
-                bench.time_cupy(cupy, call, 5, 50, backlog, before) * 1e3)
+                timing.time_cupy(cupy, call, 5, 50, backlog, before) * 1e3)
     for label, (a, b) in results.items():
         print(f"| {label} | {a:.1f} | {b:.1f} |", flush=True)
 

@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _configs, bench  # noqa: E402
+from cuflash2 import _configs  # noqa: E402
+from cuflash2.bench import decode, timing  # noqa: E402
 
 
 def _variant(text):
@@ -29,14 +30,14 @@ def main():
     ap.add_argument("--variants", nargs="+", type=_variant, default=[None],
                     help="warps x keys_per_warp x stages (default: the dispatcher's)")
     ap.add_argument("--splits", nargs="+", type=int, default=[0])
-    ap.add_argument("--batches", nargs="+", type=int, default=list(bench.DECODE_BATCHES))
-    ap.add_argument("--caches", nargs="+", type=int, default=list(bench.DECODE_CACHES))
+    ap.add_argument("--batches", nargs="+", type=int, default=list(decode.DECODE_BATCHES))
+    ap.add_argument("--caches", nargs="+", type=int, default=list(decode.DECODE_CACHES))
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     dispatcher = _configs.decode_config
-    backlog = bench.Backlog(cupy)
-    ceiling = bench.copy_ceiling(cupy)
-    flush_l2 = bench.l2_flush(cupy)  # as the bench's decode rows
+    backlog = timing.Backlog(cupy)
+    ceiling = timing.copy_ceiling(cupy)
+    flush_l2 = timing.l2_flush(cupy)  # as the bench's decode rows
     print(f"copy ceiling {ceiling / 1e9:.0f} GB/s")
     print("| variant | splits | heads | batch | cache | ms | GB/s | of ceiling | no append ms | "
           "1 split ms |")
@@ -49,7 +50,7 @@ def main():
                 return _configs.DecodeConfig(dtype, _configs.kernel_head_dim(head_dim), *variant,
                                              block_m=block_m)
             _configs.decode_config = chosen
-        for nheads, nheads_kv in bench.DECODE_HEADS:
+        for nheads, nheads_kv in decode.DECODE_HEADS:
             for cache_len in args.caches:
                 for batch in args.batches:
                     if batch * cache_len * nheads_kv * 128 * 4 > (24 << 30):
@@ -62,18 +63,18 @@ def main():
                         cupy.float16)
                     k1 = kc[:, :1].copy()
                     lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
-                    moved = bench.decode_bytes(batch, cache_len, nheads, nheads_kv, 128)
+                    moved = decode.decode_bytes(batch, cache_len, nheads, nheads_kv, 128)
                     for splits in args.splits:
                         def call(append=True, splits=splits):
                             extra = dict(k=k1, v=k1) if append else {}
                             return cuflash2.attention_with_kvcache(
                                 q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=splits,
                                 **extra)
-                        ms = bench.time_cupy(cupy, call, 3, args.iters, backlog, flush_l2)
-                        bare = bench.time_cupy(cupy, lambda: call(False), 3, args.iters, backlog,
+                        ms = timing.time_cupy(cupy, call, 3, args.iters, backlog, flush_l2)
+                        bare = timing.time_cupy(cupy, lambda: call(False), 3, args.iters, backlog,
+                                                flush_l2)
+                        one = timing.time_cupy(cupy, lambda: call(False, 1), 3, args.iters, backlog,
                                                flush_l2)
-                        one = bench.time_cupy(cupy, lambda: call(False, 1), 3, args.iters, backlog,
-                                              flush_l2)
                         name = "dispatcher" if variant is None else "x".join(map(str, variant))
                         print(f"| {name} | {splits} | {nheads}/{nheads_kv} | {batch} | {cache_len} "
                               f"| {ms:.4f} | {moved / ms / 1e6:.0f} | "

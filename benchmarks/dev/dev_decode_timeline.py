@@ -21,7 +21,8 @@ import cupy  # noqa: E402
 import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _compile, _configs, api, bench  # noqa: E402
+from cuflash2 import _compile, _configs, api  # noqa: E402
+from cuflash2.bench import timing  # noqa: E402
 
 POINTS = ("start", "cache length read", "first tile landed", "last tile computed",
           "output (one split) or partial written", "split barrier passed", "end (share merged)")
@@ -77,7 +78,7 @@ def main():
     _compile.get_kernel = lambda cfg, device: kernel if cfg == config else original(cfg, device)
     stamps = cupy.ndarray((8 * 16384,), cupy.uint64, module.get_global("cf2_timeline"))
 
-    backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
+    backlog, flush = timing.Backlog(cupy), timing.l2_flush(cupy)
     rng = cupy.random.default_rng(0)
     q = rng.standard_normal((args.batch, 1, nheads, 128), dtype=cupy.float32).astype(cupy.float16)
     for cache_len in args.caches:
@@ -91,7 +92,7 @@ def main():
             return cuflash2.attention_with_kvcache(q, kc, vc, k=k1, v=k1, cache_seqlens=lengths,
                                                    causal=True)
 
-        event_ms = bench.time_cupy(cupy, step, 3, 30, backlog, flush)
+        event_ms = timing.time_cupy(cupy, step, 3, 30, backlog, flush)
         stamps.fill(0)
         flush()
         step()

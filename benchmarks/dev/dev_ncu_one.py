@@ -12,12 +12,13 @@ import numpy
 from cuflash2 import api, testing
 
 if sys.argv[1] == "decode":
-    from cuflash2 import attention_with_kvcache, bench
+    from cuflash2 import attention_with_kvcache
+    from cuflash2.bench import decode, timing
 
     cache_len = int(sys.argv[2])
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    q, kc, vc, k1, lengths = bench.decode_inputs(cupy, numpy.float16, batch, cache_len, 32, 4)
-    bench.l2_flush(cupy)()  # the cache comes from memory, as in the table
+    q, kc, vc, k1, lengths = decode.decode_inputs(cupy, numpy.float16, batch, cache_len, 32, 4)
+    timing.l2_flush(cupy)()  # the cache comes from memory, as in the table
     attention_with_kvcache(q, kc, vc, k=k1, v=k1, cache_seqlens=lengths, causal=True)
     cupy.cuda.Device().synchronize()
     sys.exit(0)

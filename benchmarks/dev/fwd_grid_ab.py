@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper, api, bench  # noqa: E402
+from cuflash2 import _hopper, api  # noqa: E402
+from cuflash2.bench import paper_grid, timing, torch_peers  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 KNOBS = ("PERSISTENT_MAX_KEYS", "THREE_CONSUMER_MIN_KEYS", "THREE_CONSUMER_PERSISTENT_MAX_KEYS",
@@ -112,7 +113,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dtypes", nargs="+", default=["bf16"])
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=list(bench.PAPER_SEQLENS))
+    ap.add_argument("--seqlens", type=int, nargs="+", default=list(paper_grid.PAPER_SEQLENS))
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--alt", type=Path, default=None)
     args = ap.parse_args()
@@ -121,13 +122,13 @@ def main():
         from ab_sources import Sources
         SOURCES = Sources(args.alt)
     causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    configs = bench.paper_grid(headdims=tuple(args.headdims), dtypes=tuple(args.dtypes),
-                               causal_modes=causal_modes, directions=("fwd",),
-                               seqlens=tuple(args.seqlens))
-    torch = bench._load_torch()
-    backlog = bench.Backlog(cupy)
+    configs = paper_grid.paper_grid(headdims=tuple(args.headdims), dtypes=tuple(args.dtypes),
+                                    causal_modes=causal_modes, directions=("fwd",),
+                                    seqlens=tuple(args.seqlens))
+    torch = torch_peers.load_torch()
+    backlog = timing.Backlog(cupy)
     for seed, config in enumerate(configs):
-        q, k, v = bench.random_inputs(cupy, config, dtype_from_name(config.dtype), seed)
+        q, k, v = paper_grid.random_inputs(cupy, config, dtype_from_name(config.dtype), seed)
         causal = config.causal
         dispatched = dispatched_label(config, q, k, v)
         names = variants_of(config, SOURCES is not None)
@@ -137,15 +138,15 @@ def main():
             for name in names:
                 with variant(*name):
                     fn = lambda: cuflash2.attention(q, k, v, causal=causal)  # noqa: E731
-                    times[name].append(bench.time_cupy(cupy, fn, 3, args.iters, backlog, None))
+                    times[name].append(timing.time_cupy(cupy, fn, 3, args.iters, backlog, None))
                     if name not in outputs:
                         outputs[name] = fn()
         cudnn_ms = None
         if torch is not None:
-            reference = bench.TorchSdpaCudnn(torch, cupy, config.dtype)
+            reference = torch_peers.TorchSdpaCudnn(torch, cupy, config.dtype)
             run = reference.forward(q, k, v, causal)
             with reference.only():
-                cudnn_ms = bench.time_torch(torch, run, 3, args.iters, backlog)
+                cudnn_ms = timing.time_torch(torch, run, 3, args.iters, backlog)
         ms = {name: statistics.median(t) for name, t in times.items()}
         base = outputs[names[0]]
         diffs = max(float(cupy.abs(out.astype(cupy.float32) - base.astype(cupy.float32)).max())

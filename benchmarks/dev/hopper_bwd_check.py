@@ -7,7 +7,7 @@ On an H100/H200 (sm_90), from the repository root:
     python benchmarks/dev/hopper_bwd_check.py              # correctness, then timing
     python benchmarks/dev/hopper_bwd_check.py --no-time --only 0,1
 
-1. Correctness: the kernel through cuflash2._hopper_bwd.prepare_backward_sm90 (the plan the
+1. Correctness: the kernel through cuflash2._attention_plans.prepare_backward_sm90 (the plan the
    dispatcher builds, whatever CUFLASH2_HOPPER_BWD says; the dispatch itself is opt-in), after the forward of cuflash2.attention (return_lse=True), on
    random inputs of ~40 shapes (head dims 64, 96, 128, 192, 256 on their kernels, 80 on the d=96
    one, 112 on d=128, 136 and 160 on d=192, 224 on d=256; cases 22-38 are d > 128; fp16/bf16, causal on/off, windows, odd lengths, seqlen_q != seqlen_k
@@ -21,7 +21,8 @@ On an H100/H200 (sm_90), from the repository root:
    128:1` times each block_m:dq_buffers variant of a head dim's kernel that its config allows
    (the fastest in the hopper column, each listed after the row).
 
-Internals it uses: cuflash2._hopper_bwd, cuflash2._configs.bwd_sm90_config.
+Internals it uses: cuflash2._attention_plans.prepare_backward_sm90, cuflash2._hopper_bwd,
+cuflash2._configs.bwd_sm90_config.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _config(dtype, head_dim, watchdog=False):
 
 def check(cupy, watchdog, only=None):
     import cuflash2
-    from cuflash2 import _hopper_bwd, testing
+    from cuflash2 import _attention_plans, testing
 
     failures = 0
     for i, case in enumerate(CASES):
@@ -139,7 +140,7 @@ def check(cupy, watchdog, only=None):
         softcap, slopes = _mods(cupy, case)
         options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
         out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
-        prepared = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse,
+        prepared = _attention_plans.prepare_backward_sm90(dout, q, k, v, out, lse,
                                                      config=_config(dtype, d, watchdog),
                                                      **options)
         for x in (prepared.dq, prepared.dk, prepared.dv):
@@ -180,7 +181,7 @@ def _variants(config, tiles):
 
 def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None, tiles=None):
     import cuflash2
-    from cuflash2 import _hopper_bwd, api
+    from cuflash2 import _attention_plans, _hopper_bwd, api
 
     _hopper_bwd.ENABLED = False  # the reference column is the mma.sync backward
     api._backward_plans.plans.clear()
@@ -198,7 +199,7 @@ def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None,
                     out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
                     variants = []
                     for config in _variants(_config(dtype, d), tiles):
-                        hopper = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse,
+                        hopper = _attention_plans.prepare_backward_sm90(dout, q, k, v, out, lse,
                                                                    causal=causal, config=config)
                         variants.append((config, _time(cupy, hopper.run, iters)))
                     times = [min(t for _, t in variants),

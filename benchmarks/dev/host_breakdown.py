@@ -17,15 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _kvcache, _launch, api, bench_host  # noqa: E402
+from cuflash2 import _kvcache, _launch, api  # noqa: E402
+from cuflash2.bench import host  # noqa: E402
 
 CALLS = 2000
 
 
 def per_call_us(fn, calls=CALLS):
     """Microseconds per call over `calls` back-to-back calls (bench --host's measurement)."""
-    return bench_host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
-                                   repeats=3)
+    return host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
+                             repeats=3)
 
 
 def main():

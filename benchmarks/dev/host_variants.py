@@ -22,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))  
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _kvcache, _launch, _recycle, api, bench_host  # noqa: E402
+from cuflash2 import _kvcache, _launch, _recycle, api  # noqa: E402
+from cuflash2.bench import host  # noqa: E402
 
 
 def per_call_us(fn, calls=2000, repeats=5):
-    return bench_host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
-                                   repeats=repeats)
+    return host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
+                             repeats=repeats)
 
 
 def inputs(rng):
@@ -124,7 +125,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch", action="store_true", help="torch SDPA flash forward rows")
     args = parser.parse_args()
-    bench_host._raise_clocks(cupy)
+    host._raise_clocks(cupy)
     rng = cupy.random.default_rng(0)
     sets = [inputs(rng), inputs(rng)]
     same, alternating = calls_on(sets[:1]), calls_on(sets)
@@ -143,7 +144,7 @@ def main():
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from cuflash2.bench import TorchSdpaFlash
+        from cuflash2.bench.torch_peers import TorchSdpaFlash
 
         wrap = TorchSdpaFlash(torch, cupy, "fp16")
         qt, kt, vt = (wrap.as_bhsd(sets[0][n]) for n in "qkv")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 import numpy  # noqa: E402
 
-from cuflash2 import bench  # noqa: E402
+from cuflash2.bench import timing  # noqa: E402
 
 
 def probe_source(fmas: int) -> str:
@@ -61,7 +61,7 @@ def main():
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     cycles = cupy.zeros(2 * sms, dtype=cupy.int64)
     sink = cupy.zeros(sms * 32, dtype=cupy.float32)
-    flush = bench.l2_flush(cupy)
+    flush = timing.l2_flush(cupy)
     stream_buf = cupy.ones(args.stream * (1 << 18), dtype=cupy.float32)
     lines = args.fmas * 16 / 128
 

@@ -15,7 +15,7 @@ import numpy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuflash2 import bench_host  # noqa: E402
+from cuflash2.bench import host  # noqa: E402
 
 SOURCE = r"""
 struct Params { unsigned long long words[32]; };
@@ -34,8 +34,8 @@ CALLS = 5000
 
 def per_call_us(fn, calls=CALLS):
     """Microseconds per call over `calls` back-to-back calls (bench --host's measurement)."""
-    return bench_host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
-                                   repeats=1)
+    return host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
+                             repeats=1)
 
 
 def main():

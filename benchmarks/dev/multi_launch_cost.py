@@ -26,7 +26,7 @@ from cuda.bindings import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuflash2 import bench_host  # noqa: E402
+from cuflash2.bench import host  # noqa: E402
 
 SOURCE = r"""
 struct Params { unsigned long long words[52]; };  // 416 bytes, as BwdParams
@@ -38,8 +38,8 @@ CALLS = 3000
 
 def per_call_us(fn, calls=CALLS):
     """Microseconds per call over `calls` back-to-back calls (bench --host's measurement)."""
-    return bench_host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
-                                   repeats=3)
+    return host._per_call_us(cupy, fn, calls, cupy.cuda.runtime.deviceSynchronize,
+                             repeats=3)
 
 
 def main():

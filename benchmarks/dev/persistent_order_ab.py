@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hopper_fwd_check as check_script  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper, api, bench  # noqa: E402
+from cuflash2 import _hopper, api  # noqa: E402
+from cuflash2.bench import paper_grid, timing  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 ORIGINAL = _hopper.persistent_schedule
@@ -51,21 +52,21 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     args = ap.parse_args()
-    configs = bench.paper_grid(headdims=(64, 128), dtypes=("fp16", "bf16"),
-                               causal_modes=(True,), directions=("fwd",),
-                               seqlens=tuple(args.seqlens))
-    backlog = bench.Backlog(cupy)
+    configs = paper_grid.paper_grid(headdims=(64, 128), dtypes=("fp16", "bf16"),
+                                    causal_modes=(True,), directions=("fwd",),
+                                    seqlens=tuple(args.seqlens))
+    backlog = timing.Backlog(cupy)
     print(f"{'configuration':<44} {'sections':>9} {'pairs':>9} {'sections/pairs':>15}  kernel")
     ratios = []
     for seed, config in enumerate(configs):
-        q, k, v = bench.random_inputs(cupy, config, dtype_from_name(config.dtype), seed)
+        q, k, v = paper_grid.random_inputs(cupy, config, dtype_from_name(config.dtype), seed)
         (kernel,) = cuflash2.forward_kernels(q, k, v, causal=True)
         times = {"sections": [], "pairs": []}
         for _ in range(args.rounds):
             for name in times:
                 with order(name):
                     fn = lambda: cuflash2.attention(q, k, v, causal=True)  # noqa: E731
-                    times[name].append(bench.time_cupy(cupy, fn, 3, 20, backlog, None))
+                    times[name].append(timing.time_cupy(cupy, fn, 3, 20, backlog, None))
         a, b = (statistics.median(times[n]) for n in ("sections", "pairs"))
         ratios.append(a / b)
         print(f"{config.describe():<44} {a:9.4f} {b:9.4f} {a / b:15.3f}  "

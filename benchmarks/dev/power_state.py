@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuflash2 import api, bench  # noqa: E402
+from cuflash2 import api  # noqa: E402
+from cuflash2.bench import paper_grid, timing, torch_peers  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 
@@ -33,15 +34,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--load-seconds", type=float, default=3.0)
     args = ap.parse_args()
-    torch = bench._load_torch()
-    backlog = bench.Backlog(cupy)
+    torch = torch_peers.load_torch()
+    backlog = timing.Backlog(cupy)
     print(f"state: idle (2 s asleep) or loaded ({args.load_seconds:g} s of the non-causal "
           "backward); ms: median of 20 calls; nvidia-smi: SM clock, power, temperature, "
           "throttle reasons (0x4: software power cap)", flush=True)
     for dtype_name in ("fp16", "bf16"):
         dtype = dtype_from_name(dtype_name)
-        config = bench.Config("bwd", dtype_name, 128, True, 4096, batch=4, nheads=16)
-        q, k, v = bench.random_inputs(cupy, config, dtype, 3)
+        config = paper_grid.Config("bwd", dtype_name, 128, True, 4096, batch=4, nheads=16)
+        q, k, v = paper_grid.random_inputs(cupy, config, dtype, 3)
         dout = cupy.random.default_rng(10_003).standard_normal(
             q.shape, dtype=cupy.float32).astype(dtype)
         out_causal, lse_causal = api.attention(q, k, v, causal=True, return_lse=True)
@@ -60,8 +61,8 @@ def main():
                                    dq=dq, dk=dk, dv=dv)
 
         def cudnn_ms():
-            row = bench.Row(config)
-            bench._measure_cudnn(cupy, torch, row, q, k, v, dout, None, 3, 20, backlog)
+            row = paper_grid.Row(config)
+            torch_peers.measure_cudnn(cupy, torch, row, q, k, v, dout, None, 3, 20, backlog)
             return row.cudnn_ms
 
         for round_ in range(args.rounds):
@@ -76,9 +77,9 @@ def main():
                             load()
                         cupy.cuda.Device().synchronize()
                 before = gpu_state()
-                allocated_ms = bench.time_cupy(cupy, allocated, 3, 20, backlog)
+                allocated_ms = timing.time_cupy(cupy, allocated, 3, 20, backlog)
                 between = gpu_state()
-                given_ms = bench.time_cupy(cupy, given, 3, 20, backlog)
+                given_ms = timing.time_cupy(cupy, given, 3, 20, backlog)
                 cudnn = cudnn_ms()
                 after = gpu_state()
                 print(f"{dtype_name} round {round_} {state:6s} allocated {allocated_ms:.3f} "

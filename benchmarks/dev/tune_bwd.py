@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 import numpy  # noqa: E402
 
-from cuflash2 import _configs, _validate, api, bench, testing  # noqa: E402
+from cuflash2 import _configs, _validate, api, testing  # noqa: E402
+from cuflash2.bench import timing, torch_peers  # noqa: E402
 
 # (block_m, block_n, warps, q_stages); override with --candidates 64x128x8x2 ...
 CANDIDATES = [(64, 128, 8, 2), (128, 128, 8, 2), (64, 128, 8, 1)]
@@ -39,9 +40,9 @@ def main():
     candidates = ([tuple(map(int, c.split("x"))) for c in args.candidates] if args.candidates
                   else CANDIDATES)
     dtype = numpy.dtype(numpy.float16)
-    backlog = bench.Backlog(cupy)
+    backlog = timing.Backlog(cupy)
     import torch
-    sdpa_ref = bench.TorchSdpaFlash(torch, cupy, "fp16")
+    sdpa_ref = torch_peers.TorchSdpaFlash(torch, cupy, "fp16")
     ratios = {}
     for d in args.head_dims:
         # torch once per shape
@@ -53,7 +54,7 @@ def main():
             for causal in (False, True):
                 fn = sdpa_ref.backward(q, k, v, dout, causal)
                 with sdpa_ref.flash_only():
-                    t_ms = bench.time_torch(torch, fn, 3, 15, backlog)
+                    t_ms = timing.time_torch(torch, fn, 3, 15, backlog)
                 shapes[(s, causal)] = (q, k, v, dout, t_ms)
         for bm, bn, warps, stages in candidates:
             for deterministic in [m == "split" for m in args.modes]:
@@ -75,7 +76,7 @@ def main():
                     out, lse = api.attention(q, k, v, causal=causal, return_lse=True)
                     grads = [cupy.empty_like(x) for x in (q, k, v)]
                     problem = _validate.check_attention_inputs(q, k, v)
-                    ms = bench.time_cupy(cupy, lambda: run(
+                    ms = timing.time_cupy(cupy, lambda: run(
                         cfg, deterministic, problem, dout, q, k, v, out, lse, *grads, causal),
                         3, 15, backlog)
                     ratios.setdefault(name, []).append(t_ms / ms)

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 import numpy  # noqa: E402
 
-from cuflash2 import _configs, api, bench, reference, testing  # noqa: E402
+from cuflash2 import _configs, api, reference, testing  # noqa: E402
+from cuflash2.bench import timing  # noqa: E402
 
 CANDIDATES = {  # (block_m, block_n, num_warps, kv_stages)
     32: [(128, 128, 4, 2), (128, 128, 4, 1), (128, 64, 4, 2)],
@@ -36,8 +37,8 @@ def time_ms(fn, warmup=3, iters=30):
     """Median of back-to-back launches behind a GPU backlog (host launch cost hidden)."""
     global _backlog
     if _backlog is None:
-        _backlog = bench.Backlog(cupy)
-    return bench.time_cupy(cupy, fn, warmup, iters, _backlog)
+        _backlog = timing.Backlog(cupy)
+    return timing.time_cupy(cupy, fn, warmup, iters, _backlog)
 
 
 def run(cfg, q, k, v, out, lse, causal):
@@ -55,8 +56,8 @@ def torch_flash(q, k, v, causal):
 
     def timed():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return bench.time_torch(torch, lambda: sdpa(tq, tk, tv, is_causal=causal), 3, 30,
-                                    _backlog)
+            return timing.time_torch(torch, lambda: sdpa(tq, tk, tv, is_causal=causal), 3, 30,
+                                     _backlog)
     return timed
 
 

@@ -13,7 +13,7 @@ if not _HAS_GPU:
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import cuflash2  # noqa: E402
-from cuflash2 import bench  # noqa: E402
+from cuflash2.bench import paper_grid  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -31,9 +31,9 @@ HEADLINE_SHAPES = [
     ids=[f"{t}-d{d}-s{s}-{'causal' if c else 'full'}" for t, d, s, c in HEADLINE_SHAPES],
 )
 def test_forward_speed(benchmark, dtype_name, headdim, seqlen, causal):
-    (config,) = bench.paper_grid(headdims=(headdim,), dtypes=(dtype_name,),
-                                 causal_modes=(causal,), seqlens=(seqlen,))
-    q, k, v = bench.random_inputs(cupy, config, dtype_from_name(dtype_name), seed=0)
+    (config,) = paper_grid.paper_grid(headdims=(headdim,), dtypes=(dtype_name,),
+                                      causal_modes=(causal,), seqlens=(seqlen,))
+    q, k, v = paper_grid.random_inputs(cupy, config, dtype_from_name(dtype_name), seed=0)
     out = cupy.empty_like(q)
     stream = cupy.cuda.get_current_stream()
 

@@ -20,7 +20,7 @@ from grids import seed_of as _seed
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _configs, _hopper_bwd, api, testing  # noqa: E402
+from cuflash2 import _attention_plans, _configs, _hopper_bwd, api, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -314,7 +314,7 @@ def test_a_plan_hit_patches_the_tensor_map_addresses():
 def test_prepare_backward_sm90_matches_the_dispatched_backward():
     q, k, v, dout = _inputs(2, 257, 300, 4, 2, 96, FP16)
     out, lse = cuflash2.attention(q, k, v, causal=True, return_lse=True)
-    prepared = _hopper_bwd.prepare_backward_sm90(dout, q, k, v, out, lse, causal=True)
+    prepared = _attention_plans.prepare_backward_sm90(dout, q, k, v, out, lse, causal=True)
     dq, dk, dv = prepared.run()
     results = testing.check_backward(dout, q, k, v, dq, dk, dv, causal=True)
     assert all(r.ok for r in results), "; ".join(map(str, results))

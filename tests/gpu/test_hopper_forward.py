@@ -300,7 +300,7 @@ def test_persistent_tiles_claimed_dynamically_on_streams_and_in_a_graph():
     """Each stream has its own counters (calls on two streams at once claim from their own),
     and a captured call (the counters of the capture stream) replays to the same bits, the
     counters at zero after each replay."""
-    from cuflash2.bench_decode_graph import CapturedGraph
+    from cuflash2.bench.decode_graph import CapturedGraph
 
     inputs = [_qkv(2, 1000, 1000, 4, 2, 128, BF16), _qkv(4, 500, 700, 4, 1, 64, BF16)]
     with _persistent_everywhere(True, 9):

@@ -246,11 +246,11 @@ def _run_recorded(stream, record, in_graph: bool):
     """What `record()` returns, its launches queued on `stream` directly or captured into a CUDA
     graph and replayed (which then keeps a programmatic edge where launches are programmatic);
     synchronised."""
-    from cuflash2 import bench_decode_graph
+    from cuflash2.bench import decode_graph
 
     if in_graph:
         outputs = []
-        graph = bench_decode_graph.CapturedGraph(cupy, stream, lambda: outputs.append(record()))
+        graph = decode_graph.CapturedGraph(cupy, stream, lambda: outputs.append(record()))
         if _programmatic_here():
             assert graph.programmatic_edges >= 1
         graph.launch()
@@ -268,7 +268,8 @@ def test_programmatic_launch_waits_for_the_previous_kernel(in_graph):
     runs, and prefetches its cache rows: a kernel that lets it start at once, then spins 200 us
     and only then writes q and one cached K/V row, must still be seen by the decode call, bit
     for bit as when the two run one after the other (and differently from the old values)."""
-    from cuflash2 import _kvcache, bench_decode_graph
+    from cuflash2 import _kvcache
+    from cuflash2.bench import decode_graph
 
     dtype = numpy.dtype(numpy.float16)
     rng = numpy.random.default_rng(21)
@@ -282,8 +283,8 @@ def test_programmatic_launch_waits_for_the_previous_kernel(in_graph):
     k_row, v_row = k_cache[0, row], v_cache[0, row]  # (hk, d), contiguous
 
     def record():
-        bench_decode_graph.launch_next_layer_inputs(cupy, source, q, k_row, v_row,
-                                                    delay_ns=200_000)
+        decode_graph.launch_next_layer_inputs(cupy, source, q, k_row, v_row,
+                                              delay_ns=200_000)
         return cuflash2.attention_with_kvcache(q, k_cache, v_cache, **kwargs)
 
     with stream:
@@ -306,7 +307,7 @@ def test_early_cache_reads_wait_for_q_and_the_new_tokens(in_graph, num_splits):
     ends, but q and the appended tokens only after it. A kernel that lets the decode start at
     once, then spins 200 us and only then writes q, k and v, is seen bit for bit as when the
     two run one after the other, and the cache holds the new k and v afterwards."""
-    from cuflash2 import bench_decode_graph
+    from cuflash2.bench import decode_graph
 
     dtype = numpy.dtype(numpy.float16)
     rng = numpy.random.default_rng(seed_of("early", in_graph, num_splits))
@@ -321,8 +322,8 @@ def test_early_cache_reads_wait_for_q_and_the_new_tokens(in_graph, num_splits):
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def record():
-        bench_decode_graph.launch_next_layer_inputs(cupy, source, q, k_new, v_new,
-                                                    delay_ns=200_000)
+        decode_graph.launch_next_layer_inputs(cupy, source, q, k_new, v_new,
+                                              delay_ns=200_000)
         return cuflash2.attention_with_kvcache(q, k_cache, v_cache, early_cache_reads=True,
                                                **kwargs)
 
@@ -382,9 +383,9 @@ def test_decode_steps_replayed_in_a_cuda_graph():
     """The benchmark's in-graph step (8 layers, each its own cache, the next layer's q, k, v
     computed from the previous output): replaying the captured graph gives the outputs of the
     same launches run eagerly, bit for bit, and the graph keeps programmatic edges on sm_90."""
-    from cuflash2 import bench_decode_graph
+    from cuflash2.bench import decode_graph
 
-    step = bench_decode_graph.DecodeStep(cupy, batch=2, cache_len=2048, nheads=8, nheads_kv=2)
+    step = decode_graph.DecodeStep(cupy, batch=2, cache_len=2048, nheads=8, nheads_kv=2)
     start = [x.copy() for x in (step.q, step.k, step.v)]
 
     def restart():
@@ -399,9 +400,9 @@ def test_decode_steps_replayed_in_a_cuda_graph():
     step.stream.synchronize()
     for got, want in zip(step.outputs, eager):
         assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all())
-    assert len(step.outputs) == bench_decode_graph.LAYERS
+    assert len(step.outputs) == decode_graph.LAYERS
     if _programmatic_here():
-        assert step.graph.programmatic_edges >= bench_decode_graph.LAYERS
+        assert step.graph.programmatic_edges >= decode_graph.LAYERS
     for first, later in zip(step.outputs, step.outputs[1:]):  # layers differ: the chain is real
         assert not bool((first == later).all())
 
@@ -411,20 +412,19 @@ def test_decode_peers_on_the_same_caches():
     cuflash2 computed on the same arrays (single step) and replays its graph of layers with the
     stand-in kernel between them, or says why it refused."""
     torch = pytest.importorskip("torch")
-    from cuflash2 import bench, bench_decode_graph, bench_decode_peers
+    from cuflash2.bench import decode, decode_graph, decode_peers, timing
 
-    backlog, flush = bench.Backlog(cupy), bench.l2_flush(cupy)
-    q, kc, vc, k1, lengths = bench.decode_inputs(cupy, numpy.float16, 2, 2048, 8, 2)
+    backlog, flush = timing.Backlog(cupy), timing.l2_flush(cupy)
+    q, kc, vc, k1, lengths = decode.decode_inputs(cupy, numpy.float16, 2, 2048, 8, 2)
     ours = cuflash2.attention_with_kvcache(q, kc, vc, k=k1, v=k1, cache_seqlens=lengths,
                                            causal=True)
     single, in_graph = {"dtype": "fp16"}, {"dtype": "fp16"}
-    bench_decode_peers.measure_single(cupy, torch, single, q, kc, vc, ours, 1, 2, backlog,
-                                      flush)
-    step = bench_decode_graph.DecodeStep(cupy, batch=2, cache_len=2048, nheads=8, nheads_kv=2)
+    decode_peers.measure_single(cupy, torch, single, q, kc, vc, ours, 1, 2, backlog, flush)
+    step = decode_graph.DecodeStep(cupy, batch=2, cache_len=2048, nheads=8, nheads_kv=2)
     q_before = step.q.copy()
-    bench_decode_peers.measure_graph(cupy, torch, in_graph, step, 1, 2, backlog, flush)
+    decode_peers.measure_graph(cupy, torch, in_graph, step, 1, 2, backlog, flush)
     cupy.cuda.runtime.deviceSynchronize()
-    for key, _ in bench_decode_peers.PEERS:
+    for key, _ in decode_peers.PEERS:
         if single[f"{key}_error"] is None:
             assert single[f"{key}_us"] > 0 and single[f"{key}_max_abs_diff"] < 1e-2, key
         else:

@@ -225,7 +225,7 @@ def test_calls_on_two_streams_replay_their_own_graphs():
 def test_a_call_captured_in_a_graph_records_its_kernels():
     """A stream being captured gets plain launches (a plan's own graph is not what the
     capture records), and replaying the captured graph gives the call's results again."""
-    from cuflash2.bench_decode_graph import CapturedGraph
+    from cuflash2.bench.decode_graph import CapturedGraph
 
     q, k, v = _qkv((1, 200, 200, 4, 2, 64), 40)
     dout = cupy.ones_like(q)

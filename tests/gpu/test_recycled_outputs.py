@@ -110,7 +110,7 @@ def test_outputs_stay_on_their_stream():
 
 
 def test_outputs_made_during_a_capture_are_not_reused():
-    from cuflash2.bench_decode_graph import CapturedGraph
+    from cuflash2.bench.decode_graph import CapturedGraph
 
     q, k, v = _inputs(50)
     want = _want(q, k, v)

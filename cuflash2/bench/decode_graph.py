@@ -1,32 +1,27 @@
-"""Decoding steps inside a CUDA graph: `bench --decode`'s in-graph rows.
+"""A decoding step inside a CUDA graph, as `bench --decode`'s in-graph rows (`decode`) time it.
 
 A serving loop runs a model's decoding step as a graph: each layer's attention over its own KV
-cache, then the work that turns its output into the next layer's q, k, v. The rows here capture
-LAYERS such layers (fp16, d=128, one query token, one token appended, causal), each with its own
-cache, and between two layers the stand-in kernel of `cuda_src/next_layer_inputs.cu`, so no
-layer can read its q before the previous layer has written its output. A step is replayed with
-L2 flushed before it; the time of a layer is the step's over LAYERS, the stand-in kernel
-included. The stand-in writes only q, k and v, so the layers' calls pass `early_cache_reads=True`
-(a serving loop's case: the cache is read while the previous kernel finishes). The same step is
-also captured with the cache read after the wait and with programmatic launches off, in the same
-run.
+cache, then the work that turns its output into the next layer's q, k, v. `DecodeStep` captures
+LAYERS such layers (one query token, one token appended, causal), each with its own cache, and
+between two layers the stand-in kernel of `cuda_src/next_layer_inputs.cu`
+(`launch_next_layer_inputs`), so no layer can read its q before the previous layer has written
+its output. `time_step` replays it with L2 flushed before each replay; the time of a layer is the
+step's over LAYERS, the stand-in kernel included. The stand-in writes only q, k and v, so the
+layers' calls may pass `early_cache_reads=True` (a serving loop's case: the cache is read while
+the previous kernel finishes). `CapturedGraph` is the capture itself (cuda.bindings' stream
+capture), also used by the GPU tests.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import sys
 
-from . import _compile, _launch
+from .. import _compile, _launch
+from .timing import time_cupy
 
+#: Layers of a step.
 LAYERS = 8
-#: (label, programmatic launches, early_cache_reads) of the captured variants; the first is the
-#: row's headline.
-VARIANTS = (("programmatic", True, True), ("after_wait", True, False), ("plain", False, False))
-#: (batch, cache length) of the rows, at 32 query heads over 4 KV heads.
-GRAPH_ROWS = ((1, 4096), (1, 16384), (1, 65536), (8, 16384))
-GRAPH_HEADS = (32, 4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,7 +37,7 @@ def next_layer_kernel(device_id: int):
 def launch_next_layer_inputs(cupy, out, q, k, v, delay_ns: int = 0) -> None:
     """On the current stream: q, k, v of the next layer from `out` (next_layer_inputs.cu),
     launched programmatically where the device allows."""
-    from . import _prepare
+    from .. import _prepare
 
     device_id = cupy.cuda.Device().id
     stream = cupy.cuda.get_current_stream().ptr
@@ -152,89 +147,8 @@ class DecodeStep:
         self.graph.launch()
 
 
-def measure_decode_graph(cupy, warmup: int, iters: int, rows=GRAPH_ROWS, heads=GRAPH_HEADS,
-                         headdim: int = 128, progress=sys.stderr, torch=None) -> list[dict]:
-    """The in-graph rows: us per layer in each of VARIANTS, the fraction of the copy ceiling a
-    layer reaches, and with `torch` SDPA's layers over the same caches (`bench_decode_peers`)."""
-    from . import _kvcache
-    from .bench import Backlog, copy_ceiling, decode_bytes, l2_flush
-
-    ceiling = copy_ceiling(cupy)
-    flush_l2 = l2_flush(cupy)
-    backlog = Backlog(cupy)
-    nheads, nheads_kv = heads
-    results = []
-    for batch, cache_len in rows:
-        row = {"dtype": "fp16", "headdim": headdim, "batch": batch, "cache": cache_len,
-               "nheads": nheads, "nheads_kv": nheads_kv, "layers": LAYERS,
-               "copy_ceiling_gb_per_s": ceiling / 1e9}
-        saved = _launch.PROGRAMMATIC
-        try:
-            for label, programmatic, early in VARIANTS:
-                _launch.PROGRAMMATIC = programmatic
-                _kvcache._plans_by_key.plans.clear()  # plans keep the launch they were made with
-                step = DecodeStep(cupy, batch, cache_len, nheads, nheads_kv, headdim,
-                                  early_cache_reads=early)
-                ms = time_step(cupy, step, warmup, iters, backlog, flush_l2)
-                row[f"{label}_us_per_layer"] = ms * 1e3 / LAYERS
-                row[f"{label}_edges"] = step.graph.programmatic_edges
-                if torch is not None and label == VARIANTS[0][0]:
-                    from .bench_decode_peers import measure_graph
-
-                    measure_graph(cupy, torch, row, step, warmup, iters, backlog, flush_l2)
-                del step
-        finally:
-            _launch.PROGRAMMATIC = saved
-            _kvcache._plans_by_key.plans.clear()
-        moved = decode_bytes(batch, cache_len, nheads, nheads_kv, headdim)
-        row["fraction_of_copy"] = moved / (row["programmatic_us_per_layer"] * 1e-6) / ceiling
-        for label in ("after_wait", "plain"):
-            row[f"{label}_fraction_of_copy"] = (moved / (row[f"{label}_us_per_layer"] * 1e-6)
-                                                / ceiling)
-        results.append(row)
-        print(f"decode graph b={batch} cache={cache_len}: {row['programmatic_us_per_layer']:.2f} "
-              f"us/layer ({row['fraction_of_copy']:.0%} of copy; cache read after the wait "
-              f"{row['after_wait_us_per_layer']:.2f}, plain launches "
-              f"{row['plain_us_per_layer']:.2f}), {row['programmatic_edges']} programmatic edges"
-              + _peers_progress(row),
-              file=progress, flush=True)
-    return results
-
-
 def time_step(cupy, step: DecodeStep, warmup: int, iters: int, backlog, flush_l2) -> float:
-    """Median ms of a replayed step on its stream (bench.time_cupy), L2 flushed before each
+    """Median ms of a replayed step on its stream (timing.time_cupy), L2 flushed before each
     replay, untimed."""
-    from .bench import time_cupy
-
     with step.stream:
         return time_cupy(cupy, step.run, warmup, iters, backlog, flush_l2)
-
-
-def _peers_progress(row: dict) -> str:
-    from .bench_decode_peers import PEERS
-
-    return "".join(f", {peer.LABEL} {row[key + '_us_per_layer']:.2f}" for key, peer in PEERS
-                   if row.get(key + "_us_per_layer"))
-
-
-def decode_graph_table(rows: list[dict]) -> str:
-    """The in-graph table; with the peers' layers where the rows have them."""
-    from .bench_decode_peers import has_peers, peer_cells, peer_headers
-
-    peers = has_peers(rows, "_us_per_layer")
-    headers = ["dtype", "d", "heads (q/kv)", "batch", "cache", "us per layer",
-               "of copy ceiling", "cache read after the wait: us per layer",
-               "plain launches: us per layer", "programmatic edges"]
-    headers += peer_headers("us per layer") if peers else []
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for r in rows:
-        ours = r["programmatic_us_per_layer"]
-        cells = [r["dtype"], r["headdim"], f"{r['nheads']}/{r['nheads_kv']}", r["batch"],
-                 r["cache"], f"{ours:.2f}", f"{r['fraction_of_copy']:.0%}",
-                 f"{r['after_wait_us_per_layer']:.2f} ({r['after_wait_fraction_of_copy']:.0%})",
-                 f"{r['plain_us_per_layer']:.2f} ({r['plain_fraction_of_copy']:.0%})",
-                 r["programmatic_edges"]]
-        if peers:
-            cells += peer_cells(r, "_us_per_layer", ours, 2)
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)

@@ -5,7 +5,7 @@ The peers are SDPA's FlashAttention-2 backend and its cuDNN backend, one query t
 cache: it attends over the whole cache, the appended token's slot included (cuflash2's call
 wrote that token there before), and appends nothing. A single step is timed as cuflash2's, L2
 flushed before each call; its output is compared with cuflash2's. In a graph, a peer's step is
-`bench_decode_graph.LAYERS` layers of the SDPA call over the in-graph step's own caches, each
+`decode_graph.LAYERS` layers of the SDPA call over the in-graph step's own caches, each
 followed by the same stand-in kernel (`next_layer_inputs.cu`) reading the layer's output and
 writing the next q, captured with torch's CUDA graphs and replayed with L2 flushed before it.
 A backend that refuses a row leaves its time empty and the reason in `<key>_error`.
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import warnings
 
-from .bench import TorchSdpaCudnn, TorchSdpaFlash
+from .decode_graph import LAYERS, launch_next_layer_inputs
+from .timing import time_cupy
+from .torch_peers import TorchSdpaCudnn, TorchSdpaFlash, max_abs_diff, refusal_reason
 
-#: (key in the rows, the backend: bench.TorchSdpa with its LABEL and BACKEND).
+#: (key in the rows, the backend: a torch_peers.TorchSdpa with its LABEL and BACKEND).
 PEERS = (("sdpa_flash", TorchSdpaFlash), ("cudnn", TorchSdpaCudnn))
 
 SINGLE_STEP_NOTE = (
@@ -32,10 +34,8 @@ GRAPH_NOTE = (
 
 def _each_peer(cupy, torch, row: dict, dtype_name: str, fields, measure) -> None:
     """For each of PEERS: `measure(key, peer)` fills row[key + field] for `fields`; where the
-    backend refuses, they stay None and row[key + "_error"] says why (as bench._measure_cudnn
+    backend refuses, they stay None and row[key + "_error"] says why (as torch_peers.measure_cudnn
     does for the main grid)."""
-    from .bench import refusal_reason
-
     for key, backend in PEERS:
         row.update({key + field: None for field in fields + ("_error",)})
         with warnings.catch_warnings(record=True) as caught:
@@ -52,21 +52,19 @@ def measure_single(cupy, torch, row: dict, q, k_cache, v_cache, ours_out, warmup
     """Each peer's single step into `row` (a decode row, with its "dtype"): `<key>_us`,
     `<key>_max_abs_diff` (against `ours_out`, whose call appended the token the peer reads), or
     `<key>_error`."""
-    from .bench import _max_abs_diff, time_cupy
-
     def measure(key, peer):
         qt, kt, vt = (peer.as_bhsd(x) for x in (q, k_cache, v_cache))
         ms = time_cupy(cupy, lambda: peer.attend_all(qt, kt, vt), warmup, iters, backlog,
                        flush_l2)
         row[f"{key}_us"] = ms * 1e3
-        row[f"{key}_max_abs_diff"] = _max_abs_diff(cupy, torch, ours_out,
-                                                   peer.attend_all(qt, kt, vt))
+        row[f"{key}_max_abs_diff"] = max_abs_diff(cupy, torch, ours_out,
+                                                  peer.attend_all(qt, kt, vt))
 
     _each_peer(cupy, torch, row, row["dtype"], ("_us", "_max_abs_diff"), measure)
 
 
 class PeerDecodeStep:
-    """An SDPA call (`peer`, a bench.TorchSdpa) over each of `caches` (cuflash2 arrays), each
+    """An SDPA call (`peer`, a torch_peers.TorchSdpa) over each of `caches` (cuflash2 arrays), each
     followed by the stand-in kernel, captured as a torch CUDA graph on a stream of its own."""
 
     def __init__(self, cupy, torch, peer, q, k_new, v_new, caches):
@@ -84,8 +82,6 @@ class PeerDecodeStep:
         self.stream.synchronize()
 
     def _record(self) -> None:
-        from .bench_decode_graph import launch_next_layer_inputs
-
         cupy = self.cupy
         for k_cache, v_cache in self.caches:
             out = self.peer.attend_all(self.q_bhsd, k_cache, v_cache)
@@ -106,11 +102,8 @@ def _cupy_view(cupy, tensor, dtype):
 
 
 def measure_graph(cupy, torch, row: dict, step, warmup, iters, backlog, flush_l2) -> None:
-    """Each peer's in-graph step over `step`'s caches (a bench_decode_graph.DecodeStep) into
+    """Each peer's in-graph step over `step`'s caches (a decode_graph.DecodeStep) into
     `row` (an in-graph row, with its "dtype"): `<key>_us_per_layer` or `<key>_error`."""
-    from .bench import time_cupy
-    from .bench_decode_graph import LAYERS
-
     def measure(key, peer):
         peer_step = PeerDecodeStep(cupy, torch, peer, step.q, step.k, step.v, step.caches)
         with torch.cuda.stream(peer_step.stream), \

@@ -14,8 +14,9 @@ import statistics
 import sys
 import time
 
-from .bench import (DEFAULT_HEADDIMS, TorchSdpaFlash, attention_flops, paper_grid,
-                    random_inputs)
+from .paper_grid import (DEFAULT_HEADDIMS, attention_flops, environment_header, paper_grid,
+                   random_inputs)
+from .torch_peers import TorchSdpaFlash, load_torch
 
 #: Tiny inputs of the host-cost rows: (batch, seqlen, heads, headdim).
 HOST_SHAPE = (1, 128, 8, 64)
@@ -122,7 +123,7 @@ def call_by_call_rows(cupy, torch, headdims=(64, 128), dtypes=("fp16", "bf16"),
     """Paper-grid rows at short sequences, each call timed alone, cuflash2 and torch SDPA-flash
     (forward, and backward through autograd on a retained graph)."""
     import cuflash2
-    from cuflash2.selfcheck import dtype_from_name
+    from ..selfcheck import dtype_from_name
 
     def ours_ms(fn):
         return _alone_ms(cupy.cuda.runtime.deviceSynchronize, cupy.cuda.Event,
@@ -196,10 +197,9 @@ def run(cupy, args) -> int:
     """`bench --host`: print both tables (markdown on stdout), save --json."""
     import json
 
-    from . import _environment
-    from .bench import _load_torch, environment_header
+    from .. import _environment
 
-    torch = _load_torch() if args.compare == "torch" else None
+    torch = load_torch() if args.compare == "torch" else None
     env = _environment.collect()
     host = host_rows(cupy, torch)
     calls = call_by_call_rows(cupy, torch, args.headdim or DEFAULT_HEADDIMS, args.dtype,
@@ -223,7 +223,7 @@ def run(cupy, args) -> int:
 
 
 def _launch_method() -> str:
-    from ._launch import METHOD, graphs_available
+    from .._launch import METHOD, graphs_available
 
     method = {"libcuda": "the driver's cuLaunchKernel (ctypes)",
               "bindings": "cuda.bindings.driver", "cupy": "CuPy"}[METHOD]

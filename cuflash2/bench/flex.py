@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import sys
 
-from .bench import (Backlog, Config, _fmt, _load_torch, _torch_view, environment_header,
-                    random_inputs, time_cupy, time_torch)
+from .paper_grid import Config, environment_header, format_cell, random_inputs
+from .timing import Backlog, time_cupy, time_torch
+from .torch_peers import load_torch, torch_view
 
 #: Default rows: the shape of the issue that names FlexAttention (bf16 d=128, 16 heads, 16k).
 DEFAULT_SEQLENS = (16384,)
@@ -33,7 +34,7 @@ class Flex:
         self.create_block_mask = create_block_mask
 
     def as_bhsd(self, array):
-        return _torch_view(self.torch, self.cupy, array, self.torch_dtype).transpose(1, 2) \
+        return torch_view(self.torch, self.cupy, array, self.torch_dtype).transpose(1, 2) \
             .contiguous()
 
     def mask(self, seqlen: int, causal: bool):
@@ -57,7 +58,7 @@ class Flex:
 def _timed_row(cupy, torch, config, seed: int, warmup: int, iters: int, backlog) -> dict:
     """One configuration on cuflash2 and on FlexAttention, fresh inputs shared by both."""
     import cuflash2
-    from cuflash2.selfcheck import dtype_from_name
+    from ..selfcheck import dtype_from_name
 
     q, k, v = random_inputs(cupy, config, dtype_from_name(config.dtype), seed)
     dout = cupy.random.default_rng(seed + 10_000).standard_normal(
@@ -94,8 +95,8 @@ def flex_rows(cupy, torch, configs, warmup: int, iters: int, progress=sys.stderr
     rows = []
     for seed, config in enumerate(configs):
         row = _timed_row(cupy, torch, config, seed, warmup, iters, backlog)
-        print(f"{row['config']:<40} cuflash2 {_fmt(row['cuflash2_tflops'], '7.1f')} TFLOP/s  "
-              f"FlexAttention {_fmt(row['flex_tflops'], '7.1f')}"
+        print(f"{row['config']:<40} cuflash2 {format_cell(row['cuflash2_tflops'], '7.1f')} "
+              f"TFLOP/s  FlexAttention {format_cell(row['flex_tflops'], '7.1f')}"
               + (f"  [{row['error']}]" if row["error"] else ""), file=progress, flush=True)
         rows.append(row)
         cupy.get_default_memory_pool().free_all_blocks()
@@ -111,9 +112,9 @@ def flex_table(rows: list[dict]) -> str:
         speedup = r["flex_ms"] / r["cuflash2_ms"] if r["flex_ms"] and r["cuflash2_ms"] else None
         lines.append(
             f"| {r['direction']} | {r['dtype']} | {r['headdim']} | "
-            f"{'yes' if r['causal'] else 'no'} | {r['seqlen']} | {_fmt(r['cuflash2_ms'], '.3f')} "
-            f"| {_fmt(r['flex_ms'], '.3f')} | {_fmt(r['cuflash2_tflops'], '.1f')} | "
-            f"{_fmt(r['flex_tflops'], '.1f')} | {_fmt(speedup, '.3f')} |"
+            f"{'yes' if r['causal'] else 'no'} | {r['seqlen']} | "
+            f"{format_cell(r['cuflash2_ms'], '.3f')} | {format_cell(r['flex_ms'], '.3f')} | {format_cell(r['cuflash2_tflops'], '.1f')} | "
+            f"{format_cell(r['flex_tflops'], '.1f')} | {format_cell(speedup, '.3f')} |"
             + (f" {r['error']}" if r["error"] else ""))
     return "\n".join(lines)
 
@@ -132,9 +133,9 @@ def run(cupy, args) -> int:
     """`bench --flex`: the table (markdown on stdout), --json."""
     import json
 
-    from . import _environment
+    from .. import _environment
 
-    torch = _load_torch()
+    torch = load_torch()
     if torch is None:
         print("cuflash2 bench --flex: needs PyTorch with CUDA (FlexAttention)", file=sys.stderr)
         return 2
