@@ -1,0 +1,100 @@
+// The Hopper backward's work assignment (flash_bwd_sm90.cu): which key block, head-dim chunk,
+// KV head and batch entry a CTA takes (CtaWork, cta_work: the dispatch order), and the steps of
+// that key block, (query head, query block) pairs walked in the same order by the producer, the
+// dQ thread and the consumers (QueryBlockWalk).
+#pragma once
+#include "hopper_primitives.cuh"
+#include "masking.cuh"
+
+// The steps of a key block, one per (query head of its KV head's group, query block whose rows
+// see its keys) pair, taken in the same order by the producer, the dQ thread and the consumers.
+// By default head by head, each head's query blocks from the first up (the CTAs of one head then
+// walk the same Q / dO blocks together and share them in L2). BLOCK_MAJOR (deterministic mode):
+// query block by query block from the first up, every head of the group inside a block, so a
+// key block takes the pair (head, m) at step (m - m_first) * heads + head. The ordered additions
+// go from the highest key block down; a higher key block's m_first is no smaller, so it takes
+// every pair at the same step or earlier and the next adder finds it done. (From the last query
+// block down, where every range ends, all key blocks meet a pair at the same step, but causal key
+// block n's rows start at block 2n (BLOCK_N = 2 BLOCK_M): the adders in ascending order then
+// stand in a chain, key block n waiting about n reductions' latencies, a causal mask's
+// short high key blocks idling on their SMs.)
+template <bool BLOCK_MAJOR>
+struct QueryBlockWalk {
+    int head, m_block;  // the step's query head and query block
+    int head_first, head_end, m_first, m_end;
+
+    CF2_DEVICE QueryBlockWalk(int head0, int heads, int m_first_, int m_count)
+        : head(head0), m_block(m_first_), head_first(head0), head_end(head0 + heads),
+          m_first(m_first_), m_end(m_first_ + m_count) {}
+
+    CF2_DEVICE void advance() {
+        if constexpr (BLOCK_MAJOR) {
+            if (++head == head_end) {
+                head = head_first;
+                ++m_block;
+            }
+        } else if (++m_block == m_end) {
+            m_block = m_first;
+            ++head;
+        }
+    }
+};
+
+// Which (key block x head-dim chunk, KV head, batch entry) a CTA of the grid (key blocks x
+// chunks, KV heads, batch) takes, in the order the GPU dispatches the CTAs (x fastest).
+// DETERMINISTIC: x reversed, each (KV head, batch) pair's last key block first, so that the ones
+// a key block waits for (above) were dispatched before it. Otherwise key-block-major inside
+// groups of `group_pairs` (KV head, batch) pairs: key block 0 of every pair of the group, then
+// key block 1, and so on (group_pairs 1: pair by pair, the grid's own order). Under a causal
+// mask the low key blocks are the long ones (they see the most query rows): grouped, each
+// group's long CTAs start first and its short ones fill the tail, where pair by pair the last
+// pair's key block 0 starts last and runs alone. The host chooses the groups
+// (_hopper_bwd.dispatch_group_pairs).
+struct CtaWork {
+    int x, kv_head, batch;
+};
+
+template <bool DETERMINISTIC>
+CF2_DEVICE CtaWork cta_work(int group_pairs) {
+    if constexpr (DETERMINISTIC)
+        return {static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
+                static_cast<int>(blockIdx.z)};
+    group_pairs = max(group_pairs, 1);  // a struct filled without it (0): pair by pair
+    const int xs = gridDim.x, pairs = gridDim.y * gridDim.z;
+    const int cta = blockIdx.x + xs * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int first_pair = cta / (group_pairs * xs) * group_pairs;
+    const int group_size = min(group_pairs, pairs - first_pair);  // the last group: the rest
+    const int in_group = cta - first_pair * xs;
+    const int pair = first_pair + in_group % group_size;
+    return {in_group / group_size, pair % static_cast<int>(gridDim.y),
+            pair / static_cast<int>(gridDim.y)};
+}
+
+// The query blocks whose rows can see keys [key_first, key_last] (causal / window), as
+// flash_bwd.cu: `first` and `count` of them (0: no query sees the keys).
+struct QueryBlocks {
+    int first, count;
+};
+
+template <int BLOCK_M>
+CF2_DEVICE QueryBlocks query_blocks(const BwdParams& p, const KeyVisibility& vis, int seqlen_q,
+                                    int key_first, int key_last) {
+    int row_begin = 0, row_end = seqlen_q;
+    if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
+    if (p.window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + p.window_left + 1);
+    const int m_first = row_begin / BLOCK_M;
+    const int m_count = row_end > row_begin ? (row_end + BLOCK_M - 1) / BLOCK_M - m_first : 0;
+    return {m_first, m_count};
+}
+
+// Key block kv_block's turn among the adders of query block m_block's rows (deterministic dQ).
+// The key blocks that see the query block's rows are a contiguous range ending at last_adder (a
+// window's edges both grow with the key block); they add from the last down, so this one's turn
+// is last_adder - kv_block.
+template <int BLOCK_M, int BLOCK_N>
+CF2_DEVICE int dq_turn(const KeyVisibility& vis, int m_block, int seqlen_q, int kv_block) {
+    const int m_row0 = m_block * BLOCK_M;
+    int first_adder, adders_end;
+    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N, first_adder, adders_end);
+    return adders_end - 1 - kv_block;
+}

@@ -1,0 +1,148 @@
+// The Hopper backward's compile-time shape (flash_bwd_sm90.cu): BwdSm90Traits, the tile sizes,
+// the shared-memory layout, the register budget and the named barriers that every part of the
+// kernel (sm90/bwd_*.cuh) reads from one `T`. Python builds its name expressions and probes from
+// the template parameters (cuflash2/_configs.py, BwdSm90Config), which therefore stay as they are.
+#pragma once
+#include "hopper_primitives.cuh"
+#include "constants.cuh"
+
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int DQ_TILES>
+struct BwdSm90Traits : Sm90CtaLayout {
+    // dQ through shared memory (the kernel's note) in DQ_BUFFERS fp32 tiles, or (0) by vector
+    // reductions from the registers.
+    static constexpr int DQ_BUFFERS = DQ_TILES;
+    static constexpr bool DQ_STAGED = DQ_BUFFERS > 0;
+    static constexpr int KEYS_PER_WARPGROUP = 64;  // the M of wgmma
+    static constexpr int CONSUMER_WARPGROUPS = BLOCK_N / KEYS_PER_WARPGROUP;
+    static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
+    static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
+    static constexpr int ENTRY_REGISTERS = entry_registers(THREADS);
+    // Named barriers (0 is __syncthreads): both consumers' dS stored; both consumers done with
+    // K and V (the epilogue reuses them); one per consumer for its staged dK / dV.
+    static constexpr int DS_BARRIER = 1;
+    static constexpr int EPILOGUE_BARRIER = 2;
+    static constexpr int STORE_BARRIER = 3;
+
+    // Tiles as the forward's (Sm90CtaLayout): panels of 64 columns as the TMA writes them; d=96's
+    // second panel half zero-filled and never multiplied.
+    static constexpr int PANELS = (HEAD_DIM + PANEL_COLS - 1) / PANEL_COLS;
+    static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
+    static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
+    static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;  // Q_i and dO_i
+    static constexpr int Q_TILE_BYTES = PANELS * Q_PANEL_BYTES;
+    static constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES;  // Q_i, then dO_i
+    static constexpr int STAT_BYTES = BLOCK_M * 4;       // lse_log2 or D of the stage's rows
+    // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
+    static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
+    static constexpr int DS_BYTES = (BLOCK_N / PANEL_COLS) * DS_PANEL_BYTES;
+    // dQ_i of a step in fp32, as its BLOCK_M rows of dq_accum (DQ_BUFFERS of them).
+    static constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4;
+    // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D) | DQ_BUFFERS x dQ, + the slack to
+    // align the base.
+    static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
+                                      STAGES * 2 * STAT_BYTES + DQ_BUFFERS * DQ_TILE_BYTES +
+                                      SMEM_ALIGN;
+
+    static constexpr int DIM = HEAD_DIM;
+    static constexpr int QUERIES = BLOCK_M;         // the N of S^T and dP^T
+    static constexpr int KEYS = BLOCK_N;            // the key block
+    static constexpr int NUM_STAGES = STAGES;       // of the Q / dO ring
+    static constexpr int S_TILES = BLOCK_M / 8;     // n8 column groups of S^T, dP^T (queries)
+    // Head dims above 128: the key block's dK, dV and dQ columns are split over NUM_CHUNKS CTAs
+    // (grid.x = key block x chunk, as flash_bwd.cu), each recomputing S^T and dP^T over the whole
+    // head dim: chunk 0 has columns 0 .. 127, chunk 1 the rest (d=192: 64, d=256: 128). Both
+    // start at a panel boundary, so every MN-major B descriptor of a chunk is one of d <= 128's.
+    static constexpr int CHUNK_COLS = HEAD_DIM <= 128 ? HEAD_DIM : 128;
+    static constexpr int NUM_CHUNKS = HEAD_DIM <= 128 ? 1 : 2;
+    static constexpr int LAST_CHUNK_COLS = HEAD_DIM - CHUNK_COLS * (NUM_CHUNKS - 1);
+    static constexpr bool HAS_NARROW = LAST_CHUNK_COLS < CHUNK_COLS;
+    // Q_i / dO_i (B of dV, dK) and K (B of dQ) bytes from column 0 to a chunk's first column.
+    static constexpr int CHUNK_Q_BYTES = (CHUNK_COLS / PANEL_COLS) * Q_PANEL_BYTES;
+    static constexpr int CHUNK_KV_BYTES = (CHUNK_COLS / PANEL_COLS) * KV_PANEL_BYTES;
+    static constexpr int D_TILES = CHUNK_COLS / 8;  // n8 column groups of dK, dV (widest chunk)
+    static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of S^T, dP^T (head dim)
+    static constexpr int M_STEPS = BLOCK_M / 16;    // k16 steps of dV, dK (queries)
+    static constexpr int N_STEPS = BLOCK_N / 16;    // k16 steps of dQ (keys)
+    // dQ's head-dim columns of consumer 0 and 1. The start of consumer 1's columns is where the
+    // MN-major B descriptor of K begins: at a panel boundary where there are two panels or more
+    // (d=96: 64 + 32, d=128: 64 + 64), since N steps past the first 64 columns of a descriptor
+    // go to the next panel by LBO, counted from the descriptor's start, not from the panel's;
+    // d=64's single panel is split in the middle (32 + 32, a 64-byte start that never crosses
+    // into the next panel).
+    // Per chunk of COLS columns (the whole head dim up to d=128).
+    __host__ __device__ static constexpr int dq_cols_0(int cols) {
+        return cols <= PANEL_COLS ? cols / 2 : PANEL_COLS * (((cols + PANEL_COLS - 1) / PANEL_COLS) / 2);
+    }
+    // dQ_i = dS K has BLOCK_M query rows and a wgmma 64: a 64-row step splits dQ_i's columns
+    // between the consumers (dq_cols_0 above), a 128-row step (d=64, FlashAttention-3's tile)
+    // its rows, consumer c computing rows 64 c .. 64 c + 63 over every column.
+    static constexpr int DQ_WGMMA_ROWS = 64;
+    static constexpr bool DQ_BY_ROWS = BLOCK_M == 2 * DQ_WGMMA_ROWS;
+    static constexpr int DQ_COLS_0 = DQ_BY_ROWS ? CHUNK_COLS : dq_cols_0(CHUNK_COLS);
+    static constexpr int DQ_COL0_1 = DQ_BY_ROWS ? 0 : DQ_COLS_0;  // consumer 1's first column
+    static constexpr int DQ_COLS_1 = DQ_BY_ROWS ? CHUNK_COLS : CHUNK_COLS - DQ_COLS_0;
+    // Staged dQ tiles taken in turn by step (one buffer where two do not fit: 128-row steps).
+    static constexpr int DQ_RING = DQ_BUFFERS > 0 ? DQ_BUFFERS : 1;
+    // fp32 registers a consumer thread keeps live at the peak (dP^T just completed): dK and dV
+    // (CHUNK_COLS / 2 each), S^T (or P^T) and dP^T (BLOCK_M / 2 each); the 16-bit P^T and dS^T
+    // fragments grow as S^T and dP^T die (score_gradients). 192 at d=128 leaves 48 of the 240
+    // for addresses, statistics, the score modifiers and the dQ tile (BLOCK_M x half the head
+    // dim: HEAD_DIM / 4, live with dK, dV and the fragments). A peak with P^T packed beside
+    // S^T and dP^T (208) made the softcap + ALiBi variant spill at d=128.
+    static constexpr int PEAK_ACCUMULATORS = CHUNK_COLS + BLOCK_M;  // d=64 at 128 rows: 192 too
+
+    static_assert(BLOCK_N == 2 * KEYS_PER_WARPGROUP, "two consumer warpgroups of 64 keys");
+    static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64 && HEAD_DIM <= 256, "head dim");
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_M >= 16 && BLOCK_M <= 256,
+                  "wgmma N of S^T (= BLOCK_M): a multiple of 16 up to 256");
+    static_assert(DQ_COLS_0 % 16 == 0 && DQ_COLS_1 % 16 == 0 && DQ_COLS_1 > 0 &&
+                          dq_cols_0(LAST_CHUNK_COLS) % 16 == 0 &&
+                          (LAST_CHUNK_COLS - dq_cols_0(LAST_CHUNK_COLS)) % 16 == 0,
+                  "dQ column halves: whole 16-column groups (dq_accum.cuh's vector atomics)");
+    static_assert(CHUNK_COLS % PANEL_COLS == 0 || NUM_CHUNKS == 1,
+                  "every chunk starts at a panel boundary");
+    static_assert(!HAS_NARROW || LAST_CHUNK_COLS == DQ_COLS_0,
+                  "the narrower last chunk's dQ is consumer 0's columns");
+    static_assert(Q_PANEL_BYTES % 1024 == 0 && KV_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
+    static_assert(STAT_BYTES % 16 == 0, "bulk copies of whole 16-byte chunks");
+    static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
+    static_assert(KEYS_PER_WARPGROUP * (LAST_CHUNK_COLS / 8) % WARPGROUP_THREADS == 0 &&
+                      KEYS_PER_WARPGROUP * (CHUNK_COLS / 8) % WARPGROUP_THREADS == 0,
+                  "the epilogue's 16-byte chunks split evenly over a warpgroup");
+    static_assert(STAGES >= 1, "a ring of Q / dO stages (one at d=256: shared memory)");
+    static_assert(PEAK_ACCUMULATORS <= 192,
+                  "dK, dV, S^T, dP^T and P^T must fit the consumers' 240 registers: a chunk of "
+                  "at most 128 head-dim columns at BLOCK_M = 64, 64 at BLOCK_M = 128 "
+                  "(docs/HOPPER_BWD.md)");
+    static_assert(BLOCK_M == DQ_WGMMA_ROWS || (DQ_BY_ROWS && NUM_CHUNKS == 1),
+                  "a step of 64 query rows, or of 128 with dQ split by rows (one chunk)");
+    static_assert(DQ_BUFFERS >= 0 && DQ_BUFFERS <= 2, "at most two staged dQ tiles");
+    static_assert(split_fits(CONSUMER_THREADS), "the setmaxnreg split fits the register file");
+    static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
+    static_assert(!DQ_STAGED || NUM_CHUNKS == 1, "staged dQ tiles hold whole rows of dq_accum");
+    static_assert(DQ_TILE_BYTES % 16 == 0, "bulk reductions of whole 16-byte chunks");
+};
+
+// The CTA's dynamic shared memory as SMEM_BYTES lays it out: the shared-window addresses of the
+// tiles (the base aligned to SMEM_ALIGN by hand) and a generic pointer to the statistics, which
+// the consumers read with plain loads.
+template <class T>
+struct BwdSm90Smem {
+    u32 k, v;   // K and V of the block (the epilogue stages dK and dV there)
+    u32 q;      // stage s: Q at + s * STAGE_BYTES, dO after
+    u32 ds;     // two buffers
+    u32 stats;  // stage s: lse at + 2 s * STAT_BYTES, D after
+    u32 dq;     // DQ_BUFFERS tiles
+    const float* stats_ptr;
+
+    CF2_DEVICE explicit BwdSm90Smem(unsigned char* smem) {
+        const u32 base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
+        k = base;
+        v = k + T::KV_TILE_BYTES;
+        q = v + T::KV_TILE_BYTES;
+        ds = q + T::NUM_STAGES * T::STAGE_BYTES;
+        stats = ds + 2 * T::DS_BYTES;
+        dq = stats + T::NUM_STAGES * 2 * T::STAT_BYTES;
+        stats_ptr = reinterpret_cast<const float*>(smem + (stats - smem_address(smem)));
+    }
+};
