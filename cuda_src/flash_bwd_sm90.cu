@@ -76,31 +76,19 @@
 // discarded; d=256: 128), each recomputing S^T and dP^T over the whole head dim (K, V, Q_i, dO_i
 // are whole-width tiles). docs/HOPPER_BWD.md compares this with FlashAttention-3's tiles.
 // Left out (static_assert): dropout.
-//
-// The kernel is the composition of its parts in sm90/ (as FlashAttention-3's hopper/ kernels:
-// mainloop, epilogue, tile scheduler), each a header of one idea:
-//   bwd_traits.cuh          BwdSm90Traits (tiles, registers, named barriers), the smem layout
-//   bwd_barriers.cuh        BwdSm90Barriers (the mbarriers) and their initialisation
-//   bwd_tile_scheduler.cuh  the CTA's work (cta_work), the query blocks its keys see, the steps'
-//                           order (QueryBlockWalk) and the deterministic dQ turns
-//   bwd_producer.cuh        the producer thread: K / V once, the Q / dO ring
-//   bwd_dq_writer.cuh       dQ to dq_accum: the consumers' writes and the dQ thread's loop
-//   bwd_scores.cuh          the score-tile pieces of a step (mask, P^T, dS^T, the dS tile)
-//   bwd_mainloop.cuh        the consumers' loop: S^T, dP^T, the scores, dV, dK, dQ
-//   bwd_epilogue.cuh        dK / dV stored (or zeros where no query sees the keys)
-// The kernel below works out the CTA's work, then runs the roles.
 #include "hopper_primitives.cuh"
 #include "masking.cuh"
+#include "score_mods.cuh"
+#include "dq_accum.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"
 #include "sm90/bwd_traits.cuh"
 #include "sm90/bwd_barriers.cuh"
 #include "sm90/bwd_tile_scheduler.cuh"
-#include "sm90/bwd_producer.cuh"
 #include "sm90/bwd_dq_writer.cuh"
+#include "sm90/bwd_scores.cuh"
 #include "sm90/bwd_mainloop.cuh"
-#include "sm90/bwd_epilogue.cuh"
 
 // FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_BUFFERS: dQ through
 // that many shared-memory tiles and bulk reductions (0: vector reductions); DETERMINISTIC: those
@@ -120,11 +108,24 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     static_assert(BLOCK_M % DQ_SEMAPHORE_ROWS == 0 &&
                       BLOCK_M / DQ_SEMAPHORE_ROWS >= T::NUM_CHUNKS,
                   "ordered dQ: a semaphore slot per query block and head-dim chunk");
+    // The order of a step's last products. With staged dQ, dK += dS^T Q_i is issued behind
+    // dQ_i and runs while the consumer stages dQ_i (FlashAttention-3's order; H200: d=128 1.04-
+    // 1.05x, d=64 1.01x). With vector reductions (d=192 / 256) it is issued beside dV, before
+    // the barrier (dK behind dQ_i was 0.97-0.99x there), and at d=64's 128-row steps with score
+    // modifiers too (dQ_i's 64 rows live beside dK's operands spill 4-16 B there).
+    constexpr bool DK_BEHIND_DQ = T::DQ_STAGED && !(T::DQ_BY_ROWS && FEATURES != 0);
     const BwdParams& p = params.base;
 
     extern __shared__ unsigned char smem[];
     __shared__ BwdSm90Barriers<STAGES> bars;
-    const BwdSm90Smem<T> sm(smem);
+    const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
+    const u32 k_smem = smem_base;
+    const u32 v_smem = k_smem + T::KV_TILE_BYTES;
+    const u32 q_smem = v_smem + T::KV_TILE_BYTES;  // stage s: Q at + s * STAGE_BYTES, dO after
+    const u32 ds_smem = q_smem + STAGES * T::STAGE_BYTES;  // two buffers
+    const u32 stats_smem = ds_smem + 2 * T::DS_BYTES;      // stage s: lse at + 2 s * STAT_BYTES
+    const u32 dq_smem = stats_smem + STAGES * 2 * T::STAT_BYTES;  // DQ_BUFFERS tiles
+    const float* stats = reinterpret_cast<const float*>(smem + (stats_smem - smem_address(smem)));
     const u32 kv_full = smem_address(&bars.kv_full);
 
     const CtaWork work = cta_work<DETERMINISTIC>(params.dispatch_group_pairs);
@@ -156,8 +157,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     // Query blocks whose rows can see keys [key_first, key_last] (causal / window), as
     // flash_bwd.cu; a step is one (query head of the group, query block) pair.
     const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
-    const QueryBlocks blocks = query_blocks<BLOCK_M>(p, vis, seqlen_q, key_first, key_last);
-    const int steps = blocks.count * p.heads_per_kv_head;
+    int row_begin = 0, row_end = seqlen_q;
+    if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
+    if (p.window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + p.window_left + 1);
+    const int m_first = row_begin / BLOCK_M;
+    const int m_count = row_end > row_begin ? (row_end + BLOCK_M - 1) / BLOCK_M - m_first : 0;
+    const int steps = m_count * p.heads_per_kv_head;
     const int head_chunks = p.head_dim / 8;
     u16* dk_block = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
                     (seq_k.start + key_first) * p.dk_row_stride;
@@ -165,13 +170,46 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                     (seq_k.start + key_first) * p.dv_row_stride;
 
     if (steps == 0) {
-        store_zero_key_gradients<T>(p, dk_block, dv_block, key_first, seqlen_k, head_chunks,
-                                    col0, threadIdx.x);
+        // No query sees these keys: dK = dV = 0 (the whole CTA, before any role).
+        const u32 zeros[4] = {0u, 0u, 0u, 0u};
+        if constexpr (T::NUM_CHUNKS == 1) {
+            for (int idx = threadIdx.x; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
+                const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
+                if (key_first + row < seqlen_k && chunk < head_chunks) {
+                    store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
+                    store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
+                }
+            }
+        } else {
+            // This CTA's columns (the other chunk's CTA writes the rest).
+            constexpr int CHUNKS = T::CHUNK_COLS / 8;
+            for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
+                const int row = idx / CHUNKS, c = col0 / 8 + idx % CHUNKS;
+                if (key_first + row < seqlen_k && c < head_chunks) {
+                    store_16B_global(dk_block + row * p.dk_row_stride + c * 8, zeros);
+                    store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
+                }
+            }
+        }
         return;
     }
-    // (threadIdx.x is read here, in the kernel, rather than in the parts: a part that reads it
-    // changed where the compiler reads it everywhere, and the machine code with it.)
-    if (threadIdx.x == 0) init_barriers<T>(bars, key_first);
+
+    if (threadIdx.x == 0) {
+        bars.key_first = key_first;
+        mbarrier_init(kv_full, 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(smem_address(&bars.q_full[s]), 1);  // the producer's expect_tx arrival
+            mbarrier_init(smem_address(&bars.do_full[s]), 1);
+            mbarrier_init(smem_address(&bars.stage_empty[s]), T::CONSUMER_THREADS);
+        }
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(smem_address(&bars.dq_full[b]), T::CONSUMER_THREADS);
+            mbarrier_init(smem_address(&bars.dq_empty[b]), 1);  // the dQ thread's arrival
+        }
+        fence_mbarrier_init();
+    }
     __syncthreads();
 
     // Step j (query head h, block m: QueryBlockWalk, advanced incrementally) uses stage
@@ -181,12 +219,100 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         // ---- producer ----
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
-            load_kv<T>(params, sm, kv_full, seq_k.start + key_first, kv_head, map_batch);
-            load_query_blocks<T, DETERMINISTIC>(params, sm, bars, blocks, steps, kv_head,
-                                                seq_q.start, map_batch, stats_first);
+            mbarrier_arrive_expect_tx(kv_full, 2 * T::KV_TILE_BYTES);
+            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_smem, params.k_map, kv_full,
+                                                        seq_k.start + key_first, kv_head,
+                                                        map_batch);
+            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full,
+                                                        seq_k.start + key_first, kv_head,
+                                                        map_batch);
+            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
+                                               p.heads_per_kv_head, m_first, m_count);
+            for (int j = 0; j < steps; ++j) {
+                const int stage = j % STAGES;
+                mbarrier_wait(smem_address(&bars.stage_empty[stage]), ((j / STAGES) & 1) ^ 1);
+                const int row0 = walk.m_block * BLOCK_M;
+                // lse_log2 and D are padded to whole Q blocks (+inf / 0): never out of bounds.
+                const i64 stat0 = stats_first(walk.head) + row0;
+                const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
+                const u32 do_tile = q_tile + T::Q_TILE_BYTES;
+                const u32 lse_s = stats_smem + stage * 2 * T::STAT_BYTES;
+                const u32 q_full = smem_address(&bars.q_full[stage]);
+                const u32 do_full = smem_address(&bars.do_full[stage]);
+                mbarrier_arrive_expect_tx(q_full, T::Q_TILE_BYTES + T::STAT_BYTES);
+                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full,
+                                                           seq_q.start + row0, walk.head,
+                                                           map_batch);
+                bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
+                mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
+                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full,
+                                                           seq_q.start + row0, walk.head,
+                                                           map_batch);
+                bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
+                walk.advance();
+            }
         } else if ((T::DQ_STAGED || DETERMINISTIC) && threadIdx.x == 32) {
-            reduce_dq_tiles<T, DETERMINISTIC>(p, sm, bars, vis, blocks, steps, kv_head, kv_block,
-                                              chunk, seqlen_q, stats_first);
+            // The dQ thread. Staged dQ: adds each step's staged dQ tile to its rows of dq_accum
+            // with one bulk reduction (element-wise atomic: other key blocks add to the same
+            // rows), and frees the buffer once the reduction has read it. DETERMINISTIC: in
+            // key-block order, the turn of the query block's adders taken from its semaphore
+            // (staged: the bulk reduction; vector reductions, above d=128: the consumers', between
+            // dq_empty and dq_full).
+            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
+                                               p.heads_per_kv_head, m_first, m_count);
+            for (int j = 0; j < steps; ++j) {
+                const int buf = j % T::DQ_RING;
+                const u32 parity = (j / T::DQ_RING) & 1;
+                // Staged: the tile's wait first; the rows' address, worked out after it, is not
+                // held across it (held there, it spilled from the producer's 24 registers).
+                if constexpr (T::DQ_STAGED)
+                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
+                const i64 row0 = stats_first(walk.head) + walk.m_block * BLOCK_M;
+                int* semaphore =
+                    DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS + chunk : nullptr;
+                int turn = 0;
+                if constexpr (DETERMINISTIC) {
+                    // The key blocks that see the query block's rows are a contiguous range
+                    // ending at last_adder (a window's edges both grow with the key block);
+                    // they add from the last down, so this one's turn is last_adder - kv_block.
+                    const int m_row0 = walk.m_block * BLOCK_M;
+                    int first_adder, adders_end;
+                    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N,
+                                   first_adder, adders_end);
+                    turn = adders_end - 1 - kv_block;
+                }
+                if constexpr (T::DQ_STAGED) {
+                    if constexpr (DETERMINISTIC) {
+                        wait_semaphore(semaphore, turn);
+                        fence_proxy_async_global();
+                    }
+                    bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM,
+                                        dq_smem + buf * T::DQ_TILE_BYTES, T::DQ_TILE_BYTES);
+                    bulk_commit_group();
+                    // The buffer is free once the reduction has read it; DETERMINISTIC: the next
+                    // key block's turn once its additions are done, which the consumers need
+                    // not wait for.
+                    bulk_wait_group_read<0>();
+                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
+                    if constexpr (DETERMINISTIC) {
+                        bulk_wait_group<0>();
+                        fence_proxy_async_global();
+                        increment_release_gpu(semaphore);
+                    }
+                } else {
+                    // The consumers' vector reductions, ordered: the turn (acquire) is handed to
+                    // them through dq_empty, and passed on (release) once every consumer thread
+                    // arrived on dq_full after its reductions: the mbarrier's release and
+                    // acquire at CTA scope put those before this thread's release at GPU scope.
+                    wait_semaphore(semaphore, turn);
+                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
+                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
+                    increment_release_gpu(semaphore);
+                }
+                walk.advance();
+            }
+            if constexpr (T::DQ_STAGED)
+                bulk_wait_group<0>();  // the reductions complete before the shared memory goes
         }
     } else {
         // ---- consumers: warpgroup 1 + c owns keys 64 c .. 64 c + 63 of the block ----
@@ -195,15 +321,210 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         const int warp = (threadIdx.x / 32) % 4;  // in the warpgroup: keys 16 warp .. + 15
         const int lane = threadIdx.x % 32;
         const int key0 = T::KEYS_PER_WARPGROUP * consumer;  // in the block
-        const u32 k_rows = sm.k + key0 * T::ROW_BYTES;      // A operands of S^T and dP^T
-        const u32 v_rows = sm.v + key0 * T::ROW_BYTES;
+        const u32 k_rows = k_smem + key0 * T::ROW_BYTES;    // A operands of S^T and dP^T
+        const u32 v_rows = v_smem + key0 * T::ROW_BYTES;
+
         float acc_dk[T::D_TILES][4], acc_dv[T::D_TILES][4];
-        consumer_mainloop<Elem, T, FEATURES, DETERMINISTIC>(
-            acc_dk, acc_dv, p, sm, bars, vis, blocks, steps, kv_head, batch, seqlen_q, seqlen_k,
-            chunk, col0, narrow, consumer, warp, lane, k_rows, v_rows, stats_first);
-        stage_key_gradients<Elem, T>(acc_dk, acc_dv, p, sm, warp, lane, key0);
+#pragma unroll
+        for (int dt = 0; dt < T::D_TILES; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+
+        mbarrier_wait(kv_full, 0);
+        QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
+                                           p.heads_per_kv_head, m_first, m_count);
+        for (int j = 0; j < steps; ++j) {
+            const int stage = j % STAGES;
+            const u32 phase = (j / STAGES) & 1;
+            const int row0 = walk.m_block * BLOCK_M;
+            const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
+            const u32 do_tile = q_tile + T::Q_TILE_BYTES;
+            const u32 ds_tile = ds_smem + (j % 2) * T::DS_BYTES;
+
+            // S^T = K_c Q_i^T as soon as Q_i landed, dP^T = V_c dO_i^T as soon as dO_i did; the
+            // work on S^T starts while dP^T runs (wait_group 1: only the S^T group completed).
+            float acc_s[1][T::S_TILES][4], acc_dp[T::S_TILES][4];
+            u32 p_frag[T::M_STEPS][4], ds_frag[T::M_STEPS][4];
+            mbarrier_wait(smem_address(&bars.q_full[stage]), phase);
+            pin_registers(acc_s[0]);
+            wgmma_fence();
+            issue_transposed_scores<Elem, T>(acc_s[0], k_rows, q_tile);
+            wgmma_commit_group();
+            mbarrier_wait(smem_address(&bars.do_full[stage]), phase);
+            pin_registers(acc_dp);
+            wgmma_fence();
+            issue_transposed_scores<Elem, T>(acc_dp, v_rows, do_tile);
+            wgmma_commit_group();
+            wgmma_wait_group<1>();
+            pin_registers(acc_s[0]);
+
+            // P^T, as far as it goes before dP^T is needed: softcap's t, the mask (boundary
+            // steps only), and without softcap P itself, in place. The thread's key and query
+            // positions are rebuilt from a fresh thread index and the score modifiers set up
+            // here, each step, as in flash_bwd.cu (the slope is one cached load): nothing of
+            // them is held across the loop, registers being scarcest here.
+            const int tid_now = thread_index_fresh();
+            const int key_first_now = load_4B_shared_fresh(smem_address(&bars.key_first));
+            const int thread_key0 = key_first_now + (tid_now - T::WARPGROUP_THREADS) / 32 * 16 +
+                                    (tid_now % 32) / 4;
+            const int thread_query0 = row0 + 2 * (tid_now % 4);
+            const float offset0 = static_cast<float>(thread_query0 - thread_key0);
+            const float* lse = stats + stage * 2 * BLOCK_M + 2 * (tid_now % 4);
+            ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
+            mods.select_head(p.mods, batch, walk.head);
+            mods.apply_softcap(acc_s);
+            const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
+            const bool needs_mask =
+                key_first_now + BLOCK_N > seqlen_k ||
+                (p.window_right >= 0 &&
+                 min(key_first_now + BLOCK_N, seqlen_k) - 1 > row0 + vis.diag + p.window_right) ||
+                (p.window_left >= 0 && key_first_now < row_last + vis.diag - p.window_left);
+            if (needs_mask) mask_transposed(acc_s[0], thread_key0, thread_query0, vis);
+            if constexpr (!ScoreMods<FEATURES>::SOFTCAP)
+                exponentiate<T>(acc_s[0], lse, mods, p.scale_log2, offset0);
+            wgmma_wait_group<0>();
+            pin_registers(acc_dp);
+
+            // P^T and dS^T into registers (A operands of dV, dK), dS^T transposed into the dS
+            // tile (A operand of dQ).
+            score_gradients<Elem, T>(p_frag, ds_frag, acc_s[0], acc_dp, lse, mods, p.scale_log2,
+                                     offset0);
+            store_ds_transposed<T>(ds_tile, ds_frag, 8 * consumer + 2 * warp, lane);
+            fence_proxy_async_shared();  // the generic stores, before wgmma reads them
+
+            // dV += P^T dO_i (and dK += dS^T Q_i where it is not issued behind dQ_i), while the
+            // consumers meet at the barrier below.
+            pin_registers(acc_dv);
+            pin_registers(acc_dk);
+            pin_registers(p_frag);
+            pin_registers(ds_frag);
+            wgmma_fence();
+            // This chunk's columns of dO_i and Q_i. The narrower last chunk (d=192: 64 columns)
+            // runs the same N = 128 products: its second 64 columns read the 8 KiB past the tile
+            // (dO_i's first panel, or the next stage's Q / the dS tile) and are never stored. A
+            // branch to N = 64 products spilled (softcap + ALiBi), as did one around dQ's.
+            const u32 b_chunk = chunk * T::CHUNK_Q_BYTES;
+            issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dv, p_frag, do_tile + b_chunk);
+            if constexpr (!DK_BEHIND_DQ)
+                issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
+            wgmma_commit_group();
+
+            // dQ_i: both consumers' dS^T are in the tile after the barrier; consumer c takes its
+            // head-dim columns (64-row steps) or its 64 rows (128-row steps). With DK_BEHIND_DQ,
+            // dK += dS^T Q_i is issued behind dQ_i, so that the tensor cores run it while dQ_i is
+            // written out. The dS buffer is rewritten two steps later, after both consumers passed
+            // the next step's barrier, i.e. after their dQ_i completed.
+            named_barrier_sync(T::DS_BARRIER, T::CONSUMER_THREADS);
+            const int dq_row0 = T::DQ_BY_ROWS ? T::DQ_WGMMA_ROWS * consumer : 0;  // in the block
+            float* dq_block =
+                p.dq_accum + (stats_first(walk.head) + row0 + dq_row0) * HEAD_DIM + col0;
+            const u32 ds_rows = ds_tile + dq_row0 * T::ROW_BYTES;
+            const u32 k_chunk = k_smem + chunk * T::CHUNK_KV_BYTES;
+            const int dq_buf = j % T::DQ_RING;  // DQ_STAGED
+            const u32 dq_tile = dq_smem + dq_buf * T::DQ_TILE_BYTES + 4 * dq_row0 * HEAD_DIM;
+            const u32 dq_full = smem_address(&bars.dq_full[dq_buf]);
+            const u32 dq_empty = smem_address(&bars.dq_empty[dq_buf]);
+            // Staged buffers start empty; the ordered vector reductions' turn starts not given.
+            const u32 dq_empty_parity = ((j / T::DQ_RING) & 1) ^ (T::DQ_STAGED ? 1u : 0u);
+            if (consumer == 0) {
+                float acc_dq[T::DQ_COLS_0 / 8][4];
+                pin_registers(acc_dq);
+                wgmma_fence();
+                issue_dq<Elem, T, 0, T::DQ_COLS_0>(acc_dq, ds_rows, k_chunk);
+                wgmma_commit_group();
+                if constexpr (DK_BEHIND_DQ) {
+                    issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
+                    wgmma_commit_group();
+                    wgmma_wait_group<1>();  // dV and dQ_i completed, dK in flight
+                } else {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
+                pin_registers(acc_dq);
+                pin_registers(acc_dv);
+                pin_registers(p_frag);
+                write_dq<T, 0, T::DQ_COLS_0, DETERMINISTIC>(acc_dq, dq_block, dq_tile, dq_full,
+                                                            dq_empty, dq_empty_parity, true, warp,
+                                                            lane);
+                if constexpr (DK_BEHIND_DQ) {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
+            } else {
+                // The narrower last chunk (d=192: 64 columns, one panel) is consumer 0's alone:
+                // there, this product reads the panel past K (V's first, not written before the
+                // epilogue) and is not added.
+                float acc_dq[T::DQ_COLS_1 / 8][4];
+                pin_registers(acc_dq);
+                wgmma_fence();
+                issue_dq<Elem, T, T::DQ_COL0_1, T::DQ_COLS_1>(acc_dq, ds_rows, k_chunk);
+                wgmma_commit_group();
+                if constexpr (DK_BEHIND_DQ) {
+                    issue_key_gradient<Elem, T, T::CHUNK_COLS>(acc_dk, ds_frag, q_tile + b_chunk);
+                    wgmma_commit_group();
+                    wgmma_wait_group<1>();  // dV and dQ_i completed, dK in flight
+                } else {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
+                pin_registers(acc_dq);
+                pin_registers(acc_dv);
+                pin_registers(p_frag);
+                write_dq<T, T::DQ_COL0_1, T::DQ_COLS_1, DETERMINISTIC>(
+                    acc_dq, dq_block, dq_tile, dq_full, dq_empty, dq_empty_parity, !narrow, warp,
+                    lane);
+                if constexpr (DK_BEHIND_DQ) {
+                    wgmma_wait_group<0>();
+                    pin_registers(acc_dk);
+                    pin_registers(ds_frag);
+                    mbarrier_arrive(smem_address(&bars.stage_empty[stage]));
+                }
+            }
+
+            walk.advance();
+        }
+
+        // Epilogue: dK *= softmax_scale; stage dK into this consumer's rows of the K tile and dV
+        // into its rows of V (same swizzled layout: conflict-free 4-byte stores) once both
+        // consumers are done reading K and V (dQ reads all of K), then 16-byte row chunks to
+        // global memory with row and head-dim guards.
+        named_barrier_sync(T::EPILOGUE_BARRIER, T::CONSUMER_THREADS);
+        fence_proxy_async_shared();  // K and V were last read by wgmma (async proxy)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = key0 + 16 * warp + 8 * half + lane / 4;  // in the block
+#pragma unroll
+            for (int dt = 0; dt < T::D_TILES; ++dt) {
+                const u32 offset =
+                    swizzled_chunk<T::KV_PANEL_BYTES>(0, row, dt) + 4 * (lane % 4);
+                store_4B_shared(k_smem + offset,
+                                pack_pair<Elem>(acc_dk[dt][2 * half] * p.softmax_scale,
+                                                acc_dk[dt][2 * half + 1] * p.softmax_scale));
+                store_4B_shared(v_smem + offset,
+                                pack_pair<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]));
+            }
+        }
         named_barrier_sync(T::STORE_BARRIER + consumer, T::WARPGROUP_THREADS);
-        store_key_gradients<T>(p, sm, dk_block, dv_block, key_first, seqlen_k, head_chunks, col0,
-                               key0, threadIdx.x % T::WARPGROUP_THREADS);
+        const int tid = threadIdx.x % T::WARPGROUP_THREADS;
+        constexpr int CHUNKS = T::CHUNK_COLS / 8;  // 16-byte chunks of this CTA's row (widest)
+#pragma unroll
+        for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
+            const int idx = tid + T::WARPGROUP_THREADS * i;
+            const int row = key0 + idx / CHUNKS;
+            const int chunk = idx % CHUNKS;
+            if (key_first + row < seqlen_k && chunk < head_chunks - col0 / 8) {
+                u32 vals[4];
+                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
+                store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
+                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
+                store_16B_global(dv_block + row * p.dv_row_stride + col0 + chunk * 8, vals);
+            }
+        }
     }
 }

@@ -4,7 +4,6 @@
 // dynamic tiles of BwdSm90Traits' layout.
 #pragma once
 #include "hopper_primitives.cuh"
-#include "sm90/bwd_traits.cuh"
 
 // The mbarriers of the CTA, and the one word it keeps beside them (static shared memory).
 template <int STAGES>
@@ -21,23 +20,3 @@ struct BwdSm90Barriers {
     // (d=64 with ALiBi and dQ by vector reductions: 4 bytes).
     int key_first;
 };
-
-// The block's first key stored and the barriers initialised, by one thread (thread 0) before
-// any role starts; the whole CTA meets at __syncthreads after.
-template <class T>
-CF2_DEVICE void init_barriers(BwdSm90Barriers<T::NUM_STAGES>& bars, int key_first) {
-    bars.key_first = key_first;
-    mbarrier_init(smem_address(&bars.kv_full), 1);
-#pragma unroll
-    for (int s = 0; s < T::NUM_STAGES; ++s) {
-        mbarrier_init(smem_address(&bars.q_full[s]), 1);  // the producer's expect_tx arrival
-        mbarrier_init(smem_address(&bars.do_full[s]), 1);
-        mbarrier_init(smem_address(&bars.stage_empty[s]), T::CONSUMER_THREADS);
-    }
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-        mbarrier_init(smem_address(&bars.dq_full[b]), T::CONSUMER_THREADS);
-        mbarrier_init(smem_address(&bars.dq_empty[b]), 1);  // the dQ thread's arrival
-    }
-    fence_mbarrier_init();
-}

@@ -4,7 +4,6 @@
 // dQ thread and the consumers (QueryBlockWalk).
 #pragma once
 #include "hopper_primitives.cuh"
-#include "masking.cuh"
 
 // The steps of a key block, one per (query head of its KV head's group, query block whose rows
 // see its keys) pair, taken in the same order by the producer, the dQ thread and the consumers.
@@ -68,33 +67,4 @@ CF2_DEVICE CtaWork cta_work(int group_pairs) {
     const int pair = first_pair + in_group % group_size;
     return {in_group / group_size, pair % static_cast<int>(gridDim.y),
             pair / static_cast<int>(gridDim.y)};
-}
-
-// The query blocks whose rows can see keys [key_first, key_last] (causal / window), as
-// flash_bwd.cu: `first` and `count` of them (0: no query sees the keys).
-struct QueryBlocks {
-    int first, count;
-};
-
-template <int BLOCK_M>
-CF2_DEVICE QueryBlocks query_blocks(const BwdParams& p, const KeyVisibility& vis, int seqlen_q,
-                                    int key_first, int key_last) {
-    int row_begin = 0, row_end = seqlen_q;
-    if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
-    if (p.window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + p.window_left + 1);
-    const int m_first = row_begin / BLOCK_M;
-    const int m_count = row_end > row_begin ? (row_end + BLOCK_M - 1) / BLOCK_M - m_first : 0;
-    return {m_first, m_count};
-}
-
-// Key block kv_block's turn among the adders of query block m_block's rows (deterministic dQ).
-// The key blocks that see the query block's rows are a contiguous range ending at last_adder (a
-// window's edges both grow with the key block); they add from the last down, so this one's turn
-// is last_adder - kv_block.
-template <int BLOCK_M, int BLOCK_N>
-CF2_DEVICE int dq_turn(const KeyVisibility& vis, int m_block, int seqlen_q, int kv_block) {
-    const int m_row0 = m_block * BLOCK_M;
-    int first_adder, adders_end;
-    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N, first_adder, adders_end);
-    return adders_end - 1 - kv_block;
 }

@@ -45,8 +45,6 @@ struct BwdSm90Traits : Sm90CtaLayout {
 
     static constexpr int DIM = HEAD_DIM;
     static constexpr int QUERIES = BLOCK_M;         // the N of S^T and dP^T
-    static constexpr int KEYS = BLOCK_N;            // the key block
-    static constexpr int NUM_STAGES = STAGES;       // of the Q / dO ring
     static constexpr int S_TILES = BLOCK_M / 8;     // n8 column groups of S^T, dP^T (queries)
     // Head dims above 128: the key block's dK, dV and dQ columns are split over NUM_CHUNKS CTAs
     // (grid.x = key block x chunk, as flash_bwd.cu), each recomputing S^T and dP^T over the whole
@@ -121,28 +119,4 @@ struct BwdSm90Traits : Sm90CtaLayout {
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
     static_assert(!DQ_STAGED || NUM_CHUNKS == 1, "staged dQ tiles hold whole rows of dq_accum");
     static_assert(DQ_TILE_BYTES % 16 == 0, "bulk reductions of whole 16-byte chunks");
-};
-
-// The CTA's dynamic shared memory as SMEM_BYTES lays it out: the shared-window addresses of the
-// tiles (the base aligned to SMEM_ALIGN by hand) and a generic pointer to the statistics, which
-// the consumers read with plain loads.
-template <class T>
-struct BwdSm90Smem {
-    u32 k, v;   // K and V of the block (the epilogue stages dK and dV there)
-    u32 q;      // stage s: Q at + s * STAGE_BYTES, dO after
-    u32 ds;     // two buffers
-    u32 stats;  // stage s: lse at + 2 s * STAT_BYTES, D after
-    u32 dq;     // DQ_BUFFERS tiles
-    const float* stats_ptr;
-
-    CF2_DEVICE explicit BwdSm90Smem(unsigned char* smem) {
-        const u32 base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
-        k = base;
-        v = k + T::KV_TILE_BYTES;
-        q = v + T::KV_TILE_BYTES;
-        ds = q + T::NUM_STAGES * T::STAGE_BYTES;
-        stats = ds + 2 * T::DS_BYTES;
-        dq = stats + T::NUM_STAGES * 2 * T::STAT_BYTES;
-        stats_ptr = reinterpret_cast<const float*>(smem + (stats - smem_address(smem)));
-    }
 };
