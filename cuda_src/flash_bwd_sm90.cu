@@ -77,8 +77,7 @@
 // are whole-width tiles). docs/HOPPER_BWD.md compares this with FlashAttention-3's tiles.
 // Left out (static_assert): dropout.
 #include "hopper_primitives.cuh"
-#include "masking.cuh"
-#include "score_mods.cuh"
+#include "variant.cuh"
 #include "dq_accum.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"
@@ -90,7 +89,8 @@
 #include "sm90/bwd_scores.cuh"
 #include "sm90/bwd_mainloop.cuh"
 
-// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi), or 0; DQ_BUFFERS: dQ through
+// FEATURES: the attention variant's (variant.cuh: softcap, ALiBi; its sinks need nothing here, P
+// coming from the lse), or 0; DQ_BUFFERS: dQ through
 // that many shared-memory tiles and bulk reductions (0: vector reductions); DETERMINISTIC: those
 // in key-block order (above). The parameters: BwdSm90Params (kernel_params.cuh); grid (key
 // blocks, KV heads, batch), as flash_bwd.cu's.
@@ -156,7 +156,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
 
     // Query blocks whose rows can see keys [key_first, key_last] (causal / window), as
     // flash_bwd.cu; a step is one (query head of the group, query block) pair.
-    const KeyVisibility vis{seqlen_k - seqlen_q, p.window_left, p.window_right, seqlen_k};
+    using Variant = AttentionVariant<FEATURES>;
+    const KeyVisibility vis =
+        Variant::visibility(seqlen_q, seqlen_k, p.window_left, p.window_right);
     int row_begin = 0, row_end = seqlen_q;
     if (p.window_right >= 0) row_begin = max(0, key_first - vis.diag - p.window_right);
     if (p.window_left >= 0) row_end = min(seqlen_q, key_last - vis.diag + p.window_left + 1);
@@ -370,24 +372,24 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
             const int thread_query0 = row0 + 2 * (tid_now % 4);
             const float offset0 = static_cast<float>(thread_query0 - thread_key0);
             const float* lse = stats + stage * 2 * BLOCK_M + 2 * (tid_now % 4);
-            ScoreMods<FEATURES> mods(p.mods, seqlen_q, seqlen_k);
-            mods.select_head(p.mods, batch, walk.head);
-            mods.apply_softcap(acc_s);
+            Variant variant(p.mods, seqlen_q, seqlen_k);
+            variant.select_head(p.mods, batch, walk.head);
+            variant.apply_softcap(acc_s);
             const int row_last = min(row0 + BLOCK_M, seqlen_q) - 1;
             const bool needs_mask =
                 key_first_now + BLOCK_N > seqlen_k ||
                 (p.window_right >= 0 &&
                  min(key_first_now + BLOCK_N, seqlen_k) - 1 > row0 + vis.diag + p.window_right) ||
                 (p.window_left >= 0 && key_first_now < row_last + vis.diag - p.window_left);
-            if (needs_mask) mask_transposed(acc_s[0], thread_key0, thread_query0, vis);
-            if constexpr (!ScoreMods<FEATURES>::SOFTCAP)
-                exponentiate<T>(acc_s[0], lse, mods, p.scale_log2, offset0);
+            if (needs_mask) Variant::mask_transposed(acc_s[0], thread_key0, thread_query0, vis);
+            if constexpr (!Variant::SOFTCAP)
+                exponentiate<T>(acc_s[0], lse, variant, p.scale_log2, offset0);
             wgmma_wait_group<0>();
             pin_registers(acc_dp);
 
             // P^T and dS^T into registers (A operands of dV, dK), dS^T transposed into the dS
             // tile (A operand of dQ).
-            score_gradients<Elem, T>(p_frag, ds_frag, acc_s[0], acc_dp, lse, mods, p.scale_log2,
+            score_gradients<Elem, T>(p_frag, ds_frag, acc_s[0], acc_dp, lse, variant, p.scale_log2,
                                      offset0);
             store_ds_transposed<T>(ds_tile, ds_frag, 8 * consumer + 2 * warp, lane);
             fence_proxy_async_shared();  // the generic stores, before wgmma reads them

@@ -92,3 +92,42 @@ CF2_DEVICE void mask_scores(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
             mask_scores_edges<true, true>(s, row0, key0, vis);
     }
 }
+
+// Sets the invisible entries of a transposed score tile (the Hopper backward's S^T) to -inf:
+// s[nt][2 half + e] is key key0 + 8 half (this thread's row of S^T), query query0 + 8 nt + e (its
+// column). mask_scores with the roles of rows and columns swapped; one branch per launch on the
+// window's edges, as there (the edges are uniform, the compiler cannot know it).
+template <bool LEFT, bool RIGHT, int NT>
+CF2_DEVICE void mask_transposed_edges(float (&s)[NT][4], int key0, int query0,
+                                      const KeyVisibility& vis) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int query = query0 + 8 * nt + e;
+            const int key_lo = LEFT ? query + vis.diag - vis.window_left : 0;
+            const int key_hi = RIGHT ? min(vis.seqlen_k, query + vis.diag + vis.window_right + 1)
+                                     : vis.seqlen_k;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int key = key0 + 8 * half;
+                if (key < key_lo || key >= key_hi) s[nt][2 * half + e] = neg_inf();
+            }
+        }
+}
+
+template <int NT>
+CF2_DEVICE void mask_transposed(float (&s)[NT][4], int key0, int query0,
+                                const KeyVisibility& vis) {
+    if (vis.window_left < 0) {
+        if (vis.window_right < 0)
+            mask_transposed_edges<false, false>(s, key0, query0, vis);
+        else
+            mask_transposed_edges<false, true>(s, key0, query0, vis);
+    } else {
+        if (vis.window_right < 0)
+            mask_transposed_edges<true, false>(s, key0, query0, vis);
+        else
+            mask_transposed_edges<true, true>(s, key0, query0, vis);
+    }
+}

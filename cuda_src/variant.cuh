@@ -62,6 +62,14 @@ struct AttentionVariant : ScoreMods<FEATURES> {
         return neg_inf();
     }
 
+    // The same for a transposed tile (keys as rows, queries as columns: the Hopper backward's
+    // S^T; mask_transposed's layout).
+    template <int NT>
+    CF2_DEVICE static void mask_transposed(float (&s)[NT][4], int key0, int query0,
+                                           const KeyVisibility& vis) {
+        ::mask_transposed<NT>(s, key0, query0, vis);
+    }
+
     // The lse of a row that sees no key (natural log): +inf (the log of an empty sum), or with
     // SINKS the sink itself (the sink alone in the denominator; a sink of -inf is none). Its
     // output is 0 either way.

@@ -1,58 +1,20 @@
 // The Hopper backward's score-tile pieces of a step (flash_bwd_sm90.cu), on the transposed tiles
 // S^T and dP^T (keys as rows, queries as columns) in the consumers' registers: the mask of a
 // boundary step, P^T from the forward's lse, dS^T, and dS^T's store into the shared dS tile.
-// Every score feature (softcap, ALiBi, masks) acts at these points and nowhere else.
+// Every feature of the attention variant (variant.cuh: softcap, ALiBi, masks) acts at these
+// points and nowhere else.
 #pragma once
 #include "hopper_primitives.cuh"
-#include "masking.cuh"
-#include "score_mods.cuh"
-
-// Sets the invisible entries of a transposed score tile to -inf: s[nt][2 half + e] is key
-// key0 + 8 half (this thread's row of S^T), query query0 + 8 nt + e (its column). masking.cuh's
-// mask_scores with the roles of rows and columns swapped; one branch per launch on the window's
-// edges, as there (the edges are uniform, the compiler cannot know it).
-template <bool LEFT, bool RIGHT, int NT>
-CF2_DEVICE void mask_transposed_edges(float (&s)[NT][4], int key0, int query0,
-                                      const KeyVisibility& vis) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int query = query0 + 8 * nt + e;
-            const int key_lo = LEFT ? query + vis.diag - vis.window_left : 0;
-            const int key_hi = RIGHT ? min(vis.seqlen_k, query + vis.diag + vis.window_right + 1)
-                                     : vis.seqlen_k;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int key = key0 + 8 * half;
-                if (key < key_lo || key >= key_hi) s[nt][2 * half + e] = neg_inf();
-            }
-        }
-}
-
-template <int NT>
-CF2_DEVICE void mask_transposed(float (&s)[NT][4], int key0, int query0, const KeyVisibility& vis) {
-    if (vis.window_left < 0) {
-        if (vis.window_right < 0)
-            mask_transposed_edges<false, false>(s, key0, query0, vis);
-        else
-            mask_transposed_edges<false, true>(s, key0, query0, vis);
-    } else {
-        if (vis.window_right < 0)
-            mask_transposed_edges<true, false>(s, key0, query0, vis);
-        else
-            mask_transposed_edges<true, true>(s, key0, query0, vis);
-    }
-}
+#include "variant.cuh"
 
 // P = exp2((score + ALiBi bias) * scale_log2 - lse_log2[query]) for one entry of S^T; `score` is
 // the raw score (or softcap's t). ALiBi's distance query + diag - key comes from one float a
 // thread plus a constant (`query_minus_key`): the positions themselves are not held, registers
 // being scarcest here.
 template <int FEATURES>
-CF2_DEVICE float probability(float score, float row_lse, const ScoreMods<FEATURES>& mods,
+CF2_DEVICE float probability(float score, float row_lse, const AttentionVariant<FEATURES>& variant,
                              float scale_log2, float query_minus_key) {
-    return fast_exp2(fmaf(mods.biased(score, query_minus_key, 0.f), scale_log2, -row_lse));
+    return fast_exp2(fmaf(variant.biased(score, query_minus_key, 0.f), scale_log2, -row_lse));
 }
 
 // S^T -> P^T in place (while dP^T is still being computed). acc[nt][2 half + e] is key
@@ -60,13 +22,13 @@ CF2_DEVICE float probability(float score, float row_lse, const ScoreMods<FEATURE
 // Without softcap only: with it, dS needs t as well as P, and P is formed in score_gradients.
 template <class T, int FEATURES>
 CF2_DEVICE void exponentiate(float (&acc)[T::S_TILES][4], const float* lse,
-                             const ScoreMods<FEATURES>& mods, float scale_log2, float offset0) {
+                             const AttentionVariant<FEATURES>& variant, float scale_log2, float offset0) {
 #pragma unroll
     for (int nt = 0; nt < T::S_TILES; ++nt) {
         const float2 row_lse = *reinterpret_cast<const float2*>(lse + 8 * nt);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            acc[nt][i] = probability(acc[nt][i], i % 2 ? row_lse.y : row_lse.x, mods, scale_log2,
+            acc[nt][i] = probability(acc[nt][i], i % 2 ? row_lse.y : row_lse.x, variant, scale_log2,
                                      offset0 + static_cast<float>(8 * nt + i % 2 - 8 * (i / 2)));
     }
 }
@@ -79,9 +41,9 @@ CF2_DEVICE void exponentiate(float (&acc)[T::S_TILES][4], const float* lse,
 template <typename Elem, class T, int FEATURES>
 CF2_DEVICE void score_gradients(u32 (&p_frag)[T::M_STEPS][4], u32 (&ds_frag)[T::M_STEPS][4],
                                 const float (&s)[T::S_TILES][4], const float (&dp)[T::S_TILES][4],
-                                const float* lse, const ScoreMods<FEATURES>& mods,
+                                const float* lse, const AttentionVariant<FEATURES>& variant,
                                 float scale_log2, float offset0) {
-    constexpr bool SOFTCAP = ScoreMods<FEATURES>::SOFTCAP;
+    constexpr bool SOFTCAP = AttentionVariant<FEATURES>::SOFTCAP;
 #pragma unroll
     for (int nt = 0; nt < T::S_TILES; ++nt) {
         const float2 d = *reinterpret_cast<const float2*>(lse + T::QUERIES + 8 * nt);
@@ -93,9 +55,9 @@ CF2_DEVICE void score_gradients(u32 (&p_frag)[T::M_STEPS][4], u32 (&ds_frag)[T::
             prob[i] = s[nt][i];
             float grad = dp[nt][i] - (i % 2 ? d.y : d.x);
             if constexpr (SOFTCAP) {
-                prob[i] = probability(s[nt][i], i % 2 ? row_lse.y : row_lse.x, mods, scale_log2,
+                prob[i] = probability(s[nt][i], i % 2 ? row_lse.y : row_lse.x, variant, scale_log2,
                                       offset0 + static_cast<float>(8 * nt + i % 2 - 8 * (i / 2)));
-                grad *= mods.dtanh(s[nt][i]);
+                grad *= variant.dtanh(s[nt][i]);
             }
             ds[i] = prob[i] * grad;
         }
