@@ -95,10 +95,12 @@ def backward_config(problem, features: int, arch: int, views: dict, varlen=None,
     """The Hopper backward's configuration for a checked call, or None where the call stays on
     the mma.sync backward: switched off (ENABLED; varlen: VARLEN), not sm_90, dropout, a head
     dim beyond the Hopper kernels', an empty problem, no driver bindings to encode the maps, or
-    q, k, v, dout the TMA cannot describe."""
+    q, k, v, dout the TMA cannot describe. Sinks (FEATURE_SINKS) take the kernel of the call
+    without them (_configs.backward_features)."""
     p = problem
     if not ENABLED or arch != 90 or (varlen is not None and not VARLEN):
         return None
+    features = _configs.backward_features(features)
     if features & ~COVERED_FEATURES:
         return None
     if not plannable(p, _configs.SM90_BWD_HEAD_DIMS):
@@ -146,12 +148,14 @@ def prepare_backward_sm90(dout, q, k, v, out, lse, *, causal: bool = False,
     import cupy
 
     from . import _attention_plans, _prepare, _validate
+    from ._options import AttentionOptions
 
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
     _validate.check_backward_inputs(problem, dout, q, k, v, out, lse)
     kernel_dim = kernel_head_dim(problem.head_dim)  # raises where the kernel does not cover it
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
-    mods = _prepare.score_mods(problem, softcap, alibi_slopes)
+    mods = _prepare.score_mods(problem, AttentionOptions(softcap=softcap,
+                                                         alibi_slopes=alibi_slopes))
     if config is None:
         config = _configs.bwd_sm90_config(problem.dtype, kernel_dim)
     dq = cupy.empty(q.shape, dtype=q.dtype)
