@@ -41,10 +41,10 @@ def _varlen_fields(varlen) -> dict:
 
 def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: int, arch: int,
                  out_shape, lse_shape, varlen=None, config=None) -> _plans.Plan:
-    """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes,
-    varlen.cu_seqlens_q, varlen.cu_seqlens_k (None where absent). Outputs: [out if not given,
-    lse]. On sm_90 the Hopper kernel runs every call it covers (_hopper.forward_config), the
-    mma.sync kernel the others."""
+    """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes, mods.sinks,
+    varlen.cu_seqlens_q, varlen.cu_seqlens_k (None or missing where absent). Outputs: [out if
+    not given, lse]. On sm_90 the Hopper kernel runs every call it covers
+    (_hopper.forward_config), the mma.sync kernel the others."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
     hopper = None
@@ -147,17 +147,23 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
                   device_id: int, arch: int, grad_shapes: dict, varlen=None,
                   config=None) -> _plans.Plan:
     """views, by struct field: dout, q, k, v, out, lse, dq, dk, dv (None: allocated, in that
-    order, shaped `grad_shapes[name]`), mods.alibi_slopes, varlen.cu_seqlens_q/_k. Outputs: the
-    gradients not given.
+    order, shaped `grad_shapes[name]`), mods.alibi_slopes, mods.sinks, dsinks (with sinks; None:
+    allocated, after the others, float32 (nheads,)), varlen.cu_seqlens_q/_k (None or missing
+    where absent). Outputs: the gradients not given.
 
     Three launches (two in deterministic mode): the preprocess, the main kernel, the dQ
-    conversion (deterministic: the dQ kernel). On sm_90 (unless CUFLASH2_HOPPER_BWD=0) the main
+    conversion (deterministic: the dQ kernel); with sinks (FEATURE_SINKS) the sinks' gradient
+    (flash_bwd_sinks.cu, one CTA a head) right after the preprocess, whose lse_log2 and D it
+    reads. The main kernels take no FEATURE_SINKS: they recompute P from the lse, which counts
+    the sink already. On sm_90 (unless CUFLASH2_HOPPER_BWD=0) the main
     kernel is the Hopper one for every call it covers (_hopper_bwd.backward_config); the
     preprocess, conversion, workspace and every BwdParams field are the same, the struct is
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
     conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one)."""
     p = problem
-    features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+    sinks = views.get("mods.sinks") is not None
+    features = _configs.backward_features(
+        mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN))
     config, hopper = _backward_main_config(p, features, deterministic, arch, views, varlen,
                                            config)
     pad = _configs.BWD_ROW_PADDING
@@ -195,6 +201,9 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
             strides[prefix] = output_strides(grad_shapes[name])
         else:
             strides[prefix] = element_strides(x)
+    if sinks and views.get("dsinks") is None:
+        output_fields.append(("dsinks", len(outputs), 0))
+        outputs.append(((p.nheads,), "float32"))
     fields = {
         **_stride_fields("q", element_strides(views["q"])),
         **_stride_fields("k", element_strides(views["k"])),
@@ -202,8 +211,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         **_stride_fields("o", element_strides(views["out"])),
         **_stride_fields("do", element_strides(views["dout"])),
         **{f: s for prefix, st in strides.items() for f, s in _stride_fields(prefix, st).items()},
-        "seqlen_q": p.seqlen_q, "seqlen_q_padded": seqlen_q_padded, "seqlen_k": p.seqlen_k,
-        "nheads": p.nheads, "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
+        "batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_q_padded": seqlen_q_padded,
+        "seqlen_k": p.seqlen_k, "nheads": p.nheads, "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
         "head_dim": p.head_dim, "accum_dim": config.head_dim,
         # The final dK / dQ scaling uses the softmax scale (d(scaled scores) / d(q.k)); P is
         # recomputed with the scale the softmax saw (softcap's, with softcap).
@@ -223,6 +232,10 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
             rows_per_cta = _configs.PREPROCESS_THREADS // 32 * _configs.PREPROCESS_ROWS_PER_WARP
             launches.append((_launch.kernel_launch(
                 pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch)), aux))
+    if sinks and p.nheads:  # dsinks is written even where there is no row (a sum of none: 0)
+        sink_grad = _configs.AuxKernel(p.dtype, "flash_bwd_sinks_kernel", varlen is not None)
+        launches.append((_launch.kernel_launch(sink_grad, device_id, (p.nheads, 1, 1)), aux))
+    if p.batch and p.nheads:
         if p.seqlen_k:
             launches.append((_launch.kernel_launch(
                 config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch)),
@@ -303,7 +316,10 @@ def prepare_backward_sm90(dout, q, k, v, out, lse, *, causal: bool = False,
     # raises where the kernel does not cover it
     kernel_dim = _hopper_bwd.kernel_head_dim(problem.head_dim)
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
-    mods = _prepare.score_mods(problem, softcap, alibi_slopes)
+    from ._options import AttentionOptions
+
+    mods = _prepare.score_mods(problem, AttentionOptions(softcap=softcap,
+                                                         alibi_slopes=alibi_slopes))
     if config is None:
         config = _configs.bwd_sm90_config(problem.dtype, kernel_dim)
     dq = cupy.empty(q.shape, dtype=q.dtype)

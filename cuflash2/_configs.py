@@ -30,13 +30,32 @@ FEATURE_DROPOUT = 8  # Philox dropout on P (cuda_src/dropout.cuh)
 #: (cuda_src/variant.cuh). The backward main kernels are the same with or without them (P comes
 #: from the lse, which counts the sink); their gradient is flash_bwd_sinks.cu's.
 FEATURE_SINKS = 16
-ALL_FEATURES = tuple(range(16))
-#: The features the decode kernel takes (softcap, ALiBi: no varlen, no backward).
+#: Every combination of the features.
+ALL_FEATURES = tuple(range(32))
+#: The features only the forward kernels take: a backward call's main kernels are those of the
+#: call without them (backward_features).
+FORWARD_ONLY_FEATURES = FEATURE_SINKS
+#: The score-modifier combinations (softcap, ALiBi).
 SCORE_MOD_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_SOFTCAP | FEATURE_ALIBI)
+#: The features the decode kernel takes: each score-modifier set, without and with sinks (no
+#: varlen, no dropout, no backward).
+DECODE_FEATURES = SCORE_MOD_FEATURES + tuple(FEATURE_SINKS | f for f in SCORE_MOD_FEATURES)
 #: The combinations the CPU compile tests build for every kernel, head dim and arch: none, each
 #: feature alone and all together (each feature is its own `if constexpr` branch, so these
-#: compile every line of every branch); sm_90 at d=64/128 builds ALL_FEATURES.
-TESTED_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_VARLEN, FEATURE_DROPOUT, 15)
+#: compile every line of every branch); sm_90 at d=64/128 builds ALL_FEATURES. The backward
+#: builds them without the forward-only features (all together: 15).
+TESTED_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_VARLEN, FEATURE_DROPOUT,
+                   FEATURE_SINKS, 31)
+#: The decode kernel's share of them: each score modifier alone, sinks alone, and all together.
+TESTED_DECODE_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_SINKS,
+                          FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS)
+
+
+def backward_features(features: int) -> int:
+    """The features of a backward call's main kernels: the call's but the forward-only ones
+    (FEATURE_SINKS: P is recomputed from the lse, which counts the sink; the sinks' gradient is
+    a kernel of its own, AuxKernel's flash_bwd_sinks_kernel)."""
+    return features & ~FORWARD_ONLY_FEATURES
 
 #: Architectures the CPU compile tests build for (the GPU path compiles for the device's own).
 CPU_TEST_ARCHS = (80, 86, 89, 90)
@@ -218,12 +237,12 @@ def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
 
 #: Head dims of the Hopper forward, each its own specialisation (fwd_sm90_config's tiles).
 SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-#: The features it takes: the score modifiers (dropout stays on the mma.sync kernel).
-SM90_FWD_FEATURES = SCORE_MOD_FEATURES
-#: Its varlen specialisations: FEATURE_VARLEN with each score-modifier set, one-tile-per-CTA grid
-#: only (compiled and tested on the CPU; dispatched only with _hopper.VARLEN, off until the
-#: H200 has run them).
-SM90_FWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SCORE_MOD_FEATURES)
+#: The features it takes: the score modifiers, without and with sinks (dropout stays on the
+#: mma.sync kernel).
+SM90_FWD_FEATURES = DECODE_FEATURES
+#: Its varlen specialisations: FEATURE_VARLEN with each of those sets, one-tile-per-CTA grid only
+#: (dispatched unless _hopper.VARLEN is off: CUFLASH2_HOPPER_VARLEN=0).
+SM90_FWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SM90_FWD_FEATURES)
 
 
 @dataclass(frozen=True)
@@ -815,7 +834,9 @@ def aux_kernels() -> list[AuxKernel]:
 
 def all_bwd_configs(arch: int, features=(0,)) -> list:
     """Every backward specialisation the dispatcher can choose on `arch` (main kernel with and
-    without dQ, deterministic dQ kernel), for each of `features`."""
+    without dQ, deterministic dQ kernel), for each of `features` (as backward calls with them
+    run it: without the forward-only features; each once)."""
+    features = dict.fromkeys(backward_features(f) for f in features)
     return [with_features(cfg, f) for f in features for dtype in DTYPE_TAGS
             for d in KERNEL_HEAD_DIMS
             for cfg in (bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
@@ -956,7 +977,8 @@ def describe(config) -> str:
     """A kernel configuration in words (cuflash2.forward_kernels, cuflash2.backward_kernels)."""
     dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(config.dtype, config.dtype)
     mods = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "ALiBi"),
-                                   (FEATURE_DROPOUT, "dropout"), (FEATURE_VARLEN, "varlen"))
+                                   (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout"),
+                                   (FEATURE_VARLEN, "varlen"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

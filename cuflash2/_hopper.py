@@ -227,7 +227,7 @@ def forward_config(problem, features: int, window, arch: int, views: dict, varle
     p = problem
     if not ENABLED or arch != 90 or (varlen is not None and not VARLEN):
         return None
-    covered = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
+    covered = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI | _configs.FEATURE_SINKS
     if varlen is not None:
         covered |= _configs.FEATURE_VARLEN
     if features & ~covered:

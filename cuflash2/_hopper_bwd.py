@@ -94,10 +94,12 @@ def backward_config(problem, features: int, arch: int, views: dict, varlen=None,
     """The Hopper backward's configuration for a checked call, or None where the call stays on
     the mma.sync backward: switched off (ENABLED; varlen: VARLEN), not sm_90, dropout, a head
     dim beyond the Hopper kernels', an empty problem, no driver bindings to encode the maps, or
-    q, k, v, dout the TMA cannot describe."""
+    q, k, v, dout the TMA cannot describe. Sinks (FEATURE_SINKS) take the kernel of the call
+    without them (_configs.backward_features)."""
     p = problem
     if not ENABLED or arch != 90 or (varlen is not None and not VARLEN):
         return None
+    features = _configs.backward_features(features)
     if features & ~COVERED_FEATURES:
         return None
     if not plannable(p, _configs.SM90_BWD_HEAD_DIMS):

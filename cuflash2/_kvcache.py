@@ -141,9 +141,10 @@ class KVCachePlan:
 
 
 def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, early_cache_reads):
-    """The signature of a call (as api._forward_key); None where it has none (checked in full
-    then). An int cache_seqlens enters as "an int", its value going to the kernel per call."""
+         options, num_splits, early_cache_reads):
+    """The signature of a call (as api._forward_key; `options`: its _options.AttentionOptions);
+    None where it has none (checked in full then). An int cache_seqlens enters as "an int", its
+    value going to the kernel per call."""
     ndarray = cupy.ndarray
     key = [type(cache_seqlens)]
     if type(cache_seqlens) is ndarray:
@@ -151,30 +152,33 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
                     cache_seqlens.data.device_id))
     elif cache_seqlens is not None and not _is_int(cache_seqlens):
         return None
-    arrays = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, alibi_slopes)
-    if not _plans.add_signature(key, ndarray, arrays, window_size):
+    arrays = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, options.alibi_slopes,
+              options.sinks)
+    if not _plans.add_signature(key, ndarray, arrays, options.window_size):
         return None
     # The current device once the arrays are CuPy ones (api._forward_key says why).
-    key += (cupy.cuda.runtime.getDevice(), type(softmax_scale), softmax_scale, type(causal),
-            causal, type(softcap), softcap, type(num_splits), num_splits,
-            type(early_cache_reads), early_cache_reads)
+    o = options  # its scalar options with their types (seed and offset: per call)
+    key += (cupy.cuda.runtime.getDevice(), type(o.causal), o.causal, type(o.softmax_scale),
+            o.softmax_scale, type(o.softcap), o.softcap, type(o.dropout_p), o.dropout_p,
+            type(num_splits), num_splits, type(early_cache_reads), early_cache_reads)
     return tuple(key)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                           block_table, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, num_splits, return_lse, check_cache, early_cache_reads):
+                           block_table, options, num_splits, return_lse, check_cache,
+                           early_cache_reads):
+    """api.attention_with_kvcache, its options (causal, softmax_scale, window_size, softcap,
+    alibi_slopes, sinks) as one _options.AttentionOptions."""
     global _cupy
     cupy = _cupy or _prepare.cupy_module()
     _cupy = cupy
     key = None if check_cache else _key(
-        cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, early_cache_reads)
+        cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, options,
+        num_splits, early_cache_reads)
     planned = _plans_by_key.get(key)
     if planned is None:
         planned = _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-                        check_cache, early_cache_reads)
+                        options, num_splits, check_cache, early_cache_reads)
         _plans_by_key.put(key, planned)
     # An int (or no) cache_seqlens goes to the kernel as one length for every sequence (the
     # signature holds its type, and its first call was checked in full).
@@ -190,40 +194,41 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         scalars["split_counters"] = split_counters(planned.groups, planned.plan.device_id,
                                                    stream, cupy)
     outputs = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                block_table, alibi_slopes), cupy, scalars,
-                               wrap=2 if return_lse else 1, stream=stream)
+                                block_table, options.alibi_slopes, options.sinks), cupy,
+                               scalars, wrap=2 if return_lse else 1, stream=stream)
     return tuple(outputs) if return_lse else outputs[0]
 
 
-def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-          causal, window_size, softcap, alibi_slopes, num_splits, check_cache,
-          early_cache_reads) -> KVCachePlan:
+def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, options,
+          num_splits, check_cache, early_cache_reads) -> KVCachePlan:
     """Checks a call in full (values too with `check_cache`) and plans its launch."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
-    for name, x in (("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-                    ("cache_batch_idx", cache_batch_idx), ("block_table", block_table)):
+    for name, x in (("k", k), ("v", v), ("alibi_slopes", options.alibi_slopes),
+                    ("sinks", options.sinks), ("cache_batch_idx", cache_batch_idx),
+                    ("block_table", block_table)):
         if x is not None:
             arrays[name] = x
     if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
         arrays["cache_seqlens"] = cache_seqlens
     cupy = _prepare.require_cupy_arrays(arrays)
-    _prepare.check_flag("causal", causal)
+    _prepare.check_flag("causal", options.causal)
     _prepare.check_flag("early_cache_reads", early_cache_reads)
     num_splits = check_num_splits(num_splits)
     kv = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
                                         cache_batch_idx, block_table,
                                         cupy.asnumpy if check_cache else None)
     # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
-    problem = _validate.check_attention_inputs(q, q, q, softmax_scale=softmax_scale)
+    problem = _validate.check_attention_inputs(q, q, q, softmax_scale=options.softmax_scale)
     for name in ("k_cache", "v_cache", "k", "v"):
         if name in arrays:
             _validate.check_strides(name, arrays[name])
     problem = dataclasses.replace(problem, nheads_kv=kv.nheads_kv, seqlen_k=kv.capacity)
-    mods = _prepare.score_mods(problem, softcap, alibi_slopes)
+    mods = _prepare.score_mods(problem, options)
     tensors = {n: x for n, x in arrays.items() if n in ("q", "k_cache", "v_cache", "k", "v")}
     others = {n: x for n, x in arrays.items() if n not in tensors}
     device_id = _prepare.check_device(tensors, others, cupy)
-    window = _validate.check_window(window_size, causal, kv.seqlen_q, kv.capacity)
+    window = _validate.check_window(options.window_size, options.causal, kv.seqlen_q,
+                                    kv.capacity)
     # The decode kernel (compiled here if need be) and its split count.
     arch = _prepare.device_arch(device_id)
     group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
@@ -272,7 +277,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     given = {"cache_seqlens": 5 if "cache_seqlens" in arrays else None,
              "cache_batch_idx": 6 if cache_batch_idx is not None else None,
              "block_table": 7 if block_table is not None else None,
-             "mods.alibi_slopes": 8 if alibi_slopes is not None else None,
+             "mods.alibi_slopes": 8 if options.alibi_slopes is not None else None,
+             "mods.sinks": 9 if options.sinks is not None else None,
              "k_new": 3 if new_tokens else None, "v_new": 4 if new_tokens else None}
     inputs = [("q", 0, 0), ("k_cache", 1, 0), ("v_cache", 2, 0)]
     inputs += [(field, pos, 0) for field, pos in given.items() if pos is not None]

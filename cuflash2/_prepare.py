@@ -91,10 +91,11 @@ def check_device(tensors: dict, others: dict, cupy) -> int:
 
 @dataclass(frozen=True)
 class ScoreMods:
-    """softcap / ALiBi / dropout of one call, as the kernels take them (cuda_src/score_mods.cuh,
-    cuda_src/dropout.cuh, kernel_params.cuh's VariantParams and DropoutParams)."""
+    """softcap / ALiBi / sinks / dropout of one call, as the kernels take them
+    (cuda_src/score_mods.cuh, cuda_src/dropout.cuh, kernel_params.cuh's VariantParams and
+    DropoutParams; the sinks' pointer is an input of the call, `mods.sinks`)."""
 
-    features: int  # FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_DROPOUT template bits
+    features: int  # FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_DROPOUT | FEATURE_SINKS bits
     softmax_scale: float  # scale of the scores the softmax sees: softcap, or the softmax scale
     softcap_scale: float  # softmax_scale / softcap (0 without softcap)
     alibi_batch_stride: int
@@ -121,15 +122,18 @@ def dropout_fields(dropout_p, seed, offset) -> dict:
             "scale": 1.0 / (1.0 - dropout_p)}
 
 
-def score_mods(problem, softcap, alibi_slopes, dropout_p=0.0, seed=None, offset=0) -> ScoreMods:
-    """Checks softcap, alibi_slopes and the dropout arguments and derives the kernel fields."""
-    dropout_args = dropout_fields(dropout_p, seed, offset)
-    softcap = _validate.check_softcap(softcap)
-    stride = _validate.check_alibi_slopes(alibi_slopes, problem.batch, problem.nheads,
+def score_mods(problem, options) -> ScoreMods:
+    """Checks the softcap, alibi_slopes, sinks and dropout options of a call (an
+    `_options.AttentionOptions`) and derives the kernel fields."""
+    dropout_args = dropout_fields(options.dropout_p, options.seed, options.offset)
+    softcap = _validate.check_softcap(options.softcap)
+    stride = _validate.check_alibi_slopes(options.alibi_slopes, problem.batch, problem.nheads,
                                           problem.batched)
+    _validate.check_sinks(options.sinks, problem.nheads)
     features = ((_configs.FEATURE_SOFTCAP if softcap > 0 else 0)
-                | (_configs.FEATURE_ALIBI if alibi_slopes is not None else 0)
-                | (_configs.FEATURE_DROPOUT if dropout_args else 0))
+                | (_configs.FEATURE_ALIBI if options.alibi_slopes is not None else 0)
+                | (_configs.FEATURE_DROPOUT if dropout_args else 0)
+                | (_configs.FEATURE_SINKS if options.sinks is not None else 0))
     effective = softcap if softcap > 0 else problem.softmax_scale
     return ScoreMods(features, effective,
                      problem.softmax_scale / softcap if softcap > 0 else 0.0,

@@ -247,6 +247,34 @@ def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, batched: bool,
     return alibi_slopes.strides[0] // 4 if len(shape) == 2 and batch > 1 else 0
 
 
+def check_sinks(sinks, nheads: int, name: str = "sinks") -> None:
+    """Checks learnable attention sinks (or, with `name="dsinks"`, the array that receives
+    their gradient): float32, shape (nheads,), contiguous. None passes (no sinks)."""
+    if sinks is None:
+        return
+    dtype = getattr(sinks, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.float32:
+        raise TypeError(
+            f"{name} must be a float32 array of shape (nheads,) (one logit a query head); got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(sinks).__name__}")
+    shape = tuple(sinks.shape)
+    if shape != (nheads,):
+        raise ValueError(f"{name} must have shape (nheads,) = ({nheads},) (one logit a query "
+                         f"head); got {shape}")
+    if nheads > 1 and sinks.strides[0] != 4:
+        raise ValueError(f"{name} must be contiguous (stride 4 bytes); got strides "
+                         f"{tuple(sinks.strides)}; use cupy.ascontiguousarray({name})")
+
+
+def check_dsinks(dsinks, sinks, nheads: int) -> None:
+    """The optional output of the sinks' gradient: only with sinks, shaped and typed like them."""
+    if dsinks is None:
+        return
+    if sinks is None:
+        raise ValueError("dsinks receives the gradient of sinks: pass it only with sinks=")
+    check_sinks(dsinks, nheads, "dsinks")
+
+
 # Variable-length batches
 
 

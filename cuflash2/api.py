@@ -11,6 +11,7 @@ import contextlib
 import os
 
 from . import _attention_plans, _configs, _kvcache, _launch, _params, _plans, _prepare, _validate
+from ._options import AttentionOptions
 from ._plans import value_key
 from ._prepare import device_arch  # noqa: F401  (part of the module's interface for tools)
 
@@ -32,19 +33,52 @@ def _cupy_module():
     return _cupy
 
 
-def _dropout_scalars(dropout_p, seed, offset):
-    """The per-call DropoutParams of a call whose dropout_p was checked with its signature;
-    seed and offset are checked here, on every call."""
-    if dropout_p:
-        fields = _prepare.dropout_fields(dropout_p, seed, offset)
-        return {f"dropout.{name}": value for name, value in fields.items()}
-    if seed is not None or offset != 0:
-        _validate.check_dropout(dropout_p, seed, offset)
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
-# Forward
+# The arrays of a call. An entry point passes Plan.run one tuple of arrays (its `inputs`); its
+# layout names them in that order and says which are packed: a packed qkv feeds the q, k and v
+# fields of the kernels' struct from byte offsets of one array, so the packed entry points differ
+# from the others only in their layouts.
+
+#: The struct fields of the arguments not named like their field.
+_FIELDS = {"alibi_slopes": "mods.alibi_slopes", "sinks": "mods.sinks",
+           "cu_seqlens_q": "varlen.cu_seqlens_q", "cu_seqlens_k": "varlen.cu_seqlens_k"}
+
+
+class _Layout:
+    """The input tuple of an entry point: its arrays' argument names in order (`names`), and
+    for each packed argument the views it holds (`packed`, e.g. qkv=("q", "k", "v"))."""
+
+    def __init__(self, *names, **packed):
+        self.names = names
+        self.packed = packed
+
+    def arrays(self, inputs: tuple):
+        """(views by struct field, sources: field -> (input position, array), arrays by
+        argument name) of a call's `inputs`; packed arguments are checked and viewed here."""
+        views, sources, names = {}, {}, {}
+        for pos, (name, x) in enumerate(zip(self.names, inputs)):
+            names[name] = x
+            parts = self.packed.get(name)
+            if parts is None:
+                field = _FIELDS.get(name, name)
+                views[field], sources[field] = x, (pos, x)
+            else:
+                for part, view in zip(parts, _unpack(name, x, len(parts))):
+                    views[part], sources[part] = view, (pos, x)
+        return views, sources, names
+
+
+_ATTENTION = _Layout("q", "k", "v", "out", "alibi_slopes", "sinks")
+_QKVPACKED = _Layout("qkv", "out", "alibi_slopes", "sinks", qkv=("q", "k", "v"))
+_KVPACKED = _Layout("q", "kv", "out", "alibi_slopes", "sinks", kv=("k", "v"))
+_VARLEN = _Layout(*_ATTENTION.names, "cu_seqlens_q", "cu_seqlens_k")
+_BACKWARD = _Layout("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "alibi_slopes",
+                    "sinks", "dsinks")
+_QKVPACKED_BACKWARD = _Layout("dout", "qkv", "out", "lse", "dqkv", "alibi_slopes", "sinks",
+                              "dsinks", qkv=("q", "k", "v"), dqkv=("dq", "dk", "dv"))
+_KVPACKED_BACKWARD = _Layout("dout", "q", "kv", "out", "lse", "dq", "dkv", "alibi_slopes",
+                             "sinks", "dsinks", kv=("k", "v"), dkv=("dk", "dv"))
+_VARLEN_BACKWARD = _Layout(*_BACKWARD.names, "cu_seqlens_q", "cu_seqlens_k")
 
 
 def _typed(names: dict) -> dict:
@@ -52,55 +86,83 @@ def _typed(names: dict) -> dict:
     return {n: x for n, x in names.items() if x is not None and not n.startswith("cu_seqlens")}
 
 
-def _forward_key(kind, cupy, arrays, causal, softmax_scale, window_size, softcap, dropout_p,
-                 extra=()):
+def _device_arrays(layout, views: dict, names: dict, tensor_names) -> tuple[dict, dict]:
+    """(the arrays read in 16-byte chunks, by view name; the others, by argument name) of a
+    call, for check_device."""
+    tensors = {n: views[n] for n in tensor_names if views[n] is not None}
+    others = {n: x for n, x in names.items() if x is not None and n not in tensors
+              and n not in layout.packed}
+    return tensors, others
+
+
+def _kernels(plan) -> list[str]:
+    return [_configs.describe(config) for config in plan.kernels]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+def _forward_key(kind, cupy, arrays, options, extra=()):
     """The signature of an attention call: each array's shape, strides, dtype and device, the
     current device, and every other argument with its type (so that 1 and True differ). None
     where the call has none (a non-CuPy argument; the full check then says what is wrong)."""
     if cupy is None:
         return None
     key = [kind]
-    if not _plans.add_signature(key, cupy.ndarray, arrays, window_size):
+    if not _plans.add_signature(key, cupy.ndarray, arrays, options.window_size):
         return None
     # The current device only once every array is a CuPy one: a call with a NumPy array gets
     # the full check's message, also where CuPy finds no usable GPU.
-    key += (cupy.cuda.runtime.getDevice(), type(causal), causal, type(softmax_scale),
-            softmax_scale, type(softcap), softcap, type(dropout_p), dropout_p, *extra)
+    o = options  # its scalar options with their types (seed and offset: per call)
+    key += (cupy.cuda.runtime.getDevice(), type(o.causal), o.causal, type(o.softmax_scale),
+            o.softmax_scale, type(o.softcap), o.softcap, type(o.dropout_p), o.dropout_p, *extra)
     return tuple(key)
 
 
-def _plan_forward(views, sources, names, causal, softmax_scale, window_size, softcap,
-                  alibi_slopes, dropout_p, seed, offset, varlen_args=None):
-    """Checks a forward call in full and plans it. `views`: q, k, v, out as the kernels see
-    them; `names`: the call's arrays by argument name (for the type and device checks)."""
+def _plan_forward(layout, inputs, options, varlen_args=None):
+    """Checks a forward call (its arrays `inputs`, as `layout` names them, and its `options`)
+    in full and plans it."""
+    views, sources, names = layout.arrays(inputs)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
-    _prepare.check_flag("causal", causal)
+    _prepare.check_flag("causal", options.causal)
     varlen = None
     if varlen_args is None:
-        problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)
+        problem = _validate.check_attention_inputs(q, k, v, softmax_scale=options.softmax_scale,
+                                                   out=out)
         lse_shape = ((problem.batch,) if problem.batched else ()) + (problem.nheads,
                                                                      problem.seqlen_q)
     else:
         packed, problem, varlen = _prepare.varlen_problem(q, k, v, *varlen_args[:4],
-                                                          softmax_scale, out, varlen_args[4],
-                                                          cupy)
+                                                          options.softmax_scale, out,
+                                                          varlen_args[4], cupy)
         lse_shape = (packed.nheads, packed.seqlen_q)
-    mods = _prepare.score_mods(problem, softcap, alibi_slopes, dropout_p, seed, offset)
-    tensors = {n: x for n, x in (("q", q), ("k", k), ("v", v), ("out", out)) if x is not None}
-    others = {n: x for n, x in names.items() if x is not None and n not in tensors
-              and n not in ("qkv", "kv")}
-    device_id = _prepare.check_device(tensors, others, cupy)
-    window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
-    return _attention_plans.forward_plan(
-        {**views, "mods.alibi_slopes": alibi_slopes}, sources, problem, mods, window, device_id,
-        device_arch(device_id), q.shape, lse_shape, varlen)
+    mods = _prepare.score_mods(problem, options)
+    device_id = _prepare.check_device(
+        *_device_arrays(layout, views, names, ("q", "k", "v", "out")), cupy)
+    window = _validate.check_window(options.window_size, options.causal, problem.seqlen_q,
+                                    problem.seqlen_k)
+    return _attention_plans.forward_plan(views, sources, problem, mods, window, device_id,
+                                         device_arch(device_id), q.shape, lse_shape, varlen)
 
 
-def _forward_result(plan, inputs, out, return_lse, dropout_p, seed, offset, cupy):
+def _forward_plan(kind, layout, cupy, inputs, options, extra=(), varlen_args=None):
+    """(the plan of a forward call, whether it was made now: the call checked in full), from
+    the cache or checked and made."""
+    key = _forward_key(kind, cupy, inputs, options, extra)
+    plan = _forward_plans.get(key)
+    if plan is not None:
+        return plan, False
+    plan = _plan_forward(layout, inputs, options, varlen_args)
+    _forward_plans.put(key, plan)
+    return plan, True
+
+
+def _forward_result(plan, inputs, options, out, return_lse, cupy):
     """Runs a forward plan, whose outputs are [out unless given, lse]."""
     given = out is not None
-    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset),
+    outputs = plan.run(inputs, cupy, options.dropout_scalars(),
                        wrap=None if return_lse else 1 - given)
     if not given:
         out = outputs[0]
@@ -108,7 +170,8 @@ def _forward_result(plan, inputs, out, return_lse, dropout_p, seed, offset, cupy
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, return_lse=False, out=None):
+              alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
+              return_lse=False, out=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -121,178 +184,163 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     defaults to 1/sqrt(headdim). `softcap > 0` caps the scaled scores to
     softcap * tanh(scores / softcap) (0: off). `alibi_slopes`, a float32 CuPy array (nheads,) or
     (batch, nheads), adds the bias -slope * |i + seqlen_k - seqlen_q - j| to the scores of query
-    i and key j (after softcap, before masking), as flash-attn. `dropout_p > 0` drops attention
+    i and key j (after softcap, before masking), as flash-attn. `sinks`, a float32 CuPy array
+    (nheads,), adds one learned logit per query head to every row's softmax denominator, with no
+    value (gpt-oss's attention sinks). `dropout_p > 0` drops attention
     probabilities with a counter-based (Philox) mask drawn from `seed` (an int, required) and
     `offset`, the same in the backward; `cuflash2.dropout_mask` returns that mask. `out` receives
     the result if given.
 
     Returns `out` (shape and dtype of q), or `(out, lse)` with `return_lse=True`: lse is float32
     (batch, nheads, seqlen_q), the natural-log logsumexp of each row's scores as the softmax sees
-    them (scaled, capped, biased; +inf, with out 0, for a row that sees no key). Runs on the
-    current CuPy stream, without host syncs.
+    them (scaled, capped, biased; with sinks, the sink's exp counted too; +inf, with out 0, for
+    a row that sees no key, or the sink's logit with sinks). Runs on the current CuPy stream,
+    without host syncs.
     """
-    cupy = _cupy_module()
-    plan = _attention_plan(cupy, q, k, v, out, causal, softmax_scale, window_size, softcap,
-                           alibi_slopes, dropout_p, seed, offset)
-    return _forward_result(plan, (q, k, v, out, alibi_slopes), out, return_lse, dropout_p, seed,
-                           offset, cupy)
-
-
-def _attention_plan(cupy, q, k, v, out, causal, softmax_scale, window_size, softcap,
-                    alibi_slopes, dropout_p, seed, offset):
-    key = _forward_key("attention", cupy, (q, k, v, out, alibi_slopes), causal, softmax_scale,
-                       window_size, softcap, dropout_p)
-    plan = _forward_plans.get(key)
-    if plan is None:
-        sources = {"q": (0, q), "k": (1, k), "v": (2, v), "out": (3, out),
-                   "mods.alibi_slopes": (4, alibi_slopes)}
-        plan = _plan_forward({"q": q, "k": k, "v": v, "out": out}, sources,
-                             {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes},
-                             causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             dropout_p, seed, offset)
-        _forward_plans.put(key, plan)
-    return plan
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (q, k, v, out, alibi_slopes, sinks)
+    cupy = _cupy or _cupy_module()
+    plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
+    return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
 def forward_kernels(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
-                    out=None) -> list[str]:
+                    softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
+                    offset=0, out=None) -> list[str]:
     """The kernels `attention(q, k, v, ...)` with these arguments runs on the current device,
     in words: on an H100/H200 the Hopper forward (wgmma, TMA, warp specialisation) where it
     covers the call, the mma.sync forward otherwise. The call is checked and planned (the
     kernels compiled), nothing is launched."""
-    plan = _attention_plan(_cupy_module(), q, k, v, out, causal, softmax_scale, window_size,
-                           softcap, alibi_slopes, dropout_p, seed, offset)
-    return [_configs.describe(config) for config in plan.kernels]
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    plan, _ = _forward_plan("attention", _ATTENTION, _cupy_module(),
+                            (q, k, v, out, alibi_slopes, sinks), options)
+    return _kernels(plan)
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward
 
 
-def _backward_key(kind, cupy, arrays, causal, softmax_scale, window_size, softcap, dropout_p,
-                  deterministic, extra=()):
-    return _forward_key(kind, cupy, arrays, causal, softmax_scale, window_size, softcap,
-                        dropout_p, (value_key(deterministic), *extra))
+def _backward_key(kind, cupy, arrays, options, deterministic, extra=()):
+    return _forward_key(kind, cupy, arrays, options, (value_key(deterministic), *extra))
 
 
-def _plan_backward(views, sources, names, causal, softmax_scale, window_size, softcap,
-                   alibi_slopes, dropout_p, seed, offset, deterministic, varlen_args=None):
-    """Checks a backward call in full and plans it (views as in _plan_forward, plus dout, out,
-    lse and the given gradients)."""
+def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
+    """Checks a backward call in full and plans it (as _plan_forward; its arrays: dout, q, k,
+    v, out, lse, the gradients given, the optional ones)."""
+    views, sources, names = layout.arrays(inputs)
     q, k, v = views["q"], views["k"], views["v"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
-    _prepare.check_flag("causal", causal)
+    _prepare.check_flag("causal", options.causal)
     _prepare.check_flag("deterministic", deterministic)
     varlen = None
     if varlen_args is None:
-        problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
+        problem = _validate.check_attention_inputs(q, k, v, softmax_scale=options.softmax_scale)
         checked = problem
     else:
         checked, problem, varlen = _prepare.varlen_problem(q, k, v, *varlen_args[:4],
-                                                           softmax_scale, None, varlen_args[4],
-                                                           cupy)
+                                                           options.softmax_scale, None,
+                                                           varlen_args[4], cupy)
     _validate.check_backward_inputs(checked, views["dout"], q, k, v, views["out"], views["lse"],
                                     dq=views["dq"], dk=views["dk"], dv=views["dv"])
-    window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
-    mods = _prepare.score_mods(problem, softcap, alibi_slopes, dropout_p, seed, offset)
-    tensor_names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
-    tensors = {n: views[n] for n in tensor_names if views[n] is not None}
-    others = {n: x for n, x in names.items() if x is not None and n not in tensors
-              and n not in ("qkv", "kv", "dqkv", "dkv")}
-    device_id = _prepare.check_device(tensors, others, cupy)
+    window = _validate.check_window(options.window_size, options.causal, problem.seqlen_q,
+                                    problem.seqlen_k)
+    mods = _prepare.score_mods(problem, options)
+    _validate.check_dsinks(views["dsinks"], options.sinks, problem.nheads)
+    device_id = _prepare.check_device(*_device_arrays(
+        layout, views, names, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")), cupy)
     return _attention_plans.backward_plan(
-        {**views, "mods.alibi_slopes": alibi_slopes}, sources, problem, mods, window,
-        bool(deterministic), device_id, device_arch(device_id),
-        {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen)
+        views, sources, problem, mods, window, bool(deterministic), device_id,
+        device_arch(device_id), {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen)
 
 
-def _gradients(outputs, dq, dk, dv):
-    """(dq, dk, dv): the given arrays, the allocated ones in between."""
+def _backward_plan(kind, layout, cupy, inputs, options, deterministic, extra=(),
+                   varlen_args=None):
+    """(the plan of a backward call, whether it was made now), as _forward_plan."""
+    key = _backward_key(kind, cupy, inputs, options, deterministic, extra)
+    plan = _backward_plans.get(key)
+    if plan is not None:
+        return plan, False
+    plan = _plan_backward(layout, inputs, options, deterministic, varlen_args)
+    _backward_plans.put(key, plan)
+    return plan, True
+
+
+def _gradients(outputs, given):
+    """The gradients of a backward call: the arrays `given` to receive them, and for each None
+    among them the next of the plan's `outputs` (allocated in that order)."""
     allocated = iter(outputs)
-    return tuple(next(allocated) if x is None else x for x in (dq, dk, dv))
+    return tuple(next(allocated) if x is None else x for x in given)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                       seed=None, offset=0, deterministic=False, dq=None, dk=None, dv=None):
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                       dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
+                       dk=None, dv=None, dsinks=None):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
-    forward's causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed and
-    offset.
+    forward's causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed
+    and offset.
 
     FlashAttention-2's backward: P is recomputed from lse, extra memory is O(seqlen) (an fp32 dq
     accumulator and two fp32 values per query row), never O(seqlen_q * seqlen_k). dq, dk, dv have
     the dtype and shapes of q, k, v (for GQA/MQA, dk and dv sum over the query heads sharing each
-    KV head); `dq=`, `dk=`, `dv=` receive them if given. `deterministic=True` gives bitwise
-    reproducible results (no floating-point atomics). Runs on the current CuPy stream.
+    KV head); `dq=`, `dk=`, `dv=` receive them if given. With `sinks` the result is
+    (dq, dk, dv, dsinks), dsinks float32 (nheads,) (into `dsinks=` if given): one gradient a
+    differentiable array argument of the forward, in its order. `deterministic=True` gives
+    bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
     """
-    cupy = _cupy_module()
-    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)
-    plan = _attention_backward_plan(cupy, inputs, causal, softmax_scale, window_size, softcap,
-                                    dropout_p, seed, offset, deterministic)
-    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset))
-    return _gradients(outputs, dq, dk, dv)
-
-
-def _attention_backward_plan(cupy, inputs, causal, softmax_scale, window_size, softcap,
-                             dropout_p, seed, offset, deterministic):
-    """The plan of attention_backward's call on `inputs` (dout, q, k, v, out, lse, dq, dk, dv,
-    alibi_slopes), from the cache or checked and made."""
-    key = _backward_key("attention_backward", cupy, inputs, causal, softmax_scale, window_size,
-                        softcap, dropout_p, deterministic)
-    plan = _backward_plans.get(key)
-    if plan is None:
-        names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
-        views = dict(zip(names, inputs))
-        sources = {n: (i, x) for i, (n, x) in enumerate(zip(names, inputs))}
-        sources["mods.alibi_slopes"] = (9, inputs[9])
-        plan = _plan_backward(views, sources, {**views, "alibi_slopes": inputs[9]}, causal,
-                              softmax_scale, window_size, softcap, inputs[9], dropout_p, seed,
-                              offset, deterministic)
-        _backward_plans.put(key, plan)
-    return plan
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
+    cupy = _cupy or _cupy_module()
+    plan, _ = _backward_plan("attention_backward", _BACKWARD, cupy, inputs, options,
+                             deterministic)
+    outputs = plan.run(inputs, cupy, options.dropout_scalars())
+    return _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
 
 
 def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     seed=None, offset=0, deterministic=False, dq=None, dk=None,
-                     dv=None) -> list[str]:
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                     dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None, dk=None,
+                     dv=None, dsinks=None) -> list[str]:
     """The kernels `attention_backward(dout, q, k, v, out, lse, ...)` with these arguments runs
     on the current device, in words, in launch order: the preprocess, the main kernel (on an
     H100/H200 the Hopper backward where it covers the call (unless CUFLASH2_HOPPER_BWD=0), the
     mma.sync backward otherwise), then the dQ conversion (the dQ kernel in deterministic mode).
     The call is checked and planned (the kernels compiled), nothing is launched."""
-    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)
-    plan = _attention_backward_plan(_cupy_module(), inputs, causal, softmax_scale, window_size,
-                                    softcap, dropout_p, seed, offset, deterministic)
-    return [_configs.describe(config) for config in plan.kernels]
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
+    plan, _ = _backward_plan("attention_backward", _BACKWARD, _cupy_module(), inputs, options,
+                             deterministic)
+    return _kernels(plan)
 
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
+                  softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
                   deterministic=False):
-    """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`,
-    which keeps the forward's lse (and out) internally."""
+    """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`
+    (with sinks `(dq, dk, dv, dsinks)`), which keeps the forward's lse (and out) internally."""
     if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
         seed = int.from_bytes(os.urandom(8), "little")
-    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         dropout_p=dropout_p, seed=seed, offset=offset, return_lse=True)
+    kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                  seed=seed, offset=offset)
+    out, lse = attention(q, k, v, return_lse=True, **kwargs)
 
     def vjp(dout):
-        return attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                  softmax_scale=softmax_scale, window_size=window_size,
-                                  softcap=softcap, alibi_slopes=alibi_slopes,
-                                  dropout_p=dropout_p, seed=seed, offset=offset,
-                                  deterministic=deterministic)
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                  **kwargs)
 
     return out, vjp
 
 
 # ---------------------------------------------------------------------------------------------
 # Packed inputs: views into one array, no copies (the kernels take any strides whose last dim is
-# contiguous). A plan reads q, k, v at fixed byte offsets of the packed array.
+# contiguous). A plan reads q, k, v at fixed byte offsets of the packed array (_Layout).
 
 
 def _unpack(name: str, packed, parts: int):
@@ -306,45 +354,27 @@ def _unpack(name: str, packed, parts: int):
 
 
 def attention_qkvpacked(qkv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
-                        return_lse=False, out=None):
+                        softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
+                        offset=0, return_lse=False, out=None):
     """`attention` on q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim), without copies."""
-    cupy = _cupy_module()
-    key = _forward_key("attention_qkvpacked", cupy, (qkv, out, alibi_slopes), causal,
-                       softmax_scale, window_size, softcap, dropout_p)
-    plan = _forward_plans.get(key)
-    if plan is None:
-        q, k, v = _unpack("qkv", qkv, 3)
-        sources = {"q": (0, qkv), "k": (0, qkv), "v": (0, qkv), "out": (1, out),
-                   "mods.alibi_slopes": (2, alibi_slopes)}
-        plan = _plan_forward({"q": q, "k": k, "v": v, "out": out}, sources,
-                             {"qkv": qkv, "out": out, "alibi_slopes": alibi_slopes}, causal,
-                             softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
-                             offset)
-        _forward_plans.put(key, plan)
-    return _forward_result(plan, (qkv, out, alibi_slopes), out, return_lse, dropout_p, seed,
-                           offset, cupy)
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (qkv, out, alibi_slopes, sinks)
+    cupy = _cupy or _cupy_module()
+    plan, _ = _forward_plan("attention_qkvpacked", _QKVPACKED, cupy, inputs, options)
+    return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
 def attention_kvpacked(q, kv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0,
-                       return_lse=False, out=None):
+                       softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
+                       offset=0, return_lse=False, out=None):
     """`attention` with k, v packed as kv (batch, seqlen_k, 2, nheads_kv, headdim)."""
-    cupy = _cupy_module()
-    key = _forward_key("attention_kvpacked", cupy, (q, kv, out, alibi_slopes), causal,
-                       softmax_scale, window_size, softcap, dropout_p)
-    plan = _forward_plans.get(key)
-    if plan is None:
-        k, v = _unpack("kv", kv, 2)
-        sources = {"q": (0, q), "k": (1, kv), "v": (1, kv), "out": (2, out),
-                   "mods.alibi_slopes": (3, alibi_slopes)}
-        plan = _plan_forward({"q": q, "k": k, "v": v, "out": out}, sources,
-                             {"q": q, "kv": kv, "out": out, "alibi_slopes": alibi_slopes},
-                             causal, softmax_scale, window_size, softcap, alibi_slopes,
-                             dropout_p, seed, offset)
-        _forward_plans.put(key, plan)
-    return _forward_result(plan, (q, kv, out, alibi_slopes), out, return_lse, dropout_p, seed,
-                           offset, cupy)
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (q, kv, out, alibi_slopes, sinks)
+    cupy = _cupy or _cupy_module()
+    plan, _ = _forward_plan("attention_kvpacked", _KVPACKED, cupy, inputs, options)
+    return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
 def _packed_gradient(name: str, given, packed):
@@ -362,60 +392,39 @@ def _packed_gradient(name: str, given, packed):
 
 def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_scale=None,
                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                 dropout_p=0.0, seed=None, offset=0, deterministic=False,
-                                 dqkv=None):
-    """Gradient of `attention_qkvpacked`: dqkv shaped like qkv (written into `dqkv` if given)."""
-    cupy = _cupy_module()
+                                 sinks=None, dropout_p=0.0, seed=None, offset=0,
+                                 deterministic=False, dqkv=None, dsinks=None):
+    """Gradient of `attention_qkvpacked`: dqkv shaped like qkv (written into `dqkv` if given);
+    with sinks `(dqkv, dsinks)`."""
+    cupy = _cupy or _cupy_module()
     _prepare.require_cupy_arrays({"qkv": qkv})
     dqkv = _packed_gradient("dqkv", dqkv, qkv)
-    inputs = (dout, qkv, out, lse, dqkv, alibi_slopes)
-    key = _backward_key("attention_qkvpacked_backward", cupy, inputs, causal, softmax_scale,
-                        window_size, softcap, dropout_p, deterministic)
-    plan = _backward_plans.get(key)
-    if plan is None:
-        q, k, v = _unpack("qkv", qkv, 3)
-        dq, dk, dv = _unpack("dqkv", dqkv, 3)
-        views = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq,
-                 "dk": dk, "dv": dv}
-        sources = {"dout": (0, dout), "q": (1, qkv), "k": (1, qkv), "v": (1, qkv),
-                   "out": (2, out), "lse": (3, lse), "dq": (4, dqkv), "dk": (4, dqkv),
-                   "dv": (4, dqkv), "mods.alibi_slopes": (5, alibi_slopes)}
-        names = {"dout": dout, "qkv": qkv, "out": out, "lse": lse, "dqkv": dqkv,
-                 "alibi_slopes": alibi_slopes}
-        plan = _plan_backward(views, sources, names, causal, softmax_scale, window_size, softcap,
-                              alibi_slopes, dropout_p, seed, offset, deterministic)
-        _backward_plans.put(key, plan)
-    plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset))
-    return dqkv
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (dout, qkv, out, lse, dqkv, alibi_slopes, sinks, dsinks)
+    plan, _ = _backward_plan("attention_qkvpacked_backward", _QKVPACKED_BACKWARD, cupy, inputs,
+                             options, deterministic)
+    outputs = plan.run(inputs, cupy, options.dropout_scalars())
+    return dqkv if sinks is None else (dqkv, *_gradients(outputs, (dsinks,)))
 
 
 def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_scale=None,
                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                dropout_p=0.0, seed=None, offset=0, deterministic=False,
-                                dq=None, dkv=None):
-    """Gradient of `attention_kvpacked`: (dq, dkv), dkv shaped like kv."""
-    cupy = _cupy_module()
+                                sinks=None, dropout_p=0.0, seed=None, offset=0,
+                                deterministic=False, dq=None, dkv=None, dsinks=None):
+    """Gradient of `attention_kvpacked`: (dq, dkv), dkv shaped like kv; with sinks
+    `(dq, dkv, dsinks)`."""
+    cupy = _cupy or _cupy_module()
     _prepare.require_cupy_arrays({"kv": kv})
     dkv = _packed_gradient("dkv", dkv, kv)
-    inputs = (dout, q, kv, out, lse, dq, dkv, alibi_slopes)
-    key = _backward_key("attention_kvpacked_backward", cupy, inputs, causal, softmax_scale,
-                        window_size, softcap, dropout_p, deterministic)
-    plan = _backward_plans.get(key)
-    if plan is None:
-        k, v = _unpack("kv", kv, 2)
-        dk, dv = _unpack("dkv", dkv, 2)
-        views = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq,
-                 "dk": dk, "dv": dv}
-        sources = {"dout": (0, dout), "q": (1, q), "k": (2, kv), "v": (2, kv), "out": (3, out),
-                   "lse": (4, lse), "dq": (5, dq), "dk": (6, dkv), "dv": (6, dkv),
-                   "mods.alibi_slopes": (7, alibi_slopes)}
-        names = {"dout": dout, "q": q, "kv": kv, "out": out, "lse": lse, "dq": dq, "dkv": dkv,
-                 "alibi_slopes": alibi_slopes}
-        plan = _plan_backward(views, sources, names, causal, softmax_scale, window_size, softcap,
-                              alibi_slopes, dropout_p, seed, offset, deterministic)
-        _backward_plans.put(key, plan)
-    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset))
-    return (outputs[0] if dq is None else dq), dkv
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (dout, q, kv, out, lse, dq, dkv, alibi_slopes, sinks, dsinks)
+    plan, _ = _backward_plan("attention_kvpacked_backward", _KVPACKED_BACKWARD, cupy, inputs,
+                             options, deterministic)
+    outputs = plan.run(inputs, cupy, options.dropout_scalars())
+    dq, *rest = _gradients(outputs, (dq,) if sinks is None else (dq, dsinks))
+    return (dq, dkv, *rest)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,10 +440,14 @@ def _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                             softmax_scale, out, True, cupy)
 
 
+def _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens) -> tuple:
+    return value_key(max_seqlen_q), value_key(max_seqlen_k), value_key(check_cu_seqlens)
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, return_lse=False,
-                     out=None, check_cu_seqlens=True):
+                     alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
+                     return_lse=False, out=None, check_cu_seqlens=True):
     """`attention` on variable-length sequences packed one after another (flash-attn's
     `flash_attn_varlen_func`).
 
@@ -450,92 +463,66 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lengths: one device synchronisation. With False nothing is synchronised and bad values give
     undefined results (never out-of-bounds accesses: the kernels clamp to the packed lengths).
     """
-    cupy = _cupy_module()
-    inputs = (q, k, v, out, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-    plan, planned = _varlen_plan(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k, causal, softmax_scale, window_size, softcap,
-                                 alibi_slopes, dropout_p, seed, offset, out, check_cu_seqlens)
+    plan, planned, inputs, options, cupy = _varlen_plan(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+        window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset, out,
+        check_cu_seqlens)
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, out, cupy)
-    return _forward_result(plan, inputs, out, return_lse, dropout_p, seed, offset, cupy)
+    return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
-def _varlen_plan(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                 softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, offset, out,
-                 check_cu_seqlens):
-    """(plan of an attention_varlen call, whether it was planned now: the call checked in full)
-    (varlen_forward_kernels names its kernels)."""
-    inputs = (q, k, v, out, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-    key = _forward_key("attention_varlen", cupy, inputs, causal, softmax_scale, window_size,
-                       softcap, dropout_p, (value_key(max_seqlen_q), value_key(max_seqlen_k),
-                                            value_key(check_cu_seqlens)))
-    plan = _forward_plans.get(key)
-    if plan is None:
-        names = {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes,
-                 "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-        sources = {"q": (0, q), "k": (1, k), "v": (2, v), "out": (3, out),
-                   "mods.alibi_slopes": (4, alibi_slopes),
-                   "varlen.cu_seqlens_q": (5, cu_seqlens_q),
-                   "varlen.cu_seqlens_k": (6, cu_seqlens_k)}
-        views = {"q": q, "k": k, "v": v, "out": out, "varlen.cu_seqlens_q": cu_seqlens_q,
-                 "varlen.cu_seqlens_k": cu_seqlens_k}
-        plan = _plan_forward(views, sources, names, causal, softmax_scale, window_size, softcap,
-                             alibi_slopes, dropout_p, seed, offset,
-                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              check_cu_seqlens))
-        _forward_plans.put(key, plan)
-        return plan, True
-    return plan, False
+def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                 softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed,
+                 offset, out, check_cu_seqlens):
+    """(plan of an attention_varlen call, whether it was planned now: the call checked in full,
+    its inputs, its options, cupy) (varlen_forward_kernels names its kernels)."""
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (q, k, v, out, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
+    cupy = _cupy or _cupy_module()
+    plan, planned = _forward_plan(
+        "attention_varlen", _VARLEN, cupy, inputs, options,
+        _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens),
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_cu_seqlens))
+    return plan, planned, inputs, options, cupy
 
 
 def varlen_forward_kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, out=None,
-                           check_cu_seqlens=True) -> list[str]:
+                           alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
+                           out=None, check_cu_seqlens=True) -> list[str]:
     """`forward_kernels` for `attention_varlen` with these arguments: the kernels it runs on the
     current device, in words. The call is checked and planned, nothing is launched."""
-    plan, _ = _varlen_plan(_cupy_module(), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, causal, softmax_scale, window_size, softcap,
-                           alibi_slopes, dropout_p, seed, offset, out, check_cu_seqlens)
-    return [_configs.describe(config) for config in plan.kernels]
+    plan = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
+                        seed, offset, out, check_cu_seqlens)[0]
+    return _kernels(plan)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, *, causal=False, softmax_scale=None,
-                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                               dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
-                              dk=None, dv=None, check_cu_seqlens=True):
+                              dk=None, dv=None, dsinks=None, check_cu_seqlens=True):
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
-    As `attention_backward` otherwise."""
-    cupy = _cupy_module()
-    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-    key = _backward_key("attention_varlen_backward", cupy, inputs, causal, softmax_scale,
-                        window_size, softcap, dropout_p, deterministic,
-                        (value_key(max_seqlen_q), value_key(max_seqlen_k),
-                         value_key(check_cu_seqlens)))
-    plan = _backward_plans.get(key)
-    if plan is None:
-        names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
-        views = dict(zip(names, inputs))
-        sources = {n: (i, x) for i, (n, x) in enumerate(zip(names, inputs))}
-        sources.update({"mods.alibi_slopes": (9, alibi_slopes),
-                        "varlen.cu_seqlens_q": (10, cu_seqlens_q),
-                        "varlen.cu_seqlens_k": (11, cu_seqlens_k)})
-        arrays = {**views, "alibi_slopes": alibi_slopes, "cu_seqlens_q": cu_seqlens_q,
-                  "cu_seqlens_k": cu_seqlens_k}
-        views.update({"varlen.cu_seqlens_q": cu_seqlens_q, "varlen.cu_seqlens_k": cu_seqlens_k})
-        plan = _plan_backward(views, sources, arrays, causal, softmax_scale, window_size, softcap,
-                              alibi_slopes, dropout_p, seed, offset, deterministic,
-                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               check_cu_seqlens))
-        _backward_plans.put(key, plan)
-    elif check_cu_seqlens:
+    As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks))."""
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p, seed, offset)
+    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks, cu_seqlens_q,
+              cu_seqlens_k)
+    cupy = _cupy or _cupy_module()
+    plan, planned = _backward_plan(
+        "attention_varlen_backward", _VARLEN_BACKWARD, cupy, inputs, options, deterministic,
+        _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens),
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_cu_seqlens))
+    if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, None, cupy)
-    outputs = plan.run(inputs, cupy, _dropout_scalars(dropout_p, seed, offset))
-    return _gradients(outputs, dq, dk, dv)
+    outputs = plan.run(inputs, cupy, options.dropout_scalars())
+    return _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
 
 
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
@@ -576,7 +563,7 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                            cache_batch_idx=None, block_table=None, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           num_splits=0, return_lse=False, check_cache=False,
+                           sinks=None, num_splits=0, return_lse=False, check_cache=False,
                            early_cache_reads=False):
     """Attention of q against a KV cache, for inference (flash-attn's `flash_attn_with_kvcache`).
 
@@ -589,7 +576,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     tokens, written into the cache **in place** at cache_seqlens[b] .. before the attention over
     the first cache_seqlens[b] + seqlen_new positions (causal / windows bottom-right aligned).
     `num_splits`: KV splits (0: chosen to fill the GPU; 1: none); partial results are merged
-    with their lse in fp32. Returns out (shaped like q), or (out, lse (batch, nheads, seqlen_q)).
+    with their lse in fp32. `sinks`: as `attention`'s. Returns out (shaped like q), or
+    (out, lse (batch, nheads, seqlen_q)).
 
     No host synchronisation: values are not checked unless `check_cache=True` (one sync), and
     unchecked bad values never cause out-of-bounds accesses: positions past the capacity are
@@ -609,9 +597,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     come from the cache as it was before that kernel's writes. Elsewhere it changes nothing.
     """
     return _kvcache.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, num_splits, return_lse, check_cache,
-        early_cache_reads)
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+        AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks),
+        num_splits, return_lse, check_cache, early_cache_reads)
 
 
 @contextlib.contextmanager

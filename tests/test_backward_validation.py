@@ -11,6 +11,7 @@ import pytest
 
 import cuflash2
 from cuflash2 import _validate
+from test_plans_host import api_host, launches  # noqa: F401  (fixtures)
 
 FP16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -176,3 +177,47 @@ def test_numpy_vjp_input_gets_a_hint():
     args = _args()
     with pytest.raises(TypeError, match=r"\bq\b"):
         cuflash2.attention_vjp(args["q"], args["k"], args["v"])
+
+
+# The sinks' gradient (dsinks=): a float32 (nheads,) contiguous CuPy array on the device, given
+# only with sinks.
+
+
+@pytest.mark.parametrize("dsinks,sinks,exc,pattern", [
+    (np.zeros(4, np.float32), None, ValueError, r"dsinks receives the gradient of sinks"),
+    (np.zeros(4, np.float64), np.zeros(4, np.float32), TypeError,
+     r"dsinks must be a float32 array"),
+    (np.zeros(3, np.float32), np.zeros(4, np.float32), ValueError,
+     r"dsinks must have shape \(nheads,\) = \(4,\)"),
+    (np.zeros(8, np.float32)[::2], np.zeros(4, np.float32), ValueError,
+     r"dsinks must be contiguous"),
+])
+def test_bad_dsinks_are_named(dsinks, sinks, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        _validate.check_dsinks(dsinks, sinks, 4)
+    _validate.check_dsinks(None, None, 4)
+    _validate.check_dsinks(np.zeros(4, np.float32), np.zeros(4, np.float32), 4)
+
+
+def test_wrong_dsinks_are_named_before_any_launch(api_host):
+    """Through attention_backward (on the CuPy stand-in of tests/test_plans_host.py)."""
+    from test_plans_host import device_array
+
+    q, k = device_array((B, SQ, H, D)), device_array((B, SK, HK, D))
+    lse = device_array((B, H, SQ), np.float32)
+    sinks = device_array((H,), np.float32)
+    cases = [
+        (dict(dsinks=device_array((H,), np.float32)), ValueError, r"dsinks receives the gradient"),
+        (dict(sinks=sinks, dsinks=np.zeros(H, np.float32)), TypeError, r"dsinks is a numpy array"),
+        (dict(sinks=sinks, dsinks=device_array((H,), np.float16)), TypeError,
+         r"dsinks must be a float32 array"),
+        (dict(sinks=sinks, dsinks=device_array((H, 1), np.float32)), ValueError,
+         r"dsinks must have shape \(nheads,\)"),
+        (dict(sinks=sinks, dsinks=device_array((H,), np.float32, device=1)), ValueError,
+         r"dsinks is on device 1"),
+        (dict(sinks=np.zeros(H, np.float32)), TypeError, r"sinks is a numpy array"),
+    ]
+    for options, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            cuflash2.attention_backward(q, q, k, k, q, lse, **options)
+    assert not api_host.launches

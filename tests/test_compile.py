@@ -19,22 +19,29 @@ from cuflash2 import _compile, _configs, _sass
 MAX_SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 # Every specialisation, plain and with the feature combinations of TESTED_FEATURES (each feature
-# alone and all together); on sm_90, every combination at head dims 64 and 128.
-def _all_combinations_sm90(configs):
+# alone and all together; the backward's without the forward-only sinks, which its main kernels
+# do not take); on sm_90, every combination at head dims 64 and 128. The decode kernel: every
+# feature set it takes (DECODE_FEATURES: the score modifiers, without and with sinks).
+BWD_TESTED_FEATURES = tuple(dict.fromkeys(_configs.backward_features(f)
+                                          for f in _configs.TESTED_FEATURES))
+
+
+def _all_combinations_sm90(configs, tested):
     return [(cfg, 90) for cfg in configs if cfg.head_dim in (64, 128)
-            and cfg.features not in _configs.TESTED_FEATURES]
+            and cfg.features not in tested]
 
 
 FWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in _configs.all_fwd_configs(arch, _configs.TESTED_FEATURES)]
-FWD_CASES += _all_combinations_sm90(_configs.all_fwd_configs(90, _configs.ALL_FEATURES))
+FWD_CASES += _all_combinations_sm90(_configs.all_fwd_configs(90, _configs.ALL_FEATURES),
+                                    _configs.TESTED_FEATURES)
 BWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in dict.fromkeys(_configs.all_bwd_configs(arch, _configs.TESTED_FEATURES))]
 BWD_CASES += _all_combinations_sm90(
-    dict.fromkeys(_configs.all_bwd_configs(90, _configs.ALL_FEATURES)))
+    dict.fromkeys(_configs.all_bwd_configs(90, _configs.ALL_FEATURES)), BWD_TESTED_FEATURES)
 AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
 DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-                for cfg in _configs.all_decode_configs(arch, _configs.SCORE_MOD_FEATURES)]
+                for cfg in _configs.all_decode_configs(arch, _configs.DECODE_FEATURES)]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
 # The default sample, as (arch, dtype, kernel head dim) points of every kernel family (forward;
@@ -45,8 +52,9 @@ AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs
 #   the backward's dK/dV/dQ in two column chunks on sm_90; 2-warp decode tiles on 100 KiB parts);
 # - every other kernel head dim once, plain, the architecture and dtype rotating (192 on sm_90:
 #   the largest head dim whose deterministic dQ kernel must be spill-free);
-# - each feature alone and all together (TESTED_FEATURES; SCORE_MOD_FEATURES for decode) at
-#   d=128 on sm_90 and d=64 on sm_80.
+# - each feature alone and all together (TESTED_FEATURES, sinks included; the backward's
+#   without sinks; for decode TESTED_DECODE_FEATURES: each score modifier, sinks alone and all
+#   together) at d=128 on sm_90 and d=64 on sm_80.
 # The small kernels (preprocess, convert_dq, dropout mask, the benchmark's spin kernel) are
 # compiled for every case. The other sm_90 feature combinations and the remaining head dim /
 # architecture / dtype points are compiled under --exhaustive.
@@ -66,9 +74,16 @@ def _sampled(cfg, arch) -> bool:
     point = (arch, cfg.dtype, cfg.head_dim)
     if cfg.features == 0:
         return point in SAMPLE_PLAIN
-    features = (_configs.SCORE_MOD_FEATURES if isinstance(cfg, _configs.DecodeConfig)
-                else _configs.TESTED_FEATURES)
-    return cfg.features in features and point in SAMPLE_FEATURES
+    return cfg.features in _tested_features(cfg) and point in SAMPLE_FEATURES
+
+
+def _tested_features(cfg) -> tuple:
+    """The feature sets of `cfg`'s family that the default sample compiles."""
+    if isinstance(cfg, _configs.DecodeConfig):
+        return _configs.TESTED_DECODE_FEATURES
+    if isinstance(cfg, _configs.FwdConfig):
+        return _configs.TESTED_FEATURES
+    return BWD_TESTED_FEATURES
 
 
 def _cases(cases, ids):
@@ -233,14 +248,12 @@ def test_decode_kernel_compiles(config, arch, compiled):
 def test_sample_covers_every_family_feature_architecture_and_main_head_dim():
     """The default sample keeps what the brief of the CPU suite asks for (tests/conftest.py)."""
     sample = [c for c in FWD_CASES + BWD_CASES + DECODE_CASES if _sampled(*c)]
-    families = {(type(cfg), getattr(cfg, "compute_dq", None)) for cfg, _ in FWD_CASES + BWD_CASES
-                + DECODE_CASES}
-    for family in families:
+    families = {(type(cfg), getattr(cfg, "compute_dq", None)): cfg
+                for cfg, _ in FWD_CASES + BWD_CASES + DECODE_CASES}
+    for family, example in families.items():
         cases = [(cfg, arch) for cfg, arch in sample
                  if (type(cfg), getattr(cfg, "compute_dq", None)) == family]
-        features = (_configs.SCORE_MOD_FEATURES if family[0] is _configs.DecodeConfig
-                    else _configs.TESTED_FEATURES)
-        assert {cfg.features for cfg, _ in cases} == set(features), family
+        assert {cfg.features for cfg, _ in cases} == set(_tested_features(example)), family
         plain = [(cfg, arch) for cfg, arch in cases if cfg.features == 0]
         assert {cfg.head_dim for cfg, _ in plain} == set(_configs.KERNEL_HEAD_DIMS), family
         for d in (64, 128):
@@ -249,6 +262,23 @@ def test_sample_covers_every_family_feature_architecture_and_main_head_dim():
         assert {arch for cfg, arch in plain if cfg.head_dim == 256} == set(_configs.CPU_TEST_ARCHS)
     for cases in (AUX_CASES, AUX_CASES_EXTRA):
         assert all(_sampled(*c) for c in cases)
+
+
+def test_sinks_are_compiled_into_the_forward_kernels_only():
+    """Sinks (FEATURE_SINKS) are a feature of the forward and decode kernels: alone and with
+    every other feature in the default sample, every combination under --exhaustive; the
+    backward's main kernels are those of the call without sinks (the sinks' gradient is an
+    AuxKernel of its own, compiled for every case)."""
+    sinks = _configs.FEATURE_SINKS
+    assert sinks in _configs.TESTED_FEATURES and 31 in _configs.TESTED_FEATURES
+    assert {sinks, 19} <= set(_configs.TESTED_DECODE_FEATURES)
+    assert not any(cfg.features & sinks for cfg, _ in BWD_CASES)
+    assert {cfg.features for cfg, arch in FWD_CASES if arch == 90 and cfg.head_dim == 128} == set(
+        _configs.ALL_FEATURES)
+    assert {cfg.features for cfg, _ in DECODE_CASES} == set(_configs.DECODE_FEATURES)
+    assert len(DECODE_CASES) == 2 * len([c for c in DECODE_CASES if not c[0].features & sinks])
+    assert {c.kernel for c in _configs.aux_kernels()} >= {"flash_bwd_sinks_kernel"}
+    assert len(set(BWD_CASES)) == len(BWD_CASES) and len(set(FWD_CASES)) == len(FWD_CASES)
 
 
 def test_sources_inline_their_headers():

@@ -13,7 +13,9 @@ warpgroup, on the one-tile-per-CTA grid (every head dim) and the persistent grid
 352 compiles under --exhaustive. The default run compiles a sample (the dispatcher's choices at
 every head dim, every flag combination and every dtype and score-modifier set at
 SAMPLE_HEAD_DIM), the compiles of the selected tests spread over a process pool
-(--compile-jobs, as tests/test_compile.py).
+(--compile-jobs, as tests/test_compile.py). With sinks (FEATURE_SINKS), the dispatcher's choices
+only (dense and varlen, every dtype and score-modifier set: 144 under --exhaustive, 8 by
+default).
 """
 
 import dataclasses
@@ -25,7 +27,7 @@ import pytest
 
 from cuflash2 import _compile, _configs, _hopper
 
-CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES, persistent=True)
+CONFIGS = _configs.all_fwd_sm90_configs(_configs.SCORE_MOD_FEATURES, persistent=True)
 MAX_SMEM_SM90 = 227 * 1024
 
 #: The default sample: the dispatcher's choices (_hopper.dispatch_configs: each head dim's
@@ -35,7 +37,7 @@ MAX_SMEM_SM90 = 227 * 1024
 #: SAMPLE_HEAD_DIM, plain fp16. The rest runs under --exhaustive.
 SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI)}
 SAMPLE_HEAD_DIM = 128
-DISPATCHED = set(_hopper.dispatch_configs(_configs.SM90_FWD_FEATURES))
+DISPATCHED = set(_hopper.dispatch_configs(_configs.SCORE_MOD_FEATURES))
 #: Three consumer warpgroups (block_m 192): the dispatched ones are all there are (d=64, the
 #: in-order schedule, both grids, the persistent one with and without claims, every dtype and
 #: score-modifier set: 24), the SAMPLE_PAIRS ones (6) by default.
@@ -59,9 +61,28 @@ def _config_id(c) -> str:
 #: overlap, every head dim, dtype and score-modifier set): 160 under --exhaustive; the default run
 #: compiles the dispatcher's choice at every head dim for bf16 with both score modifiers, and for
 #: fp16 plain varlen at SAMPLE_HEAD_DIM (6).
-VARLEN_CONFIGS = _configs.all_fwd_sm90_configs(_configs.SM90_FWD_VARLEN_FEATURES)
+VARLEN_SCORE_MOD_FEATURES = tuple(_configs.FEATURE_VARLEN | f
+                                  for f in _configs.SCORE_MOD_FEATURES)
+VARLEN_CONFIGS = _configs.all_fwd_sm90_configs(VARLEN_SCORE_MOD_FEATURES)
 VARLEN_SAMPLE_FEATURES = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
-VARLEN_DISPATCHED = set(_hopper.dispatch_configs(_configs.SM90_FWD_VARLEN_FEATURES))
+VARLEN_DISPATCHED = set(_hopper.dispatch_configs(VARLEN_SCORE_MOD_FEATURES))
+
+#: Sinks (FEATURE_SINKS: the Hopper forward's feature sets of SM90_FWD_FEATURES and
+#: SM90_FWD_VARLEN_FEATURES beyond the score modifiers): the dispatcher's choices only (each head
+#: dim's schedule on its grids, three consumers at d=64, varlen), every dtype and score-modifier
+#: set under --exhaustive (144); by default those at SAMPLE_HEAD_DIM for sinks alone in fp16 and
+#: with both score modifiers in bf16, dense and varlen (8).
+SINKS_FEATURES = tuple(f for f in _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES
+                       if f & _configs.FEATURE_SINKS)
+SINKS_CONFIGS = _hopper.dispatch_configs(SINKS_FEATURES)
+SINKS_SAMPLE_PAIRS = {("float16", _configs.FEATURE_SINKS),
+                      ("bfloat16", _configs.FEATURE_SINKS | _configs.FEATURE_SOFTCAP
+                       | _configs.FEATURE_ALIBI)}
+
+
+def _sinks_sampled(config) -> bool:
+    return config.head_dim == SAMPLE_HEAD_DIM and (
+        config.dtype, config.features & ~_configs.FEATURE_VARLEN) in SINKS_SAMPLE_PAIRS
 
 
 def _varlen_sampled(config) -> bool:
@@ -86,7 +107,8 @@ def reports(nvrtc_available, compile_jobs, request):
     selected = [item.callspec.params["config"] for item in request.session.items
                 if item.originalname in ("test_hopper_forward_compiles_without_spills",
                                          "test_hopper_varlen_forward_compiles_without_spills",
-                                         "test_hopper_three_consumer_forward_compiles_without_spills")
+                                         "test_hopper_three_consumer_forward_compiles_without_spills",
+                                         "test_hopper_sinks_forward_compiles_without_spills")
                 and hasattr(item, "callspec")]
     pool = ProcessPoolExecutor(compile_jobs, mp_context=multiprocessing.get_context("spawn"))
     futures = {config: pool.submit(_compile.compile_report, config, 90)
@@ -144,6 +166,33 @@ def test_hopper_three_consumer_forward_compiles_without_spills(config, reports):
 def test_hopper_varlen_forward_compiles_without_spills(config, reports):
     """FEATURE_VARLEN (packed sequences): the same checks as every other specialisation."""
     test_hopper_forward_compiles_without_spills(config, reports)
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(c, id=_config_id(c) + ("-three-consumers" if c.block_m == 192 else ""),
+                 marks=() if _sinks_sampled(c) else pytest.mark.exhaustive)
+    for c in SINKS_CONFIGS])
+def test_hopper_sinks_forward_compiles_without_spills(config, reports):
+    """FEATURE_SINKS (the sink's logit in every row's softmax denominator): the same checks."""
+    test_hopper_forward_compiles_without_spills(config, reports)
+
+
+def test_hopper_sinks_configs():
+    """The dispatcher's sinks specialisations: those without sinks, the bit added (dense and
+    varlen, every dtype, head dim and score-modifier set); the sample's 8 at SAMPLE_HEAD_DIM."""
+    sinks = _configs.FEATURE_SINKS
+    assert set(SINKS_CONFIGS) == {
+        dataclasses.replace(c, features=c.features | sinks)
+        for c in DISPATCHED | VARLEN_DISPATCHED}
+    assert len(SINKS_CONFIGS) == len(set(SINKS_CONFIGS)) == 144
+    sample = [c for c in SINKS_CONFIGS if _sinks_sampled(c)]
+    assert len(sample) == 8
+    assert {(c.persistent, c.claims, bool(c.features & _configs.FEATURE_VARLEN))
+            for c in sample} == {(False, False, False), (True, False, False), (True, True, False),
+                                 (False, False, True)}
+    assert "with sinks" in _configs.describe(sample[0])
+    assert set(SINKS_CONFIGS) <= set(_hopper.dispatch_configs(
+        _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES))
 
 
 def test_hopper_varlen_configs():
@@ -220,7 +269,7 @@ def test_hopper_config_shapes():
         (d, t, f, pp, ov, grid) for grid, tiles in ((False, EXPECTED_TILES),
                                                     (True, EXPECTED_PERSISTENT_TILES))
         for d in tiles for t in _configs.DTYPE_TAGS
-        for f in _configs.SM90_FWD_FEATURES for pp in (False, True) for ov in (False, True)}
+        for f in _configs.SCORE_MOD_FEATURES for pp in (False, True) for ov in (False, True)}
     # and the claiming twins of the persistent ping-pong + overlap ones
     assert {c for c in CONFIGS if c.claims} == {
         dataclasses.replace(c, claims=True) for c in CONFIGS
@@ -247,7 +296,7 @@ def test_default_sample_covers_the_dispatch_table():
             assert config in sample
     assert {c.head_dim for c in sample} == set(EXPECTED_TILES)
     assert {(c.dtype, c.features) for c in sample} == {
-        (t, f) for t in _configs.DTYPE_TAGS for f in _configs.SM90_FWD_FEATURES}
+        (t, f) for t in _configs.DTYPE_TAGS for f in _configs.SCORE_MOD_FEATURES}
     combos = {(c.pingpong, c.overlap, c.persistent, c.claims) for c in CONFIGS}
     assert len(combos) == 9
     assert {(c.pingpong, c.overlap, c.persistent, c.claims) for c in sample

@@ -14,8 +14,9 @@ import pytest
 
 from cuflash2 import _attention_plans, _configs, _hopper, _hopper_bwd, _params, _plans
 from cuflash2 import _prepare, _validate
-from test_hopper_host import _HostArray
-from test_plans_host import _fake_cupy
+from cuflash2._options import AttentionOptions
+from test_hopper_host import _HostArray, hopper_api  # noqa: F401  (a fixture)
+from test_plans_host import _fake_cupy, api_host, launches  # noqa: F401  (fixtures)
 
 numpy = pytest.importorskip("numpy")
 LOG2E = 1.4426950408889634
@@ -203,8 +204,9 @@ def _backward_plan(arrays, *, deterministic=False, softcap=0.0, alibi_slopes=Non
     sources = {**arrays["sources"], "mods.alibi_slopes": (9, alibi_slopes)}
     problem = _validate.check_attention_inputs(views["q"], views["k"], views["v"])
     window = _validate.check_window((-1, -1), causal, problem.seqlen_q, problem.seqlen_k)
-    mods = _prepare.score_mods(problem, softcap, alibi_slopes, dropout_p,
-                               1 if dropout_p else None)
+    mods = _prepare.score_mods(problem, AttentionOptions(
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+        seed=1 if dropout_p else None))
     return _attention_plans.backward_plan(
         {**views, "mods.alibi_slopes": alibi_slopes}, sources, problem, mods, window,
         deterministic, 0, arch, {n: views[m].shape for n, m in (("dq", "q"), ("dk", "k"),
@@ -545,3 +547,39 @@ def test_wide_head_dims_split_each_key_block_over_two_ctas(host, head_dim, kerne
     assert main.grid == (2 * 2, 2, 2)  # 2 key blocks of 128 x 2 chunks, KV heads, batch
     b = plan.block.record[0]["base"]
     assert (b["head_dim"], b["accum_dim"]) == (head_dim, kernel_dim)
+
+
+def test_a_sinks_backward_on_the_hopper_kernel(hopper_api):
+    """attention_backward(..., sinks=) on sm_90: the Hopper main kernel of the call without
+    sinks (backward_config strips FEATURE_SINKS), the sinks' gradient after the preprocess on
+    `base` like it, dsinks and batch in base."""
+    import cuflash2
+    from test_plans_host import device_array
+
+    q = device_array((2, 300, 4, 64))
+    k = device_array((2, 200, 2, 64))
+    lse = device_array((2, 4, 300), numpy.float32)
+    cuflash2.attention_backward(q, q, k, k, q, lse, causal=True)
+    plain = [launch.config for launch, _, _ in hopper_api.launches[-3:]]
+    sinks = device_array((4,), numpy.float32)
+    del hopper_api.launches[:]
+    dq, dk, dv, dsinks = cuflash2.attention_backward(q, q, k, k, q, lse, causal=True,
+                                                     sinks=sinks)
+    configs = [launch.config for launch, _, _ in hopper_api.launches]
+    assert configs[0] == plain[0] and configs[2:] == plain[1:]
+    assert isinstance(configs[2], _configs.BwdSm90Config)
+    assert configs[1] == _configs.AuxKernel("float16", "flash_bwd_sinks_kernel")
+    assert _configs.describe(configs[1]) == "backward sinks gradient, fp16"
+    (api_plan,) = [p for p in hopper_api_plans()]
+    assert api_plan.launch_blocks[1] is api_plan.launch_blocks[0]  # `base`, as the preprocess
+    record = hopper_api.launches[1][2]
+    assert record["dsinks"] == dsinks.data.ptr and record["mods"]["sinks"] == sinks.data.ptr
+    assert record["batch"] == 2
+    assert _config(features=_configs.FEATURE_SINKS) == _config()  # covered, the same kernel
+
+
+def hopper_api_plans():
+    from cuflash2 import api
+
+    return [p for p in api._backward_plans.plans.values()
+            if any(getattr(c, "kernel", "") == "flash_bwd_sinks_kernel" for c in p.kernels)]

@@ -8,6 +8,7 @@ import types
 import pytest
 
 from cuflash2 import _hopper
+from test_plans_host import api_host, launches  # noqa: F401  (fixtures)
 
 
 def _strides(shape, itemsize=2):
@@ -372,6 +373,7 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
     forward_config chose."""
     numpy = pytest.importorskip("numpy")
     from cuflash2 import _attention_plans, _prepare, _validate
+    from cuflash2._options import AttentionOptions
 
     def fake_map(x, rows):  # word 0 is the address, as the driver's
         return numpy.array([x.data.ptr] + [rows] * 15, numpy.uint64).tobytes()
@@ -392,7 +394,7 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
         views = {"q": q, "k": k, "v": k, "out": None, "mods.alibi_slopes": None}
         sources = {"q": (0, q), "k": (1, k), "v": (2, k)}
         return _attention_plans.forward_plan(views, sources, problem,
-                                             _prepare.score_mods(problem, 0.0, None), window, 0,
+                                             _prepare.score_mods(problem, AttentionOptions()), window, 0,
                                              90, q.shape, (3, 8, seqlen))
 
     bound = _hopper.PERSISTENT_MAX_KEYS[128, True]
@@ -456,3 +458,71 @@ def test_varlen_maps_cover_the_packed_arrays():
     assert dims == [96, 1234, 2, 1]
     assert strides == [2 * 96 * 2, 96 * 2, 1234 * 2 * 96 * 2]  # batch: the packed span
     assert box == [_hopper.BOX_COLS, 128, 1, 1]
+
+
+@pytest.fixture
+def hopper_api(api_host, monkeypatch):
+    """The public functions (test_plans_host.api_host) on an H100/H200: the Hopper kernels'
+    maps encoded by a stand-in whose word 0 is the address, 132 persistent CTAs."""
+    numpy = pytest.importorskip("numpy")
+    from cuflash2 import _hopper_bwd
+
+    def fake_map(x, rows):
+        return numpy.array([x.data.ptr] + [rows] * 15, numpy.uint64).tobytes()
+
+    monkeypatch.setattr(_hopper, "ENABLED", True)
+    monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
+    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
+    monkeypatch.setattr(_hopper._launch, "occupancy_slots", lambda config, device: 132)
+    _hopper.persistent_slots.cache_clear()
+    api_host.set_arch(90)
+    yield api_host
+    _hopper.persistent_slots.cache_clear()
+
+
+@pytest.mark.parametrize("seqlen", [512, 4096])
+def test_a_sinks_forward_runs_the_hopper_kernel_with_them(hopper_api, seqlen):
+    """attention(..., sinks=) on sm_90: the Hopper forward the call without sinks gets, with
+    FEATURE_SINKS compiled in, and base.mods.sinks patched from the call's sinks (dense and
+    varlen)."""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from cuflash2 import _configs
+    from test_plans_host import device_array
+
+    q = device_array((2, seqlen, 8, 128))
+    k = device_array((2, seqlen, 2, 128))
+    cuflash2.attention(q, k, k, causal=True)
+    plain = hopper_api.launches[-1][0].config
+    assert isinstance(plain, _configs.FwdSm90Config) and plain.features == 0
+    sinks = device_array((8,), numpy.float32)
+    cuflash2.attention(q, k, k, causal=True, sinks=sinks, softcap=30.0)
+    launch, _, record = hopper_api.launches[-1]
+    assert launch.config == _configs.with_features(
+        plain, _configs.FEATURE_SINKS | _configs.FEATURE_SOFTCAP)
+    assert launch.config in _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
+    assert record["base"]["mods"]["sinks"] == sinks.data.ptr
+    cu = device_array((3,), numpy.int32)
+    packed_q, packed_k = device_array((2 * seqlen, 8, 128)), device_array((2 * seqlen, 2, 128))
+    cuflash2.attention_varlen(packed_q, packed_k, packed_k, cu, cu, seqlen, seqlen,
+                              sinks=sinks, check_cu_seqlens=False)
+    launch, _, record = hopper_api.launches[-1]
+    assert isinstance(launch.config, _configs.FwdSm90Config)
+    assert launch.config.features == _configs.FEATURE_SINKS | _configs.FEATURE_VARLEN
+    assert launch.config in _hopper.dispatch_configs(_configs.SM90_FWD_VARLEN_FEATURES)
+    assert record["base"]["mods"]["sinks"] == sinks.data.ptr
+
+
+def test_the_hopper_forward_covers_sinks_not_dropout(monkeypatch):
+    from cuflash2 import _configs
+
+    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    problem = _dense_problem(128, 1024)
+    for features in (_configs.FEATURE_SINKS, _configs.FEATURE_SINKS | _configs.FEATURE_ALIBI):
+        config = _hopper.forward_config(problem, features, (-1, -1), 90, {})
+        assert config.features == features
+        assert "sinks" in _configs.describe(config)
+    assert _hopper.forward_config(problem, _configs.FEATURE_SINKS | _configs.FEATURE_DROPOUT,
+                                  (-1, -1), 90, {}) is None

@@ -268,3 +268,226 @@ def test_outputs_are_kept_for_a_bounded_number_of_streams():
             cache.keep(stream, [arrays[-1]], 0x1000 * (stream + 1))
         assert len(cache.kept[(stream, 1)]) == _recycle.SLOTS
     assert len(cache.kept) == 1  # the 17th stream emptied the cache
+
+
+# --------------------------------------------------------------------------------------------
+# The public functions on host arrays: a CuPy stand-in whose ndarray is _DeviceArray, kernels
+# neither compiled nor launched (`launches` records each launch's configuration, grid and struct).
+
+
+class _DeviceArray:
+    """A CuPy array stand-in: over a NumPy array (an input), or over a stand-in allocation (an
+    output: cupy.ndarray(shape, dtype, memory))."""
+
+    def __init__(self, shape, dtype=None, memory=None, device=0):
+        if isinstance(shape, numpy.ndarray):
+            self.array = shape
+            self.shape, self.dtype, self.strides = shape.shape, shape.dtype, shape.strides
+            memory = _Memory(shape.ctypes.data, shape)
+        else:
+            self.array = None
+            self.shape, self.dtype = tuple(shape), numpy.dtype(dtype)
+            self.strides = tuple(s * self.dtype.itemsize
+                                 for s in _contiguous(self.shape))
+        self.data = memory if memory is not None else _Memory(0x2000, None)
+        self.data.device_id = device
+        self.device = types.SimpleNamespace(id=device)
+        self.ndim, self.itemsize = len(self.shape), self.dtype.itemsize
+        self.size = int(numpy.prod(self.shape))
+
+    def __getitem__(self, index):
+        return _DeviceArray(self.array[index], device=self.device.id)
+
+
+def _contiguous(shape):
+    strides, size = [], 1
+    for dim in reversed(shape):
+        strides.insert(0, size)
+        size *= max(dim, 1)
+    return strides
+
+
+def device_array(shape, dtype=numpy.float16, device=0):
+    return _DeviceArray(numpy.zeros(shape, dtype), device=device)
+
+
+@pytest.fixture
+def api_host(launches, monkeypatch):
+    """The public functions on _DeviceArray inputs, on a device of compute capability
+    `api_host.arch` (80 unless a test sets it), with fresh plan caches."""
+    from cuflash2 import _attention_plans, _kvcache, _prepare, api
+
+    cupy, state = _fake_cupy()
+    cupy.ndarray = _DeviceArray
+    cupy.zeros = lambda shape, dtype: _DeviceArray(numpy.zeros(shape, dtype))
+    cupy.int32 = numpy.int32
+    cupy.empty = lambda shape, dtype: _DeviceArray(numpy.zeros(shape, dtype))
+    monkeypatch.setattr(_kvcache, "_split_counters", _plans.StreamCounters(1024))
+    cupy.cuda.Device = lambda device=None: types.SimpleNamespace(id=0)
+    cupy.cuda.runtime = types.SimpleNamespace(getDevice=lambda: 0)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(api, "_cupy", cupy)
+    monkeypatch.setattr(_kvcache, "_cupy", cupy)
+    for cache in (api._forward_plans, api._backward_plans, _kvcache._plans_by_key):
+        monkeypatch.setattr(cache, "plans", {})
+    host = types.SimpleNamespace(cupy=cupy, launches=launches)
+
+    def set_arch(arch):
+        monkeypatch.setitem(_prepare._arch_cache, 0, arch)
+
+    host.set_arch = set_arch
+    set_arch(80)
+    monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
+                        lambda config, device, grid, **kw: types.SimpleNamespace(
+                            config=config, grid=grid, **kw))
+    monkeypatch.setattr(_kvcache, "decode_slots", lambda config, device_id: 264)
+    return host
+
+
+def _forward_arrays(batch=2, sq=100, sk=120, h=4, hkv=2, d=64):
+    return (device_array((batch, sq, h, d)), device_array((batch, sk, hkv, d)),
+            device_array((batch, sk, hkv, d)))
+
+
+def test_a_sinks_forward_compiles_them_in_and_patches_their_pointer(api_host):
+    """attention(..., sinks=) on the mma.sync forward: FEATURE_SINKS in the kernel's features,
+    mods.sinks the address of the call's sinks (patched per call, like alibi_slopes); the
+    packed and varlen entry points read them from their own input positions."""
+    import cuflash2
+    from cuflash2 import _configs
+
+    q, k, v = _forward_arrays()
+    for _ in range(2):  # planned, then a plan hit with other arrays
+        sinks = device_array((4,), numpy.float32)
+        slopes = device_array((4,), numpy.float32)
+        cuflash2.attention(q, k, v, sinks=sinks, alibi_slopes=slopes, causal=True)
+        launch, _, record = api_host.launches[-1]
+        assert isinstance(launch.config, _configs.FwdConfig)
+        assert launch.config.features == _configs.FEATURE_SINKS | _configs.FEATURE_ALIBI
+        assert record["mods"]["sinks"] == sinks.data.ptr
+        assert record["mods"]["alibi_slopes"] == slopes.data.ptr
+    cuflash2.attention(q, k, v)
+    launch, _, record = api_host.launches[-1]
+    assert launch.config.features == 0 and record["mods"]["sinks"] == 0
+    assert "with sinks" in cuflash2.forward_kernels(q, k, v, sinks=sinks)[0]
+    qkv = device_array((2, 100, 3, 4, 64))
+    cuflash2.attention_qkvpacked(qkv, sinks=sinks)
+    assert api_host.launches[-1][2]["mods"]["sinks"] == sinks.data.ptr
+    cuflash2.attention_kvpacked(q, device_array((2, 120, 2, 2, 64)), sinks=sinks)
+    assert api_host.launches[-1][2]["mods"]["sinks"] == sinks.data.ptr
+    cu = device_array((3,), numpy.int32)
+    packed_q, packed_k = device_array((200, 4, 64)), device_array((240, 2, 64))
+    cuflash2.attention_varlen(packed_q, packed_k, packed_k, cu, cu, 100, 120, sinks=sinks,
+                              check_cu_seqlens=False)
+    launch, _, record = api_host.launches[-1]
+    assert launch.config.features == _configs.FEATURE_SINKS | _configs.FEATURE_VARLEN
+    assert record["mods"]["sinks"] == sinks.data.ptr
+    assert record["varlen"]["cu_seqlens_q"] == cu.data.ptr
+
+
+def _backward_call(api_host, deterministic=False, **options):
+    import cuflash2
+
+    q, k, v = _forward_arrays()
+    dout, out = device_array(q.shape), device_array(q.shape)
+    lse = device_array((2, 4, 100), numpy.float32)
+    del api_host.launches[:]
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                        **options)
+    return grads, list(api_host.launches)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_sinks_backward_adds_their_gradient_after_the_preprocess(api_host, deterministic):
+    """attention_backward(..., sinks=): (dq, dk, dv, dsinks); the sinks' gradient kernel
+    (grid: one CTA a head) right after the preprocess; the main kernels without FEATURE_SINKS
+    (the same as without sinks); dsinks a float32 (nheads,) output (or the given array);
+    BwdParams.batch the sequence count."""
+    from cuflash2 import _configs
+
+    plain, plain_launches = _backward_call(api_host, deterministic)
+    assert len(plain) == 3
+    sinks = device_array((4,), numpy.float32)
+    grads, launched = _backward_call(api_host, deterministic, sinks=sinks)
+    dq, dk, dv, dsinks = grads
+    assert dsinks.shape == (4,) and dsinks.dtype == numpy.float32
+    names = [getattr(launch.config, "kernel", type(launch.config).__name__)
+             for launch, _, _ in launched]
+    assert names == ["flash_bwd_preprocess_kernel", "flash_bwd_sinks_kernel",
+                     *names[2:]] and len(names) == 4
+    assert launched[1][0].grid == (4, 1, 1)
+    assert [launch.config for launch, _, _ in launched[2:]] == [
+        launch.config for launch, _, _ in plain_launches[1:]]
+    assert not any(getattr(launch.config, "features", 0) & _configs.FEATURE_SINKS
+                   for launch, _, _ in launched)
+    record = launched[1][2]
+    assert record["dsinks"] == dsinks.data.ptr and record["mods"]["sinks"] == sinks.data.ptr
+    assert record["batch"] == 2 and plain_launches[0][2]["batch"] == 2
+    assert record["lse_log2"] == launched[0][2]["lse_log2"] != 0  # the preprocess's
+    given = device_array((4,), numpy.float32)
+    grads, launched = _backward_call(api_host, deterministic, sinks=sinks, dsinks=given)
+    assert grads[3] is given and launched[1][2]["dsinks"] == given.data.ptr
+
+
+def test_packed_and_varlen_backwards_return_dsinks_after_their_gradients(api_host):
+    import cuflash2
+
+    sinks = device_array((4,), numpy.float32)
+    qkv, dout = device_array((2, 100, 3, 4, 64)), device_array((2, 100, 4, 64))
+    lse = device_array((2, 4, 100), numpy.float32)
+    dqkv = cuflash2.attention_qkvpacked_backward(dout, qkv, dout, lse)
+    assert dqkv.shape == qkv.shape
+    dqkv, dsinks = cuflash2.attention_qkvpacked_backward(dout, qkv, dout, lse, sinks=sinks)
+    assert dqkv.shape == qkv.shape and dsinks.shape == (4,)
+    assert api_host.launches[-3][2]["dsinks"] == dsinks.data.ptr
+    kv = device_array((2, 120, 2, 2, 64))
+    dq, dkv = cuflash2.attention_kvpacked_backward(dout, dout, kv, dout, lse)
+    dq, dkv, dsinks = cuflash2.attention_kvpacked_backward(dout, dout, kv, dout, lse,
+                                                            sinks=sinks)
+    assert dq.shape == dout.shape and dkv.shape == kv.shape and dsinks.shape == (4,)
+    cu = device_array((4,), numpy.int32)  # three sequences
+    q, k = device_array((200, 4, 64)), device_array((240, 2, 64))
+    packed_lse = device_array((4, 200), numpy.float32)
+    grads = cuflash2.attention_varlen_backward(q, q, k, k, q, packed_lse, cu, cu, 100, 120,
+                                               sinks=sinks, check_cu_seqlens=False)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape, (4,)]
+    sinks_launch = [r for launch, _, r in api_host.launches[-4:]
+                    if getattr(launch.config, "kernel", "") == "flash_bwd_sinks_kernel"]
+    assert sinks_launch[0]["batch"] == 3 and sinks_launch[0]["dsinks"] == grads[3].data.ptr
+
+
+def test_vjp_returns_dsinks_with_sinks(api_host):
+    import cuflash2
+
+    q, k, v = _forward_arrays()
+    sinks = device_array((4,), numpy.float32)
+    out, vjp = cuflash2.attention_vjp(q, k, v, sinks=sinks)
+    assert len(vjp(device_array(q.shape))) == 4
+    assert len(cuflash2.attention_vjp(q, k, v)[1](device_array(q.shape))) == 3
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_a_sinks_decode_step_compiles_them_in(api_host, monkeypatch, arch):
+    """attention_with_kvcache(..., sinks=): the decode kernel with FEATURE_SINKS, whichever
+    kernel the split choice takes (sm_90: the clustered one of decode_cluster_config),
+    mods.sinks patched from the call's sinks."""
+    import cuflash2
+    from cuflash2 import _configs, _launch
+
+    api_host.set_arch(arch)
+    monkeypatch.setattr(_launch, "extended_available", lambda: True)
+    monkeypatch.setattr(_launch, "cluster_fits", lambda *args: True)
+    q = device_array((1, 1, 8, 128))
+    cache = device_array((1, 4096, 2, 128))
+    sinks = device_array((8,), numpy.float32)
+    cuflash2.attention_with_kvcache(q, cache, cache, cache_seqlens=4000, sinks=sinks)
+    launch, _, record = api_host.launches[-1]
+    assert isinstance(launch.config, _configs.DecodeConfig)
+    assert launch.config.features == _configs.FEATURE_SINKS
+    assert record["mods"]["sinks"] == sinks.data.ptr
+    if arch == 90:  # the clustered kernel of decode_cluster_config, sinks compiled in
+        assert launch.cluster > 1
+        assert launch.config == _configs.with_features(_configs.decode_cluster_config(
+            "float16", 128, 90), _configs.FEATURE_SINKS)
+    cuflash2.attention_with_kvcache(q, cache, cache, cache_seqlens=4000)
+    assert api_host.launches[-1][0].config.features == 0

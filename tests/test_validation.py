@@ -6,6 +6,7 @@ import pytest
 
 import cuflash2
 from cuflash2 import _validate
+from test_plans_host import api_host, launches  # noqa: F401  (fixtures)
 
 
 def arrays(b=2, sq=5, sk=7, h=4, hk=2, d=64, dtype=np.float16):
@@ -209,3 +210,72 @@ def test_alibi_slopes_strides():
 def test_bad_alibi_slopes(slopes, exc, pattern):
     with pytest.raises(exc, match=pattern):
         _validate.check_alibi_slopes(slopes, 2, 4, True)
+
+
+# Learnable attention sinks: float32 (nheads,), contiguous, a CuPy array on the call's device
+
+
+def test_sinks():
+    _validate.check_sinks(None, 4)
+    _validate.check_sinks(np.zeros(4, np.float32), 4)
+    _validate.check_sinks(np.zeros(2, np.float32)[:1], 1)  # one head: any stride
+
+
+@pytest.mark.parametrize("sinks,exc,pattern", [
+    (np.zeros(4, np.float64), TypeError, r"sinks must be a float32 array .*got dtype float64"),
+    (np.zeros(4, np.float16), TypeError, r"sinks must be a float32 array"),
+    ([0.0] * 4, TypeError, r"sinks must be a float32 array .*got list"),
+    (np.zeros(5, np.float32), ValueError, r"sinks must have shape \(nheads,\) = \(4,\).*got \(5,\)"),
+    (np.zeros((2, 4), np.float32), ValueError, r"sinks must have shape \(nheads,\)"),
+    (np.zeros(8, np.float32)[::2], ValueError, r"sinks must be contiguous"),
+])
+def test_bad_sinks(sinks, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        _validate.check_sinks(sinks, 4)
+
+
+def test_score_mods_read_the_options():
+    from cuflash2 import _configs, _prepare
+    from cuflash2._options import AttentionOptions
+
+    problem = check(*arrays())
+    mods = _prepare.score_mods(problem, AttentionOptions(sinks=np.zeros(4, np.float32)))
+    assert mods.features == _configs.FEATURE_SINKS
+    mods = _prepare.score_mods(problem, AttentionOptions(
+        softcap=30.0, alibi_slopes=np.zeros(4, np.float32), sinks=np.zeros(4, np.float32)))
+    assert mods.features == (_configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
+                             | _configs.FEATURE_SINKS)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(nheads,\) = \(4,\)"):
+        _prepare.score_mods(problem, AttentionOptions(sinks=np.zeros(2, np.float32)))
+    assert "sinks=None" in repr(AttentionOptions())
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_with_kvcache", "forward_kernels"])
+def test_wrong_sinks_are_named_before_any_launch(api_host, entry):
+    """Through the public functions (on the CuPy stand-in of tests/test_plans_host.py): the
+    NumPy hint, other types, dtype, shape, strides and device, each naming sinks."""
+    from test_plans_host import device_array
+
+    q = device_array((2, 5, 4, 64))
+    kv = device_array((2, 7, 2, 64))
+
+    def call(sinks):
+        if entry == "attention_with_kvcache":
+            return cuflash2.attention_with_kvcache(q, kv, kv, cache_seqlens=3, sinks=sinks)
+        return getattr(cuflash2, entry)(q, kv, kv, sinks=sinks)
+
+    cases = [
+        (np.zeros(4, np.float32), TypeError, r"sinks is a numpy array.*cupy\.asarray\(sinks\)"),
+        ([0.0] * 4, TypeError, r"sinks must be a cupy\.ndarray; got list"),
+        (device_array((4,), np.float64), TypeError, r"sinks must be a float32 array"),
+        (device_array((2,), np.float32), ValueError, r"sinks must have shape \(nheads,\) = \(4,\)"),
+        (device_array((8,), np.float32)[::2], ValueError, r"sinks must be contiguous"),
+        (device_array((4,), np.float32, device=1), ValueError,
+         r"sinks is on device 1 but the current CuPy device is 0"),
+    ]
+    for sinks, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call(sinks)
+    assert not api_host.launches
+    call(device_array((4,), np.float32))  # and right ones pass
+    assert len(api_host.launches) == (0 if entry == "forward_kernels" else 1)

@@ -19,6 +19,7 @@ import cupy  # noqa: E402
 import cuflash2  # noqa: E402
 from cuflash2 import _kvcache, _launch, api  # noqa: E402
 from cuflash2.bench import host  # noqa: E402
+from cuflash2._options import AttentionOptions  # noqa: E402
 
 CALLS = 2000
 
@@ -39,18 +40,18 @@ def main():
     buf = cupy.empty_like(q)
     out, lse = cuflash2.attention(q, k, v, return_lse=True)
     cuflash2.attention(q, k, v, out=buf)
-    args = (q, k, v, buf, None)
+    args = (q, k, v, buf, None, None)  # attention's input tuple: ..., alibi_slopes, sinks
 
     def key():
-        return api._forward_key("attention", cupy, args, False, None, (-1, -1), 0.0, 0.0)
+        return api._forward_key("attention", cupy, args, AttentionOptions())
 
     plan = api._forward_plans.get(key())
     stream = cupy.cuda.get_current_stream().ptr
-    grads_in = (dout, q, k, v, out, lse, None, None, None, None)
+    grads_in = (dout, q, k, v, out, lse, None, None, None, None, None, None)
 
     def backward_key():
-        return api._backward_key("attention_backward", cupy, grads_in, False, None, (-1, -1),
-                                 0.0, 0.0, False)
+        return api._backward_key("attention_backward", cupy, grads_in, AttentionOptions(),
+                                 False)
 
     cuflash2.attention_backward(dout, q, k, v, out, lse)
     bplan = api._backward_plans.get(backward_key())
@@ -99,8 +100,7 @@ def main():
         q1, cache, v_cache, k=new, v=new, cache_seqlens=lengths)
     rows["attention_with_kvcache"]()
     decode = _kvcache._plans_by_key.get(_kvcache._key(
-        cupy, q1, cache, v_cache, new, new, lengths, None, None, None, False, (-1, -1), 0.0,
-        None, 0))
+        cupy, q1, cache, v_cache, new, new, lengths, None, None, AttentionOptions(), 0, False))
     dlaunch = decode.plan.launches[0]
     print(f"decode plan: {decode.splits} splits, grid {dlaunch.grid}, cluster {dlaunch.cluster}, "
           f"programmatic {dlaunch.programmatic}, cooperative {dlaunch.cooperative}")
@@ -119,10 +119,9 @@ def main():
     if decode.barrier:
         scalars["split_counters"] = _kvcache.split_counters(decode.groups, 0, stream, cupy)
     rows["  kvcache Plan.run"] = lambda: decode.plan.run(
-        (q1, cache, v_cache, new, new, lengths, None, None, None), cupy, scalars, wrap=1)
+        (q1, cache, v_cache, new, new, lengths, None, None, None, None), cupy, scalars, wrap=1)
     rows["  kvcache key"] = lambda: _kvcache._key(
-        cupy, q1, cache, v_cache, new, new, lengths, None, None, None, False, (-1, -1), 0.0,
-        None, 0)
+        cupy, q1, cache, v_cache, new, new, lengths, None, None, AttentionOptions(), 0, False)
     for label, fn in rows.items():
         if "one launch" in label:
             continue

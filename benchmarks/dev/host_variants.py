@@ -24,6 +24,7 @@ import cupy  # noqa: E402
 import cuflash2  # noqa: E402
 from cuflash2 import _kvcache, _launch, _recycle, api  # noqa: E402
 from cuflash2.bench import host  # noqa: E402
+from cuflash2._options import AttentionOptions  # noqa: E402
 
 
 def per_call_us(fn, calls=2000, repeats=5):
@@ -184,13 +185,13 @@ def main():
     # The parts of a decoding call's hit path.
     x = sets[0]
     key_args = (cupy, x["q1"], x["k_cache"], x["v_cache"], x["new"], x["new"], x["lengths"],
-                None, None, None, False, (-1, -1), 0.0, None, 0)
+                None, None, AttentionOptions(), 0, False)
     key = _kvcache._key(*key_args)
     decode = _kvcache._plans_by_key.get(key)
     plan = decode.plan
     stream = cupy.cuda.get_current_stream().ptr
     run_inputs = (x["q1"], x["k_cache"], x["v_cache"], x["new"], x["new"], x["lengths"], None,
-                  None, None)
+                  None, None, None)
     executable = plan.graphs.executable(stream) if plan.graphs is not None else None
     parts = {
         "whole call": same["kvcache"],

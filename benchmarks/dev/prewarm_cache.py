@@ -43,19 +43,20 @@ def main():
         configs += _configs.all_fwd_configs(args.arch, args.features)
         if args.arch == 90:  # the Hopper forward's, as the dispatcher chooses them
             configs += _hopper.dispatch_configs(
-                [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
+                [f for f in args.features if f in _configs.SM90_FWD_FEATURES])
     if "bwd" in args.kernels:
         configs += _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
         if args.arch == 90:  # the Hopper backward's main kernels, default and deterministic
-            sm90 = _configs.all_bwd_sm90_configs(
-                [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
+            sm90 = _configs.all_bwd_sm90_configs(list(dict.fromkeys(
+                _configs.backward_features(f) for f in args.features
+                if _configs.backward_features(f) in _configs.SM90_BWD_FEATURES)))
             if _configs.FEATURE_VARLEN in args.features:  # varlen with each modifier set
                 sm90 += _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
             configs += sm90 + [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
                                for c in sm90]
     if "decode" in args.kernels:
         configs += _configs.all_decode_configs(
-            args.arch, [f for f in args.features if f in _configs.SCORE_MOD_FEATURES])
+            args.arch, [f for f in args.features if f in _configs.DECODE_FEATURES])
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
         configs += _configs.all_fwd_sm90_configs((0,), persistent=True)
         configs += [dataclasses.replace(c, watchdog=True)  # --schedule plain --watchdog

@@ -1,0 +1,48 @@
+"""The options of an attention call as one object.
+
+Every public entry point takes the same options (causal, softmax_scale, window_size, softcap,
+alibi_slopes, sinks, dropout_p, seed, offset); each builds one `AttentionOptions` from its keyword
+arguments per call, and the signature key (`api._forward_key`, `_kvcache._key`: the window, the
+arrays' signatures, causal, softmax_scale, softcap and dropout_p with their types; seed and
+offset are per-call values), the full check (`_prepare.score_mods`, `_validate.check_window`),
+the plan builders and the per-call dropout scalars read it. Built on every call, so it only stores the values: checking them is the full
+check's job, once per call signature.
+"""
+
+from __future__ import annotations
+
+from . import _prepare, _validate
+
+
+class AttentionOptions:
+    """causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset
+    of one call, as given (unchecked)."""
+
+    __slots__ = ("causal", "softmax_scale", "window_size", "softcap", "alibi_slopes", "sinks",
+                 "dropout_p", "seed", "offset")
+
+    def __init__(self, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0):
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.window_size = window_size
+        self.softcap = softcap
+        self.alibi_slopes = alibi_slopes
+        self.sinks = sinks
+        self.dropout_p = dropout_p
+        self.seed = seed
+        self.offset = offset
+
+    def dropout_scalars(self) -> dict | None:
+        """The per-call DropoutParams (`dropout.*` fields) of a call whose dropout_p was checked
+        with its signature; seed and offset are checked here, on every call."""
+        if self.dropout_p:
+            fields = _prepare.dropout_fields(self.dropout_p, self.seed, self.offset)
+            return {f"dropout.{name}": value for name, value in fields.items()}
+        if self.seed is not None or self.offset != 0:
+            _validate.check_dropout(self.dropout_p, self.seed, self.offset)
+        return None
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"AttentionOptions({values})"
