@@ -88,6 +88,7 @@
 #include "sm90/bwd_dq_writer.cuh"
 #include "sm90/bwd_scores.cuh"
 #include "sm90/bwd_mainloop.cuh"
+#include "sm90/bwd_epilogue.cuh"
 
 // FEATURES: the attention variant's (variant.cuh: softcap, ALiBi; its sinks need nothing here, P
 // coming from the lse), or 0; DQ_BUFFERS: dQ through
@@ -173,26 +174,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
 
     if (steps == 0) {
         // No query sees these keys: dK = dV = 0 (the whole CTA, before any role).
-        const u32 zeros[4] = {0u, 0u, 0u, 0u};
-        if constexpr (T::NUM_CHUNKS == 1) {
-            for (int idx = threadIdx.x; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
-                const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
-                if (key_first + row < seqlen_k && chunk < head_chunks) {
-                    store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
-                    store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
-                }
-            }
-        } else {
-            // This CTA's columns (the other chunk's CTA writes the rest).
-            constexpr int CHUNKS = T::CHUNK_COLS / 8;
-            for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
-                const int row = idx / CHUNKS, c = col0 / 8 + idx % CHUNKS;
-                if (key_first + row < seqlen_k && c < head_chunks) {
-                    store_16B_global(dk_block + row * p.dk_row_stride + c * 8, zeros);
-                    store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
-                }
-            }
-        }
+        store_zero_dkdv<T>(p, dk_block, dv_block, key_first, seqlen_k, head_chunks, col0,
+                           threadIdx.x);
         return;
     }
 
