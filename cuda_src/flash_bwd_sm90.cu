@@ -481,35 +481,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         // global memory with row and head-dim guards.
         named_barrier_sync(T::EPILOGUE_BARRIER, T::CONSUMER_THREADS);
         fence_proxy_async_shared();  // K and V were last read by wgmma (async proxy)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = key0 + 16 * warp + 8 * half + lane / 4;  // in the block
-#pragma unroll
-            for (int dt = 0; dt < T::D_TILES; ++dt) {
-                const u32 offset =
-                    swizzled_chunk<T::KV_PANEL_BYTES>(0, row, dt) + 4 * (lane % 4);
-                store_4B_shared(k_smem + offset,
-                                pack_pair<Elem>(acc_dk[dt][2 * half] * p.softmax_scale,
-                                                acc_dk[dt][2 * half + 1] * p.softmax_scale));
-                store_4B_shared(v_smem + offset,
-                                pack_pair<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]));
-            }
-        }
+        stage_dkdv<Elem, T>(p, acc_dk, acc_dv, k_smem, v_smem, key0, warp, lane);
         named_barrier_sync(T::STORE_BARRIER + consumer, T::WARPGROUP_THREADS);
-        const int tid = threadIdx.x % T::WARPGROUP_THREADS;
-        constexpr int CHUNKS = T::CHUNK_COLS / 8;  // 16-byte chunks of this CTA's row (widest)
-#pragma unroll
-        for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
-            const int idx = tid + T::WARPGROUP_THREADS * i;
-            const int row = key0 + idx / CHUNKS;
-            const int chunk = idx % CHUNKS;
-            if (key_first + row < seqlen_k && chunk < head_chunks - col0 / 8) {
-                u32 vals[4];
-                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
-                store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
-                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
-                store_16B_global(dv_block + row * p.dv_row_stride + col0 + chunk * 8, vals);
-            }
-        }
+        store_dkdv<T>(p, k_smem, v_smem, dk_block, dv_block, key_first, seqlen_k, head_chunks,
+                      col0, key0, threadIdx.x % T::WARPGROUP_THREADS);
     }
 }
