@@ -85,6 +85,7 @@
 #include "sm90/bwd_traits.cuh"
 #include "sm90/bwd_barriers.cuh"
 #include "sm90/bwd_tile_scheduler.cuh"
+#include "sm90/bwd_producer.cuh"
 #include "sm90/bwd_dq_writer.cuh"
 #include "sm90/bwd_scores.cuh"
 #include "sm90/bwd_mainloop.cuh"
@@ -204,38 +205,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         // ---- producer ----
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
-            mbarrier_arrive_expect_tx(kv_full, 2 * T::KV_TILE_BYTES);
-            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_smem, params.k_map, kv_full,
-                                                        seq_k.start + key_first, kv_head,
-                                                        map_batch);
-            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full,
-                                                        seq_k.start + key_first, kv_head,
-                                                        map_batch);
-            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
-                                               p.heads_per_kv_head, m_first, m_count);
-            for (int j = 0; j < steps; ++j) {
-                const int stage = j % STAGES;
-                mbarrier_wait(smem_address(&bars.stage_empty[stage]), ((j / STAGES) & 1) ^ 1);
-                const int row0 = walk.m_block * BLOCK_M;
-                // lse_log2 and D are padded to whole Q blocks (+inf / 0): never out of bounds.
-                const i64 stat0 = stats_first(walk.head) + row0;
-                const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
-                const u32 do_tile = q_tile + T::Q_TILE_BYTES;
-                const u32 lse_s = stats_smem + stage * 2 * T::STAT_BYTES;
-                const u32 q_full = smem_address(&bars.q_full[stage]);
-                const u32 do_full = smem_address(&bars.do_full[stage]);
-                mbarrier_arrive_expect_tx(q_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full,
-                                                           seq_q.start + row0, walk.head,
-                                                           map_batch);
-                bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
-                mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full,
-                                                           seq_q.start + row0, walk.head,
-                                                           map_batch);
-                bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
-                walk.advance();
-            }
+            load_kv_and_steps<T, STAGES, DETERMINISTIC>(
+                params, p, bars, stats_first, kv_full, k_smem, v_smem, q_smem, stats_smem,
+                seq_k.start + key_first, seq_q.start, kv_head, map_batch, m_first, m_count, steps);
         } else if ((T::DQ_STAGED || DETERMINISTIC) && threadIdx.x == 32) {
             // The dQ thread. Staged dQ: adds each step's staged dQ tile to its rows of dq_accum
             // with one bulk reduction (element-wise atomic: other key blocks add to the same
