@@ -209,67 +209,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
                 params, p, bars, stats_first, kv_full, k_smem, v_smem, q_smem, stats_smem,
                 seq_k.start + key_first, seq_q.start, kv_head, map_batch, m_first, m_count, steps);
         } else if ((T::DQ_STAGED || DETERMINISTIC) && threadIdx.x == 32) {
-            // The dQ thread. Staged dQ: adds each step's staged dQ tile to its rows of dq_accum
-            // with one bulk reduction (element-wise atomic: other key blocks add to the same
-            // rows), and frees the buffer once the reduction has read it. DETERMINISTIC: in
-            // key-block order, the turn of the query block's adders taken from its semaphore
-            // (staged: the bulk reduction; vector reductions, above d=128: the consumers', between
-            // dq_empty and dq_full).
-            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
-                                               p.heads_per_kv_head, m_first, m_count);
-            for (int j = 0; j < steps; ++j) {
-                const int buf = j % T::DQ_RING;
-                const u32 parity = (j / T::DQ_RING) & 1;
-                // Staged: the tile's wait first; the rows' address, worked out after it, is not
-                // held across it (held there, it spilled from the producer's 24 registers).
-                if constexpr (T::DQ_STAGED)
-                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
-                const i64 row0 = stats_first(walk.head) + walk.m_block * BLOCK_M;
-                int* semaphore =
-                    DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS + chunk : nullptr;
-                int turn = 0;
-                if constexpr (DETERMINISTIC) {
-                    // The key blocks that see the query block's rows are a contiguous range
-                    // ending at last_adder (a window's edges both grow with the key block);
-                    // they add from the last down, so this one's turn is last_adder - kv_block.
-                    const int m_row0 = walk.m_block * BLOCK_M;
-                    int first_adder, adders_end;
-                    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N,
-                                   first_adder, adders_end);
-                    turn = adders_end - 1 - kv_block;
-                }
-                if constexpr (T::DQ_STAGED) {
-                    if constexpr (DETERMINISTIC) {
-                        wait_semaphore(semaphore, turn);
-                        fence_proxy_async_global();
-                    }
-                    bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM,
-                                        dq_smem + buf * T::DQ_TILE_BYTES, T::DQ_TILE_BYTES);
-                    bulk_commit_group();
-                    // The buffer is free once the reduction has read it; DETERMINISTIC: the next
-                    // key block's turn once its additions are done, which the consumers need
-                    // not wait for.
-                    bulk_wait_group_read<0>();
-                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
-                    if constexpr (DETERMINISTIC) {
-                        bulk_wait_group<0>();
-                        fence_proxy_async_global();
-                        increment_release_gpu(semaphore);
-                    }
-                } else {
-                    // The consumers' vector reductions, ordered: the turn (acquire) is handed to
-                    // them through dq_empty, and passed on (release) once every consumer thread
-                    // arrived on dq_full after its reductions: the mbarrier's release and
-                    // acquire at CTA scope put those before this thread's release at GPU scope.
-                    wait_semaphore(semaphore, turn);
-                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
-                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
-                    increment_release_gpu(semaphore);
-                }
-                walk.advance();
-            }
-            if constexpr (T::DQ_STAGED)
-                bulk_wait_group<0>();  // the reductions complete before the shared memory goes
+            // The dQ thread: the staged tiles' bulk reductions, the deterministic turns.
+            reduce_dq_steps<T, STAGES, DETERMINISTIC>(p, bars, stats_first, vis, dq_smem, kv_head,
+                                                      kv_block, chunk, seqlen_q, m_first, m_count,
+                                                      steps);
         }
     } else {
         // ---- consumers: warpgroup 1 + c owns keys 64 c .. 64 c + 63 of the block ----
