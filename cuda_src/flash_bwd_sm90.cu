@@ -76,6 +76,13 @@
 // discarded; d=256: 128), each recomputing S^T and dP^T over the whole head dim (K, V, Q_i, dO_i
 // are whole-width tiles). docs/HOPPER_BWD.md compares this with FlashAttention-3's tiles.
 // Left out (static_assert): dropout.
+//
+// The parts (sm90/): bwd_traits.cuh (the shape, shared-memory layout, registers and named
+// barriers), bwd_barriers.cuh (the mbarriers), bwd_tile_scheduler.cuh (the CTA's work, the walk
+// over its steps), bwd_producer.cuh (the producer thread's loads), bwd_dq_writer.cuh (dQ: the
+// consumers' writes, the dQ thread's reductions and turns), bwd_scores.cuh (P^T, dS^T),
+// bwd_mainloop.cuh (the products' wgmmas), bwd_epilogue.cuh (the zero store; dK / dV staged and
+// stored). The consumers' loop over the steps stays here.
 #include "hopper_primitives.cuh"
 #include "variant.cuh"
 #include "dq_accum.cuh"
