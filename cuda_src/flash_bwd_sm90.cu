@@ -76,6 +76,13 @@
 // discarded; d=256: 128), each recomputing S^T and dP^T over the whole head dim (K, V, Q_i, dO_i
 // are whole-width tiles). docs/HOPPER_BWD.md compares this with FlashAttention-3's tiles.
 // Left out (static_assert): dropout.
+//
+// The parts (sm90/): bwd_traits.cuh (the shape, shared-memory layout, registers and named
+// barriers), bwd_barriers.cuh (the mbarriers), bwd_tile_scheduler.cuh (the CTA's work, the walk
+// over its steps), bwd_producer.cuh (the producer thread's loads), bwd_dq_writer.cuh (dQ: the
+// consumers' writes, the dQ thread's reductions and turns), bwd_scores.cuh (P^T, dS^T),
+// bwd_mainloop.cuh (the products' wgmmas), bwd_epilogue.cuh (the zero store; dK / dV staged and
+// stored). The consumers' loop over the steps stays here.
 #include "hopper_primitives.cuh"
 #include "variant.cuh"
 #include "dq_accum.cuh"
@@ -85,9 +92,11 @@
 #include "sm90/bwd_traits.cuh"
 #include "sm90/bwd_barriers.cuh"
 #include "sm90/bwd_tile_scheduler.cuh"
+#include "sm90/bwd_producer.cuh"
 #include "sm90/bwd_dq_writer.cuh"
 #include "sm90/bwd_scores.cuh"
 #include "sm90/bwd_mainloop.cuh"
+#include "sm90/bwd_epilogue.cuh"
 
 // FEATURES: the attention variant's (variant.cuh: softcap, ALiBi; its sinks need nothing here, P
 // coming from the lse), or 0; DQ_BUFFERS: dQ through
@@ -173,26 +182,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
 
     if (steps == 0) {
         // No query sees these keys: dK = dV = 0 (the whole CTA, before any role).
-        const u32 zeros[4] = {0u, 0u, 0u, 0u};
-        if constexpr (T::NUM_CHUNKS == 1) {
-            for (int idx = threadIdx.x; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
-                const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
-                if (key_first + row < seqlen_k && chunk < head_chunks) {
-                    store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
-                    store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
-                }
-            }
-        } else {
-            // This CTA's columns (the other chunk's CTA writes the rest).
-            constexpr int CHUNKS = T::CHUNK_COLS / 8;
-            for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
-                const int row = idx / CHUNKS, c = col0 / 8 + idx % CHUNKS;
-                if (key_first + row < seqlen_k && c < head_chunks) {
-                    store_16B_global(dk_block + row * p.dk_row_stride + c * 8, zeros);
-                    store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
-                }
-            }
-        }
+        store_zero_dkdv<T>(p, dk_block, dv_block, key_first, seqlen_k, head_chunks, col0,
+                           threadIdx.x);
         return;
     }
 
@@ -221,100 +212,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         // ---- producer ----
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
-            mbarrier_arrive_expect_tx(kv_full, 2 * T::KV_TILE_BYTES);
-            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_smem, params.k_map, kv_full,
-                                                        seq_k.start + key_first, kv_head,
-                                                        map_batch);
-            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full,
-                                                        seq_k.start + key_first, kv_head,
-                                                        map_batch);
-            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
-                                               p.heads_per_kv_head, m_first, m_count);
-            for (int j = 0; j < steps; ++j) {
-                const int stage = j % STAGES;
-                mbarrier_wait(smem_address(&bars.stage_empty[stage]), ((j / STAGES) & 1) ^ 1);
-                const int row0 = walk.m_block * BLOCK_M;
-                // lse_log2 and D are padded to whole Q blocks (+inf / 0): never out of bounds.
-                const i64 stat0 = stats_first(walk.head) + row0;
-                const u32 q_tile = q_smem + stage * T::STAGE_BYTES;
-                const u32 do_tile = q_tile + T::Q_TILE_BYTES;
-                const u32 lse_s = stats_smem + stage * 2 * T::STAT_BYTES;
-                const u32 q_full = smem_address(&bars.q_full[stage]);
-                const u32 do_full = smem_address(&bars.do_full[stage]);
-                mbarrier_arrive_expect_tx(q_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_tile, params.q_map, q_full,
-                                                           seq_q.start + row0, walk.head,
-                                                           map_batch);
-                bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
-                mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-                tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full,
-                                                           seq_q.start + row0, walk.head,
-                                                           map_batch);
-                bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
-                walk.advance();
-            }
+            load_kv_and_steps<T, STAGES, DETERMINISTIC>(
+                params, p, bars, stats_first, kv_full, k_smem, v_smem, q_smem, stats_smem,
+                seq_k.start + key_first, seq_q.start, kv_head, map_batch, m_first, m_count, steps);
         } else if ((T::DQ_STAGED || DETERMINISTIC) && threadIdx.x == 32) {
-            // The dQ thread. Staged dQ: adds each step's staged dQ tile to its rows of dq_accum
-            // with one bulk reduction (element-wise atomic: other key blocks add to the same
-            // rows), and frees the buffer once the reduction has read it. DETERMINISTIC: in
-            // key-block order, the turn of the query block's adders taken from its semaphore
-            // (staged: the bulk reduction; vector reductions, above d=128: the consumers', between
-            // dq_empty and dq_full).
-            QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head,
-                                               p.heads_per_kv_head, m_first, m_count);
-            for (int j = 0; j < steps; ++j) {
-                const int buf = j % T::DQ_RING;
-                const u32 parity = (j / T::DQ_RING) & 1;
-                // Staged: the tile's wait first; the rows' address, worked out after it, is not
-                // held across it (held there, it spilled from the producer's 24 registers).
-                if constexpr (T::DQ_STAGED)
-                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
-                const i64 row0 = stats_first(walk.head) + walk.m_block * BLOCK_M;
-                int* semaphore =
-                    DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS + chunk : nullptr;
-                int turn = 0;
-                if constexpr (DETERMINISTIC) {
-                    // The key blocks that see the query block's rows are a contiguous range
-                    // ending at last_adder (a window's edges both grow with the key block);
-                    // they add from the last down, so this one's turn is last_adder - kv_block.
-                    const int m_row0 = walk.m_block * BLOCK_M;
-                    int first_adder, adders_end;
-                    vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N,
-                                   first_adder, adders_end);
-                    turn = adders_end - 1 - kv_block;
-                }
-                if constexpr (T::DQ_STAGED) {
-                    if constexpr (DETERMINISTIC) {
-                        wait_semaphore(semaphore, turn);
-                        fence_proxy_async_global();
-                    }
-                    bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM,
-                                        dq_smem + buf * T::DQ_TILE_BYTES, T::DQ_TILE_BYTES);
-                    bulk_commit_group();
-                    // The buffer is free once the reduction has read it; DETERMINISTIC: the next
-                    // key block's turn once its additions are done, which the consumers need
-                    // not wait for.
-                    bulk_wait_group_read<0>();
-                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
-                    if constexpr (DETERMINISTIC) {
-                        bulk_wait_group<0>();
-                        fence_proxy_async_global();
-                        increment_release_gpu(semaphore);
-                    }
-                } else {
-                    // The consumers' vector reductions, ordered: the turn (acquire) is handed to
-                    // them through dq_empty, and passed on (release) once every consumer thread
-                    // arrived on dq_full after its reductions: the mbarrier's release and
-                    // acquire at CTA scope put those before this thread's release at GPU scope.
-                    wait_semaphore(semaphore, turn);
-                    mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
-                    mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
-                    increment_release_gpu(semaphore);
-                }
-                walk.advance();
-            }
-            if constexpr (T::DQ_STAGED)
-                bulk_wait_group<0>();  // the reductions complete before the shared memory goes
+            // The dQ thread: the staged tiles' bulk reductions, the deterministic turns.
+            reduce_dq_steps<T, STAGES, DETERMINISTIC>(p, bars, stats_first, vis, dq_smem, kv_head,
+                                                      kv_block, chunk, seqlen_q, m_first, m_count,
+                                                      steps);
         }
     } else {
         // ---- consumers: warpgroup 1 + c owns keys 64 c .. 64 c + 63 of the block ----
@@ -498,35 +403,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
         // global memory with row and head-dim guards.
         named_barrier_sync(T::EPILOGUE_BARRIER, T::CONSUMER_THREADS);
         fence_proxy_async_shared();  // K and V were last read by wgmma (async proxy)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = key0 + 16 * warp + 8 * half + lane / 4;  // in the block
-#pragma unroll
-            for (int dt = 0; dt < T::D_TILES; ++dt) {
-                const u32 offset =
-                    swizzled_chunk<T::KV_PANEL_BYTES>(0, row, dt) + 4 * (lane % 4);
-                store_4B_shared(k_smem + offset,
-                                pack_pair<Elem>(acc_dk[dt][2 * half] * p.softmax_scale,
-                                                acc_dk[dt][2 * half + 1] * p.softmax_scale));
-                store_4B_shared(v_smem + offset,
-                                pack_pair<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]));
-            }
-        }
+        stage_dkdv<Elem, T>(p, acc_dk, acc_dv, k_smem, v_smem, key0, warp, lane);
         named_barrier_sync(T::STORE_BARRIER + consumer, T::WARPGROUP_THREADS);
-        const int tid = threadIdx.x % T::WARPGROUP_THREADS;
-        constexpr int CHUNKS = T::CHUNK_COLS / 8;  // 16-byte chunks of this CTA's row (widest)
-#pragma unroll
-        for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
-            const int idx = tid + T::WARPGROUP_THREADS * i;
-            const int row = key0 + idx / CHUNKS;
-            const int chunk = idx % CHUNKS;
-            if (key_first + row < seqlen_k && chunk < head_chunks - col0 / 8) {
-                u32 vals[4];
-                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
-                store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
-                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
-                store_16B_global(dv_block + row * p.dv_row_stride + col0 + chunk * 8, vals);
-            }
-        }
+        store_dkdv<T>(p, k_smem, v_smem, dk_block, dv_block, key_first, seqlen_k, head_chunks,
+                      col0, key0, threadIdx.x % T::WARPGROUP_THREADS);
     }
 }

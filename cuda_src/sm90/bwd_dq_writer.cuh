@@ -1,9 +1,16 @@
-// The Hopper backward's dQ path (flash_bwd_sm90.cu), consumer side: a consumer's dQ_i columns to
+// The Hopper backward's dQ path (flash_bwd_sm90.cu). Consumer side: a consumer's dQ_i columns to
 // the fp32 accumulator dq_accum, staged in shared memory for the dQ thread's bulk reduction or
-// added by vector reductions (in the key block's turn in deterministic mode).
+// added by vector reductions (in the key block's turn in deterministic mode). The dQ thread's
+// side (thread 32 of the producer warpgroup): the bulk reductions of the staged tiles, and the
+// deterministic mode's turns.
 #pragma once
 #include "hopper_primitives.cuh"
 #include "dq_accum.cuh"
+#include "constants.cuh"
+#include "kernel_params.cuh"
+#include "masking.cuh"
+#include "sm90/bwd_barriers.cuh"
+#include "sm90/bwd_tile_scheduler.cuh"
 
 // Adds this warp's share of dQ_i[rows, COL0 .. COL0 + N) to dq_accum: rows 16 warp + lane / 4
 // (+ 8) from `dq_block` (the consumer's first dQ row), 16 columns per vector reduction in
@@ -58,4 +65,74 @@ CF2_DEVICE void write_dq(const float (&acc)[N / 8][4], float* dq_block, u32 dq_t
     } else if (add) {
         add_dq<T::DIM, COL0, N>(dq_block, acc, warp, lane);
     }
+}
+
+// The dQ thread's loop over the key block's `steps` steps. Staged dQ: adds each step's staged dQ
+// tile to its rows of dq_accum with one bulk reduction (element-wise atomic: other key blocks
+// add to the same rows), and frees the buffer once the reduction has read it. DETERMINISTIC: in
+// key-block order, the turn of the query block's adders taken from its semaphore (staged: the
+// bulk reduction; vector reductions, above d=128: the consumers', between dq_empty and dq_full).
+// stats_first(head): the sequence's first row of the per-row arrays and dq_accum for `head`.
+template <class T, int STAGES, bool DETERMINISTIC, class StatsFirst>
+CF2_DEVICE void reduce_dq_steps(const BwdParams& p, BwdSm90Barriers<STAGES>& bars,
+                                const StatsFirst& stats_first, const KeyVisibility& vis,
+                                u32 dq_smem, int kv_head, int kv_block, int chunk, int seqlen_q,
+                                int m_first, int m_count, int steps) {
+    constexpr int HEAD_DIM = T::DIM, BLOCK_M = T::QUERIES;
+    constexpr int BLOCK_N = T::KEYS_PER_WARPGROUP * T::CONSUMER_WARPGROUPS;
+    QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head, p.heads_per_kv_head,
+                                       m_first, m_count);
+    for (int j = 0; j < steps; ++j) {
+        const int buf = j % T::DQ_RING;
+        const u32 parity = (j / T::DQ_RING) & 1;
+        // Staged: the tile's wait first; the rows' address, worked out after it, is not
+        // held across it (held there, it spilled from the producer's 24 registers).
+        if constexpr (T::DQ_STAGED)
+            mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
+        const i64 row0 = stats_first(walk.head) + walk.m_block * BLOCK_M;
+        int* semaphore =
+            DETERMINISTIC ? p.dq_semaphore + row0 / DQ_SEMAPHORE_ROWS + chunk : nullptr;
+        int turn = 0;
+        if constexpr (DETERMINISTIC) {
+            // The key blocks that see the query block's rows are a contiguous range
+            // ending at last_adder (a window's edges both grow with the key block);
+            // they add from the last down, so this one's turn is last_adder - kv_block.
+            const int m_row0 = walk.m_block * BLOCK_M;
+            int first_adder, adders_end;
+            vis.tile_range(m_row0, min(m_row0 + BLOCK_M, seqlen_q) - 1, BLOCK_N, first_adder,
+                           adders_end);
+            turn = adders_end - 1 - kv_block;
+        }
+        if constexpr (T::DQ_STAGED) {
+            if constexpr (DETERMINISTIC) {
+                wait_semaphore(semaphore, turn);
+                fence_proxy_async_global();
+            }
+            bulk_reduce_add_f32(p.dq_accum + row0 * HEAD_DIM, dq_smem + buf * T::DQ_TILE_BYTES,
+                                T::DQ_TILE_BYTES);
+            bulk_commit_group();
+            // The buffer is free once the reduction has read it; DETERMINISTIC: the next
+            // key block's turn once its additions are done, which the consumers need
+            // not wait for.
+            bulk_wait_group_read<0>();
+            mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
+            if constexpr (DETERMINISTIC) {
+                bulk_wait_group<0>();
+                fence_proxy_async_global();
+                increment_release_gpu(semaphore);
+            }
+        } else {
+            // The consumers' vector reductions, ordered: the turn (acquire) is handed to
+            // them through dq_empty, and passed on (release) once every consumer thread
+            // arrived on dq_full after its reductions: the mbarrier's release and
+            // acquire at CTA scope put those before this thread's release at GPU scope.
+            wait_semaphore(semaphore, turn);
+            mbarrier_arrive(smem_address(&bars.dq_empty[buf]));
+            mbarrier_wait(smem_address(&bars.dq_full[buf]), parity);
+            increment_release_gpu(semaphore);
+        }
+        walk.advance();
+    }
+    if constexpr (T::DQ_STAGED)
+        bulk_wait_group<0>();  // the reductions complete before the shared memory goes
 }
