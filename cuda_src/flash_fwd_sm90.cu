@@ -78,6 +78,7 @@
 #include "hopper_primitives.cuh"
 #include "online_softmax.cuh"
 #include "kernel_params.cuh"
+#include "varlen.cuh"
 #include "sm90/fwd_traits.cuh"
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
@@ -139,11 +140,31 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     // O is staged in the Q buffer, or after the ring in a buffer of its own (PERSISTENT).
     const u32 o_smem = PERSISTENT ? kv_smem + STAGES * T::STAGE_BYTES : q_smem;
 
-    // The CTA's own work tile on the one-tile-per-CTA grid (unused by the persistent grid) and the
-    // keys its rows see; a varlen CTA past its sequence's end exits here, before any barrier.
-    FwdTileContext own;
-    KeyVisibility vis;
-    if (!grid_tile_context<BLOCK_M, BLOCK_N, VARLEN>(p, own, vis)) return;
+    // The CTA's own work tile on the one-tile-per-CTA grid (unused by the persistent grid). This
+    // is tile_context() (sm90/fwd_tile_scheduler.cuh) spelt out in the order the kernel has
+    // always computed it, so that the one-tile-per-CTA specialisations keep their SASS (a
+    // function of the scheduler's returning it gave the varlen ones other SASS).
+    const FwdWorkTile own_tile = grid_work_tile(p);
+    const int kv_head = own_tile.head / p.heads_per_kv_head;
+    const int row_first = own_tile.m_block * BLOCK_M;
+    // VARLEN: batch index = sequence; its rows in the packed arrays (varlen.cuh), and the m
+    // blocks past its end exit here, the whole CTA, before any barrier is initialised or used
+    // (the grid is sized by the longest sequence). Dense batches: {0, seqlen}.
+    const SequenceRows seq_q = query_rows<VARLEN>(p, own_tile.batch);
+    const SequenceRows seq_k = key_rows<VARLEN>(p, own_tile.batch);
+    if (VARLEN && row_first >= seq_q.length) return;
+    const int row_last = min(row_first + BLOCK_M, VARLEN ? seq_q.length : p.seqlen_q) - 1;
+    const KeyVisibility vis = key_visibility<VARLEN>(p, seq_q, seq_k);
+    int tile_first, tile_end;
+    vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
+    u16* o_block = p.out + own_tile.batch * p.o_batch_stride + own_tile.head * p.o_head_stride +
+                   (seq_q.start + row_first) * p.o_row_stride;
+    // lse: dense (batch, nheads, seqlen_q), varlen (nheads, total_q)
+    float* lse_block = p.lse + lse_row0<VARLEN>(own_tile.batch, own_tile.head, p.nheads,
+                                                p.seqlen_q, p.varlen.total_q, seq_q.start) +
+                       row_first;
+    const FwdTileContext own{own_tile, kv_head, {row_first, row_last, tile_first, tile_end},
+                             o_block, lse_block, seq_q, seq_k};
     const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in an O row
     if constexpr (!PERSISTENT) {
         // No row of this block sees any key: O = 0, lse = +inf, by the whole CTA before any role.

@@ -1,7 +1,7 @@
 // The Hopper forward's tile scheduler (flash_fwd_sm90.cu): which work tiles (BLOCK_M query rows
 // of one (batch, head)) a CTA runs and in what order, and what both roles derive from one
 // (FwdTileContext: its rows, the KV tiles they see, where its output goes).
-//  - One tile per CTA: grid_work_tile / grid_tile_context (the CTA's own tile).
+//  - One tile per CTA: grid_work_tile (the CTA's own tile; the kernel derives its context).
 //  - Persistent: PersistentTiles (the order), taken statically (every gridDim.x-th) or claimed
 //    one by one (WorkTileClaims).
 // FwdTileScheduler::for_each walks a CTA's work tiles for one role: the producer runs
@@ -30,7 +30,7 @@ struct FwdTileSpan {
 };
 
 // What both roles derive from a work tile: its rows and KV tiles, the K/V head, and where its
-// output rows start (tile_context; grid_tile_context for the one-tile-per-CTA grid's own tile).
+// output rows start (tile_context; the one-tile-per-CTA kernel spells it out in its prologue).
 struct FwdTileContext {
     FwdWorkTile w;
     int kv_head;
@@ -206,36 +206,6 @@ struct WorkTileClaims {
     }
 };
 
-// The CTA's own work tile on the one-tile-per-CTA grid (unused by the persistent grid), into
-// `own`, and the keys its rows see, into `vis` (the persistent grid's too: dense batches only).
-// This is tile_context() spelt out in the order the kernel has always computed it, so that the
-// one-tile-per-CTA specialisations keep their SASS.
-// VARLEN: batch index = sequence; its rows in the packed arrays (varlen.cuh), and the m blocks
-// past its end return false: the whole CTA exits, before any barrier is initialised or used (the
-// grid is sized by the longest sequence). Dense batches: {0, seqlen}.
-template <int BLOCK_M, int BLOCK_N, bool VARLEN>
-CF2_DEVICE bool grid_tile_context(const FwdParams& p, FwdTileContext& own, KeyVisibility& vis) {
-    const FwdWorkTile own_tile = grid_work_tile(p);
-    const int kv_head = own_tile.head / p.heads_per_kv_head;
-    const int row_first = own_tile.m_block * BLOCK_M;
-    const SequenceRows seq_q = query_rows<VARLEN>(p, own_tile.batch);
-    const SequenceRows seq_k = key_rows<VARLEN>(p, own_tile.batch);
-    if (VARLEN && row_first >= seq_q.length) return false;
-    const int row_last = min(row_first + BLOCK_M, VARLEN ? seq_q.length : p.seqlen_q) - 1;
-    vis = key_visibility<VARLEN>(p, seq_q, seq_k);
-    int tile_first, tile_end;
-    vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
-    u16* o_block = p.out + own_tile.batch * p.o_batch_stride + own_tile.head * p.o_head_stride +
-                   (seq_q.start + row_first) * p.o_row_stride;
-    // lse: dense (batch, nheads, seqlen_q), varlen (nheads, total_q)
-    float* lse_block = p.lse + lse_row0<VARLEN>(own_tile.batch, own_tile.head, p.nheads,
-                                                p.seqlen_q, p.varlen.total_q, seq_q.start) +
-                       row_first;
-    own = {own_tile, kv_head, {row_first, row_last, tile_first, tile_end}, o_block, lse_block,
-           seq_q, seq_k};
-    return true;
-}
-
 // The work tiles of one CTA. for_each(may_claim, claimer, work, empty) runs
 // work(tile, ring0, q_round) for each work tile of this CTA whose rows see a key and
 // empty(tile) for the others (tile: its FwdTileContext). ring0 is the ring position of the
@@ -245,7 +215,7 @@ CF2_DEVICE bool grid_tile_context(const FwdParams& p, FwdTileContext& own, KeyVi
 // ring positions and phases agree. `claimer` (CLAIMS): this thread makes the claims; the
 // producer's instance has no claiming code at all (`may_claim`, a CompileTimeFlag: an atomic
 // with a return value there spills, WorkTileClaims).
-// `own`: the CTA's tile on the one-tile-per-CTA grid (grid_tile_context); `bars`: the CTA's
+// `own`: the CTA's tile on the one-tile-per-CTA grid (the kernel's prologue); `bars`: the CTA's
 // mbarriers (FwdSm90ClaimBarriers, whose claim slots WorkTileClaims uses).
 template <int BLOCK_M, int BLOCK_N, bool PERSISTENT, bool CLAIMS, class Bars>
 struct FwdTileScheduler {
