@@ -1,0 +1,70 @@
+// The Hopper forward's producer (flash_fwd_sm90.cu, warpgroup 0, thread 0): the TMA loads of
+// one work tile, Q and the K/V ring that the consumers' mainloop (sm90/fwd_mainloop.cuh) reads.
+// The kernel runs it on each of the CTA's work tiles (FwdTileScheduler::for_each).
+#pragma once
+#include "hopper_primitives.cuh"
+#include "sm90/fwd_barriers.cuh"
+#include "sm90/fwd_tile_scheduler.cuh"
+
+// The producer's loads for one work tile (thread 0 of warpgroup 0): Q, then K_j and V_j of every
+// KV tile the rows see, from the last one down, into the ring from position ring0 on: the j-th
+// tile visited takes position ring0 + j, stage (ring0 + j) % STAGES, whose barriers are in their
+// ((ring0 + j) / STAGES)-th phase. Positions continue across a persistent CTA's work tiles, so
+// the producer runs ahead into the next work tile while the consumers finish this one.
+// PERSISTENT: Q goes in after K of the first KV tile (which needs only a free stage), once every
+// consumer thread is done with the previous work tile's Q (q_empty, round q_round - 1; a fresh
+// barrier passes round 0 at once).
+// OVERLAP: kv_empty gives back a stage's K alone; V goes in once its V is given back (v_empty).
+// With both, Q comes before the wait for V: the previous work tile's last S = Q K^T completes
+// before the P V whose V the wait is for.
+// VARLEN: the maps cover the packed arrays (batch extent 1): rows count from the sequence's first
+// row, the batch coordinate is 0. A box that runs past the sequence reads the next sequence's
+// rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
+// last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
+template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false>
+CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,
+                             int q_round, u32 q_smem, u32 kv_smem,
+                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
+    constexpr int STAGES = T::KV_STAGES;
+    const FwdWorkTile& w = c.w;
+    const FwdTileSpan& span = c.span;
+    const int kv_head = c.kv_head;
+    const int batch = VARLEN ? 0 : w.batch;        // the maps' batch coordinate
+    const int q_row0 = VARLEN ? c.seq_q.start : 0;  // the maps' row of the sequence's row 0
+    const int k_row0 = VARLEN ? c.seq_k.start : 0;
+    auto load_q = [&]() {
+        const u32 q_full = smem_address(&bars.q_full);
+        mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
+        tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_smem, params.q_map, q_full,
+                                                   q_row0 + span.row_first, w.head, batch);
+    };
+    if constexpr (!PERSISTENT) load_q();
+    for (int tile = span.tile_end - 1, j = 0; tile >= span.tile_first; --tile, ++j) {
+        const int ring = ring0 + j;
+        const int stage = ring % STAGES;
+        const u32 phase = (ring / STAGES) & 1;
+        // Wait until the consumers released the stage's previous tile (its K alone with OVERLAP;
+        // the first pass over the ring waits for parity 1 of fresh barriers: it passes at once).
+        mbarrier_wait(smem_address(&bars.kv_empty[stage]), phase ^ 1);
+        const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
+        const u32 v_tile = k_tile + T::KV_TILE_BYTES;
+        const u32 k_full = smem_address(&bars.k_full[stage]);
+        const u32 v_full = smem_address(&bars.v_full[stage]);
+        mbarrier_arrive_expect_tx(k_full, T::KV_TILE_BYTES);
+        tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_tile, params.k_map, k_full,
+                                                    k_row0 + tile * T::KEYS_PER_TILE, kv_head,
+                                                    batch);
+        if constexpr (PERSISTENT) {
+            if (j == 0) {
+                mbarrier_wait(smem_address(&bars.q_empty), (q_round & 1) ^ 1);
+                load_q();
+            }
+        }
+        // With OVERLAP the consumers give the stage's V back separately, after its P V.
+        if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
+        mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
+        tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
+                                                    k_row0 + tile * T::KEYS_PER_TILE, kv_head,
+                                                    batch);
+    }
+}

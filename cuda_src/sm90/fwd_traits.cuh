@@ -1,0 +1,82 @@
+// The Hopper forward's compile-time shape (flash_fwd_sm90.cu): its warpgroups and their register
+// split, named barriers, shared-memory layout (Q, the K/V ring, the persistent grid's O buffer)
+// and the per-warp tile counts the mainloop and the epilogue iterate over. Every part of the
+// kernel (sm90/fwd_*.cuh) takes it as its `T`.
+#pragma once
+#include "hopper_primitives.cuh"
+#include "constants.cuh"
+
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES,
+          bool PERSISTENT = false>
+struct FwdSm90Traits : Sm90CtaLayout {
+    static constexpr int ROWS_PER_WARPGROUP = 64;  // the M of wgmma
+    static constexpr int CONSUMER_WARPGROUPS = BLOCK_M / ROWS_PER_WARPGROUP;
+    static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
+    static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
+    static constexpr int ENTRY_REGISTERS = entry_registers(THREADS);
+    // 240 registers a consumer thread with two consumer warpgroups, 160 with three.
+    static constexpr int CONSUMER_REGISTERS = consumer_registers(CONSUMER_WARPGROUPS);
+    // Named barriers (0 is __syncthreads): one per consumer for its epilogue, and one per
+    // consumer for its turns of the ping-pong schedule.
+    static constexpr int EPILOGUE_BARRIER = 1;
+    static constexpr int TURN_BARRIER = EPILOGUE_BARRIER + CONSUMER_WARPGROUPS;
+
+    // Tiles in shared memory are panels of 64 columns (Sm90CtaLayout); a tile of R rows is PANELS
+    // panels of R * 128 B.
+    // A head dim that is not a multiple of 64 (96) ends in a partly used panel: its box is still
+    // 64 columns and the TMA zero-fills the columns past the head dim (they cost shared memory
+    // and TMA writes, not global reads). A 32-column last box was the alternative, but the TMA
+    // packs a box as rows of its own width: 64-byte rows, not the 128-byte rows the panel's
+    // descriptors read, so that panel would need the 64-byte swizzle, with a second tensor map
+    // and descriptor mode for it alone. With full panels one map, one layout and one descriptor
+    // scheme serve every head dim. The GEMMs skip the padding: Q K^T takes HEAD_DIM / 16
+    // k-steps and P V has N = HEAD_DIM, so the zero columns are never multiplied.
+    static constexpr int PANELS = (HEAD_DIM + PANEL_COLS - 1) / PANEL_COLS;
+    static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;
+    static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
+    static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
+    static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
+    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile, then V tile
+    static constexpr int KV_STAGES = STAGES;
+    // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and layout),
+    // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
+    // staged in the Q buffer.
+    static constexpr int O_BYTES = PERSISTENT ? Q_BYTES : 0;
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
+
+    static constexpr int DIM = HEAD_DIM;
+    static constexpr int KEYS_PER_TILE = BLOCK_N;
+    static constexpr int N_TILES = BLOCK_N / 8;    // n8 column groups of S (accumulator layout)
+    static constexpr int D_TILES = HEAD_DIM / 8;   // n8 column groups of O
+    static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of Q K^T (over the head dim)
+    static constexpr int PV_STEPS = BLOCK_N / 16;   // k16 steps of P V (over the keys)
+    // A warpgroup whose rows see only the left half of their first KV tile's keys (the diagonal
+    // tile of a causal row block's upper half, a short sequence tail) runs the softmax of that
+    // half alone (consume_kv_tiles in sm90/fwd_mainloop.cuh, the ping-pong + overlap schedule): whole k16 slices of P. Not
+    // with score modifiers: the second copy of the first tile's softmax then makes ptxas spill
+    // (d=96 and 128 on the persistent grid).
+    template <int FEATURES>
+    static constexpr bool HALF_TILES =
+        BLOCK_N % 32 == 0 && (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI)) == 0;
+
+    // wgmma N (dense f16 / bf16) is a multiple of 8 up to 256; the k16 steps over the head dim
+    // (Q K^T) and over the keys (P V) make both multiples of 16 here. A K/V panel of BLOCK_N rows
+    // is then a whole number of 1024-byte swizzle atoms (8 rows x 128 B), which the descriptors'
+    // base offset 0 and the V descriptor's LBO (one panel) need.
+    static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 16 && HEAD_DIM <= 256,
+                  "wgmma N of P V (= HEAD_DIM): a multiple of 16 up to 256");
+    static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256,
+                  "wgmma N of Q K^T (= BLOCK_N): a multiple of 16 up to 256");
+    static_assert(KV_PANEL_BYTES % 1024 == 0 && Q_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
+    static_assert(ROWS_PER_WARPGROUP * (HEAD_DIM / 8) % WARPGROUP_THREADS == 0,
+                  "the epilogue's 16-byte chunks split evenly over a warpgroup");
+    static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
+    static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
+    static_assert(STAGES >= 2, "a ring of at least two K/V stages");
+    static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS),
+                  "the setmaxnreg split fits the register file");
+    static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
+                  "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "
+                  "128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do not fit)");
+    static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
+};
