@@ -110,7 +110,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
 // pipelining): the softmax of tile j runs while the tensor cores compute P_{j-1} V_{j-1} (see
 // consume_kv_tiles).
 // With or without PINGPONG, on either grid.
-// FEATURES: the score modifiers of score_mods.cuh (softcap, ALiBi) and FEATURE_VARLEN (packed
+// FEATURES: the attention variant's (variant.cuh: softcap, ALiBi, sinks) and FEATURE_VARLEN (packed
 // sequences, one-tile-per-CTA grid only), or 0. Dropout stays on the mma.sync kernel for now.
 // The parameters: FwdSm90Params (kernel_params.cuh).
 // PERSISTENT: a grid of at most one CTA per SM, each looping over work tiles (PersistentTiles);
@@ -169,7 +169,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     if constexpr (!PERSISTENT) {
         // No row of this block sees any key: O = 0, lse = +inf, by the whole CTA before any role.
         if (own.span.empty()) {
-            store_empty_rows<T, BLOCK_M, T::THREADS, VARLEN>(p, own, head_chunks, 0,
+            store_empty_rows<T, BLOCK_M, T::THREADS, FEATURES>(p, own, head_chunks, 0,
                                                              threadIdx.x);
             return;
         }
@@ -206,7 +206,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
             },
             [&](const FwdTileContext& tile) {
                 const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;
-                store_empty_rows<T, T::ROWS_PER_WARPGROUP, T::WARPGROUP_THREADS>(
+                store_empty_rows<T, T::ROWS_PER_WARPGROUP, T::WARPGROUP_THREADS, FEATURES>(
                     p, tile, head_chunks, wg_row0, threadIdx.x % T::WARPGROUP_THREADS);
             });
     }

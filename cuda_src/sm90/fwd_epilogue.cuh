@@ -4,20 +4,22 @@
 // lse, with row guards. store_empty_rows writes the rows of a work tile that sees no key.
 #pragma once
 #include "hopper_primitives.cuh"
-#include "online_softmax.cuh"
+#include "variant.cuh"
 #include "kernel_params.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
 
 // Rows row0 .. row0 + ROWS - 1 of a work tile whose rows see no key: O = 0 and lse = +inf (the
-// log of an empty sum), written by THREADS threads, `tid` being one of them. No shared memory,
-// no barrier. head_chunks: the 16-byte chunks actually present in an O row.
-template <class T, int ROWS, int THREADS, bool VARLEN = false>
+// log of an empty sum; the sink with sinks: AttentionVariant::empty_row_lse), written by THREADS
+// threads, `tid` being one of them. No shared memory, no barrier. head_chunks: the 16-byte
+// chunks actually present in an O row.
+template <class T, int ROWS, int THREADS, int FEATURES>
 CF2_DEVICE void store_empty_rows(const FwdParams& p, const FwdTileContext& c, int head_chunks,
                                  int row0, int tid) {
     u16* o_block = c.o_block;
     float* lse_block = c.lse_block;
+    using Variant = AttentionVariant<FEATURES>;
     const int row_first = c.span.row_first;
-    const int seqlen_q = tile_seqlen_q<VARLEN>(p, c);
+    const int seqlen_q = tile_seqlen_q<Variant::VARLEN>(p, c);
     constexpr int CHUNKS = T::DIM / 8;
     const u32 zeros[4] = {0u, 0u, 0u, 0u};
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
@@ -26,7 +28,7 @@ CF2_DEVICE void store_empty_rows(const FwdParams& p, const FwdTileContext& c, in
             store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
     }
     for (int row = row0 + tid; row < row0 + ROWS; row += THREADS)
-        if (row_first + row < seqlen_q) lse_block[row] = pos_inf();
+        if (row_first + row < seqlen_q) lse_block[row] = Variant::empty_row_lse(p.mods, c.w.head);
 }
 
 // The epilogue of one work tile of a consumer warpgroup (warpgroup 1 + `consumer` owns rows

@@ -7,9 +7,7 @@
 // OnlineSoftmax state to the epilogue (sm90/fwd_epilogue.cuh).
 #pragma once
 #include "hopper_primitives.cuh"
-#include "masking.cuh"
-#include "online_softmax.cuh"
-#include "score_mods.cuh"
+#include "variant.cuh"
 #include "kernel_params.cuh"
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
@@ -95,8 +93,8 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
     pin_registers(p);
 }
 
-// The score step of one KV tile, S_j in place: the score modifiers (score_mods.cuh), then the
-// mask, on boundary tiles only. S (or its left_half) is in the mma.sync accumulator layout of
+// The score step of one KV tile, S_j in place: the attention variant's score transform
+// (variant.cuh: softcap, ALiBi), then its mask, on boundary tiles only. S (or its left_half) is in the mma.sync accumulator layout of
 // one m16 tile per warp. Every change to the scores between S = Q K^T and the softmax is made
 // here, once for every schedule of consume_kv_tiles.
 // Tiles in [tile_first, unmasked_lo) and [unmasked_hi, tile_end) cross a window edge or the
@@ -107,16 +105,17 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 template <int FEATURES, int BLOCK_N>
 struct FwdScoreStep {
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    ScoreMods<FEATURES> mods;
+    using Variant = AttentionVariant<FEATURES>;
+    Variant variant;
     const KeyVisibility& vis;
     int row_first, wg_row0, warp, lane;
     int unmasked_lo, unmasked_hi;
 
     CF2_DEVICE FwdScoreStep(const FwdParams& p, const KeyVisibility& vis, const FwdTileContext& c,
                             int wg_row0, int warp, int lane)
-        : mods(p.mods, tile_seqlen_q<VARLEN>(p, c), tile_seqlen_k<VARLEN>(p, c)),
+        : variant(p.mods, tile_seqlen_q<VARLEN>(p, c), tile_seqlen_k<VARLEN>(p, c)),
           vis(vis), row_first(c.span.row_first), wg_row0(wg_row0), warp(warp), lane(lane) {
-        mods.select_head(p.mods, c.w.batch, c.w.head);
+        variant.select_head(p.mods, c.w.batch, c.w.head);
         vis.unmasked_tile_range(c.span.row_first, c.span.row_last, BLOCK_N, unmasked_lo,
                                 unmasked_hi);
     }
@@ -126,9 +125,9 @@ struct FwdScoreStep {
         // This thread's first accumulator row (query index) and key.
         const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
         const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
-        if constexpr (FEATURES != 0) mods.apply(acc_s, thread_row0, thread_key0);
+        if constexpr (Variant::TRANSFORMS_SCORES) variant.apply(acc_s, thread_row0, thread_key0);
         if (tile < unmasked_lo || tile >= unmasked_hi)
-            mask_scores(acc_s, thread_row0, thread_key0, vis);
+            Variant::mask(acc_s, thread_row0, thread_key0, vis);
     }
 };
 
@@ -163,6 +162,9 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
     OnlineSoftmax<1> softmax;  // one m16 tile a warp: this thread's rows g and g + 8
+    // (with sinks: the head's sink as a key already seen, its 1 in the sum of the quad's first
+    // thread: variant.cuh)
+    AttentionVariant<FEATURES>::start_softmax(softmax, p.mods, c.w.head, lane % 4 == 0);
     // S_j in place: score modifiers, mask (boundary tiles only).
     const FwdScoreStep<FEATURES, BLOCK_N> score_step(p, vis, c, wg_row0, warp, lane);
 
