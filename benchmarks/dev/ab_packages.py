@@ -9,7 +9,7 @@ inside it rewritten to the new name, so it never reaches the head's modules).
 
 Each configuration of `python -m cuflash2 bench`'s FlashAttention-2 paper grid (the head's
 `bench.paper_grid`: same Config, grid and FLOP counts) runs on both versions, round by round
-(base then head in every round), timed as bench times (`bench.timing`: CUDA events, median of
+(base first in even rounds, head first in odd ones), timed as bench times (`bench.timing`: CUDA events, median of
 --iters calls, the spinning backlog kernel queued first), the version's time being the median
 over the rounds. The base is driven through its public API only: `attention(q, k, v, causal=,
 out=)` and `attention_backward(dout, q, k, v, out, lse, causal=, dq=, dk=, dv=)`, its backward
@@ -283,8 +283,10 @@ def measure(cupy, torch, packages: dict, config, seed: int, args, backlog) -> Ro
         except Exception as exc:  # keep going; the row says which version failed
             row.errors.append(f"{name}: {exc.__class__.__name__}: {exc}")
     times = {name: [] for name in calls}
-    for _ in range(args.rounds):
-        for name in list(times):
+    for round_ in range(args.rounds):
+        # The order alternates round by round (base first, then head first, ...), so that
+        # whatever favours a round's first or second call falls on both versions.
+        for name in (list(times) if round_ % 2 == 0 else list(times)[::-1]):
             try:
                 times[name].append(timing.time_cupy(cupy, calls[name], args.warmup, args.iters,
                                                     backlog))
