@@ -67,3 +67,21 @@ def score_mod_options(xp, mods: str) -> dict:
         options["alibi_slopes"] = xp.asarray(numpy.linspace(0.05, 0.4, 8, dtype=numpy.float32)
                                              .reshape(2, 4))
     return options
+
+
+def paged_cache(k_cache, v_cache, page_size, rng):
+    """The same logical cache scattered over shuffled pages (+1 spare), and its block table."""
+    import cupy
+
+    batch, capacity = k_cache.shape[:2]
+    per_seq = capacity // page_size
+    blocks = batch * per_seq + 1
+    order = rng.permutation(blocks)[: batch * per_seq].reshape(batch, per_seq)
+    shape = (blocks, page_size) + k_cache.shape[2:]
+    k_paged, v_paged = cupy.zeros(shape, k_cache.dtype), cupy.zeros(shape, v_cache.dtype)
+    for b in range(batch):
+        for j in range(per_seq):
+            rows = slice(j * page_size, (j + 1) * page_size)
+            k_paged[int(order[b, j])] = k_cache[b, rows]
+            v_paged[int(order[b, j])] = v_cache[b, rows]
+    return k_paged, v_paged, cupy.asarray(order.astype(numpy.int32))

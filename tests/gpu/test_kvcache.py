@@ -9,7 +9,7 @@ cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
 from cuflash2 import _configs, reference, testing  # noqa: E402
-from grids import BF16, DTYPES, seed_of  # noqa: E402  (tests/gpu helper)
+from grids import BF16, DTYPES, paged_cache, seed_of  # noqa: E402  (tests/gpu helper)
 
 pytestmark = pytest.mark.gpu
 
@@ -17,22 +17,6 @@ pytestmark = pytest.mark.gpu
 
 def _randn(rng, shape, dtype):
     return cupy.asarray(rng.standard_normal(shape).astype(dtype))
-
-
-def _paged(k_cache, v_cache, page_size, rng):
-    """The same logical cache scattered over shuffled pages (+1 spare), and its block table."""
-    batch, capacity = k_cache.shape[:2]
-    per_seq = capacity // page_size
-    blocks = batch * per_seq + 1
-    order = rng.permutation(blocks)[: batch * per_seq].reshape(batch, per_seq)
-    shape = (blocks, page_size) + k_cache.shape[2:]
-    k_paged, v_paged = cupy.zeros(shape, k_cache.dtype), cupy.zeros(shape, v_cache.dtype)
-    for b in range(batch):
-        for j in range(per_seq):
-            rows = slice(j * page_size, (j + 1) * page_size)
-            k_paged[int(order[b, j])] = k_cache[b, rows]
-            v_paged[int(order[b, j])] = v_cache[b, rows]
-    return k_paged, v_paged, cupy.asarray(order.astype(numpy.int32))
 
 
 def _check(out, lse, q, k_cache, v_cache, kwargs):
@@ -86,7 +70,7 @@ def test_paged_equals_contiguous(page_size):
     k_cache, v_cache = _randn(rng, (batch, capacity, hk, d), dtype), _randn(rng, (batch, capacity, hk, d), dtype)
     k_new, v_new = _randn(rng, (batch, 1, hk, d), dtype), _randn(rng, (batch, 1, hk, d), dtype)
     lengths = cupy.asarray(numpy.array([1000, 333], numpy.int32))
-    k_paged, v_paged, table = _paged(k_cache, v_cache, page_size, rng)
+    k_paged, v_paged, table = paged_cache(k_cache, v_cache, page_size, rng)
     for splits in (1, 4):
         want = cuflash2.attention_with_kvcache(q, k_cache.copy(), v_cache.copy(), k=k_new, v=v_new,
                                                cache_seqlens=lengths, num_splits=splits)
@@ -369,7 +353,8 @@ def test_early_cache_reads_same_bits(case):
     if case.get("alibi"):
         kwargs["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, (batch, h)).astype(numpy.float32))
     if "page_size" in case:
-        k_cache, v_cache, kwargs["block_table"] = _paged(k_cache, v_cache, case["page_size"], rng)
+        k_cache, v_cache, kwargs["block_table"] = paged_cache(k_cache, v_cache,
+                                                              case["page_size"], rng)
     runs = []
     for early in (False, True):
         kc, vc = k_cache.copy(), v_cache.copy()

@@ -16,7 +16,7 @@ import contextlib
 
 import numpy
 import pytest
-from grids import BF16, DTYPES, FP16, needs_hopper, seed_of, switched  # tests/gpu helper
+from grids import BF16, DTYPES, FP16, needs_hopper, paged_cache, seed_of, switched  # noqa: E402
 
 cupy = pytest.importorskip("cupy")
 
@@ -370,22 +370,6 @@ def _randn(rng, shape, dtype):
     return cupy.asarray(rng.standard_normal(shape).astype(numpy.float32).astype(dtype))
 
 
-def _paged(k_cache, v_cache, page_size, rng):
-    """The same logical cache scattered over shuffled pages (+1 spare), and its block table."""
-    batch, capacity = k_cache.shape[:2]
-    per_seq = capacity // page_size
-    blocks = batch * per_seq + 1
-    order = rng.permutation(blocks)[: batch * per_seq].reshape(batch, per_seq)
-    shape = (blocks, page_size) + k_cache.shape[2:]
-    k_paged, v_paged = cupy.zeros(shape, k_cache.dtype), cupy.zeros(shape, v_cache.dtype)
-    for b in range(batch):
-        for j in range(per_seq):
-            rows = slice(j * page_size, (j + 1) * page_size)
-            k_paged[int(order[b, j])] = k_cache[b, rows]
-            v_paged[int(order[b, j])] = v_cache[b, rows]
-    return k_paged, v_paged, cupy.asarray(order.astype(numpy.int32))
-
-
 def _check_decode(out, lse, q, k_cache, v_cache, kwargs):
     """out/lse against the reference on the caches as they were before the kernel's append
     (each reference run appends the same tokens into its own copy)."""
@@ -428,7 +412,7 @@ def test_kvcache(case, paged, num_splits):
         kwargs["k"] = _randn(rng, (batch, seqlen_new, hk, d), dtype)
         kwargs["v"] = _randn(rng, (batch, seqlen_new, hk, d), dtype)
     if paged:
-        k_cache, v_cache, kwargs["block_table"] = _paged(k_cache, v_cache, 64, rng)
+        k_cache, v_cache, kwargs["block_table"] = paged_cache(k_cache, v_cache, 64, rng)
     k_run, v_run = k_cache.copy(), v_cache.copy()
     out, lse = cuflash2.attention_with_kvcache(q, k_run, v_run, num_splits=num_splits,
                                                return_lse=True, **kwargs)
@@ -455,7 +439,7 @@ def test_kvcache_paged_equals_contiguous_and_features(num_splits):
     kwargs = dict(k=k_new, v=v_new, cache_seqlens=cupy.asarray(numpy.array([1000, 333],
                                                                             numpy.int32)),
                   causal=True, softcap=20.0, alibi_slopes=slopes, sinks=_sinks(h, num_splits))
-    k_paged, v_paged, table = _paged(k_cache, v_cache, 32, rng)
+    k_paged, v_paged, table = paged_cache(k_cache, v_cache, 32, rng)
     want, want_lse = cuflash2.attention_with_kvcache(q, k_cache.copy(), v_cache.copy(),
                                                      num_splits=num_splits, return_lse=True,
                                                      **kwargs)
