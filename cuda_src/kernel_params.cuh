@@ -18,7 +18,7 @@ struct VariantParams {
     float softcap_scale;        // softmax_scale / softcap: raw score -> tanh argument
     const float* alibi_slopes;  // (nheads,) or (batch, nheads)
     i64 alibi_batch_stride;     // 0 for (nheads,) slopes
-    float alibi_to_units;       // 1 / the effective softmax scale
+    float alibi_to_units;       // 1 / the effective softmax scale (ALiBi's bias, sinks: to raw units)
     const float* sinks;         // (nheads,): one logit a head in every row's softmax denominator
 };
 
