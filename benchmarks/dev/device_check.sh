@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One device call that checks a change and measures it, each step bounded so that the whole
+# stays inside BUDGET seconds (the device tool's per-call limit is 600): the kernels compiled
+# into CuPy's disk cache in parallel (prewarm_cache.py), the GPU suite beside the
+# compute-sanitizer suite, then the paper grid A/B of the checkout against a base version of the
+# package (ab_packages.py, forward then backward, with SDPA's cuDNN backend), then the cost of
+# the sinks (sinks_cost.py). Logs and results go to OUT (the device tool's $OUT). A step that
+# the budget leaves no time for is skipped with a line that says so; STEPS picks steps.
+#
+#   OUT=/tmp/out BASE=ab_base BUDGET=585 STEPS="prewarm suite ab-fwd ab-bwd sinks" \
+#       bash benchmarks/dev/device_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT to the folder for logs}
+BASE=${BASE:-ab_base}
+BUDGET=${BUDGET:-585}
+STEPS=${STEPS:-prewarm suite ab-fwd ab-bwd sinks}
+ROUNDS=${ROUNDS:-2}
+FEATURES=${FEATURES:-0 1 2 3 4 5 6 7 8 12 16 17 18 19 20 23 24}
+
+left() { echo $((BUDGET - SECONDS)); }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+# Runs "$@" with at most the time left less $1 seconds kept for what follows; skips it when
+# fewer than 20 seconds would remain.
+bounded() {
+    local keep=$1; shift
+    local t=$(( $(left) - keep ))
+    if (( t < 20 )); then echo "skipped for want of time: $*"; return 0; fi
+    timeout "$t" "$@"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv | tee "$OUT/gpu.txt"
+if want prewarm; then
+    # shellcheck disable=SC2086
+    bounded 300 python3 benchmarks/dev/prewarm_cache.py --features $FEATURES 2>&1 | tail -3 \
+        | tee "$OUT/prewarm.txt"
+fi
+if want suite; then
+    (bounded 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sanitizer.py \
+        > "$OUT/sanitizer.txt" 2>&1 &)
+    bounded 60 python3 -m pytest -q -p no:cacheprovider --maxfail 40 tests/gpu \
+        --ignore tests/gpu/test_sanitizer.py > "$OUT/gpu-tests.txt" 2>&1
+    tail -40 "$OUT/gpu-tests.txt"
+    for _ in $(seq 60); do
+        grep -qE "passed|failed|error|skipped" "$OUT/sanitizer.txt" && break
+        sleep 2
+    done
+    tail -5 "$OUT/sanitizer.txt"
+fi
+for direction in fwd bwd; do
+    if want "ab-$direction"; then
+        bounded 5 python3 benchmarks/dev/ab_packages.py --base "$BASE" --direction "$direction" \
+            --rounds "$ROUNDS" --cudnn --json "$OUT/ab-$direction.json" > "$OUT/ab-$direction.md" 2>&1
+        tail -12 "$OUT/ab-$direction.md"
+    fi
+done
+if want sinks; then
+    bounded 2 python3 benchmarks/sinks_cost.py --rounds "$ROUNDS" > "$OUT/sinks-cost.md" 2>&1
+    tail -8 "$OUT/sinks-cost.md"
+fi
+echo "device_check: ${SECONDS} s"
