@@ -8,8 +8,11 @@
 # the budget leaves no time for is skipped with a line that says so; STEPS picks steps.
 #
 #   OUT=/tmp/out BASE=ab_base BUDGET=585 STEPS="prewarm suite ab-fwd ab-bwd sinks" \
-#       bash benchmarks/dev/device_check.sh
+#       AB_ARGS="--seqlens 4096 16384" SINKS_ARGS="--dtypes bf16" bash benchmarks/dev/device_check.sh
+# (AB_ARGS and SINKS_ARGS narrow the A/B's and the sinks' grids: the options of ab_packages.py
+# and sinks_cost.py.)
 set -uo pipefail
+# shellcheck disable=SC2086  (AB_ARGS, SINKS_ARGS, FEATURES: word lists)
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder for logs}
@@ -18,6 +21,8 @@ BUDGET=${BUDGET:-585}
 STEPS=${STEPS:-prewarm suite ab-fwd ab-bwd sinks}
 ROUNDS=${ROUNDS:-2}
 FEATURES=${FEATURES:-0 1 2 3 4 5 6 7 8 12 16 17 18 19 20 23 24}
+AB_ARGS=${AB_ARGS:-}
+SINKS_ARGS=${SINKS_ARGS:-}
 
 left() { echo $((BUDGET - SECONDS)); }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -52,12 +57,14 @@ fi
 for direction in fwd bwd; do
     if want "ab-$direction"; then
         bounded 5 python3 benchmarks/dev/ab_packages.py --base "$BASE" --direction "$direction" \
-            --rounds "$ROUNDS" --cudnn --json "$OUT/ab-$direction.json" > "$OUT/ab-$direction.md" 2>&1
+            --rounds "$ROUNDS" --cudnn --json "$OUT/ab-$direction.json" $AB_ARGS \
+            > "$OUT/ab-$direction.md" 2>&1
         tail -12 "$OUT/ab-$direction.md"
     fi
 done
 if want sinks; then
-    bounded 2 python3 benchmarks/sinks_cost.py --rounds "$ROUNDS" > "$OUT/sinks-cost.md" 2>&1
+    bounded 2 python3 benchmarks/sinks_cost.py --rounds "$ROUNDS" $SINKS_ARGS \
+        > "$OUT/sinks-cost.md" 2>&1
     tail -8 "$OUT/sinks-cost.md"
 fi
 echo "device_check: ${SECONDS} s"
