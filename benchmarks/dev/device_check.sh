@@ -45,7 +45,8 @@ fi
 if want suite; then
     (bounded 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sanitizer.py \
         > "$OUT/sanitizer.txt" 2>&1 &)
-    bounded 60 python3 -m pytest -q -p no:cacheprovider --maxfail 40 tests/gpu \
+    # SUITE_FIRST: test files run before the rest of the suite (what a change is about).
+    bounded 60 python3 -m pytest -q -p no:cacheprovider --maxfail 40 ${SUITE_FIRST:-} tests/gpu \
         --ignore tests/gpu/test_sanitizer.py > "$OUT/gpu-tests.txt" 2>&1
     tail -40 "$OUT/gpu-tests.txt"
     for _ in $(seq 60); do
