@@ -39,7 +39,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
     --format=csv | tee "$OUT/gpu.txt"
 if want prewarm; then
     # shellcheck disable=SC2086
-    bounded 300 python3 benchmarks/dev/prewarm_cache.py --features $FEATURES 2>&1 | tail -3 \
+    # (PREWARM_KEEP: the seconds kept for the steps after it)
+    bounded "${PREWARM_KEEP:-300}" python3 benchmarks/dev/prewarm_cache.py --features $FEATURES \
+        2>&1 | tail -3 \
         | tee "$OUT/prewarm.txt"
 fi
 if want suite; then
