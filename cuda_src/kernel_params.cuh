@@ -113,7 +113,6 @@ struct BwdParams {
     u16* dq;
     u16* dk;
     u16* dv;
-    float* dsinks;     // (nheads,): the sinks' gradient (FEATURE_SINKS; flash_bwd_sinks.cu)
     i64 q_batch_stride;
     i64 q_row_stride;
     i64 q_head_stride;
@@ -138,7 +137,6 @@ struct BwdParams {
     i64 dv_batch_stride;
     i64 dv_row_stride;
     i64 dv_head_stride;
-    int batch;            // sequences (the sinks' gradient sums over all of them)
     int seqlen_q;
     int seqlen_q_padded;  // rows per head of the per-row arrays
     int seqlen_k;
@@ -154,6 +152,11 @@ struct BwdParams {
     VarlenParams varlen;
     DropoutParams dropout;
     int batch_offset;
+    // The sinks' gradient (FEATURE_SINKS; flash_bwd_sinks.cu), last: ptxas loads neighbouring
+    // fields in pairs, and these two among the others (a pointer, an int) gave every backward
+    // kernel other machine code; here the fields above keep their pairs.
+    float* dsinks;        // (nheads,)
+    int batch;            // sequences (the sinks' gradient sums over all of them)
 };
 
 // flash_bwd_sm90.cu: the backward's parameters plus the TMA descriptors of q, k, v and dout, each

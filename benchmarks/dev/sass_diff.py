@@ -11,6 +11,10 @@ so the kernels' template parameters must be the same in both.
     python benchmarks/dev/sass_diff.py --base /tmp/base/cuda_src --sets fwd90 bwd90 [--all]
         [--jobs 2] [--show 20]
 
+--ignore-param-offsets blanks the kernel parameters' offsets (c[0x0][...]) before comparing, for
+versions whose parameter structs differ in size; --skip-features leaves out the specialisations
+of features the base does not have.
+
 Sets: fwd, bwd, dq, aux, decode (sm_80 and sm_90 builds of the mma.sync families), fwd90,
 bwd90 (sm_90a). Without --all each set is a sample (head dims 64 and 128, every feature set the
 dispatcher builds for the family); --all takes every specialisation of the set. Prints one line
@@ -77,6 +81,10 @@ def _configs_of(name: str, all_: bool) -> list[tuple]:
     return list(dict.fromkeys(out))
 
 
+#: A kernel parameter in the constant bank: c[0x0][offset] (--ignore-param-offsets).
+_PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+
+
 def _sass_of(config, arch: int, root: str) -> tuple[str, int, int]:
     """(normalised SASS, registers, spill bytes) of `config` compiled from the sources at root."""
     from cuda.bindings import nvrtc
@@ -109,9 +117,12 @@ def _sass_of(config, arch: int, root: str) -> tuple[str, int, int]:
 
 
 def _compare(job) -> tuple:
-    config, arch, base, head = job
+    config, arch, base, head, *rest = job
     a = _sass_of(config, arch, base)
     b = _sass_of(config, arch, head)
+    if rest and rest[0]:  # --ignore-param-offsets: a struct that grew moves its fields
+        a = (_PARAM.sub("c[0x0][param]", a[0]),) + a[1:]
+        b = (_PARAM.sub("c[0x0][param]", b[0]),) + b[1:]
     if a[0] == b[0]:
         return config, arch, None, a[1:], b[1:]
     diff = [d for d in difflib.unified_diff(a[0].splitlines(), b[0].splitlines(), lineterm="",
@@ -127,9 +138,17 @@ def main() -> int:
     parser.add_argument("--all", action="store_true", help="every specialisation of each set")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--show", type=int, default=0, help="differing lines shown a kernel")
+    parser.add_argument("--ignore-param-offsets", action="store_true",
+                        help="compare with every kernel parameter's offset blanked (a parameter "
+                             "struct that grew between the versions moves the fields after it)")
+    parser.add_argument("--skip-features", type=int, default=0,
+                        help="leave out specialisations with any of these feature bits (ones "
+                             "the base's kernels do not have)")
     args = parser.parse_args()
     head = str(_compile.cuda_src_dir())
-    jobs = [(c, arch, args.base, head) for s in args.sets for c, arch in _configs_of(s, args.all)]
+    jobs = [(c, arch, args.base, head, args.ignore_param_offsets)
+            for s in args.sets for c, arch in _configs_of(s, args.all)
+            if not getattr(c, "features", 0) & args.skip_features]
     print(f"{len(jobs)} specialisations, base {args.base}, head {head}", flush=True)
     differing = 0
     with ProcessPoolExecutor(args.jobs) as pool:
