@@ -32,7 +32,6 @@ template <int FEATURES>
 struct AttentionVariant : ScoreMods<FEATURES> {
     static constexpr bool SINKS = (FEATURES & FEATURE_SINKS) != 0;
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    static constexpr bool DROPOUT = (FEATURES & FEATURE_DROPOUT) != 0;
     // Whether the scores change before the mask (softcap, ALiBi): the kernels skip the
     // transform's pass over a tile otherwise.
     static constexpr bool TRANSFORMS_SCORES =
