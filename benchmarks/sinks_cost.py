@@ -48,17 +48,17 @@ def main() -> int:
                     cells = []
                     for direction in ("fwd", "bwd"):
                         calls = {}
-                        for name, extra in (("plain", {}), ("sinks", {"sinks": sinks})):
-                            out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True,
-                                                          **extra)
+                        without = config.options()
+                        for name, options in (("plain", without),
+                                              ("sinks", without.replace(sinks=sinks))):
+                            kw = options.keywords()
+                            out, lse = cuflash2.attention(q, k, v, return_lse=True, **kw)
                             if direction == "fwd":
-                                calls[name] = (lambda extra=extra: cuflash2.attention(
-                                    q, k, v, causal=causal, **extra))
+                                calls[name] = lambda kw=kw: cuflash2.attention(q, k, v, **kw)
                             else:
-                                calls[name] = (lambda extra=extra, out=out, lse=lse:
-                                               cuflash2.attention_backward(
-                                                   dout, q, k, v, out, lse, causal=causal,
-                                                   **extra))
+                                calls[name] = (lambda kw=kw, out=out, lse=lse:
+                                               cuflash2.attention_backward(dout, q, k, v, out,
+                                                                           lse, **kw))
                         times = {name: [] for name in calls}
                         for _ in range(args.rounds):
                             for name, call in calls.items():

@@ -5,7 +5,9 @@ alibi_slopes, sinks, dropout_p, seed, offset); each builds one `AttentionOptions
 arguments per call, and the signature key (`api._forward_key`, `_kvcache._key`: the window, the
 arrays' signatures, causal, softmax_scale, softcap and dropout_p with their types; seed and
 offset are per-call values), the full check (`_prepare.score_mods`, `_validate.check_window`),
-the plan builders and the per-call dropout scalars read it. Built on every call, so it only stores the values: checking them is the full
+the plan builders and the per-call dropout scalars read it; so do the reference functions
+(`reference._forward` / `_backward`, one options object per dense call, `replace`d per varlen or
+KV-cache sequence) and the benchmarks (a configuration's options, passed as `keywords()`). Built on every call, so it only stores the values: checking them is the full
 check's job, once per call signature.
 """
 
@@ -33,6 +35,19 @@ class AttentionOptions:
         self.seed = seed
         self.offset = offset
 
+    def replace(self, **changes) -> "AttentionOptions":
+        """A copy with the given options changed (the reference's per-sequence options: a
+        varlen or KV-cache sequence's row of the ALiBi slopes)."""
+        values = {name: getattr(self, name) for name in self.__slots__}
+        values.update(changes)
+        return AttentionOptions(**values)
+
+    def keywords(self) -> dict:
+        """The options that differ from their defaults, as keyword arguments of the public
+        functions (the benchmarks pass one options object to every call of a row)."""
+        return {name: getattr(self, name) for name in self.__slots__
+                if not _same(getattr(self, name), getattr(_DEFAULTS, name))}
+
     def dropout_scalars(self) -> dict | None:
         """The per-call DropoutParams (`dropout.*` fields) of a call whose dropout_p was checked
         with its signature; seed and offset are checked here, on every call."""
@@ -46,3 +61,14 @@ class AttentionOptions:
     def __repr__(self) -> str:
         values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
         return f"AttentionOptions({values})"
+
+
+def _same(value, default) -> bool:
+    # An array option (alibi_slopes, sinks) is never equal to its default None; a scalar or a
+    # tuple compares by value.
+    if value is None or default is None:
+        return value is default
+    return type(value) is type(default) and value == default
+
+
+_DEFAULTS = AttentionOptions()

@@ -65,6 +65,7 @@ import ml_dtypes
 import numpy
 
 from . import _validate
+from ._options import AttentionOptions
 from ._validate import check_softcap as _check_softcap
 
 __all__ = [
@@ -152,10 +153,11 @@ def _scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim)
 
 
-def _visible_keys(xp, seqlen_q, seqlen_k, causal, window_size):
-    """Boolean (seqlen_q, seqlen_k) mask: query i sees key j."""
-    left, right = window_size
-    if causal:
+def _visible_keys(xp, seqlen_q, seqlen_k, options):
+    """Boolean (seqlen_q, seqlen_k) mask: query i sees key j (options.causal and
+    options.window_size)."""
+    left, right = options.window_size
+    if options.causal:
         # Causal is the window's right edge at the diagonal; -1 means unbounded.
         right = 0 if right < 0 else min(right, 0)
     rows = xp.arange(seqlen_q)[:, None]
@@ -273,15 +275,15 @@ def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):
 
 
 class _Features:
-    """softcap, ALiBi, dropout and sinks of one dense (batched-form) call, checked."""
+    """softcap, ALiBi, dropout and sinks of one dense (batched-form) call (its
+    AttentionOptions and dropout mask), checked."""
 
-    def __init__(self, xp, prec, shape, softcap, alibi_slopes, dropout_p, dropout_mask, unbatched,
-                 sinks=None):
+    def __init__(self, xp, prec, shape, options, dropout_mask, unbatched):
         batch, nheads, seqlen_q, seqlen_k = shape
         self.xp, self.prec, self.nheads = xp, prec, nheads
-        self.softcap = _check_softcap(softcap)
-        self.slopes = _check_alibi_slopes(xp, alibi_slopes, batch, nheads, unbatched)
-        self.sinks = _check_sinks(xp, sinks, nheads)
+        self.softcap = _check_softcap(options.softcap)
+        self.slopes = _check_alibi_slopes(xp, options.alibi_slopes, batch, nheads, unbatched)
+        self.sinks = _check_sinks(xp, options.sinks, nheads)
         if self.slopes is not None:
             # |i + seqlen_k - seqlen_q - j|: distance from the bottom-right aligned diagonal.
             # flash-attn's kernel adds slope * j instead in causal (non-local) mode (mask.h:
@@ -292,7 +294,8 @@ class _Features:
             cols = xp.arange(seqlen_k)[None, :]
             self.distance = xp.abs(rows + (seqlen_k - seqlen_q) - cols).astype(prec.acc)
         doc = "(nheads, seqlen_q, seqlen_k)" if unbatched else "(batch, nheads, seqlen_q, seqlen_k)"
-        self.dropout_p, self.mask = _check_dropout(xp, dropout_p, dropout_mask, shape, doc)
+        self.dropout_p, self.mask = _check_dropout(xp, options.dropout_p, dropout_mask, shape,
+                                                   doc)
 
     def bias(self, part, nheads_kv):
         """ALiBi bias (b, nheads_kv, group, seqlen_q, seqlen_k) for a batch slice, or None."""
@@ -425,7 +428,15 @@ def attention(
     denominator (no value row; see the module docstring): lse counts it, a row that sees no key
     gives out 0 and lse = sink.
     """
-    xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask)
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p)
+    out, lse = _forward(q, k, v, options, compute_dtype, dropout_mask)
+    return (out, lse) if return_lse else out
+
+
+def _forward(q, k, v, options, compute_dtype, dropout_mask):
+    """attention's (out, lse) for the options of one call (an AttentionOptions)."""
+    xp = _array_module(q, k, v, options.alibi_slopes, options.sinks, dropout_mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
     _check_shapes(q, k, v)
     unbatched = q.ndim == 3
@@ -435,12 +446,10 @@ def attention(
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
-    scale = _scale(softmax_scale, headdim)
-    visible = _visible_keys(xp, seqlen_q, seqlen_k, causal, window_size)
-    features = _Features(
-        xp, prec, (batch, nheads, seqlen_q, seqlen_k), softcap, alibi_slopes, dropout_p,
-        dropout_mask, unbatched, sinks,
-    )
+    scale = _scale(options.softmax_scale, headdim)
+    visible = _visible_keys(xp, seqlen_q, seqlen_k, options)
+    features = _Features(xp, prec, (batch, nheads, seqlen_q, seqlen_k), options, dropout_mask,
+                         unbatched)
 
     outs, lses = [], []
     for part in _batch_slices(batch, nheads * seqlen_q * seqlen_k):
@@ -461,7 +470,7 @@ def attention(
     lse = xp.ascontiguousarray(xp.concatenate(lses))
     if unbatched:
         out, lse = out[0], lse[0]
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def attention_backward(
@@ -497,7 +506,14 @@ def attention_backward(
     that a wrong ``out`` or ``lse`` from an implementation under test cannot leak into its
     reference.
     """
-    xp = _array_module(dout, q, k, v, alibi_slopes, sinks, dropout_mask)
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p)
+    return _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask)
+
+
+def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask):
+    """attention_backward's gradients for the options of one call (an AttentionOptions)."""
+    xp = _array_module(dout, q, k, v, options.alibi_slopes, options.sinks, dropout_mask)
     dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
     _check_shapes(q, k, v)
     out_shape = q.shape[:-1] + v.shape[-1:]
@@ -515,12 +531,10 @@ def attention_backward(
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
-    scale = _scale(softmax_scale, headdim)
-    visible = _visible_keys(xp, seqlen_q, seqlen_k, causal, window_size)
-    features = _Features(
-        xp, prec, (batch, nheads, seqlen_q, seqlen_k), softcap, alibi_slopes, dropout_p,
-        dropout_mask, unbatched, sinks,
-    )
+    scale = _scale(options.softmax_scale, headdim)
+    visible = _visible_keys(xp, seqlen_q, seqlen_k, options)
+    features = _Features(xp, prec, (batch, nheads, seqlen_q, seqlen_k), options, dropout_mask,
+                         unbatched)
 
     dqs, dks, dvs = [], [], []
     sink_logits = features.sink_logits(nheads_kv)
@@ -590,10 +604,8 @@ _check_max_seqlen = _validate.check_max_seqlen
 class _Varlen:
     """The checked arguments of a varlen call and the per-sequence options."""
 
-    def __init__(
-        self, xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, dropout_p, dropout_mask, sinks=None,
-    ):
+    def __init__(self, xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 options, dropout_mask):
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.ndim != 3:
                 raise ValueError(
@@ -616,27 +628,32 @@ class _Varlen:
         self.max_seqlen_k = _check_max_seqlen(
             "max_seqlen_k", max_seqlen_k, numpy.diff(self.cu_k), "key sequence"
         )
-        self.slopes = _check_alibi_slopes(xp, alibi_slopes, self.batch, nheads, False)
-        self.sinks = _check_sinks(xp, sinks, nheads)  # shared by every sequence
+        _check_softcap(options.softcap)
+        self.options = options
+        self.slopes = _check_alibi_slopes(xp, options.alibi_slopes, self.batch, nheads, False)
+        self.sinks = _check_sinks(xp, options.sinks, nheads)  # shared by every sequence
         shape = (self.batch, nheads, self.max_seqlen_q, self.max_seqlen_k)
         self.dropout_p, self.mask = _check_dropout(
-            xp, dropout_p, dropout_mask, shape, "(batch, nheads, max_seqlen_q, max_seqlen_k)"
+            xp, options.dropout_p, dropout_mask, shape,
+            "(batch, nheads, max_seqlen_q, max_seqlen_k)",
         )
 
     def sequences(self):
-        """(rows of q, rows of k, per-sequence feature options) for each sequence."""
+        """(rows of q, rows of k, the sequence's AttentionOptions, its dropout mask or None) for
+        each sequence."""
         for b in range(self.batch):
             rows_q = slice(int(self.cu_q[b]), int(self.cu_q[b + 1]))
             rows_k = slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
-            options = dict(dropout_p=self.dropout_p, sinks=self.sinks)
-            if self.slopes is not None:
-                options["alibi_slopes"] = self.slopes[b]
+            options = self.options.replace(
+                alibi_slopes=None if self.slopes is None else self.slopes[b],
+                sinks=self.sinks, dropout_p=self.dropout_p)
+            mask = None
             if self.mask is not None:
                 # Sequence b's block of the padded mask, top-left aligned (as flash-attn's
                 # varlen returns its dropout mask: padded to the max lengths).
                 seqlen_q, seqlen_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
-                options["dropout_mask"] = self.mask[b, :, :seqlen_q, :seqlen_k]
-            yield rows_q, rows_k, options
+                mask = self.mask[b, :, :seqlen_q, :seqlen_k]
+            yield rows_q, rows_k, options, mask
 
 
 def attention_varlen(
@@ -678,21 +695,17 @@ def attention_varlen(
     xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
     prec = _Precision(compute_dtype)
-    _check_softcap(softcap)
-    varlen = _Varlen(
-        xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, dropout_p, dropout_mask, sinks,
-    )
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p)
+    varlen = _Varlen(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     options, dropout_mask)
     # Filled sequence by sequence (every row belongs to exactly one), in the accumulation dtype
     # and cast at the end: a cast is the bf16 operation CuPy is known to support.
     out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=prec.acc)
     lse = xp.zeros((q.shape[1], q.shape[0]), dtype=numpy.float32)
-    for rows_q, rows_k, options in varlen.sequences():
-        out_b, lse_b = attention(
-            q[rows_q], k[rows_k], v[rows_k], causal=causal, softmax_scale=softmax_scale,
-            window_size=window_size, return_lse=True, compute_dtype=compute_dtype,
-            softcap=softcap, **options,
-        )
+    for rows_q, rows_k, sequence_options, mask in varlen.sequences():
+        out_b, lse_b = _forward(q[rows_q], k[rows_k], v[rows_k], sequence_options, compute_dtype,
+                                mask)
         out[rows_q] = out_b.astype(prec.acc)
         lse[:, rows_q] = lse_b
     out = out.astype(prec.result)
@@ -733,11 +746,10 @@ def attention_varlen_backward(
     xp = _array_module(dout, q, k, v, alibi_slopes, sinks, dropout_mask)
     dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
     prec = _Precision(compute_dtype)
-    _check_softcap(softcap)
-    varlen = _Varlen(
-        xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        alibi_slopes, dropout_p, dropout_mask, sinks,
-    )
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                               dropout_p)
+    varlen = _Varlen(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     options, dropout_mask)
     out_shape = q.shape[:-1] + v.shape[-1:]
     lse_shape = (q.shape[1], q.shape[0])
     if dout.shape != out_shape:
@@ -748,12 +760,9 @@ def attention_varlen_backward(
         raise ValueError(f"lse must have shape (nheads, total_q) = {lse_shape}, got {lse.shape}")
     grads = [xp.zeros(x.shape, dtype=prec.acc) for x in (q, k, v)]
     dsinks = None if varlen.sinks is None else xp.zeros(q.shape[1], dtype=prec.acc)
-    for rows_q, rows_k, options in varlen.sequences():
-        parts = attention_backward(
-            dout[rows_q], q[rows_q], k[rows_k], v[rows_k], None, None, causal=causal,
-            softmax_scale=softmax_scale, window_size=window_size, compute_dtype=compute_dtype,
-            softcap=softcap, **options,
-        )
+    for rows_q, rows_k, sequence_options, mask in varlen.sequences():
+        parts = _backward(dout[rows_q], q[rows_q], k[rows_k], v[rows_k], None, None,
+                          sequence_options, compute_dtype, mask)
         for grad, rows, part in zip(grads, (rows_q, rows_k, rows_k), parts):
             grad[rows] = part.astype(prec.acc)
         if dsinks is not None:
@@ -807,8 +816,9 @@ def attention_with_kvcache(
     rows = (numpy.arange(problem.batch) if cache_batch_idx is None
             else _to_host(cache_batch_idx).astype(numpy.int64))
     table = _to_host(block_table).astype(numpy.int64) if problem.paged else None
+    options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)
     slopes = _check_alibi_slopes(xp, alibi_slopes, problem.batch, problem.nheads, False)
-    sinks = _check_sinks(xp, sinks, problem.nheads)
+    options.sinks = _check_sinks(xp, sinks, problem.nheads)
 
     def cache_index(b, positions):
         if problem.paged:
@@ -824,13 +834,9 @@ def attention_with_kvcache(
             k_cache[new] = k[b]
             v_cache[new] = v[b]
         everything = cache_index(b, numpy.arange(total))
-        options = {"sinks": sinks}
-        if slopes is not None:
-            options["alibi_slopes"] = slopes[b]
-        out, lse = attention(q[b], k_cache[everything], v_cache[everything], causal=causal,
-                             softmax_scale=softmax_scale, window_size=window_size,
-                             softcap=softcap, return_lse=True, compute_dtype=compute_dtype,
-                             **options)
+        sequence_options = options.replace(alibi_slopes=None if slopes is None else slopes[b])
+        out, lse = _forward(q[b], k_cache[everything], v_cache[everything], sequence_options,
+                            compute_dtype, None)
         outs.append(out)
         lses.append(lse)
     shape = (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim)

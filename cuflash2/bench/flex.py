@@ -67,15 +67,16 @@ def _timed_row(cupy, torch, config, seed: int, warmup: int, iters: int, backlog)
     row = {"config": config.describe(), "direction": config.direction, "dtype": config.dtype,
            "headdim": config.headdim, "seqlen": config.seqlen, "causal": causal,
            "cuflash2_ms": None, "flex_ms": None, "error": None}
+    options = config.options().keywords()
     try:
         if config.direction == "fwd":
             def ours():
-                return cuflash2.attention(q, k, v, causal=causal)
+                return cuflash2.attention(q, k, v, **options)
         else:
-            out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+            out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
 
             def ours():
-                return cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal)
+                return cuflash2.attention_backward(dout, q, k, v, out, lse, **options)
         row["cuflash2_ms"] = time_cupy(cupy, ours, warmup, iters, backlog)
         flex = Flex(torch, cupy, config.dtype)
         theirs = (flex.forward(q, k, v, causal) if config.direction == "fwd"

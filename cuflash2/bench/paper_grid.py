@@ -21,6 +21,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
+from .._options import AttentionOptions
 from . import timing, torch_peers
 
 PAPER_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -50,6 +51,10 @@ class Config:
             self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim, self.causal,
             self.direction,
         )
+
+    def options(self) -> AttentionOptions:
+        """The options of this configuration's calls (the paper grid's: causal or not)."""
+        return AttentionOptions(causal=self.causal)
 
     def describe(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -327,10 +332,10 @@ def _measure_forward(cupy, row, q, k, v, warmup, iters, backlog):
     """cuflash2's forward time into `row`; returns its output (for the comparison with torch)."""
     import cuflash2
 
-    causal = row.config.causal
+    options = row.config.options().keywords()
     out = cupy.empty_like(q)
-    row.ms = timing.time_cupy(cupy, lambda: cuflash2.attention(q, k, v, causal=causal, out=out),
-                       warmup, iters, backlog)
+    row.ms = timing.time_cupy(cupy, lambda: cuflash2.attention(q, k, v, out=out, **options),
+                              warmup, iters, backlog)
     row.tflops = row.config.flops / row.ms / 1e9
     return out
 
@@ -339,9 +344,9 @@ def _measure_backward(cupy, row, q, k, v, dout, warmup, iters, backlog):
     import cuflash2
 
     # Assumed signature, mirroring flash-attn's: attention_backward(dout, q, k, v, out, lse, ...).
-    causal = row.config.causal
-    out, lse = cuflash2.attention(q, k, v, causal=causal, return_lse=True)
+    options = row.config.options().keywords()
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     row.ms = timing.time_cupy(
-        cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal),
+        cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse, **options),
         warmup, iters, backlog)
     row.tflops = row.config.flops / row.ms / 1e9
