@@ -132,3 +132,15 @@ def test_an_int_cache_length_is_a_per_call_value_an_array_is_part_of_the_key():
     assert _kv_key(100, sinks=sinks) != _kv_key(100, alibi_slopes=sinks)
     assert _kv_key(100, sinks=_Array((8,), dtype="float32", device=1)) != _kv_key(100,
                                                                                   sinks=sinks)
+
+
+def test_options_keywords_and_replace():
+    """keywords() gives back what differs from the defaults (the benchmarks' calls), replace()
+    a changed copy (the reference's per-sequence options); the original is left as it was."""
+    assert AttentionOptions().keywords() == {}
+    options = AttentionOptions(causal=True, window_size=(8, 0))
+    assert options.keywords() == {"causal": True, "window_size": (8, 0)}
+    slopes = numpy.ones(4, numpy.float32)
+    changed = options.replace(alibi_slopes=slopes)
+    assert changed.keywords() == {"causal": True, "window_size": (8, 0), "alibi_slopes": slopes}
+    assert options.alibi_slopes is None
