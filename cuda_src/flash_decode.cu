@@ -32,6 +32,7 @@
 #include "warp_gemm.cuh"
 #include "kv_cache.cuh"
 #include "split_merge.cuh"
+#include "output_store.cuh"
 #include "dependent_launch.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"
@@ -187,22 +188,6 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
 // At 16k that is the first tile, once Q has landed: a sharp optimum (right after the wait, before
 // Q: 14.0 against 13.1; at the second tile: 13.4).
 constexpr int LAUNCH_DEPENDENTS_TILES_BEFORE_END = 8;
-
-// Where a merged 4-float column chunk of an output row goes: out, and with the row's first
-// chunk its lse (log2 units in, natural log out; +inf for a row that saw no key, attention's
-// convention). Located before the split merge's wait (split_merge.cuh: merge_splits).
-template <class Elem>
-struct OutputChunk {
-    u16* out;
-    float* lse;  // null but for the first chunk
-
-    CF2_DEVICE void operator()(float4 o, float lse2) const {
-        *reinterpret_cast<uint2*>(out) =
-            make_uint2(pack_pair<Elem>(o.x, o.y), pack_pair<Elem>(o.z, o.w));
-        constexpr float LN2 = 0.6931471805599453f;
-        if (lse != nullptr) *lse = lse2 == neg_inf() ? pos_inf() : lse2 * LN2;
-    }
-};
 
 // Up to d=128 two or three CTAs of 4 warps share an SM (configs.decode_config: the cache bytes
 // in flight), so the registers must allow three (168 a thread); larger head dims and CTAs of

@@ -18,6 +18,7 @@
 #include "variant.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
+#include "output_store.cuh"
 #include "kernel_params.cuh"
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
@@ -156,15 +157,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 
     if (tile_end <= tile_first) {
         // No row of this block sees any key: output 0, lse +inf (the sink with sinks).
-        const u32 zeros[4] = {0u, 0u, 0u, 0u};
-        for (int idx = tid; idx < BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
-            const int row = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
-            if (row_first + row < seqlen_q && chunk < head_chunks)
-                store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
-        }
-        for (int row = tid; row < BLOCK_M; row += T::THREADS)
-            if (row_first + row < seqlen_q)
-                lse_block[row] = Variant::empty_row_lse(p.mods, head);
+        store_empty_rows<BLOCK_M, QTile::CHUNKS, T::THREADS, Variant>(
+            p, o_block, lse_block, head, row_first, seqlen_q, head_chunks, 0, tid);
         return;
     }
 
@@ -298,15 +292,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         }
     }
     __syncwarp();
-#pragma unroll
-    for (int i = 0; i < T::ROWS_PER_WARP * QTile::CHUNKS / 32; ++i) {
-        const int idx = lane + 32 * i;
-        const int row = warp_row0 + idx / QTile::CHUNKS;
-        const int chunk = idx % QTile::CHUNKS;
-        if (row_first + row < seqlen_q && chunk < head_chunks) {
-            u32 vals[4];
-            load_16B_shared(vals, q_smem + QTile::offset(row, chunk));
-            store_16B_global(o_block + row * p.o_row_stride + chunk * 8, vals);
-        }
-    }
+    store_staged_rows<T::ROWS_PER_WARP, QTile::CHUNKS, 32>(
+        p, o_block, [&](int row, int chunk) { return q_smem + QTile::offset(row, chunk); },
+        row_first, seqlen_q, head_chunks, warp_row0, lane);
 }

@@ -72,7 +72,7 @@
 //  - fwd_producer.cuh: produce_tile, the producer's TMA loads of one work tile.
 //  - fwd_mainloop.cuh: consume_kv_tiles, the consumers' FA2 loop over the KV tiles (the three
 //    schedules, the GEMMs, the score step FwdScoreStep, the online softmax).
-//  - fwd_epilogue.cuh: store_tile (1 / l, O and lse stored) and store_empty_rows.
+//  - fwd_epilogue.cuh: store_tile (1 / l, O and lse stored) and store_empty_tile_rows.
 // This file composes them: the kernel sets up shared memory and the barriers, then the producer
 // runs produce_tile and each consumer consume_tile (mainloop, then epilogue) on every work tile.
 #include "hopper_primitives.cuh"
@@ -169,7 +169,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     if constexpr (!PERSISTENT) {
         // No row of this block sees any key: O = 0, lse = +inf, by the whole CTA before any role.
         if (own.span.empty()) {
-            store_empty_rows<T, BLOCK_M, T::THREADS, FEATURES>(p, own, head_chunks, 0,
+            store_empty_tile_rows<T, BLOCK_M, T::THREADS, FEATURES>(p, own, head_chunks, 0,
                                                              threadIdx.x);
             return;
         }
@@ -206,7 +206,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
             },
             [&](const FwdTileContext& tile) {
                 const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;
-                store_empty_rows<T, T::ROWS_PER_WARPGROUP, T::WARPGROUP_THREADS, FEATURES>(
+                store_empty_tile_rows<T, T::ROWS_PER_WARPGROUP, T::WARPGROUP_THREADS, FEATURES>(
                     p, tile, head_chunks, wg_row0, threadIdx.x % T::WARPGROUP_THREADS);
             });
     }

@@ -1,34 +1,26 @@
 // The Hopper forward's epilogue (flash_fwd_sm90.cu, a consumer warpgroup): after the mainloop
 // (sm90/fwd_mainloop.cuh) has run over a work tile's KV tiles, store_tile finalizes the online
 // softmax (1 / l and the lse of each row) and writes O, staged through shared memory, and the
-// lse, with row guards. store_empty_rows writes the rows of a work tile that sees no key.
+// lse, with row guards. store_empty_tile_rows writes the rows of a work tile that sees no key.
+// Both end in the forward kernels' shared stores (output_store.cuh).
 #pragma once
 #include "hopper_primitives.cuh"
 #include "variant.cuh"
 #include "kernel_params.cuh"
+#include "output_store.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
 
 // Rows row0 .. row0 + ROWS - 1 of a work tile whose rows see no key: O = 0 and lse = +inf (the
 // log of an empty sum; the sink with sinks: AttentionVariant::empty_row_lse), written by THREADS
-// threads, `tid` being one of them. No shared memory, no barrier. head_chunks: the 16-byte
-// chunks actually present in an O row.
+// threads, `tid` being one of them (output_store.cuh: store_empty_rows). head_chunks: the
+// 16-byte chunks actually present in an O row.
 template <class T, int ROWS, int THREADS, int FEATURES>
-CF2_DEVICE void store_empty_rows(const FwdParams& p, const FwdTileContext& c, int head_chunks,
-                                 int row0, int tid) {
-    u16* o_block = c.o_block;
-    float* lse_block = c.lse_block;
+CF2_DEVICE void store_empty_tile_rows(const FwdParams& p, const FwdTileContext& c,
+                                      int head_chunks, int row0, int tid) {
     using Variant = AttentionVariant<FEATURES>;
-    const int row_first = c.span.row_first;
-    const int seqlen_q = tile_seqlen_q<Variant::VARLEN>(p, c);
-    constexpr int CHUNKS = T::DIM / 8;
-    const u32 zeros[4] = {0u, 0u, 0u, 0u};
-    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
-        const int row = row0 + idx / CHUNKS, chunk = idx % CHUNKS;
-        if (row_first + row < seqlen_q && chunk < head_chunks)
-            store_16B_global(o_block + row * p.o_row_stride + chunk * 8, zeros);
-    }
-    for (int row = row0 + tid; row < row0 + ROWS; row += THREADS)
-        if (row_first + row < seqlen_q) lse_block[row] = Variant::empty_row_lse(p.mods, c.w.head);
+    store_empty_rows<ROWS, T::DIM / 8, THREADS, Variant>(
+        p, c.o_block, c.lse_block, c.w.head, c.span.row_first,
+        tile_seqlen_q<Variant::VARLEN>(p, c), head_chunks, row0, tid);
 }
 
 // The epilogue of one work tile of a consumer warpgroup (warpgroup 1 + `consumer` owns rows
@@ -73,17 +65,9 @@ CF2_DEVICE void store_tile(const FwdParams& p, const FwdTileContext& c,
             lse_block[row] = row_lse[half];
     }
     named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
-    const int tid = threadIdx.x % T::WARPGROUP_THREADS;
-    constexpr int CHUNKS = T::DIM / 8;
-#pragma unroll
-    for (int i = 0; i < T::ROWS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
-        const int idx = tid + T::WARPGROUP_THREADS * i;
-        const int row = wg_row0 + idx / CHUNKS;
-        const int chunk = idx % CHUNKS;
-        if (row_first + row < tile_seqlen_q<VARLEN>(p, c) && chunk < head_chunks) {
-            u32 vals[4];
-            load_16B_shared(vals, swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, chunk));
-            store_16B_global(o_block + row * p.o_row_stride + chunk * 8, vals);
-        }
-    }
+    store_staged_rows<T::ROWS_PER_WARPGROUP, T::DIM / 8, T::WARPGROUP_THREADS>(
+        p, o_block,
+        [&](int row, int chunk) { return swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, chunk); },
+        row_first, tile_seqlen_q<VARLEN>(p, c), head_chunks, wg_row0,
+        static_cast<int>(threadIdx.x % T::WARPGROUP_THREADS));
 }
