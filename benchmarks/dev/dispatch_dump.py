@@ -115,7 +115,10 @@ def install():
     _launch.kernel_launch = kernel_launch
     _launch.occupancy_slots = occupancy_slots
     _launch.cluster_fits = cluster_fits
-    _hopper._bindings_available = lambda: True
+    # (the names before and after the dispatch moved to cuflash2/_dispatch.py, so that one
+    # script compares the two)
+    name = "bindings_available" if hasattr(_hopper, "bindings_available") else "_bindings_available"
+    setattr(_hopper, name, lambda: True)
     _hopper.tensor_map_bytes = tensor_map_bytes
 
 
@@ -282,7 +285,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a small sample of the grid")
     args = parser.parse_args()
     install()
-    from cuflash2 import _configs, _hopper, _launch
+    from cuflash2 import _hopper, _launch
+
+    try:
+        from cuflash2 import _dispatch as choices
+    except ImportError:  # before cuflash2/_dispatch.py
+        from cuflash2 import _configs as choices
 
     count = 0
 
@@ -359,11 +367,19 @@ def main():
     _launch.extended_available = extended
     # The enumerations of every build the dispatcher can choose.
     print("enumerations")
+    from cuflash2 import _configs
+
     for arch in _configs.CPU_TEST_ARCHS:
         for name in ("all_fwd_configs", "all_bwd_configs", "all_decode_configs"):
-            for config in getattr(_configs, name)(arch, _configs.ALL_FEATURES):
+            for config in getattr(choices, name)(arch, _configs.ALL_FEATURES):
                 print(f"  {name} {arch} {config!r}")
-    hopper_configs = _hopper.dispatch_configs
+    for config in (choices.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES, persistent=True)
+                   + choices.all_fwd_sm90_configs(_configs.SM90_FWD_VARLEN_FEATURES)):
+        print(f"  all_fwd_sm90_configs {config!r}")
+    for config in choices.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES
+                                               + _configs.SM90_BWD_VARLEN_FEATURES):
+        print(f"  all_bwd_sm90_configs {config!r}")
+    hopper_configs = getattr(choices, "hopper_forward_configs", None) or _hopper.dispatch_configs
     for features in (_configs.SCORE_MOD_FEATURES, _configs.SM90_FWD_FEATURES,
                      _configs.SM90_FWD_VARLEN_FEATURES, (0,)):
         for config in hopper_configs(features):
