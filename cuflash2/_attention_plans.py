@@ -3,18 +3,20 @@
 A builder gets a fully checked call: its arrays as the kernels see them (`views`, by the name of
 their struct field) and, for each, where a later call of the same signature finds it (`sources`:
 the position of its array in the call's input tuple and the byte offset of the view in it; a
-packed qkv feeds q, k and v from one array). It returns the `_plans.Plan` of the call.
+packed qkv feeds q, k and v from one array). It asks `_dispatch` once which kernels run the
+call (family, tiles, grid, schedule, and on sm_90 the tensor maps) and returns the
+`_plans.Plan` of the call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from . import _configs, _hopper, _hopper_bwd, _launch, _plans
+import numpy
+
+from . import _configs, _dispatch, _hopper, _launch, _params, _plans
 from ._prepare import LOG2E, element_strides, output_strides
-
-#: Tile configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
-FORCED: dict = {}
 
 
 def _input_fields(views: dict, sources: dict) -> list:
@@ -43,19 +45,13 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
                  out_shape, lse_shape, varlen=None, config=None) -> _plans.Plan:
     """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes, mods.sinks,
     varlen.cu_seqlens_q, varlen.cu_seqlens_k (None or missing where absent). Outputs: [out if
-    not given, lse]. On sm_90 the Hopper kernel runs every call it covers
-    (_hopper.forward_config), the mma.sync kernel the others."""
+    not given, lse]. The kernel, its grid and on sm_90 its tensor maps are
+    _dispatch.forward_kernel's choice: the Hopper kernel for every call it covers, the mma.sync
+    kernel the others; `config` runs instead where given."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
-    hopper = None
-    if config is None and "fwd" not in FORCED:
-        hopper = _hopper.forward_config(p, features, window, arch, views, varlen)
-    if hopper is not None:
-        config = hopper
-    else:
-        if config is None:
-            config = FORCED.get("fwd") or _configs.fwd_config(p.dtype, p.head_dim, arch)
-        config = _configs.with_features(config, features)
+    choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config)
+    config = choice.config
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     fields = {
         **_stride_fields("q", element_strides(q)), **_stride_fields("k", element_strides(k)),
@@ -73,45 +69,43 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         output_fields.append(("out", 0, 0))
     output_fields.append(("lse", len(outputs), 0))
     outputs.append((tuple(lse_shape), "float32"))
-    launches, grid_fields, counters = [], {}, ()
+    launches, counters = [], ()
     if p.batch and p.seqlen_q and p.nheads:
-        grid = (-(-p.seqlen_q // config.block_m), p.nheads, p.batch)
-        if hopper is not None:  # or the persistent grid, with fields of its own
-            grid, grid_fields = _hopper.forward_grid(config, p.batch, p.nheads, p.nheads_kv,
-                                                     p.seqlen_q, p.seqlen_k, p.head_dim,
-                                                     q.itemsize, window[1], device_id)
-            if config.claims:
-                counters = ("tile_counters",)
-        launches.append(_launch.kernel_launch(config, device_id, grid))
+        if choice.hopper and config.claims:
+            counters = ("tile_counters",)
+        launches.append(_launch.kernel_launch(config, device_id, choice.grid))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
-    if hopper is None:
+    if not choice.hopper:
         return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
                            output_fields, aligned=aligned, per_call=_dropout_slots(mods))
-    # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`.
-    return _sm90_plan(device_id, "FwdSm90Params", fields, _hopper.forward_maps(config), views,
+    # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`, then the
+    # persistent grid's fields.
+    return _sm90_plan(device_id, "FwdSm90Params", fields, choice.maps, choice.map_fields,
                       launches, inputs, outputs, output_fields, aligned=aligned,
-                      own_fields=grid_fields, counters=counters)
+                      own_fields=choice.grid_fields, counters=counters)
 
 
-def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, views: dict, launches,
-               inputs, outputs, output_fields, workspace_bytes: int = 0, workspace_fields=(),
-               aligned=(), launch_structs=(), own_fields=None, counters=()) -> _plans.Plan:
+def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields: dict,
+               launches, inputs, outputs, output_fields, workspace_bytes: int = 0,
+               workspace_fields=(), aligned=(), launch_structs=(), own_fields=None,
+               counters=()) -> _plans.Plan:
     """The plan of an sm_90a kernel whose struct is tensor maps (`maps`: map field -> (view
-    name, box rows)) followed by the sm_80 kernels' struct as `base`: `fields`, `inputs`,
-    `output_fields` and `workspace_fields` are that struct's, moved under `base.`;
-    `own_fields` are the sm_90a struct's own (the persistent forward grid's batch, the
-    backward's dispatch groups). The maps are encoded here, once; a call patches each map's
+    name, box rows); `map_fields`: their words, encoded once by the dispatch) followed by the
+    sm_80 kernels' struct as `base`: `fields`, `inputs`, `output_fields` and `workspace_fields`
+    are that struct's, moved under `base.`; `own_fields` are the sm_90a struct's own (the
+    persistent forward grid's batch, the backward's dispatch groups). A call patches each map's
     address (its word 0, _hopper.ADDRESS_WORD) with its array's pointer like any other pointer
     of the struct. `counters`: own fields set to the stream's counters a call
     (_plans.stream_counters)."""
     base = "base."
+    # The inputs that patch each map's address word per call, from those of the arrays.
+    map_inputs = [(f"{field}.v", pos, off) for name, pos, off in inputs
+                  for field, (source, _) in maps.items() if source == name]
     return _plans.Plan(
         device_id, struct,
-        {**{base + f: v for f, v in fields.items()}, **_hopper.tensor_map_fields(views, maps),
-         **(own_fields or {})},
-        launches,
-        [(base + f, pos, off) for f, pos, off in inputs] + _hopper.map_inputs(inputs, maps),
+        {**{base + f: v for f, v in fields.items()}, **map_fields, **(own_fields or {})},
+        launches, [(base + f, pos, off) for f, pos, off in inputs] + map_inputs,
         outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
         [(base + f, off) for f, off in workspace_fields], aligned,
         batch_offset=base + "batch_offset", launch_structs=launch_structs, counters=counters)
@@ -119,28 +113,6 @@ def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, views: dic
 
 def _dropout_slots(mods) -> tuple:
     return tuple(f"dropout.{name}" for name in mods.dropout)
-
-
-def _backward_main_config(problem, features: int, deterministic: bool, arch: int, views: dict,
-                          varlen, config):
-    """(main kernel configuration, whether it is the Hopper kernel's) of a backward call:
-    `config` or a tuning script's forced one if given (a BwdSm90Config forces the Hopper
-    kernel), else the Hopper kernel where _hopper_bwd.backward_config covers the call, else the
-    mma.sync kernel's tile (_configs.bwd_config)."""
-    p = problem
-    forced = config if config is not None else FORCED.get("bwd")
-    if isinstance(forced, _configs.BwdSm90Config):
-        # BwdSm90Config refuses what the kernel does not compile in (dropout): ValueError here.
-        forced = dataclasses.replace(forced, deterministic=deterministic)
-        return _configs.with_features(forced, features), True
-    hopper = None
-    if forced is None:
-        hopper = _hopper_bwd.backward_config(p, features, arch, views, varlen, deterministic)
-    if hopper is not None:
-        return hopper, True
-    if forced is None:
-        forced = _configs.bwd_config(p.dtype, p.head_dim, arch, deterministic)
-    return _configs.with_features(forced, features), False
 
 
 def backward_plan(views: dict, sources: dict, problem, mods, window, deterministic: bool,
@@ -156,7 +128,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     (flash_bwd_sinks.cu, one CTA a head) right after the preprocess, whose lse_log2 and D it
     reads. The main kernels take no FEATURE_SINKS: they recompute P from the lse, which counts
     the sink already. On sm_90 (unless CUFLASH2_HOPPER_BWD=0) the main
-    kernel is the Hopper one for every call it covers (_hopper_bwd.backward_config); the
+    kernel is the Hopper one for every call it covers (_dispatch.backward_kernels); the
     preprocess, conversion, workspace and every BwdParams field are the same, the struct is
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
     conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one)."""
@@ -164,8 +136,9 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     sinks = views.get("mods.sinks") is not None
     features = _configs.backward_features(
         mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN))
-    config, hopper = _backward_main_config(p, features, deterministic, arch, views, varlen,
-                                           config)
+    choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
+                                        config)
+    config, hopper = choice.config, choice.hopper
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
     if varlen is None:
@@ -241,8 +214,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
                 config, device_id, (num_kv_blocks * config.num_chunks, p.nheads_kv, p.batch)),
                 ""))
         if p.seqlen_q and not accumulate:
-            dq_config = _configs.with_features(
-                _configs.bwd_dq_config(p.dtype, p.head_dim, arch), features)
+            dq_config = choice.dq_config
             launches.append((_launch.kernel_launch(
                 dq_config, device_id, (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch)),
                 ""))
@@ -260,12 +232,10 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         return _plans.Plan(device_id, "BwdParams", fields, kernels, inputs, outputs,
                            output_fields, workspace_bytes, workspace_fields, aligned,
                            per_call=_dropout_slots(mods))
-    group_pairs = _hopper_bwd.dispatch_group_pairs(num_kv_blocks, config.num_chunks, window,
-                                                   deterministic)
-    return _sm90_plan(device_id, "BwdSm90Params", fields, _hopper_bwd.backward_maps(config),
-                      views, kernels, inputs, outputs, output_fields, workspace_bytes,
+    return _sm90_plan(device_id, "BwdSm90Params", fields, choice.maps, choice.map_fields,
+                      kernels, inputs, outputs, output_fields, workspace_bytes,
                       workspace_fields, aligned, [struct for _, struct in launches],
-                      own_fields={"dispatch_group_pairs": group_pairs})
+                      own_fields={"dispatch_group_pairs": choice.group_pairs})
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +268,7 @@ def prepare_backward_sm90(dout, q, k, v, out, lse, *, causal: bool = False,
                           softcap: float = 0.0, alibi_slopes=None,
                           config: _configs.BwdSm90Config | None = None) -> PreparedBackward:
     """Lays out the backward of attention on the Hopper kernel (sm_90a only), whatever
-    `_hopper_bwd.ENABLED` says: CuPy arrays (batch, seqlen, heads, headdim) or (seqlen, heads,
+    `_dispatch.HOPPER_BACKWARD` says: CuPy arrays (batch, seqlen, heads, headdim) or (seqlen, heads,
     headdim), fp16 or bf16, head dim a multiple of 8 up to 256 (run on the smallest of 64, 96,
     128, 192, 256 that holds it, or on `config`; above 128 two CTAs a key block, one per
     head-dim chunk), `out` and `lse` from the forward; GQA/MQA through fewer k/v heads (dk, dv
@@ -314,14 +284,14 @@ def prepare_backward_sm90(dout, q, k, v, out, lse, *, causal: bool = False,
     problem = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
     _validate.check_backward_inputs(problem, dout, q, k, v, out, lse)
     # raises where the kernel does not cover it
-    kernel_dim = _hopper_bwd.kernel_head_dim(problem.head_dim)
+    kernel_dim = _dispatch.hopper_backward_head_dim(problem.head_dim)
     window = _validate.check_window(window_size, causal, problem.seqlen_q, problem.seqlen_k)
     from ._options import AttentionOptions
 
     mods = _prepare.score_mods(problem, AttentionOptions(softcap=softcap,
                                                          alibi_slopes=alibi_slopes))
     if config is None:
-        config = _configs.bwd_sm90_config(problem.dtype, kernel_dim)
+        config = _dispatch.bwd_sm90_config(problem.dtype, kernel_dim)
     dq = cupy.empty(q.shape, dtype=q.dtype)
     dk = cupy.empty(k.shape, dtype=k.dtype)
     dv = cupy.empty(v.shape, dtype=v.dtype)
@@ -339,3 +309,105 @@ def prepare_backward_sm90(dout, q, k, v, out, lse, *, causal: bool = False,
 def backward_sm90(dout, q, k, v, out, lse, **options):
     """dq, dk, dv on the Hopper backward kernel (prepare_backward_sm90's arguments)."""
     return prepare_backward_sm90(dout, q, k, v, out, lse, **options).run()
+
+
+# --------------------------------------------------------------------------------------------
+# The Hopper forward on its own: the development entry point of benchmarks/dev/hopper_fwd_check.py
+
+@dataclasses.dataclass
+class PreparedForward:
+    """One forward call on the Hopper kernel, laid out once: its outputs and parameter block.
+    `run()` launches it on the current stream (again and again, for timing)."""
+
+    out: object
+    lse: object
+    launch: object  # _launch.Launch, or None for an empty problem
+    block: _params.ParamBlock
+    batched: bool
+
+    def run(self):
+        import cupy
+
+        if self.launch is not None:
+            _launch.run(self.launch, self.block, cupy.cuda.get_current_stream().ptr,
+                        self.block.slot("base.batch_offset"))
+        if self.batched:
+            return self.out, self.lse
+        return self.out[0], self.lse[0]
+
+
+def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                         window_size=(-1, -1),
+                         config: _configs.FwdSm90Config | None = None,
+                         persistent_ctas: int | None = None) -> PreparedForward:
+    """Lays out attention on the Hopper forward kernel (sm_90a only): CuPy arrays (batch,
+    seqlen, heads, headdim) or (seqlen, heads, headdim), fp16 or bf16, head dim a multiple of 8
+    up to 256, run on the smallest kernel head dim (64, 96, 128, 192, 256) that holds it (the
+    columns up to it are zero-filled by the TMA); GQA/MQA
+    through fewer k/v heads; causal and windows as cuflash2.attention (bottom-right aligned).
+    No score modifiers, dropout or varlen on this path yet, and few checks: this is a development
+    entry point, not the public API. A `config` with `persistent` runs the persistent grid
+    (_dispatch.persistent_schedule): a 1-D grid of at most one CTA per SM, or of at most
+    `persistent_ctas` CTAs (testing: many work tiles per CTA on a small problem)."""
+    import cupy
+
+    batched = q.ndim == 4
+    q4, k4, v4 = _hopper.as_batched(q), _hopper.as_batched(k), _hopper.as_batched(v)
+    batch, seqlen_q, nheads, head_dim = q4.shape
+    seqlen_k, nheads_kv = k4.shape[1], k4.shape[2]
+    if q.dtype != k.dtype or q.dtype != v.dtype or q.dtype.name not in _configs.DTYPE_TAGS:
+        raise TypeError("q, k, v must all be float16 or all bfloat16")
+    if k4.shape != v4.shape or k4.shape[0] != batch or k4.shape[3] != head_dim:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
+    if head_dim % 8 or head_dim > max(_configs.SM90_FWD_HEAD_DIMS) or nheads % nheads_kv:
+        raise ValueError(f"head dim {head_dim} or heads {nheads}/{nheads_kv} not covered")
+    device_id = q.device.id
+    if config is None:
+        kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+        config = _dispatch.fwd_sm90_config(q.dtype.name, kernel_dim)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    left, right = window_size
+    if causal:
+        right = 0
+    if config.persistent and _dispatch.dynamic_schedule(config.head_dim, seqlen_q, seqlen_k,
+                                                          right):
+        config = dataclasses.replace(config, claims=True)  # as the dispatcher would
+
+    out4 = cupy.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype)
+    lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
+    block = _params.ParamBlock("FwdSm90Params")
+    for name, x, rows in (("q_map", q4, config.block_m), ("k_map", k4, config.block_n),
+                          ("v_map", v4, config.block_n)):
+        offset = block.layout.offsets[name]
+        block.bytes[offset:offset + 128] = numpy.frombuffer(_hopper.tensor_map_bytes(x, rows),
+                                                            numpy.uint8)
+    fields = {"q": q4.data.ptr, "k": k4.data.ptr, "v": v4.data.ptr, "out": out4.data.ptr,
+              "lse": lse.data.ptr, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+              "nheads": nheads, "heads_per_kv_head": nheads // nheads_kv, "head_dim": head_dim,
+              "softmax_scale": scale, "scale_log2": scale * LOG2E, "window_left": left,
+              "window_right": right}
+    for prefix, x in (("q", q4), ("k", k4), ("v", v4)):
+        for axis, stride in zip(("batch", "row", "head"), element_strides(x)):
+            fields[f"{prefix}_{axis}_stride"] = stride
+    for axis, stride in zip(("batch", "row", "head"), output_strides(out4.shape)):
+        fields[f"o_{axis}_stride"] = stride
+    for name, value in fields.items():
+        block.set(f"base.{name}", value)
+
+    launch = None
+    if batch and seqlen_q and nheads:
+        grid, grid_fields = _dispatch.forward_grid(config, batch, nheads, nheads_kv, seqlen_q,
+                                                   seqlen_k, head_dim, q.itemsize, right,
+                                                   device_id, persistent_ctas)
+        for name, value in grid_fields.items():
+            block.set(name, value)
+        if config.claims:  # the counters of the stream current now
+            block.set("tile_counters", _plans.stream_counters.get(
+                device_id, cupy.cuda.get_current_stream().ptr, cupy))
+        launch = _launch.kernel_launch(config, device_id, grid)
+    return PreparedForward(out4, lse, launch, block, batched)
+
+
+def forward_sm90(q, k, v, **options):
+    """out, lse of attention on the Hopper forward kernel (prepare_forward_sm90's arguments)."""
+    return prepare_forward_sm90(q, k, v, **options).run()

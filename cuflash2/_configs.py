@@ -1,14 +1,17 @@
-"""Tile configurations: which kernel specialisation serves which problem.
+"""Kernel configurations: what one specialisation is (its tiles, threads, shared memory, name
+expression, compile options), the feature bits, and the facts the kernels and Python share
+(generated into every source as "constants.cuh").
 
 One specialisation per (kernel, dtype, head dim rounded up to the kernel's tile, tile shape, arch).
 Causal masking, windows and sequence lengths are run-time arguments: masking only runs on the
 boundary tiles, so making it a template flag would multiply compile time for no measurable gain.
+Which specialisation serves which problem, and every build the dispatcher can choose, is
+`_dispatch`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -177,71 +180,22 @@ def _traits_probes(traits: str, config, block_m: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_head_dim(head_dim: int) -> int:
-    """The smallest kernel head dim that holds `head_dim`."""
-    for d in KERNEL_HEAD_DIMS:
-        if head_dim <= d:
-            return d
-    raise ValueError(f"head dim {head_dim} is larger than {KERNEL_HEAD_DIMS[-1]}")
-
-
-#: Shared memory per SM (KiB) by compute capability; unknown newer archs get the small figure.
-SMEM_PER_SM_KIB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228}
-SMEM_PER_SM_KIB_DEFAULT = 100
-
-
-@functools.lru_cache(maxsize=None)
-def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
-    """Tile shape for the forward kernel, measured on an H200 (docs/PERF_NOTES.md).
-
-    Up to d=128, 4 warps own 32 query rows each: two m16 tiles share every K/V fragment, which
-    halves shared-memory reads per FLOP against 16 rows a warp (8-warp tiles measured 0.6-0.75x of
-    the 4-warp ones). K/V tiles are double-buffered when two CTAs still fit on an SM, else FA2's
-    single-buffered schedule is used. Above d=128 the accumulators of 32 rows no longer fit in
-    registers: 8 warps own 16 rows each.
-    """
-    d = kernel_head_dim(head_dim)
-    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    if d > 128:
-        config = FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=8, kv_stages=1)
-        if config.smem_bytes + 1024 > smem_per_sm:  # 100 KiB parts: a 64-row Q tile
-            config = FwdConfig(dtype, d, block_m=64, block_n=64, num_warps=4, kv_stages=1)
-        return config
-    # Preferred first; the first that fits two CTAs per SM wins (1 KiB a CTA is reserved).
-    if d <= 64:
-        shapes = [(128, 128, 2), (128, 64, 2), (128, 64, 1)]
-    else:
-        shapes = [(128, 64, 2), (128, 64, 1)]
-    for block_m, block_n, stages in shapes:
-        config = FwdConfig(dtype, d, block_m, block_n, num_warps=4, kv_stages=stages)
-        if 2 * (config.smem_bytes + 1024) <= smem_per_sm:
-            return config
-    return config
-
-
 def with_features(config, features: int):
     """`config` with the score modifiers `features` compiled in (same tile shape)."""
     return config if config.features == features else dataclasses.replace(config, features=features)
 
 
-def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
-    """Every forward specialisation the dispatcher can choose on `arch` (for each of `features`;
-    ALL_FEATURES for every score-modifier combination)."""
-    return [with_features(fwd_config(dtype, d, arch), f) for f in features
-            for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
-
-
 # ---------------------------------------------------------------------------------------------
-# Hopper forward (cuda_src/flash_fwd_sm90.cu; docs/HOPPER_FWD.md): compiled for sm_90a, not yet
-# dispatched (it has not run on a GPU).
+# Hopper forward (cuda_src/flash_fwd_sm90.cu; docs/HOPPER_FWD.md): compiled for sm_90a,
+# dispatched on sm_90 (_dispatch.hopper_forward_config; CUFLASH2_HOPPER=0 turns it off).
 
-#: Head dims of the Hopper forward, each its own specialisation (fwd_sm90_config's tiles).
+#: Head dims of the Hopper forward, each its own specialisation (_dispatch.fwd_sm90_config's tiles).
 SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 #: The features it takes: the score modifiers, without and with sinks (dropout stays on the
 #: mma.sync kernel).
 SM90_FWD_FEATURES = DECODE_FEATURES
 #: Its varlen specialisations: FEATURE_VARLEN with each of those sets, one-tile-per-CTA grid only
-#: (dispatched unless _hopper.VARLEN is off: CUFLASH2_HOPPER_VARLEN=0).
+#: (dispatched unless _dispatch.HOPPER_FORWARD_VARLEN is off: CUFLASH2_HOPPER_VARLEN=0).
 SM90_FWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SM90_FWD_FEATURES)
 
 
@@ -256,11 +210,11 @@ class FwdSm90Config:
     block_n: int = 128  # keys per K/V tile: a multiple of 16 up to 256
     stages: int = 2
     #: The consumers take turns on the tensor cores (flash_fwd_sm90.cu: one's softmax under the
-    #: other's GEMMs); the dispatcher's choice is _hopper.SCHEDULES.
+    #: other's GEMMs); the dispatcher's choice is _dispatch.SCHEDULES.
     pingpong: bool = False
     #: The overlap inside a warpgroup (flash_fwd_sm90.cu, OVERLAP: the softmax of tile j under
     #: P_{j-1} V_{j-1}; FlashAttention-3's intra-warpgroup pipelining), with either schedule.
-    #: The dispatcher's choice per head dim and causal mode is _hopper.SCHEDULES.
+    #: The dispatcher's choice per head dim and causal mode is _dispatch.SCHEDULES.
     overlap: bool = False
     features: int = 0  # FEATURE_SOFTCAP | FEATURE_ALIBI
     #: Debugging build: mbarrier waits trap after ~2 s instead of hanging (hopper_primitives.cuh;
@@ -268,12 +222,12 @@ class FwdSm90Config:
     watchdog: bool = False
     #: A persistent grid (at most one CTA per SM looping over work tiles; the next tile's Q and
     #: K/V load under the current epilogue; O staged in a buffer of its own): head dims of
-    #: SM90_PERSISTENT_TILES only (the O buffer must fit); the dispatcher's choice is
-    #: _hopper.forward_config's.
+    #: _dispatch.SM90_PERSISTENT_TILES only (the O buffer must fit); the dispatcher's choice is
+    #: _dispatch.hopper_forward_config's.
     persistent: bool = False
     #: With `persistent`: the CTAs claim their work tiles one by one from a pair of counters a
     #: stream (flash_fwd_sm90.cu, WorkTileClaims; FwdSm90Params.tile_counters) instead of taking
-    #: every gridDim.x-th (_hopper.DYNAMIC_SCHEDULE_KEYS).
+    #: every gridDim.x-th (_dispatch.DYNAMIC_SCHEDULE_KEYS).
     claims: bool = False
 
     def __post_init__(self):
@@ -291,7 +245,7 @@ class FwdSm90Config:
                 f"a persistent Hopper forward needs {self.smem_bytes} bytes of shared memory at "
                 f"head dim {self.head_dim} with {self.stages} stages (Q, the K/V ring and an O "
                 f"buffer), more than the {SM90_MAX_SMEM} an SM has: persistent tiles are those "
-                f"of SM90_PERSISTENT_TILES (head dims {tuple(SM90_PERSISTENT_TILES)})")
+                f"of _dispatch.SM90_PERSISTENT_TILES")
 
     #: The compile target's suffix: sm_90a (wgmma, setmaxnreg), never plain sm_90.
     arch_suffix = "a"
@@ -363,85 +317,9 @@ def sm90_consumer_registers(warpgroups: int) -> int:
 SM90_MAX_SMEM = 227 * 1024
 
 
-#: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
-#: 64 rows) throughout. Two limits decide: shared memory, Q + stages x (K + V) of 64-column
-#: panels + 1 KiB within 227 KiB (one CTA an SM), and the consumers' 240 registers, which hold O
-#: (head_dim / 2 floats a thread), S (block_n / 2) and P (block_n / 4) at once. FlashAttention-3
-#: (hopper/tile_size.h, 16-bit, 2 stages) takes the largest block_n that fits shared memory for
-#: the large head dims: d=192 128 x 112 and d=256 128 x 80 (both "hit the limit of smem"), and
-#: 128 x 128/176 at d=128, 192 x 144 at d=96 (three consumer warpgroups, P V from shared memory:
-#: a structure this kernel does not have).
-#:  - 64, 128: 128 x 128, 2 stages, as first built and run (unchanged).
-#:  - 96: 128 x 128, 3 stages. Its tiles take two panels like d=128 (the second half
-#:    zero-filled), so two stages cost what d=128's do (161 KiB) and a third fits (225 KiB); with
-#:    a quarter less math per tile than d=128 the loads have less time to land, which the extra
-#:    stage buys back. Registers: O 48 + S 64 + P 32.
-#:  - 192: 128 x 112, 2 stages: 217 KiB (128 keys would need 241 KiB). O 96 + S 56 + P 28.
-#:  - 256: 128 x 80, 2 stages: 225 KiB (96 keys would need 257 KiB). O 128 + S 40 + P 20.
-#: Ping-pong and the overlap inside a warpgroup, alone or together, fit all of them (ptxas: no
-#: spills at 240 registers, R237 at most; docs/HOPPER_FWD.md), on either grid (the persistent
-#: one with SM90_PERSISTENT_TILES).
-SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
-
-
-#: (block_n, stages) of the persistent Hopper forward, for the head dims where its O buffer (Q's
-#: size) fits beside Q and the ring: d=64 99,328 B and d=128 197,632 B with their usual tiles;
-#: d=96 drops to 2 stages (197,632 B; 3 would need 263,168 B); d=192 (271,360 B) and d=256
-#: (295,936 B) do not fit even with their 2 stages, and have no persistent specialisation.
-SM90_PERSISTENT_TILES = {64: (128, 2), 96: (128, 2), 128: (128, 2)}
-
-#: (block_n, stages) of the Hopper forward with three consumer warpgroups (block_m 192,
-#: FlashAttention-3's d=64 tile; either grid: 91,136 / 115,712 B), for the head dims where their
-#: 160 registers a thread hold O, S and P of the in-order schedule without spilling: d=64 (O 32 +
-#: S 64 + P 32; the overlap inside a warpgroup spills 104 B there, d=128 would need O 64 more).
-SM90_THREE_CONSUMER_TILES = {64: (128, 2)}
-
-
-def fwd_sm90_config(dtype: str, head_dim: int, persistent: bool = False,
-                    consumers: int = 2) -> FwdSm90Config:
-    """The Hopper forward's tile for `head_dim` (one of SM90_FWD_HEAD_DIMS): SM90_FWD_TILES, or
-    SM90_PERSISTENT_TILES for the persistent grid; with three `consumers` (warpgroups of 64 query
-    rows) SM90_THREE_CONSUMER_TILES (either grid). ValueError for a head dim it does not have."""
-    if head_dim not in SM90_FWD_HEAD_DIMS:
-        raise ValueError(f"the Hopper forward has head dims {SM90_FWD_HEAD_DIMS}, not {head_dim}")
-    if persistent and head_dim not in SM90_PERSISTENT_TILES:
-        raise ValueError(f"the persistent Hopper forward has head dims "
-                         f"{tuple(SM90_PERSISTENT_TILES)} (its O buffer must fit shared memory), "
-                         f"not {head_dim}")
-    if consumers == 3:
-        if head_dim not in SM90_THREE_CONSUMER_TILES:
-            raise ValueError(f"three consumer warpgroups run head dims "
-                             f"{tuple(SM90_THREE_CONSUMER_TILES)}, not {head_dim}")
-        block_n, stages = SM90_THREE_CONSUMER_TILES[head_dim]
-        return FwdSm90Config(dtype, head_dim, block_m=192, block_n=block_n, stages=stages,
-                             persistent=persistent)
-    if consumers != 2:
-        raise ValueError(f"the Hopper forward has two or three consumer warpgroups, not "
-                         f"{consumers}")
-    block_n, stages = (SM90_PERSISTENT_TILES if persistent else SM90_FWD_TILES)[head_dim]
-    return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages, persistent=persistent)
-
-
-def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
-                         persistent: bool = False) -> list[FwdSm90Config]:
-    """Every Hopper forward specialisation (for each of `features`), in both schedules, with and
-    without the overlap inside a warpgroup (`overlap`: which of the two); with `persistent`, the
-    persistent ones (head dims of SM90_PERSISTENT_TILES, every schedule and overlap) too, and
-    with ping-pong and the overlap (the dispatcher's two-consumer schedule) their twins whose
-    tiles are claimed one by one (`claims`)."""
-    grids = (False, True) if persistent else (False,)
-    configs = [dataclasses.replace(with_features(fwd_sm90_config(dtype, d, grid), f),
-                                   pingpong=pingpong, overlap=ov)
-               for grid in grids for ov in overlap for pingpong in (False, True)
-               for f in features for dtype in DTYPE_TAGS
-               for d in (SM90_PERSISTENT_TILES if grid else SM90_FWD_HEAD_DIMS)]
-    return configs + [dataclasses.replace(c, claims=True) for c in configs
-                      if c.persistent and c.pingpong and c.overlap]
-
-
 # ---------------------------------------------------------------------------------------------
 # Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): compiled for sm_90a,
-# dispatched on sm_90 (cuflash2._hopper_bwd.backward_config; CUFLASH2_HOPPER_BWD=0 turns it off).
+# dispatched on sm_90 (_dispatch.hopper_backward_config; CUFLASH2_HOPPER_BWD=0 turns it off).
 
 #: Head dims of the Hopper backward. Above 128 a key block's dK / dV / dQ columns are split over
 #: two CTAs (head-dim chunks of 128 + 64 at d=192, 128 + 128 at d=256), each recomputing S^T and
@@ -455,25 +333,6 @@ SM90_BWD_CHUNK_COLS = 128
 SM90_BWD_FEATURES = SCORE_MOD_FEATURES
 SM90_BWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SCORE_MOD_FEATURES)
 
-#: (block_m, block_n, stages, dq_buffers) per head dim. block_n is 128 throughout: two consumer
-#: warpgroups of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90
-#: backward at d=96/128 (hopper/flash_bwd_launch_template.h: 64 x 128, two Q / dO stages; 80 x
-#: 128 non-causal d=128, a width this kernel's 16-multiple N does not take), 128 at d=64 as its
-#: d=64 tile: a consumer's peak is dK + dV (head_dim / 2 each) and S^T + dP^T (block_m / 2
-#: each), 192 fp32 registers of its 240 at d=128 x 64 rows and at d=64 x 128 rows (P^T and dS^T
-#: are packed as S^T and dP^T die). A 128-row step halves the steps a key block takes (each
-#: step's waits, barriers and statistics) and gives each wgmma of S^T and dP^T N = 128; dQ_i's
-#: 128 rows are split between the consumers by rows. dq_buffers: staged fp32 dQ tiles (0:
-#: vector reductions from registers): two where they fit, one at d=64 x 128 rows (two would
-#: need 232,448 B of dynamic shared memory beside the mbarriers), none at d=192 / 256 (K, V, Q
-#: and dO span the whole head dim, S^T and dP^T need it; d=256 has room for one Q / dO stage
-#: only: K + V 128 KiB, a stage 64.5 KiB, two dS tiles 32 KiB).
-SM90_BWD_TILES = {64: (128, 128, 2, 1), 96: (64, 128, 2, 2), 128: (64, 128, 2, 2),
-                  192: (64, 128, 2, 0), 256: (64, 128, 1, 0)}
-#: 64-row steps of the head dims whose default step is longer, for ALiBi with softcap or with
-#: deterministic mode, and for varlen (at 128 rows their consumers spill: 28, 4 and 16 bytes; the
-#: last without score modifiers, the sequence's rows held across the loop).
-SM90_BWD_64_ROW_TILES = {64: (64, 128, 2, 2)}
 #: Static shared memory the Hopper backward may take beside its dynamic shared memory (its
 #: mbarriers and the block's first key, BwdSm90Barriers; checked by a probe): part of the 227 KiB
 #: a CTA may have.
@@ -578,30 +437,6 @@ class BwdSm90Config:
             "\"setmaxnreg budget\");\n"
             f"static_assert(sizeof(BwdSm90Barriers<{self.stages}>) <= {SM90_BWD_BARRIER_BYTES}, "
             "\"static shared memory\");\n")
-
-
-def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
-                    features: int = 0) -> BwdSm90Config:
-    """The Hopper backward's specialisation for `head_dim` (one of SM90_BWD_HEAD_DIMS) and
-    `features` (score modifiers), in deterministic mode with `deterministic`: the tile of
-    SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES for ALiBi with softcap or in deterministic mode,
-    and for varlen."""
-    if head_dim not in SM90_BWD_HEAD_DIMS:
-        raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
-    both_mods = FEATURE_SOFTCAP | FEATURE_ALIBI
-    tiles = SM90_BWD_TILES
-    if (features & both_mods == both_mods or (deterministic and features & FEATURE_ALIBI)
-            or features & FEATURE_VARLEN):
-        tiles = {**tiles, **SM90_BWD_64_ROW_TILES}
-    block_m, block_n, stages, dq_buffers = tiles[head_dim]
-    return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,
-                         features=features, dq_buffers=dq_buffers, deterministic=deterministic)
-
-
-def all_bwd_sm90_configs(features=(0,)) -> list[BwdSm90Config]:
-    """Every Hopper backward specialisation (for each of `features`)."""
-    return [bwd_sm90_config(dtype, d, features=f) for f in features
-            for dtype in DTYPE_TAGS for d in SM90_BWD_HEAD_DIMS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -771,48 +606,6 @@ class AuxKernel:
     probes = ""
 
 
-#: Most fp32 accumulator registers a backward thread may keep (BwdConfig.accumulator_registers):
-#: the rest of the 255 go to fragments, addresses and statistics.
-BWD_MAX_ACCUMULATORS = 192
-
-
-@functools.lru_cache(maxsize=None)
-def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False) -> BwdConfig:
-    """Tile shape of the backward main kernel (docs/PERF_NOTES.md).
-
-    FA2's shape where shared memory allows: 8 warps, a 128-key block (dQ atomics per FLOP fall
-    as 1/block_n), 64-query steps with Q/dO double-buffered. The first candidate that has a warp
-    grid for every phase, keeps its accumulators in registers and fits one CTA per SM wins;
-    above d=128 the dK/dV/dQ columns are split in two chunks (grid.x) when that is needed.
-    """
-    d = kernel_head_dim(head_dim)
-    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    # 128-query steps where the accumulators allow it (d <= 64): half the steps, same atomics.
-    shapes = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 2), (64, 64, 8, 1),
-              (32, 64, 4, 1), (32, 32, 4, 1)]
-    chunks = [d] if d <= 128 else [d, d // 2]
-    for block_m, block_n, warps, stages in shapes:
-        for d_chunk in chunks:
-            config = BwdConfig(dtype, d, d_chunk, block_m, block_n, warps, stages,
-                               not deterministic)
-            if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
-                    and config.smem_bytes + 1024 <= smem_per_sm):
-                return config
-    raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
-
-
-@functools.lru_cache(maxsize=None)
-def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
-    """Tile shape of the deterministic dQ kernel: double-buffered K/V when two CTAs fit."""
-    d = kernel_head_dim(head_dim)
-    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    for block_n, stages, ctas in ((64, 2, 2), (64, 1, 2), (64, 1, 1), (32, 1, 1)):
-        config = BwdDqConfig(dtype, d, block_n, stages)
-        if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
-            return config
-    return config
-
-
 @dataclass(frozen=True)
 class DropoutMaskKernel:
     """cuflash2.dropout_mask's kernel (cuda_src/dropout_mask.cu): 8 warps, one 16 x 16 block each."""
@@ -830,17 +623,6 @@ def aux_kernels() -> list[AuxKernel]:
             for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel",
                            "flash_bwd_sinks_kernel")
             for varlen in (False, True)]
-
-
-def all_bwd_configs(arch: int, features=(0,)) -> list:
-    """Every backward specialisation the dispatcher can choose on `arch` (main kernel with and
-    without dQ, deterministic dQ kernel), for each of `features` (as backward calls with them
-    run it: without the forward-only features; each once)."""
-    features = dict.fromkeys(backward_features(f) for f in features)
-    return [with_features(cfg, f) for f in features for dtype in DTYPE_TAGS
-            for d in KERNEL_HEAD_DIMS
-            for cfg in (bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
-                        bwd_dq_config(dtype, d, arch))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -899,78 +681,6 @@ class DecodeConfig:
         return _traits_probes(
             f"DecodeTraits<{self.head_dim}, {self.num_warps}, {self.keys_per_warp}, "
             f"{self.kv_stages}, {self.block_m}>", self, block_m=True)
-
-
-@functools.lru_cache(maxsize=None)
-def decode_config(dtype: str, head_dim: int, arch: int,
-                  block_m: int = DECODE_BLOCK_M) -> DecodeConfig:
-    """4 warps of 16 keys (64-key tiles); of the cp.async stage counts (2 to 4) and CTAs per SM
-    that fit, the one with the most KV tiles in flight per SM (CTAs x (stages - 1)), at least two
-    CTAs per SM where possible, more CTAs on a tie: decoding is bound by the cache bytes in
-    flight, and a single CTA per SM leaves mid-sized grids short of them (H200, d=128: two CTAs
-    of three stages beat three of two and one of four, docs/DECODE_DESIGN.md). 2 warps where
-    even one CTA of two stages does not fit. `block_m`: DECODE_BLOCK_M, or DECODE_BLOCK_M_N8
-    for the rows on the mma's n side."""
-    d = kernel_head_dim(head_dim)
-    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    for warps, min_ctas in ((4, 2), (4, 1), (2, 1)):
-        fitting = []
-        for stages in (2, 3, 4):
-            config = DecodeConfig(dtype, d, warps, 16, stages, block_m=block_m)
-            ctas = min(3, smem_per_sm // (config.smem_bytes + 1024))  # 3: the register budget
-            if ctas >= min_ctas:
-                fitting.append((ctas * (stages - 1), ctas, config))
-        if fitting:
-            return max(fitting, key=lambda f: f[:2])[2]
-    raise AssertionError(f"no decode tile fits head dim {d} on sm_{arch}")
-
-
-#: A decoding step whose splits merge inside a cluster is short: at most this many KV tiles a
-#: split (beyond, more CTAs merging through L2 stream the cache faster; docs/DECODE_DESIGN.md).
-CLUSTER_MAX_TILES_PER_SPLIT = 4
-#: The first compute capability with thread-block clusters.
-CLUSTER_MIN_ARCH = 90
-
-
-def decode_cluster_config(dtype: str, head_dim: int, arch: int,
-                          early_cache_reads: bool = False) -> DecodeConfig:
-    """The decode kernel for splits merged inside a cluster (sm_90): such a step is short (at
-    most CLUSTER_MAX_TILES_PER_SPLIT of decode_config's tiles a split) and its grid small (one
-    CTA an SM), so every key of a split is loaded at once: in kv_stages - 1 stages, or, with
-    `early_cache_reads`, in kv_stages, all but the last tile before the previous kernel ends
-    (loading every tile then delayed that kernel's end: 8.55 against 8.25 us a layer at 4k
-    tokens in a graph, H200). Of the tiles that fit one CTA so, the widest: 32 keys a warp where
-    it fits (half the tile steps, each with its barrier and softmax: 9.45 against 9.71 us a
-    layer at 4k in a graph), 16 otherwise; failing both, as many stages as one CTA fits."""
-    config = dataclasses.replace(decode_config(dtype, head_dim, arch),
-                                 early_cache_reads=early_cache_reads)
-    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    split_keys = CLUSTER_MAX_TILES_PER_SPLIT * config.block_n
-    extra_stage = 0 if early_cache_reads else 1
-    candidates = [dataclasses.replace(
-        config, keys_per_warp=keys,
-        kv_stages=max(2, -(-split_keys // (config.num_warps * keys)) + extra_stage))
-        for keys in (32, 16)]
-    candidates += [dataclasses.replace(config, kv_stages=stages)
-                   for stages in range(CLUSTER_MAX_TILES_PER_SPLIT, config.kv_stages, -1)]
-    return next((c for c in candidates if c.smem_bytes + 1024 <= smem_per_sm), config)
-
-
-def all_decode_configs(arch: int, features=(0,)) -> list:
-    """Every decode specialisation the dispatcher can choose on `arch`."""
-    rows = (DECODE_BLOCK_M, DECODE_BLOCK_M_N8)
-    configs = [with_features(decode_config(dtype, d, arch, m), f) for f in features
-               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS for m in rows]
-    if arch >= CLUSTER_MIN_ARCH:
-        # Programmatic launches (from _launch.PROGRAMMATIC_MIN_ARCH, the same arch) may read
-        # the cache early.
-        configs += [dataclasses.replace(c, early_cache_reads=True) for c in configs]
-        # (clustered steps keep their rows on an m16 tile: _kvcache.choose_splits)
-        configs += [with_features(decode_cluster_config(dtype, d, arch, early), f)
-                    for early in (False, True) for f in features
-                    for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
-    return list(dict.fromkeys(configs))
-
 
 
 def describe(config) -> str:

@@ -15,27 +15,27 @@ from importlib import metadata
 
 def forward_kernel_family(compute_capability: str) -> str:
     """Which forward kernels run on a GPU of this compute capability ("9.0" or "90")."""
-    from . import _configs, _hopper
+    from . import _configs, _dispatch
 
     if compute_capability.replace(".", "") != "90":
         return "mma.sync kernels (cuflash2.forward_kernels(q, k, v, ...) names a call's)"
-    if not _hopper.ENABLED:
+    if not _dispatch.HOPPER_FORWARD:
         return "mma.sync kernels (CUFLASH2_HOPPER=0)"
     dims = "/".join(str(d) for d in _configs.SM90_FWD_HEAD_DIMS)
-    varlen = "" if _hopper.VARLEN else ", varlen (CUFLASH2_HOPPER_VARLEN=0)"
+    varlen = "" if _dispatch.HOPPER_FORWARD_VARLEN else ", varlen (CUFLASH2_HOPPER_VARLEN=0)"
     return (f"Hopper kernels (wgmma, TMA; head dims {dims}) except dropout{varlen} and d <= "
-            f"{_hopper.MMA_SYNC_MAX_DIM} with <= {_hopper.MMA_SYNC_MAX_KEYS} keys, which run "
+            f"{_dispatch.MMA_SYNC_MAX_DIM} with <= {_dispatch.MMA_SYNC_MAX_KEYS} keys, which run "
             "mma.sync (cuflash2.forward_kernels(q, k, v, ...) names a call's)")
 
 
 def backward_kernel_family(compute_capability: str) -> str:
     """Which backward main kernels run on a GPU of this compute capability ("9.0" or "90")."""
-    from . import _configs, _hopper_bwd
+    from . import _configs, _dispatch
 
     names = "cuflash2.backward_kernels(dout, q, k, v, out, lse, ...) names a call's"
     if compute_capability.replace(".", "") != "90":
         return f"mma.sync kernels ({names})"
-    if not _hopper_bwd.ENABLED:
+    if not _dispatch.HOPPER_BACKWARD:
         return "mma.sync kernels (the Hopper backward is switched off: CUFLASH2_HOPPER_BWD=0)"
     dims = "/".join(str(d) for d in _configs.SM90_BWD_HEAD_DIMS)
     return (f"Hopper kernel (wgmma, TMA; head dims {dims}) except "

@@ -1,34 +1,19 @@
 """attention_with_kvcache: append the new tokens in place, then split-KV attention of the few
 query tokens over the cache, in one kernel (cuda_src/flash_decode.cu; docs/DECODE_DESIGN.md).
 
-A call signature is checked and planned once (`_plans`); the split count comes from the decode
-kernel's occupancy, and the splits of a row block meet at a barrier in per-stream counters.
+A call signature is checked and planned once (`_plans`); the decode kernel and its split count
+are `_dispatch.decode_kernel`'s choice (from the kernel's occupancy), and the splits of a row
+block meet at a barrier in per-stream counters.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 
-from . import _configs, _launch, _plans, _prepare, _validate
+from . import _dispatch, _launch, _plans, _prepare, _validate
 from ._prepare import LOG2E, element_strides, output_strides
 
-MAX_SPLITS = _configs.MAX_SPLITS
-MAX_CLUSTER_SPLITS = _configs.MAX_CLUSTER_SPLITS
-#: On sm_90 a row block's splits form a thread-block cluster and merge through distributed
-#: shared memory (split_merge.cuh), at most MAX_CLUSTER_SPLITS of them; False: the barrier
-#: through L2 everywhere (development: measuring the two).
-CLUSTER_MERGE = True
-#: A step whose packed query rows fit DECODE_BLOCK_M_N8 (one token of a GQA group of up to 8)
-#: runs the decode kernel with its rows on the mma's n side (no mma work on padding rows), unless
-#: its splits merge in a cluster (choose_splits); False: on an m16 tile everywhere
-#: (development: measuring the two).
-ROWS_ON_N = True
-#: The automatic split count stops here: a step that merges more partial results a row block
-#: ends later than it streams faster (H200, in a CUDA graph, batch 1: 32 splits beat 64 by
-#: 1.1-1.2 us from 4k to 64k tokens; docs/DECODE_DESIGN.md).
-AUTO_MAX_SPLITS = 32
 
 _plans_by_key = _plans.PlanCache()
 _cupy = None
@@ -44,28 +29,6 @@ def check_num_splits(num_splits) -> int:
     return num_splits
 
 
-@functools.lru_cache(maxsize=4096)
-def num_splits_for(requested: int, ctas: int, tiles: int, slots: int,
-                   most: int = MAX_SPLITS) -> int:
-    """The KV split count for a grid of `ctas` CTAs (row blocks x KV heads x sequences) over
-    `tiles` KV tiles, on a GPU that holds `slots` such CTAs at once (SMs x CTAs per SM).
-
-    The splits of a row block wait for each other to merge their results, so a split grid must
-    fit the GPU in one wave: at most slots // ctas splits, `requested` included. For 0 (auto):
-    none if the grid already covers 80% of the slots; else the largest count that fits, among
-    those that give every split the same number of tiles (others leave trailing splits short),
-    at most AUTO_MAX_SPLITS.
-    Decoding is bound by reading the cache, and every resident CTA keeps reads in flight.
-    `most`: the largest count the merge allows (MAX_SPLITS; MAX_CLUSTER_SPLITS in a cluster)."""
-    fit = max(1, min(slots // max(ctas, 1), most, tiles))
-    if requested == 0:
-        if ctas >= 0.8 * slots:
-            return 1
-        fit = min(fit, AUTO_MAX_SPLITS)
-        return max(_even(s, tiles) for s in range(1, fit + 1))
-    return max(1, min(requested, fit))
-
-
 #: The decode kernel's split barrier counters, one per row block (never reset: each barrier flips
 #: its top bit, split_merge.cuh), a buffer per (device, stream).
 _split_counters = _plans.StreamCounters(1024)
@@ -74,59 +37,6 @@ _split_counters = _plans.StreamCounters(1024)
 def split_counters(groups: int, device_id: int, stream_ptr: int, cupy) -> int:
     """The address of the stream's split barrier counters, at least `groups` of them."""
     return _split_counters.get(device_id, stream_ptr, cupy, groups)
-
-
-_slots_cache: dict = {}
-
-
-def _even(splits: int, tiles: int) -> int:
-    """The split count once every split but the last has ceil(tiles / splits) tiles."""
-    return max(1, -(-tiles // -(-tiles // splits))) if tiles else 1
-
-
-def choose_splits(config, requested: int, groups: int, tiles: int, device_id: int, arch: int,
-                  dtype: str, head_dim: int, features: int):
-    """The decode kernel, split count and cluster size (1: none) of a call.
-
-    On sm_90 a row block's splits can be one thread-block cluster that merges through
-    distributed shared memory (split_merge.cuh), which ends a step ~1.7 us sooner than the
-    barrier through L2 at the same count but allows at most MAX_CLUSTER_SPLITS splits. So the
-    splits form a cluster where the step is short (at most CLUSTER_MAX_TILES_PER_SPLIT tiles a
-    split at MAX_CLUSTER_SPLITS splits; or a requested count that a cluster holds) and every
-    cluster of the grid is resident at once; elsewhere more splits merging through L2 stream
-    the cache faster (docs/DECODE_DESIGN.md, in-graph measurements)."""
-    slots = decode_slots(config, device_id)
-    barrier_splits = _even(num_splits_for(requested, groups, tiles, slots), tiles)
-    if not (CLUSTER_MERGE and arch >= _configs.CLUSTER_MIN_ARCH
-            and requested <= MAX_CLUSTER_SPLITS):
-        return config, barrier_splits, 1
-    splits = _even(num_splits_for(requested, groups, tiles, slots, MAX_CLUSTER_SPLITS), tiles)
-    short = -(-tiles // max(splits, 1)) <= _configs.CLUSTER_MAX_TILES_PER_SPLIT
-    if splits < 2 or (requested == 0 and not short):
-        return config, barrier_splits, 1
-    # A step that forms a cluster keeps its rows on an m16 tile: with them on the n side the
-    # batch-1 4k step in a graph took 9.6 against 9.4 us a layer (its last split, which loads its
-    # tile of new tokens after the wait, ended later), where every step merging through L2
-    # gained 0.4-0.6 us (docs/DECODE_DESIGN.md). So does such a step where no cluster launches
-    # or fits: it then merges through L2 on the same kernel, and a launch path without clusters
-    # gives the same bits. (Such a step has at most 8 rows: one m16 block too.)
-    m16 = dataclasses.replace(config, block_m=_configs.DECODE_BLOCK_M)
-    if _launch.extended_available():
-        deep = _configs.with_features(_configs.decode_cluster_config(
-            dtype, head_dim, arch, config.early_cache_reads), features)
-        for candidate in dict.fromkeys((deep, m16) if short else (m16,)):
-            if _launch.cluster_fits(candidate, device_id, splits, groups):
-                return candidate, splits, splits
-    return m16, barrier_splits, 1
-
-
-def decode_slots(config, device_id: int) -> int:
-    """SMs x CTAs of `config`'s decode kernel resident per SM (what a cooperative launch of the
-    kernel allows)."""
-    slots = _slots_cache.get((config, device_id))
-    if slots is None:
-        slots = _slots_cache[(config, device_id)] = _launch.occupancy_slots(config, device_id)
-    return slots
 
 
 @dataclasses.dataclass
@@ -231,25 +141,13 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                     kv.capacity)
     # The decode kernel (compiled here if need be) and its split count.
     arch = _prepare.device_arch(device_id)
+    choice = _dispatch.decode_kernel(kv, problem.dtype, mods.features, arch, device_id,
+                                     num_splits, early_cache_reads)
+    config, splits, cluster = choice.config, choice.splits, choice.cluster
+    m_blocks, groups = choice.m_blocks, choice.groups
     group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
-    block_m = (_configs.DECODE_BLOCK_M_N8 if ROWS_ON_N and kv.seqlen_q * group
-               <= _configs.DECODE_BLOCK_M_N8 else _configs.DECODE_BLOCK_M)
-    config = _configs.with_features(
-        _configs.decode_config(problem.dtype, kv.head_dim, arch, block_m), mods.features)
-    # The kernel waits for the previous kernel's writes itself (dependent_launch.cuh), so a
-    # programmatic launch lets it start while that kernel finishes; with the caller's promise
-    # its specialisation reads the cache meanwhile (without the overlap there is nothing to gain).
-    programmatic = _launch.programmatic_available(arch)
-    if early_cache_reads and programmatic:
-        config = dataclasses.replace(config, early_cache_reads=True)
-    m_blocks = -(-kv.seqlen_q * group // config.block_m)
-    tiles = -(-kv.capacity // config.block_n)
-    groups = m_blocks * kv.nheads_kv * kv.batch
     empty = kv.batch == 0 or kv.seqlen_q == 0 or kv.nheads == 0
-    config, splits, cluster = (config, 1, 1) if empty else choose_splits(
-        config, num_splits, groups, tiles, device_id, arch, problem.dtype, kv.head_dim,
-        mods.features)
-    chosen_tiles = -(-kv.capacity // config.block_n)  # of the tile choose_splits returned
+    chosen_tiles = -(-kv.capacity // config.block_n)  # of the tile chosen
     tiles_per_split = -(-chosen_tiles // splits)
     new_tokens = k is not None and kv.seqlen_new > 0
     table_stride = block_table.strides[0] // 4 if block_table is not None else 0
@@ -290,7 +188,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         workspace_fields = [("o_partial", offsets[0]), ("lse_partial", offsets[1])]
     launches = [] if empty else [_launch.kernel_launch(
         config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=barrier,
-        programmatic=programmatic, cluster=cluster)]
+        programmatic=choice.programmatic, cluster=cluster)]
     aligned = [(pos, name) for name, pos in (("q", 0), ("k_cache", 1), ("v_cache", 2), ("k", 3),
                                              ("v", 4)) if name in arrays]
     per_call = ("cache_len_all",) + (("split_counters",) if barrier else ())

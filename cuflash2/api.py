@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from . import _attention_plans, _configs, _kvcache, _launch, _params, _plans, _prepare, _validate
+from . import (_attention_plans, _configs, _dispatch, _kvcache, _launch, _params, _plans, _prepare,
+               _validate)
 from ._options import AttentionOptions
 from ._plans import value_key
 from ._prepare import device_arch  # noqa: F401  (part of the module's interface for tools)
@@ -607,12 +608,12 @@ def _forced_config(config):
     """For tuning scripts: calls inside run `config` (a FwdConfig or BwdConfig; a BwdConfig's
     compute_dq must match the calls' `not deterministic`) instead of the dispatcher's choice."""
     kind = "fwd" if isinstance(config, _configs.FwdConfig) else "bwd"
-    _attention_plans.FORCED[kind] = config
+    _dispatch.FORCED[kind] = config
     _forward_plans.plans.clear()
     _backward_plans.plans.clear()
     try:
         yield
     finally:
-        del _attention_plans.FORCED[kind]
+        del _dispatch.FORCED[kind]
         _forward_plans.plans.clear()
         _backward_plans.plans.clear()

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from cuflash2 import _compile, _configs, _sass
+from cuflash2 import _compile, _configs, _dispatch, _sass
 
 # Shared memory a block may use (opt-in limit): sm_80 163 KiB, sm_86/89 99 KiB, sm_90 227 KiB.
 MAX_SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -32,16 +32,16 @@ def _all_combinations_sm90(configs, tested):
 
 
 FWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-             for cfg in _configs.all_fwd_configs(arch, _configs.TESTED_FEATURES)]
-FWD_CASES += _all_combinations_sm90(_configs.all_fwd_configs(90, _configs.ALL_FEATURES),
+             for cfg in _dispatch.all_fwd_configs(arch, _configs.TESTED_FEATURES)]
+FWD_CASES += _all_combinations_sm90(_dispatch.all_fwd_configs(90, _configs.ALL_FEATURES),
                                     _configs.TESTED_FEATURES)
 BWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-             for cfg in dict.fromkeys(_configs.all_bwd_configs(arch, _configs.TESTED_FEATURES))]
+             for cfg in dict.fromkeys(_dispatch.all_bwd_configs(arch, _configs.TESTED_FEATURES))]
 BWD_CASES += _all_combinations_sm90(
-    dict.fromkeys(_configs.all_bwd_configs(90, _configs.ALL_FEATURES)), BWD_TESTED_FEATURES)
+    dict.fromkeys(_dispatch.all_bwd_configs(90, _configs.ALL_FEATURES)), BWD_TESTED_FEATURES)
 AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
 DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-                for cfg in _configs.all_decode_configs(arch, _configs.DECODE_FEATURES)]
+                for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES)]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
 # The default sample, as (arch, dtype, kernel head dim) points of every kernel family (forward;
@@ -188,22 +188,22 @@ def test_backward_aux_kernel_compiles_without_spills(config, arch, compiled):
 def test_every_head_dim_has_a_kernel(head_dim):
     for arch in _configs.CPU_TEST_ARCHS:
         for dtype in _configs.DTYPE_TAGS:
-            cfg = _configs.fwd_config(dtype, head_dim, arch)
+            cfg = _dispatch.fwd_config(dtype, head_dim, arch)
             assert cfg.head_dim >= head_dim and cfg.head_dim % 32 == 0
-            assert cfg in _configs.all_fwd_configs(arch)
+            assert cfg in _dispatch.all_fwd_configs(arch)
             for features in _configs.TESTED_FEATURES:
-                assert _configs.with_features(cfg, features) in _configs.all_fwd_configs(
+                assert _configs.with_features(cfg, features) in _dispatch.all_fwd_configs(
                     arch, _configs.TESTED_FEATURES)
             assert cfg.block_m % (16 * cfg.num_warps) == 0
 
 
 @pytest.mark.parametrize("arch", _configs.CPU_TEST_ARCHS)
 def test_backward_configs_have_a_warp_grid_for_every_phase(arch):
-    for cfg in _configs.all_bwd_configs(arch):
+    for cfg in _dispatch.all_bwd_configs(arch):
         if not isinstance(cfg, _configs.BwdConfig):
             continue
         assert cfg.valid, cfg
-        assert cfg.accumulator_registers <= _configs.BWD_MAX_ACCUMULATORS, cfg
+        assert cfg.accumulator_registers <= _dispatch.BWD_MAX_ACCUMULATORS, cfg
         assert _configs.BWD_ROW_PADDING % cfg.block_m == 0, cfg
         warps = cfg.num_warps
         for rows, cols, warps_rows in ((cfg.block_m, cfg.block_n, cfg.sdp_warps_m),
@@ -215,10 +215,10 @@ def test_backward_configs_have_a_warp_grid_for_every_phase(arch):
 
 def test_backward_main_configs_on_sm90():
     """The shapes docs/PERF_NOTES.md reports as measured best on the H200."""
-    d64 = _configs.bwd_config("float16", 64, 90)
+    d64 = _dispatch.bwd_config("float16", 64, 90)
     assert (d64.block_m, d64.block_n, d64.num_warps, d64.q_stages) == (128, 128, 8, 2)
     assert (d64.sdp_warps_m, d64.kv_warps_n, d64.dq_warps_m) == (2, 4, 4)
-    d128 = _configs.bwd_config("bfloat16", 128, 90)
+    d128 = _dispatch.bwd_config("bfloat16", 128, 90)
     assert (d128.block_m, d128.block_n, d128.num_warps, d128.q_stages) == (64, 128, 8, 2)
     assert (d128.sdp_warps_m, d128.kv_warps_n, d128.dq_warps_m) == (2, 4, 2)
 

@@ -25,19 +25,19 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from cuflash2 import _compile, _configs, _hopper
+from cuflash2 import _compile, _configs, _dispatch
 
-CONFIGS = _configs.all_fwd_sm90_configs(_configs.SCORE_MOD_FEATURES, persistent=True)
+CONFIGS = _dispatch.all_fwd_sm90_configs(_configs.SCORE_MOD_FEATURES, persistent=True)
 MAX_SMEM_SM90 = 227 * 1024
 
-#: The default sample: the dispatcher's choices (_hopper.dispatch_configs: each head dim's
+#: The default sample: the dispatcher's choices (_dispatch.hopper_forward_configs: each head dim's
 #: schedule, on both grids where it has the persistent one) at every head dim for these (dtype,
 #: features) pairs, plain fp16 and bf16 with both score modifiers, and at SAMPLE_HEAD_DIM for
 #: every dtype and score-modifier set; and every flag combination (schedule, overlap, grid) at
 #: SAMPLE_HEAD_DIM, plain fp16. The rest runs under --exhaustive.
 SAMPLE_PAIRS = {("float16", 0), ("bfloat16", _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI)}
 SAMPLE_HEAD_DIM = 128
-DISPATCHED = set(_hopper.dispatch_configs(_configs.SCORE_MOD_FEATURES))
+DISPATCHED = set(_dispatch.hopper_forward_configs(_configs.SCORE_MOD_FEATURES))
 #: Three consumer warpgroups (block_m 192): the dispatched ones are all there are (d=64, the
 #: in-order schedule, both grids, the persistent one with and without claims, every dtype and
 #: score-modifier set: 24), the SAMPLE_PAIRS ones (6) by default.
@@ -63,9 +63,9 @@ def _config_id(c) -> str:
 #: fp16 plain varlen at SAMPLE_HEAD_DIM (6).
 VARLEN_SCORE_MOD_FEATURES = tuple(_configs.FEATURE_VARLEN | f
                                   for f in _configs.SCORE_MOD_FEATURES)
-VARLEN_CONFIGS = _configs.all_fwd_sm90_configs(VARLEN_SCORE_MOD_FEATURES)
+VARLEN_CONFIGS = _dispatch.all_fwd_sm90_configs(VARLEN_SCORE_MOD_FEATURES)
 VARLEN_SAMPLE_FEATURES = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI
-VARLEN_DISPATCHED = set(_hopper.dispatch_configs(VARLEN_SCORE_MOD_FEATURES))
+VARLEN_DISPATCHED = set(_dispatch.hopper_forward_configs(VARLEN_SCORE_MOD_FEATURES))
 
 #: Sinks (FEATURE_SINKS: the Hopper forward's feature sets of SM90_FWD_FEATURES and
 #: SM90_FWD_VARLEN_FEATURES beyond the score modifiers): the dispatcher's choices only (each head
@@ -74,7 +74,7 @@ VARLEN_DISPATCHED = set(_hopper.dispatch_configs(VARLEN_SCORE_MOD_FEATURES))
 #: with both score modifiers in bf16, dense and varlen (8).
 SINKS_FEATURES = tuple(f for f in _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES
                        if f & _configs.FEATURE_SINKS)
-SINKS_CONFIGS = _hopper.dispatch_configs(SINKS_FEATURES)
+SINKS_CONFIGS = _dispatch.hopper_forward_configs(SINKS_FEATURES)
 SINKS_SAMPLE_PAIRS = {("float16", _configs.FEATURE_SINKS),
                       ("bfloat16", _configs.FEATURE_SINKS | _configs.FEATURE_SOFTCAP
                        | _configs.FEATURE_ALIBI)}
@@ -191,7 +191,7 @@ def test_hopper_sinks_configs():
             for c in sample} == {(False, False, False), (True, False, False), (True, True, False),
                                  (False, False, True)}
     assert "with sinks" in _configs.describe(sample[0])
-    assert set(SINKS_CONFIGS) <= set(_hopper.dispatch_configs(
+    assert set(SINKS_CONFIGS) <= set(_dispatch.hopper_forward_configs(
         _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES))
 
 
@@ -210,7 +210,7 @@ def test_hopper_varlen_configs():
     sample = [c for c in VARLEN_CONFIGS if _varlen_sampled(c)]
     assert len(sample) == 6
     assert {(c.head_dim, c.pingpong, c.overlap) for c in sample} == {
-        (d, *_hopper.SCHEDULES[d, False]) for d in EXPECTED_TILES}
+        (d, *_dispatch.SCHEDULES[d, False]) for d in EXPECTED_TILES}
     with pytest.raises(ValueError, match="persistent"):
         _configs.FwdSm90Config("float16", 128, features=_configs.FEATURE_VARLEN,
                                persistent=True)
@@ -220,7 +220,7 @@ def test_hopper_varlen_configs():
 def test_setmaxnreg_check_detects_c7508(nvrtc_available):
     """The control: without __launch_bounds__ ptxas ignores setmaxnreg and says so with C7508,
     so the assertion above can fail."""
-    config = _configs.fwd_sm90_config("bfloat16", 64)
+    config = _dispatch.fwd_sm90_config("bfloat16", 64)
     source = _compile.specialisation_source(config)
     stripped, n = re.subn(r"__launch_bounds__\(\s*FwdSm90Traits<[^>]*>::THREADS, 1\)", "", source)
     assert n == 1
@@ -239,12 +239,12 @@ def test_setmaxnreg_check_detects_c7508(nvrtc_available):
 
 
 def test_hopper_configs_target_sm90a_only():
-    config = _configs.fwd_sm90_config("float16", 128)
+    config = _dispatch.fwd_sm90_config("float16", 128)
     assert _compile.target_arch(config, 90) == "90a"
     assert _compile.arch_options(config) == ("-arch=sm_90a",)
     with pytest.raises(ValueError, match="sm_90a only"):
         _compile.target_arch(config, 80)
-    plain = _configs.fwd_config("float16", 128, 90)
+    plain = _dispatch.fwd_config("float16", 128, 90)
     assert _compile.target_arch(plain, 90) == "90" and _compile.arch_options(plain) == ()
 
 
@@ -256,7 +256,7 @@ EXPECTED_PERSISTENT_TILES = {64: (128, 2), 96: (128, 2), 128: (128, 2)}
 
 def test_hopper_config_shapes():
     assert _configs.SM90_FWD_HEAD_DIMS == tuple(EXPECTED_TILES)
-    assert _configs.SM90_PERSISTENT_TILES == EXPECTED_PERSISTENT_TILES
+    assert _dispatch.SM90_PERSISTENT_TILES == EXPECTED_PERSISTENT_TILES
     for config in CONFIGS:
         assert config.threads == 384 and config.block_m == 128
         tiles = EXPECTED_PERSISTENT_TILES if config.persistent else EXPECTED_TILES
@@ -275,11 +275,11 @@ def test_hopper_config_shapes():
         dataclasses.replace(c, claims=True) for c in CONFIGS
         if c.persistent and c.pingpong and c.overlap}
     assert len(CONFIGS) == len(set(CONFIGS)) == 160 + 96 + 24
-    assert not _configs.fwd_sm90_config("float16", 64).pingpong  # off until measured
-    assert not _configs.fwd_sm90_config("float16", 128).overlap  # off until measured
-    assert not _configs.fwd_sm90_config("float16", 64).persistent  # opt-in
-    assert all(not c.overlap for c in _configs.all_fwd_sm90_configs(overlap=(False,)))
-    assert not any(c.persistent for c in _configs.all_fwd_sm90_configs())
+    assert not _dispatch.fwd_sm90_config("float16", 64).pingpong  # off until measured
+    assert not _dispatch.fwd_sm90_config("float16", 128).overlap  # off until measured
+    assert not _dispatch.fwd_sm90_config("float16", 64).persistent  # opt-in
+    assert all(not c.overlap for c in _dispatch.all_fwd_sm90_configs(overlap=(False,)))
+    assert not any(c.persistent for c in _dispatch.all_fwd_sm90_configs())
 
 
 def test_default_sample_covers_the_dispatch_table():
@@ -303,16 +303,16 @@ def test_default_sample_covers_the_dispatch_table():
             if c.head_dim == SAMPLE_HEAD_DIM} == combos
     for bad in (80, 160, 512):
         with pytest.raises(ValueError):
-            _configs.fwd_sm90_config("float16", bad)
+            _dispatch.fwd_sm90_config("float16", bad)
 
 
 def test_hopper_smem_counts_whole_panels():
     """A head dim of 96 takes two 64-column panels (the TMA zero-fills the second half), so its
     shared memory is that of 128 columns; the kernel's SMEM_BYTES probe checks the same."""
-    d96 = _configs.fwd_sm90_config("bfloat16", 96)
+    d96 = _dispatch.fwd_sm90_config("bfloat16", 96)
     assert d96.panels == 2
     assert d96.smem_bytes == 128 * 2 * (128 + 2 * 3 * 128) + 1024
-    assert _configs.fwd_sm90_config("bfloat16", 256).smem_bytes == 128 * 4 * (128 + 4 * 80) + 1024
+    assert _dispatch.fwd_sm90_config("bfloat16", 256).smem_bytes == 128 * 4 * (128 + 4 * 80) + 1024
     for config in CONFIGS:
         assert config.smem_bytes <= MAX_SMEM_SM90
 
@@ -321,30 +321,30 @@ def test_persistent_configs_add_an_o_buffer_where_it_fits():
     """The persistent grid stages O in a buffer of Q's size (FwdSm90Traits::O_BYTES): head dims
     64 and 128 keep their tiles, 96 drops to 2 stages, 192 and 256 do not fit and are refused."""
     for d, (block_n, stages) in EXPECTED_PERSISTENT_TILES.items():
-        config = _configs.fwd_sm90_config("float16", d, persistent=True)
+        config = _dispatch.fwd_sm90_config("float16", d, persistent=True)
         panels = -(-d // 64)
         assert config.smem_bytes == 128 * panels * (2 * 128 + 2 * stages * block_n) + 1024
         assert config.smem_bytes <= MAX_SMEM_SM90
         assert config.name_expression.endswith(", true, false>")
         assert "true>::SMEM_BYTES" in config.probes
-    assert _configs.fwd_sm90_config("float16", 64, persistent=True).smem_bytes == 99_328
-    assert _configs.fwd_sm90_config("float16", 128, persistent=True).smem_bytes == 197_632
+    assert _dispatch.fwd_sm90_config("float16", 64, persistent=True).smem_bytes == 99_328
+    assert _dispatch.fwd_sm90_config("float16", 128, persistent=True).smem_bytes == 197_632
     for d in (192, 256):
         with pytest.raises(ValueError, match="persistent"):
-            _configs.fwd_sm90_config("bfloat16", d, persistent=True)
+            _dispatch.fwd_sm90_config("bfloat16", d, persistent=True)
     with pytest.raises(ValueError, match="shared memory"):  # d=96 with its usual 3 stages
         _configs.FwdSm90Config("float16", 96, block_n=128, stages=3, persistent=True)
     assert "persistent grid" in _configs.describe(
-        _configs.fwd_sm90_config("float16", 128, persistent=True))
+        _dispatch.fwd_sm90_config("float16", 128, persistent=True))
 
 
 def test_template_arguments_in_order():
     """<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, OVERLAP, FEATURES, PERSISTENT,
     CLAIMS>: the flags of the variants, the grid's last."""
-    config = _configs.fwd_sm90_config("bfloat16", 128)
+    config = _dispatch.fwd_sm90_config("bfloat16", 128)
     assert config.name_expression == (
         "flash_fwd_sm90_kernel<bf16_tag, 128, 128, 128, 2, false, false, 0, false, false>")
-    both = dataclasses.replace(_configs.fwd_sm90_config("float16", 96, persistent=True),
+    both = dataclasses.replace(_dispatch.fwd_sm90_config("float16", 96, persistent=True),
                                pingpong=True, overlap=True, features=3, claims=True)
     assert both.name_expression == (
         "flash_fwd_sm90_kernel<fp16_tag, 96, 128, 128, 2, true, true, 3, true, true>")
@@ -363,7 +363,7 @@ def test_hopper_source_uses_the_hopper_instructions():
 
 # ---- the Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md) --------------------
 
-BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
+BWD_CONFIGS = _dispatch.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
 #: The dispatched backward (staged dQ up to d=128, head-dim chunks above): by default every head
 #: dim for the forward's SAMPLE_PAIRS and every dtype and score-modifier set at SAMPLE_HEAD_DIM
 #: (16); every one under --exhaustive.
@@ -372,11 +372,11 @@ BWD_CONFIGS = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_FEATURES)
 BWD_UNSTAGED = [dataclasses.replace(c, dq_buffers=0) for c in BWD_CONFIGS if c.dq_staged]
 #: Varlen (FEATURE_VARLEN with each score-modifier set, every head dim): every one under
 #: --exhaustive, two by default.
-BWD_VARLEN = _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
+BWD_VARLEN = _dispatch.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
 #: deterministic=True (dQ added in key-block order: the staged tiles' bulk reductions up to
 #: d=128, the consumers' vector reductions above; dense and varlen): every one under
 #: --exhaustive, three by default.
-BWD_DETERMINISTIC = [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+BWD_DETERMINISTIC = [_dispatch.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
                      for c in BWD_CONFIGS + BWD_VARLEN]
 _BWD_SAMPLE = {("bfloat16", 128, 3), ("float16", 64, 0),
                ("float16", 128, _configs.FEATURE_VARLEN),
@@ -439,41 +439,41 @@ def test_hopper_backward_config_shapes():
         for f in _configs.SM90_BWD_FEATURES}
     # K + V, two Q / dO stages, two dS tiles, the statistics, two fp32 dQ tiles (staged up to
     # d=128), 1 KiB of alignment slack
-    d128 = _configs.bwd_sm90_config("bfloat16", 128)
+    d128 = _dispatch.bwd_sm90_config("bfloat16", 128)
     assert d128.dq_staged and d128.smem_bytes == (
         2 * 128 * 256 + 2 * (2 * 64 * 256 + 512) + 2 * 64 * 256 + 2 * 64 * 128 * 4 + 1024)
-    assert d128.smem_bytes - _configs.bwd_sm90_config("float16", 96).smem_bytes == (
+    assert d128.smem_bytes - _dispatch.bwd_sm90_config("float16", 96).smem_bytes == (
         2 * 64 * 32 * 4)  # two panels each, dQ tiles of 128 / 96 columns
     assert [c.head_dim for c in BWD_CONFIGS if c.dq_staged] == [
         c.head_dim for c in BWD_CONFIGS if c.head_dim <= 128]
     assert dataclasses.replace(d128, dq_buffers=0).smem_bytes == d128.smem_bytes - 65536
     with pytest.raises(ValueError, match="staged dQ"):
-        dataclasses.replace(_configs.bwd_sm90_config("float16", 192), dq_buffers=2)
+        dataclasses.replace(_dispatch.bwd_sm90_config("float16", 192), dq_buffers=2)
     # d=64: 128-row steps, one dQ tile (two would leave no room for the mbarriers)
-    d64 = _configs.bwd_sm90_config("float16", 64)
+    d64 = _dispatch.bwd_sm90_config("float16", 64)
     assert d64.smem_bytes == (
         2 * 128 * 128 + 2 * (2 * 128 * 128 + 1024) + 2 * 128 * 256 + 128 * 64 * 4 + 1024)
     with pytest.raises(ValueError, match="staged dQ"):
         dataclasses.replace(d64, dq_buffers=2)
     # deterministic mode on the same tile (its semaphore: the 128-row block's first 64 rows), but
     # with ALiBi (64-row steps, as ALiBi with softcap: 128 spill)
-    deterministic = _configs.bwd_sm90_config("float16", 64, deterministic=True)
+    deterministic = _dispatch.bwd_sm90_config("float16", 64, deterministic=True)
     assert deterministic == dataclasses.replace(d64, deterministic=True)
     for features in (_configs.FEATURE_ALIBI, _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI):
-        assert _configs.bwd_sm90_config("float16", 64, True, features).block_m == 64
-    assert _configs.bwd_sm90_config("float16", 64, True, _configs.FEATURE_SOFTCAP).block_m == 128
+        assert _dispatch.bwd_sm90_config("float16", 64, True, features).block_m == 64
+    assert _dispatch.bwd_sm90_config("float16", 64, True, _configs.FEATURE_SOFTCAP).block_m == 128
     # above d=128 the consumers' vector reductions, ordered (the same tiles)
     for d in (192, 256):
-        assert _configs.bwd_sm90_config("float16", d, deterministic=True) == dataclasses.replace(
-            _configs.bwd_sm90_config("float16", d), deterministic=True)
+        assert _dispatch.bwd_sm90_config("float16", d, deterministic=True) == dataclasses.replace(
+            _dispatch.bwd_sm90_config("float16", d), deterministic=True)
     # d=192: three panels, two stages; d=256: four panels, one stage; both under 227 KiB
-    assert _configs.bwd_sm90_config("float16", 192).smem_bytes == (
+    assert _dispatch.bwd_sm90_config("float16", 192).smem_bytes == (
         2 * 128 * 384 + 2 * (2 * 64 * 384 + 512) + 2 * 64 * 256 + 1024)
-    assert _configs.bwd_sm90_config("float16", 256).smem_bytes == (
+    assert _dispatch.bwd_sm90_config("float16", 256).smem_bytes == (
         2 * 128 * 512 + (2 * 64 * 512 + 512) + 2 * 64 * 256 + 1024)
     for bad in (160, 224, 80, 512):
         with pytest.raises(ValueError):
-            _configs.bwd_sm90_config("float16", bad)
+            _dispatch.bwd_sm90_config("float16", bad)
 
 
 def test_hopper_backward_refuses_tiles_past_its_register_budget(nvrtc_available):

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from cuflash2._kvcache import (AUTO_MAX_SPLITS as _AUTO_MAX_SPLITS, MAX_SPLITS as _MAX_SPLITS,
-                               check_num_splits as _check_num_splits,
-                               num_splits_for as _num_splits)
+from cuflash2._configs import MAX_SPLITS as _MAX_SPLITS
+from cuflash2._dispatch import AUTO_MAX_SPLITS as _AUTO_MAX_SPLITS, num_splits_for as _num_splits
+from cuflash2._kvcache import check_num_splits as _check_num_splits
 
 SLOTS = 132 * 3  # H200, three decode CTAs per SM
 
@@ -62,31 +62,31 @@ def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clu
     count a cluster holds merges inside a cluster of its splits, with the kernel that loads a
     whole split at once where the step is short; long steps, larger requests, clusters that do
     not all fit, other architectures and CLUSTER_MERGE off use the barrier through L2."""
-    from cuflash2 import _configs, _kvcache, _launch
+    from cuflash2 import _dispatch, _launch
 
-    monkeypatch.setattr(_kvcache, "decode_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(_dispatch, "decode_slots", lambda config, device_id: 264)
     monkeypatch.setattr(_launch, "cluster_fits", _Fits(most_clusters))
     monkeypatch.setattr(_launch, "extended_available", lambda: True)
-    config = _configs.decode_config("float16", 128, 90)
-    deep = _configs.decode_cluster_config("float16", 128, 90)
+    config = _dispatch.decode_config("float16", 128, 90)
+    deep = _dispatch.decode_cluster_config("float16", 128, 90)
     # The clustered kernel loads a whole short split at once, on 128-key tiles at d=128.
     assert deep.keys_per_warp == 32 and deep.block_n == 2 * config.block_n
     assert ((deep.kv_stages - 1) * deep.block_n
-            == _configs.CLUSTER_MAX_TILES_PER_SPLIT * config.block_n)
+            == _dispatch.CLUSTER_MAX_TILES_PER_SPLIT * config.block_n)
     # Reading the cache early, all but the last tile before the previous kernel ends.
-    early = _configs.decode_cluster_config("float16", 128, 90, early_cache_reads=True)
+    early = _dispatch.decode_cluster_config("float16", 128, 90, early_cache_reads=True)
     assert early == dataclasses.replace(deep, kv_stages=deep.kv_stages - 1,
                                         early_cache_reads=True)
 
     def choose(requested, groups, tiles, arch=90):
-        return _kvcache.choose_splits(config, requested, groups, tiles, 0, arch, "float16", 128,
+        return _dispatch.choose_splits(config, requested, groups, tiles, 0, arch, "float16", 128,
                                       0)
 
     fits = most_clusters >= 4
     # Batch 1, 4 KV heads, 4k tokens (64 tiles): 16 splits of 4 tiles, in clusters.
     assert choose(0, 4, 64) == ((deep, 16, 16) if fits else (config, 32, 1))
     early_config = dataclasses.replace(config, early_cache_reads=True)
-    assert _kvcache.choose_splits(early_config, 0, 4, 64, 0, 90, "float16", 128, 0) == (
+    assert _dispatch.choose_splits(early_config, 0, 4, 64, 0, 90, "float16", 128, 0) == (
         (early, 16, 16) if fits else (early_config, 32, 1))
     # 16k tokens: 16 tiles a split in a cluster is too long: 32 splits through L2.
     assert choose(0, 4, 256) == (config, 32, 1)
@@ -94,7 +94,7 @@ def test_splits_merge_in_a_cluster_where_the_step_is_short(monkeypatch, most_clu
     assert choose(7, 4, 256) == ((config, 7, 7) if fits else (config, 7, 1))
     assert choose(64, 4, 256) == (config, 64, 1)
     assert choose(0, 4, 64, arch=80) == (config, 32, 1)
-    monkeypatch.setattr(_kvcache, "CLUSTER_MERGE", False)
+    monkeypatch.setattr(_dispatch, "CLUSTER_MERGE", False)
     assert choose(0, 4, 64) == (config, 32, 1)
 
 
@@ -103,18 +103,18 @@ def test_a_step_that_forms_a_cluster_keeps_its_rows_on_an_m16_tile(monkeypatch, 
     """A step whose rows fit the mma's n side (one token of a GQA group) runs that kernel unless
     its splits form a cluster; such a step runs the m16 kernel whether or not clusters launch,
     so a launch path without them merges through L2 on the same kernel (the same bits)."""
-    from cuflash2 import _configs, _kvcache, _launch
+    from cuflash2 import _configs, _dispatch, _launch
 
-    monkeypatch.setattr(_kvcache, "decode_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(_dispatch, "decode_slots", lambda config, device_id: 264)
     monkeypatch.setattr(_launch, "cluster_fits", _Fits(64))
     monkeypatch.setattr(_launch, "extended_available", lambda: clusters_launch)
-    n8 = _configs.decode_config("float16", 128, 90, _configs.DECODE_BLOCK_M_N8)
+    n8 = _dispatch.decode_config("float16", 128, 90, _configs.DECODE_BLOCK_M_N8)
     m16 = dataclasses.replace(n8, block_m=_configs.DECODE_BLOCK_M)
-    assert n8.block_m == 8 and m16 == _configs.decode_config("float16", 128, 90)
-    deep = _configs.decode_cluster_config("float16", 128, 90)
+    assert n8.block_m == 8 and m16 == _dispatch.decode_config("float16", 128, 90)
+    deep = _dispatch.decode_cluster_config("float16", 128, 90)
 
     def choose(requested, groups, tiles, arch=90):
-        return _kvcache.choose_splits(n8, requested, groups, tiles, 0, arch, "float16", 128, 0)
+        return _dispatch.choose_splits(n8, requested, groups, tiles, 0, arch, "float16", 128, 0)
 
     assert choose(7, 4, 256) == ((m16, 7, 7) if clusters_launch else (m16, 7, 1))
     assert choose(0, 4, 64) == ((deep, 16, 16) if clusters_launch else (m16, 32, 1))
@@ -222,12 +222,12 @@ def test_launch_configs_carry_their_attributes(monkeypatch):
 def test_early_cache_reads_are_specialisations_of_the_programmatic_archs():
     """attention_with_kvcache(early_cache_reads=True) runs its own specialisations where launches
     are programmatic: the compile matrix holds them from that arch on, and none before."""
-    from cuflash2 import _configs, _launch
+    from cuflash2 import _dispatch, _launch
 
-    assert _configs.CLUSTER_MIN_ARCH == _launch.PROGRAMMATIC_MIN_ARCH
-    before = _configs.all_decode_configs(89)
+    assert _dispatch.CLUSTER_MIN_ARCH == _launch.PROGRAMMATIC_MIN_ARCH
+    before = _dispatch.all_decode_configs(89)
     assert before and not [c for c in before if c.early_cache_reads]
-    configs = _configs.all_decode_configs(90)
+    configs = _dispatch.all_decode_configs(90)
     early = [c for c in configs if c.early_cache_reads]
     assert len(early) == len(configs) // 2
     # The same kernels with the flag, but for the clustered steps' (a stage fewer: all but the
@@ -235,4 +235,4 @@ def test_early_cache_reads_are_specialisations_of_the_programmatic_archs():
     plain = {c for c in configs if not c.early_cache_reads}
     for c in early:
         assert (dataclasses.replace(c, early_cache_reads=False) in plain
-                or c == _configs.decode_cluster_config(c.dtype, c.head_dim, 90, True))
+                or c == _dispatch.decode_cluster_config(c.dtype, c.head_dim, 90, True))

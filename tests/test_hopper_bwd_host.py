@@ -1,6 +1,7 @@
-"""The host side of the Hopper backward (cuflash2/_hopper_bwd.py, its plan in
-cuflash2/_attention_plans.py) without a GPU: host arrays stand in for CuPy's and the driver
-calls are replaced. Checked: which calls `backward_config` covers, and the plan the dispatcher
+"""The host side of the Hopper backward (its dispatch in cuflash2/_dispatch.py, its tensor maps in
+cuflash2/_hopper.py, its plan in cuflash2/_attention_plans.py) without a GPU: host arrays stand
+in for CuPy's and the driver calls are replaced. Checked: which calls `hopper_backward_config`
+covers, and the plan the dispatcher
 makes for a covered call (BwdSm90Params: the four tensor maps, their box rows and address
 words, the BwdParams fields under `base` identical to the mma.sync plan's, the launches, their
 grids and the struct each takes, the per-call patching of maps and pointers), and
@@ -12,7 +13,7 @@ import types
 
 import pytest
 
-from cuflash2 import _attention_plans, _configs, _hopper, _hopper_bwd, _params, _plans
+from cuflash2 import _attention_plans, _configs, _dispatch, _hopper, _params, _plans
 from cuflash2 import _prepare, _validate
 from cuflash2._options import AttentionOptions
 from test_hopper_host import _HostArray, hopper_api  # noqa: F401  (a fixture)
@@ -49,8 +50,8 @@ def host(monkeypatch):
         words[0], words[1], words[2] = x.data.ptr, rows, len(maps)
         return words.tobytes()
 
-    monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
-    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
     monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
                         lambda config, device, grid: types.SimpleNamespace(config=config,
@@ -76,7 +77,12 @@ def _config(problem=None, features=0, arch=90, views=None, varlen=None, determin
     problem = problem or _problem()
     views = views or _views(problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads,
                             problem.nheads_kv, problem.head_dim)
-    return _hopper_bwd.backward_config(problem, features, arch, views, varlen, deterministic)
+    config = _dispatch.hopper_backward_config(problem, features, arch, varlen, deterministic)
+    if config is None:
+        return None
+    # what _dispatch.backward_kernels asks of the TMA before it takes the Hopper kernel
+    readable = _hopper.readable_map_fields(views, _hopper.backward_maps(config))
+    return config if readable is not None else None
 
 
 @pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 160, 192, 256])
@@ -106,8 +112,8 @@ def test_the_flag_is_on_by_default():
         env = {k: v for k, v in os.environ.items() if k not in variables}
         if value is not None:
             env.update(dict.fromkeys(variables, value))
-        probe = ("from cuflash2 import _hopper, _hopper_bwd; "
-                 "print(_hopper_bwd.ENABLED, _hopper.VARLEN)")
+        probe = ("from cuflash2 import _dispatch; "
+                 "print(_dispatch.HOPPER_BACKWARD, _dispatch.HOPPER_FORWARD_VARLEN)")
         result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                                 text=True, check=True)
         assert result.stdout.strip() == expected, (value, result.stdout, result.stderr)
@@ -122,7 +128,7 @@ def test_covered_calls_get_the_smallest_kernel_head_dim(host, head_dim, kernel_d
     config = _config(_problem(d=head_dim, dtype=dtype))
     assert isinstance(config, _configs.BwdSm90Config)
     assert (config.head_dim, config.dtype, config.features) == (kernel_dim, dtype, 0)
-    assert config == _configs.bwd_sm90_config(dtype, kernel_dim)
+    assert config == _dispatch.bwd_sm90_config(dtype, kernel_dim)
 
 
 @pytest.mark.parametrize("features", [_configs.FEATURE_SOFTCAP, _configs.FEATURE_ALIBI,
@@ -153,7 +159,7 @@ def test_varlen_calls_are_covered_unless_switched_off(host, monkeypatch):
     assert config is not None and config.features == features
     ordered = _config(_problem(), varlen=varlen, features=features, deterministic=True)
     assert ordered == dataclasses.replace(config, deterministic=True)
-    monkeypatch.setattr(_hopper_bwd, "VARLEN", False)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD_VARLEN", False)
     assert _config(_problem(), varlen=varlen, features=features) is None
     assert _config(_problem(), varlen=varlen, features=features, deterministic=True) is None
     assert _config(_problem()) is not None  # dense calls: VARLEN does not apply
@@ -166,7 +172,7 @@ def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
     kwargs = {}
     problem = _problem()
     if case == "disabled":
-        monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
+        monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", False)
     elif case in ("sm80", "sm100"):
         kwargs["arch"] = {"sm80": 80, "sm100": 100}[case]
     elif case == "dropout":
@@ -183,7 +189,7 @@ def test_what_the_hopper_backward_refuses(host, monkeypatch, case):
     elif case == "no_batch":
         problem = _problem(batch=0)
     elif case == "no_bindings":
-        monkeypatch.setattr(_hopper, "_bindings_available", lambda: False)
+        monkeypatch.setattr(_hopper, "bindings_available", lambda: False)
     elif case == "reversed_rows":  # a negative row stride: the TMA takes positive strides only
         views = _views()
         views["dout"] = views["dout"][:, ::-1]
@@ -235,7 +241,7 @@ def test_the_plan_runs_the_hopper_main_kernel_between_preprocess_and_conversion(
     pre, main, conv = plan.launches
     assert plan.block.layout.name == "BwdSm90Params"
     assert pre.config.kernel == "flash_bwd_preprocess_kernel" and pre.grid == (384 // 64, 4, 2)
-    assert main.config == _configs.bwd_sm90_config("float16", 64)
+    assert main.config == _dispatch.bwd_sm90_config("float16", 64)
     assert main.grid == (2, 2, 2)  # 128-key blocks, KV heads, batch
     assert conv.config.kernel == "flash_bwd_convert_dq_kernel"
     assert conv.grid == (-(-300 * 8 // 256), 4, 2)
@@ -246,17 +252,17 @@ def test_the_plan_runs_the_hopper_main_kernel_between_preprocess_and_conversion(
     assert int(plan.launch_blocks[0].kernel_params[0]) == int(base.kernel_params[0])
     assert plan.launch_blocks[0] is plan.launch_blocks[2]
     assert plan.batch_offset_slot == plan.block.slot("base.batch_offset")
-    # maps: q and dout boxes of block_m rows, k and v of block_n, in order; encoded by the
-    # coverage check (_hopper.describable: a driver refusal leaves the call to mma.sync), then
-    # once for the plan (d=64: 128-row steps)
+    # maps: q and dout boxes of block_m rows, k and v of block_n, in order; encoded once, by the
+    # dispatch's coverage check (a driver refusal leaves the call to mma.sync), for the plan
+    # (d=64: 128-row steps)
     expected = [((2, 300, 4, 64), 128), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128),
                 ((2, 300, 4, 64), 128)]
-    assert maps == expected + expected
+    assert maps == expected
     record = plan.block.record[0]
     assert [int(record[m]["v"][1]) for m in ("q_map", "k_map", "v_map", "do_map")] == [
         128, 128, 128, 128]
     assert [int(record[m]["v"][2]) for m in ("q_map", "k_map", "v_map", "do_map")] == [
-        5, 6, 7, 8]  # the plan's own encodings, after the coverage check's four
+        1, 2, 3, 4]  # the coverage check's encodings are the plan's
     b = record["base"]
     assert (b["seqlen_q"], b["seqlen_q_padded"], b["seqlen_k"], b["nheads"],
             b["heads_per_kv_head"], b["head_dim"], b["accum_dim"]) == (300, 384, 200, 4, 2, 64, 64)
@@ -286,7 +292,7 @@ def test_causal_grids_take_key_blocks_in_groups_of_pairs(host, causal, determini
     ((-1, 0), 8), ((-1, 64), 8),  # a right edge alone: the low key blocks are the long ones
     ((256, 0), 1), ((256, -1), 1), ((-1, -1), 1)])
 def test_only_a_causal_shaped_window_groups_the_dispatch(window, expected):
-    assert _hopper_bwd.dispatch_group_pairs(32, 1, window, False) == expected
+    assert _dispatch.dispatch_group_pairs(32, 1, window, False) == expected
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 160, 192, 224, 256])
@@ -302,7 +308,7 @@ def test_base_is_the_mma_sync_plans_bwd_params(host, monkeypatch, head_dim, mods
         options["alibi_slopes"] = _Array(numpy.zeros((2, 4), numpy.float32))
     arrays = _separate(d=head_dim, given=True)
     hopper = _backward_plan(arrays, **options)
-    monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", False)
     mma = _backward_plan(arrays, **options)
     assert mma.block.layout.name == "BwdParams" and hopper.block.layout.name == "BwdSm90Params"
     assert isinstance(mma.launches[1].config, _configs.BwdConfig)
@@ -416,23 +422,23 @@ def test_the_mma_sync_backward_keeps_dropout_and_forced_tiles(host):
         "AuxKernel", "BwdConfig", "BwdDqConfig"]
     assert not isinstance(_backward_plan(arrays, arch=80).launches[1].config,
                           _configs.BwdSm90Config)
-    forced = _configs.bwd_config("float16", 64, 90)
-    _attention_plans.FORCED["bwd"] = forced
+    forced = _dispatch.bwd_config("float16", 64, 90)
+    _dispatch.FORCED["bwd"] = forced
     try:
         assert _backward_plan(arrays).launches[1].config == forced
     finally:
-        del _attention_plans.FORCED["bwd"]
+        del _dispatch.FORCED["bwd"]
 
 
 def test_a_forced_hopper_config_runs_whatever_the_flag(host, monkeypatch):
-    monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
-    config = _configs.bwd_sm90_config("float16", 128)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", False)
+    config = _dispatch.bwd_sm90_config("float16", 128)
     plan = _backward_plan(_separate(), config=config)
     assert plan.launches[1].config == config  # d=64 on the d=128 kernel, as forced
     assert plan.block.record[0]["base"]["accum_dim"] == 128
     ordered = _backward_plan(_separate(), config=config, deterministic=True)
     assert ordered.launches[1].config.deterministic
-    wide = _backward_plan(_separate(d=192), config=_configs.bwd_sm90_config("float16", 192),
+    wide = _backward_plan(_separate(d=192), config=_dispatch.bwd_sm90_config("float16", 192),
                           deterministic=True)
     assert wide.launches[1].config.deterministic
     with pytest.raises(ValueError, match="dropout"):
@@ -447,7 +453,7 @@ def test_a_forced_hopper_config_runs_whatever_the_flag(host, monkeypatch):
 def host_cupy(host, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
         empty=lambda shape, dtype: _Array(numpy.empty(shape, dtype))))
-    monkeypatch.setattr(_hopper_bwd, "ENABLED", False)  # prepare does not ask the flag
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", False)  # prepare does not ask the flag
     return host
 
 
@@ -463,7 +469,7 @@ def test_prepared_backward_is_the_dispatchers_plan(host_cupy):
     assert maps == [((2, 300, 4, 64), 128), ((2, 200, 2, 64), 128), ((2, 200, 2, 64), 128),
                     ((2, 300, 4, 64), 128)]
     assert prepared.dq.shape == q.shape and prepared.dk.shape == k.shape
-    assert prepared.config == _configs.bwd_sm90_config("float16", 64)
+    assert prepared.config == _dispatch.bwd_sm90_config("float16", 64)
     plan = prepared.plan
     assert [launch.grid for launch in plan.launches] == [(6, 4, 2), (2, 2, 2),
                                                          (-(-300 * 8 // 256), 4, 2)]
@@ -498,7 +504,7 @@ def test_prepared_backward_refuses_what_it_does_not_cover(host_cupy):
     # every head dim the checks pass (multiples of 8 up to 256) has a kernel; past them the
     # call is refused by the checks, and kernel_head_dim refuses it too
     with pytest.raises(ValueError, match="head dims up to 256"):
-        _hopper_bwd.kernel_head_dim(264)
+        _dispatch.hopper_backward_head_dim(264)
     q = _zeros(1, 10, 2, 264)
     lse = _zeros(1, 2, 10, dtype=numpy.float32)
     with pytest.raises(ValueError, match="between 8 and 256"):
@@ -506,19 +512,19 @@ def test_prepared_backward_refuses_what_it_does_not_cover(host_cupy):
 
 
 def test_describe_names_the_backward_kernels():
-    assert _configs.describe(_configs.bwd_sm90_config("bfloat16", 128)) == (
+    assert _configs.describe(_dispatch.bwd_sm90_config("bfloat16", 128)) == (
         "Hopper backward (sm_90a: wgmma, TMA, warp-specialised), bf16, head dim 128, 64x128 "
         "tiles, 2 Q/dO stages")
-    assert _configs.describe(_configs.bwd_sm90_config("bfloat16", 256)) == (
+    assert _configs.describe(_dispatch.bwd_sm90_config("bfloat16", 256)) == (
         "Hopper backward (sm_90a: wgmma, TMA, warp-specialised), bf16, head dim 256, 64x128 "
         "tiles, 1 Q/dO stage, 2 head-dim chunks")
-    config = _configs.with_features(_configs.bwd_sm90_config("float16", 64),
+    config = _configs.with_features(_dispatch.bwd_sm90_config("float16", 64),
                                     _configs.FEATURE_ALIBI)
     assert _configs.describe(config).endswith("with ALiBi")
-    assert _configs.describe(_configs.bwd_config("float16", 64, 90)).startswith(
+    assert _configs.describe(_dispatch.bwd_config("float16", 64, 90)).startswith(
         "mma.sync backward, fp16, head dim 64")
-    assert "deterministic" in _configs.describe(_configs.bwd_config("float16", 64, 90, True))
-    assert _configs.describe(_configs.bwd_dq_config("float16", 64, 90)).startswith(
+    assert "deterministic" in _configs.describe(_dispatch.bwd_config("float16", 64, 90, True))
+    assert _configs.describe(_dispatch.bwd_dq_config("float16", 64, 90)).startswith(
         "mma.sync backward dQ")
     assert _configs.describe(_configs.AuxKernel("float16", "flash_bwd_preprocess_kernel")) == (
         "backward preprocess (D, lse, dQ accumulator), fp16")
@@ -526,12 +532,12 @@ def test_describe_names_the_backward_kernels():
 
 
 def test_info_says_which_backward_runs(monkeypatch):
-    from cuflash2 import _environment
+    from cuflash2 import _dispatch, _environment
 
     assert _environment.backward_kernel_family("8.0").startswith("mma.sync kernels")
-    monkeypatch.setattr(_hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", False)
     assert "CUFLASH2_HOPPER_BWD=0" in _environment.backward_kernel_family("9.0")
-    monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", True)
     assert _environment.backward_kernel_family("9.0").startswith("Hopper kernel")
 
 
@@ -542,7 +548,7 @@ def test_wide_head_dims_split_each_key_block_over_two_ctas(host, head_dim, kerne
     span the head dim), dq_accum is the kernel head dim wide."""
     plan = _backward_plan(_separate(d=head_dim))
     main = plan.launches[1]
-    assert main.config == _configs.bwd_sm90_config("float16", kernel_dim)
+    assert main.config == _dispatch.bwd_sm90_config("float16", kernel_dim)
     assert main.config.num_chunks == 2
     assert main.grid == (2 * 2, 2, 2)  # 2 key blocks of 128 x 2 chunks, KV heads, batch
     b = plan.block.record[0]["base"]

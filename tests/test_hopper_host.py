@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from cuflash2 import _hopper
+from cuflash2 import _attention_plans, _dispatch, _hopper
 from test_plans_host import api_host, launches  # noqa: F401  (fixtures)
 
 
@@ -91,11 +91,12 @@ def test_prepared_forward_fills_the_parameter_struct(monkeypatch):
         return bytes([len(maps)]) * 128
 
     monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
-    monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))
+    monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
+                        lambda config, device, grid: (config, grid))
     packed = numpy.zeros((2, 300, 3, 4, 64), numpy.float16)  # (batch, seqlen, qkv, heads, dim)
     q = _HostArray(packed[:, :, 0])
     k = _HostArray(numpy.zeros((2, 200, 2, 64), numpy.float16))
-    prepared = _hopper.prepare_forward_sm90(q, k, k, causal=True, softmax_scale=0.5)
+    prepared = _attention_plans.prepare_forward_sm90(q, k, k, causal=True, softmax_scale=0.5)
     block = prepared.block
     record = block.record[0]
     base = record["base"]
@@ -130,10 +131,11 @@ def test_prepared_forward_picks_the_kernel_and_its_box_rows(monkeypatch, head_di
     maps = []
     monkeypatch.setattr(_hopper, "tensor_map_bytes",
                         lambda x, rows: maps.append((x.shape, rows)) or bytes(128))
-    monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))
+    monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
+                        lambda config, device, grid: (config, grid))
     q = _HostArray(numpy.zeros((1, 300, 2, head_dim), numpy.float16))
     k = _HostArray(numpy.zeros((1, 500, 2, head_dim), numpy.float16))
-    prepared = _hopper.prepare_forward_sm90(q, k, k)
+    prepared = _attention_plans.prepare_forward_sm90(q, k, k)
     config, grid = prepared.launch
     assert config.head_dim == kernel_dim and config.block_n == block_n
     assert [rows for _, rows in maps] == [128, block_n, block_n]
@@ -150,24 +152,24 @@ def test_prepared_forward_refuses_head_dims_past_256(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace())
     q = _HostArray(numpy.zeros((1, 4, 1, 264), numpy.float16))
     with pytest.raises(ValueError, match="not covered"):
-        _hopper.prepare_forward_sm90(q, q, q)
+        _attention_plans.prepare_forward_sm90(q, q, q)
 
 
 def test_overlap_and_persistent_are_specialisations_the_dispatcher_takes():
     """FwdSm90Config.overlap (the overlap inside a warpgroup) and .persistent (the persistent
     grid) are specialisations of their own, alone or together. The dispatcher takes the overlap
-    at every head dim (measured fastest, _hopper.SCHEDULES) and the persistent grid at the head
+    at every head dim (measured fastest, _dispatch.SCHEDULES) and the persistent grid at the head
     dims of PERSISTENT_MAX_KEYS."""
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _dispatch
 
-    config = _configs.fwd_sm90_config("bfloat16", 128)
+    config = _dispatch.fwd_sm90_config("bfloat16", 128)
     overlapping = dataclasses.replace(config, overlap=True)
     assert not config.overlap and overlapping != config
     # <..., PINGPONG, OVERLAP, FEATURES, PERSISTENT, CLAIMS>
     assert overlapping.name_expression.endswith("false, true, 0, false, false>")
     assert config.name_expression.endswith("false, false, 0, false, false>")
     assert "overlap" in _configs.describe(overlapping)
-    both = dataclasses.replace(_configs.fwd_sm90_config("bfloat16", 128, persistent=True),
+    both = dataclasses.replace(_dispatch.fwd_sm90_config("bfloat16", 128, persistent=True),
                                overlap=True, pingpong=True)
     assert both.name_expression.endswith("true, true, 0, true, false>")
     assert "overlap" in _configs.describe(both) and "persistent" in _configs.describe(both)
@@ -176,14 +178,14 @@ def test_overlap_and_persistent_are_specialisations_the_dispatcher_takes():
     assert "claimed" in _configs.describe(claiming) and "claimed" not in _configs.describe(both)
     with pytest.raises(ValueError, match="persistent grid only"):
         dataclasses.replace(config, claims=True)
-    dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
+    dispatched = _dispatch.hopper_forward_configs(_configs.SM90_FWD_FEATURES)
     two = [c for c in dispatched if c.block_m == 128]  # three consumers: test below
     assert all(c.overlap for c in two)
     assert {(c.head_dim, c.pingpong) for c in two} == {
-        (dim, pingpong) for (dim, _), (pingpong, _) in _hopper.SCHEDULES.items()}
+        (dim, pingpong) for (dim, _), (pingpong, _) in _dispatch.SCHEDULES.items()}
     assert {c.head_dim for c in two if c.persistent} == {
-        dim for dim, _ in _hopper.PERSISTENT_MAX_KEYS} == set(_configs.SM90_PERSISTENT_TILES)
-    assert {c.head_dim for c in dispatched if c.claims} == set(_hopper.DYNAMIC_SCHEDULE_KEYS)
+        dim for dim, _ in _dispatch.PERSISTENT_MAX_KEYS} == set(_dispatch.SM90_PERSISTENT_TILES)
+    assert {c.head_dim for c in dispatched if c.claims} == set(_dispatch.DYNAMIC_SCHEDULE_KEYS)
     assert all(c.persistent for c in dispatched if c.claims)
 
 
@@ -191,13 +193,13 @@ def test_three_consumer_warpgroups_are_specialisations_the_dispatcher_takes():
     """block_m 192: three consumer warpgroups of 64 rows, 512 threads, 160 registers each after
     setmaxnreg (a probe checks the kernel's figure), the in-order schedule only (ping-pong takes
     two consumers), both grids, at the head dims of SM90_THREE_CONSUMER_TILES."""
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _dispatch
 
-    config = _configs.fwd_sm90_config("bfloat16", 64, consumers=3)
+    config = _dispatch.fwd_sm90_config("bfloat16", 64, consumers=3)
     assert (config.block_m, config.block_n, config.stages, config.threads) == (192, 128, 2, 512)
     assert not config.pingpong and not config.overlap
     assert config.smem_bytes == 128 * (192 + 2 * 2 * 128) + 1024
-    persistent = _configs.fwd_sm90_config("bfloat16", 64, persistent=True, consumers=3)
+    persistent = _dispatch.fwd_sm90_config("bfloat16", 64, persistent=True, consumers=3)
     assert persistent.smem_bytes == config.smem_bytes + 128 * 192
     assert _configs.sm90_consumer_registers(2) == 240
     assert _configs.sm90_consumer_registers(3) == 160
@@ -206,13 +208,13 @@ def test_three_consumer_warpgroups_are_specialisations_the_dispatcher_takes():
     with pytest.raises(ValueError, match="ping-pong"):
         dataclasses.replace(config, pingpong=True)
     with pytest.raises(ValueError, match="head dims"):
-        _configs.fwd_sm90_config("bfloat16", 128, consumers=3)
-    dispatched = _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
+        _dispatch.fwd_sm90_config("bfloat16", 128, consumers=3)
+    dispatched = _dispatch.hopper_forward_configs(_configs.SM90_FWD_FEATURES)
     three = [c for c in dispatched if c.block_m == 192]
     assert {(c.head_dim, c.persistent, c.claims) for c in three} == {
-        (dim, grid, claims) for dim, _ in _hopper.THREE_CONSUMER_MIN_KEYS
+        (dim, grid, claims) for dim, _ in _dispatch.THREE_CONSUMER_MIN_KEYS
         for grid, claims in ((False, False), (True, False), (True, True))}
-    assert not any(c.block_m == 192 for c in _hopper.dispatch_configs(
+    assert not any(c.block_m == 192 for c in _dispatch.hopper_forward_configs(
         _configs.SM90_FWD_VARLEN_FEATURES))
 
 
@@ -221,18 +223,17 @@ def test_d64_calls_take_three_consumers_from_their_key_bound(monkeypatch, causal
     """Full and causal d<=64 calls: three consumer warpgroups from THREE_CONSUMER_MIN_KEYS on,
     on the persistent grid up to THREE_CONSUMER_PERSISTENT_MAX_KEYS; windows and varlen keep
     two."""
-    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
-    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     window = (-1, 0) if causal else (-1, -1)
-    bound = _hopper.THREE_CONSUMER_MIN_KEYS[64, causal]
+    bound = _dispatch.THREE_CONSUMER_MIN_KEYS[64, causal]
     for seqlen_k in (257, 512, 1024, 2048, 2049, 4096, 4097, 16384):
-        config = _hopper.forward_config(_dense_problem(40, seqlen_k), 0, window, 90, {})
+        config = _dispatch.hopper_forward_config(_dense_problem(40, seqlen_k), 0, window, 90)
         three = seqlen_k >= bound
         assert config.block_m == (192 if three else 128), seqlen_k
         if three:
-            assert config.persistent == (seqlen_k <= _hopper.THREE_CONSUMER_PERSISTENT_MAX_KEYS)
-            assert config in _hopper.dispatch_configs()
-    windowed = _hopper.forward_config(_dense_problem(64, 4096), 0, (256, 0), 90, {})
+            assert config.persistent == (seqlen_k <= _dispatch.THREE_CONSUMER_PERSISTENT_MAX_KEYS)
+            assert config in _dispatch.hopper_forward_configs()
+    windowed = _dispatch.hopper_forward_config(_dense_problem(64, 4096), 0, (256, 0), 90)
     assert windowed.block_m == 128
 
 
@@ -250,36 +251,35 @@ def test_dense_calls_take_the_persistent_grid_up_to_its_key_bound(monkeypatch, h
     """The persistent grid exactly up to PERSISTENT_MAX_KEYS[kernel dim, causal] keys (never at
     d=192/256), causal calls also over DYNAMIC_SCHEDULE_KEYS' range (tiles claimed
     dynamically), the schedule of SCHEDULES either way, and short d<=64 calls on mma.sync."""
-    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
-    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     window = (-1, 0) if causal else (-1, -1)
-    bound = _hopper.PERSISTENT_MAX_KEYS.get((kernel_dim, causal))
-    first, last = _hopper.DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0)) if causal else (1, 0)
+    bound = _dispatch.PERSISTENT_MAX_KEYS.get((kernel_dim, causal))
+    first, last = _dispatch.DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0)) if causal else (1, 0)
     for seqlen_k in (1, 200, 256, 257, 512, 513, 1024, 1025, 2047, 2048, 2049, 8192, 8193,
                      16384):
-        config = _hopper.forward_config(_dense_problem(head_dim, seqlen_k), 0, window, 90, {})
-        if kernel_dim <= _hopper.MMA_SYNC_MAX_DIM and seqlen_k <= _hopper.MMA_SYNC_MAX_KEYS:
+        config = _dispatch.hopper_forward_config(_dense_problem(head_dim, seqlen_k), 0, window, 90)
+        if kernel_dim <= _dispatch.MMA_SYNC_MAX_DIM and seqlen_k <= _dispatch.MMA_SYNC_MAX_KEYS:
             assert config is None
             continue
-        if seqlen_k >= _hopper.THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), 1 << 62):
+        if seqlen_k >= _dispatch.THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), 1 << 62):
             assert config.block_m == 192  # the next test
             continue
         assert config.head_dim == kernel_dim
         dynamic = first <= seqlen_k <= last
         assert config.persistent == (bound is not None and seqlen_k <= bound or dynamic), seqlen_k
         assert config.claims == dynamic
-        assert (config.pingpong, config.overlap) == _hopper.SCHEDULES[kernel_dim, causal]
-        assert config in _hopper.dispatch_configs()
+        assert (config.pingpong, config.overlap) == _dispatch.SCHEDULES[kernel_dim, causal]
+        assert config in _dispatch.hopper_forward_configs()
 
 
 def test_persistent_schedule_sizes_the_grid_and_the_l2_sections():
     """One CTA per slot, fewer when there are fewer work tiles; in the sectioned order sections
     of (batch, head) pairs whose K and V fit PERSISTENT_L2_BYTES, times the query heads that
     share a K/V head."""
-    l2 = _hopper.PERSISTENT_L2_BYTES
+    l2 = _dispatch.PERSISTENT_L2_BYTES
 
     def schedule(*args):
-        return _hopper.persistent_schedule(*args, pair_order=False)
+        return _dispatch.persistent_schedule(*args, pair_order=False)
 
     # 512 tokens, d=128, fp16: 256 KiB of K and V per (batch, head), 128 of them fit 32 MiB.
     ctas, section = schedule(32, 16, 16, 512, 512, 128, 2, 128, 132)
@@ -300,19 +300,19 @@ def test_persistent_schedule_goes_pair_by_pair_in_the_pair_order():
     pair's m blocks side by side (the CTAs running at one time share K/V reads)."""
     for args in ((32, 16, 16, 512, 512, 128, 2, 128, 132), (1, 2, 2, 200, 200, 64, 2, 128, 132),
                  (64, 32, 8, 4096, 4096, 128, 2, 128, 132)):
-        ctas, section = _hopper.persistent_schedule(*args, pair_order=True)
+        ctas, section = _dispatch.persistent_schedule(*args, pair_order=True)
         assert section == 1
-        assert ctas == _hopper.persistent_schedule(*args, pair_order=False)[0]
+        assert ctas == _dispatch.persistent_schedule(*args, pair_order=False)[0]
 
 
 def test_persistent_schedule_covers_batches_past_the_grid_limit():
     """The persistent grid is 1-D and its tile index covers every batch: more than 65535
     sequences need no slicing of gridDim.z (the struct's batch_offset stays 0)."""
-    ctas, section = _hopper.persistent_schedule(100_000, 2, 2, 100, 100, 64, 2, 128, 132,
+    ctas, section = _dispatch.persistent_schedule(100_000, 2, 2, 100, 100, 64, 2, 128, 132,
                                                 pair_order=False)
-    assert ctas == 132 and section == _hopper.PERSISTENT_L2_BYTES // (2 * 100 * 64 * 2)
+    assert ctas == 132 and section == _dispatch.PERSISTENT_L2_BYTES // (2 * 100 * 64 * 2)
     with pytest.raises(ValueError, match="32 bits"):
-        _hopper.persistent_schedule(1 << 20, 64, 64, 1 << 16, 1, 64, 2, 128, 132,
+        _dispatch.persistent_schedule(1 << 20, 64, 64, 1 << 16, 1, 64, 2, 128, 132,
                                     pair_order=True)
 
 
@@ -321,7 +321,7 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     section_pairs, which the one-tile-per-CTA grid leaves 0; under a key limit the current
     stream's tile counters (the dynamic schedule), null without one (the static schedule)."""
     numpy = pytest.importorskip("numpy")
-    from cuflash2 import _configs, _plans
+    from cuflash2 import _attention_plans, _dispatch, _plans
 
     fake_cupy = types.SimpleNamespace(
         empty=lambda shape, dtype: _HostArray(numpy.empty(shape, dtype)), float32=numpy.float32,
@@ -331,13 +331,14 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     counters = _plans.StreamCounters(2)
     monkeypatch.setattr(_plans, "stream_counters", counters)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: bytes(128))
-    monkeypatch.setattr(_hopper._launch, "kernel_launch", lambda config, device, grid: (config, grid))
-    monkeypatch.setattr(_hopper._launch, "occupancy_slots", lambda config, device: 132)
-    _hopper.persistent_slots.cache_clear()
+    monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
+                        lambda config, device, grid: (config, grid))
+    monkeypatch.setattr(_attention_plans._launch, "occupancy_slots", lambda config, device: 132)
+    _dispatch.persistent_slots.cache_clear()
     q = _HostArray(numpy.zeros((3, 1000, 8, 128), numpy.float16))
     k = _HostArray(numpy.zeros((3, 1000, 2, 128), numpy.float16))
-    config = _configs.fwd_sm90_config("float16", 128, persistent=True)
-    prepared = _hopper.prepare_forward_sm90(q, k, k, causal=True, config=config)
+    config = _dispatch.fwd_sm90_config("float16", 128, persistent=True)
+    prepared = _attention_plans.prepare_forward_sm90(q, k, k, causal=True, config=config)
     record = prepared.block.record[0]
     launched, grid = prepared.launch
     assert launched is config and grid == (132, 1, 1)  # 8 m blocks x 8 heads x 3 = 192 tiles
@@ -346,24 +347,26 @@ def test_prepared_persistent_forward_launches_one_cta_per_sm(monkeypatch):
     assert record["tile_counters"] == 0  # 1000 keys: the static schedule
     long_q = _HostArray(numpy.zeros((1, 2048, 8, 128), numpy.float16))
     long_k = _HostArray(numpy.zeros((1, 2048, 2, 128), numpy.float16))
-    claimed = _hopper.prepare_forward_sm90(long_q, long_k, long_k, causal=True, config=config)
+    claimed = _attention_plans.prepare_forward_sm90(long_q, long_k, long_k, causal=True,
+                                                    config=config)
     long_record = claimed.block.record[0]
     assert long_record["tile_counters"] == counters.get(0, 7, fake_cupy) != 0  # claimed
     assert set(counters.buffers) == {(0, 7)}
     assert long_record["section_pairs"] == 8  # in the L2 sections' order (4 MiB a K/V head)
     q64 = _HostArray(numpy.zeros((3, 1000, 8, 64), numpy.float16))
     k64 = _HostArray(numpy.zeros((3, 1000, 2, 64), numpy.float16))
-    config64 = _configs.fwd_sm90_config("float16", 64, persistent=True)
-    sectioned = _hopper.prepare_forward_sm90(q64, k64, k64, causal=True, config=config64)
+    config64 = _dispatch.fwd_sm90_config("float16", 64, persistent=True)
+    sectioned = _attention_plans.prepare_forward_sm90(q64, k64, k64, causal=True, config=config64)
     assert sectioned.block.record[0]["section_pairs"] == 24  # every pair's K and V fit L2
     assert record["base"]["batch_offset"] == 0
-    small = _hopper.prepare_forward_sm90(q[:1, :100], k[:1, :100], k[:1, :100], config=config)
+    small = _attention_plans.prepare_forward_sm90(q[:1, :100], k[:1, :100], k[:1, :100],
+                                                  config=config)
     assert small.launch[1] == (8, 1, 1)  # 1 m block x 8 heads
     assert small.block.record[0]["section_pairs"] == 1  # no key limit: pair by pair
     assert small.block.record[0]["tile_counters"] == 0  # and the static schedule
-    plain = _hopper.prepare_forward_sm90(q, k, k, causal=True)
+    plain = _attention_plans.prepare_forward_sm90(q, k, k, causal=True)
     assert plain.launch[1] == (8, 8, 3) and plain.block.record[0]["batch"] == 0
-    _hopper.persistent_slots.cache_clear()
+    _dispatch.persistent_slots.cache_clear()
 
 
 def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeypatch):
@@ -372,19 +375,19 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
     PERSISTENT_MAX_KEYS, the (m blocks, heads, batch) grid beyond, each with the configuration
     forward_config chose."""
     numpy = pytest.importorskip("numpy")
-    from cuflash2 import _attention_plans, _prepare, _validate
+    from cuflash2 import _attention_plans, _dispatch, _prepare, _validate
     from cuflash2._options import AttentionOptions
 
     def fake_map(x, rows):  # word 0 is the address, as the driver's
         return numpy.array([x.data.ptr] + [rows] * 15, numpy.uint64).tobytes()
 
-    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
     monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
                         lambda config, device, grid: types.SimpleNamespace(config=config,
                                                                            grid=grid))
-    monkeypatch.setattr(_hopper._launch, "occupancy_slots", lambda config, device: 132)
-    _hopper.persistent_slots.cache_clear()
+    monkeypatch.setattr(_attention_plans._launch, "occupancy_slots", lambda config, device: 132)
+    _dispatch.persistent_slots.cache_clear()
 
     def plan(seqlen, causal):
         q = _HostArray(numpy.zeros((3, seqlen, 8, 128), numpy.float16))
@@ -397,7 +400,7 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
                                              _prepare.score_mods(problem, AttentionOptions()), window, 0,
                                              90, q.shape, (3, 8, seqlen))
 
-    bound = _hopper.PERSISTENT_MAX_KEYS[128, True]
+    bound = _dispatch.PERSISTENT_MAX_KEYS[128, True]
     short, long = plan(bound, True), plan(bound + 1, True)
     (launch,), record = short.launches, short.block.record[0]
     assert launch.config.persistent and launch.grid == (132, 1, 1)  # 8 x 8 heads x 3 tiles
@@ -409,7 +412,7 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
     unlimited = plan(64, False)
     assert unlimited.launches[0].grid == (24, 1, 1)  # 1 m block x 8 heads x 3: 24 tiles
     assert unlimited.block.record[0]["section_pairs"] == 1  # no key limit: pair by pair
-    _hopper.persistent_slots.cache_clear()
+    _dispatch.persistent_slots.cache_clear()
 
 
 def _varlen_problem(head_dim=128, seqlen_k=700):
@@ -420,31 +423,33 @@ def _varlen_problem(head_dim=128, seqlen_k=700):
 
 
 def test_varlen_reaches_the_hopper_forward_with_the_flag(monkeypatch):
-    """forward_config takes varlen calls with _hopper.VARLEN (on unless CUFLASH2_HOPPER_VARLEN=0)
+    """hopper_forward_config takes varlen calls with _dispatch.HOPPER_FORWARD_VARLEN (on unless
+    CUFLASH2_HOPPER_VARLEN=0)
     and refuses them without: the config carries FEATURE_VARLEN with the score modifiers and is
     never persistent, even where a dense call of the same lengths would be."""
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _dispatch
 
-    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
-    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     varlen = types.SimpleNamespace(total_q=600, total_k=1400, batch=3)
     features = _configs.FEATURE_VARLEN | _configs.FEATURE_SOFTCAP
-    monkeypatch.setattr(_hopper, "VARLEN", False)
-    assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 90, {}, varlen) is None
-    monkeypatch.setattr(_hopper, "VARLEN", True)
-    config = _hopper.forward_config(_varlen_problem(), features, (-1, 0), 90, {}, varlen)
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_VARLEN", False)
+    assert _dispatch.hopper_forward_config(_varlen_problem(), features, (-1, -1), 90,
+                                           varlen) is None
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_VARLEN", True)
+    config = _dispatch.hopper_forward_config(_varlen_problem(), features, (-1, 0), 90, varlen)
     assert config.features == features and not config.persistent
-    assert _varlen_problem().seqlen_k <= _hopper.PERSISTENT_MAX_KEYS[128, True]
-    assert (config.pingpong, config.overlap) == _hopper.SCHEDULES[128, True]
+    assert _varlen_problem().seqlen_k <= _dispatch.PERSISTENT_MAX_KEYS[128, True]
+    assert (config.pingpong, config.overlap) == _dispatch.SCHEDULES[128, True]
     assert "varlen" in _configs.describe(config)
     # dropout, other GPUs, and a dense call carrying the varlen bit stay off
-    assert _hopper.forward_config(_varlen_problem(), features | _configs.FEATURE_DROPOUT,
-                                  (-1, -1), 90, {}, varlen) is None
-    assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 80, {}, varlen) is None
-    assert _hopper.forward_config(_varlen_problem(), features, (-1, -1), 90, {}, None) is None
+    assert _dispatch.hopper_forward_config(_varlen_problem(), features | _configs.FEATURE_DROPOUT,
+                                           (-1, -1), 90, varlen) is None
+    assert _dispatch.hopper_forward_config(_varlen_problem(), features, (-1, -1), 80,
+                                           varlen) is None
+    assert _dispatch.hopper_forward_config(_varlen_problem(), features, (-1, -1), 90, None) is None
     # short d=64 problems (by the longest sequence) stay on mma.sync as dense ones do
-    assert _hopper.forward_config(_varlen_problem(64, _hopper.MMA_SYNC_MAX_KEYS), features,
-                                  (-1, -1), 90, {}, varlen) is None
+    assert _dispatch.hopper_forward_config(_varlen_problem(64, _dispatch.MMA_SYNC_MAX_KEYS), features,
+                                           (-1, -1), 90, varlen) is None
 
 
 def test_varlen_maps_cover_the_packed_arrays():
@@ -453,7 +458,7 @@ def test_varlen_maps_cover_the_packed_arrays():
     are (column, sequence start + row, head, 0)."""
     numpy = pytest.importorskip("numpy")
     packed = _HostArray(numpy.zeros((1234, 2, 96), numpy.float16))
-    x = _hopper._as_batched(packed)
+    x = _hopper.as_batched(packed)
     dims, strides, box = _hopper.tensor_map_geometry(x.shape, x.strides, 2, 128)
     assert dims == [96, 1234, 2, 1]
     assert strides == [2 * 96 * 2, 96 * 2, 1234 * 2 * 96 * 2]  # batch: the packed span
@@ -465,20 +470,20 @@ def hopper_api(api_host, monkeypatch):
     """The public functions (test_plans_host.api_host) on an H100/H200: the Hopper kernels'
     maps encoded by a stand-in whose word 0 is the address, 132 persistent CTAs."""
     numpy = pytest.importorskip("numpy")
-    from cuflash2 import _hopper_bwd
+    from cuflash2 import _dispatch
 
     def fake_map(x, rows):
         return numpy.array([x.data.ptr] + [rows] * 15, numpy.uint64).tobytes()
 
-    monkeypatch.setattr(_hopper, "ENABLED", True)
-    monkeypatch.setattr(_hopper_bwd, "ENABLED", True)
-    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD", True)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", fake_map)
-    monkeypatch.setattr(_hopper._launch, "occupancy_slots", lambda config, device: 132)
-    _hopper.persistent_slots.cache_clear()
+    monkeypatch.setattr(_attention_plans._launch, "occupancy_slots", lambda config, device: 132)
+    _dispatch.persistent_slots.cache_clear()
     api_host.set_arch(90)
     yield api_host
-    _hopper.persistent_slots.cache_clear()
+    _dispatch.persistent_slots.cache_clear()
 
 
 @pytest.mark.parametrize("seqlen", [512, 4096])
@@ -488,7 +493,7 @@ def test_a_sinks_forward_runs_the_hopper_kernel_with_them(hopper_api, seqlen):
     varlen)."""
     numpy = pytest.importorskip("numpy")
     import cuflash2
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _dispatch
     from test_plans_host import device_array
 
     q = device_array((2, seqlen, 8, 128))
@@ -501,7 +506,7 @@ def test_a_sinks_forward_runs_the_hopper_kernel_with_them(hopper_api, seqlen):
     launch, _, record = hopper_api.launches[-1]
     assert launch.config == _configs.with_features(
         plain, _configs.FEATURE_SINKS | _configs.FEATURE_SOFTCAP)
-    assert launch.config in _hopper.dispatch_configs(_configs.SM90_FWD_FEATURES)
+    assert launch.config in _dispatch.hopper_forward_configs(_configs.SM90_FWD_FEATURES)
     assert record["base"]["mods"]["sinks"] == sinks.data.ptr
     cu = device_array((3,), numpy.int32)
     packed_q, packed_k = device_array((2 * seqlen, 8, 128)), device_array((2 * seqlen, 2, 128))
@@ -510,19 +515,18 @@ def test_a_sinks_forward_runs_the_hopper_kernel_with_them(hopper_api, seqlen):
     launch, _, record = hopper_api.launches[-1]
     assert isinstance(launch.config, _configs.FwdSm90Config)
     assert launch.config.features == _configs.FEATURE_SINKS | _configs.FEATURE_VARLEN
-    assert launch.config in _hopper.dispatch_configs(_configs.SM90_FWD_VARLEN_FEATURES)
+    assert launch.config in _dispatch.hopper_forward_configs(_configs.SM90_FWD_VARLEN_FEATURES)
     assert record["base"]["mods"]["sinks"] == sinks.data.ptr
 
 
 def test_the_hopper_forward_covers_sinks_not_dropout(monkeypatch):
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _dispatch
 
-    monkeypatch.setattr(_hopper, "_bindings_available", lambda: True)
-    monkeypatch.setattr(_hopper, "describable", lambda views, maps: True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     problem = _dense_problem(128, 1024)
     for features in (_configs.FEATURE_SINKS, _configs.FEATURE_SINKS | _configs.FEATURE_ALIBI):
-        config = _hopper.forward_config(problem, features, (-1, -1), 90, {})
+        config = _dispatch.hopper_forward_config(problem, features, (-1, -1), 90)
         assert config.features == features
         assert "sinks" in _configs.describe(config)
-    assert _hopper.forward_config(problem, _configs.FEATURE_SINKS | _configs.FEATURE_DROPOUT,
-                                  (-1, -1), 90, {}) is None
+    assert _dispatch.hopper_forward_config(problem, _configs.FEATURE_SINKS | _configs.FEATURE_DROPOUT,
+                                           (-1, -1), 90) is None

@@ -10,7 +10,7 @@ import types
 import numpy
 import pytest
 
-from cuflash2 import _launch, _plans, _recycle
+from cuflash2 import _dispatch, _launch, _plans, _recycle
 
 
 class _Memory:
@@ -315,7 +315,7 @@ def device_array(shape, dtype=numpy.float16, device=0):
 def api_host(launches, monkeypatch):
     """The public functions on _DeviceArray inputs, on a device of compute capability
     `api_host.arch` (80 unless a test sets it), with fresh plan caches."""
-    from cuflash2 import _attention_plans, _kvcache, _prepare, api
+    from cuflash2 import _attention_plans, _dispatch, _kvcache, _prepare, api
 
     cupy, state = _fake_cupy()
     cupy.ndarray = _DeviceArray
@@ -340,7 +340,7 @@ def api_host(launches, monkeypatch):
     monkeypatch.setattr(_attention_plans._launch, "kernel_launch",
                         lambda config, device, grid, **kw: types.SimpleNamespace(
                             config=config, grid=grid, **kw))
-    monkeypatch.setattr(_kvcache, "decode_slots", lambda config, device_id: 264)
+    monkeypatch.setattr(_dispatch, "decode_slots", lambda config, device_id: 264)
     return host
 
 
@@ -472,7 +472,7 @@ def test_a_sinks_decode_step_compiles_them_in(api_host, monkeypatch, arch):
     kernel the split choice takes (sm_90: the clustered one of decode_cluster_config),
     mods.sinks patched from the call's sinks."""
     import cuflash2
-    from cuflash2 import _configs, _launch
+    from cuflash2 import _configs, _dispatch, _launch
 
     api_host.set_arch(arch)
     monkeypatch.setattr(_launch, "extended_available", lambda: True)
@@ -487,7 +487,7 @@ def test_a_sinks_decode_step_compiles_them_in(api_host, monkeypatch, arch):
     assert record["mods"]["sinks"] == sinks.data.ptr
     if arch == 90:  # the clustered kernel of decode_cluster_config, sinks compiled in
         assert launch.cluster > 1
-        assert launch.config == _configs.with_features(_configs.decode_cluster_config(
+        assert launch.config == _configs.with_features(_dispatch.decode_cluster_config(
             "float16", 128, 90), _configs.FEATURE_SINKS)
     cuflash2.attention_with_kvcache(q, cache, cache, cache_seqlens=4000)
     assert api_host.launches[-1][0].config.features == 0

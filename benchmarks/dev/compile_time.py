@@ -19,7 +19,7 @@ sys.path.insert(0, {root!r})
 from cuflash2 import _compile, _configs
 cupy.cuda.Device(0).use()
 arch = int(cupy.cuda.Device(0).compute_capability)
-cfg = _configs.fwd_config({dtype!r}, {head_dim}, arch)
+cfg = _dispatch.fwd_config({dtype!r}, {head_dim}, arch)
 t = time.perf_counter()
 _compile.get_kernel(cfg, 0)
 print(f"{{cfg.name_expression}} sm_{{arch}}: {{(time.perf_counter() - t) * 1e3:.0f}} ms")

@@ -20,7 +20,7 @@ import cupy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuflash2 import _kvcache, _launch
+from cuflash2 import _dispatch, _kvcache, _launch
 from cuflash2.bench import decode, decode_graph
 from cuflash2.bench.decode import decode_bytes
 from cuflash2.bench.timing import Backlog, copy_ceiling, l2_flush, time_cupy
@@ -76,7 +76,7 @@ def main() -> None:
                                 sources.use(version)
                                 _launch._cluster_fits_cache.clear()
                             _launch.PROGRAMMATIC = bool(programmatic)
-                            _kvcache.CLUSTER_MERGE = merge == "cluster"
+                            _dispatch.CLUSTER_MERGE = merge == "cluster"
                             _kvcache._plans_by_key.plans.clear()
                             step = decode_graph.DecodeStep(
                                 cupy, batch, cache, nheads, nheads_kv, num_splits=splits,
@@ -93,7 +93,7 @@ def main() -> None:
                                   f"{us:7.2f} us/layer {moved / (us * 1e-6) / ceiling:5.0%} "
                                   f"of copy", flush=True)
                             del step
-    _kvcache.CLUSTER_MERGE = True
+    _dispatch.CLUSTER_MERGE = True
     _launch.PROGRAMMATIC = True
 
 

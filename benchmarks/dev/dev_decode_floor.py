@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _compile, _configs  # noqa: E402
+from cuflash2 import _compile, _dispatch  # noqa: E402
 from cuflash2.bench import timing  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main():
     for carveout in (None, 100):
         if carveout is not None:
             device = cupy.cuda.Device().id
-            config = _configs.decode_config("float16", 128, 90)
+            config = _dispatch.decode_config("float16", 128, 90)
             _compile.get_kernel(config, device).preferred_shared_memory_carveout = carveout
         for label, call, before in rows:
             results.setdefault(label, []).append(

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _configs  # noqa: E402
+from cuflash2 import _configs, _dispatch  # noqa: E402
 from cuflash2.bench import decode, timing  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--caches", nargs="+", type=int, default=list(decode.DECODE_CACHES))
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
-    dispatcher = _configs.decode_config
+    dispatcher = _dispatch.decode_config
     backlog = timing.Backlog(cupy)
     ceiling = timing.copy_ceiling(cupy)
     flush_l2 = timing.l2_flush(cupy)  # as the bench's decode rows
@@ -44,12 +44,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for variant in args.variants:
         if variant is None:
-            _configs.decode_config = dispatcher
+            _dispatch.decode_config = dispatcher
         else:
             def chosen(dtype, head_dim, arch, block_m=_configs.DECODE_BLOCK_M, variant=variant):
-                return _configs.DecodeConfig(dtype, _configs.kernel_head_dim(head_dim), *variant,
+                return _configs.DecodeConfig(dtype, _dispatch.kernel_head_dim(head_dim), *variant,
                                              block_m=block_m)
-            _configs.decode_config = chosen
+            _dispatch.decode_config = chosen
         for nheads, nheads_kv in decode.DECODE_HEADS:
             for cache_len in args.caches:
                 for batch in args.batches:
@@ -80,7 +80,7 @@ def main():
                               f"| {ms:.4f} | {moved / ms / 1e6:.0f} | "
                               f"{moved / ms * 1e3 / ceiling:.0%} | {bare:.4f} | {one:.4f} |",
                               flush=True)
-    _configs.decode_config = dispatcher
+    _dispatch.decode_config = dispatcher
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import cupy  # noqa: E402
 import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _compile, _configs, api  # noqa: E402
+from cuflash2 import _compile, _dispatch, api  # noqa: E402
 from cuflash2.bench import timing  # noqa: E402
 
 POINTS = ("start", "cache length read", "first tile landed", "last tile computed",
@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
     nheads, nheads_kv = args.heads
-    config = _configs.decode_config("float16", 128, api.device_arch(cupy.cuda.Device().id))
+    config = _dispatch.decode_config("float16", 128, api.device_arch(cupy.cuda.Device().id))
     module = cupy.RawModule(code=timeline_source(), options=_compile.NVRTC_OPTIONS,
                             name_expressions=[config.name_expression])
     kernel = module.get_function(config.name_expression)

@@ -1,6 +1,6 @@
 """The Hopper forward's grid, tile schedule and consumer count per paper-grid row, A/B in one
 process on the same arrays, beside SDPA's cuDNN backend: the data behind
-_hopper.PERSISTENT_MAX_KEYS, THREE_CONSUMER_MIN_KEYS, THREE_CONSUMER_PERSISTENT_MAX_KEYS,
+_dispatch.PERSISTENT_MAX_KEYS, THREE_CONSUMER_MIN_KEYS, THREE_CONSUMER_PERSISTENT_MAX_KEYS,
 CAUSAL_PAIR_ORDER_DIMS and DYNAMIC_SCHEDULE.
 
 Variants of a row (those that apply to it; the dispatched one is marked *):
@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper, api  # noqa: E402
+from cuflash2 import _dispatch, api  # noqa: E402
 from cuflash2.bench import paper_grid, timing, torch_peers  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 KNOBS = ("PERSISTENT_MAX_KEYS", "THREE_CONSUMER_MIN_KEYS", "THREE_CONSUMER_PERSISTENT_MAX_KEYS",
          "CAUSAL_PAIR_ORDER_DIMS", "DYNAMIC_SCHEDULE", "DYNAMIC_SCHEDULE_KEYS")
-ORIGINAL = {name: getattr(_hopper, name) for name in KNOBS}
+ORIGINAL = {name: getattr(_dispatch, name) for name in KNOBS}
 NEVER, ALWAYS = -1, 1 << 40
 SOURCES = None  # ab_sources.Sources with --alt
 
@@ -47,17 +47,17 @@ def variant(consumers: int, grid: str, alt: bool = False):
     `grid` ("one", "pers" (the order forward_grid picks), "pers-sec", "pers-pair", "dyn-sec",
     "dyn-pair"), on the --alt sources if `alt`."""
     persistent = grid != "one"
-    _hopper.PERSISTENT_MAX_KEYS = {key: ALWAYS if persistent else NEVER
+    _dispatch.PERSISTENT_MAX_KEYS = {key: ALWAYS if persistent else NEVER
                                    for key in ORIGINAL["PERSISTENT_MAX_KEYS"]}
-    _hopper.THREE_CONSUMER_PERSISTENT_MAX_KEYS = ALWAYS if persistent else NEVER
-    _hopper.THREE_CONSUMER_MIN_KEYS = ({key: 0 for key in ORIGINAL["THREE_CONSUMER_MIN_KEYS"]}
+    _dispatch.THREE_CONSUMER_PERSISTENT_MAX_KEYS = ALWAYS if persistent else NEVER
+    _dispatch.THREE_CONSUMER_MIN_KEYS = ({key: 0 for key in ORIGINAL["THREE_CONSUMER_MIN_KEYS"]}
                                        if consumers == 3 else {})
     if grid.endswith("-pair"):
-        _hopper.CAUSAL_PAIR_ORDER_DIMS = (64, 96, 128)
+        _dispatch.CAUSAL_PAIR_ORDER_DIMS = (64, 96, 128)
     elif grid.endswith("-sec"):
-        _hopper.CAUSAL_PAIR_ORDER_DIMS = ()
-    _hopper.DYNAMIC_SCHEDULE = grid.startswith("dyn")
-    _hopper.DYNAMIC_SCHEDULE_KEYS = {64: (0, ALWAYS), 96: (0, ALWAYS), 128: (0, ALWAYS)}
+        _dispatch.CAUSAL_PAIR_ORDER_DIMS = ()
+    _dispatch.DYNAMIC_SCHEDULE = grid.startswith("dyn")
+    _dispatch.DYNAMIC_SCHEDULE_KEYS = {64: (0, ALWAYS), 96: (0, ALWAYS), 128: (0, ALWAYS)}
     if SOURCES is not None:
         SOURCES.use("alt" if alt else "base")
     api._forward_plans.plans.clear()
@@ -65,7 +65,7 @@ def variant(consumers: int, grid: str, alt: bool = False):
         yield
     finally:
         for name, value in ORIGINAL.items():
-            setattr(_hopper, name, value)
+            setattr(_dispatch, name, value)
         if SOURCES is not None:
             SOURCES.use("base")
         api._forward_plans.plans.clear()
@@ -96,9 +96,9 @@ def dispatched_label(config, q, k, v) -> tuple:
     if not config.causal:
         return consumers, "pers"
     kernel_dim = min(d for d in (64, 96, 128) if d >= config.headdim)
-    if _hopper.dynamic_schedule(kernel_dim, config.seqlen, config.seqlen, 0):
+    if _dispatch.dynamic_schedule(kernel_dim, config.seqlen, config.seqlen, 0):
         return consumers, "dyn-sec"
-    return consumers, "pers-pair" if kernel_dim in _hopper.CAUSAL_PAIR_ORDER_DIMS else "pers-sec"
+    return consumers, "pers-pair" if kernel_dim in _dispatch.CAUSAL_PAIR_ORDER_DIMS else "pers-sec"
 
 
 def label(consumers, grid, alt=False):

@@ -21,8 +21,8 @@ On an H100/H200 (sm_90), from the repository root:
    128:1` times each block_m:dq_buffers variant of a head dim's kernel that its config allows
    (the fastest in the hopper column, each listed after the row).
 
-Internals it uses: cuflash2._attention_plans.prepare_backward_sm90, cuflash2._hopper_bwd,
-cuflash2._configs.bwd_sm90_config.
+Internals it uses: cuflash2._attention_plans.prepare_backward_sm90,
+cuflash2._dispatch.HOPPER_BACKWARD, cuflash2._dispatch.bwd_sm90_config.
 """
 
 from __future__ import annotations
@@ -119,10 +119,10 @@ def _mods(cupy, case):
 
 
 def _config(dtype, head_dim, watchdog=False):
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _dispatch
 
     kernel_dim = min(d for d in _configs.SM90_BWD_HEAD_DIMS if d >= head_dim)
-    return dataclasses.replace(_configs.bwd_sm90_config(dtype, kernel_dim), watchdog=watchdog)
+    return dataclasses.replace(_dispatch.bwd_sm90_config(dtype, kernel_dim), watchdog=watchdog)
 
 
 def check(cupy, watchdog, only=None):
@@ -181,9 +181,9 @@ def _variants(config, tiles):
 
 def timing(cupy, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None, tiles=None):
     import cuflash2
-    from cuflash2 import _attention_plans, _hopper_bwd, api
+    from cuflash2 import _attention_plans, _dispatch, api
 
-    _hopper_bwd.ENABLED = False  # the reference column is the mma.sync backward
+    _dispatch.HOPPER_BACKWARD = False  # the reference column is the mma.sync backward
     api._backward_plans.plans.clear()
     print(f"\n{'dtype':9} {'d':>4} {'causal':>6} {'seqlen':>6} {'hopper ms':>10} {'TFLOP/s':>8} "
           f"{'mma.sync ms':>11} {'TFLOP/s':>8} {'speedup':>8}"

@@ -15,7 +15,7 @@ import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _attention_plans, _configs, api, testing  # noqa: E402
+from cuflash2 import _configs, _dispatch, api, testing  # noqa: E402
 
 # (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal, window): many key blocks adding
 # to the same rows (GQA, 4k keys), rows that see no key, each kernel head dim (staged dQ up to
@@ -39,8 +39,8 @@ def check(b, sq, sk, h, hk, d, causal, window) -> bool:
     dout = testing.random_qkv(cupy, b, sq, sq, h, h, d, bf16, seed=d + 1)[0]
     out, lse = cuflash2.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
     kernel_dim = min(x for x in _configs.SM90_BWD_HEAD_DIMS if x >= d)
-    _attention_plans.FORCED["bwd"] = dataclasses.replace(
-        _configs.bwd_sm90_config("bfloat16", kernel_dim, deterministic=True), watchdog=True)
+    _dispatch.FORCED["bwd"] = dataclasses.replace(
+        _dispatch.bwd_sm90_config("bfloat16", kernel_dim, deterministic=True), watchdog=True)
     api._backward_plans.plans.clear()
     try:
         runs = [cuflash2.attention_backward(dout, q, k, v, out, lse, causal=causal,
@@ -48,7 +48,7 @@ def check(b, sq, sk, h, hk, d, causal, window) -> bool:
                 for _ in range(3)]
         cupy.cuda.Device().synchronize()
     finally:
-        del _attention_plans.FORCED["bwd"]
+        del _dispatch.FORCED["bwd"]
         api._backward_plans.plans.clear()
     same = all(bool((a.view(cupy.uint16) == c.view(cupy.uint16)).all())
                for run in runs[1:] for a, c in zip(runs[0], run))

@@ -1,6 +1,6 @@
-"""The measurements behind the forward's dispatch on sm_90 (_hopper.forward_config): every call
+"""The measurements behind the forward's dispatch on sm_90 (_dispatch.hopper_forward_config): every call
 timed through cuflash2.attention twice on the same arrays, once planned onto the Hopper kernel
-and once onto the mma.sync kernel (_hopper.ENABLED off), kernel time by CUDA events over
+and once onto the mma.sync kernel (_dispatch.HOPPER_FORWARD off), kernel time by CUDA events over
 back-to-back calls.
 
     python benchmarks/dev/hopper_dispatch.py [--iters 20]
@@ -9,7 +9,7 @@ Rows: FA3's grid (16k tokens, hidden 2048) from 512 to 16k tokens, head dims 64 
 every larger Hopper head dim), causal on and off, plus short problems (few query rows, few
 keys) where a 128-row tile is mostly empty.
 
-Internals it uses: cuflash2._hopper.ENABLED, cuflash2.api._forward_plans.
+Internals it uses: cuflash2._dispatch.HOPPER_FORWARD, cuflash2.api._forward_plans.
 """
 
 import argparse
@@ -25,7 +25,7 @@ def main():
     import ml_dtypes
 
     import cuflash2
-    from cuflash2 import _configs, _hopper, api, testing
+    from cuflash2 import _configs, _dispatch, api, testing
 
     def time_ms(fn):
         for _ in range(3):
@@ -39,7 +39,7 @@ def main():
         return cupy.cuda.get_elapsed_time(start, end) / args.iters
 
     def on(enabled, q, k, v, causal):
-        _hopper.ENABLED = enabled
+        _dispatch.HOPPER_FORWARD = enabled
         api._forward_plans.plans.clear()
         kernel = cuflash2.forward_kernels(q, k, v, causal=causal)[0].split(",")[0]
         return time_ms(lambda: cuflash2.attention(q, k, v, causal=causal)), kernel
@@ -64,7 +64,7 @@ def main():
                 print(f"{dtype_name:5} {batch:>4} {sq:>6} {sk:>6} {heads:>3} {d:>4} "
                       f"{int(causal):>6} {hopper:>10.4f} {mma:>11.4f} {mma / hopper:>9.3f}x"
                       f"{flag}", flush=True)
-    _hopper.ENABLED = True
+    _dispatch.HOPPER_FORWARD = True
 
 
 if __name__ == "__main__":

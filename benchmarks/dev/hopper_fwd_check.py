@@ -17,14 +17,14 @@ default), `all` every one of them, `dispatched` plain + pingpong-overlap (the sc
 three and two consumer warpgroups the dispatcher runs up to d=128).
 
 1. Correctness: the kernel, in each selected schedule, through
-   cuflash2._hopper.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dims 64, 96, 128, 192, 256 on
+   cuflash2._attention_plans.prepare_forward_sm90 (not the public API: it is not dispatched yet), on random inputs of a few shapes (head dims 64, 96, 128, 192, 256 on
    their own kernels, 160 on the d=192 one; fp16/bf16, causal on/off, a window, odd lengths,
    seqlen_q != seqlen_k both ways, GQA, MQA, q/k/v as strided views of a packed qkv, a one-token
    problem), outputs poisoned with NaN first, checked against cuflash2.reference with
    cuflash2.testing.check_forward (out and lse).
 2. Timing: FA3's grid (16k tokens per batch, hidden 2048: heads = 2048 / d) at 1k, 4k and 16k
    tokens, fp16/bf16, d 64/96/128/192/256, causal on/off: a column per selected schedule next
-   to cuflash2.attention on the mma.sync kernel (_hopper.ENABLED off for it), the fastest
+   to cuflash2.attention on the mma.sync kernel (_dispatch.HOPPER_FORWARD off for it), the fastest
    schedule named and set against it.
 With --persistent, each selected schedule also runs on the persistent grid
 (FwdSm90Config.persistent, head dims 64, 96 and 128; others are skipped, saying so): correctness
@@ -36,16 +36,16 @@ per-CTA fixed cost shows), and pers/best: the fastest one-tile-per-CTA schedule 
 persistent one (above 1: the persistent grid is faster).
 --no-check skips the correctness part; --dtypes, --dims and --seqlens narrow the timing rows.
 --tiles BLOCK_NxSTAGES ... (e.g. 128x2 160x2; or BLOCK_MxBLOCK_NxSTAGES, 192x128x2: three
-consumer warpgroups) runs each selected schedule with each of these K/V tiles instead of the head dim's own (_configs.SM90_FWD_TILES / SM90_PERSISTENT_TILES): a column
+consumer warpgroups) runs each selected schedule with each of these K/V tiles instead of the head dim's own (_dispatch.SM90_FWD_TILES / SM90_PERSISTENT_TILES): a column
 per tile, and the correctness shapes of the head dims of --dims (all when not given) once per
 tile; a tile that does not fit shared memory at a head dim is skipped, saying so.
-With --varlen, instead: varlen (FEATURE_VARLEN, opt-in through cuflash2._hopper.VARLEN, which
+With --varlen, instead: varlen (FEATURE_VARLEN, opt-in through cuflash2._dispatch.HOPPER_FORWARD_VARLEN, which
 this turns on) through the public cuflash2.attention_varlen on the ragged batches of
 VARLEN_CASES (empty and one-token sequences, lengths off the tiles, GQA, causal, windows,
 softcap + ALiBi), each selected schedule, against cuflash2.reference.attention_varlen, then
 the time of a few ragged 16k-token batches against the mma.sync kernel (the flag off).
 
-Internals it uses: cuflash2._hopper, cuflash2._configs.fwd_sm90_config.
+Internals it uses: cuflash2._hopper, cuflash2._dispatch.fwd_sm90_config.
 """
 
 from __future__ import annotations
@@ -152,18 +152,18 @@ def _kernel_dim(head_dim):
 
 
 def _has_persistent(head_dim):
-    from cuflash2 import _configs
+    from cuflash2 import _dispatch
 
-    return _kernel_dim(head_dim) in _configs.SM90_PERSISTENT_TILES
+    return _kernel_dim(head_dim) in _dispatch.SM90_PERSISTENT_TILES
 
 
 def _config(dtype, head_dim, schedule, watchdog=False, persistent=False, tile=None):
     """The kernel of `schedule` at `head_dim`; `tile` (block_n, stages[, block_m]) replaces the
     head dim's own. None where that tile does not fit shared memory."""
-    from cuflash2 import _configs
+    from cuflash2 import _configs, _dispatch
 
     pingpong, overlap = SCHEDULES[schedule]
-    config = _configs.fwd_sm90_config(dtype, _kernel_dim(head_dim), persistent=persistent)
+    config = _dispatch.fwd_sm90_config(dtype, _kernel_dim(head_dim), persistent=persistent)
     config = dataclasses.replace(config, pingpong=pingpong, overlap=overlap, watchdog=watchdog)
     if tile is None:
         return config
@@ -208,13 +208,13 @@ def _check_cases(persistent, dims):
 
 
 def check(cupy, schedules, watchdog, persistent=False, tiles=(None,), dims=None):
-    from cuflash2 import _configs, _hopper, testing
+    from cuflash2 import _attention_plans, _dispatch, testing
 
     failures = 0
     cases = _check_cases(persistent, dims)
     if persistent:
         skipped = sorted({_kernel_dim(c[5]) for c in cases if not _has_persistent(c[5])})
-        print(f"persistent grid: head dims {tuple(_configs.SM90_PERSISTENT_TILES)}; shapes on the "
+        print(f"persistent grid: head dims {tuple(_dispatch.SM90_PERSISTENT_TILES)}; shapes on the "
               f"d={skipped} kernels run on the one-tile-per-CTA grid only (no persistent "
               f"specialisation: its O buffer does not fit shared memory)", flush=True)
     width = max(len(name) for name in schedules)
@@ -233,7 +233,7 @@ def check(cupy, schedules, watchdog, persistent=False, tiles=(None,), dims=None)
                   f"beside three consumers)", flush=True)
             continue
         q, k, v = _inputs(cupy, case, seed=i)
-        prepared = _hopper.prepare_forward_sm90(
+        prepared = _attention_plans.prepare_forward_sm90(
             q, k, v, causal=causal, window_size=window, config=config, persistent_ctas=ctas)
         prepared.out[...] = testing.poison_like(cupy, prepared.out.shape, prepared.out.dtype)
         prepared.lse.fill(math.nan)
@@ -274,7 +274,7 @@ def _time(cupy, fn, iters):
 def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, seqlens=None,
            persistent=False, tiles=(None,)):
     import cuflash2
-    from cuflash2 import _hopper, api, testing
+    from cuflash2 import _attention_plans, _dispatch, api, testing
 
     # (title, schedule, persistent grid, tile) of each Hopper column, then mma.sync.
     grids = ((False, ""), (True, "-pers")) if persistent else ((False, ""),)
@@ -302,13 +302,13 @@ def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, se
                         if config is None:
                             times.append(None)  # no such specialisation at this head dim
                             continue
-                        times.append(_time(cupy, _hopper.prepare_forward_sm90(
+                        times.append(_time(cupy, _attention_plans.prepare_forward_sm90(
                             q, k, v, causal=causal, config=config).run, iters))
-                    _hopper.ENABLED = False  # the mma.sync kernel, planned afresh
+                    _dispatch.HOPPER_FORWARD = False  # the mma.sync kernel, planned afresh
                     api._forward_plans.plans.clear()
                     times.append(_time(cupy, lambda: cuflash2.attention(q, k, v, causal=causal),
                                        iters))
-                    _hopper.ENABLED = True
+                    _dispatch.HOPPER_FORWARD = True
                     flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
                     row = " ".join(f"{t:>{w}.4f} {flop / t / 1e9:>8.1f}" if t is not None
                                    else f"{'-':>{w}} {'-':>8}" for t, w in zip(times, widths))
@@ -325,15 +325,15 @@ def timing(cupy, schedules, iters, dtypes=("float16", "bfloat16"), dims=None, se
 
 
 def _varlen_schedule(schedule, watchdog):
-    """Context: varlen calls on the Hopper forward (_hopper.VARLEN) in `schedule` (None: the
+    """Context: varlen calls on the Hopper forward (_dispatch.HOPPER_FORWARD_VARLEN) in `schedule` (None: the
     mma.sync kernel), plan caches cleared on both sides."""
     import contextlib
 
-    from cuflash2 import _hopper, api
+    from cuflash2 import _dispatch, api
 
     @contextlib.contextmanager
     def scope():
-        saved = _hopper.VARLEN, _hopper.forward_config
+        saved = _dispatch.HOPPER_FORWARD_VARLEN, _dispatch.hopper_forward_config
 
         def forced(*args, **kwargs):
             config = saved[1](*args, **kwargs)
@@ -343,13 +343,13 @@ def _varlen_schedule(schedule, watchdog):
             return dataclasses.replace(config, pingpong=pingpong, overlap=overlap,
                                        watchdog=watchdog)
 
-        _hopper.VARLEN = schedule is not None
-        _hopper.forward_config = forced
+        _dispatch.HOPPER_FORWARD_VARLEN = schedule is not None
+        _dispatch.hopper_forward_config = forced
         api._forward_plans.plans.clear()
         try:
             yield
         finally:
-            _hopper.VARLEN, _hopper.forward_config = saved
+            _dispatch.HOPPER_FORWARD_VARLEN, _dispatch.hopper_forward_config = saved
             api._forward_plans.plans.clear()
 
     return scope()
@@ -444,7 +444,7 @@ def main():
                              "instead of each head dim's own")
     add_timing_options(parser)
     parser.add_argument("--varlen", action="store_true",
-                        help="varlen on the Hopper forward (turns _hopper.VARLEN on): "
+                        help="varlen on the Hopper forward (turns _dispatch.HOPPER_FORWARD_VARLEN on): "
                              "VARLEN_CASES against the reference, then ragged timing rows")
     args = parser.parse_args()
     import cupy

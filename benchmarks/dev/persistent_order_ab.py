@@ -2,8 +2,8 @@
 arrays: `sections` (the host's L2 sections, m block by m block, the longest tiles first) against
 `pairs` (sections of one pair: pair by pair, each pair's m blocks from a rotated start, the
 CTAs running together sharing each K/V tile's DRAM read), each forced at every head dim
-whatever _hopper.CAUSAL_PAIR_ORDER_DIMS says. Same kernel; only
-_hopper.persistent_schedule's section size differs. The dev check's shapes of the
+whatever _dispatch.CAUSAL_PAIR_ORDER_DIMS says. Same kernel; only
+_dispatch.persistent_schedule's section size differs. The dev check's shapes of the
 persistent head dims under `pairs` (full grid and 7 CTAs, outputs poisoned), after the paper
 grid's causal rows, the two orders alternating round by round (median).
 
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hopper_fwd_check as check_script  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper, api  # noqa: E402
+from cuflash2 import _dispatch, api  # noqa: E402
 from cuflash2.bench import paper_grid, timing  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
-ORIGINAL = _hopper.persistent_schedule
+ORIGINAL = _dispatch.persistent_schedule
 
 
 @contextlib.contextmanager
@@ -36,12 +36,12 @@ def order(name):
     def forced(*args):
         return ORIGINAL(*args[:-1], name == "pairs")
 
-    _hopper.persistent_schedule = forced
+    _dispatch.persistent_schedule = forced
     api._forward_plans.plans.clear()
     try:
         yield
     finally:
-        _hopper.persistent_schedule = ORIGINAL
+        _dispatch.persistent_schedule = ORIGINAL
         api._forward_plans.plans.clear()
 
 

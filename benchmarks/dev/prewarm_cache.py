@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuflash2 import _configs, _hopper  # noqa: E402
+from cuflash2 import _configs, _dispatch  # noqa: E402
 
 
 def _compile(configs):
@@ -40,33 +40,33 @@ def main():
         args.arch = int(cupy.cuda.Device(0).compute_capability)
     configs = []
     if "fwd" in args.kernels:
-        configs += _configs.all_fwd_configs(args.arch, args.features)
+        configs += _dispatch.all_fwd_configs(args.arch, args.features)
         if args.arch == 90:  # the Hopper forward's, as the dispatcher chooses them
-            configs += _hopper.dispatch_configs(
+            configs += _dispatch.hopper_forward_configs(
                 [f for f in args.features if f in _configs.SM90_FWD_FEATURES])
     if "bwd" in args.kernels:
-        configs += _configs.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
+        configs += _dispatch.all_bwd_configs(args.arch, args.features) + _configs.aux_kernels()
         if args.arch == 90:  # the Hopper backward's main kernels, default and deterministic
-            sm90 = _configs.all_bwd_sm90_configs(list(dict.fromkeys(
+            sm90 = _dispatch.all_bwd_sm90_configs(list(dict.fromkeys(
                 _configs.backward_features(f) for f in args.features
                 if _configs.backward_features(f) in _configs.SM90_BWD_FEATURES)))
             if _configs.FEATURE_VARLEN in args.features:  # varlen with each modifier set
-                sm90 += _configs.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
-            configs += sm90 + [_configs.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+                sm90 += _dispatch.all_bwd_sm90_configs(_configs.SM90_BWD_VARLEN_FEATURES)
+            configs += sm90 + [_dispatch.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
                                for c in sm90]
     if "decode" in args.kernels:
-        configs += _configs.all_decode_configs(
+        configs += _dispatch.all_decode_configs(
             args.arch, [f for f in args.features if f in _configs.DECODE_FEATURES])
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
-        configs += _configs.all_fwd_sm90_configs((0,), persistent=True)
+        configs += _dispatch.all_fwd_sm90_configs((0,), persistent=True)
         configs += [dataclasses.replace(c, watchdog=True)  # --schedule plain --watchdog
-                    for c in _configs.all_fwd_sm90_configs((0,), (False,), persistent=True)
+                    for c in _dispatch.all_fwd_sm90_configs((0,), (False,), persistent=True)
                     if not c.pingpong]
-        configs += _hopper.dispatch_configs(_configs.SM90_FWD_VARLEN_FEATURES)  # varlen tests
-        configs += [dataclasses.replace(c, watchdog=w) for c in _configs.all_bwd_sm90_configs((0,))
+        configs += _dispatch.hopper_forward_configs(_configs.SM90_FWD_VARLEN_FEATURES)  # varlen tests
+        configs += [dataclasses.replace(c, watchdog=w) for c in _dispatch.all_bwd_sm90_configs((0,))
                     for w in (False, True)]
     if "det-smoke" in args.kernels:  # what hopper_det_smoke builds (bf16, under the watchdog)
-        configs += [dataclasses.replace(_configs.bwd_sm90_config("bfloat16", d, True),
+        configs += [dataclasses.replace(_dispatch.bwd_sm90_config("bfloat16", d, True),
                                         watchdog=True) for d in _configs.SM90_BWD_HEAD_DIMS]
     configs = list(dict.fromkeys(configs))
     start = time.time()

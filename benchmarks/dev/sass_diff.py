@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuflash2 import _compile, _configs, _sass  # noqa: E402
+from cuflash2 import _compile, _configs, _dispatch, _sass  # noqa: E402
 
 _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
 _ENCODING = re.compile(r"/\* 0x[0-9a-f]+ \*/")
@@ -48,29 +48,29 @@ def _configs_of(name: str, all_: bool) -> list[tuple]:
     if name in ("fwd", "bwd", "dq", "aux", "decode"):
         for arch in (80, 90):
             if name == "fwd":
-                cs = [c for c in _configs.all_fwd_configs(arch, features) if c.head_dim in dims]
+                cs = [c for c in _dispatch.all_fwd_configs(arch, features) if c.head_dim in dims]
             elif name == "bwd":
-                cs = [c for c in _configs.all_bwd_configs(arch, features)
+                cs = [c for c in _dispatch.all_bwd_configs(arch, features)
                       if c.head_dim in dims and isinstance(c, _configs.BwdConfig)]
             elif name == "dq":
-                cs = [c for c in _configs.all_bwd_configs(arch, features)
+                cs = [c for c in _dispatch.all_bwd_configs(arch, features)
                       if c.head_dim in dims and isinstance(c, _configs.BwdDqConfig)]
             elif name == "aux":
                 cs = _configs.aux_kernels()
             else:
-                cs = [c for c in _configs.all_decode_configs(arch, _configs.SCORE_MOD_FEATURES)
+                cs = [c for c in _dispatch.all_decode_configs(arch, _configs.SCORE_MOD_FEATURES)
                       if c.head_dim in dims]
             out += [(c, arch) for c in cs]
     elif name == "fwd90":
         # Varlen runs on the one-tile-per-CTA grid only (as tests/test_compile_sm90.py builds).
-        cs = (_configs.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES, persistent=True)
-              + _configs.all_fwd_sm90_configs(_configs.SM90_FWD_VARLEN_FEATURES))
+        cs = (_dispatch.all_fwd_sm90_configs(_configs.SM90_FWD_FEATURES, persistent=True)
+              + _dispatch.all_fwd_sm90_configs(_configs.SM90_FWD_VARLEN_FEATURES))
         if not all_:
             cs = [c for c in cs if c.head_dim in dims and c.dtype == "float16"]
         out = [(c, 90) for c in cs]
     elif name == "bwd90":
         feats = _configs.SM90_BWD_FEATURES + _configs.SM90_BWD_VARLEN_FEATURES
-        cs = [_configs.bwd_sm90_config(dtype, d, det, f) for f in feats
+        cs = [_dispatch.bwd_sm90_config(dtype, d, det, f) for f in feats
               for dtype in _configs.DTYPE_TAGS for d in _configs.SM90_BWD_HEAD_DIMS
               for det in (False, True)]
         if not all_:

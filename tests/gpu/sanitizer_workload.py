@@ -24,7 +24,7 @@ import ml_dtypes  # noqa: E402
 import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper, _hopper_bwd, api, testing  # noqa: E402
+from cuflash2 import _dispatch, _hopper, api, testing  # noqa: E402
 
 
 def _features(dtype, d) -> None:
@@ -65,8 +65,8 @@ def _hopper_backward(dtype, head_dims) -> None:
     seqlen_k both ways, GQA and MQA, causal, a window, softcap + ALiBi, unbatched, packed qkv."""
     if cupy.cuda.Device().compute_capability != "90":
         return
-    saved = _hopper_bwd.ENABLED
-    _hopper_bwd.ENABLED = True
+    saved = _dispatch.HOPPER_BACKWARD
+    _dispatch.HOPPER_BACKWARD = True
     api._backward_plans.plans.clear()
     try:
         slopes = cupy.linspace(0.05, 0.5, 8, dtype=cupy.float32).reshape(2, 4)
@@ -92,7 +92,7 @@ def _hopper_backward(dtype, head_dims) -> None:
             dqkv = cuflash2.attention_qkvpacked_backward(out, qkv, out, lse)
             assert not bool(cupy.isnan(dqkv).any())
     finally:
-        _hopper_bwd.ENABLED = saved
+        _dispatch.HOPPER_BACKWARD = saved
         api._backward_plans.plans.clear()
 
 
@@ -134,12 +134,12 @@ def _claimed_tiles(dtype) -> None:
     counters."""
     saved = {name: getattr(_hopper, name) for name in (
         "persistent_slots", "DYNAMIC_SCHEDULE_KEYS", "THREE_CONSUMER_MIN_KEYS")}
-    _hopper.DYNAMIC_SCHEDULE_KEYS = {64: (0, _hopper.NO_LIMIT), 128: (0, _hopper.NO_LIMIT)}
-    _hopper.THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 0}
+    _dispatch.DYNAMIC_SCHEDULE_KEYS = {64: (0, _dispatch.NO_LIMIT), 128: (0, _dispatch.NO_LIMIT)}
+    _dispatch.THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 0}
     try:
         for ctas in (None, 3):
             if ctas is not None:
-                _hopper.persistent_slots = lambda config, device: ctas
+                _dispatch.persistent_slots = lambda config, device: ctas
             api._forward_plans.plans.clear()
             for d in (64, 128):
                 q, k, v = testing.random_qkv(cupy, 1, 700, 705, 2, 1, d, dtype, seed=d)
@@ -157,7 +157,7 @@ def main(quick: bool) -> None:
     head_dims = (64, 128) if quick else (32, 40, 64, 96, 128, 160, 192, 224, 256)
     dtypes = (numpy.float16,) if quick else (numpy.float16, ml_dtypes.bfloat16)
     # On sm_90, d <= 64 with more than 256 keys runs on the Hopper kernel, as every larger head
-    # dim does (_hopper.forward_config); the 600-key shape leaves the persistent grid at d=96
+    # dim does (_dispatch.hopper_forward_config); the 600-key shape leaves the persistent grid at d=96
     # and runs d <= 64 without a window on three consumer warpgroups (192-row tiles).
     shapes = ((1, 77, 45, 2, 1), (2, 45, 77, 4, 2), (1, 150, 600, 2, 1)) if quick else (
         (1, 77, 45, 2, 1), (2, 45, 77, 4, 2), (1, 130, 130, 3, 3), (1, 1, 200, 2, 1),

@@ -1,5 +1,5 @@
 """GPU tests of the backward's dispatch on Hopper (sm_90): which main kernel runs a call with
-the Hopper backward switched on (the default; `_hopper_bwd.ENABLED` set inside
+the Hopper backward switched on (the default; `_dispatch.HOPPER_BACKWARD` set inside
 `_hopper_backward` whatever CUFLASH2_HOPPER_BWD says), and the Hopper kernel (cuda_src/flash_bwd_sm90.cu) through the public
 entry points against the reference: head dims 8..256 (above 128: two CTAs a key block, one
 per head-dim chunk), causal and windows, GQA/MQA, odd lengths,
@@ -20,14 +20,14 @@ from grids import seed_of as _seed
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _attention_plans, _configs, _hopper_bwd, api, testing  # noqa: E402
+from cuflash2 import _attention_plans, _configs, _dispatch, api, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def _hopper_backward(enabled: bool = True):
     """Plans made inside use (or not) the Hopper backward."""
-    return switched(_hopper_bwd, {"ENABLED": enabled}, api._backward_plans)
+    return switched(_dispatch, {"HOPPER_BACKWARD": enabled}, api._backward_plans)
 
 
 def _inputs(batch, sq, sk, h, hkv, d, dtype):

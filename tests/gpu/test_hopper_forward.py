@@ -17,14 +17,14 @@ from grids import seed_of as _seed
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _configs, _hopper, api, testing  # noqa: E402
+from cuflash2 import _configs, _dispatch, api, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def _hopper_forward(enabled: bool):
     """Plans made inside use (or not) the Hopper forward."""
-    return switched(_hopper, {"ENABLED": enabled}, api._forward_plans)
+    return switched(_dispatch, {"HOPPER_FORWARD": enabled}, api._forward_plans)
 
 
 def _qkv(batch, sq, sk, h, hkv, d, dtype):
@@ -56,8 +56,8 @@ def test_forward_kernels_names_the_kernel_of_the_call():
                                   "short_d64"])
 def test_calls_the_hopper_kernel_does_not_cover_run_on_mma_sync(case):
     q, k, v = _qkv(1, 64, 600, 2, 2, 64, FP16)
-    if case == "short_d64":  # faster on mma.sync (_hopper.MMA_SYNC_MAX_KEYS)
-        q, k, v = _qkv(1, 64, _hopper.MMA_SYNC_MAX_KEYS, 2, 2, 64, FP16)
+    if case == "short_d64":  # faster on mma.sync (_dispatch.MMA_SYNC_MAX_KEYS)
+        q, k, v = _qkv(1, 64, _dispatch.MMA_SYNC_MAX_KEYS, 2, 2, 64, FP16)
     options = {}
     if case == "dropout":
         options = {"dropout_p": 0.1, "seed": 1}
@@ -67,8 +67,8 @@ def test_calls_the_hopper_kernel_does_not_cover_run_on_mma_sync(case):
             pytest.skip("the Hopper kernels cover every head dim")
         q, k, v = _qkv(1, 64, 64, 2, 2, d, FP16)
     elif case == "varlen_features":
-        assert _hopper.forward_config(
-            _Problem(), _configs.FEATURE_VARLEN, (-1, -1), 90, {}, varlen=object()) is None
+        assert _dispatch.hopper_forward_config(
+            _Problem(), _configs.FEATURE_VARLEN, (-1, -1), 90, varlen=object()) is None
         return
     with _hopper_forward(case != "disabled"):
         (kernel,) = cuflash2.forward_kernels(q, k, v, **options)
@@ -176,7 +176,7 @@ def test_unbatched_inputs():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_three_consumer_warpgroups(dtype, causal, shape):
-    """d <= 64 with three consumer warpgroups (192-row tiles; _hopper.THREE_CONSUMER_MIN_KEYS)
+    """d <= 64 with three consumer warpgroups (192-row tiles; _dispatch.THREE_CONSUMER_MIN_KEYS)
     wherever the dispatcher gives them a call, on both grids (persistent up to
     THREE_CONSUMER_PERSISTENT_MAX_KEYS keys): odd lengths, rows past a 192-row tile's end,
     seqlen_q != seqlen_k both ways, GQA/MQA; and forced where it would not (short causal rows,
@@ -184,15 +184,15 @@ def test_three_consumer_warpgroups(dtype, causal, shape):
     softcap and ALiBi together included, against the reference too."""
     q, k, v = _qkv(*shape, dtype)
     sk = shape[2]
-    hopper = sk > _hopper.MMA_SYNC_MAX_KEYS  # shorter rows: mma.sync
-    three = hopper and sk >= _hopper.THREE_CONSUMER_MIN_KEYS[64, causal]
+    hopper = sk > _dispatch.MMA_SYNC_MAX_KEYS  # shorter rows: mma.sync
+    three = hopper and sk >= _dispatch.THREE_CONSUMER_MIN_KEYS[64, causal]
     (kernel,) = cuflash2.forward_kernels(q, k, v, causal=causal)
     assert kernel.startswith("Hopper" if hopper else "mma.sync"), kernel
     assert ("three warpgroups" in kernel) == three, kernel
     if three:
-        assert ("persistent" in kernel) == (sk <= _hopper.THREE_CONSUMER_PERSISTENT_MAX_KEYS)
+        assert ("persistent" in kernel) == (sk <= _dispatch.THREE_CONSUMER_PERSISTENT_MAX_KEYS)
     _check(q, k, v, causal=causal)
-    with switched(_hopper, {"THREE_CONSUMER_MIN_KEYS": {(64, False): 0, (64, True): 0},
+    with switched(_dispatch, {"THREE_CONSUMER_MIN_KEYS": {(64, False): 0, (64, True): 0},
                             "MMA_SYNC_MAX_KEYS": 0}, api._forward_plans):
         assert "three warpgroups" in cuflash2.forward_kernels(q, k, v, causal=causal)[0]
         _check(q, k, v, causal=causal)
@@ -223,9 +223,9 @@ def test_half_tiles(headdim, grid, sq, sk, window):
     always, never = 1 << 40, -1
     limit = never if grid == "one" else always
     q, k, v = _qkv(2, sq, sk, 4, 2, headdim, BF16)
-    with switched(_hopper, {
+    with switched(_dispatch, {
             "MMA_SYNC_MAX_KEYS": 0, "THREE_CONSUMER_MIN_KEYS": {},
-            "PERSISTENT_MAX_KEYS": {key: limit for key in _hopper.PERSISTENT_MAX_KEYS},
+            "PERSISTENT_MAX_KEYS": {key: limit for key in _dispatch.PERSISTENT_MAX_KEYS},
             "DYNAMIC_SCHEDULE": grid == "claimed",
             "DYNAMIC_SCHEDULE_KEYS": {dim: (0, always) for dim in (64, 96, 128)}},
             api._forward_plans):
@@ -242,9 +242,9 @@ def _persistent_everywhere(dynamic: bool, ctas=None):
     """Plans made inside run every Hopper call the persistent grid takes at all on it (at most
     `ctas` CTAs), its tiles claimed dynamically under a key limit or not (DYNAMIC_SCHEDULE)."""
     always = 1 << 40
-    slots = _hopper.persistent_slots
-    return switched(_hopper, {
-        "PERSISTENT_MAX_KEYS": {key: always for key in _hopper.PERSISTENT_MAX_KEYS},
+    slots = _dispatch.persistent_slots
+    return switched(_dispatch, {
+        "PERSISTENT_MAX_KEYS": {key: always for key in _dispatch.PERSISTENT_MAX_KEYS},
         "THREE_CONSUMER_PERSISTENT_MAX_KEYS": always, "DYNAMIC_SCHEDULE": dynamic,
         "DYNAMIC_SCHEDULE_KEYS": {dim: (0, always) for dim in (64, 96, 128)},
         "persistent_slots": (lambda config, device: min(ctas, slots(config, device))) if ctas
@@ -285,7 +285,7 @@ def test_persistent_tiles_claimed_dynamically(shape, window, ctas):
         want = cuflash2.attention(q, k, v, **options)
     with _persistent_everywhere(True, ctas):
         kernel_dim = min(d for d in (64, 96, 128) if d >= shape[5])
-        dynamic = _hopper.dynamic_schedule(kernel_dim, shape[1], shape[2], window[1])
+        dynamic = _dispatch.dynamic_schedule(kernel_dim, shape[1], shape[2], window[1])
         assert dynamic == (shape[1] <= shape[2] + window[1])
         _check(q, k, v, **options)
         for _ in range(3):

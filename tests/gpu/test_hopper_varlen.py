@@ -1,7 +1,7 @@
 """GPU tests of varlen on the Hopper forward (FEATURE_VARLEN of cuda_src/flash_fwd_sm90.cu;
 docs/HOPPER_FWD.md, "Varlen") and backward (flash_bwd_sm90.cu; docs/HOPPER_BWD.md, "Varlen"):
-`attention_varlen` with _hopper.VARLEN on, and `attention_varlen_backward` with
-_hopper_bwd.VARLEN on, against the reference, on ragged batches with empty and one-token
+`attention_varlen` with _dispatch.HOPPER_FORWARD_VARLEN on, and `attention_varlen_backward` with
+_dispatch.HOPPER_BACKWARD_VARLEN on, against the reference, on ragged batches with empty and one-token
 sequences, lengths that are not multiples of the tiles, seqlen_q != seqlen_k per sequence,
 causal masks, windows, GQA, softcap and per-sequence ALiBi, every kernel head dim and head dims
 between them, each schedule (in order, ping-pong, with and without the overlap inside a
@@ -24,7 +24,7 @@ from grids import seed_of as _seed
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _configs, _hopper, _hopper_bwd, api, reference, testing  # noqa: E402
+from cuflash2 import _configs, _dispatch, api, reference, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 def _hopper_varlen(enabled: bool = True, pingpong=None, overlap=None):
     """Plans made inside run varlen calls on the Hopper forward (or not); `pingpong` / `overlap`
     force a schedule (None: the dispatcher's)."""
-    dispatched = _hopper.forward_config
+    dispatched = _dispatch.hopper_forward_config
 
     def forced(*args, **kwargs):
         config = dispatched(*args, **kwargs)
@@ -42,11 +42,12 @@ def _hopper_varlen(enabled: bool = True, pingpong=None, overlap=None):
         ov = config.overlap if overlap is None else overlap
         return dataclasses.replace(config, pingpong=pp, overlap=ov)
 
-    return switched(_hopper, {"VARLEN": enabled, "forward_config": forced}, api._forward_plans)
+    return switched(_dispatch, {"HOPPER_FORWARD_VARLEN": enabled, "hopper_forward_config": forced},
+                    api._forward_plans)
 
 
 # (lengths_q, lengths_k, nheads, nheads_kv): the longest key length passes 512, so that d=64
-# runs on the Hopper kernel too (_hopper.MMA_SYNC_MAX_KEYS).
+# runs on the Hopper kernel too (_dispatch.MMA_SYNC_MAX_KEYS).
 LAYOUTS = {
     "ragged": ([97, 1, 0, 300, 64, 129], [97, 1, 0, 700, 64, 129], 4, 4),
     "sq!=sk-gqa": ([33, 250, 129, 1], [600, 17, 129, 5], 6, 2),
@@ -132,7 +133,7 @@ def test_dropout_and_short_d64_varlen_stay_on_mma_sync():
     with _hopper_varlen():
         (kernel,) = cuflash2.varlen_forward_kernels(q, k, v, *args, dropout_p=0.1, seed=1)
         assert kernel.startswith("mma.sync forward")
-        longest = _hopper.MMA_SYNC_MAX_KEYS
+        longest = _dispatch.MMA_SYNC_MAX_KEYS
         lengths = [100, 0, longest]
         cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32))
         x = cupy.asarray(numpy.zeros((sum(lengths), 2, 64), numpy.float16))
@@ -222,7 +223,7 @@ def test_varlen_plan_hit_patches_the_maps():
 
 def _hopper_bwd_varlen(enabled: bool = True):
     """Plans made inside run varlen backwards on the Hopper backward (or not)."""
-    return switched(_hopper_bwd, {"VARLEN": enabled}, api._backward_plans)
+    return switched(_dispatch, {"HOPPER_BACKWARD_VARLEN": enabled}, api._backward_plans)
 
 
 def _main_kernel_of_last_backward():

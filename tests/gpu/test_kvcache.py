@@ -428,7 +428,7 @@ def test_cluster_and_barrier_merges(num_splits, seqlen_q, heads):
     """The two split merges, inside a thread-block cluster (sm_90) and through the barrier in
     L2, both within the 2x rule of the reference, with ragged lengths, several row blocks and
     the appended token; on sm_90 the first runs as a cluster of the splits."""
-    from cuflash2 import _kvcache, _launch, _prepare
+    from cuflash2 import _dispatch, _kvcache, _launch, _prepare
 
     dtype = numpy.dtype(numpy.float16)
     rng = numpy.random.default_rng(seed_of("cluster", num_splits, seqlen_q, *heads))
@@ -440,10 +440,10 @@ def test_cluster_and_barrier_merges(num_splits, seqlen_q, heads):
     lengths = numpy.array([2999, 1500, 77], numpy.int32)
     kwargs = dict(k=k_new, v=v_new, cache_seqlens=cupy.asarray(lengths), causal=True)
     clustered = _prepare.device_arch(cupy.cuda.Device().id) >= 90
-    saved, clusters_seen = _kvcache.CLUSTER_MERGE, []
+    saved, clusters_seen = _dispatch.CLUSTER_MERGE, []
     try:
         for cluster_merge in (True, False):
-            _kvcache.CLUSTER_MERGE = cluster_merge
+            _dispatch.CLUSTER_MERGE = cluster_merge
             _kvcache._plans_by_key.plans.clear()
             copies = [k_cache.copy()], [v_cache.copy()]
             out, lse = cuflash2.attention_with_kvcache(q, copies[0][0], copies[1][0],
@@ -460,7 +460,7 @@ def test_cluster_and_barrier_merges(num_splits, seqlen_q, heads):
             assert launch.cooperative == (launch.cluster == 1 and planned.splits > 1)
             clusters_seen.append(launch.cluster > 1)
     finally:
-        _kvcache.CLUSTER_MERGE = saved
+        _dispatch.CLUSTER_MERGE = saved
         _kvcache._plans_by_key.plans.clear()
     if clustered and heads == (32, 4):  # 12 clusters: they fit
         assert clusters_seen[0]

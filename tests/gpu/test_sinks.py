@@ -8,7 +8,7 @@ runs); rows that see no key; attention_vjp; the dsinks= output; decoding (attent
 over contiguous and paged caches, one split, forced splits (the merge counts the sink once) and
 automatic ones, GQA packing, and a decode step replayed from a CUDA graph. On an H100/H200 the
 dense and varlen cases run on both kernel families: the Hopper kernels and the mma.sync ones
-(`_hopper.ENABLED` / `_hopper_bwd.ENABLED` switched off), asserted through forward_kernels /
+(`_dispatch.HOPPER_FORWARD` / `_dispatch.HOPPER_BACKWARD` switched off), asserted through forward_kernels /
 backward_kernels. Sinks are fresh normal draws (std 1.5), with very large (+25: the rows' keys
 get ~e^-25 of the weight) and very negative (-30: almost no sink) ones in places."""
 
@@ -21,7 +21,7 @@ from grids import BF16, DTYPES, FP16, needs_hopper, paged_cache, seed_of, switch
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _hopper, _hopper_bwd, api, reference, testing  # noqa: E402
+from cuflash2 import _dispatch, api, reference, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -59,8 +59,8 @@ def _family(name):
         yield
         return
     on = name == "hopper"
-    with switched(_hopper, {"ENABLED": on}, api._forward_plans), \
-            switched(_hopper_bwd, {"ENABLED": on}, api._backward_plans):
+    with switched(_dispatch, {"HOPPER_FORWARD": on}, api._forward_plans), \
+            switched(_dispatch, {"HOPPER_BACKWARD": on}, api._backward_plans):
         yield
 
 

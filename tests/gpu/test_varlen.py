@@ -12,7 +12,7 @@ from grids import DTYPES, seed_of, switched  # tests/gpu helper
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import _attention_plans, _configs, _hopper, _hopper_bwd, api, reference  # noqa: E402
+from cuflash2 import _configs, _dispatch, api, reference  # noqa: E402
 from cuflash2 import testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -101,17 +101,17 @@ def test_varlen_matches_dense_loop_and_reference(dtype, headdim, layout, option)
         seq_options = dict(options)
         if "alibi_slopes" in seq_options:
             seq_options["alibi_slopes"] = cupy.ascontiguousarray(options["alibi_slopes"][b])
-        with switched(_hopper, {"ENABLED": on_hopper, "MMA_SYNC_MAX_KEYS": 0,
+        with switched(_dispatch, {"HOPPER_FORWARD": on_hopper, "MMA_SYNC_MAX_KEYS": 0,
                                 "THREE_CONSUMER_MIN_KEYS": {}}, api._forward_plans):
             o_b, lse_b = cuflash2.attention(q[rq], k[rk], v[rk], return_lse=True,
                                             **seq_options)
         assert bool((o_b.view(cupy.uint16) == out[rq].view(cupy.uint16)).all()), b
         assert bool((lse_b == lse[:, rq]).all()), b
         if dense_main is not None and rq.stop > rq.start and rk.stop > rk.start:
-            backward = switched(_attention_plans, {"FORCED": {"bwd": dense_main}},
+            backward = switched(_dispatch, {"FORCED": {"bwd": dense_main}},
                                 api._backward_plans)
         else:
-            backward = switched(_hopper_bwd, {"ENABLED": False}, api._backward_plans)
+            backward = switched(_dispatch, {"HOPPER_BACKWARD": False}, api._backward_plans)
         with backward:
             g_b = cuflash2.attention_backward(dout[rq], q[rq], k[rk], v[rk], o_b, lse_b,
                                               deterministic=True, **seq_options)

@@ -1,0 +1,871 @@
+"""Dispatch: which kernel runs a call, and how (docs/ARCHITECTURE.md, "Layers of the package").
+
+Every choice a plan makes is here, with the measurements behind it: the kernel family (mma.sync
+or the Hopper sm_90a kernels), the tile of a specialisation for a dtype, head dim, architecture
+and features, the Hopper forward's consumer schedule, grid and tile order, the backward's main
+kernel and the Hopper backward's dispatch order, and the decode kernel's split count and
+cluster. A plan asks once (`forward_kernel`, `backward_kernels`, `decode_kernel`) and builds
+its struct and launches from the answer. What one specialisation is (its tiles, threads, shared
+memory, name) is `_configs`'s; the tensor maps are `_hopper`'s, which the Hopper choices ask to
+describe a call's arrays. `all_*_configs` and `hopper_forward_configs` enumerate what the
+dispatcher can choose (the compile tests and the prewarm build them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass, field
+
+from . import _hopper, _launch
+from ._configs import (DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+                       FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
+                       MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
+                       BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
+                       FwdSm90Config, backward_features, with_features)
+
+#: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
+FORCED: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plans' questions: one each, answered with everything the plan takes from the dispatch.
+
+
+@dataclass
+class ForwardChoice:
+    """The forward kernel of a call: its configuration (FwdConfig, or FwdSm90Config on the
+    Hopper kernel) and grid; on the Hopper kernel also FwdSm90Params' own fields (the persistent
+    grid's batch and section size) and the tensor maps (`maps`: map field -> (view name, box
+    rows), `map_fields`: their encoded words by struct path, _hopper.tensor_map_fields)."""
+
+    config: object
+    grid: tuple
+    hopper: bool = False
+    grid_fields: dict = field(default_factory=dict)
+    maps: dict | None = None
+    map_fields: dict | None = None
+
+
+def forward_kernel(problem, features: int, window, arch: int, views: dict, varlen, device_id: int,
+                   config=None) -> ForwardChoice:
+    """The forward kernel of a checked call (`features`: its FEATURE_* bits, varlen included;
+    `window`: the kernels' (left, right)). On sm_90 the Hopper kernel runs every call it covers
+    (hopper_forward_config) whose q, k and v the TMA describes, the mma.sync kernel (fwd_config)
+    the others; `config`, or a tuning script's FORCED["fwd"], runs instead where given."""
+    p = problem
+    hopper = map_fields = None
+    if config is None and "fwd" not in FORCED:
+        hopper = hopper_forward_config(p, features, window, arch, varlen)
+    if hopper is not None:
+        maps = _hopper.forward_maps(hopper)
+        map_fields = _hopper.readable_map_fields(views, maps)
+    if map_fields is None:
+        if config is None:
+            config = FORCED.get("fwd") or fwd_config(p.dtype, p.head_dim, arch)
+        config = with_features(config, features)
+        return ForwardChoice(config, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch))
+    grid, grid_fields = forward_grid(hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
+                                     p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
+                                     device_id)
+    return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+
+
+@dataclass
+class BackwardChoice:
+    """The backward kernels of a call that depend on the dispatch: the main kernel's
+    configuration (BwdConfig, or BwdSm90Config on the Hopper kernel), the deterministic dQ
+    kernel's (the mma.sync path in deterministic mode; None elsewhere), and on the Hopper kernel
+    BwdSm90Params.dispatch_group_pairs and the tensor maps (as ForwardChoice's)."""
+
+    config: object
+    hopper: bool = False
+    dq_config: BwdDqConfig | None = None
+    group_pairs: int = 1
+    maps: dict | None = None
+    map_fields: dict | None = None
+
+
+def backward_kernels(problem, features: int, deterministic: bool, arch: int, views: dict,
+                     varlen, window, config=None) -> BackwardChoice:
+    """The backward kernels of a checked call (`features`: those of its main kernels,
+    backward_features): `config` or a tuning script's forced one if given (a BwdSm90Config
+    forces the Hopper kernel), else the Hopper kernel where hopper_backward_config covers the
+    call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config)."""
+    p = problem
+    forced = config if config is not None else FORCED.get("bwd")
+    hopper = map_fields = None
+    if isinstance(forced, BwdSm90Config):
+        # BwdSm90Config refuses what the kernel does not compile in (dropout): ValueError here.
+        hopper = with_features(dataclasses.replace(forced, deterministic=deterministic),
+                               features)
+        maps = _hopper.backward_maps(hopper)
+        map_fields = _hopper.tensor_map_fields(views, maps)  # forced: the TMA's refusal raises
+    elif forced is None:
+        hopper = hopper_backward_config(p, features, arch, varlen, deterministic)
+        if hopper is not None:
+            maps = _hopper.backward_maps(hopper)
+            map_fields = _hopper.readable_map_fields(views, maps)
+    if map_fields is None:
+        if forced is None:
+            forced = bwd_config(p.dtype, p.head_dim, arch, deterministic)
+        dq_config = None
+        if deterministic:
+            dq_config = with_features(bwd_dq_config(p.dtype, p.head_dim, arch), features)
+        return BackwardChoice(with_features(forced, features), dq_config=dq_config)
+    key_blocks = -(-p.seqlen_k // hopper.block_n)
+    group_pairs = dispatch_group_pairs(key_blocks, hopper.num_chunks, window, deterministic)
+    return BackwardChoice(hopper, True, group_pairs=group_pairs, maps=maps,
+                          map_fields=map_fields)
+
+
+@dataclass
+class DecodeChoice:
+    """The decode launch of an attention_with_kvcache call: its configuration, packed query row
+    blocks a (sequence, KV head), the split barriers' groups (row blocks x KV heads x
+    sequences), the split count, the cluster size (1: none) and whether it is a programmatic
+    launch."""
+
+    config: DecodeConfig
+    m_blocks: int
+    groups: int
+    splits: int
+    cluster: int
+    programmatic: bool
+
+
+def decode_kernel(kv, dtype: str, features: int, arch: int, device_id: int, num_splits: int,
+                  early_cache_reads: bool) -> DecodeChoice:
+    """The decode kernel (compiled here if need be, for its occupancy) and its split count for
+    a checked call (`kv`: its _validate.KVCacheProblem; `num_splits`: as requested, 0 for
+    automatic)."""
+    group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
+    block_m = (DECODE_BLOCK_M_N8 if ROWS_ON_N and kv.seqlen_q * group
+               <= DECODE_BLOCK_M_N8 else DECODE_BLOCK_M)
+    config = with_features(decode_config(dtype, kv.head_dim, arch, block_m), features)
+    # The kernel waits for the previous kernel's writes itself (dependent_launch.cuh), so a
+    # programmatic launch lets it start while that kernel finishes; with the caller's promise
+    # its specialisation reads the cache meanwhile (without the overlap there is nothing to gain).
+    programmatic = _launch.programmatic_available(arch)
+    if early_cache_reads and programmatic:
+        config = dataclasses.replace(config, early_cache_reads=True)
+    m_blocks = -(-kv.seqlen_q * group // config.block_m)
+    tiles = -(-kv.capacity // config.block_n)
+    groups = m_blocks * kv.nheads_kv * kv.batch
+    empty = kv.batch == 0 or kv.seqlen_q == 0 or kv.nheads == 0
+    config, splits, cluster = (config, 1, 1) if empty else choose_splits(
+        config, num_splits, groups, tiles, device_id, arch, dtype, kv.head_dim, features)
+    return DecodeChoice(config, m_blocks, groups, splits, cluster, programmatic)
+
+
+# ---------------------------------------------------------------------------------------------
+# mma.sync tiles (flash_fwd.cu, flash_bwd.cu, flash_bwd_dq.cu, flash_decode.cu): by dtype, head
+# dim and the architecture's shared memory.
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The smallest kernel head dim that holds `head_dim`."""
+    for d in KERNEL_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"head dim {head_dim} is larger than {KERNEL_HEAD_DIMS[-1]}")
+
+
+#: Shared memory per SM (KiB) by compute capability; unknown newer archs get the small figure.
+SMEM_PER_SM_KIB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228}
+SMEM_PER_SM_KIB_DEFAULT = 100
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
+    """Tile shape for the forward kernel, measured on an H200 (docs/PERF_NOTES.md).
+
+    Up to d=128, 4 warps own 32 query rows each: two m16 tiles share every K/V fragment, which
+    halves shared-memory reads per FLOP against 16 rows a warp (8-warp tiles measured 0.6-0.75x of
+    the 4-warp ones). K/V tiles are double-buffered when two CTAs still fit on an SM, else FA2's
+    single-buffered schedule is used. Above d=128 the accumulators of 32 rows no longer fit in
+    registers: 8 warps own 16 rows each.
+    """
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    if d > 128:
+        config = FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=8, kv_stages=1)
+        if config.smem_bytes + 1024 > smem_per_sm:  # 100 KiB parts: a 64-row Q tile
+            config = FwdConfig(dtype, d, block_m=64, block_n=64, num_warps=4, kv_stages=1)
+        return config
+    # Preferred first; the first that fits two CTAs per SM wins (1 KiB a CTA is reserved).
+    if d <= 64:
+        shapes = [(128, 128, 2), (128, 64, 2), (128, 64, 1)]
+    else:
+        shapes = [(128, 64, 2), (128, 64, 1)]
+    for block_m, block_n, stages in shapes:
+        config = FwdConfig(dtype, d, block_m, block_n, num_warps=4, kv_stages=stages)
+        if 2 * (config.smem_bytes + 1024) <= smem_per_sm:
+            return config
+    return config
+
+
+#: Most fp32 accumulator registers a backward thread may keep (BwdConfig.accumulator_registers):
+#: the rest of the 255 go to fragments, addresses and statistics.
+BWD_MAX_ACCUMULATORS = 192
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False) -> BwdConfig:
+    """Tile shape of the backward main kernel (docs/PERF_NOTES.md).
+
+    FA2's shape where shared memory allows: 8 warps, a 128-key block (dQ atomics per FLOP fall
+    as 1/block_n), 64-query steps with Q/dO double-buffered. The first candidate that has a warp
+    grid for every phase, keeps its accumulators in registers and fits one CTA per SM wins;
+    above d=128 the dK/dV/dQ columns are split in two chunks (grid.x) when that is needed.
+    """
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    # 128-query steps where the accumulators allow it (d <= 64): half the steps, same atomics.
+    shapes = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 2), (64, 64, 8, 1),
+              (32, 64, 4, 1), (32, 32, 4, 1)]
+    chunks = [d] if d <= 128 else [d, d // 2]
+    for block_m, block_n, warps, stages in shapes:
+        for d_chunk in chunks:
+            config = BwdConfig(dtype, d, d_chunk, block_m, block_n, warps, stages,
+                               not deterministic)
+            if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
+                    and config.smem_bytes + 1024 <= smem_per_sm):
+                return config
+    raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
+    """Tile shape of the deterministic dQ kernel: double-buffered K/V when two CTAs fit."""
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    for block_n, stages, ctas in ((64, 2, 2), (64, 1, 2), (64, 1, 1), (32, 1, 1)):
+        config = BwdDqConfig(dtype, d, block_n, stages)
+        if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
+            return config
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def decode_config(dtype: str, head_dim: int, arch: int,
+                  block_m: int = DECODE_BLOCK_M) -> DecodeConfig:
+    """4 warps of 16 keys (64-key tiles); of the cp.async stage counts (2 to 4) and CTAs per SM
+    that fit, the one with the most KV tiles in flight per SM (CTAs x (stages - 1)), at least two
+    CTAs per SM where possible, more CTAs on a tie: decoding is bound by the cache bytes in
+    flight, and a single CTA per SM leaves mid-sized grids short of them (H200, d=128: two CTAs
+    of three stages beat three of two and one of four, docs/DECODE_DESIGN.md). 2 warps where
+    even one CTA of two stages does not fit. `block_m`: DECODE_BLOCK_M, or DECODE_BLOCK_M_N8
+    for the rows on the mma's n side."""
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    for warps, min_ctas in ((4, 2), (4, 1), (2, 1)):
+        fitting = []
+        for stages in (2, 3, 4):
+            config = DecodeConfig(dtype, d, warps, 16, stages, block_m=block_m)
+            ctas = min(3, smem_per_sm // (config.smem_bytes + 1024))  # 3: the register budget
+            if ctas >= min_ctas:
+                fitting.append((ctas * (stages - 1), ctas, config))
+        if fitting:
+            return max(fitting, key=lambda f: f[:2])[2]
+    raise AssertionError(f"no decode tile fits head dim {d} on sm_{arch}")
+
+
+#: A decoding step whose splits merge inside a cluster is short: at most this many KV tiles a
+#: split (beyond, more CTAs merging through L2 stream the cache faster; docs/DECODE_DESIGN.md).
+CLUSTER_MAX_TILES_PER_SPLIT = 4
+#: The first compute capability with thread-block clusters.
+CLUSTER_MIN_ARCH = 90
+
+
+def decode_cluster_config(dtype: str, head_dim: int, arch: int,
+                          early_cache_reads: bool = False) -> DecodeConfig:
+    """The decode kernel for splits merged inside a cluster (sm_90): such a step is short (at
+    most CLUSTER_MAX_TILES_PER_SPLIT of decode_config's tiles a split) and its grid small (one
+    CTA an SM), so every key of a split is loaded at once: in kv_stages - 1 stages, or, with
+    `early_cache_reads`, in kv_stages, all but the last tile before the previous kernel ends
+    (loading every tile then delayed that kernel's end: 8.55 against 8.25 us a layer at 4k
+    tokens in a graph, H200). Of the tiles that fit one CTA so, the widest: 32 keys a warp where
+    it fits (half the tile steps, each with its barrier and softmax: 9.45 against 9.71 us a
+    layer at 4k in a graph), 16 otherwise; failing both, as many stages as one CTA fits."""
+    config = dataclasses.replace(decode_config(dtype, head_dim, arch),
+                                 early_cache_reads=early_cache_reads)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    split_keys = CLUSTER_MAX_TILES_PER_SPLIT * config.block_n
+    extra_stage = 0 if early_cache_reads else 1
+    candidates = [dataclasses.replace(
+        config, keys_per_warp=keys,
+        kv_stages=max(2, -(-split_keys // (config.num_warps * keys)) + extra_stage))
+        for keys in (32, 16)]
+    candidates += [dataclasses.replace(config, kv_stages=stages)
+                   for stages in range(CLUSTER_MAX_TILES_PER_SPLIT, config.kv_stages, -1)]
+    return next((c for c in candidates if c.smem_bytes + 1024 <= smem_per_sm), config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hopper forward (cuda_src/flash_fwd_sm90.cu; docs/HOPPER_FWD.md): on sm_90 wherever
+# hopper_forward_config covers a call (CUFLASH2_HOPPER=0 turns it off).
+
+#: CUFLASH2_HOPPER=0 keeps every forward on the mma.sync kernels (read when a call signature is
+#: planned; tests flip `HOPPER_FORWARD` and clear the plan caches).
+HOPPER_FORWARD = os.environ.get("CUFLASH2_HOPPER", "1") != "0"
+#: Varlen calls (attention_varlen) on the Hopper forward (FEATURE_VARLEN; docs/HOPPER_FWD.md,
+#: "Varlen"). CUFLASH2_HOPPER_VARLEN=0 keeps them on the mma.sync kernel (tests flip
+#: `HOPPER_FORWARD_VARLEN` and clear the plan caches).
+HOPPER_FORWARD_VARLEN = os.environ.get("CUFLASH2_HOPPER_VARLEN", "1") != "0"
+
+
+#: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
+#: 64 rows) throughout. Two limits decide: shared memory, Q + stages x (K + V) of 64-column
+#: panels + 1 KiB within 227 KiB (one CTA an SM), and the consumers' 240 registers, which hold O
+#: (head_dim / 2 floats a thread), S (block_n / 2) and P (block_n / 4) at once. FlashAttention-3
+#: (hopper/tile_size.h, 16-bit, 2 stages) takes the largest block_n that fits shared memory for
+#: the large head dims: d=192 128 x 112 and d=256 128 x 80 (both "hit the limit of smem"), and
+#: 128 x 128/176 at d=128, 192 x 144 at d=96 (three consumer warpgroups, P V from shared memory:
+#: a structure this kernel does not have).
+#:  - 64, 128: 128 x 128, 2 stages, as first built and run (unchanged).
+#:  - 96: 128 x 128, 3 stages. Its tiles take two panels like d=128 (the second half
+#:    zero-filled), so two stages cost what d=128's do (161 KiB) and a third fits (225 KiB); with
+#:    a quarter less math per tile than d=128 the loads have less time to land, which the extra
+#:    stage buys back. Registers: O 48 + S 64 + P 32.
+#:  - 192: 128 x 112, 2 stages: 217 KiB (128 keys would need 241 KiB). O 96 + S 56 + P 28.
+#:  - 256: 128 x 80, 2 stages: 225 KiB (96 keys would need 257 KiB). O 128 + S 40 + P 20.
+#: Ping-pong and the overlap inside a warpgroup, alone or together, fit all of them (ptxas: no
+#: spills at 240 registers, R237 at most; docs/HOPPER_FWD.md), on either grid (the persistent
+#: one with SM90_PERSISTENT_TILES).
+SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+
+
+#: (block_n, stages) of the persistent Hopper forward, for the head dims where its O buffer (Q's
+#: size) fits beside Q and the ring: d=64 99,328 B and d=128 197,632 B with their usual tiles;
+#: d=96 drops to 2 stages (197,632 B; 3 would need 263,168 B); d=192 (271,360 B) and d=256
+#: (295,936 B) do not fit even with their 2 stages, and have no persistent specialisation.
+SM90_PERSISTENT_TILES = {64: (128, 2), 96: (128, 2), 128: (128, 2)}
+
+#: (block_n, stages) of the Hopper forward with three consumer warpgroups (block_m 192,
+#: FlashAttention-3's d=64 tile; either grid: 91,136 / 115,712 B), for the head dims where their
+#: 160 registers a thread hold O, S and P of the in-order schedule without spilling: d=64 (O 32 +
+#: S 64 + P 32; the overlap inside a warpgroup spills 104 B there, d=128 would need O 64 more).
+SM90_THREE_CONSUMER_TILES = {64: (128, 2)}
+
+
+def fwd_sm90_config(dtype: str, head_dim: int, persistent: bool = False,
+                    consumers: int = 2) -> FwdSm90Config:
+    """The Hopper forward's tile for `head_dim` (one of SM90_FWD_HEAD_DIMS): SM90_FWD_TILES, or
+    SM90_PERSISTENT_TILES for the persistent grid; with three `consumers` (warpgroups of 64 query
+    rows) SM90_THREE_CONSUMER_TILES (either grid). ValueError for a head dim it does not have."""
+    if head_dim not in SM90_FWD_HEAD_DIMS:
+        raise ValueError(f"the Hopper forward has head dims {SM90_FWD_HEAD_DIMS}, not {head_dim}")
+    if persistent and head_dim not in SM90_PERSISTENT_TILES:
+        raise ValueError(f"the persistent Hopper forward has head dims "
+                         f"{tuple(SM90_PERSISTENT_TILES)} (its O buffer must fit shared memory), "
+                         f"not {head_dim}")
+    if consumers == 3:
+        if head_dim not in SM90_THREE_CONSUMER_TILES:
+            raise ValueError(f"three consumer warpgroups run head dims "
+                             f"{tuple(SM90_THREE_CONSUMER_TILES)}, not {head_dim}")
+        block_n, stages = SM90_THREE_CONSUMER_TILES[head_dim]
+        return FwdSm90Config(dtype, head_dim, block_m=192, block_n=block_n, stages=stages,
+                             persistent=persistent)
+    if consumers != 2:
+        raise ValueError(f"the Hopper forward has two or three consumer warpgroups, not "
+                         f"{consumers}")
+    block_n, stages = (SM90_PERSISTENT_TILES if persistent else SM90_FWD_TILES)[head_dim]
+    return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages, persistent=persistent)
+
+
+def plannable(problem, head_dims) -> bool:
+    """What both Hopper kernels need of a call before its tiles and maps: a head dim one of
+    `head_dims` holds, no empty dimension (a tensor map has none), and the driver bindings that
+    encode the maps."""
+    p = problem
+    return (p.head_dim <= max(head_dims) and min(p.batch, p.seqlen_q, p.seqlen_k, p.nheads) >= 1
+            and _hopper.bindings_available())
+
+
+#: The consumer schedule by (kernel head dim, causal): (pingpong, overlap). Ping-pong (one
+#: warpgroup's softmax under the other's GEMMs) and the overlap inside a warpgroup (tile j's
+#: softmax under P_{j-1} V_{j-1}) where they measured fastest on the H200; at d=192/256 the
+#: overlap alone, whose 128-row tiles keep both warpgroups' GEMMs back to back
+#: (benchmarks/dev/hopper_fwd_check.py --schedule all; docs/PERF_NOTES.md, "Hopper forward").
+SCHEDULES = {(64, False): (True, True), (64, True): (True, True),
+             (96, False): (True, True), (96, True): (True, True),
+             (128, False): (True, True), (128, True): (True, True),
+             (192, False): (False, True), (192, True): (False, True),
+             (256, False): (False, True), (256, True): (False, True)}
+
+
+#: Short d=64 problems stay on the mma.sync kernel: with at most 256 keys a CTA of the Hopper
+#: kernel visits two K/V tiles or fewer, too few to hide its fixed cost (barrier set-up, the Q
+#: load, a 384-thread CTA at one per SM): the mma.sync kernel measured 16% faster at 128 x 128
+#: on the H200, while at 512 tokens the Hopper kernel's persistent grid is 12-16% faster than
+#: mma.sync (docs/PERF_NOTES.md, "Hopper forward").
+MMA_SYNC_MAX_DIM = 64
+MMA_SYNC_MAX_KEYS = 256
+
+#: A key bound that no call reaches.
+NO_LIMIT = 1 << 62
+
+#: The persistent grid (at most one CTA per SM looping over work tiles, the next tile's Q and
+#: K/V loaded under the current epilogue) runs the dense calls with at most this many keys, by
+#: (kernel head dim, causal), with the static schedule; causal calls also where they claim
+#: their tiles dynamically (DYNAMIC_SCHEDULE_KEYS). Short rows, where each CTA's tile is short
+#: and its fixed cost shows, measured 3-18% faster on the H200; at d=128 without a key limit
+#: every length from 1k to 16k too (1.01-1.09x, the pair order; 2026-12-03), while the static
+#: schedule of causal rows loses to the one-tile grid from 2k keys on (up to 11% at 16k: its
+#: CTAs end apart). Head dims without a persistent kernel (192, 256: no room for the O buffer)
+#: and varlen calls never take it.
+PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 4096, (96, False): 512, (96, True): 1024,
+                       (128, False): NO_LIMIT, (128, True): 1024}
+
+
+#: Three consumer warpgroups (192 query rows a CTA, SM90_THREE_CONSUMER_TILES; the
+#: in-order schedule, since ping-pong takes two and the overlap inside a warpgroup spills at
+#: their 160 registers) run the calls with at least this many keys, by (kernel head dim,
+#: causal), without a window (a full or causal mask) and not varlen; on the persistent grid up
+#: to THREE_CONSUMER_PERSISTENT_MAX_KEYS keys (every length: 1.00-1.07x the one-tile grid
+#: non-causal, causal with dynamic claims from 2k keys on; 2026-12-03). At d=64 each key tile's
+#: exponentials take the multi-function unit about as long as its two GEMMs take the tensor
+#: cores: with three warpgroups one's softmax runs under the others' GEMMs without a turn
+#: protocol. H200, bf16
+#: (docs/PERF_NOTES.md, "Hopper forward"): 1.01-1.15x the two-consumer kernel non-causal from 512
+#: to 16k keys, causal 1.00-1.07x from 2k keys on (0.89-0.90x at 512-1k: 192-row tiles of a
+#: short causal row are mostly masked).
+THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 2048}
+THREE_CONSUMER_PERSISTENT_MAX_KEYS = NO_LIMIT
+
+
+def hopper_forward_config(problem, features: int, window, arch: int, varlen=None):
+    """The Hopper forward's configuration for a checked call, or None where the call stays on
+    the mma.sync kernel: not sm_90, switched off, dropout, varlen unless HOPPER_FORWARD_VARLEN,
+    a head dim beyond the Hopper kernels', or an empty problem (forward_kernel then asks the
+    TMA to describe q, k and v).
+
+    Varlen (`varlen` given; `problem` has the sequence count as batch and the max lengths as
+    seqlens): the maps cover the packed (total, heads, dim) arrays as rank-4 maps with a batch
+    extent of 1 (the dense maps' geometry, _hopper.as_batched), each CTA adds its sequence's
+    first row to its row coordinates (flash_fwd_sm90.cu)."""
+    p = problem
+    if not HOPPER_FORWARD or arch != 90 or (varlen is not None and not HOPPER_FORWARD_VARLEN):
+        return None
+    covered = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS
+    if varlen is not None:
+        covered |= FEATURE_VARLEN
+    if features & ~covered:
+        return None
+    if not plannable(p, SM90_FWD_HEAD_DIMS):
+        return None
+    kernel_dim = min(d for d in SM90_FWD_HEAD_DIMS if d >= p.head_dim)
+    if kernel_dim <= MMA_SYNC_MAX_DIM and p.seqlen_k <= MMA_SYNC_MAX_KEYS:
+        return None
+    causal = window[1] == 0 and window[0] < 0
+    unwindowed = window[0] < 0 and (window[1] < 0 or causal)
+    claims = varlen is None and dynamic_schedule(kernel_dim, p.seqlen_q, p.seqlen_k, window[1])
+    if (varlen is None and unwindowed
+            and p.seqlen_k >= THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), NO_LIMIT)):
+        persistent = p.seqlen_k <= THREE_CONSUMER_PERSISTENT_MAX_KEYS
+        config = with_features(
+            fwd_sm90_config(p.dtype, kernel_dim, persistent, consumers=3), features)
+    else:
+        persistent = varlen is None and (
+            p.seqlen_k <= PERSISTENT_MAX_KEYS.get((kernel_dim, causal), 0) or causal and claims)
+        config = fwd_sm90_config(p.dtype, kernel_dim, persistent)
+        pingpong, overlap = SCHEDULES[kernel_dim, causal]
+        config = dataclasses.replace(with_features(config, features),
+                                     pingpong=pingpong, overlap=overlap)
+    if config.persistent and claims:
+        config = dataclasses.replace(config, claims=True)
+    return config
+
+
+#: K/V bytes that the CTAs of the persistent grid running at one time should find in L2 where
+#: the tile order goes by sections (persistent_schedule): the persistent tile order
+#: (flash_fwd_sm90.cu, PersistentTiles) then walks sections of (batch, head) pairs whose K and V
+#: fit this. FlashAttention-3's figure (size_l2 in its tile scheduler set-up), of the H100's
+#: 50 MiB and the H200's 60 MiB of L2.
+PERSISTENT_L2_BYTES = 32 << 20
+
+#: Kernel head dims whose persistent calls go pair by pair under an upper limit on keys (causal,
+#: a right window edge) too (forward_grid). H200, causal, against the L2 sections
+#: (`benchmarks/results/2026-12-03-h200-hopper-fwd-tile-order.txt`): d=128 1.02-1.03x at 512
+#: tokens and 1.08-1.10x at 1k; d=64 0.98-1.01x (2k 0.98x), so d=64 keeps the sections; d=96
+#: follows d=128 (the same two panels a row), not measured.
+CAUSAL_PAIR_ORDER_DIMS = (96, 128)
+
+
+#: Persistent calls under an upper limit on keys (causal, a right window edge) with keys in
+#: DYNAMIC_SCHEDULE_KEYS[kernel head dim] (first, last) claim their work tiles dynamically
+#: (flash_fwd_sm90.cu, WorkTileClaims: an atomic ticket a tile from a pair of counters a stream,
+#: _plans.stream_counters), in the L2 sections' order: their tiles are 1 to m_blocks KV tiles
+#: long, and the static schedule (tile b, b + CTAs, ...) leaves CTAs 3-45% apart. H200, bf16,
+#: causal (2026-12-03, docs/PERF_NOTES.md): d=128 1.04x the best static choice at 2k and 4k,
+#: 1.01x at 8k, 0.95x the one-tile grid at 16k; d=64 (three consumers) 1.02x the static
+#: sections at 4k, 1.03x the one-tile grid at 8k-16k; at 512-1k keys the claims cost 1-4%
+#: (tiles of one to eight KV tiles). Only where every query row sees a key (the kernel's claim ring
+#: relies on every work tile loading a Q). Without a key limit every tile is as long as the
+#: next and the static schedule is kept. DYNAMIC_SCHEDULE = False turns the claims off.
+DYNAMIC_SCHEDULE = True
+DYNAMIC_SCHEDULE_KEYS = {64: (2048, NO_LIMIT), 128: (2048, 8192)}
+
+
+def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int) -> bool:
+    """Whether a persistent launch (kernel head dim `kernel_dim`) claims its tiles dynamically:
+    FwdSm90Config.claims (its plan then sets FwdSm90Params.tile_counters to the stream's
+    counters a call)."""
+    first, last = DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0))
+    return (DYNAMIC_SCHEDULE and window_right >= 0 and first <= seqlen_k <= last
+            and seqlen_q <= seqlen_k + window_right)  # every query row sees a key
+
+
+def persistent_schedule(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
+                        head_dim: int, itemsize: int, block_m: int, slots: int,
+                        pair_order: bool):
+    """(CTAs, section_pairs) of the persistent Hopper forward: one CTA per resident slot (`slots`:
+    SMs x CTAs an SM), fewer if there are fewer work tiles (m blocks x heads x batch), and the
+    (batch, head) pairs a section of the tile order holds. One 1-D grid covers every batch,
+    however many.
+
+    `pair_order`: one pair a section, which makes the kernel's order pair by pair, a pair's m
+    blocks side by side (under an upper key limit each pair's from a rotated start): the CTAs
+    running at one time then share each K/V tile's DRAM read (without a key limit 1.05-1.08x at
+    512 tokens on the H200 against sections m block by m block, whose first m block read every
+    pair's K/V from DRAM at once; docs/HOPPER_FWD.md). Otherwise as many K/V heads' K and V as
+    fit PERSISTENT_L2_BYTES (at least one), times the query heads that share each (GQA), at most
+    every pair; the kernel takes a section m block by m block, the longest tiles first."""
+    m_blocks = -(-seqlen_q // block_m)
+    pairs = batch * nheads
+    tiles = m_blocks * pairs
+    if tiles >= 1 << 31:
+        raise ValueError(f"{tiles} work tiles: the persistent grid counts them in 32 bits")
+    if pair_order:
+        return min(tiles, slots), 1
+    kv_head_bytes = 2 * seqlen_k * head_dim * itemsize  # K and V of one (batch, K/V head)
+    section = max(1, PERSISTENT_L2_BYTES // max(1, kv_head_bytes)) * (nheads // nheads_kv)
+    return min(tiles, slots), min(section, pairs)
+
+
+def forward_grid(config, batch: int, nheads: int, nheads_kv: int, seqlen_q: int, seqlen_k: int,
+                 head_dim: int, itemsize: int, window_right: int, device_id: int,
+                 persistent_ctas=None):
+    """(grid, FwdSm90Params' own fields) of a Hopper forward launch: (m blocks, heads, batch)
+    one tile per CTA, or with `config.persistent` the 1-D persistent grid (persistent_schedule;
+    at most `persistent_ctas` CTAs if given, for tests) with its batch and section size: pair by
+    pair without an upper key limit (window_right < 0: the struct's, 0 when causal) and at the
+    kernel head dims of CAUSAL_PAIR_ORDER_DIMS unless `config.claims`, L2 sections otherwise."""
+    if not config.persistent:
+        return (-(-seqlen_q // config.block_m), nheads, batch), {}
+    pair_order = window_right < 0 or (config.head_dim in CAUSAL_PAIR_ORDER_DIMS
+                                      and not config.claims)
+    ctas, section_pairs = persistent_schedule(
+        batch, nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, itemsize, config.block_m,
+        persistent_ctas or persistent_slots(config, device_id), pair_order)
+    return (ctas, 1, 1), {"batch": batch, "section_pairs": section_pairs}
+
+
+@functools.lru_cache(maxsize=None)
+def persistent_slots(config, device_id: int) -> int:
+    """CTAs of `config`'s kernel resident on the device at once (SMs x 1 for these kernels),
+    queried once per kernel and device."""
+    return _launch.occupancy_slots(config, device_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hopper backward (cuda_src/flash_bwd_sm90.cu; docs/HOPPER_BWD.md): the main kernel on sm_90
+# wherever hopper_backward_config covers a call (CUFLASH2_HOPPER_BWD=0 turns it off).
+
+#: The dispatcher runs the Hopper backward wherever it covers a call on sm_90 (1.23-1.81x the
+#: mma.sync backward on the H200 at every head dim: docs/PERF_NOTES.md); CUFLASH2_HOPPER_BWD=0
+#: keeps the mma.sync backward, as CUFLASH2_HOPPER=0 for the forward (read when a call signature
+#: is planned; tests flip `HOPPER_BACKWARD` and clear the plan caches).
+HOPPER_BACKWARD = os.environ.get("CUFLASH2_HOPPER_BWD", "1") != "0"
+
+#: Varlen calls (`attention_varlen_backward`) run on the Hopper backward too (FEATURE_VARLEN:
+#: the maps cover the packed arrays with a batch extent of 1, each CTA adds its sequence's first
+#: row, as the Hopper forward's varlen); CUFLASH2_HOPPER_BWD_VARLEN=0 keeps them on mma.sync.
+HOPPER_BACKWARD_VARLEN = os.environ.get("CUFLASH2_HOPPER_BWD_VARLEN", "1") != "0"
+
+#: The features the Hopper backward compiles in (dropout: the mma.sync backward).
+HOPPER_BACKWARD_FEATURES = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_VARLEN
+
+
+#: (block_m, block_n, stages, dq_buffers) per head dim. block_n is 128 throughout: two consumer
+#: warpgroups of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90
+#: backward at d=96/128 (hopper/flash_bwd_launch_template.h: 64 x 128, two Q / dO stages; 80 x
+#: 128 non-causal d=128, a width this kernel's 16-multiple N does not take), 128 at d=64 as its
+#: d=64 tile: a consumer's peak is dK + dV (head_dim / 2 each) and S^T + dP^T (block_m / 2
+#: each), 192 fp32 registers of its 240 at d=128 x 64 rows and at d=64 x 128 rows (P^T and dS^T
+#: are packed as S^T and dP^T die). A 128-row step halves the steps a key block takes (each
+#: step's waits, barriers and statistics) and gives each wgmma of S^T and dP^T N = 128; dQ_i's
+#: 128 rows are split between the consumers by rows. dq_buffers: staged fp32 dQ tiles (0:
+#: vector reductions from registers): two where they fit, one at d=64 x 128 rows (two would
+#: need 232,448 B of dynamic shared memory beside the mbarriers), none at d=192 / 256 (K, V, Q
+#: and dO span the whole head dim, S^T and dP^T need it; d=256 has room for one Q / dO stage
+#: only: K + V 128 KiB, a stage 64.5 KiB, two dS tiles 32 KiB).
+SM90_BWD_TILES = {64: (128, 128, 2, 1), 96: (64, 128, 2, 2), 128: (64, 128, 2, 2),
+                  192: (64, 128, 2, 0), 256: (64, 128, 1, 0)}
+#: 64-row steps of the head dims whose default step is longer, for ALiBi with softcap or with
+#: deterministic mode, and for varlen (at 128 rows their consumers spill: 28, 4 and 16 bytes; the
+#: last without score modifiers, the sequence's rows held across the loop).
+SM90_BWD_64_ROW_TILES = {64: (64, 128, 2, 2)}
+
+
+def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
+                    features: int = 0) -> BwdSm90Config:
+    """The Hopper backward's specialisation for `head_dim` (one of SM90_BWD_HEAD_DIMS) and
+    `features` (score modifiers), in deterministic mode with `deterministic`: the tile of
+    SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES for ALiBi with softcap or in deterministic mode,
+    and for varlen."""
+    if head_dim not in SM90_BWD_HEAD_DIMS:
+        raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
+    both_mods = FEATURE_SOFTCAP | FEATURE_ALIBI
+    tiles = SM90_BWD_TILES
+    if (features & both_mods == both_mods or (deterministic and features & FEATURE_ALIBI)
+            or features & FEATURE_VARLEN):
+        tiles = {**tiles, **SM90_BWD_64_ROW_TILES}
+    block_m, block_n, stages, dq_buffers = tiles[head_dim]
+    return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,
+                         features=features, dq_buffers=dq_buffers, deterministic=deterministic)
+
+
+def hopper_backward_head_dim(head_dim: int) -> int:
+    """The smallest Hopper backward head dim that holds `head_dim` (the TMA zero-fills the
+    columns up to it)."""
+    for d in SM90_BWD_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"the Hopper backward takes head dims up to "
+                     f"{max(SM90_BWD_HEAD_DIMS)}, not {head_dim}")
+
+
+#: The main kernel's dispatch order (flash_bwd_sm90.cu, cta_work). Under a causal mask a key
+#: block's work falls with its index (key block 0 sees every query block), and the grid's own
+#: order, pair by pair of (KV head, batch), starts the last pair's longest CTA last, a tail that
+#: runs alone. Taking groups of pairs key-block-major (every pair's key block 0, then key block
+#: 1, ...) starts the long CTAs first; a group is about DISPATCH_GROUP_CTAS CTAs (two waves of
+#: the H200's 132 SMs), so that its pairs' Q / dO tiles are still in L2 for its later key blocks.
+#: Measured on the H200 against the grid's order, alternating on the same arrays
+#: (benchmarks/results/2026-12-03-h200-hopper-bwd-dispatch-order.txt), causal rows: d=128
+#: 1.03-1.09x at 2k-8k tokens, d=64 1.01-1.03x at 4k-8k, d=256 1.04x at 4k; with groups of two
+#: pairs (d=256 8k, 16k at d<=128) 0.98-1.01x, about the spread between rounds (the same code,
+#: d=256 16k's group of one, measured 0.99x). At 512 tokens (4 key blocks) 2-6% slower, causal
+#: or not, at 1k up to 3%, and without a mask level from 2k. So: grouped under a causal mask from
+#: DISPATCH_MIN_KEY_BLOCKS key blocks on.
+DISPATCH_GROUP_CTAS = 256
+DISPATCH_MIN_KEY_BLOCKS = 16
+
+
+def dispatch_group_pairs(key_blocks: int, chunks: int, window, deterministic: bool) -> int:
+    """BwdSm90Params.dispatch_group_pairs: (KV head, batch) pairs the main kernel takes
+    key-block-major together, 1 for the grid's own order. `window` is the kernels' (left,
+    right): a right edge with no left one is the causal mask's shape (the low key blocks the
+    long ones). Deterministic mode has an order of its own (the kernel ignores this)."""
+    left, right = window
+    if deterministic or not (right >= 0 > left) or key_blocks < DISPATCH_MIN_KEY_BLOCKS:
+        return 1
+    return max(1, DISPATCH_GROUP_CTAS // (key_blocks * chunks))
+
+
+def hopper_backward_config(problem, features: int, arch: int, varlen=None,
+                           deterministic: bool = False):
+    """The Hopper backward's configuration for a checked call, or None where the call stays on
+    the mma.sync backward: switched off (HOPPER_BACKWARD; varlen: HOPPER_BACKWARD_VARLEN), not
+    sm_90, dropout, a head dim beyond the Hopper kernels', an empty problem, or no driver
+    bindings to encode the maps (backward_kernels then asks the TMA to describe q, k, v and
+    dout). Sinks (FEATURE_SINKS) take the kernel of the call without them
+    (backward_features)."""
+    p = problem
+    if not HOPPER_BACKWARD or arch != 90 or (varlen is not None and not HOPPER_BACKWARD_VARLEN):
+        return None
+    features = backward_features(features)
+    if features & ~HOPPER_BACKWARD_FEATURES:
+        return None
+    if not plannable(p, SM90_BWD_HEAD_DIMS):
+        return None
+    kernel_dim = hopper_backward_head_dim(p.head_dim)
+    return bwd_sm90_config(p.dtype, kernel_dim, deterministic, features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode splits (attention_with_kvcache; docs/DECODE_DESIGN.md)
+
+#: On sm_90 a row block's splits form a thread-block cluster and merge through distributed
+#: shared memory (split_merge.cuh), at most MAX_CLUSTER_SPLITS of them; False: the barrier
+#: through L2 everywhere (development: measuring the two).
+CLUSTER_MERGE = True
+#: A step whose packed query rows fit DECODE_BLOCK_M_N8 (one token of a GQA group of up to 8)
+#: runs the decode kernel with its rows on the mma's n side (no mma work on padding rows), unless
+#: its splits merge in a cluster (choose_splits); False: on an m16 tile everywhere
+#: (development: measuring the two).
+ROWS_ON_N = True
+#: The automatic split count stops here: a step that merges more partial results a row block
+#: ends later than it streams faster (H200, in a CUDA graph, batch 1: 32 splits beat 64 by
+#: 1.1-1.2 us from 4k to 64k tokens; docs/DECODE_DESIGN.md).
+AUTO_MAX_SPLITS = 32
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits_for(requested: int, ctas: int, tiles: int, slots: int,
+                   most: int = MAX_SPLITS) -> int:
+    """The KV split count for a grid of `ctas` CTAs (row blocks x KV heads x sequences) over
+    `tiles` KV tiles, on a GPU that holds `slots` such CTAs at once (SMs x CTAs per SM).
+
+    The splits of a row block wait for each other to merge their results, so a split grid must
+    fit the GPU in one wave: at most slots // ctas splits, `requested` included. For 0 (auto):
+    none if the grid already covers 80% of the slots; else the largest count that fits, among
+    those that give every split the same number of tiles (others leave trailing splits short),
+    at most AUTO_MAX_SPLITS.
+    Decoding is bound by reading the cache, and every resident CTA keeps reads in flight.
+    `most`: the largest count the merge allows (MAX_SPLITS; MAX_CLUSTER_SPLITS in a cluster)."""
+    fit = max(1, min(slots // max(ctas, 1), most, tiles))
+    if requested == 0:
+        if ctas >= 0.8 * slots:
+            return 1
+        fit = min(fit, AUTO_MAX_SPLITS)
+        return max(_even(s, tiles) for s in range(1, fit + 1))
+    return max(1, min(requested, fit))
+
+
+_slots_cache: dict = {}
+
+
+def _even(splits: int, tiles: int) -> int:
+    """The split count once every split but the last has ceil(tiles / splits) tiles."""
+    return max(1, -(-tiles // -(-tiles // splits))) if tiles else 1
+
+
+def choose_splits(config, requested: int, groups: int, tiles: int, device_id: int, arch: int,
+                  dtype: str, head_dim: int, features: int):
+    """The decode kernel, split count and cluster size (1: none) of a call.
+
+    On sm_90 a row block's splits can be one thread-block cluster that merges through
+    distributed shared memory (split_merge.cuh), which ends a step ~1.7 us sooner than the
+    barrier through L2 at the same count but allows at most MAX_CLUSTER_SPLITS splits. So the
+    splits form a cluster where the step is short (at most CLUSTER_MAX_TILES_PER_SPLIT tiles a
+    split at MAX_CLUSTER_SPLITS splits; or a requested count that a cluster holds) and every
+    cluster of the grid is resident at once; elsewhere more splits merging through L2 stream
+    the cache faster (docs/DECODE_DESIGN.md, in-graph measurements)."""
+    slots = decode_slots(config, device_id)
+    barrier_splits = _even(num_splits_for(requested, groups, tiles, slots), tiles)
+    if not (CLUSTER_MERGE and arch >= CLUSTER_MIN_ARCH
+            and requested <= MAX_CLUSTER_SPLITS):
+        return config, barrier_splits, 1
+    splits = _even(num_splits_for(requested, groups, tiles, slots, MAX_CLUSTER_SPLITS), tiles)
+    short = -(-tiles // max(splits, 1)) <= CLUSTER_MAX_TILES_PER_SPLIT
+    if splits < 2 or (requested == 0 and not short):
+        return config, barrier_splits, 1
+    # A step that forms a cluster keeps its rows on an m16 tile: with them on the n side the
+    # batch-1 4k step in a graph took 9.6 against 9.4 us a layer (its last split, which loads its
+    # tile of new tokens after the wait, ended later), where every step merging through L2
+    # gained 0.4-0.6 us (docs/DECODE_DESIGN.md). So does such a step where no cluster launches
+    # or fits: it then merges through L2 on the same kernel, and a launch path without clusters
+    # gives the same bits. (Such a step has at most 8 rows: one m16 block too.)
+    m16 = dataclasses.replace(config, block_m=DECODE_BLOCK_M)
+    if _launch.extended_available():
+        deep = with_features(decode_cluster_config(
+            dtype, head_dim, arch, config.early_cache_reads), features)
+        for candidate in dict.fromkeys((deep, m16) if short else (m16,)):
+            if _launch.cluster_fits(candidate, device_id, splits, groups):
+                return candidate, splits, splits
+    return m16, barrier_splits, 1
+
+
+def decode_slots(config, device_id: int) -> int:
+    """SMs x CTAs of `config`'s decode kernel resident per SM (what a cooperative launch of the
+    kernel allows)."""
+    slots = _slots_cache.get((config, device_id))
+    if slots is None:
+        slots = _slots_cache[(config, device_id)] = _launch.occupancy_slots(config, device_id)
+    return slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Every build the dispatcher can choose (the compile tests and the prewarm build them)
+
+
+def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
+    """Every forward specialisation the dispatcher can choose on `arch` (for each of `features`;
+    ALL_FEATURES for every score-modifier combination)."""
+    return [with_features(fwd_config(dtype, d, arch), f) for f in features
+            for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+
+
+def all_bwd_configs(arch: int, features=(0,)) -> list:
+    """Every backward specialisation the dispatcher can choose on `arch` (main kernel with and
+    without dQ, deterministic dQ kernel), for each of `features` (as backward calls with them
+    run it: without the forward-only features; each once)."""
+    features = dict.fromkeys(backward_features(f) for f in features)
+    return [with_features(cfg, f) for f in features for dtype in DTYPE_TAGS
+            for d in KERNEL_HEAD_DIMS
+            for cfg in (bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
+                        bwd_dq_config(dtype, d, arch))]
+
+
+def all_decode_configs(arch: int, features=(0,)) -> list:
+    """Every decode specialisation the dispatcher can choose on `arch`."""
+    rows = (DECODE_BLOCK_M, DECODE_BLOCK_M_N8)
+    configs = [with_features(decode_config(dtype, d, arch, m), f) for f in features
+               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS for m in rows]
+    if arch >= CLUSTER_MIN_ARCH:
+        # Programmatic launches (from _launch.PROGRAMMATIC_MIN_ARCH, the same arch) may read
+        # the cache early.
+        configs += [dataclasses.replace(c, early_cache_reads=True) for c in configs]
+        # (clustered steps keep their rows on an m16 tile: choose_splits)
+        configs += [with_features(decode_cluster_config(dtype, d, arch, early), f)
+                    for early in (False, True) for f in features
+                    for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+    return list(dict.fromkeys(configs))
+
+
+def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
+                         persistent: bool = False) -> list[FwdSm90Config]:
+    """Every Hopper forward specialisation (for each of `features`), in both schedules, with and
+    without the overlap inside a warpgroup (`overlap`: which of the two); with `persistent`, the
+    persistent ones (head dims of SM90_PERSISTENT_TILES, every schedule and overlap) too, and
+    with ping-pong and the overlap (the dispatcher's two-consumer schedule) their twins whose
+    tiles are claimed one by one (`claims`)."""
+    grids = (False, True) if persistent else (False,)
+    configs = [dataclasses.replace(with_features(fwd_sm90_config(dtype, d, grid), f),
+                                   pingpong=pingpong, overlap=ov)
+               for grid in grids for ov in overlap for pingpong in (False, True)
+               for f in features for dtype in DTYPE_TAGS
+               for d in (SM90_PERSISTENT_TILES if grid else SM90_FWD_HEAD_DIMS)]
+    return configs + [dataclasses.replace(c, claims=True) for c in configs
+                      if c.persistent and c.pingpong and c.overlap]
+
+
+def hopper_forward_configs(features=(0,)) -> list:
+    """Every Hopper forward configuration the dispatcher can choose (for each of `features`;
+    the persistent grid where PERSISTENT_MAX_KEYS has the head dim and no feature is varlen;
+    three consumer warpgroups where THREE_CONSUMER_MIN_KEYS has the head dim, not varlen)."""
+    configs = []
+    for dim in sorted({dim for dim, _ in THREE_CONSUMER_MIN_KEYS}):
+        for dtype in DTYPE_TAGS:
+            for f in features:
+                if f & FEATURE_VARLEN:
+                    continue
+                for persistent in (False, True):
+                    configs.append(with_features(
+                        fwd_sm90_config(dtype, dim, persistent, consumers=3), f))
+    for (dim, causal), (pingpong, overlap) in SCHEDULES.items():
+        for dtype in DTYPE_TAGS:
+            for f in features:
+                grids = [False]
+                if (dim, causal) in PERSISTENT_MAX_KEYS and not f & FEATURE_VARLEN:
+                    grids.append(True)
+                for persistent in grids:
+                    config = with_features(
+                        fwd_sm90_config(dtype, dim, persistent), f)
+                    configs.append(dataclasses.replace(config, pingpong=pingpong,
+                                                       overlap=overlap))
+    # Persistent calls under a key limit claim their tiles at the head dims of
+    # DYNAMIC_SCHEDULE_KEYS.
+    configs += [dataclasses.replace(c, claims=True) for c in configs
+                if c.persistent and c.head_dim in DYNAMIC_SCHEDULE_KEYS]
+    return list(dict.fromkeys(configs))
+
+
+def all_bwd_sm90_configs(features=(0,)) -> list[BwdSm90Config]:
+    """Every Hopper backward specialisation (for each of `features`)."""
+    return [bwd_sm90_config(dtype, d, features=f) for f in features
+            for dtype in DTYPE_TAGS for d in SM90_BWD_HEAD_DIMS]
