@@ -189,10 +189,10 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
 // Q: 14.0 against 13.1; at the second tile: 13.4).
 constexpr int LAUNCH_DEPENDENTS_TILES_BEFORE_END = 8;
 
-// Up to d=128 two or three CTAs of 4 warps share an SM (configs.decode_config: the cache bytes
+// Up to d=128 two or three CTAs of 4 warps share an SM (_dispatch.decode_config: the cache bytes
 // in flight), so the registers must allow three (168 a thread); larger head dims and CTAs of
 // more warps need the register file of one. Warps of 32 keys (the clustered short steps'
-// 128-key tiles, configs.decode_cluster_config) share an SM by two at most.
+// 128-key tiles, _dispatch.decode_cluster_config) share an SM by two at most.
 template <int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP>
 __host__ __device__ constexpr int decode_min_ctas() {
     return HEAD_DIM > 128 || NUM_WARPS > 4 ? 1 : KEYS_PER_WARP > 16 ? 2 : 3;

@@ -27,7 +27,7 @@
 // by head-dim chunk).
 //
 // Head dims 64, 96, 128, 192 and 256, each its own specialisation (tiles in
-// _configs.fwd_sm90_config); a head dim that is not a multiple of 64 ends in a partly used,
+// _dispatch.fwd_sm90_config); a head dim that is not a multiple of 64 ends in a partly used,
 // zero-filled 64-column panel (FwdSm90Traits).
 // Verified on an H200: every head dim, both dtypes and both schedules against the reference
 // (benchmarks/dev/hopper_fwd_check.py, tests/gpu/test_hopper_forward.py and the forward tests
@@ -35,12 +35,12 @@
 //
 // Scheduling: with PINGPONG the two consumers alternate on the tensor cores (named barriers),
 // each issuing S_j and P_{j-1} V_{j-1} in one turn; without it each runs its tiles in order.
-// _hopper.SCHEDULES picks per head dim and causality, as measured. OVERLAP (either schedule)
+// _dispatch.SCHEDULES picks per head dim and causality, as measured. OVERLAP (either schedule)
 // runs the softmax of tile j while P_{j-1} V_{j-1} is on the tensor cores of the same warpgroup
 // (wgmma.wait_group 1), K and V of a stage given back separately.
 //
 // Grid: one CTA per work tile (BLOCK_M query rows of one head and batch), or with PERSISTENT
-// (FlashAttention-3's persistent scheme; _hopper.forward_config takes it where it measured
+// (FlashAttention-3's persistent scheme; _dispatch.hopper_forward_config takes it where it measured
 // faster) at most one CTA per SM, each looping over work tiles (PersistentTiles for the order,
 // WorkTileClaims for which CTA takes which: statically, or claimed one by one from a counter
 // under a key limit, where tiles differ in length), so that the per-CTA fixed cost is paid once

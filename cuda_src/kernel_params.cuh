@@ -161,7 +161,7 @@ struct BwdParams {
 
 // flash_bwd_sm90.cu: the backward's parameters plus the TMA descriptors of q, k, v and dout, each
 // over the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with
-// 128-byte swizzle, as FwdSm90Params' (cuflash2/_hopper_bwd.py builds them: q and dout boxes of
+// 128-byte swizzle, as FwdSm90Params' (cuflash2/_hopper.py builds them: q and dout boxes of
 // block_m rows, k and v of block_n). Maps first, at 0 / 128 / 256 / 384 (64-byte aligned).
 struct BwdSm90Params {
     TensorMap q_map;

@@ -48,7 +48,7 @@ struct QueryBlockWalk {
 // mask the low key blocks are the long ones (they see the most query rows): grouped, each
 // group's long CTAs start first and its short ones fill the tail, where pair by pair the last
 // pair's key block 0 starts last and runs alone. The host chooses the groups
-// (_hopper_bwd.dispatch_group_pairs).
+// (_dispatch.dispatch_group_pairs).
 struct CtaWork {
     int x, kv_head, batch;
 };

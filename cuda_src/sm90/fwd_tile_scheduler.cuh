@@ -100,7 +100,7 @@ CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p) {
 // block. Under an upper limit on keys (causal) the m blocks run from the last: the longest tiles
 // first, the short ones fill the tail; the host sizes the sections to fit L2 (FlashAttention-3's
 // L2 swizzle), so that the later m blocks find the section's K/V there. Without one, and with
-// one at d=96/128, the host gives sections of one pair (_hopper.persistent_schedule): the order
+// one at d=96/128, the host gives sections of one pair (_dispatch.persistent_schedule): the order
 // is pair by pair, a pair's m blocks side by side, and the CTAs running at one time share each
 // K/V tile's read from DRAM; under a key limit each pair's m blocks then start from a different
 // one (rotated by the pair), else a grid of a multiple of m_blocks CTAs would give each CTA the
@@ -153,7 +153,7 @@ struct PersistentTiles {
 // k + 1, so every role has read tile k by then. That holds where every work tile loads a Q:
 // tiles that see no key would let the consumers run ahead of a lagging reader without a
 // barrier, so the host claims dynamically only where every query row sees a key
-// (_hopper.dynamic_schedule).
+// (_dispatch.dynamic_schedule).
 // counters[1] counts the CTAs that ran out of tiles; the last one resets both counters for the
 // next launch (launches on one stream run one after the other, and the host gives each stream
 // its own pair: FwdSm90Params.tile_counters, never null for these launches).
