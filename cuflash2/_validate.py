@@ -222,6 +222,15 @@ def check_softcap(softcap) -> float:
     return softcap
 
 
+def _check_float32(x, expected: str) -> None:
+    """TypeError `expected; got ...` unless x is an array of dtype float32."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.float32:
+        raise TypeError(
+            f"{expected}; got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(x).__name__}")
+
+
 def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, batched: bool,
                        contiguous: bool = True) -> int | None:
     """Checks ALiBi slopes: float32, shape (nheads,) or (batch, nheads) (unbatched: (nheads,) or
@@ -230,11 +239,7 @@ def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, batched: bool,
     head), or None without slopes."""
     if alibi_slopes is None:
         return None
-    dtype = getattr(alibi_slopes, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.float32:
-        raise TypeError(
-            f"alibi_slopes must be a float32 array (as flash-attn); got "
-            f"{'dtype ' + str(dtype) if dtype is not None else type(alibi_slopes).__name__}")
+    _check_float32(alibi_slopes, "alibi_slopes must be a float32 array (as flash-attn)")
     shape = tuple(alibi_slopes.shape)
     if shape not in ((nheads,), (batch, nheads)):
         shapes = f"({nheads},) or ({batch if batched else 1}, {nheads})"
@@ -252,11 +257,8 @@ def check_sinks(sinks, nheads: int, name: str = "sinks") -> None:
     their gradient): float32, shape (nheads,), contiguous. None passes (no sinks)."""
     if sinks is None:
         return
-    dtype = getattr(sinks, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.float32:
-        raise TypeError(
-            f"{name} must be a float32 array of shape (nheads,) (one logit a query head); got "
-            f"{'dtype ' + str(dtype) if dtype is not None else type(sinks).__name__}")
+    _check_float32(sinks, f"{name} must be a float32 array of shape (nheads,) (one logit a "
+                          "query head)")
     shape = tuple(sinks.shape)
     if shape != (nheads,):
         raise ValueError(f"{name} must have shape (nheads,) = ({nheads},) (one logit a query "

@@ -12,6 +12,8 @@ from cuflash2 import reference, testing
 from finite_differences import finite_difference_grads  # tests/ helper
 from naive_attention import random_inputs as _inputs
 from naive_attention import sees
+import test_reference_features as features  # tests/: the feature combinations
+from test_reference_features import _mask, _slopes
 
 FP16 = numpy.dtype(numpy.float16)
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
@@ -19,14 +21,6 @@ BF16 = numpy.dtype(ml_dtypes.bfloat16)
 
 def _sinks(nheads, seed, std=1.5, dtype=numpy.float64):
     return (numpy.random.default_rng(seed).standard_normal(nheads) * std).astype(dtype)
-
-
-def _slopes(shape, seed):
-    return numpy.random.default_rng(seed).uniform(0.05, 0.8, size=shape).astype(numpy.float32)
-
-
-def _mask(shape, dropout_p, seed):
-    return numpy.random.default_rng(seed).random(shape) >= dropout_p
 
 
 def sink_column_attention(q, k, v, sinks, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -77,18 +71,10 @@ CASES = {
     "window_keyless": (1, 9, 5, 2, 2, 4, False, (-1, 1)),
 }
 
-# name -> (batch, nheads, seqlen_q, seqlen_k) -> (reference kwargs, direct-formula kwargs)
-FEATURES = {
-    "none": lambda b, h, sq, sk: ({}, {}),
-    "softcap_alibi": lambda b, h, sq, sk: (
-        dict(softcap=1.3, alibi_slopes=_slopes((b, h), 3)),
-        dict(softcap=1.3, slopes=_slopes((b, h), 3)),
-    ),
-    "dropout": lambda b, h, sq, sk: (
-        dict(dropout_p=0.3, dropout_mask=_mask((b, h, sq, sk), 0.3, 4)),
-        dict(dropout_p=0.3, keep=_mask((b, h, sq, sk), 0.3, 4)),
-    ),
-}
+# name -> (batch, nheads, seqlen_q, seqlen_k) -> (reference kwargs, direct-formula kwargs): the
+# feature combinations of the feature tests, with the sinks beside them.
+FEATURES = {"none": lambda b, h, sq, sk: ({}, {}),
+            **{name: features.FEATURES[name] for name in ("softcap_alibi", "dropout")}}
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
