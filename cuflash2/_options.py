@@ -1,14 +1,16 @@
 """The options of an attention call as one object.
 
 Every public entry point takes the same options (causal, softmax_scale, window_size, softcap,
-alibi_slopes, sinks, dropout_p, seed, offset); each builds one `AttentionOptions` from its keyword
-arguments per call, and the signature key (`api._forward_key`, `_kvcache._key`: the window, the
-arrays' signatures, causal, softmax_scale, softcap and dropout_p with their types; seed and
-offset are per-call values), the full check (`_prepare.score_mods`, `_validate.check_window`),
-the plan builders and the per-call dropout scalars read it; so do the reference functions
-(`reference._forward` / `_backward`, one options object per dense call, `replace`d per varlen or
-KV-cache sequence) and the benchmarks (a configuration's options, passed as `keywords()`). Built on every call, so it only stores the values: checking them is the full
-check's job, once per call signature.
+alibi_slopes, sinks, dropout_p, seed, offset; `bias`, issue 44's additive bias, so far only the
+reference functions': the last slot, so that positional constructions stay valid); each builds
+one `AttentionOptions` from its keyword arguments per call, and the signature key
+(`api._forward_key`, `_kvcache._key`: the window, the arrays' signatures, causal, softmax_scale,
+softcap and dropout_p with their types; seed and offset are per-call values), the full check
+(`_prepare.score_mods`, `_validate.check_window`), the plan builders and the per-call dropout
+scalars read it; so do the reference functions (`reference._forward` / `_backward`, one options
+object per dense call, `replace`d per varlen or KV-cache sequence) and the benchmarks (a
+configuration's options, passed as `keywords()`). Built on every call, so it only stores the
+values: checking them is the full check's job, once per call signature.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from . import _prepare, _validate
 
 class AttentionOptions:
     """causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset
-    of one call, as given (unchecked)."""
+    and bias of one call, as given (unchecked)."""
 
     __slots__ = ("causal", "softmax_scale", "window_size", "softcap", "alibi_slopes", "sinks",
-                 "dropout_p", "seed", "offset")
+                 "dropout_p", "seed", "offset", "bias")
 
     def __init__(self, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0):
+                 alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0, bias=None):
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.window_size = window_size
@@ -34,6 +36,7 @@ class AttentionOptions:
         self.dropout_p = dropout_p
         self.seed = seed
         self.offset = offset
+        self.bias = bias
 
     def replace(self, **changes) -> "AttentionOptions":
         """A copy with the given options changed (the reference's per-sequence options: a
@@ -64,7 +67,7 @@ class AttentionOptions:
 
 
 def _same(value, default) -> bool:
-    # An array option (alibi_slopes, sinks) is never equal to its default None; a scalar or a
+    # An array option (alibi_slopes, sinks, bias) is never equal to its default None; a scalar or a
     # tuple compares by value.
     if value is None or default is None:
         return value is default

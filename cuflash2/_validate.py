@@ -277,6 +277,47 @@ def check_dsinks(dsinks, sinks, nheads: int) -> None:
     check_sinks(dsinks, nheads, "dsinks")
 
 
+_BIAS_DTYPES = {numpy.dtype(numpy.float16): "float16", numpy.dtype(ml_dtypes.bfloat16): "bfloat16",
+                numpy.dtype(numpy.float32): "float32"}
+
+
+def check_bias(bias, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, batched: bool,
+               float64: bool = False, varlen: bool = False) -> tuple[bool, bool] | None:
+    """Checks an additive attention bias (issue 44): float16, bfloat16 or float32 (`float64=True`:
+    float64 too, for the float64 reference), shape (batch or 1, nheads or 1, seqlen_q, seqlen_k),
+    or for unbatched inputs (nheads or 1, seqlen_q, seqlen_k) (a leading 1 allowed). Varlen calls
+    (`varlen=True`) pass their batch and max_seqlen_q/k (sequence b reads ``bias[b, :,
+    :seqlen_q_b, :seqlen_k_b]``). Heads index the query heads (GQA too). Strides are the caller's to check.
+    Returns (batch_broadcast, heads_broadcast): whether the bias's batch / head dim is 1 (one
+    bias shared by every batch entry / head: stride 0), or None without a bias."""
+    if bias is None:
+        return None
+    dtype = getattr(bias, "dtype", None)
+    allowed = "float16, bfloat16 or float32" + (" (float64 for the reference)" if float64 else "")
+    if dtype is None or (numpy.dtype(dtype) not in _BIAS_DTYPES
+                         and not (float64 and numpy.dtype(dtype) == numpy.float64)):
+        raise TypeError(
+            f"bias must be a {allowed} array; got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(bias).__name__}")
+    shape = tuple(bias.shape)
+    expected = ((batch, nheads, seqlen_q, seqlen_k) if batched
+                else (nheads, seqlen_q, seqlen_k))
+    if not batched and len(shape) == 4 and shape[0] == 1:
+        shape = shape[1:]
+    ok = len(shape) == len(expected) and shape[-2:] == expected[-2:] and all(
+        size in (1, want) for size, want in zip(shape[:-2], expected[:-2]))
+    if not ok:
+        lengths = "max_seqlen_q, max_seqlen_k" if varlen else "seqlen_q, seqlen_k"
+        doc = (f"(batch or 1, nheads or 1, {lengths})" if batched
+               else f"(nheads or 1, {lengths})")
+        raise ValueError(
+            f"bias must have shape {doc} = {expected} (a dim of 1 is broadcast); got "
+            f"{tuple(bias.shape)}")
+    if batched:
+        return shape[0] == 1, shape[1] == 1
+    return True, shape[0] == 1
+
+
 # Variable-length batches
 
 
