@@ -274,13 +274,79 @@ def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):
     return dropout_p, mask
 
 
-class _Features:
-    """softcap, ALiBi, dropout and sinks of one dense (batched-form) call (its
-    AttentionOptions and dropout mask), checked."""
+def _check_mask(xp, mask, shape, shape_doc):
+    """The boolean visibility mask broadcast to ``shape`` (a view), or None."""
+    if mask is None:
+        return None
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None or numpy.dtype(dtype) != numpy.bool_:
+        raise TypeError(
+            "mask must be a boolean array (True = the key is visible); got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(mask).__name__}"
+        )
+    mask = xp.asarray(mask)
+    try:
+        return xp.broadcast_to(mask, shape)
+    except ValueError:
+        raise ValueError(
+            f"mask must be broadcastable to {shape_doc} = {shape}; got {mask.shape}"
+        ) from None
 
-    def __init__(self, xp, prec, shape, options, dropout_mask, unbatched):
+
+class _Modifiers:
+    """The reference-side forms of issue 44's programmable attention for one call, beside its
+    AttentionOptions (whose ``bias`` is the additive bias): the dense boolean ``mask``, the
+    Python ``score_mod`` and its derivative ``score_mod_grad``, ``bias_requires_grad`` (the
+    backward returns dbias only when set), and ``first_batch``, the batch index of the call's
+    first batch entry as score_mod sees it (a varlen sequence's index)."""
+
+    def __init__(self, mask=None, score_mod=None, score_mod_grad=None, bias_requires_grad=True,
+                 first_batch=0):
+        for name, fn in (("score_mod", score_mod), ("score_mod_grad", score_mod_grad)):
+            if fn is not None and not callable(fn):
+                raise TypeError(
+                    f"{name} must be a callable (score, b, h, q_idx, kv_idx) -> array; got "
+                    f"{type(fn).__name__}"
+                )
+        if score_mod is None and score_mod_grad is not None:
+            raise ValueError("score_mod_grad is the derivative of score_mod: pass it only with "
+                             "score_mod=")
+        self.mask, self.score_mod, self.score_mod_grad = mask, score_mod, score_mod_grad
+        self.bias_requires_grad = bool(bias_requires_grad)
+        self.first_batch = first_batch
+
+    def replace(self, **changes):
+        values = dict(vars(self), **changes)
+        return _Modifiers(**values)
+
+
+_NO_MODIFIERS = _Modifiers()
+
+
+def _check_score_mod_grad(mods):
+    if mods.score_mod is not None and mods.score_mod_grad is None:
+        raise ValueError(
+            "score_mod needs score_mod_grad in the backward: a callable (score, b, h, q_idx, "
+            "kv_idx) -> d score_mod(score, ...) / d score (e.g. lambda s, b, h, q, k: "
+            "numpy.ones_like(s) for score + <anything without score>)"
+        )
+
+
+class _Features:
+    """softcap, ALiBi, dropout, sinks, bias, mask and score_mod of one dense (batched-form) call
+    (its AttentionOptions, dropout mask and _Modifiers), checked."""
+
+    def __init__(self, xp, prec, shape, options, dropout_mask, unbatched, mods=_NO_MODIFIERS):
         batch, nheads, seqlen_q, seqlen_k = shape
-        self.xp, self.prec, self.nheads = xp, prec, nheads
+        self.xp, self.prec, self.nheads, self.shape = xp, prec, nheads, shape
+        self.mods = mods
+        self.user_bias = None
+        if _validate.check_bias(options.bias, batch, nheads, seqlen_q, seqlen_k, not unbatched,
+                                float64=True) is not None:
+            bias = xp.asarray(options.bias)
+            self.bias_shape, self.bias_dtype = bias.shape, bias.dtype
+            # Batched form (batch or 1, nheads or 1, seqlen_q, seqlen_k), in its own dtype.
+            self.user_bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
         self.softcap = _check_softcap(options.softcap)
         self.slopes = _check_alibi_slopes(xp, options.alibi_slopes, batch, nheads, unbatched)
         self.sinks = _check_sinks(xp, options.sinks, nheads)
@@ -296,15 +362,80 @@ class _Features:
         doc = "(nheads, seqlen_q, seqlen_k)" if unbatched else "(batch, nheads, seqlen_q, seqlen_k)"
         self.dropout_p, self.mask = _check_dropout(xp, options.dropout_p, dropout_mask, shape,
                                                    doc)
+        self.visibility = _check_mask(xp, mods.mask, shape[1:] if unbatched else shape, doc)
+        if self.visibility is not None and unbatched:
+            self.visibility = self.visibility[None]
 
     def bias(self, part, nheads_kv):
-        """ALiBi bias (b, nheads_kv, group, seqlen_q, seqlen_k) for a batch slice, or None."""
-        if self.slopes is None:
+        """The additive terms for a batch slice, in the order they are added: the ALiBi bias,
+        then the user's bias, each broadcastable to (b, nheads_kv, group, seqlen_q, seqlen_k)
+        in prec.acc (the bias in its own dtype, converted exactly: not rounded to
+        compute_dtype). A tuple, empty without either."""
+        terms = []
+        group = self.nheads // nheads_kv
+        if self.slopes is not None:
+            slopes = self.slopes[part].astype(self.prec.acc)
+            b = slopes.shape[0]
+            slopes = slopes.reshape(b, nheads_kv, group, 1, 1)
+            terms.append(-slopes * self.distance)
+        if self.user_bias is not None:
+            bias = self.user_bias if self.user_bias.shape[0] == 1 else self.user_bias[part]
+            b, heads, seqlen_q, seqlen_k = bias.shape
+            # Bias heads index query heads, h = kv * group + g.
+            heads = (1, 1) if heads == 1 else (nheads_kv, group)
+            terms.append(bias.astype(self.prec.acc).reshape(b, *heads, seqlen_q, seqlen_k))
+        return tuple(terms)
+
+    def visible(self, part, nheads_kv, visible):
+        """The (seqlen_q, seqlen_k) causal/window mask ANDed with the user's mask for a batch
+        slice: (b, nheads_kv, group, seqlen_q, seqlen_k), or ``visible`` itself without one."""
+        if self.visibility is None:
+            return visible
+        mask = self.visibility[part]
+        b, nheads, seqlen_q, seqlen_k = mask.shape
+        return mask.reshape(b, nheads_kv, nheads // nheads_kv, seqlen_q, seqlen_k) & visible
+
+    def _modify(self, fn, name, scores, part):
+        """fn(score, b, h, q_idx, kv_idx) on (b, nheads_kv, group, seqlen_q, seqlen_k) scores,
+        shown to fn as (b, nheads, seqlen_q, seqlen_k); the result in prec.acc, shaped like
+        scores."""
+        xp = self.xp
+        shape5 = scores.shape
+        if scores.size == 0:
+            return scores
+        b, nheads, seqlen_q, seqlen_k = shape5[0], self.nheads, shape5[3], shape5[4]
+        start = self.mods.first_batch + (part.start or 0)
+        indices = (
+            xp.arange(start, start + b).reshape(b, 1, 1, 1),
+            xp.arange(nheads).reshape(1, nheads, 1, 1),
+            xp.arange(seqlen_q).reshape(1, 1, seqlen_q, 1),
+            xp.arange(seqlen_k).reshape(1, 1, 1, seqlen_k),
+        )
+        # A copy: fn may write into its argument, and the backward needs the scores it saw.
+        flat = scores.reshape(b, nheads, seqlen_q, seqlen_k).copy()
+        result = xp.asarray(fn(flat, *indices))
+        try:
+            result = xp.broadcast_to(result, flat.shape)
+        except ValueError:
+            raise ValueError(
+                f"{name} must return an array broadcastable to the scores' shape (b, nheads, "
+                f"seqlen_q, seqlen_k) = {flat.shape}; got shape {result.shape}"
+            ) from None
+        return result.astype(self.prec.acc).reshape(shape5)
+
+    def score_mod(self, part):
+        """scores -> score_mod(scores, b, h, q_idx, kv_idx) for a batch slice, or None."""
+        if self.mods.score_mod is None:
             return None
-        slopes = self.slopes[part].astype(self.prec.acc)
-        b = slopes.shape[0]
-        slopes = slopes.reshape(b, nheads_kv, self.nheads // nheads_kv, 1, 1)
-        return -slopes * self.distance
+        return lambda scores: self._modify(self.mods.score_mod, "score_mod", scores, part)
+
+    def score_mod_grad(self, scores, part):
+        """d score_mod / d score at ``scores`` (score_mod's input), shaped like them."""
+        return self._modify(self.mods.score_mod_grad, "score_mod_grad", scores, part)
+
+    @property
+    def wants_dbias(self):
+        return self.user_bias is not None and self.mods.bias_requires_grad
 
     def sink_logits(self, nheads_kv):
         """The sinks as (1, nheads_kv, group, 1, 1) in prec.acc (not yet rounded), or None."""
@@ -325,21 +456,25 @@ class _Features:
         return mask.astype(self.prec.acc) * factor
 
 
-def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=None, sinks=None):
-    """P = softmax(mask(bias + cap(q k^T * scale))), its lse and the softcap's tanh.
+def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=(), sinks=None,
+                   score_mod=None):
+    """P = softmax(mask(score_mod(bias + cap(q k^T * scale)))), its lse and the softcap's tanh.
 
     q: (b, nheads_kv, group * seqlen_q, d) and k: (b, nheads_kv, seqlen_k, d), both in
-    prec.acc; bias None or (b, nheads_kv, group, seqlen_q, seqlen_k); sinks None or
-    (1, nheads_kv, group, 1, 1) in prec.acc. Returns P (b, nheads_kv, group * seqlen_q,
-    seqlen_k) and lse (b, nheads, seqlen_q) in prec.acc, tanh(scaled scores / softcap) shaped
-    like P (None without softcap) for the backward, and the sinks' probabilities
-    exp(sink - lse) (b, nheads_kv, group * seqlen_q, 1) (None without sinks). The sink is one
-    more term of the denominator (here, the only place where it is formed, for the forward and
-    the backward alike). Rows that see no key get P = 0 and lse = +inf, or lse = sink with a
-    sink.
+    prec.acc; visible: boolean, broadcastable to (b, nheads_kv, group, seqlen_q, seqlen_k) (the
+    (seqlen_q, seqlen_k) causal/window mask, or that ANDed with a user mask); bias: a tuple of
+    additive terms broadcastable to the same shape, added in order (ALiBi, then the user's
+    bias); sinks None or (1, nheads_kv, group, 1, 1) in prec.acc; score_mod None or a function
+    of the (b, nheads_kv, group, seqlen_q, seqlen_k) scores. Returns P (b, nheads_kv,
+    group * seqlen_q, seqlen_k) and lse (b, nheads, seqlen_q) in prec.acc, tanh(scaled scores /
+    softcap) shaped like P (None without softcap) for the backward, the sinks' probabilities
+    exp(sink - lse) (b, nheads_kv, group * seqlen_q, 1) (None without sinks), and score_mod's
+    input (None without score_mod), for its derivative in the backward. The sink is one more
+    term of the denominator (here, the only place where it is formed, for the forward and the
+    backward alike). Rows that see no key get P = 0 and lse = +inf, or lse = sink with a sink.
     """
     b, nheads_kv = q.shape[:2]
-    seqlen_q, seqlen_k = visible.shape
+    seqlen_q, seqlen_k = q.shape[2] // group, k.shape[2]
     scores = xp.matmul(q, k.swapaxes(-1, -2)) * scale
     tanh = None
     if softcap > 0:
@@ -348,15 +483,21 @@ def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=None
         tanh = xp.tanh(scores / softcap)
         scores = softcap * tanh
     scores = scores.reshape(b, nheads_kv, group, seqlen_q, seqlen_k)
-    if bias is not None:
-        scores = scores + bias
+    for term in bias:
+        scores = scores + term
+    modified = None
+    if score_mod is not None:
+        # After the additive terms, before the mask (which it cannot undo: masked entries
+        # become -inf below whatever it returns).
+        modified = scores
+        scores = score_mod(scores)
     # One rounding of the final scores: where the plain scaled scores are rounded without
     # features.
     scores = prec.round(scores)
     scores = xp.where(visible, scores, -math.inf)
 
     # has_mass: the row's denominator has a term (a visible key, or a sink > -inf).
-    has_mass = visible.any(axis=-1)[:, None]
+    has_mass = xp.broadcast_to(visible, scores.shape).any(axis=-1, keepdims=True)
     if seqlen_k > 0:
         row_max = scores.max(axis=-1, keepdims=True)  # -inf for key-less rows
     else:  # max of an empty axis is an error; every row is key-less anyway
@@ -385,6 +526,7 @@ def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=None
         lse.reshape(b, nheads_kv * group, seqlen_q),
         tanh,
         sink_probs,
+        modified,
     )
 
 
@@ -409,6 +551,10 @@ def attention(
     sinks=None,
     dropout_p=0.0,
     dropout_mask=None,
+    bias=None,
+    mask=None,
+    score_mod=None,
+    score_mod_grad=None,
 ):
     """Reference attention forward.
 
@@ -427,16 +573,30 @@ def attention(
     sinks: (nheads,) real float array, one logit per query head added to every row's softmax
     denominator (no value row; see the module docstring): lse counts it, a row that sees no key
     gives out 0 and lse = sink.
+    bias: (batch or 1, nheads or 1, seqlen_q, seqlen_k) (unbatched: (nheads or 1, seqlen_q,
+    seqlen_k)), float16, bfloat16, float32 or float64, added to the (capped, ALiBi-biased)
+    scores; a dim of 1 is broadcast; heads are query heads.
+    mask: boolean, broadcastable to (batch, nheads, seqlen_q, seqlen_k) (unbatched: (nheads,
+    seqlen_q, seqlen_k)), True = the key is visible; ANDed with causal and window_size.
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> new score``, applied after the bias
+    and before the mask (module docstring); score is (b_slice, nheads, seqlen_q, seqlen_k) in
+    the accumulation dtype (float32, or float64 with compute_dtype float64), b (absolute batch
+    index), h (query head), q_idx, kv_idx integer arrays broadcastable against it.
+    score_mod_grad: its derivative (``attention_backward``), accepted and unused here so that
+    one set of options serves the forward and the backward.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p)
-    out, lse = _forward(q, k, v, options, compute_dtype, dropout_mask)
+                               dropout_p, bias=bias)
+    mods = _Modifiers(mask, score_mod, score_mod_grad)
+    out, lse = _forward(q, k, v, options, compute_dtype, dropout_mask, mods)
     return (out, lse) if return_lse else out
 
 
-def _forward(q, k, v, options, compute_dtype, dropout_mask):
-    """attention's (out, lse) for the options of one call (an AttentionOptions)."""
-    xp = _array_module(q, k, v, options.alibi_slopes, options.sinks, dropout_mask)
+def _forward(q, k, v, options, compute_dtype, dropout_mask, mods=_NO_MODIFIERS):
+    """attention's (out, lse) for the options of one call (an AttentionOptions) and its
+    _Modifiers."""
+    xp = _array_module(q, k, v, options.alibi_slopes, options.sinks, dropout_mask, options.bias,
+                       mods.mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
     _check_shapes(q, k, v)
     unbatched = q.ndim == 3
@@ -449,16 +609,17 @@ def _forward(q, k, v, options, compute_dtype, dropout_mask):
     scale = _scale(options.softmax_scale, headdim)
     visible = _visible_keys(xp, seqlen_q, seqlen_k, options)
     features = _Features(xp, prec, (batch, nheads, seqlen_q, seqlen_k), options, dropout_mask,
-                         unbatched)
+                         unbatched, mods)
 
     outs, lses = [], []
     for part in _batch_slices(batch, nheads * seqlen_q * seqlen_k):
         q_part = _group_query_heads(prec.load(q[part]), nheads_kv)
         k_part = _kv_heads_first(prec.load(k[part]))
         v_part = _kv_heads_first(prec.load(v[part]))
-        probs, lse, _, _ = _probabilities(
-            xp, q_part, k_part, scale, visible, group, prec,
+        probs, lse, _, _, _ = _probabilities(
+            xp, q_part, k_part, scale, features.visible(part, nheads_kv, visible), group, prec,
             features.softcap, features.bias(part, nheads_kv), features.sink_logits(nheads_kv),
+            features.score_mod(part),
         )
         keep = features.keep(part, nheads_kv)
         if keep is not None:
@@ -490,9 +651,14 @@ def attention_backward(
     sinks=None,
     dropout_p=0.0,
     dropout_mask=None,
+    bias=None,
+    mask=None,
+    score_mod=None,
+    score_mod_grad=None,
+    bias_requires_grad=True,
 ):
-    """Reference attention backward: (dq, dk, dv) in compute_dtype, shaped like q, k, v, and
-    with ``sinks``, (dq, dk, dv, dsinks).
+    """Reference attention backward: (dq, dk, dv) in compute_dtype, shaped like q, k, v, then
+    dsinks with ``sinks`` and dbias with ``bias``: (dq, dk, dv[, dsinks][, dbias]).
 
     The exact gradient of ``attention`` (same arguments) w.r.t. q, k and v for the upstream
     gradient ``dout``; with GQA, dk and dv sum over the query heads that share a KV head.
@@ -500,6 +666,12 @@ def attention_backward(
     no gradient w.r.t. the slopes. With sinks, dsinks (nheads,) is the gradient w.r.t. them,
     ``-sum_i exp(sink_h - lse_i) * rowsum(dO_i * O_i)`` over every row of head h and every
     batch entry, in float32 (float64 when compute_dtype is float64).
+    bias, mask, score_mod as in ``attention``. With bias, dbias is the gradient w.r.t. it: dS,
+    the gradient w.r.t. the biased scores (score_mod's input; 0 at masked entries), summed over
+    the bias's broadcast dims (batch and/or query heads of size 1), shaped and typed like bias;
+    ``bias_requires_grad=False`` leaves it out of the result. score_mod needs
+    ``score_mod_grad(score, b, h, q_idx, kv_idx)``, d score_mod / d score at the same
+    arguments (ValueError without it).
 
     ``out`` and ``lse`` (the forward's results, may be None) are taken for signature parity with
     a kernel backward and are only shape-checked: the reference recomputes P from q, k, v so
@@ -507,13 +679,21 @@ def attention_backward(
     reference.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p)
-    return _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask)
+                               dropout_p, bias=bias)
+    mods = _Modifiers(mask, score_mod, score_mod_grad, bias_requires_grad)
+    grads = _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask, mods)
+    if bias is not None and mods.bias_requires_grad:
+        grads = (*grads[:-1], grads[-1].astype(bias.dtype))
+    return grads
 
 
-def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask):
-    """attention_backward's gradients for the options of one call (an AttentionOptions)."""
-    xp = _array_module(dout, q, k, v, options.alibi_slopes, options.sinks, dropout_mask)
+def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask,
+              mods=_NO_MODIFIERS):
+    """attention_backward's gradients for the options of one call (an AttentionOptions) and its
+    _Modifiers; dbias (if any) in prec.acc, not yet cast to the bias's dtype."""
+    xp = _array_module(dout, q, k, v, options.alibi_slopes, options.sinks, dropout_mask,
+                       options.bias, mods.mask)
+    _check_score_mod_grad(mods)
     dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
     _check_shapes(q, k, v)
     out_shape = q.shape[:-1] + v.shape[-1:]
@@ -534,9 +714,9 @@ def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask):
     scale = _scale(options.softmax_scale, headdim)
     visible = _visible_keys(xp, seqlen_q, seqlen_k, options)
     features = _Features(xp, prec, (batch, nheads, seqlen_q, seqlen_k), options, dropout_mask,
-                         unbatched)
+                         unbatched, mods)
 
-    dqs, dks, dvs = [], [], []
+    dqs, dks, dvs, dbiases = [], [], [], []
     sink_logits = features.sink_logits(nheads_kv)
     dsinks = None if sink_logits is None else xp.zeros(nheads, dtype=prec.acc)
     for part in _batch_slices(batch, nheads * seqlen_q * seqlen_k):
@@ -544,9 +724,11 @@ def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask):
         dout_part = _group_query_heads(prec.load(dout[part]), nheads_kv)
         k_part = _kv_heads_first(prec.load(k[part]))
         v_part = _kv_heads_first(prec.load(v[part]))
-        probs, _, tanh, sink_probs = _probabilities(
-            xp, q_part, k_part, scale, visible, group, prec,
+        visible_part = features.visible(part, nheads_kv, visible)
+        probs, _, tanh, sink_probs, modified = _probabilities(
+            xp, q_part, k_part, scale, visible_part, group, prec,
             features.softcap, features.bias(part, nheads_kv), sink_logits,
+            features.score_mod(part),
         )
         keep = features.keep(part, nheads_kv)
         # out = (P * Z) V with Z = mask / (1 - p) (Z = 1 without dropout), P = softmax(S),
@@ -570,6 +752,21 @@ def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask):
             terms = (sink_probs * row_delta).reshape(len(q_part), nheads_kv, group, seqlen_q)
             dsinks = dsinks - terms.sum(axis=(0, 3)).reshape(nheads)
         dscores = probs * (dprobs - delta)
+        if modified is not None:
+            # Through score_mod: dS of its input. Masked entries have P = 0; the where keeps
+            # them 0 even where the derivative is not finite.
+            grad = features.score_mod_grad(modified, part).reshape(dscores.shape)
+            mask5 = xp.broadcast_to(visible_part, modified.shape).reshape(dscores.shape)
+            dscores = xp.where(mask5, dscores * grad, 0)
+        if features.wants_dbias:
+            # dbias = dS of the biased scores, in prec.acc (not rounded to compute_dtype: an
+            # implementation writes it from its float32 dS), summed over the broadcast dims.
+            dbias = dscores.reshape(len(q_part), nheads, seqlen_q, seqlen_k)
+            if features.user_bias.shape[1] == 1:
+                dbias = dbias.sum(axis=1, keepdims=True)
+            if features.user_bias.shape[0] == 1:
+                dbias = dbias.sum(axis=0, keepdims=True)
+            dbiases.append(dbias)
         if tanh is not None:
             # d/dx softcap * tanh(x / softcap) = 1 - tanh(x / softcap)^2; the bias has
             # derivative 1.
@@ -585,6 +782,12 @@ def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask):
         grads = [g[0] for g in grads]
     if dsinks is not None:
         grads.append(dsinks)
+    if features.wants_dbias:
+        if features.user_bias.shape[0] == 1:
+            dbias = sum(dbiases[1:], dbiases[0])
+        else:
+            dbias = xp.concatenate(dbiases)
+        grads.append(xp.ascontiguousarray(dbias.reshape(features.bias_shape)))
     return tuple(grads)
 
 
@@ -605,7 +808,7 @@ class _Varlen:
     """The checked arguments of a varlen call and the per-sequence options."""
 
     def __init__(self, xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 options, dropout_mask):
+                 options, dropout_mask, mods=_NO_MODIFIERS):
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.ndim != 3:
                 raise ValueError(
@@ -637,23 +840,43 @@ class _Varlen:
             xp, options.dropout_p, dropout_mask, shape,
             "(batch, nheads, max_seqlen_q, max_seqlen_k)",
         )
+        # bias and mask: padded to the maxima like the dropout mask, sequence b's block top-left.
+        _validate.check_bias(options.bias, self.batch, nheads, self.max_seqlen_q,
+                             self.max_seqlen_k, True, float64=True, varlen=True)
+        self.bias = None if options.bias is None else xp.asarray(options.bias)
+        self.mods = mods
+        self.visibility = _check_mask(xp, mods.mask, shape,
+                                      "(batch, nheads, max_seqlen_q, max_seqlen_k)")
+
+    def bias_block(self, b, seqlen_q, seqlen_k):
+        """The index of sequence b's block of the padded bias: batch row b (row 0 when the bias
+        is shared by every sequence), top-left aligned."""
+        return (b if self.bias.shape[0] > 1 else 0, slice(None), slice(0, seqlen_q),
+                slice(0, seqlen_k))
 
     def sequences(self):
-        """(rows of q, rows of k, the sequence's AttentionOptions, its dropout mask or None) for
-        each sequence."""
+        """(rows of q, rows of k, the sequence's AttentionOptions, its dropout mask or None, its
+        _Modifiers) for each sequence."""
         for b in range(self.batch):
             rows_q = slice(int(self.cu_q[b]), int(self.cu_q[b + 1]))
             rows_k = slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
+            seqlen_q, seqlen_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+            bias = None
+            if self.bias is not None:
+                bias = self.bias[self.bias_block(b, seqlen_q, seqlen_k)]
             options = self.options.replace(
                 alibi_slopes=None if self.slopes is None else self.slopes[b],
-                sinks=self.sinks, dropout_p=self.dropout_p)
+                sinks=self.sinks, dropout_p=self.dropout_p, bias=bias)
             mask = None
             if self.mask is not None:
                 # Sequence b's block of the padded mask, top-left aligned (as flash-attn's
                 # varlen returns its dropout mask: padded to the max lengths).
-                seqlen_q, seqlen_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
                 mask = self.mask[b, :, :seqlen_q, :seqlen_k]
-            yield rows_q, rows_k, options, mask
+            visibility = None
+            if self.visibility is not None:
+                visibility = self.visibility[b, :, :seqlen_q, :seqlen_k]
+            yield rows_q, rows_k, options, mask, self.mods.replace(mask=visibility,
+                                                                   first_batch=b)
 
 
 def attention_varlen(
@@ -675,6 +898,10 @@ def attention_varlen(
     compute_dtype=numpy.float32,
     dropout_p=0.0,
     dropout_mask=None,
+    bias=None,
+    mask=None,
+    score_mod=None,
+    score_mod_grad=None,
 ):
     """Reference variable-length attention forward (flash-attn's ``flash_attn_varlen_func``).
 
@@ -688,24 +915,28 @@ def attention_varlen(
     max_seqlen_q, max_seqlen_k); sequence b uses ``[b, :, :seqlen_q_b, :seqlen_k_b]``.
     sinks: (nheads,), the same logits for every sequence (a query row of an empty key sequence
     gets out 0 and lse = sink).
+    bias: (batch or 1, nheads or 1, max_seqlen_q, max_seqlen_k) and mask: boolean,
+    broadcastable to (batch, nheads, max_seqlen_q, max_seqlen_k), padded like dropout_mask:
+    sequence b uses ``[b, :, :seqlen_q_b, :seqlen_k_b]`` (row 0 of a bias of batch dim 1).
+    score_mod sees b = the sequence's index and q_idx, kv_idx = positions within the sequence.
 
     Returns out (total_q, nheads, headdim) in compute_dtype, or (out, lse) with lse float32
     (nheads, total_q) (flash-attn's varlen lse layout).
     """
-    xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask)
+    xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask, bias, mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
     prec = _Precision(compute_dtype)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p)
+                               dropout_p, bias=bias)
     varlen = _Varlen(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     options, dropout_mask)
+                     options, dropout_mask, _Modifiers(mask, score_mod, score_mod_grad))
     # Filled sequence by sequence (every row belongs to exactly one), in the accumulation dtype
     # and cast at the end: a cast is the bf16 operation CuPy is known to support.
     out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=prec.acc)
     lse = xp.zeros((q.shape[1], q.shape[0]), dtype=numpy.float32)
-    for rows_q, rows_k, sequence_options, mask in varlen.sequences():
+    for rows_q, rows_k, sequence_options, keep, mods in varlen.sequences():
         out_b, lse_b = _forward(q[rows_q], k[rows_k], v[rows_k], sequence_options, compute_dtype,
-                                mask)
+                                keep, mods)
         out[rows_q] = out_b.astype(prec.acc)
         lse[:, rows_q] = lse_b
     out = out.astype(prec.result)
@@ -733,23 +964,32 @@ def attention_varlen_backward(
     compute_dtype=numpy.float32,
     dropout_p=0.0,
     dropout_mask=None,
+    bias=None,
+    mask=None,
+    score_mod=None,
+    score_mod_grad=None,
+    bias_requires_grad=True,
 ):
-    """Reference variable-length backward: packed (dq, dk, dv) in compute_dtype, and with
-    ``sinks``, (dq, dk, dv, dsinks).
+    """Reference variable-length backward: packed (dq, dk, dv) in compute_dtype, then dsinks
+    with ``sinks`` and dbias with ``bias``: (dq, dk, dv[, dsinks][, dbias]).
 
     The gradient of ``attention_varlen`` (same arguments) for the upstream gradient dout
     (total_q, nheads, headdim), sequence by sequence through ``attention_backward``. ``out``
     (total_q, nheads, headdim) and ``lse`` (nheads, total_q) may be None and are only
     shape-checked, as in ``attention_backward``. dsinks (nheads,) sums the sequences' dsinks
-    (float32, or float64 when compute_dtype is float64).
+    (float32, or float64 when compute_dtype is float64). dbias is shaped and typed like bias,
+    (batch or 1, nheads or 1, max_seqlen_q, max_seqlen_k): each sequence's dbias in its block
+    (summed over the sequences for a bias of batch dim 1), 0 in the padding.
     """
-    xp = _array_module(dout, q, k, v, alibi_slopes, sinks, dropout_mask)
+    xp = _array_module(dout, q, k, v, alibi_slopes, sinks, dropout_mask, bias, mask)
     dout, q, k, v = (xp.asarray(x) for x in (dout, q, k, v))
     prec = _Precision(compute_dtype)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p)
+                               dropout_p, bias=bias)
+    mods = _Modifiers(mask, score_mod, score_mod_grad, bias_requires_grad)
+    _check_score_mod_grad(mods)
     varlen = _Varlen(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     options, dropout_mask)
+                     options, dropout_mask, mods)
     out_shape = q.shape[:-1] + v.shape[-1:]
     lse_shape = (q.shape[1], q.shape[0])
     if dout.shape != out_shape:
@@ -760,15 +1000,26 @@ def attention_varlen_backward(
         raise ValueError(f"lse must have shape (nheads, total_q) = {lse_shape}, got {lse.shape}")
     grads = [xp.zeros(x.shape, dtype=prec.acc) for x in (q, k, v)]
     dsinks = None if varlen.sinks is None else xp.zeros(q.shape[1], dtype=prec.acc)
-    for rows_q, rows_k, sequence_options, mask in varlen.sequences():
+    dbias = None
+    if bias is not None and mods.bias_requires_grad:
+        dbias = xp.zeros(varlen.bias.shape, dtype=prec.acc)
+    for rows_q, rows_k, sequence_options, keep, sequence_mods in varlen.sequences():
         parts = _backward(dout[rows_q], q[rows_q], k[rows_k], v[rows_k], None, None,
-                          sequence_options, compute_dtype, mask)
+                          sequence_options, compute_dtype, keep, sequence_mods)
         for grad, rows, part in zip(grads, (rows_q, rows_k, rows_k), parts):
             grad[rows] = part.astype(prec.acc)
         if dsinks is not None:
             dsinks += parts[3]
+        if dbias is not None:
+            # parts[-1]: the sequence's dbias in prec.acc, (nheads or 1, seqlen_q, seqlen_k).
+            seqlen_q, seqlen_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+            dbias[varlen.bias_block(sequence_mods.first_batch, seqlen_q, seqlen_k)] += parts[-1]
     grads = [grad.astype(prec.result) for grad in grads]
-    return tuple(grads) if dsinks is None else (*grads, dsinks)
+    if dsinks is not None:
+        grads.append(dsinks)
+    if dbias is not None:
+        grads.append(dbias.astype(bias.dtype))
+    return tuple(grads)
 
 
 def attention_with_kvcache(
