@@ -30,6 +30,29 @@ flash-attn's optional features, all off by default:
   every row of head h (all batch entries, all sequences of a varlen batch); dq, dk and dv keep
   their formulas with P from this lse. Sink values must be finite or -inf (+inf or nan give nan).
 
+Programmable attention (issue 44; the reference's dense forms of what the kernels will compile
+from expressions):
+
+- ``bias`` (float16, bfloat16, float32, or float64 for the float64 reference): ``(batch or 1,
+  nheads or 1, seqlen_q, seqlen_k)`` (unbatched inputs: ``(nheads or 1, seqlen_q, seqlen_k)``),
+  broadcast where a dim is 1; heads are query heads (GQA too). Added to the scores after the
+  softcap and the ALiBi bias, before the mask. The backward returns ``dbias`` last (after
+  dsinks): dS, the gradient w.r.t. the biased scores (0 at masked entries), summed over the
+  broadcast dims, shaped and typed like bias; ``bias_requires_grad=False`` leaves it out.
+- ``mask``: boolean, broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)``, True = the key is
+  visible; ANDed with causal and the window. A row left without keys: out 0, lse +inf (or the
+  sink), as for the built-in masks.
+- ``score_mod(score, b, h, q_idx, kv_idx) -> new score``: a Python function of xp arrays, score
+  ``(b_slice, nheads, seqlen_q, seqlen_k)`` in the accumulation dtype, b the absolute batch
+  index, h the query head, q_idx / kv_idx the positions (integer arrays broadcastable against
+  score). Applied to the scores after scale, softcap, ALiBi and bias, before the mask (so it
+  sees what FlexAttention's score_mod sees when those are off). The backward multiplies dS by
+  ``score_mod_grad(score, b, h, q_idx, kv_idx)`` = d new / d score at the same arguments,
+  required there; dbias is the gradient at score_mod's input.
+- Varlen: bias and mask are padded to the maxima like the dropout mask, ``(batch or 1, nheads or
+  1, max_seqlen_q, max_seqlen_k)``, sequence b using ``[b, :, :seqlen_q_b, :seqlen_k_b]``;
+  score_mod's b is the sequence's index and q_idx / kv_idx count within the sequence.
+
 Order of operations (flash-attn, csrc/flash_attn/src/flash_fwd_kernel.h
 ``compute_attn_1rowblock``: ``apply_softcap(acc_s)`` then ``mask.apply_mask(acc_s, ...)``, which
 adds the ALiBi bias and then writes -inf; mask.h ``Mask::apply_mask``; the backward kernel
@@ -38,7 +61,9 @@ flash_bwd_kernel.h does the same and multiplies dS by ``calculate_dtanh``)::
     s = softmax_scale * q.k                     # scaled scores
     s = softcap * tanh(s / softcap)             # if softcap > 0
     s = s - slope * |i + seqlen_k - seqlen_q - j|   # if alibi_slopes is not None
-    s = -inf where masked (causal / window)
+    s = s + bias[b, h, i, j]                    # if bias is not None
+    s = score_mod(s, b, h, i, j)                # if score_mod is not None
+    s = -inf where masked (causal / window / not mask[b, h, i, j])
     lse = logsumexp([s, sink]); P = exp(s - lse)    # sink only if given: lse counts it
     out = (P * dropout_mask / (1 - dropout_p)) @ V
 
@@ -46,8 +71,12 @@ flash_bwd_kernel.h does the same and multiplies dS by ``calculate_dtanh``)::
 ``compute_dtype`` float16/bfloat16 is the "low-precision reference" of the correctness rule:
 matmuls still accumulate in float32, but the values are rounded to ``compute_dtype`` where a
 low-precision implementation would round them: the inputs, the scores (once, after scaling,
-softcap and ALiBi bias), the probabilities P before ``P @ V`` and the output (and, in the
-backward, dP, dS and the gradients). The dropout factor ``mask / (1 - dropout_p)`` and the
+softcap, ALiBi, bias and score_mod), the probabilities P before ``P @ V`` and the output (and,
+in the backward, dP, dS and the gradients). The bias is read in its own dtype (exact in float32;
+a float32 bias of an fp16 call is not rounded to fp16 before the scores are), and score_mod
+runs in float32 like the rest of the score arithmetic. dbias is dS (the dS of score_mod's
+input) in float32 before dS is rounded for the matmuls, summed in float32 over the broadcast
+dims and cast once to the bias's dtype, as an implementation writes it from its float32 dS. The dropout factor ``mask / (1 - dropout_p)`` and the
 softcap derivative are applied in float32 without an extra rounding. A sink is one more logit of
 the same softmax and is rounded like the scores: once to ``compute_dtype`` (a float32 sink of an
 fp16 call becomes an fp16 value; beyond fp16's range, +-inf) before the denominator is formed.

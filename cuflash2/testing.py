@@ -12,7 +12,8 @@ arithmetic cannot avoid for this very problem (sequence length, head dim, maskin
 fixed tolerance that is loose for easy problems and flaky for hard ones.
 
 The sinks' gradient dsinks (float32, a sum over every row of a head) is judged by the same rule
-with an absolute slack grown with those rows (``dsinks_tolerance``).
+with an absolute slack grown with those rows (``dsinks_tolerance``); the bias's gradient dbias
+by the same rule too, against the float32 reference's unrounded dbias.
 
 Works for NumPy and CuPy arrays; only the final max scalars are copied to the host.
 """
@@ -164,10 +165,13 @@ def check_forward(q, k, v, out, lse=None, *, atol=None, **options):
 
     options go to ``reference.attention`` as they are: causal, softmax_scale, window_size,
     softcap, alibi_slopes, sinks, dropout_p and dropout_mask (with dropout_p > 0, dropout_mask
-    must be the keep-mask the implementation used). With sinks the reference's lse counts the
+    must be the keep-mask the implementation used), bias, mask, score_mod (bias_requires_grad
+    is ignored here). With sinks the reference's lse counts the
     sink, and a row that sees no key has lse = sink (finite).
     Returns a list of CheckResult: "out", then "lse" when lse is not None.
     """
+    # bias_requires_grad is a backward option: dropped, so one options dict serves both checks.
+    options = {name: value for name, value in options.items() if name != "bias_requires_grad"}
     ref_hi, ref_lse = reference.attention(
         q, k, v, return_lse=True, compute_dtype=numpy.float32, **options
     )
@@ -178,38 +182,69 @@ def check_forward(q, k, v, out, lse=None, *, atol=None, **options):
     return results
 
 
-def check_backward(dout, q, k, v, dq, dk, dv, dsinks=None, *, atol=None, dsinks_atol=None,
-                   **options):
+def check_backward(dout, q, k, v, dq, dk, dv, *optional, atol=None, dsinks=None,
+                   dsinks_atol=None, dbias=None, dbias_atol=None, **options):
     """Check an implementation's gradients against the reference backward.
 
-    options go to ``reference.attention_backward`` as they are (those of check_forward). With
-    ``sinks`` in options the implementation's ``dsinks`` (float32 (nheads,), the fourth
-    gradient: ``check_backward(dout, q, k, v, *grads, sinks=sinks)``) is required and checked by
-    the same rule, with the absolute slack of ``dsinks_tolerance`` unless ``dsinks_atol`` is
-    given; ``atol`` is dq's, dk's and dv's.
-    Returns a list of CheckResult for "dq", "dk", "dv" (and "dsinks").
+    options go to ``reference.attention_backward`` as they are (those of check_forward, and
+    bias_requires_grad). The gradients of the optional inputs follow dv in the backward's order,
+    positionally (``check_backward(dout, q, k, v, *grads, **options)``) or as keywords:
+    ``dsinks`` (float32 (nheads,)) is required with ``sinks`` in options and checked by the same
+    rule, with the absolute slack of ``dsinks_tolerance`` unless ``dsinks_atol`` is given;
+    ``dbias`` (shaped like bias) with ``bias`` (unless bias_requires_grad=False), with the slack
+    ``dbias_atol`` (default: the larger default_atol of q's and bias's dtypes); ``atol`` is dq's,
+    dk's and dv's.
+    Returns a list of CheckResult for "dq", "dk", "dv" (then "dsinks", "dbias").
     """
+    dsinks, dbias = _optional_gradients(optional, dsinks, dbias, options)
     return _check_gradients(
         reference.attention_backward, reference.attention, (dout, q, k, v, None, None), (q, k, v),
-        (dq, dk, dv), dsinks, atol, dsinks_atol, options,
+        (dq, dk, dv), dsinks, atol, dsinks_atol, options, dbias, dbias_atol,
     )
 
 
 def check_varlen_backward(dout, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, *, atol=None, dsinks=None, dsinks_atol=None, **options):
+                          max_seqlen_k, *, atol=None, dsinks=None, dsinks_atol=None, dbias=None,
+                          dbias_atol=None, **options):
     """check_backward for the gradients of ``attention_varlen`` (packed like q, k, v), against
     the reference varlen backward with the same cu_seqlens, maxima and options. With ``sinks``
-    in options, ``dsinks=`` (a keyword here: the positional arguments after dv are the
-    cu_seqlens) is required and checked as in check_backward.
+    in options, ``dsinks=``, and with ``bias``, ``dbias=`` (keywords here: the positional
+    arguments after dv are the cu_seqlens) are required and checked as in check_backward.
 
-    Returns a list of CheckResult for "dq", "dk", "dv" (and "dsinks").
+    Returns a list of CheckResult for "dq", "dk", "dv" (then "dsinks", "dbias").
     """
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _check_gradients(
         reference.attention_varlen_backward, reference.attention_varlen,
         (dout, q, k, v, None, None, *varlen), (q, k, v, *varlen), (dq, dk, dv), dsinks, atol,
-        dsinks_atol, options,
+        dsinks_atol, options, dbias, dbias_atol,
     )
+
+
+def _optional_gradients(optional, dsinks, dbias, options):
+    """(dsinks, dbias) from the positional gradients after dv (in the backward's order: dsinks
+    with sinks, then dbias with a bias that requires its gradient) and the keywords."""
+    names = []
+    if options.get("sinks") is not None:
+        names.append("dsinks")
+    if _wants_dbias(options):
+        names.append("dbias")
+    if len(optional) > len(names):
+        raise ValueError(
+            f"{len(optional)} gradient(s) given after dv, but these options give "
+            f"{len(names)} ({', '.join(names) or 'none'}): dsinks comes only with sinks=, dbias "
+            "only with bias= (and bias_requires_grad)"
+        )
+    given = dict(dsinks=dsinks, dbias=dbias)
+    for name, grad in zip(names, optional):
+        if given[name] is not None:
+            raise ValueError(f"{name} given twice (positionally and as a keyword)")
+        given[name] = grad
+    return given["dsinks"], given["dbias"]
+
+
+def _wants_dbias(options):
+    return options.get("bias") is not None and options.get("bias_requires_grad", True)
 
 
 def dsinks_tolerance(dtype, dout, out, lse, sinks):
@@ -247,17 +282,31 @@ def dsinks_tolerance(dtype, dout, out, lse, sinks):
 
 
 def _check_gradients(reference_backward, reference_forward, args, forward_args, grads, dsinks,
-                     atol, dsinks_atol, options):
-    """The 2x rule for dq, dk, dv (and dsinks with sinks): `reference_backward(*args,
-    **options)` in fp32 and in the input dtype (that of args[1], q); `reference_forward(
+                     atol, dsinks_atol, options, dbias=None, dbias_atol=None):
+    """The 2x rule for dq, dk, dv (and dsinks with sinks, dbias with bias): `reference_backward(
+    *args, **options)` in fp32 and in the input dtype (that of args[1], q); `reference_forward(
     *forward_args, **options)` gives the out and lse of dsinks' slack."""
     sinks = options.get("sinks")
     if sinks is None and dsinks is not None:
         raise ValueError("dsinks given without sinks: pass the forward's sinks=")
     if sinks is not None and dsinks is None:
         raise ValueError("sinks given: pass the implementation's dsinks as well (dsinks=)")
+    bias = options.get("bias")
+    wants_dbias = _wants_dbias(options)
+    if not wants_dbias and dbias is not None:
+        raise ValueError("dbias given without bias (or with bias_requires_grad=False): pass the "
+                         "forward's bias=")
+    if wants_dbias and dbias is None:
+        raise ValueError("bias given: pass the implementation's dbias as well (dbias=), or "
+                         "bias_requires_grad=False")
     q = args[1]
-    refs_hi = reference_backward(*args, compute_dtype=numpy.float32, **options)
+    hi_options = options
+    if wants_dbias and numpy.dtype(bias.dtype).itemsize < 4:
+        # The same values in float32 (exactly): the float32 reference's dbias is then not
+        # rounded to the bias's 16-bit dtype; the low-precision reference's is, like an
+        # implementation's.
+        hi_options = dict(options, bias=bias.astype(numpy.float32))
+    refs_hi = reference_backward(*args, compute_dtype=numpy.float32, **hi_options)
     refs_lo = reference_backward(*args, compute_dtype=q.dtype, **options)
     results = [
         check_close(name, got, ref_hi, ref_lo, atol)
@@ -265,7 +314,13 @@ def _check_gradients(reference_backward, reference_forward, args, forward_args, 
     ]
     if sinks is not None:
         if dsinks_atol is None:
-            out, lse = reference_forward(*forward_args, return_lse=True, **options)
+            forward_options = {name: value for name, value in options.items()
+                               if name != "bias_requires_grad"}
+            out, lse = reference_forward(*forward_args, return_lse=True, **forward_options)
             dsinks_atol = dsinks_tolerance(q.dtype, args[0], out, lse, sinks)
         results.append(check_close("dsinks", dsinks, refs_hi[3], refs_lo[3], dsinks_atol))
+    if wants_dbias:
+        if dbias_atol is None:
+            dbias_atol = max(default_atol(q.dtype), default_atol(bias.dtype))
+        results.append(check_close("dbias", dbias, refs_hi[-1], refs_lo[-1], dbias_atol))
     return results
