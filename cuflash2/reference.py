@@ -367,13 +367,13 @@ class _Features:
 
     def __init__(self, xp, prec, shape, options, dropout_mask, unbatched, mods=_NO_MODIFIERS):
         batch, nheads, seqlen_q, seqlen_k = shape
-        self.xp, self.prec, self.nheads, self.shape = xp, prec, nheads, shape
+        self.xp, self.prec, self.nheads = xp, prec, nheads
         self.mods = mods
         self.user_bias = None
         if _validate.check_bias(options.bias, batch, nheads, seqlen_q, seqlen_k, not unbatched,
                                 float64=True) is not None:
             bias = xp.asarray(options.bias)
-            self.bias_shape, self.bias_dtype = bias.shape, bias.dtype
+            self.bias_shape = bias.shape
             # Batched form (batch or 1, nheads or 1, seqlen_q, seqlen_k), in its own dtype.
             self.user_bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
         self.softcap = _check_softcap(options.softcap)
