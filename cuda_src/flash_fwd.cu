@@ -100,13 +100,16 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
     }
 }
 
-// FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi, sinks), varlen batches
-// (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters: FwdParams
-// (kernel_params.cuh).
+// The kernel's body, shared by flash_fwd_kernel and flash_fwd_mods_kernel (below). FEATURES: the
+// attention variant's features (variant.cuh: softcap, ALiBi, sinks, the programmable modifiers),
+// varlen batches (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters:
+// FwdParams (kernel_params.cuh), and with the programmable modifiers their inputs (`user`,
+// UserParams; an unused NoUserInputs otherwise).
+struct NoUserInputs {};
+
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
-          int FEATURES>
-__global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
-flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+          int FEATURES, class UserInputs>
+CF2_DEVICE void flash_fwd_body(const FwdParams& p, const UserInputs& user) {
     using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -237,8 +240,23 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             const int t = thread_index_fresh();
             variant.apply(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
                        key0 + 2 * (t % 4));
+            if constexpr (Variant::SCORE_MOD) {
+                // The programmable modifiers' context (user_inputs.cuh): inputs, batch entry,
+                // head, lengths, score units.
+                const UserModContext ctx{user, batch, head, seqlen_q, seqlen_k, p.softmax_scale,
+                                         p.mods.alibi_to_units};
+                Variant::score_mod(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
+                                   key0 + 2 * (t % 4), ctx);
+            }
         }
-        if (tile < unmasked_lo || tile >= unmasked_hi) {
+        if constexpr (Variant::MASK_MOD) {
+            // The user's mask on every tile (no tile is known to need none).
+            const int t = thread_index_fresh();
+            const UserModContext ctx{user, batch, head, seqlen_q, seqlen_k, p.softmax_scale,
+                                     p.mods.alibi_to_units};
+            Variant::mask_mod(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
+                              key0 + 2 * (t % 4), vis, ctx);
+        } else if (tile < unmasked_lo || tile >= unmasked_hi) {
             // This thread's first accumulator row (query index) and key; from a fresh thread
             // index so that they take no registers across the loop.
             const int t = thread_index_fresh();
@@ -295,4 +313,25 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     store_staged_rows<T::ROWS_PER_WARP, QTile::CHUNKS, 32>(
         p, o_block, [&](int row, int chunk) { return q_smem + QTile::offset(row, chunk); },
         row_first, seqlen_q, head_chunks, warp_row0, lane);
+}
+
+// FwdParams (kernel_params.cuh): every specialisation but those with programmable modifiers.
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
+          int FEATURES>
+__global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
+flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+    flash_fwd_body<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(
+        p, NoUserInputs{});
+}
+
+// With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): FwdModsParams, the
+// modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the kernel
+// (cuflash2/mods.py: one specialisation per expressions and inputs' types).
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
+          int FEATURES, unsigned MODS_HASH>
+__global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
+flash_fwd_mods_kernel(const __grid_constant__ FwdModsParams p) {
+    static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
+    flash_fwd_body<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(p.base,
+                                                                                     p.user);
 }

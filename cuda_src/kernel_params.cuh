@@ -79,6 +79,38 @@ struct FwdParams {
     int batch_offset;  // first sequence of this launch (grids of more than 65535 sequences)
 };
 
+// A read-only input of a programmable modifier (cuflash2.mask_mod / score_mod; user_inputs.cuh):
+// its address and element strides (unused dims 0). Its element type and rank are the generated
+// user_mods.cuh's, per specialisation.
+struct UserInput {
+    const void* data;
+    i64 stride0;
+    i64 stride1;
+    i64 stride2;
+    i64 stride3;
+};
+
+// The inputs of a specialisation's mask and score modifiers, in the order cuflash2/mods.py
+// numbers them (the mask's first); those it does not have stay null.
+struct UserParams {
+    UserInput in0;
+    UserInput in1;
+    UserInput in2;
+    UserInput in3;
+    UserInput in4;
+    UserInput in5;
+    UserInput in6;
+    UserInput in7;
+};
+
+// flash_fwd.cu's kernel with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): the
+// forward's parameters, then the modifiers' inputs. A struct of its own, so that FwdParams, and
+// with it every other specialisation's parameters and machine code, stays as it was.
+struct FwdModsParams {
+    FwdParams base;
+    UserParams user;
+};
+
 // flash_fwd_sm90.cu: the forward's parameters plus the TMA descriptors of q, k and v, each over
 // the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with 128-byte
 // swizzle (cuflash2/_hopper.py builds them). The maps come first: at offsets 0, 128 and 256 they

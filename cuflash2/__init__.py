@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from . import reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
+from . import mods, reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
 from .api import (  # noqa: E402
     attention,
     attention_backward,
@@ -19,6 +19,7 @@ from .api import (  # noqa: E402
     forward_kernels,
     varlen_forward_kernels,
 )
+from .mods import mask_mod, score_mod  # noqa: E402
 
 __all__ = [
     "attention",
@@ -35,6 +36,9 @@ __all__ = [
     "forward_kernels",
     "varlen_forward_kernels",
     "backward_kernels",
+    "mask_mod",
+    "score_mod",
+    "mods",
     "reference",
     "__version__",
 ]

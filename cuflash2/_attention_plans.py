@@ -42,15 +42,19 @@ def _varlen_fields(varlen) -> dict:
 
 
 def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: int, arch: int,
-                 out_shape, lse_shape, varlen=None, config=None) -> _plans.Plan:
+                 out_shape, lse_shape, varlen=None, config=None, user_inputs=()) -> _plans.Plan:
     """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes, mods.sinks,
     varlen.cu_seqlens_q, varlen.cu_seqlens_k (None or missing where absent). Outputs: [out if
     not given, lse]. The kernel, its grid and on sm_90 its tensor maps are
     _dispatch.forward_kernel's choice: the Hopper kernel for every call it covers, the mma.sync
-    kernel the others; `config` runs instead where given."""
+    kernel the others; `config` runs instead where given. With programmable modifiers
+    (`mods.user_mods`; `user_inputs`: (input position, array) of each of their arrays, the mask's
+    first) the mma.sync kernel's FwdModsParams: these FwdParams as `base`, then `user`, the
+    arrays' addresses (per call) and element strides."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
-    choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config)
+    choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
+                                      mods.user_mods)
     config = choice.config
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     fields = {
@@ -76,6 +80,9 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         launches.append(_launch.kernel_launch(config, device_id, choice.grid))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
+    if mods.user_mods is not None:
+        return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
+                          mods, user_inputs)
     if not choice.hopper:
         return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
                            output_fields, aligned=aligned, per_call=_dropout_slots(mods))
@@ -84,6 +91,25 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     return _sm90_plan(device_id, "FwdSm90Params", fields, choice.maps, choice.map_fields,
                       launches, inputs, outputs, output_fields, aligned=aligned,
                       own_fields=choice.grid_fields, counters=counters)
+
+
+def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_fields, aligned,
+               mods, user_inputs) -> _plans.Plan:
+    """The plan of the forward with programmable modifiers: FwdModsParams, the FwdParams
+    `fields`, `inputs` and `output_fields` under `base.`, and UserParams' slots in order
+    (user.in<i>: the address of input i per call, its element strides once)."""
+    base = "base."
+    user = {}
+    for i, (_, x) in enumerate(user_inputs):
+        strides = [s // x.itemsize for s in x.strides] + [0] * (4 - x.ndim)
+        user.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
+    return _plans.Plan(
+        device_id, "FwdModsParams", {**{base + f: v for f, v in fields.items()}, **user},
+        launches, [(base + f, pos, off) for f, pos, off in inputs]
+        + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)],
+        outputs, [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
+        per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
+        batch_offset=base + "batch_offset")
 
 
 def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields: dict,

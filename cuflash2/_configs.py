@@ -33,7 +33,14 @@ FEATURE_DROPOUT = 8  # Philox dropout on P (cuda_src/dropout.cuh)
 #: (cuda_src/variant.cuh). The backward main kernels are the same with or without them (P comes
 #: from the lse, which counts the sink); their gradient is flash_bwd_sinks.cu's.
 FEATURE_SINKS = 16
-#: Every combination of the features.
+#: Programmable modifiers (cuflash2.mask_mod / score_mod, cuflash2/mods.py): the user's mask and
+#: score expressions, compiled into a specialisation of their own with the generated header
+#: user_mods.cuh (cuda_src/variant.cuh: mask_mod, score_mod). So far the mma.sync forward only.
+FEATURE_MASK_MOD = 32
+FEATURE_SCORE_MOD = 64
+USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD
+#: Every combination of the built-in features (the programmable modifiers' specialisations
+#: are per expression: FwdModsConfig).
 ALL_FEATURES = tuple(range(32))
 #: The features only the forward kernels take: a backward call's main kernels are those of the
 #: call without them (backward_features).
@@ -111,7 +118,8 @@ DQ_SEMAPHORE_ROWS = 4
 CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
-    "FEATURE_SINKS": FEATURE_SINKS,
+    "FEATURE_SINKS": FEATURE_SINKS, "FEATURE_MASK_MOD": FEATURE_MASK_MOD,
+    "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
     "MAX_SPLITS": MAX_SPLITS, "MAX_CLUSTER_SPLITS": MAX_CLUSTER_SPLITS,
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
@@ -167,6 +175,28 @@ class FwdConfig:
         return _traits_probes(
             f"FwdTraits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
             f"{self.block_n}, {self.num_warps}, {self.kv_stages}>", self)
+
+
+@dataclass(frozen=True)
+class FwdModsConfig(FwdConfig):
+    """A forward specialisation with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD):
+    FwdConfig's tile and features plus the generated header `user_mods` (cuflash2/mods.py:
+    user_mods_header), whose hash names the kernel (flash_fwd_mods_kernel, FwdModsParams)."""
+
+    user_mods: str = ""  # the text of the generated user_mods.cuh
+    mods_hash: int = 0  # its USER_MODS_HASH (a hash of its code, mods.py)
+
+    @property
+    def name_expression(self) -> str:
+        tag = DTYPE_TAGS[self.dtype]
+        return (f"flash_fwd_mods_kernel<{tag}, {self.head_dim}, {self.block_m}, "
+                f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}, "
+                f"{self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        """(name, text) of the headers generated for this specialisation alone (_compile)."""
+        return (("user_mods.cuh", self.user_mods),)
 
 
 def _traits_probes(traits: str, config, block_m: bool = False) -> str:
@@ -688,7 +718,8 @@ def describe(config) -> str:
     dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(config.dtype, config.dtype)
     mods = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "ALiBi"),
                                    (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout"),
-                                   (FEATURE_VARLEN, "varlen"))
+                                   (FEATURE_VARLEN, "varlen"), (FEATURE_MASK_MOD, "mask_mod"),
+                                   (FEATURE_SCORE_MOD, "score_mod"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

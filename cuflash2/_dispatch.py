@@ -23,7 +23,7 @@ from ._configs import (DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_AL
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
-                       FwdSm90Config, backward_features, with_features)
+                       USER_MOD_FEATURES, FwdSm90Config, backward_features, with_features)
 
 #: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
 FORCED: dict = {}
@@ -49,12 +49,22 @@ class ForwardChoice:
 
 
 def forward_kernel(problem, features: int, window, arch: int, views: dict, varlen, device_id: int,
-                   config=None) -> ForwardChoice:
+                   config=None, user_mods=None) -> ForwardChoice:
     """The forward kernel of a checked call (`features`: its FEATURE_* bits, varlen included;
     `window`: the kernels' (left, right)). On sm_90 the Hopper kernel runs every call it covers
     (hopper_forward_config) whose q, k and v the TMA describes, the mma.sync kernel (fwd_config)
-    the others; `config`, or a tuning script's FORCED["fwd"], runs instead where given."""
+    the others; `config`, or a tuning script's FORCED["fwd"], runs instead where given.
+    `user_mods`: the programmable modifiers' sources (mask, score), which only the mma.sync
+    kernel takes so far, on every architecture (fwd_mods_config's tile; a FwdModsConfig)."""
     p = problem
+    if user_mods is not None:
+        from . import mods
+
+        if config is None:
+            config = FORCED.get("fwd") or fwd_mods_config(p.dtype, p.head_dim, arch)
+        config = mods.forward_config(with_features(config, features & ~USER_MOD_FEATURES),
+                                     *user_mods)
+        return ForwardChoice(config, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch))
     hopper = map_fields = None
     if config is None and "fwd" not in FORCED:
         hopper = hopper_forward_config(p, features, window, arch, varlen)
@@ -203,6 +213,22 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
         config = FwdConfig(dtype, d, block_m, block_n, num_warps=4, kv_stages=stages)
         if 2 * (config.smem_bytes + 1024) <= smem_per_sm:
             return config
+    return config
+
+
+def fwd_mods_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
+    """The mma.sync forward's tile with programmable modifiers (FwdModsConfig): up to d=128,
+    64 x 64 tiles of 4 warps of 16 rows (the user's code runs on every score of a visited tile
+    and on the 128-row tiles of fwd_config it spilled: the compile tests' expressions at d=64
+    and 128, sm_80 and sm_90, ptxas report), double-buffered where two CTAs fit on an SM;
+    above, fwd_config's (16 rows a warp already). Not yet timed on a GPU."""
+    d = kernel_head_dim(head_dim)
+    if d > 128:
+        return fwd_config(dtype, head_dim, arch)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    config = FwdConfig(dtype, d, 64, 64, num_warps=4, kv_stages=2)
+    if 2 * (config.smem_bytes + 1024) > smem_per_sm:
+        config = FwdConfig(dtype, d, 64, 64, num_warps=4, kv_stages=1)
     return config
 
 

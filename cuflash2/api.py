@@ -122,9 +122,10 @@ def _forward_key(kind, cupy, arrays, options, extra=()):
 
 
 def _plan_forward(layout, inputs, options, varlen_args=None):
-    """Checks a forward call (its arrays `inputs`, as `layout` names them, and its `options`)
-    in full and plans it."""
+    """Checks a forward call (its arrays `inputs`, as `layout` names them, then the programmable
+    modifiers' arrays, and its `options`) in full and plans it."""
     views, sources, names = layout.arrays(inputs)
+    user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -140,12 +141,36 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
                                                           varlen_args[4], cupy)
         lse_shape = (packed.nheads, packed.seqlen_q)
     mods = _prepare.score_mods(problem, options)
-    device_id = _prepare.check_device(
-        *_device_arrays(layout, views, names, ("q", "k", "v", "out")), cupy)
+    tensors, others = _device_arrays(layout, views, names, ("q", "k", "v", "out"))
+    others.update(_prepare.user_mod_arrays(options.mask_mod, options.score_mod))
+    device_id = _prepare.check_device(tensors, others, cupy)
     window = _validate.check_window(options.window_size, options.causal, problem.seqlen_q,
                                     problem.seqlen_k)
     return _attention_plans.forward_plan(views, sources, problem, mods, window, device_id,
-                                         device_arch(device_id), q.shape, lse_shape, varlen)
+                                         device_arch(device_id), q.shape, lse_shape, varlen,
+                                         user_inputs=user_inputs)
+
+
+def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod):
+    """(inputs, signature key's extra) of a forward call with programmable modifiers: their
+    arrays after the layout's (the mask's first), their sources in the key. Checks their types
+    (before any key is built)."""
+    _prepare.check_user_mods(mask_mod, score_mod)
+    options.mask_mod, options.score_mod = mask_mod, score_mod
+    arrays = ((mask_mod.arrays if mask_mod is not None else ())
+              + (score_mod.arrays if score_mod is not None else ()))
+    keys = (mask_mod.key if mask_mod is not None else None,
+            score_mod.key if score_mod is not None else None)
+    return inputs + arrays, (*extra, "user_mods", keys)
+
+
+def _refuse_user_mods(function: str, mask_mod, score_mod) -> None:
+    """The backward of the programmable modifiers is not there yet."""
+    if mask_mod is not None or score_mod is not None:
+        which = "mask_mod" if mask_mod is not None else "score_mod"
+        raise NotImplementedError(
+            f"{function}: {which} (programmable mask_mod / score_mod) has no backward kernels "
+            "yet; so far only the forward (cuflash2.attention, attention_varlen) takes them")
 
 
 def _forward_plan(kind, layout, cupy, inputs, options, extra=(), varlen_args=None):
@@ -172,7 +197,7 @@ def _forward_result(plan, inputs, options, out, return_lse, cupy):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-              return_lse=False, out=None):
+              return_lse=False, out=None, mask_mod=None, score_mod=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -197,12 +222,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     them (scaled, capped, biased; with sinks, the sink's exp counted too; +inf, with out 0, for
     a row that sees no key, or the sink's logit with sinks). Runs on the current CuPy stream,
     without host syncs.
+
+    `mask_mod` (`cuflash2.mask_mod(expression, **inputs)`) and `score_mod`
+    (`cuflash2.score_mod(expression, grad=None, **inputs)`): programmable masks and score
+    modifiers, CUDA C expressions compiled into the mma.sync forward kernel (cuflash2.mods;
+    the score modifier after softcap and ALiBi, the mask ANDed with causal and the window).
+    No backward yet. Not yet verified on a GPU.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (q, k, v, out, alibi_slopes, sinks)
     cupy = _cupy or _cupy_module()
-    plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
+    if mask_mod is None and score_mod is None:
+        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
+    else:
+        inputs, extra = _with_user_mods(options, inputs, (), mask_mod, score_mod)
+        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
     return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
@@ -279,7 +314,7 @@ def _gradients(outputs, given):
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                        dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
-                       dk=None, dv=None, dsinks=None):
+                       dk=None, dv=None, dsinks=None, mask_mod=None, score_mod=None):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
     forward's causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed
@@ -292,7 +327,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     (dq, dk, dv, dsinks), dsinks float32 (nheads,) (into `dsinks=` if given): one gradient a
     differentiable array argument of the forward, in its order. `deterministic=True` gives
     bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
+    `mask_mod` / `score_mod`: not yet (NotImplementedError).
     """
+    _refuse_user_mods("attention_backward", mask_mod, score_mod)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
@@ -322,9 +359,11 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-                  deterministic=False):
+                  deterministic=False, mask_mod=None, score_mod=None):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`
-    (with sinks `(dq, dk, dv, dsinks)`), which keeps the forward's lse (and out) internally."""
+    (with sinks `(dq, dk, dv, dsinks)`), which keeps the forward's lse (and out) internally.
+    `mask_mod` / `score_mod`: not yet (NotImplementedError, before the forward runs)."""
+    _refuse_user_mods("attention_vjp", mask_mod, score_mod)
     if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
         seed = int.from_bytes(os.urandom(8), "little")
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -448,7 +487,8 @@ def _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens) -> tuple:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-                     return_lse=False, out=None, check_cu_seqlens=True):
+                     return_lse=False, out=None, check_cu_seqlens=True, mask_mod=None,
+                     score_mod=None):
     """`attention` on variable-length sequences packed one after another (flash-attn's
     `flash_attn_varlen_func`).
 
@@ -463,11 +503,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     `check_cu_seqlens=True` copies cu_seqlens to the host to check their values and the max
     lengths: one device synchronisation. With False nothing is synchronised and bad values give
     undefined results (never out-of-bounds accesses: the kernels clamp to the packed lengths).
+    `mask_mod` / `score_mod` as in `attention`: b is the sequence's index, q_idx and kv_idx
+    positions within the sequence.
     """
     plan, planned, inputs, options, cupy = _varlen_plan(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset, out,
-        check_cu_seqlens)
+        check_cu_seqlens, mask_mod, score_mod)
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, out, cupy)
@@ -476,16 +518,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed,
-                 offset, out, check_cu_seqlens):
+                 offset, out, check_cu_seqlens, mask_mod=None, score_mod=None):
     """(plan of an attention_varlen call, whether it was planned now: the call checked in full,
     its inputs, its options, cupy) (varlen_forward_kernels names its kernels)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (q, k, v, out, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
     cupy = _cupy or _cupy_module()
+    extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)
+    if mask_mod is not None or score_mod is not None:
+        inputs, extra = _with_user_mods(options, inputs, extra, mask_mod, score_mod)
     plan, planned = _forward_plan(
-        "attention_varlen", _VARLEN, cupy, inputs, options,
-        _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens),
+        "attention_varlen", _VARLEN, cupy, inputs, options, extra,
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_cu_seqlens))
     return plan, planned, inputs, options, cupy
 
@@ -506,10 +550,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k, *, causal=False, softmax_scale=None,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                               dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
-                              dk=None, dv=None, dsinks=None, check_cu_seqlens=True):
+                              dk=None, dv=None, dsinks=None, check_cu_seqlens=True,
+                              mask_mod=None, score_mod=None):
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
-    As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks))."""
+    As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks)); `mask_mod` /
+    `score_mod`: not yet (NotImplementedError)."""
+    _refuse_user_mods("attention_varlen_backward", mask_mod, score_mod)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks, cu_seqlens_q,

@@ -1,0 +1,224 @@
+"""Programmable masks and score modifiers (cuflash2.mods, issue 44) on the CPU: NVRTC compiles the
+mma.sync forward with user expressions (no spills, ptxas report), the generated header and its
+hash, the dispatch (every architecture: the mma.sync kernel), the plan's struct, and the error
+paths (names, inputs, compile errors showing the user's line, the backward's refusal).
+"""
+
+import types
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy
+import pytest
+
+import cuflash2
+from cuflash2 import _compile, _configs, _dispatch, _params, _validate, mods
+
+DOC = mods.ModSource("mask_mod", "doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx",
+                     inputs=(mods.InputSignature("doc", "int32", 1),))
+# Prefix-LM with the prefix length a Python int, baked in as a constant (mods docstring).
+PREFIX_LM = mods.ModSource("mask_mod", "kv_idx <= q_idx || kv_idx < prefix_len",
+                           constants=(("prefix_len", "int", "2048"),))
+# The same with the length read per call from a 1-element array.
+PREFIX_LM_ARRAY = mods.ModSource("mask_mod", "kv_idx <= q_idx || kv_idx < prefix[0]",
+                                 inputs=(mods.InputSignature("prefix", "int32", 1),))
+REL_POS = mods.ModSource("score_mod", "score + table(h, q_idx - kv_idx + 1023)",
+                         inputs=(mods.InputSignature("table", "float32", 2),))
+SOFTCAP_LIKE = mods.ModSource("score_mod", "12.f * tanhf(score / 12.f)",
+                              grad="1.f - (tanhf(score / 12.f) * tanhf(score / 12.f))")
+
+# (mask, score) pairs: each expression of the brief, mask and score modifier compiled together
+# (both code paths in one kernel), and each kind alone once.
+PAIRS = [(DOC, REL_POS), (PREFIX_LM, SOFTCAP_LIKE)]
+CASES = [(mask, score, dtype, d, arch) for mask, score in PAIRS for dtype in ("float16", "bfloat16")
+         for d in (64, 128) for arch in (80, 90)]
+CASES += [(DOC, None, "float16", 128, 80), (None, SOFTCAP_LIKE, "bfloat16", 64, 90),
+          (PREFIX_LM_ARRAY, None, "bfloat16", 128, 90)]
+
+
+def _config(mask, score, dtype, d, arch):
+    return mods.forward_config(_dispatch.fwd_mods_config(dtype, d, arch), mask, score)
+
+
+def _report(case):
+    mask, score, dtype, d, arch = case
+    return _compile.compile_report(_config(mask, score, dtype, d, arch), arch)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    with ProcessPoolExecutor(2) as pool:
+        return dict(zip(range(len(CASES)), pool.map(_report, CASES)))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[f"{m.kind if m else '-'}+{s.kind if s else '-'}-{dt}-d{d}-sm{a}"
+                              for m, s, dt, d, a in CASES])
+def test_forward_with_user_mods_compiles_without_spills(reports, index):
+    report = reports[index]
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert report.registers <= 255
+    assert not report.odd_descriptors, report.odd_descriptors
+    mask, score = CASES[index][:2]
+    assert report.name_expression.startswith("flash_fwd_mods_kernel<")
+
+
+def test_header_hash_names_the_kernel():
+    a = _config(DOC, None, "float16", 64, 80)
+    b = _config(DOC, None, "float16", 64, 80)
+    c = _config(PREFIX_LM, None, "float16", 64, 80)
+    d = _config(DOC, REL_POS, "float16", 64, 80)
+    assert a == b and a.name_expression == b.name_expression
+    assert len({a.name_expression, c.name_expression, d.name_expression}) == 3
+    assert f"{a.mods_hash:#010x}u" in a.user_mods  # USER_MODS_HASH, checked by a static_assert
+    assert a.features == _configs.FEATURE_MASK_MOD
+    assert d.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD
+    # Another dtype of the input is another specialisation.
+    e = _config(mods.ModSource("mask_mod", DOC.expression,
+                               inputs=(mods.InputSignature("doc", "int64", 1),)),
+                None, "float16", 64, 80)
+    assert e.name_expression != a.name_expression
+    # The plain kernels' source has the default user_mods.cuh (never called).
+    plain = _compile.specialisation_source(_dispatch.fwd_config("float16", 64, 80))
+    assert "USER_MODS_HASH = 0u" in plain and "doc[q_idx]" not in plain
+    assert "doc[q_idx]" in _compile.specialisation_source(a)
+
+
+def test_inputs_take_slots_in_order():
+    header, _ = mods.user_mods_header(DOC, REL_POS)
+    assert "UserArray1<int> doc(cf2_user.in0)" in header
+    assert "UserArray2<float> table(cf2_user.in1)" in header
+    header, _ = mods.user_mods_header(PREFIX_LM, None)
+    assert "constexpr int prefix_len = 2048;" in header
+
+
+def test_dispatch_sends_user_mods_to_the_mma_sync_forward_on_every_arch():
+    q = numpy.zeros((2, 4096, 8, 128), numpy.float16)
+    problem = _validate.check_attention_inputs(q, q, q)
+    for arch in _configs.CPU_TEST_ARCHS:
+        choice = _dispatch.forward_kernel(problem, _configs.FEATURE_MASK_MOD, (-1, 0), arch, {},
+                                          None, 0, user_mods=(DOC, None))
+        assert not choice.hopper
+        assert isinstance(choice.config, _configs.FwdModsConfig)
+        assert choice.grid == (4096 // choice.config.block_m, 8, 2)
+    # Without them, sm_90 still takes the Hopper kernel's config for this call.
+    assert _dispatch.hopper_forward_config(problem, 0, (-1, 0), 90) is not None
+    assert _dispatch.hopper_forward_config(problem, _configs.FEATURE_MASK_MOD, (-1, 0), 90) is None
+
+
+def test_mods_params_layout():
+    fwd, mods_params = _params.layout("FwdParams"), _params.layout("FwdModsParams")
+    assert mods_params.offsets["base.q"] == 0
+    assert mods_params.offsets["user.in0.data"] >= fwd.size
+    assert "user.in7.stride3" in mods_params.offsets
+
+
+def test_score_derivative_rule():
+    assert mods.score_derivative("score + table(h, q_idx)", None) == "1.f"
+    assert mods.score_derivative("  score + bias[kv_idx]  ", None) == "1.f"
+    assert mods.score_derivative("score + score_table[h]", None) == "1.f"  # another identifier
+    assert mods.score_derivative("score + 0.5f * score", None) is None
+    assert mods.score_derivative("2.f * score", None) is None
+    assert mods.score_derivative("2.f * score", "2.f") == "2.f"
+
+
+# ---------------------------------------------------------------------------------------------
+# Error paths
+
+
+class _FakeArray:
+    """A stand-in for a CuPy array (no CuPy on the CPU test machine)."""
+
+    def __init__(self, dtype, shape):
+        self.dtype = numpy.dtype(dtype)
+        self.shape = shape
+        self.ndim = len(shape)
+        self.size = int(numpy.prod(shape))
+        self.itemsize = self.dtype.itemsize
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    monkeypatch.setattr(mods, "_cupy", lambda: types.SimpleNamespace(ndarray=_FakeArray))
+
+
+def test_valid_inputs(fake_cupy):
+    m = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx]", doc=_FakeArray("int32", (10,)))
+    assert m.source.inputs == (mods.InputSignature("doc", "int32", 1),)
+    s = cuflash2.score_mod("score + t(h, q_idx, kv_idx)", t=_FakeArray("float16", (2, 3, 4)),
+                           scale=0.5, n=3, flag=True)
+    assert s.source.constants == (("scale", "float", "0.5f"), ("n", "int", "3"),
+                                  ("flag", "bool", "true"))
+    assert s.derivative == "1.f"
+
+
+@pytest.mark.parametrize("name", ["1x", "a-b", "x y"])
+def test_bad_identifier(fake_cupy, name):
+    with pytest.raises(ValueError, match="not a valid C identifier"):
+        cuflash2.mask_mod("q_idx < 3", **{name: 1})
+
+
+@pytest.mark.parametrize("name", ["q_idx", "kv_idx", "b", "h", "score", "int", "return",
+                                  "cf2_user", "UserMods", "threadIdx"])
+def test_reserved_name(fake_cupy, name):
+    with pytest.raises(ValueError, match=f"input name '{name}' is reserved"):
+        cuflash2.mask_mod("q_idx < 3", **{name: 1})
+
+
+def test_wrong_input_dtype_and_type(fake_cupy):
+    with pytest.raises(TypeError, match="doc has dtype float64"):
+        cuflash2.mask_mod("doc[q_idx] > 0", doc=_FakeArray("float64", (4,)))
+    with pytest.raises(TypeError, match="numpy array"):
+        cuflash2.mask_mod("doc[q_idx] > 0", doc=numpy.zeros(4, numpy.int32))
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        cuflash2.mask_mod("doc[q_idx] > 0", doc=[1, 2])
+    with pytest.raises(ValueError, match="1 to 4 dims"):
+        cuflash2.mask_mod("doc(q_idx) > 0", doc=_FakeArray("int32", (1, 1, 1, 1, 1)))
+    with pytest.raises(ValueError, match="one expression"):
+        cuflash2.mask_mod("true; }")
+    with pytest.raises(TypeError, match="string"):
+        cuflash2.score_mod(lambda s: s)
+
+
+def test_too_many_inputs_together():
+    inputs = tuple(mods.InputSignature(f"x{i}", "int32", 1) for i in range(5))
+    a = mods.ModSource("mask_mod", "true", inputs=inputs)
+    b = mods.ModSource("score_mod", "score", inputs=inputs)
+    with pytest.raises(ValueError, match="10 array inputs together; at most 8"):
+        mods.user_mods_header(a, b)
+
+
+def test_compile_error_shows_the_users_line():
+    bad = mods.ModSource("mask_mod", "doc[q_idx] == doc[kv_idx] && nope",
+                         inputs=(mods.InputSignature("doc", "int32", 1),))
+    config = _config(bad, REL_POS, "float16", 64, 80)
+    with pytest.raises(mods.ModCompileError) as info:
+        _compile.compile_report(config, 80)
+    message = str(info.value)
+    assert "doc[q_idx] == doc[kv_idx] && nope" in message  # the expression
+    assert "mask_mod(1)" in message and '"nope" is undefined' in message  # NVRTC on its line
+    assert "score + table(h, q_idx - kv_idx + 1023)" in message  # the other one, for context
+    assert "flash_fwd_body" not in message and len(message) < 3000  # not the whole kernel
+
+
+def test_compile_error_in_the_score_grad():
+    bad = mods.ModSource("score_mod", "score * 2.f", grad="2.f * undefined_thing")
+    with pytest.raises(mods.ModCompileError, match="score_mod_grad"):
+        _compile.compile_report(_config(None, bad, "float16", 64, 80), 80)
+
+
+def test_backward_refuses_user_mods():
+    for kw in ({"mask_mod": object()}, {"score_mod": object()}):
+        with pytest.raises(NotImplementedError, match="mask_mod|score_mod"):
+            cuflash2.attention_backward(None, None, None, None, None, None, **kw)
+        with pytest.raises(NotImplementedError, match="mask_mod|score_mod"):
+            cuflash2.attention_vjp(None, None, None, **kw)
+        with pytest.raises(NotImplementedError, match="mask_mod|score_mod"):
+            cuflash2.attention_varlen_backward(None, None, None, None, None, None, None, None, 1,
+                                               1, **kw)
+
+
+def test_wrong_mod_type_is_refused_before_anything_else():
+    with pytest.raises(TypeError, match="cuflash2.mask_mod"):
+        cuflash2.attention(None, None, None, mask_mod="doc[q_idx] == 0")
+    with pytest.raises(TypeError, match="cuflash2.score_mod"):
+        cuflash2.attention(None, None, None, score_mod=lambda s: s)
