@@ -24,7 +24,7 @@ import ml_dtypes  # noqa: E402
 import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
-from cuflash2 import _dispatch, _hopper, api, testing  # noqa: E402
+from cuflash2 import _dispatch, api, testing  # noqa: E402
 
 
 def _features(dtype, d) -> None:
@@ -132,7 +132,7 @@ def _claimed_tiles(dtype) -> None:
     warpgroups, d=128 on two), forced onto short rows (the dispatcher claims from 2048 keys
     on), on the full grid and on 3 CTAs (many claims each), call after call on the stream's
     counters."""
-    saved = {name: getattr(_hopper, name) for name in (
+    saved = {name: getattr(_dispatch, name) for name in (
         "persistent_slots", "DYNAMIC_SCHEDULE_KEYS", "THREE_CONSUMER_MIN_KEYS")}
     _dispatch.DYNAMIC_SCHEDULE_KEYS = {64: (0, _dispatch.NO_LIMIT), 128: (0, _dispatch.NO_LIMIT)}
     _dispatch.THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 0}
@@ -149,7 +149,7 @@ def _claimed_tiles(dtype) -> None:
                     assert not bool(cupy.isnan(out).any())
     finally:
         for name, value in saved.items():
-            setattr(_hopper, name, value)
+            setattr(_dispatch, name, value)
         api._forward_plans.plans.clear()
 
 
