@@ -104,8 +104,7 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
 // attention variant's features (variant.cuh: softcap, ALiBi, sinks, the programmable modifiers),
 // varlen batches (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters:
 // FwdParams (kernel_params.cuh), and with the programmable modifiers their inputs (`user`,
-// UserParams; an unused NoUserInputs otherwise).
-struct NoUserInputs {};
+// UserParams; an unused NoUserInputs, user_inputs.cuh, otherwise).
 
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
           int FEATURES, class UserInputs>

@@ -191,6 +191,19 @@ struct BwdParams {
     int batch;            // sequences (the sinks' gradient sums over all of them)
 };
 
+// flash_bwd.cu's and flash_bwd_dq.cu's kernels with programmable modifiers (FEATURE_MASK_MOD,
+// FEATURE_SCORE_MOD; flash_bwd_mods_kernel, flash_bwd_dq_mods_kernel): the backward's
+// parameters, the modifiers' inputs and the scale of the scores the softmax saw (softcap's, with
+// softcap: FwdParams' softmax_scale of the forward; BwdParams keeps it only times log2(e)), with
+// which the user's score modifier takes the scores as the forward gave them. A struct of its
+// own, as FwdModsParams: BwdParams and every other specialisation's machine code stay as they
+// were. The preprocess and the dQ conversion take `base`.
+struct BwdModsParams {
+    BwdParams base;
+    UserParams user;
+    float score_scale;
+};
+
 // flash_bwd_sm90.cu: the backward's parameters plus the TMA descriptors of q, k, v and dout, each
 // over the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with
 // 128-byte swizzle, as FwdSm90Params' (cuflash2/_hopper.py builds them: q and dout boxes of

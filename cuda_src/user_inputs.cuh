@@ -75,3 +75,8 @@ struct UserModContext {
     float scale;      // score units -> scaled scores
     float inv_scale;  // and back
 };
+
+// The kernels' bodies take their programmable modifiers' inputs as a template argument: a
+// UserParams (the *_mods_kernel entries), or this empty struct for every other specialisation
+// (never read: the variant calls UserMods only under FEATURE_MASK_MOD / FEATURE_SCORE_MOD).
+struct NoUserInputs {};

@@ -12,7 +12,9 @@
 //   2'/3'. programmable modifiers (FEATURE_SCORE_MOD, FEATURE_MASK_MOD: the user's expressions in
 //      the generated user_mods.cuh, cuflash2/mods.py): score_mod() after softcap and ALiBi, before
 //      the mask; mask_mod() instead of mask() on every tile the visibility gives (no tile is
-//      known to need no mask). So far the mma.sync forward only.
+//      known to need no mask); the backward recomputes the modified score and multiplies dS by
+//      the modifier's derivative (score_mod_backward). The mma.sync forward, backward and
+//      deterministic dQ kernels (the *_mods_kernel entries); not the Hopper or decode kernels.
 //   4. what enters each row's softmax denominator besides the keys: the learnable sinks (one
 //      logit a query head, no value), as the online softmax's state before the first tile
 //      (start_softmax: a key already seen; the decode kernel's split 0 alone, so that the merge
@@ -85,6 +87,33 @@ struct AttentionVariant : ScoreMods<FEATURES> {
                         }
                 }
         }
+    }
+
+    // 2'' (backward). The user's score modifier of one score `u` (score units, softcap and ALiBi
+    // applied: the forward's input to score_mod()) of query `row`, key `key`: returns the
+    // modified score in score units, as score_mod() gives it, and sets `grad` to the modifier's
+    // derivative d s' / d s at the scaled score s = u * scale (UserMods::score_grad: the
+    // user's `grad`, or 1 for `score + <no score>`, cuflash2/mods.py). A masked score (-inf)
+    // or a position past the sequence's ends stays as it is, with grad 0 (its P is 0), and
+    // never reaches the user's code. `Mods`: UserMods, as a template argument so that a
+    // forward-only user_mods.cuh without score_grad still compiles.
+    //
+    // The chain rule (the backward's dS is w.r.t. the scores the softmax sees, in scaled units):
+    // the forward has s = u * scale, s' = f(s), u' = s' / scale, P = exp(u' * scale - lse)
+    // = exp(s' - lse); the kernels' P o (dP - D) is dL/ds'. Then dL/ds = dL/ds' * f'(s): the
+    // derivative is dimensionless (s and s' in the same scaled units), so dS is multiplied by
+    // f'(s) alone; what follows (softcap's 1 - t^2, the softmax scale on dQ and dK) is
+    // unchanged, as s depends on q.k as it did without the modifier.
+    template <class Mods = UserMods>
+    CF2_DEVICE static float score_mod_backward(float u, int row, int key,
+                                               const UserModContext& ctx, float& grad) {
+        if (row < ctx.seqlen_q && key < ctx.seqlen_k && u != neg_inf()) {
+            const float s = u * ctx.scale;
+            grad = Mods::score_grad(ctx.user, s, ctx.batch, ctx.head, row, key);
+            return Mods::score(ctx.user, s, ctx.batch, ctx.head, row, key) * ctx.inv_scale;
+        }
+        grad = 0.f;
+        return u;
     }
 
     // 3'. The mask of a tile with the user's mask modifier (MASK_MOD): a score stays where the

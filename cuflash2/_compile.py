@@ -35,7 +35,8 @@ GENERATED_HEADER = "constants.cuh"
 
 @lru_cache(maxsize=64)
 def kernel_source(filename: str, headers: tuple = ()) -> str:
-    """The source of `filename` with its local includes inlined (each header once); `headers`,
+    """The source of `filename` with its local includes inlined (each header once, each ".inc"
+    fragment wherever it is included); `headers`,
     (name, text) pairs, replace the files of those names (a specialisation's generated headers:
     the programmable modifiers' user_mods.cuh, FwdModsConfig).
 
@@ -49,7 +50,9 @@ def kernel_source(filename: str, headers: tuple = ()) -> str:
     generated = dict(headers)
 
     def expand(name: str) -> str:
-        if name in seen:
+        # A ".inc" file is a fragment of code (a kernel body, cuda_src/flash_bwd_body.inc),
+        # inlined wherever it is included; a header, once.
+        if name in seen and not name.endswith(".inc"):
             return ""
         seen.add(name)
         if name == GENERATED_HEADER:
