@@ -99,10 +99,7 @@ def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_f
     `fields`, `inputs` and `output_fields` under `base.`, and UserParams' slots in order
     (user.in<i>: the address of input i per call, its element strides once)."""
     base = "base."
-    user = {}
-    for i, (_, x) in enumerate(user_inputs):
-        strides = [s // x.itemsize for s in x.strides] + [0] * (4 - x.ndim)
-        user.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
+    user = _user_fields(user_inputs)
     return _plans.Plan(
         device_id, "FwdModsParams", {**{base + f: v for f, v in fields.items()}, **user},
         launches, [(base + f, pos, off) for f, pos, off in inputs]
@@ -110,6 +107,15 @@ def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_f
         outputs, [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
         per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
         batch_offset=base + "batch_offset")
+
+
+def _user_fields(user_inputs) -> dict:
+    """UserParams' element strides (`user.in<i>.stride<j>`) of the modifiers' arrays."""
+    user = {}
+    for i, (_, x) in enumerate(user_inputs):
+        strides = [s // x.itemsize for s in x.strides] + [0] * (4 - x.ndim)
+        user.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
+    return user
 
 
 def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields: dict,
@@ -143,7 +149,7 @@ def _dropout_slots(mods) -> tuple:
 
 def backward_plan(views: dict, sources: dict, problem, mods, window, deterministic: bool,
                   device_id: int, arch: int, grad_shapes: dict, varlen=None,
-                  config=None) -> _plans.Plan:
+                  config=None, user_inputs=()) -> _plans.Plan:
     """views, by struct field: dout, q, k, v, out, lse, dq, dk, dv (None: allocated, in that
     order, shaped `grad_shapes[name]`), mods.alibi_slopes, mods.sinks, dsinks (with sinks; None:
     allocated, after the others, float32 (nheads,)), varlen.cu_seqlens_q/_k (None or missing
@@ -157,13 +163,17 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     kernel is the Hopper one for every call it covers (_dispatch.backward_kernels); the
     preprocess, conversion, workspace and every BwdParams field are the same, the struct is
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
-    conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one)."""
+    conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one).
+    With programmable modifiers (`mods.user_mods`; `user_inputs`: (input position, array) of
+    each of their arrays, the mask's first) the main and dQ kernels are the mma.sync *_mods
+    kernels on every architecture, the struct BwdModsParams: these BwdParams as `base` (which
+    the preprocess and the conversion take), `user` as the forward's, and `score_scale`."""
     p = problem
     sinks = views.get("mods.sinks") is not None
     features = _configs.backward_features(
         mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN))
     choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
-                                        config)
+                                        config, mods.user_mods)
     config, hopper = choice.config, choice.hopper
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
@@ -223,7 +233,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     # BwdSm90Params). The main kernel's grid: (key blocks x head-dim chunks, KV heads, batch);
     # the Hopper kernel's chunk is the whole head dim.
     launches = []
-    aux = "base" if hopper else ""
+    aux = "base" if hopper or mods.user_mods is not None else ""
     num_kv_blocks = -(-p.seqlen_k // config.block_n)
     if p.batch and p.nheads:
         if max_rows_padded:
@@ -254,6 +264,19 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     aligned = [(sources[n][0], n) for n in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
                if views[n] is not None]
     kernels = [launch for launch, _ in launches]
+    if mods.user_mods is not None:
+        base = "base."
+        return _plans.Plan(
+            device_id, "BwdModsParams",
+            {**{base + f: v for f, v in fields.items()}, **_user_fields(user_inputs),
+             "score_scale": mods.softmax_scale},
+            kernels, [(base + f, pos, off) for f, pos, off in inputs]
+            + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)],
+            outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
+            [(base + f, off) for f, off in workspace_fields], aligned,
+            per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
+            batch_offset=base + "batch_offset",
+            launch_structs=[struct for _, struct in launches])
     if not hopper:
         return _plans.Plan(device_id, "BwdParams", fields, kernels, inputs, outputs,
                            output_fields, workspace_bytes, workspace_fields, aligned,

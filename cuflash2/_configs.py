@@ -35,7 +35,8 @@ FEATURE_DROPOUT = 8  # Philox dropout on P (cuda_src/dropout.cuh)
 FEATURE_SINKS = 16
 #: Programmable modifiers (cuflash2.mask_mod / score_mod, cuflash2/mods.py): the user's mask and
 #: score expressions, compiled into a specialisation of their own with the generated header
-#: user_mods.cuh (cuda_src/variant.cuh: mask_mod, score_mod). So far the mma.sync forward only.
+#: user_mods.cuh (cuda_src/variant.cuh: mask_mod, score_mod): the mma.sync forward, backward and
+#: deterministic dQ kernels (FwdModsConfig, BwdModsConfig, BwdDqModsConfig).
 FEATURE_MASK_MOD = 32
 FEATURE_SCORE_MOD = 64
 USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD
@@ -575,6 +576,28 @@ class BwdConfig:
 
 
 @dataclass(frozen=True)
+class BwdModsConfig(BwdConfig):
+    """A backward main kernel with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD):
+    BwdConfig's tile and features plus the generated header `user_mods` (cuflash2/mods.py), whose
+    hash names the kernel (flash_bwd_mods_kernel, BwdModsParams), as FwdModsConfig."""
+
+    user_mods: str = ""
+    mods_hash: int = 0
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.d_chunk}, {self.block_m}, {self.block_n}, {self.num_warps}, "
+                f"{self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
+                f"{'true' if self.compute_dq else 'false'}, {self.features}, "
+                f"{self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        return (("user_mods.cuh", self.user_mods),)
+
+
+@dataclass(frozen=True)
 class BwdDqConfig:
     """One specialisation of the deterministic dQ kernel (flash_bwd_dq.cu): 4 warps of 16 rows."""
 
@@ -604,6 +627,24 @@ class BwdDqConfig:
         return _traits_probes(
             f"BwdDqTraits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
             f"{self.kv_stages}>", self, block_m=True)
+
+
+@dataclass(frozen=True)
+class BwdDqModsConfig(BwdDqConfig):
+    """The deterministic dQ kernel with programmable modifiers (flash_bwd_dq_mods_kernel,
+    BwdModsParams): BwdDqConfig plus the generated header, as BwdModsConfig."""
+
+    user_mods: str = ""
+    mods_hash: int = 0
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_dq_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.block_n}, {self.kv_stages}, {self.features}, {self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        return (("user_mods.cuh", self.user_mods),)
 
 
 @dataclass(frozen=True)

@@ -98,13 +98,30 @@ class BackwardChoice:
 
 
 def backward_kernels(problem, features: int, deterministic: bool, arch: int, views: dict,
-                     varlen, window, config=None) -> BackwardChoice:
+                     varlen, window, config=None, user_mods=None) -> BackwardChoice:
     """The backward kernels of a checked call (`features`: those of its main kernels,
     backward_features): `config` or a tuning script's forced one if given (a BwdSm90Config
     forces the Hopper kernel), else the Hopper kernel where hopper_backward_config covers the
-    call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config)."""
+    call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config).
+    `user_mods`: the programmable modifiers' sources (mask, score): the mma.sync kernels on every
+    architecture, never the Hopper one (bwd_mods_config's tile, or a forced BwdConfig's; a
+    BwdModsConfig, and in deterministic mode a BwdDqModsConfig; mods.check_backward's
+    ValueError for a score modifier without a derivative)."""
     p = problem
     forced = config if config is not None else FORCED.get("bwd")
+    if user_mods is not None:
+        from . import mods
+
+        if forced is None or isinstance(forced, BwdSm90Config):
+            forced = bwd_mods_config(p.dtype, p.head_dim, arch, deterministic)
+        base = with_features(dataclasses.replace(forced, compute_dq=not deterministic),
+                             features & ~USER_MOD_FEATURES)
+        dq_config = None
+        if deterministic:
+            dq_config = mods.dq_config(
+                with_features(bwd_dq_config(p.dtype, p.head_dim, arch),
+                              features & ~USER_MOD_FEATURES), *user_mods)
+        return BackwardChoice(mods.backward_config(base, *user_mods), dq_config=dq_config)
     hopper = map_fields = None
     if isinstance(forced, BwdSm90Config):
         # BwdSm90Config refuses what the kernel does not compile in (dropout): ValueError here.
@@ -260,6 +277,39 @@ def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False
                     and config.smem_bytes + 1024 <= smem_per_sm):
                 return config
     raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
+
+
+def bwd_mods_config(dtype: str, head_dim: int, arch: int,
+                    deterministic: bool = False) -> BwdConfig:
+    """The mma.sync backward's tile with programmable modifiers (BwdModsConfig): bwd_config's
+    up to d=64; above, bwd_config's rule over its shapes of at most 64 x 64 (query x key) steps.
+    The user's code and its derivative run on every score of phase A; ptxas (the compile tests'
+    expressions, fp16 and bf16, sm_80 and sm_90; registers / spill stores, atomic dQ and
+    deterministic alike):
+
+        d    tile (m x n, warps, Q stages)   rel-pos score + doc mask   softcap-like + grad
+        64   128 x 128, 8, 2 (bwd_config)    255 / 0                    255 / 0
+        128  64 x 128, 8, 2 (bwd_config)     255 / 0 to 8               255 / 56 to 92
+        128  64 x 128, 8, 1                  255 / 0 to 8               255 / 60 to 88
+        128  64 x 64, 4, 2                   255 / 0 to 44              255 / 76 to 92
+        128  64 x 64, 8, 2 (this)            178 to 189 / 0             171 to 178 / 0
+
+    Not yet timed on a GPU."""
+    d = kernel_head_dim(head_dim)
+    if d <= 64:
+        return bwd_config(dtype, head_dim, arch, deterministic)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    chunks = [d] if d <= 128 else [d, d // 2]
+    for block_m, block_n, warps, stages in ((64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 4, 1),
+                                            (32, 32, 4, 1)):
+        for d_chunk in chunks:
+            config = BwdConfig(dtype, d, d_chunk, block_m, block_n, warps, stages,
+                               not deterministic)
+            if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
+                    and config.smem_bytes + 1024 <= smem_per_sm):
+                return config
+    raise AssertionError(f"no backward tile with programmable modifiers fits head dim {d} on "
+                         f"sm_{arch}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -164,13 +164,30 @@ def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod):
     return inputs + arrays, (*extra, "user_mods", keys)
 
 
-def _refuse_user_mods(function: str, mask_mod, score_mod) -> None:
-    """The backward of the programmable modifiers is not there yet."""
-    if mask_mod is not None or score_mod is not None:
-        which = "mask_mod" if mask_mod is not None else "score_mod"
+def _check_backward_user_mods(function: str, mask_mod, score_mod, dropout_p) -> None:
+    """What the backward of the programmable modifiers refuses, before any launch: a score
+    modifier without a derivative (ValueError: pass grad=), and a score modifier with dropout
+    (NotImplementedError: the main kernel's dropout bookkeeping needs dS's factor >= 0)."""
+    _prepare.check_user_mods(mask_mod, score_mod)
+    if score_mod is None:
+        return
+    from . import mods
+
+    try:
+        mods.check_backward(score_mod.source)
+    except ValueError as exc:
+        raise ValueError(f"{function}: {exc}") from None
+    if isinstance(dropout_p, (int, float)) and dropout_p > 0:
         raise NotImplementedError(
-            f"{function}: {which} (programmable mask_mod / score_mod) has no backward kernels "
-            "yet; so far only the forward (cuflash2.attention, attention_varlen) takes them")
+            f"{function}: score_mod with dropout_p > 0 has no backward kernel yet (mask_mod "
+            "with dropout has)")
+
+
+def _with_backward_user_mods(function, options, inputs, extra, mask_mod, score_mod):
+    """(inputs, signature key's extra) of a backward call with programmable modifiers, checked
+    (_check_backward_user_mods), as _with_user_mods."""
+    _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
+    return _with_user_mods(options, inputs, extra, mask_mod, score_mod)
 
 
 def _forward_plan(kind, layout, cupy, inputs, options, extra=(), varlen_args=None):
@@ -227,7 +244,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     (`cuflash2.score_mod(expression, grad=None, **inputs)`): programmable masks and score
     modifiers, CUDA C expressions compiled into the mma.sync forward kernel (cuflash2.mods;
     the score modifier after softcap and ALiBi, the mask ANDed with causal and the window).
-    No backward yet. Not yet verified on a GPU.
+    Their backward: attention_backward's `mask_mod=`, `score_mod=` (a score_mod needs `grad=`
+    unless it is `score + <no score>`). Not yet verified on a GPU.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
@@ -267,6 +285,7 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     """Checks a backward call in full and plans it (as _plan_forward; its arrays: dout, q, k,
     v, out, lse, the gradients given, the optional ones)."""
     views, sources, names = layout.arrays(inputs)
+    user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
     q, k, v = views["q"], views["k"], views["v"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -285,11 +304,14 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
                                     problem.seqlen_k)
     mods = _prepare.score_mods(problem, options)
     _validate.check_dsinks(views["dsinks"], options.sinks, problem.nheads)
-    device_id = _prepare.check_device(*_device_arrays(
-        layout, views, names, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")), cupy)
+    tensors, others = _device_arrays(
+        layout, views, names, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
+    others.update(_prepare.user_mod_arrays(options.mask_mod, options.score_mod))
+    device_id = _prepare.check_device(tensors, others, cupy)
     return _attention_plans.backward_plan(
         views, sources, problem, mods, window, bool(deterministic), device_id,
-        device_arch(device_id), {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen)
+        device_arch(device_id), {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen,
+        user_inputs=user_inputs)
 
 
 def _backward_plan(kind, layout, cupy, inputs, options, deterministic, extra=(),
@@ -327,15 +349,20 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     (dq, dk, dv, dsinks), dsinks float32 (nheads,) (into `dsinks=` if given): one gradient a
     differentiable array argument of the forward, in its order. `deterministic=True` gives
     bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
-    `mask_mod` / `score_mod`: not yet (NotImplementedError).
+    `mask_mod` / `score_mod`: the forward's (the mma.sync backward kernels on every
+    architecture); a score_mod needs its derivative (`grad=`, or the form `score + <no
+    score>`): ValueError otherwise, before any launch. Not yet verified on a GPU.
     """
-    _refuse_user_mods("attention_backward", mask_mod, score_mod)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
     cupy = _cupy or _cupy_module()
+    extra = ()
+    if mask_mod is not None or score_mod is not None:
+        inputs, extra = _with_backward_user_mods("attention_backward", options, inputs, extra,
+                                                 mask_mod, score_mod)
     plan, _ = _backward_plan("attention_backward", _BACKWARD, cupy, inputs, options,
-                             deterministic)
+                             deterministic, extra)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
     return _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
 
@@ -362,13 +389,17 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
                   deterministic=False, mask_mod=None, score_mod=None):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`
     (with sinks `(dq, dk, dv, dsinks)`), which keeps the forward's lse (and out) internally.
-    `mask_mod` / `score_mod`: not yet (NotImplementedError, before the forward runs)."""
-    _refuse_user_mods("attention_vjp", mask_mod, score_mod)
+    `mask_mod` / `score_mod` as in `attention` and `attention_backward` (a score_mod without a
+    derivative is refused before the forward runs)."""
+    if mask_mod is not None or score_mod is not None:
+        _check_backward_user_mods("attention_vjp", mask_mod, score_mod, dropout_p)
     if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
         seed = int.from_bytes(os.urandom(8), "little")
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                   seed=seed, offset=offset)
+    if mask_mod is not None or score_mod is not None:
+        kwargs.update(mask_mod=mask_mod, score_mod=score_mod)
     out, lse = attention(q, k, v, return_lse=True, **kwargs)
 
     def vjp(dout):
@@ -555,16 +586,19 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
     As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks)); `mask_mod` /
-    `score_mod`: not yet (NotImplementedError)."""
-    _refuse_user_mods("attention_varlen_backward", mask_mod, score_mod)
+    `score_mod` as in `attention_backward` (b the sequence's index)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks, cu_seqlens_q,
               cu_seqlens_k)
     cupy = _cupy or _cupy_module()
+    extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)
+    if mask_mod is not None or score_mod is not None:
+        inputs, extra = _with_backward_user_mods("attention_varlen_backward", options, inputs,
+                                                 extra, mask_mod, score_mod)
     plan, planned = _backward_plan(
         "attention_varlen_backward", _VARLEN_BACKWARD, cupy, inputs, options, deterministic,
-        _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens),
+        extra,
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_cu_seqlens))
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -11,7 +11,8 @@
 - `score_mod(expression, grad=None, **inputs)`: a float expression over `score` (the score as
   the softmax sees it: scaled, capped, with the ALiBi bias), `b`, `h`, `q_idx`, `kv_idx` and the
   inputs, giving the new score; applied before the mask. `grad` is d new / d score, for the
-  backward (later): absent, `score + <expression without score>` has derivative 1 and any other
+  backward (a float expression over the same names, evaluated at the score the modifier
+  took): absent, `score + <expression without score>` has derivative 1 and any other
   expression will be refused by the backward.
 - Inputs: read-only CuPy arrays of int32, int64, float32, float16 or bfloat16, of 1 to 4 dims
   (`doc[i]` or `doc(i)` for one dim, `table(i, j)` for more; fp16/bf16/fp32 elements read as
@@ -25,7 +26,9 @@ Each distinct (expressions, inputs' names, dtypes and ranks, scalar values) is c
 kernel configuration (FEATURE_MASK_MOD / FEATURE_SCORE_MOD specialisations of the mma.sync
 forward; `_configs.FwdModsConfig`), the code in a generated header `user_mods.cuh` whose hash
 names the kernel. The arrays' addresses and strides are per-call values, like alibi_slopes'.
-So far the mma.sync forward only (every architecture); the backward raises NotImplementedError.
+The mma.sync forward, backward and deterministic dQ kernels take them, on every architecture
+(never the Hopper kernels); the backward multiplies dS by the score modifier's derivative, so a
+score modifier without `grad` that is not `score + <no score>` is refused there (ValueError).
 """
 
 from __future__ import annotations
@@ -355,6 +358,47 @@ def forward_config(config, mask: ModSource | None, score: ModSource | None):
     fields["features"] = (config.features & ~_configs.USER_MOD_FEATURES) | features_of(mask,
                                                                                          score)
     return _configs.FwdModsConfig(**fields, user_mods=header, mods_hash=h)
+
+
+def _with_mods(config, cls, mask: ModSource | None, score: ModSource | None):
+    import dataclasses
+
+    from . import _configs
+
+    header, h = user_mods_header(mask, score)
+    base = cls.__mro__[1]  # the config class without the modifiers
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(base)}
+    fields["features"] = (config.features & ~_configs.USER_MOD_FEATURES) | features_of(mask,
+                                                                                         score)
+    return cls(**fields, user_mods=header, mods_hash=h)
+
+
+def check_backward(score: ModSource | None) -> None:
+    """The backward needs the score modifier's derivative: ValueError, before any launch,
+    where it has none (no `grad=` and not `score + <expression without score>`)."""
+    if score is not None and score_derivative(score.expression, score.grad) is None:
+        raise ValueError(
+            f"score_mod {score.expression!r} has no derivative for the backward: pass grad= "
+            "(cuflash2.score_mod(expression, grad=\"d new / d score\", ...), a CUDA C "
+            "expression over the same names); only `score + <expression without score>` "
+            "needs none")
+
+
+def backward_config(config, mask: ModSource | None, score: ModSource | None):
+    """The BwdModsConfig of the mma.sync backward main kernel `config` (a BwdConfig) with these
+    modifiers compiled in (check_backward first: the header needs score_grad)."""
+    from . import _configs
+
+    check_backward(score)
+    return _with_mods(config, _configs.BwdModsConfig, mask, score)
+
+
+def dq_config(config, mask: ModSource | None, score: ModSource | None):
+    """The BwdDqModsConfig of the deterministic dQ kernel `config` with these modifiers."""
+    from . import _configs
+
+    check_backward(score)
+    return _with_mods(config, _configs.BwdDqModsConfig, mask, score)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Programmable masks and score modifiers (cuflash2.mods, issue 44) on the CPU: NVRTC compiles the
-mma.sync forward with user expressions (no spills, ptxas report), the generated header and its
-hash, the dispatch (every architecture: the mma.sync kernel), the plan's struct, and the error
-paths (names, inputs, compile errors showing the user's line, the backward's refusal).
+mma.sync forward, backward and deterministic dQ kernels with user expressions (no spills,
+ptxas report), the generated header and its hash, the dispatch (every architecture: the
+mma.sync kernels), the plans' structs, and the error paths (names, inputs, compile errors
+showing the user's line, the backward's refusal of a score modifier without a derivative).
 """
 
 import types
@@ -39,9 +40,33 @@ def _config(mask, score, dtype, d, arch):
     return mods.forward_config(_dispatch.fwd_mods_config(dtype, d, arch), mask, score)
 
 
+def _bwd_config(mask, score, dtype, d, arch, deterministic=False):
+    return mods.backward_config(_dispatch.bwd_mods_config(dtype, d, arch, deterministic), mask,
+                                score)
+
+
+def _dq_config(mask, score, dtype, d, arch):
+    return mods.dq_config(_dispatch.bwd_dq_config(dtype, d, arch), mask, score)
+
+
 def _report(case):
     mask, score, dtype, d, arch = case
     return _compile.compile_report(_config(mask, score, dtype, d, arch), arch)
+
+
+# The backward: the main kernel (atomic dQ and deterministic) and the dQ kernel, each case of
+# the forward's.
+KERNELS = ("bwd", "bwd-det", "dq")
+BWD_CASES = [(kernel, *case) for case in CASES for kernel in KERNELS]
+
+
+def _bwd_report(case):
+    kernel, mask, score, dtype, d, arch = case
+    if kernel == "dq":
+        config = _dq_config(mask, score, dtype, d, arch)
+    else:
+        config = _bwd_config(mask, score, dtype, d, arch, kernel == "bwd-det")
+    return _compile.compile_report(config, arch)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +85,68 @@ def test_forward_with_user_mods_compiles_without_spills(reports, index):
     assert not report.odd_descriptors, report.odd_descriptors
     mask, score = CASES[index][:2]
     assert report.name_expression.startswith("flash_fwd_mods_kernel<")
+
+
+@pytest.fixture(scope="module")
+def bwd_reports():
+    with ProcessPoolExecutor(2) as pool:
+        return dict(zip(range(len(BWD_CASES)), pool.map(_bwd_report, BWD_CASES)))
+
+
+@pytest.mark.parametrize("index", range(len(BWD_CASES)),
+                         ids=[f"{k}-{m.kind if m else '-'}+{s.kind if s else '-'}-{dt}-d{d}-sm{a}"
+                              for k, m, s, dt, d, a in BWD_CASES])
+def test_backward_with_user_mods_compiles_without_spills(bwd_reports, index):
+    report = bwd_reports[index]
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert report.registers <= 255
+    assert not report.odd_descriptors, report.odd_descriptors
+    kernel = BWD_CASES[index][0]
+    expected = "flash_bwd_dq_mods_kernel<" if kernel == "dq" else "flash_bwd_mods_kernel<"
+    assert report.name_expression.startswith(expected)
+    if kernel == "bwd-det":
+        assert ", false, " in report.name_expression  # no dQ atomics
+
+
+def test_backward_configs_carry_the_header():
+    config = _bwd_config(DOC, REL_POS, "float16", 128, 80)
+    forward = _config(DOC, REL_POS, "float16", 128, 80)
+    assert isinstance(config, _configs.BwdModsConfig)
+    assert config.mods_hash == forward.mods_hash and config.user_mods == forward.user_mods
+    assert config.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD
+    assert f"{config.mods_hash:#010x}u>" in config.name_expression
+    assert "score_grad" in config.user_mods  # the derivative, 1.f for the additive form
+    dq = _dq_config(DOC, REL_POS, "bfloat16", 64, 90)
+    assert isinstance(dq, _configs.BwdDqModsConfig) and dq.mods_hash == config.mods_hash
+    # The tile: 64 x 64 steps above d=64 (bwd_mods_config's table), bwd_config's at d=64.
+    assert (config.block_m, config.block_n, config.num_warps) == (64, 64, 8)
+    assert _dispatch.bwd_mods_config("float16", 64, 80) == _dispatch.bwd_config("float16", 64, 80)
+
+
+def test_dispatch_sends_user_mods_to_the_mma_sync_backward_on_every_arch():
+    q = numpy.zeros((2, 4096, 8, 128), numpy.float16)
+    problem = _validate.check_attention_inputs(q, q, q)
+    features = _configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD
+    for arch in _configs.CPU_TEST_ARCHS:
+        for deterministic in (False, True):
+            choice = _dispatch.backward_kernels(problem, features, deterministic, arch, {}, None,
+                                                (-1, 0), user_mods=(DOC, REL_POS))
+            assert not choice.hopper
+            assert isinstance(choice.config, _configs.BwdModsConfig)
+            assert choice.config.compute_dq is not deterministic
+            assert choice.config.features == features
+            if deterministic:
+                assert isinstance(choice.dq_config, _configs.BwdDqModsConfig)
+                assert choice.dq_config.features == features
+            else:
+                assert choice.dq_config is None
+
+
+def test_bwd_mods_params_layout():
+    bwd, mods_params = _params.layout("BwdParams"), _params.layout("BwdModsParams")
+    assert mods_params.offsets["base.q"] == 0
+    assert mods_params.offsets["user.in0.data"] >= bwd.size
+    assert mods_params.offsets["score_scale"] > mods_params.offsets["user.in7.stride3"]
 
 
 def test_header_hash_names_the_kernel():
@@ -206,15 +293,22 @@ def test_compile_error_in_the_score_grad():
         _compile.compile_report(_config(None, bad, "float16", 64, 80), 80)
 
 
-def test_backward_refuses_user_mods():
-    for kw in ({"mask_mod": object()}, {"score_mod": object()}):
-        with pytest.raises(NotImplementedError, match="mask_mod|score_mod"):
-            cuflash2.attention_backward(None, None, None, None, None, None, **kw)
-        with pytest.raises(NotImplementedError, match="mask_mod|score_mod"):
-            cuflash2.attention_vjp(None, None, None, **kw)
-        with pytest.raises(NotImplementedError, match="mask_mod|score_mod"):
-            cuflash2.attention_varlen_backward(None, None, None, None, None, None, None, None, 1,
-                                               1, **kw)
+def test_backward_refuses_a_score_mod_without_derivative():
+    # Checked before any array is looked at (no CuPy here): nothing is launched.
+    no_grad = cuflash2.score_mod("2.f * score")
+    for call in (lambda kw: cuflash2.attention_backward(None, None, None, None, None, None, **kw),
+                 lambda kw: cuflash2.attention_vjp(None, None, None, **kw),
+                 lambda kw: cuflash2.attention_varlen_backward(None, None, None, None, None, None,
+                                                               None, None, 1, 1, **kw)):
+        with pytest.raises(ValueError, match=r"score_mod .*pass grad="):
+            call({"score_mod": no_grad})
+        with pytest.raises(TypeError, match="cuflash2.mask_mod"):
+            call({"mask_mod": object()})
+        with pytest.raises(NotImplementedError, match="dropout"):
+            call({"score_mod": cuflash2.score_mod("score + 1.f"), "dropout_p": 0.1,
+                  "seed": 1})
+    with pytest.raises(ValueError, match="pass grad="):
+        mods.backward_config(_dispatch.bwd_config("float16", 64, 80), None, no_grad.source)
 
 
 def test_wrong_mod_type_is_refused_before_anything_else():
