@@ -1,6 +1,6 @@
 """Programmable masks and score modifiers (cuflash2.mask_mod / score_mod, issue 44's first slice:
-the mma.sync forward) against the reference's dense mask and NumPy-style score function, with the
-2x rule: a document mask, prefix-LM (a baked-in constant and a 1-element array), a relative
+the mma.sync forward and backward) against the reference's dense mask and NumPy-style score
+function (and, backward, its derivative), with the 2x rule: a document mask, prefix-LM (a baked-in constant and a 1-element array), a relative
 position score modifier, a softcap-like one, a mask that leaves rows without keys, odd lengths,
 GQA, varlen. NOT YET RUN ON A GPU when written (the CPU suite compiles these kernels:
 tests/test_programmable_compile.py)."""
@@ -208,8 +208,128 @@ def test_input_on_another_device_is_refused():
         cuflash2.attention(q, k, v, mask_mod=cuflash2.mask_mod("doc[q_idx] == 0", doc=doc))
 
 
-def test_backward_refuses():
+# ---------------------------------------------------------------------------------------------
+# The backward (mma.sync flash_bwd_mods_kernel / flash_bwd_dq_mods_kernel), against the
+# reference backward with the same dense mask and score function (and its derivative).
+
+
+def _check_grads(dout, q, k, v, grads, **options):
+    results = testing.check_backward(dout, q, k, v, *grads, **options)
+    assert all(r.ok for r in results), [str(r) for r in results]
+
+
+def _relpos(h, seed):
+    rng = numpy.random.default_rng(seed + 1)
+    table = cupy.asarray(rng.standard_normal((h, 2047)).astype(numpy.float32))
+    sm = cuflash2.score_mod("score + table(h, q_idx - kv_idx + 1023)", table=table)
+    return sm, (lambda s, b, hh, qi, ki: s + table[hh, qi - ki + 1023])
+
+
+def _softcap_like():
+    sm = cuflash2.score_mod("12.f * tanhf(score / 12.f)",
+                            grad="1.f - tanhf(score / 12.f) * tanhf(score / 12.f)")
+    return sm, (lambda s, b, hh, qi, ki: 12 * cupy.tanh(s / 12)), \
+        (lambda s, b, hh, qi, ki: 1 - cupy.tanh(s / 12) ** 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES)  # odd lengths, GQA / MQA
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_document_mask_and_relpos(dtype, headdim, shape, deterministic):
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, "bwd-doc-relpos", str(dtype), deterministic)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
+    doc_np = _documents(max(sq, sk), seed)
+    mm = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx",
+                           doc=cupy.asarray(doc_np))
+    sm, fn = _relpos(h, seed)
+    out, vjp = cuflash2.attention_vjp(q, k, v, mask_mod=mm, score_mod=sm,
+                                      deterministic=deterministic)
+    dout = cupy.asarray(numpy.random.default_rng(seed + 2).standard_normal(q.shape)
+                        .astype(dtype))
+    grads = vjp(dout)
+    qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+    mask = cupy.asarray((doc_np[qi] == doc_np[ki]) & (ki <= qi))
+    _check_grads(dout, q, k, v, grads, mask=mask, score_mod=fn,
+                 score_mod_grad=lambda s, b, hh, qx, kx: cupy.ones_like(s))
+    if deterministic:
+        again = vjp(dout)
+        assert all(bool(cupy.all(a == b)) for a, b in zip(grads, again))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_prefix_lm_and_softcap_like(dtype, headdim, deterministic):
+    shape = (2, 301, 257, 4, 2)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, "bwd-prefix-softcap", str(dtype), deterministic)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
+    mm = cuflash2.mask_mod("kv_idx <= q_idx || kv_idx < prefix[0]",
+                           prefix=cupy.asarray([77], numpy.int32))
+    sm, fn, grad = _softcap_like()
+    out, lse = cuflash2.attention(q, k, v, mask_mod=mm, score_mod=sm, return_lse=True)
+    dout = cupy.asarray(numpy.random.default_rng(seed + 2).standard_normal(q.shape)
+                        .astype(dtype))
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, mask_mod=mm, score_mod=sm,
+                                        deterministic=deterministic)
+    qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+    mask = cupy.asarray((ki <= qi) | (ki < 77))
+    _check_grads(dout, q, k, v, grads, mask=mask, score_mod=fn, score_mod_grad=grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_score_mod_with_softcap_and_alibi(dtype):
+    shape = (1, 200, 200, 4, 4)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, 64, "bwd-softcap-alibi", str(dtype))
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, 64, dtype, seed)
+    slopes = cupy.asarray(numpy.linspace(0.01, 0.1, h).astype(numpy.float32))
+    sm, fn, grad = _softcap_like()
+    kwargs = dict(causal=True, softcap=30.0, alibi_slopes=slopes, score_mod=sm)
+    out, vjp = cuflash2.attention_vjp(q, k, v, **kwargs)
+    dout = cupy.asarray(numpy.random.default_rng(seed + 2).standard_normal(q.shape)
+                        .astype(dtype))
+    grads = vjp(dout)
+    _check_grads(dout, q, k, v, grads, causal=True, softcap=30.0, alibi_slopes=slopes,
+                 score_mod=fn, score_mod_grad=grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_varlen_document_mask_and_score_mod(dtype, deterministic):
+    lengths_q, lengths_k, h, hk, d = [97, 1, 0, 300, 64], [97, 1, 0, 250, 80], 4, 2, 64
+    seed = seed_of("varlen-mods-bwd", str(dtype), deterministic)
+    rng = numpy.random.default_rng(seed)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    q = cupy.asarray(rng.standard_normal((tq, h, d)).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
+    v = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
+    dout = cupy.asarray(rng.standard_normal((tq, h, d)).astype(dtype))
+    cu_q = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_q)]).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_k)]).astype(numpy.int32))
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    batch = len(lengths_q)
+    docs_np = numpy.stack([_documents(max(max_q, max_k), seed + b) for b in range(batch)])
+    mm = cuflash2.mask_mod("docs(b, q_idx) == docs(b, kv_idx)", docs=cupy.asarray(docs_np))
+    sm = cuflash2.score_mod("score - 0.01f * (q_idx - kv_idx)")
+    args = (q, k, v, cu_q, cu_k, max_q, max_k)
+    out, lse = cuflash2.attention_varlen(*args, causal=True, mask_mod=mm, score_mod=sm,
+                                         return_lse=True)
+    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                               causal=True, mask_mod=mm, score_mod=sm,
+                                               deterministic=deterministic)
+    qi, ki = numpy.arange(max_q)[:, None], numpy.arange(max_k)[None, :]
+    mask = cupy.asarray(docs_np[:, None, qi] == docs_np[:, None, ki])
+    results = testing.check_varlen_backward(
+        dout, q, k, v, *grads, cu_q, cu_k, max_q, max_k, causal=True, mask=mask,
+        score_mod=lambda s, b, hh, qx, kx: s - 0.01 * (qx - kx),
+        score_mod_grad=lambda s, b, hh, qx, kx: cupy.ones_like(s))
+    assert all(r.ok for r in results), [str(r) for r in results]
+
+
+def test_backward_refuses_a_score_mod_without_grad():
     q, k, v = testing.random_qkv(cupy, 1, 64, 64, 2, 2, 64, numpy.float16, 0)
-    mm = cuflash2.mask_mod("kv_idx <= q_idx")
-    with pytest.raises(NotImplementedError, match="mask_mod"):
-        cuflash2.attention_vjp(q, k, v, mask_mod=mm)
+    with pytest.raises(ValueError, match="pass grad="):
+        cuflash2.attention_vjp(q, k, v, score_mod=cuflash2.score_mod("2.f * score"))
