@@ -103,12 +103,23 @@ struct UserParams {
     UserInput in7;
 };
 
+// A block mask's per-tile states (cuflash2.block_mask; block_mask.cuh): one byte a (batch, head,
+// m block, n block) tile of the kernel's own tiles (BLOCK_MASK_EMPTY, _PARTIAL, _FULL), the
+// batch and head strides 0 where the states are shared by every batch entry / head.
+struct BlockMaskStates {
+    const signed char* states;
+    i64 batch_stride;
+    i64 head_stride;
+    i64 row_stride;  // the n blocks of a row
+};
+
 // flash_fwd.cu's kernel with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): the
 // forward's parameters, then the modifiers' inputs. A struct of its own, so that FwdParams, and
 // with it every other specialisation's parameters and machine code, stays as it was.
 struct FwdModsParams {
     FwdParams base;
     UserParams user;
+    BlockMaskStates blocks;  // FEATURE_BLOCK_MASK only (block_mask.cuh); unused otherwise
 };
 
 // flash_fwd_sm90.cu: the forward's parameters plus the TMA descriptors of q, k and v, each over
@@ -278,5 +289,18 @@ struct DropoutMaskParams {
     int seqlen_q;
     int seqlen_k;
     DropoutParams dropout;
+    int batch_offset;
+};
+
+// block_mask.cu (cuflash2.block_mask): the states (batch, nheads, num_m_blocks, num_n_blocks) of
+// a mask modifier with inputs `user`; batch and nheads 1 where the states are shared.
+struct BlockMaskParams {
+    signed char* states;
+    int nheads;
+    int seqlen_q;
+    int seqlen_k;
+    int num_m_blocks;
+    int num_n_blocks;
+    UserParams user;
     int batch_offset;
 };

@@ -6,15 +6,19 @@
 //   1. which keys a query row sees: visibility() (causal, windows, the sequence's own lengths
 //      under varlen), from which the kernels take the KV tiles a Q tile visits (tile_range), the
 //      tiles that need no mask (unmasked_tile_range) and, backward, the Q tiles a KV tile sees;
+//      with a block mask (FEATURE_BLOCK_MASK, block_mask.cuh: cuflash2.block_mask's per-tile
+//      states of the user's mask), of those tiles only the ones not empty, the user's mask on
+//      the partial ones only (so far the mma.sync forward's mods kernel);
 //   2. the scores' transform, on every tile before the mask (ScoreMods: softcap, then the ALiBi
 //      bias), and for the backward its derivative (dtanh) and the bias with P;
 //   3. the mask of a boundary tile: mask() (the invisible keys to -inf);
 //   2'/3'. programmable modifiers (FEATURE_SCORE_MOD, FEATURE_MASK_MOD: the user's expressions in
 //      the generated user_mods.cuh, cuflash2/mods.py): score_mod() after softcap and ALiBi, before
 //      the mask; mask_mod() instead of mask() on every tile the visibility gives (no tile is
-//      known to need no mask); the backward recomputes the modified score and multiplies dS by
-//      the modifier's derivative (score_mod_backward). The mma.sync forward, backward and
-//      deterministic dQ kernels (the *_mods_kernel entries); not the Hopper or decode kernels.
+//      known to need no mask), or with a block mask on its partial tiles only; the backward
+//      recomputes the modified score and multiplies dS by the modifier's derivative
+//      (score_mod_backward). The mma.sync forward (with block masks), backward and deterministic
+//      dQ kernels (the *_mods_kernel entries); not the Hopper or decode kernels.
 //   4. what enters each row's softmax denominator besides the keys: the learnable sinks (one
 //      logit a query head, no value), as the online softmax's state before the first tile
 //      (start_softmax: a key already seen; the decode kernel's split 0 alone, so that the merge
@@ -34,6 +38,7 @@
 #include "online_softmax.cuh"
 #include "score_mods.cuh"
 #include "user_mods.cuh"
+#include "block_mask.cuh"
 
 template <int FEATURES>
 struct AttentionVariant : ScoreMods<FEATURES> {
@@ -43,6 +48,10 @@ struct AttentionVariant : ScoreMods<FEATURES> {
     // transform's pass over a tile otherwise.
     static constexpr bool MASK_MOD = (FEATURES & FEATURE_MASK_MOD) != 0;
     static constexpr bool SCORE_MOD = (FEATURES & FEATURE_SCORE_MOD) != 0;
+    // A block mask's states (with MASK_MOD): skip the empty tiles, the user's mask on the
+    // partial ones only.
+    static constexpr bool BLOCK_MASK = (FEATURES & FEATURE_BLOCK_MASK) != 0;
+    static_assert(!BLOCK_MASK || MASK_MOD, "a block mask comes with its mask modifier");
     static constexpr bool TRANSFORMS_SCORES =
         ScoreMods<FEATURES>::SOFTCAP || ScoreMods<FEATURES>::ALIBI || SCORE_MOD;
 

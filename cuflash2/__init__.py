@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from . import mods, reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
+from . import block_masks, mods, reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
 from .api import (  # noqa: E402
     attention,
     attention_backward,
@@ -19,6 +19,7 @@ from .api import (  # noqa: E402
     forward_kernels,
     varlen_forward_kernels,
 )
+from .block_masks import BlockMask, block_mask  # noqa: E402
 from .mods import mask_mod, score_mod  # noqa: E402
 
 __all__ = [
@@ -37,8 +38,11 @@ __all__ = [
     "varlen_forward_kernels",
     "backward_kernels",
     "mask_mod",
+    "block_mask",
+    "BlockMask",
     "score_mod",
     "mods",
+    "block_masks",
     "reference",
     "__version__",
 ]

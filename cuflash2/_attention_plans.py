@@ -42,7 +42,8 @@ def _varlen_fields(varlen) -> dict:
 
 
 def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: int, arch: int,
-                 out_shape, lse_shape, varlen=None, config=None, user_inputs=()) -> _plans.Plan:
+                 out_shape, lse_shape, varlen=None, config=None, user_inputs=(),
+                 block_input=None) -> _plans.Plan:
     """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes, mods.sinks,
     varlen.cu_seqlens_q, varlen.cu_seqlens_k (None or missing where absent). Outputs: [out if
     not given, lse]. The kernel, its grid and on sm_90 its tensor maps are
@@ -50,12 +51,21 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     kernel the others; `config` runs instead where given. With programmable modifiers
     (`mods.user_mods`; `user_inputs`: (input position, array) of each of their arrays, the mask's
     first) the mma.sync kernel's FwdModsParams: these FwdParams as `base`, then `user`, the
-    arrays' addresses (per call) and element strides."""
+    arrays' addresses (per call) and element strides; with a block mask (`block_input`: (input
+    position, BlockMask)) its states in `blocks`, checked against the kernel's tiles and the
+    call (cuflash2.block_masks.check_for_call)."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
     choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
                                       mods.user_mods)
     config = choice.config
+    if block_input is not None:
+        from . import block_masks as block_mask
+
+        if varlen is not None:
+            raise ValueError("block_mask: not with varlen batches yet (attention only)")
+        block_mask.check_for_call(block_input[1], config.block_m, config.block_n, p.batch,
+                                  p.nheads, p.seqlen_q, p.seqlen_k, device_id)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     fields = {
         **_stride_fields("q", element_strides(q)), **_stride_fields("k", element_strides(k)),
@@ -82,7 +92,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
     if mods.user_mods is not None:
         return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
-                          mods, user_inputs)
+                          mods, user_inputs, block_input)
     if not choice.hopper:
         return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
                            output_fields, aligned=aligned, per_call=_dropout_slots(mods))
@@ -94,16 +104,22 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
 
 
 def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_fields, aligned,
-               mods, user_inputs) -> _plans.Plan:
+               mods, user_inputs, block_input=None) -> _plans.Plan:
     """The plan of the forward with programmable modifiers: FwdModsParams, the FwdParams
     `fields`, `inputs` and `output_fields` under `base.`, and UserParams' slots in order
     (user.in<i>: the address of input i per call, its element strides once)."""
     base = "base."
     user = _user_fields(user_inputs)
+    blocks = []
+    if block_input is not None:  # BlockMaskStates: the states' address per call
+        from . import block_masks as block_mask
+
+        user.update(block_mask.states_fields(block_input[1]))
+        blocks = [("blocks.states", block_input[0], 0)]
     return _plans.Plan(
         device_id, "FwdModsParams", {**{base + f: v for f, v in fields.items()}, **user},
         launches, [(base + f, pos, off) for f, pos, off in inputs]
-        + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)],
+        + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)] + blocks,
         outputs, [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
         per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
         batch_offset=base + "batch_offset")

@@ -39,7 +39,16 @@ FEATURE_SINKS = 16
 #: deterministic dQ kernels (FwdModsConfig, BwdModsConfig, BwdDqModsConfig).
 FEATURE_MASK_MOD = 32
 FEATURE_SCORE_MOD = 64
-USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD
+#: A block mask (cuflash2.block_mask, cuflash2/block_mask.py) with the mask modifier: the mods
+#: forward reads its per-tile states, skips empty tiles and runs the user's mask on partial ones
+#: only (cuda_src/block_mask.cuh). Only with FEATURE_MASK_MOD, in the mods kernels.
+FEATURE_BLOCK_MASK = 128
+USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD | FEATURE_BLOCK_MASK
+#: A block mask's tile states (int8): no visible key in the tile, some, every (query, key) of the
+#: tile inside the sequence visible.
+BLOCK_MASK_EMPTY, BLOCK_MASK_PARTIAL, BLOCK_MASK_FULL = 0, 1, 2
+#: Warps of block_mask.cu's CTA (one tile row of one head and batch entry; a warp a tile).
+BLOCK_MASK_WARPS = 8
 #: Every combination of the built-in features (the programmable modifiers' specialisations
 #: are per expression: FwdModsConfig).
 ALL_FEATURES = tuple(range(32))
@@ -120,7 +129,9 @@ CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
     "FEATURE_SINKS": FEATURE_SINKS, "FEATURE_MASK_MOD": FEATURE_MASK_MOD,
-    "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD,
+    "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD, "FEATURE_BLOCK_MASK": FEATURE_BLOCK_MASK,
+    "BLOCK_MASK_EMPTY": BLOCK_MASK_EMPTY, "BLOCK_MASK_PARTIAL": BLOCK_MASK_PARTIAL,
+    "BLOCK_MASK_FULL": BLOCK_MASK_FULL, "BLOCK_MASK_WARPS": BLOCK_MASK_WARPS,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
     "MAX_SPLITS": MAX_SPLITS, "MAX_CLUSTER_SPLITS": MAX_CLUSTER_SPLITS,
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
@@ -678,6 +689,31 @@ class AuxKernel:
 
 
 @dataclass(frozen=True)
+class BlockMaskConfig:
+    """cuflash2.block_mask's kernel (cuda_src/block_mask.cu) for tiles of block_m x block_n and a
+    mask modifier's generated header `user_mods` (mods.user_mods_header; its hash names the
+    kernel, as FwdModsConfig's). Grid (num_m_blocks, nheads, batch), BLOCK_MASK_WARPS warps."""
+
+    block_m: int
+    block_n: int
+    user_mods: str = ""
+    mods_hash: int = 0
+    threads: int = 32 * BLOCK_MASK_WARPS
+    smem_bytes: int = 0
+    source_file: str = "block_mask.cu"
+    probes: str = ""
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_block_mask_kernel<{self.block_m}, {self.block_n}, "
+                f"{self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        return (("user_mods.cuh", self.user_mods),)
+
+
+@dataclass(frozen=True)
 class DropoutMaskKernel:
     """cuflash2.dropout_mask's kernel (cuda_src/dropout_mask.cu): 8 warps, one 16 x 16 block each."""
 
@@ -760,7 +796,8 @@ def describe(config) -> str:
     mods = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "ALiBi"),
                                    (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout"),
                                    (FEATURE_VARLEN, "varlen"), (FEATURE_MASK_MOD, "mask_mod"),
-                                   (FEATURE_SCORE_MOD, "score_mod"))
+                                   (FEATURE_SCORE_MOD, "score_mod"),
+                                   (FEATURE_BLOCK_MASK, "block mask"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

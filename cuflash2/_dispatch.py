@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import _hopper, _launch
-from ._configs import (DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
@@ -63,7 +63,7 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
         if config is None:
             config = FORCED.get("fwd") or fwd_mods_config(p.dtype, p.head_dim, arch)
         config = mods.forward_config(with_features(config, features & ~USER_MOD_FEATURES),
-                                     *user_mods)
+                                     *user_mods, block_mask=bool(features & FEATURE_BLOCK_MASK))
         return ForwardChoice(config, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch))
     hopper = map_fields = None
     if config is None and "fwd" not in FORCED:

@@ -24,11 +24,11 @@ class AttentionOptions:
     and bias of one call, as given (unchecked)."""
 
     __slots__ = ("causal", "softmax_scale", "window_size", "softcap", "alibi_slopes", "sinks",
-                 "dropout_p", "seed", "offset", "bias", "mask_mod", "score_mod")
+                 "dropout_p", "seed", "offset", "bias", "mask_mod", "score_mod", "block_mask")
 
     def __init__(self, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0, bias=None,
-                 mask_mod=None, score_mod=None):
+                 mask_mod=None, score_mod=None, block_mask=None):
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.window_size = window_size
@@ -41,6 +41,7 @@ class AttentionOptions:
         self.bias = bias
         self.mask_mod = mask_mod  # cuflash2.mods.MaskMod (the kernels: so far the forward's)
         self.score_mod = score_mod  # cuflash2.mods.ScoreMod
+        self.block_mask = block_mask  # cuflash2.block_mask.BlockMask (its mask_mod is mask_mod)
 
     def replace(self, **changes) -> "AttentionOptions":
         """A copy with the given options changed (the reference's per-sequence options: a

@@ -142,6 +142,8 @@ def score_mods(problem, options) -> ScoreMods:
         from . import mods
 
         features |= mods.features_of(*user_mods)
+        if getattr(options, "block_mask", None) is not None:
+            features |= _configs.FEATURE_BLOCK_MASK
     effective = softcap if softcap > 0 else problem.softmax_scale
     return ScoreMods(features, effective,
                      problem.softmax_scale / softcap if softcap > 0 else 0.0,

@@ -126,6 +126,9 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
     modifiers' arrays, and its `options`) in full and plans it."""
     views, sources, names = layout.arrays(inputs)
     user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
+    block_input = None
+    if getattr(options, "block_mask", None) is not None:  # its states come last
+        block_input, user_inputs = (user_inputs[-1][0], options.block_mask), user_inputs[:-1]
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -148,19 +151,27 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
                                     problem.seqlen_k)
     return _attention_plans.forward_plan(views, sources, problem, mods, window, device_id,
                                          device_arch(device_id), q.shape, lse_shape, varlen,
-                                         user_inputs=user_inputs)
+                                         user_inputs=user_inputs, block_input=block_input)
 
 
-def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod):
+def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod, block_mask=None):
     """(inputs, signature key's extra) of a forward call with programmable modifiers: their
-    arrays after the layout's (the mask's first), their sources in the key. Checks their types
-    (before any key is built)."""
+    arrays after the layout's (the mask's first; a block mask's states last), their sources (and
+    the block mask's tiles and lengths) in the key. Checks their types (before any key is
+    built); a block mask gives the mask modifier (cuflash2.block_masks.resolve)."""
+    if block_mask is not None:
+        from . import block_masks as _block_mask
+
+        mask_mod = _block_mask.resolve(mask_mod, block_mask)
     _prepare.check_user_mods(mask_mod, score_mod)
     options.mask_mod, options.score_mod = mask_mod, score_mod
+    options.block_mask = block_mask
     arrays = ((mask_mod.arrays if mask_mod is not None else ())
               + (score_mod.arrays if score_mod is not None else ()))
     keys = (mask_mod.key if mask_mod is not None else None,
             score_mod.key if score_mod is not None else None)
+    if block_mask is not None:
+        return inputs + arrays + (block_mask.states,), (*extra, "user_mods", keys, block_mask.key)
     return inputs + arrays, (*extra, "user_mods", keys)
 
 
@@ -214,7 +225,7 @@ def _forward_result(plan, inputs, options, out, return_lse, cupy):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-              return_lse=False, out=None, mask_mod=None, score_mod=None):
+              return_lse=False, out=None, mask_mod=None, score_mod=None, block_mask=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -246,15 +257,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     the score modifier after softcap and ALiBi, the mask ANDed with causal and the window).
     Their backward: attention_backward's `mask_mod=`, `score_mod=` (a score_mod needs `grad=`
     unless it is `score + <no score>`). Not yet verified on a GPU.
+
+    `block_mask` (`cuflash2.block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, head_dim=,
+    dtype=)`): the mask modifier's per-tile states, evaluated once: the kernel skips the empty
+    tiles and runs the expression on the partial ones only. It carries its mask_mod (a
+    `mask_mod=` given too must be the same); built for this call's tiles, lengths, batch and
+    heads (or batch / nheads 1, shared) on its device, else ValueError (cuflash2.block_masks).
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (q, k, v, out, alibi_slopes, sinks)
     cupy = _cupy or _cupy_module()
-    if mask_mod is None and score_mod is None:
+    if mask_mod is None and score_mod is None and block_mask is None:
         plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
     else:
-        inputs, extra = _with_user_mods(options, inputs, (), mask_mod, score_mod)
+        inputs, extra = _with_user_mods(options, inputs, (), mask_mod, score_mod, block_mask)
         plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
     return _forward_result(plan, inputs, options, out, return_lse, cupy)
 

@@ -346,17 +346,22 @@ def features_of(mask: ModSource | None, score: ModSource | None) -> int:
             | (_configs.FEATURE_SCORE_MOD if score is not None else 0))
 
 
-def forward_config(config, mask: ModSource | None, score: ModSource | None):
+def forward_config(config, mask: ModSource | None, score: ModSource | None,
+                   block_mask: bool = False):
     """The FwdModsConfig of the mma.sync forward `config` (a FwdConfig, its features without
-    the modifiers' bits) with these modifiers compiled in."""
+    the modifiers' bits) with these modifiers compiled in; `block_mask`: reading a block mask's
+    states too (FEATURE_BLOCK_MASK, with a mask modifier only; cuflash2.block_mask)."""
     import dataclasses
 
     from . import _configs
 
+    if block_mask and mask is None:
+        raise ValueError("a block mask needs its mask modifier")
     header, h = user_mods_header(mask, score)
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(_configs.FwdConfig)}
-    fields["features"] = (config.features & ~_configs.USER_MOD_FEATURES) | features_of(mask,
-                                                                                         score)
+    fields["features"] = ((config.features & ~_configs.USER_MOD_FEATURES)
+                          | features_of(mask, score)
+                          | (_configs.FEATURE_BLOCK_MASK if block_mask else 0))
     return _configs.FwdModsConfig(**fields, user_mods=header, mods_hash=h)
 
 
