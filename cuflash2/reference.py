@@ -288,39 +288,33 @@ def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):
                 "used (from its testing mode that returns the mask)"
             )
         return dropout_p, None
-    dtype = getattr(dropout_mask, "dtype", None)
+    return dropout_p, _broadcast_boolean(xp, dropout_mask, "dropout_mask",
+                                         "a boolean keep-mask (True = kept)", shape, shape_doc)
+
+
+def _broadcast_boolean(xp, x, name, what, shape, shape_doc):
+    """x, a boolean array, broadcast to ``shape`` (a view); TypeError / ValueError naming it."""
+    dtype = getattr(x, "dtype", None)
     if dtype is None or numpy.dtype(dtype) != numpy.bool_:
         raise TypeError(
-            "dropout_mask must be a boolean keep-mask (True = kept); got "
-            f"{'dtype ' + str(dtype) if dtype is not None else type(dropout_mask).__name__}"
+            f"{name} must be {what}; got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(x).__name__}"
         )
-    mask = xp.asarray(dropout_mask)
+    x = xp.asarray(x)
     try:
-        mask = xp.broadcast_to(mask, shape)
+        return xp.broadcast_to(x, shape)
     except ValueError:
         raise ValueError(
-            f"dropout_mask must be broadcastable to {shape_doc} = {shape}; got {mask.shape}"
+            f"{name} must be broadcastable to {shape_doc} = {shape}; got {x.shape}"
         ) from None
-    return dropout_p, mask
 
 
 def _check_mask(xp, mask, shape, shape_doc):
     """The boolean visibility mask broadcast to ``shape`` (a view), or None."""
     if mask is None:
         return None
-    dtype = getattr(mask, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.bool_:
-        raise TypeError(
-            "mask must be a boolean array (True = the key is visible); got "
-            f"{'dtype ' + str(dtype) if dtype is not None else type(mask).__name__}"
-        )
-    mask = xp.asarray(mask)
-    try:
-        return xp.broadcast_to(mask, shape)
-    except ValueError:
-        raise ValueError(
-            f"mask must be broadcastable to {shape_doc} = {shape}; got {mask.shape}"
-        ) from None
+    return _broadcast_boolean(xp, mask, "mask", "a boolean array (True = the key is visible)",
+                              shape, shape_doc)
 
 
 class _Modifiers:

@@ -23,16 +23,19 @@ def finite_difference_grads(dout, q, k, v, step=1e-6, forward=None, **options):
     wrt = [q, k, v]
     if options.get("sinks") is not None:
         wrt.append(options["sinks"])
-    grads = []
-    for x in wrt:
-        grad = numpy.zeros_like(x)
-        for index in numpy.ndindex(x.shape):
-            saved = x[index]
-            x[index] = saved + step
-            up = loss()
-            x[index] = saved - step
-            down = loss()
-            x[index] = saved
-            grad[index] = (up - down) / (2 * step)
-        grads.append(grad)
-    return grads
+    return [central_difference(loss, x, step) for x in wrt]
+
+
+def central_difference(loss, x, step):
+    """d loss() / d x by central differences, x (a float64 array) changed in place and restored
+    element by element."""
+    grad = numpy.zeros_like(x)
+    for index in numpy.ndindex(x.shape):
+        saved = x[index]
+        x[index] = saved + step
+        up = loss()
+        x[index] = saved - step
+        down = loss()
+        x[index] = saved
+        grad[index] = (up - down) / (2 * step)
+    return grad

@@ -9,6 +9,7 @@ import numpy
 import pytest
 
 from cuflash2 import _validate, reference, testing
+from finite_differences import central_difference  # tests/ helper
 from naive_attention import random_inputs as _inputs
 
 F64 = numpy.float64
@@ -176,16 +177,7 @@ def test_score_mod_sees_absolute_indices_across_batch_chunks(monkeypatch):
 
 
 def _finite_difference(loss, x, step=1e-6):
-    grad = numpy.zeros_like(x)
-    for index in numpy.ndindex(x.shape):
-        saved = x[index]
-        x[index] = saved + step
-        up = loss()
-        x[index] = saved - step
-        down = loss()
-        x[index] = saved
-        grad[index] = (up - down) / (2 * step)
-    return grad
+    return central_difference(loss, x, step)
 
 
 # (bias shape as (batch or 1, heads or 1), nheads, nheads_kv, options)
