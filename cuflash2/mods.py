@@ -237,12 +237,31 @@ class ScoreMod(_Mod):
         return score_derivative(self.source.expression, self.source.grad)
 
 
+def _additive_tail(text: str) -> bool:
+    """`text` binds as one operand of a binary + or - : no operator of lower precedence (shifts,
+    comparisons, bitwise and logical operators, ?:, assignment, comma) outside parentheses and
+    brackets. Conservative: `static_cast<float>(...)` outside parentheses counts as one."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and ch in "<>=!&|^?:,":
+            if ch == ">" and i > 0 and text[i - 1] == "-":  # a->b
+                continue
+            return False
+    return depth == 0
+
+
 def score_derivative(expression: str, grad: str | None) -> str | None:
-    """`grad`, or "1.f" where `expression` is textually `score + <expression without score>`."""
+    """`grad`, or "1.f" where `expression` is textually `score + <expression without score>`
+    (or `score - ...`), the tail binding as one operand (not `score + a ? b : c`, which is
+    `(score + a) ? b : c`)."""
     if grad is not None:
         return grad
-    text = expression.strip()
-    if text.startswith("score +") and not _has_identifier(text[len("score +"):], SCORE_NAME):
+    m = re.match(rf"\s*{SCORE_NAME}\s*[-+](?![-+=])(.*)$", expression, re.S)
+    if m and not _has_identifier(m.group(1), SCORE_NAME) and _additive_tail(m.group(1)):
         return "1.f"
     return None
 
@@ -386,7 +405,7 @@ def check_backward(score: ModSource | None) -> None:
             f"score_mod {score.expression!r} has no derivative for the backward: pass grad= "
             "(cuflash2.score_mod(expression, grad=\"d new / d score\", ...), a CUDA C "
             "expression over the same names); only `score + <expression without score>` "
-            "needs none")
+            "and `score - <...>` need none")
 
 
 def backward_config(config, mask: ModSource | None, score: ModSource | None):

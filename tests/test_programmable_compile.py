@@ -224,6 +224,15 @@ def test_score_derivative_rule():
     assert mods.score_derivative("score + 0.5f * score", None) is None
     assert mods.score_derivative("2.f * score", None) is None
     assert mods.score_derivative("2.f * score", "2.f") == "2.f"
+    # score - <...>, and tails that bind as one operand of the + or -
+    assert mods.score_derivative("score - 0.01f * (q_idx - kv_idx)", None) == "1.f"
+    assert mods.score_derivative("score + (q_idx > kv_idx ? 1.f : 0.f)", None) == "1.f"
+    assert mods.score_derivative("score + p->x", None) == "1.f"
+    # (score + a) ? b : c, (score - a) < b, score++ : not the additive form
+    assert mods.score_derivative("score + a ? b : c", None) is None
+    assert mods.score_derivative("score - a < b", None) is None
+    assert mods.score_derivative("score++", None) is None
+    assert mods.score_derivative("score + a, b", None) is None
 
 
 # ---------------------------------------------------------------------------------------------
