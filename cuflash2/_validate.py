@@ -222,10 +222,13 @@ def check_softcap(softcap) -> float:
     return softcap
 
 
-def _check_float32(x, expected: str) -> None:
-    """TypeError `expected; got ...` unless x is an array of dtype float32."""
+def check_dtype(x, allowed, expected: str) -> None:
+    """TypeError `expected; got <x's dtype or type>` unless x is an array of dtype `allowed` (one
+    dtype, or a collection of them)."""
     dtype = getattr(x, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.float32:
+    allowed = ({numpy.dtype(allowed)} if isinstance(allowed, (type, str, numpy.dtype))
+               else {numpy.dtype(d) for d in allowed})
+    if dtype is None or numpy.dtype(dtype) not in allowed:
         raise TypeError(
             f"{expected}; got "
             f"{'dtype ' + str(dtype) if dtype is not None else type(x).__name__}")
@@ -239,7 +242,7 @@ def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, batched: bool,
     head), or None without slopes."""
     if alibi_slopes is None:
         return None
-    _check_float32(alibi_slopes, "alibi_slopes must be a float32 array (as flash-attn)")
+    check_dtype(alibi_slopes, numpy.float32, "alibi_slopes must be a float32 array (as flash-attn)")
     shape = tuple(alibi_slopes.shape)
     if shape not in ((nheads,), (batch, nheads)):
         shapes = f"({nheads},) or ({batch if batched else 1}, {nheads})"
@@ -257,8 +260,8 @@ def check_sinks(sinks, nheads: int, name: str = "sinks") -> None:
     their gradient): float32, shape (nheads,), contiguous. None passes (no sinks)."""
     if sinks is None:
         return
-    _check_float32(sinks, f"{name} must be a float32 array of shape (nheads,) (one logit a "
-                          "query head)")
+    check_dtype(sinks, numpy.float32,
+                f"{name} must be a float32 array of shape (nheads,) (one logit a query head)")
     shape = tuple(sinks.shape)
     if shape != (nheads,):
         raise ValueError(f"{name} must have shape (nheads,) = ({nheads},) (one logit a query "
@@ -292,13 +295,9 @@ def check_bias(bias, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, batc
     bias shared by every batch entry / head: stride 0), or None without a bias."""
     if bias is None:
         return None
-    dtype = getattr(bias, "dtype", None)
     allowed = "float16, bfloat16 or float32" + (" (float64 for the reference)" if float64 else "")
-    if dtype is None or (numpy.dtype(dtype) not in _BIAS_DTYPES
-                         and not (float64 and numpy.dtype(dtype) == numpy.float64)):
-        raise TypeError(
-            f"bias must be a {allowed} array; got "
-            f"{'dtype ' + str(dtype) if dtype is not None else type(bias).__name__}")
+    check_dtype(bias, [*_BIAS_DTYPES, *([numpy.float64] if float64 else [])],
+                f"bias must be a {allowed} array")
     shape = tuple(bias.shape)
     expected = ((batch, nheads, seqlen_q, seqlen_k) if batched
                 else (nheads, seqlen_q, seqlen_k))
@@ -325,11 +324,8 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, total_name: str, to_host
     """cu_seqlens as a host int64 array, checked: int32, 1-D, 0 first, non-decreasing, ending at
     `total`. `to_host` copies the values to the host (for CuPy arrays, a device sync); with
     `to_host=None` only the dtype and shape are checked and None is returned."""
-    dtype = getattr(cu_seqlens, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.int32:
-        raise TypeError(
-            f"{name} must be an int32 array of cumulative sequence lengths (batch + 1 entries); "
-            f"got {'dtype ' + str(dtype) if dtype is not None else type(cu_seqlens).__name__}")
+    check_dtype(cu_seqlens, numpy.int32, f"{name} must be an int32 array of cumulative sequence "
+                "lengths (batch + 1 entries)")
     if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(
             f"{name} must be 1-D with batch + 1 >= 1 entries; got shape {tuple(cu_seqlens.shape)}")
@@ -409,10 +405,7 @@ class KVCacheProblem:
 
 
 def _int32_vector(name: str, x, length: int, what: str) -> None:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.int32:
-        raise TypeError(f"{name} must be an int32 array ({what}); got "
-                        f"{'dtype ' + str(dtype) if dtype is not None else type(x).__name__}")
+    check_dtype(x, numpy.int32, f"{name} must be an int32 array ({what})")
     if tuple(x.shape) != (length,):
         raise ValueError(f"{name} must have shape ({length},) ({what}); got {tuple(x.shape)}")
 

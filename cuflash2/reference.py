@@ -294,12 +294,7 @@ def _check_dropout(xp, dropout_p, dropout_mask, shape, shape_doc):
 
 def _broadcast_boolean(xp, x, name, what, shape, shape_doc):
     """x, a boolean array, broadcast to ``shape`` (a view); TypeError / ValueError naming it."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or numpy.dtype(dtype) != numpy.bool_:
-        raise TypeError(
-            f"{name} must be {what}; got "
-            f"{'dtype ' + str(dtype) if dtype is not None else type(x).__name__}"
-        )
+    _validate.check_dtype(x, numpy.bool_, f"{name} must be {what}")
     x = xp.asarray(x)
     try:
         return xp.broadcast_to(x, shape)
