@@ -28,6 +28,7 @@
 #include "dq_accum.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
+#include "bias_grad.cuh"
 #include "kernel_params.cuh"
 #include "constants.cuh"
 
@@ -85,6 +86,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_kernel(const __grid_constant__ BwdParams p) {
     const NoUserInputs user{};
     constexpr float score_scale = 0.f;
+    const NoBiasGrad dbias{};
 #include "flash_bwd_body.inc"
 }
 
@@ -100,5 +102,6 @@ flash_bwd_mods_kernel(const __grid_constant__ BwdModsParams mods_params) {
     const BwdParams& p = mods_params.base;
     const UserParams& user = mods_params.user;
     const float score_scale = mods_params.score_scale;
+    const BiasGrad& dbias = mods_params.dbias;
 #include "flash_bwd_body.inc"
 }

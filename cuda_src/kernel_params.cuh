@@ -202,6 +202,20 @@ struct BwdParams {
     int batch;            // sequences (the sinks' gradient sums over all of them)
 };
 
+// The gradient of an additive bias (attention_backward with bias=; FEATURE_BIAS_GRAD): dS at
+// every (row, key) of the tiles the main kernel visits, into a zeroed fp32 array of the bias's
+// own shape, indexed (batch, query head, row, key) with element strides 0 along the dims the
+// bias broadcasts. There several CTAs add to one element (accumulate = 1: atomics); otherwise
+// each element has one writer.
+struct BiasGrad {
+    float* data;
+    i64 stride0;
+    i64 stride1;
+    i64 stride2;
+    i64 stride3;
+    int accumulate;
+};
+
 // flash_bwd.cu's and flash_bwd_dq.cu's kernels with programmable modifiers (FEATURE_MASK_MOD,
 // FEATURE_SCORE_MOD; flash_bwd_mods_kernel, flash_bwd_dq_mods_kernel): the backward's
 // parameters, the modifiers' inputs and the scale of the scores the softmax saw (softcap's, with
@@ -213,6 +227,7 @@ struct BwdModsParams {
     BwdParams base;
     UserParams user;
     float score_scale;
+    BiasGrad dbias;  // FEATURE_BIAS_GRAD only (bias_grad.cuh); unused otherwise
 };
 
 // flash_bwd_sm90.cu: the backward's parameters plus the TMA descriptors of q, k, v and dout, each

@@ -125,6 +125,18 @@ def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_f
         batch_offset=base + "batch_offset")
 
 
+def _bias_grad_fields(bias_grad) -> dict:
+    """BiasGrad's element strides (0 along the bias's broadcast dims) and whether CTAs share
+    elements (atomics), of dbias's accumulator view; {} without it."""
+    if bias_grad is None:
+        return {}
+    _, x = bias_grad
+    strides = [s // x.itemsize for s in x.strides]
+    accumulate = any(s == 0 and n > 1 for s, n in zip(strides[:2], x.shape[:2]))
+    return {**{f"dbias.stride{j}": s for j, s in enumerate(strides)},
+            "dbias.accumulate": int(accumulate)}
+
+
 def _user_fields(user_inputs) -> dict:
     """UserParams' element strides (`user.in<i>.stride<j>`) of the modifiers' arrays."""
     user = {}
@@ -165,7 +177,7 @@ def _dropout_slots(mods) -> tuple:
 
 def backward_plan(views: dict, sources: dict, problem, mods, window, deterministic: bool,
                   device_id: int, arch: int, grad_shapes: dict, varlen=None,
-                  config=None, user_inputs=()) -> _plans.Plan:
+                  config=None, user_inputs=(), bias_grad=None) -> _plans.Plan:
     """views, by struct field: dout, q, k, v, out, lse, dq, dk, dv (None: allocated, in that
     order, shaped `grad_shapes[name]`), mods.alibi_slopes, mods.sinks, dsinks (with sinks; None:
     allocated, after the others, float32 (nheads,)), varlen.cu_seqlens_q/_k (None or missing
@@ -183,11 +195,15 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     With programmable modifiers (`mods.user_mods`; `user_inputs`: (input position, array) of
     each of their arrays, the mask's first) the main and dQ kernels are the mma.sync *_mods
     kernels on every architecture, the struct BwdModsParams: these BwdParams as `base` (which
-    the preprocess and the conversion take), `user` as the forward's, and `score_scale`."""
+    the preprocess and the conversion take), `user` as the forward's, and `score_scale`.
+    `bias_grad`: (input position, array) of dbias's float32 accumulator as a (batch, nheads,
+    seqlen_q, seqlen_k) view (cuflash2._bias), which the main kernel fills
+    (FEATURE_BIAS_GRAD, BwdModsParams.dbias)."""
     p = problem
     sinks = views.get("mods.sinks") is not None
     features = _configs.backward_features(
-        mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN))
+        mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+        | (0 if bias_grad is None else _configs.FEATURE_BIAS_GRAD))
     choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
                                         config, mods.user_mods)
     config, hopper = choice.config, choice.hopper
@@ -285,9 +301,10 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         return _plans.Plan(
             device_id, "BwdModsParams",
             {**{base + f: v for f, v in fields.items()}, **_user_fields(user_inputs),
-             "score_scale": mods.softmax_scale},
+             "score_scale": mods.softmax_scale, **_bias_grad_fields(bias_grad)},
             kernels, [(base + f, pos, off) for f, pos, off in inputs]
-            + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)],
+            + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)]
+            + ([("dbias.data", bias_grad[0], 0)] if bias_grad is not None else []),
             outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
             [(base + f, off) for f, off in workspace_fields], aligned,
             per_call=tuple((f, base + f) for f in _dropout_slots(mods)),

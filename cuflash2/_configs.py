@@ -44,6 +44,10 @@ FEATURE_SCORE_MOD = 64
 #: only (cuda_src/block_mask.cuh). Only with FEATURE_MASK_MOD, in the mods kernels.
 FEATURE_BLOCK_MASK = 128
 USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD | FEATURE_BLOCK_MASK
+#: The additive bias's gradient (attention_backward with bias=, cuda_src/bias_grad.cuh): the
+#: mma.sync backward main kernel with the bias as its score modifier writes dS out as dbias
+#: (BwdModsParams.dbias). Backward main kernel only; never in the dQ kernel.
+FEATURE_BIAS_GRAD = 256
 #: A block mask's tile states (int8): no visible key in the tile, some, every (query, key) of the
 #: tile inside the sequence visible.
 BLOCK_MASK_EMPTY, BLOCK_MASK_PARTIAL, BLOCK_MASK_FULL = 0, 1, 2
@@ -130,6 +134,7 @@ CUDA_CONSTANTS = {
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
     "FEATURE_SINKS": FEATURE_SINKS, "FEATURE_MASK_MOD": FEATURE_MASK_MOD,
     "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD, "FEATURE_BLOCK_MASK": FEATURE_BLOCK_MASK,
+    "FEATURE_BIAS_GRAD": FEATURE_BIAS_GRAD,
     "BLOCK_MASK_EMPTY": BLOCK_MASK_EMPTY, "BLOCK_MASK_PARTIAL": BLOCK_MASK_PARTIAL,
     "BLOCK_MASK_FULL": BLOCK_MASK_FULL, "BLOCK_MASK_WARPS": BLOCK_MASK_WARPS,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
@@ -797,7 +802,8 @@ def describe(config) -> str:
                                    (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout"),
                                    (FEATURE_VARLEN, "varlen"), (FEATURE_MASK_MOD, "mask_mod"),
                                    (FEATURE_SCORE_MOD, "score_mod"),
-                                   (FEATURE_BLOCK_MASK, "block mask"))
+                                   (FEATURE_BLOCK_MASK, "block mask"),
+                                   (FEATURE_BIAS_GRAD, "dbias"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from . import _hopper, _launch
 from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+                       FEATURE_BIAS_GRAD,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
@@ -120,7 +121,7 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
         if deterministic:
             dq_config = mods.dq_config(
                 with_features(bwd_dq_config(p.dtype, p.head_dim, arch),
-                              features & ~USER_MOD_FEATURES), *user_mods)
+                              features & ~USER_MOD_FEATURES & ~FEATURE_BIAS_GRAD), *user_mods)
         return BackwardChoice(mods.backward_config(base, *user_mods), dq_config=dq_config)
     hopper = map_fields = None
     if isinstance(forced, BwdSm90Config):
@@ -282,7 +283,7 @@ def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False
 def bwd_mods_config(dtype: str, head_dim: int, arch: int,
                     deterministic: bool = False) -> BwdConfig:
     """The mma.sync backward's tile with programmable modifiers (BwdModsConfig): bwd_config's
-    up to d=64; above, bwd_config's rule over its shapes of at most 64 x 64 (query x key) steps.
+    rule over its shapes of at most 64 x 64 (query x key) steps, at every head dim.
     The user's code and its derivative run on every score of phase A; ptxas (the compile tests'
     expressions, fp16 and bf16, sm_80 and sm_90; registers / spill stores, atomic dQ and
     deterministic alike):
@@ -294,10 +295,13 @@ def bwd_mods_config(dtype: str, head_dim: int, arch: int,
         128  64 x 64, 4, 2                   255 / 0 to 44              255 / 76 to 92
         128  64 x 64, 8, 2 (this)            178 to 189 / 0             171 to 178 / 0
 
+    With the additive bias (`score + cf2_bias(b, h, q_idx, kv_idx)`, a 4-D input: four strides)
+    bwd_config's 128 x 128 tile at d=32 and d=64 spills 12 to 36 bytes, with dbias
+    (FEATURE_BIAS_GRAD) or without; 64 x 64, 8 warps: 118 to 166 registers, no spills (fp16,
+    sm_80 / sm_90). Hence 64 x 64 at d <= 64 too.
+
     Not yet timed on a GPU."""
     d = kernel_head_dim(head_dim)
-    if d <= 64:
-        return bwd_config(dtype, head_dim, arch, deterministic)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     chunks = [d] if d <= 128 else [d, d // 2]
     for block_m, block_n, warps, stages in ((64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 4, 1),

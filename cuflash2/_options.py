@@ -24,11 +24,12 @@ class AttentionOptions:
     and bias of one call, as given (unchecked)."""
 
     __slots__ = ("causal", "softmax_scale", "window_size", "softcap", "alibi_slopes", "sinks",
-                 "dropout_p", "seed", "offset", "bias", "mask_mod", "score_mod", "block_mask")
+                 "dropout_p", "seed", "offset", "bias", "mask_mod", "score_mod", "block_mask",
+                 "bias_requires_grad")
 
     def __init__(self, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0, bias=None,
-                 mask_mod=None, score_mod=None, block_mask=None):
+                 mask_mod=None, score_mod=None, block_mask=None, bias_requires_grad=False):
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.window_size = window_size
@@ -42,6 +43,9 @@ class AttentionOptions:
         self.mask_mod = mask_mod  # cuflash2.mods.MaskMod (the kernels: so far the forward's)
         self.score_mod = score_mod  # cuflash2.mods.ScoreMod
         self.block_mask = block_mask  # cuflash2.block_mask.BlockMask (its mask_mod is mask_mod)
+        # A backward call that returns dbias (the kernels' plan: its float32 accumulator is the
+        # call's last array; cuflash2._bias).
+        self.bias_requires_grad = bias_requires_grad
 
     def replace(self, **changes) -> "AttentionOptions":
         """A copy with the given options changed (the reference's per-sequence options: a

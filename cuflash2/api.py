@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from . import (_attention_plans, _configs, _dispatch, _kvcache, _launch, _params, _plans, _prepare,
-               _validate)
+from . import (_attention_plans, _bias, _configs, _dispatch, _kvcache, _launch, _params, _plans,
+               _prepare, _validate)
 from ._options import AttentionOptions
 from ._plans import value_key
 from ._prepare import device_arch  # noqa: F401  (part of the module's interface for tools)
@@ -201,6 +201,46 @@ def _with_backward_user_mods(function, options, inputs, extra, mask_mod, score_m
     return _with_user_mods(options, inputs, extra, mask_mod, score_mod)
 
 
+def _bias_view(q, k, v, bias, softmax_scale, varlen_args=None):
+    """`bias` as the (batch, nheads, seqlen_q, seqlen_k) view the kernels read (cuflash2._bias),
+    checked after the call's arrays (their messages come first). Varlen: batch = sequences, the
+    maximum lengths (cu_seqlens' values are not read here)."""
+    cupy = _prepare.require_cupy_arrays({"q": q, "k": k, "v": v})
+    if varlen_args is None:
+        p = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
+    else:
+        p = _prepare.varlen_problem(q, k, v, *varlen_args[:4], softmax_scale, None, False,
+                                    cupy)[1]
+    return _bias.bias_view(bias, p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.batched,
+                           varlen_args is not None, cupy)
+
+
+def _with_bias(function, options, inputs, extra, mask_mod, score_mod, bias, view,
+               bias_requires_grad, deterministic=None):
+    """(inputs, signature key's extra, dbias's float32 accumulator or None) of a call with a
+    bias: the bias as the score modifier (cuflash2._bias), after the user's modifiers are
+    checked; a backward (`deterministic` not None) that returns dbias gets its accumulator's
+    (batch, nheads, seqlen_q, seqlen_k) view as its last array."""
+    backward = deterministic is not None
+    if backward:
+        _bias.check_dropout(function, options.dropout_p)
+        _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
+    else:
+        _prepare.check_user_mods(mask_mod, score_mod)
+    _prepare.check_flag("bias_requires_grad", bias_requires_grad)
+    accum = None
+    if backward and bias_requires_grad:
+        accum, full, accumulate = _bias.gradient_buffer(bias, view, _cupy or _cupy_module())
+        _bias.check_backward(function, options.softcap, options.dropout_p, deterministic,
+                             accumulate)
+    inputs, extra = _with_user_mods(options, inputs, extra, mask_mod,
+                                    _bias.score_mod_with_bias(view, score_mod))
+    if accum is not None:
+        options.bias_requires_grad = True
+        inputs, extra = inputs + (full,), (*extra, "dbias")
+    return inputs, extra, accum
+
+
 def _forward_plan(kind, layout, cupy, inputs, options, extra=(), varlen_args=None):
     """(the plan of a forward call, whether it was made now: the call checked in full), from
     the cache or checked and made."""
@@ -225,7 +265,8 @@ def _forward_result(plan, inputs, options, out, return_lse, cupy):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-              return_lse=False, out=None, mask_mod=None, score_mod=None, block_mask=None):
+              return_lse=False, out=None, mask_mod=None, score_mod=None, block_mask=None,
+              bias=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -263,12 +304,29 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     tiles and runs the expression on the partial ones only. It carries its mask_mod (a
     `mask_mod=` given too must be the same); built for this call's tiles, lengths, batch and
     heads (or batch / nheads 1, shared) on its device, else ValueError (cuflash2.block_masks).
+
+    `bias`: an additive bias, a CuPy array (batch or 1, nheads or 1, seqlen_q, seqlen_k) (for
+    unbatched q (nheads or 1, seqlen_q, seqlen_k)) of float16, bfloat16 or float32, a dim of 1
+    broadcast; added to the scaled scores after softcap and ALiBi, before `score_mod` and the
+    mask (the mma.sync kernels with programmable modifiers; cuflash2._bias).
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (q, k, v, out, alibi_slopes, sinks)
     cupy = _cupy or _cupy_module()
-    if mask_mod is None and score_mod is None and block_mask is None:
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale)
+        if block_mask is not None:
+            from . import block_masks as _block_mask
+
+            mask_mod = _block_mask.resolve(mask_mod, block_mask)
+        inputs, extra, _ = _with_bias("attention", options, inputs, (), mask_mod, score_mod,
+                                      bias, view, False)
+        if block_mask is not None:
+            options.block_mask = block_mask
+            inputs, extra = inputs + (block_mask.states,), (*extra, block_mask.key)
+        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
+    elif mask_mod is None and score_mod is None and block_mask is None:
         plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
     else:
         inputs, extra = _with_user_mods(options, inputs, (), mask_mod, score_mod, block_mask)
@@ -303,6 +361,9 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     v, out, lse, the gradients given, the optional ones)."""
     views, sources, names = layout.arrays(inputs)
     user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
+    bias_grad = None
+    if options.bias_requires_grad:  # dbias's accumulator comes last (cuflash2._bias)
+        bias_grad, user_inputs = user_inputs[-1], user_inputs[:-1]
     q, k, v = views["q"], views["k"], views["v"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -328,7 +389,7 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     return _attention_plans.backward_plan(
         views, sources, problem, mods, window, bool(deterministic), device_id,
         device_arch(device_id), {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen,
-        user_inputs=user_inputs)
+        user_inputs=user_inputs, bias_grad=bias_grad)
 
 
 def _backward_plan(kind, layout, cupy, inputs, options, deterministic, extra=(),
@@ -353,7 +414,8 @@ def _gradients(outputs, given):
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                        dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
-                       dk=None, dv=None, dsinks=None, mask_mod=None, score_mod=None):
+                       dk=None, dv=None, dsinks=None, mask_mod=None, score_mod=None,
+                       bias=None, bias_requires_grad=True):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
     forward's causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed
@@ -368,20 +430,32 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
     `mask_mod` / `score_mod`: the forward's (the mma.sync backward kernels on every
     architecture); a score_mod needs its derivative (`grad=`, or the form `score + <no
-    score>`): ValueError otherwise, before any launch. Not yet verified on a GPU.
+    score>`): ValueError otherwise, before any launch.
+
+    `bias`: the forward's; with `bias_requires_grad=True` (the default) the result ends with
+    dbias, shaped and typed like bias (summed over its broadcast dims): (dq, dk, dv[, dsinks],
+    dbias). Not in the kernels yet (NotImplementedError, before any launch): dbias with softcap,
+    a bias with dropout, and deterministic mode with a bias broadcast over batch or heads.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
     cupy = _cupy or _cupy_module()
     extra = ()
-    if mask_mod is not None or score_mod is not None:
+    accum = None
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale)
+        inputs, extra, accum = _with_bias("attention_backward", options, inputs, extra,
+                                          mask_mod, score_mod, bias, view, bias_requires_grad,
+                                          deterministic)
+    elif mask_mod is not None or score_mod is not None:
         inputs, extra = _with_backward_user_mods("attention_backward", options, inputs, extra,
                                                  mask_mod, score_mod)
     plan, _ = _backward_plan("attention_backward", _BACKWARD, cupy, inputs, options,
                              deterministic, extra)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
-    return _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
 
 
 def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
@@ -403,13 +477,23 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-                  deterministic=False, mask_mod=None, score_mod=None):
+                  deterministic=False, mask_mod=None, score_mod=None, bias=None,
+                  bias_requires_grad=True):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`
-    (with sinks `(dq, dk, dv, dsinks)`), which keeps the forward's lse (and out) internally.
-    `mask_mod` / `score_mod` as in `attention` and `attention_backward` (a score_mod without a
-    derivative is refused before the forward runs)."""
+    (with sinks `(dq, dk, dv, dsinks)`, with a bias and bias_requires_grad dbias last), which
+    keeps the forward's lse (and out) internally. `mask_mod` / `score_mod` / `bias` as in
+    `attention` and `attention_backward` (a score_mod without a derivative, and what the
+    backward's dbias does not cover, are refused before the forward runs)."""
     if mask_mod is not None or score_mod is not None:
         _check_backward_user_mods("attention_vjp", mask_mod, score_mod, dropout_p)
+    if bias is not None:
+        _bias.check_dropout("attention_vjp", dropout_p)
+        view = _bias_view(q, k, v, bias, softmax_scale)
+        if bias_requires_grad:
+            _prepare.check_flag("bias_requires_grad", bias_requires_grad)
+            _prepare.check_flag("deterministic", deterministic)
+            accumulate = any(s == 0 and n > 1 for s, n in zip(view.strides[:2], view.shape[:2]))
+            _bias.check_backward("attention_vjp", softcap, dropout_p, deterministic, accumulate)
     if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
         seed = int.from_bytes(os.urandom(8), "little")
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -417,7 +501,11 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
                   seed=seed, offset=offset)
     if mask_mod is not None or score_mod is not None:
         kwargs.update(mask_mod=mask_mod, score_mod=score_mod)
+    if bias is not None:
+        kwargs.update(bias=bias)
     out, lse = attention(q, k, v, return_lse=True, **kwargs)
+    if bias is not None:
+        kwargs.update(bias_requires_grad=bias_requires_grad)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
@@ -536,7 +624,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
                      return_lse=False, out=None, check_cu_seqlens=True, mask_mod=None,
-                     score_mod=None):
+                     score_mod=None, bias=None):
     """`attention` on variable-length sequences packed one after another (flash-attn's
     `flash_attn_varlen_func`).
 
@@ -552,12 +640,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lengths: one device synchronisation. With False nothing is synchronised and bad values give
     undefined results (never out-of-bounds accesses: the kernels clamp to the packed lengths).
     `mask_mod` / `score_mod` as in `attention`: b is the sequence's index, q_idx and kv_idx
-    positions within the sequence.
+    positions within the sequence. `bias`: (batch or 1, nheads or 1, max_seqlen_q,
+    max_seqlen_k), sequence b reading bias[b, :, :seqlen_q_b, :seqlen_k_b].
     """
     plan, planned, inputs, options, cupy = _varlen_plan(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset, out,
-        check_cu_seqlens, mask_mod, score_mod)
+        check_cu_seqlens, mask_mod, score_mod, bias)
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, out, cupy)
@@ -566,7 +655,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed,
-                 offset, out, check_cu_seqlens, mask_mod=None, score_mod=None):
+                 offset, out, check_cu_seqlens, mask_mod=None, score_mod=None, bias=None):
     """(plan of an attention_varlen call, whether it was planned now: the call checked in full,
     its inputs, its options, cupy) (varlen_forward_kernels names its kernels)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
@@ -574,7 +663,12 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     inputs = (q, k, v, out, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
     cupy = _cupy or _cupy_module()
     extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)
-    if mask_mod is not None or score_mod is not None:
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale,
+                          (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        inputs, extra, _ = _with_bias("attention_varlen", options, inputs, extra, mask_mod,
+                                      score_mod, bias, view, False)
+    elif mask_mod is not None or score_mod is not None:
         inputs, extra = _with_user_mods(options, inputs, extra, mask_mod, score_mod)
     plan, planned = _forward_plan(
         "attention_varlen", _VARLEN, cupy, inputs, options, extra,
@@ -599,18 +693,26 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                               dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
                               dk=None, dv=None, dsinks=None, check_cu_seqlens=True,
-                              mask_mod=None, score_mod=None):
+                              mask_mod=None, score_mod=None, bias=None, bias_requires_grad=True):
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
     As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks)); `mask_mod` /
-    `score_mod` as in `attention_backward` (b the sequence's index)."""
+    `score_mod` as in `attention_backward` (b the sequence's index); `bias` as in
+    `attention_varlen`, dbias as in `attention_backward` (0 outside each sequence's lengths)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks, cu_seqlens_q,
               cu_seqlens_k)
     cupy = _cupy or _cupy_module()
     extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)
-    if mask_mod is not None or score_mod is not None:
+    accum = None
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale,
+                          (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        inputs, extra, accum = _with_bias("attention_varlen_backward", options, inputs, extra,
+                                          mask_mod, score_mod, bias, view, bias_requires_grad,
+                                          deterministic)
+    elif mask_mod is not None or score_mod is not None:
         inputs, extra = _with_backward_user_mods("attention_varlen_backward", options, inputs,
                                                  extra, mask_mod, score_mod)
     plan, planned = _backward_plan(
@@ -621,7 +723,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, None, cupy)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
-    return _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
 
 
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):

@@ -136,9 +136,64 @@ def test_backward_configs_carry_the_header():
     assert "score_grad" in config.user_mods  # the derivative, 1.f for the additive form
     dq = _dq_config(DOC, REL_POS, "bfloat16", 64, 90)
     assert isinstance(dq, _configs.BwdDqModsConfig) and dq.mods_hash == config.mods_hash
-    # The tile: 64 x 64 steps above d=64 (bwd_mods_config's table), bwd_config's at d=64.
+    # The tile: 64 x 64 steps, 8 warps, at every head dim (bwd_mods_config's table).
     assert (config.block_m, config.block_n, config.num_warps) == (64, 64, 8)
-    assert _dispatch.bwd_mods_config("float16", 64, 80) == _dispatch.bwd_config("float16", 64, 80)
+    small = _dispatch.bwd_mods_config("float16", 64, 80)
+    assert (small.block_m, small.block_n, small.num_warps) == (64, 64, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The additive bias as the kernels take it (cuflash2._bias): a score modifier.
+
+BIAS = mods.ModSource("score_mod", "score + cf2_bias(b, h, q_idx, kv_idx)", "1.f",
+                      (mods.InputSignature("cf2_bias", "float32", 4),))
+
+
+def test_bias_is_a_score_modifier_composed_before_the_users():
+    from cuflash2 import _bias
+
+    view = _FakeArray("float32", (2, 4, 8, 8))
+    alone = _bias.score_mod_with_bias(view, None)
+    assert alone.source == BIAS and alone.arrays == (view,)
+    user = cuflash2.score_mod("12.f * tanhf(score / 12.f)", grad="1.f - tanhf(score) * score_x",
+                              score_x=2.0)
+    both = _bias.score_mod_with_bias(view, user)
+    biased = "(score + cf2_bias(b, h, q_idx, kv_idx))"
+    assert both.source.expression == f"12.f * tanhf({biased} / 12.f)"
+    assert both.source.grad == f"1.f - tanhf({biased}) * score_x"  # other names kept
+    assert both.source.inputs[-1].name == "cf2_bias" and both.arrays[-1] is view
+    # an additive user modifier keeps derivative 1 at the biased score
+    additive = _bias.score_mod_with_bias(view, cuflash2.score_mod("score - 0.5f"))
+    assert additive.source.grad == "1.f"
+
+
+def test_bias_gradient_kernel_compiles_without_spills():
+    """The backward main kernel that writes dbias (FEATURE_BIAS_GRAD) at the README's sample
+    (fp16, d=128, sm_90); every head dim and architecture with --exhaustive."""
+    import dataclasses
+
+    base = _dispatch.bwd_mods_config("float16", 128, 90)
+    base = dataclasses.replace(base, features=base.features | _configs.FEATURE_BIAS_GRAD)
+    config = mods.backward_config(base, None, BIAS)
+    assert "dbias" in _configs.describe(config)
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128])
+def test_bias_kernels_compile_without_spills_every_head_dim(arch, headdim):
+    import dataclasses
+
+    fwd = mods.forward_config(_dispatch.fwd_mods_config("bfloat16", headdim, arch), None, BIAS)
+    base = _dispatch.bwd_mods_config("bfloat16", headdim, arch)
+    bwd = mods.backward_config(
+        dataclasses.replace(base, features=base.features | _configs.FEATURE_BIAS_GRAD), None,
+        BIAS)
+    for config in (fwd, bwd):
+        report = _compile.compile_report(config, arch)
+        assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
 
 def test_dispatch_sends_user_mods_to_the_mma_sync_backward_on_every_arch():
