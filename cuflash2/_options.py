@@ -1,9 +1,11 @@
 """The options of an attention call as one object.
 
 Every public entry point takes the same options (causal, softmax_scale, window_size, softcap,
-alibi_slopes, sinks, dropout_p, seed, offset; `bias`, issue 44's additive bias, so far only the
-reference functions'; `mask_mod`, `score_mod`, issue 44's programmable modifiers (cuflash2.mods),
-so far the forward kernels': the last slots, so that positional constructions stay valid); each builds
+alibi_slopes, sinks, dropout_p, seed, offset; `bias`, issue 44's additive bias (the reference
+functions read it here; the kernels' calls take it as a score modifier, cuflash2._bias);
+`mask_mod`, `score_mod`, `block_mask`, issue 44's programmable modifiers (cuflash2.mods), and
+`bias_requires_grad`, whether a backward call returns dbias: the last slots, so that positional
+constructions stay valid); each builds
 one `AttentionOptions` from its keyword arguments per call, and the signature key
 (`api._forward_key`, `_kvcache._key`: the window, the arrays' signatures, causal, softmax_scale,
 softcap and dropout_p with their types; seed and offset are per-call values), the full check

@@ -297,7 +297,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     modifiers, CUDA C expressions compiled into the mma.sync forward kernel (cuflash2.mods;
     the score modifier after softcap and ALiBi, the mask ANDed with causal and the window).
     Their backward: attention_backward's `mask_mod=`, `score_mod=` (a score_mod needs `grad=`
-    unless it is `score + <no score>`). Not yet verified on a GPU.
+    unless it is `score + <no score>`).
 
     `block_mask` (`cuflash2.block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, head_dim=,
     dtype=)`): the mask modifier's per-tile states, evaluated once: the kernel skips the empty

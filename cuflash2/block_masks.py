@@ -22,7 +22,7 @@ expression on the partial ones only.
 - `attention(q, k, v, block_mask=bm)` takes the mask modifier from `bm`; a `mask_mod=` given
   with it must be the same modifier (the same expression and constants, the same input arrays).
   So far `attention` only (the mma.sync forward's mods kernel; not attention_varlen, no
-  backward). Not yet verified on a GPU.
+  backward).
 """
 
 from __future__ import annotations

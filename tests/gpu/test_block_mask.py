@@ -2,8 +2,7 @@
 against the NumPy reference (reference.block_mask_states) for a document mask, prefix-LM, a
 sliding window and odd lengths, per batch / head and shared; the forward with a block mask
 against the reference's dense mask (2x rule) and against the same forward without the block mask;
-the checks before a launch. NOT YET RUN ON A GPU when written (the CPU suite compiles these
-kernels: tests/test_block_mask.py)."""
+the checks before a launch (the CPU suite compiles these kernels: tests/test_block_mask.py)."""
 
 import numpy
 import pytest

@@ -2,8 +2,7 @@
 the mma.sync forward and backward) against the reference's dense mask and NumPy-style score
 function (and, backward, its derivative), with the 2x rule: a document mask, prefix-LM (a baked-in constant and a 1-element array), a relative
 position score modifier, a softcap-like one, a mask that leaves rows without keys, odd lengths,
-GQA, varlen. NOT YET RUN ON A GPU when written (the CPU suite compiles these kernels:
-tests/test_programmable_compile.py)."""
+GQA, varlen (the CPU suite compiles these kernels: tests/test_programmable_compile.py)."""
 
 import numpy
 import pytest
