@@ -3,8 +3,8 @@
 Rows (bf16 unless said):
 - the issue's four masks at 1 x 16 heads x 16k tokens x d=128, forward and backward: causal,
   document-causal (8 documents of 2k), causal sliding window 1024, prefix-LM (2048-token
-  prefix); cuflash2 with the mask as a `mask_mod` and its `block_mask` (the forward skips empty
-  tiles; the backward takes the mask_mod alone), FlexAttention (`torch.compile`d
+  prefix); cuflash2 with the mask as a `mask_mod` and its `block_mask` (forward and backward
+  skip the empty tiles), FlexAttention (`torch.compile`d
   flex_attention) with `create_block_mask` of the same mask; cuflash2's built-in causal and
   window beside them (a mask modifier that equals a built-in: within 1.1x of it);
 - the bias forward against the plain forward at 4k tokens (4 x 16 heads, d=128, a (1, 16, 4k,
@@ -75,7 +75,7 @@ def mask_rows(torch, flex, create_block_mask, args, backlog):
         fwd = time_cupy(cupy, lambda: cuflash2.attention(q, k, v, mask_mod=mm, block_mask=bm),
                         2, args.iters, backlog)
         bwd = time_cupy(cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse,
-                                                                  mask_mod=mm),
+                                                                  block_mask=bm),
                         2, args.iters, backlog)
         b_fwd = b_bwd = float("nan")
         if builtin is not None:

@@ -51,3 +51,85 @@ CF2_DEVICE BlockMaskRow<ON> block_mask_row(const Params& p, int batch, int head,
         return {};
     }
 }
+
+// The backward's view (flash_bwd_body.inc, FEATURE_BLOCK_MASK): a key block's column of states
+// for one query head, walked up by query block. The states' tiles may be coarser than the
+// backward's own (the forward's, which cuflash2.block_mask builds): a state covers `m_div` of
+// the backward's query blocks and `n_div` of its key blocks (BwdModsParams' block_m_div /
+// block_n_div), and an empty / full coarse tile is empty / full in every part of it.
+struct BlockMaskColumn {
+    const signed char* states;
+    i64 row_stride;
+    int m_div;
+
+    CF2_DEVICE BlockMaskColumn(const BlockMaskStates& p, int batch, int head, int n_block,
+                               int m_div_, int n_div)
+        : states(p.states + batch * p.batch_stride + head * p.head_stride + n_block / n_div),
+          row_stride(p.row_stride), m_div(m_div_) {}
+
+    // The lowest query block of [lo, hi) whose state is not empty, its state in `state`; hi
+    // (state BLOCK_MASK_EMPTY) where there is none. A warp reads 32 states a step and votes;
+    // every lane gets the same answer (the lanes of a warp must all call it).
+    CF2_DEVICE int next_visited(int lo, int hi, int& state) const {
+        const int lane = threadIdx.x % 32;
+        for (int base = lo; base < hi; base += 32) {
+            const int m = base + lane;
+            const int s = m < hi ? static_cast<int>(states[(m / m_div) * row_stride])
+                                 : BLOCK_MASK_EMPTY;
+            const unsigned visited = __ballot_sync(0xffffffffu, s != BLOCK_MASK_EMPTY);
+            if (visited != 0u) {
+                const int first = __ffs(visited) - 1;  // the lowest lane: the lowest block
+                state = __shfl_sync(0xffffffffu, s, first);
+                return base + first;
+            }
+        }
+        state = BLOCK_MASK_EMPTY;
+        return hi;
+    }
+};
+
+// The kernels without FEATURE_BLOCK_MASK hold this in place of BwdModsParams' states.
+struct NoBlockMask {};
+
+// The backward's walk over a key block's (query head, query block) steps with a block mask:
+// the first step at or after (head, m_block) whose state is not empty, query blocks up within a
+// head, then the next head up to head_end (head = head_end where none is left); returns its
+// state. The NoBlockMask overloads stand in for the kernels without one (never called there).
+template <class Params>
+CF2_DEVICE int seek_visited(const Params& b, int batch, int n_block, int& head, int& m_block,
+                            int head_end, int m_first, int m_end) {
+    int state = BLOCK_MASK_EMPTY;
+    while (head < head_end) {
+        const BlockMaskColumn column(b.blocks, batch, head, n_block, b.block_m_div, b.block_n_div);
+        m_block = column.next_visited(m_block, m_end, state);
+        if (m_block < m_end) return state;
+        ++head;
+        m_block = m_first;
+    }
+    return state;
+}
+CF2_DEVICE int seek_visited(const NoBlockMask&, int, int, int&, int&, int, int, int) {
+    return BLOCK_MASK_FULL;
+}
+
+// How many of those steps are not empty (all lanes of a warp call it, as seek_visited).
+template <class Params>
+CF2_DEVICE int visited_steps(const Params& b, int batch, int n_block, int head0, int head_end,
+                             int m_first, int m_end) {
+    const int lane = threadIdx.x % 32;
+    int count = 0;
+    for (int head = head0; head < head_end; ++head) {
+        const BlockMaskColumn column(b.blocks, batch, head, n_block, b.block_m_div, b.block_n_div);
+        for (int base = m_first; base < m_end; base += 32) {
+            const int m = base + lane;
+            const bool visited =
+                m < m_end && column.states[(m / column.m_div) * column.row_stride] !=
+                                 BLOCK_MASK_EMPTY;
+            count += __popc(__ballot_sync(0xffffffffu, visited));
+        }
+    }
+    return count;
+}
+CF2_DEVICE int visited_steps(const NoBlockMask&, int, int, int, int, int, int) {
+    return 0;
+}

@@ -29,6 +29,7 @@
 #include "varlen.cuh"
 #include "dropout.cuh"
 #include "bias_grad.cuh"
+#include "block_mask.cuh"
 #include "kernel_params.cuh"
 #include "constants.cuh"
 
@@ -87,6 +88,7 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
     const NoUserInputs user{};
     constexpr float score_scale = 0.f;
     const NoBiasGrad dbias{};
+    const NoBlockMask blocks{};
 #include "flash_bwd_body.inc"
 }
 
@@ -103,5 +105,6 @@ flash_bwd_mods_kernel(const __grid_constant__ BwdModsParams mods_params) {
     const UserParams& user = mods_params.user;
     const float score_scale = mods_params.score_scale;
     const BiasGrad& dbias = mods_params.dbias;
+    const BwdModsParams& blocks = mods_params;  // its states: FEATURE_BLOCK_MASK only
 #include "flash_bwd_body.inc"
 }

@@ -228,6 +228,11 @@ struct BwdModsParams {
     UserParams user;
     float score_scale;
     BiasGrad dbias;  // FEATURE_BIAS_GRAD only (bias_grad.cuh); unused otherwise
+    // FEATURE_BLOCK_MASK only (block_mask.cuh, BlockMaskColumn): the states, and how many of
+    // the kernel's query / key blocks one state's tile spans.
+    BlockMaskStates blocks;
+    int block_m_div;
+    int block_n_div;
 };
 
 // flash_bwd_sm90.cu: the backward's parameters plus the TMA descriptors of q, k, v and dout, each

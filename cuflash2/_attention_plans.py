@@ -177,7 +177,8 @@ def _dropout_slots(mods) -> tuple:
 
 def backward_plan(views: dict, sources: dict, problem, mods, window, deterministic: bool,
                   device_id: int, arch: int, grad_shapes: dict, varlen=None,
-                  config=None, user_inputs=(), bias_grad=None) -> _plans.Plan:
+                  config=None, user_inputs=(), bias_grad=None,
+                  block_input=None) -> _plans.Plan:
     """views, by struct field: dout, q, k, v, out, lse, dq, dk, dv (None: allocated, in that
     order, shaped `grad_shapes[name]`), mods.alibi_slopes, mods.sinks, dsinks (with sinks; None:
     allocated, after the others, float32 (nheads,)), varlen.cu_seqlens_q/_k (None or missing
@@ -198,7 +199,9 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     the preprocess and the conversion take), `user` as the forward's, and `score_scale`.
     `bias_grad`: (input position, array) of dbias's float32 accumulator as a (batch, nheads,
     seqlen_q, seqlen_k) view (cuflash2._bias), which the main kernel fills
-    (FEATURE_BIAS_GRAD, BwdModsParams.dbias)."""
+    (FEATURE_BIAS_GRAD, BwdModsParams.dbias). `block_input`: (input position, BlockMask) of a
+    block mask whose non-empty tiles the main kernel walks (FEATURE_BLOCK_MASK; its tiles
+    whole multiples of the kernel's, block_masks.check_for_backward)."""
     p = problem
     sinks = views.get("mods.sinks") is not None
     features = _configs.backward_features(
@@ -298,13 +301,22 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     kernels = [launch for launch, _ in launches]
     if mods.user_mods is not None:
         base = "base."
+        blocks, block_fields = [], {}
+        if block_input is not None:  # BlockMaskStates: the states' address per call
+            from . import block_masks as block_mask
+
+            bm = block_input[1]
+            block_fields = {**block_mask.states_fields(bm), **block_mask.check_for_backward(
+                bm, config.block_m, config.block_n, p.batch, p.nheads, p.seqlen_q, p.seqlen_k,
+                device_id)}
+            blocks = [("blocks.states", block_input[0], 0)]
         return _plans.Plan(
             device_id, "BwdModsParams",
             {**{base + f: v for f, v in fields.items()}, **_user_fields(user_inputs),
-             "score_scale": mods.softmax_scale, **_bias_grad_fields(bias_grad)},
+             "score_scale": mods.softmax_scale, **_bias_grad_fields(bias_grad), **block_fields},
             kernels, [(base + f, pos, off) for f, pos, off in inputs]
             + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)]
-            + ([("dbias.data", bias_grad[0], 0)] if bias_grad is not None else []),
+            + ([("dbias.data", bias_grad[0], 0)] if bias_grad is not None else []) + blocks,
             outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
             [(base + f, off) for f, off in workspace_fields], aligned,
             per_call=tuple((f, base + f) for f in _dropout_slots(mods)),

@@ -122,7 +122,9 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
             dq_config = mods.dq_config(
                 with_features(bwd_dq_config(p.dtype, p.head_dim, arch),
                               features & ~USER_MOD_FEATURES & ~FEATURE_BIAS_GRAD), *user_mods)
-        return BackwardChoice(mods.backward_config(base, *user_mods), dq_config=dq_config)
+        return BackwardChoice(mods.backward_config(
+            base, *user_mods, block_mask=bool(features & FEATURE_BLOCK_MASK)),
+            dq_config=dq_config)
     hopper = map_fields = None
     if isinstance(forced, BwdSm90Config):
         # BwdSm90Config refuses what the kernel does not compile in (dropout): ValueError here.

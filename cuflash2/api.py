@@ -194,11 +194,16 @@ def _check_backward_user_mods(function: str, mask_mod, score_mod, dropout_p) -> 
             "with dropout has)")
 
 
-def _with_backward_user_mods(function, options, inputs, extra, mask_mod, score_mod):
+def _with_backward_user_mods(function, options, inputs, extra, mask_mod, score_mod,
+                             block_mask=None):
     """(inputs, signature key's extra) of a backward call with programmable modifiers, checked
     (_check_backward_user_mods), as _with_user_mods."""
+    if block_mask is not None:
+        from . import block_masks as _block_mask
+
+        mask_mod = _block_mask.resolve(mask_mod, block_mask)
     _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
-    return _with_user_mods(options, inputs, extra, mask_mod, score_mod)
+    return _with_user_mods(options, inputs, extra, mask_mod, score_mod, block_mask)
 
 
 def _bias_view(q, k, v, bias, softmax_scale, varlen_args=None):
@@ -216,12 +221,16 @@ def _bias_view(q, k, v, bias, softmax_scale, varlen_args=None):
 
 
 def _with_bias(function, options, inputs, extra, mask_mod, score_mod, bias, view,
-               bias_requires_grad, deterministic=None):
+               bias_requires_grad, deterministic=None, block_mask=None):
     """(inputs, signature key's extra, dbias's float32 accumulator or None) of a call with a
     bias: the bias as the score modifier (cuflash2._bias), after the user's modifiers are
     checked; a backward (`deterministic` not None) that returns dbias gets its accumulator's
-    (batch, nheads, seqlen_q, seqlen_k) view as its last array."""
+    (batch, nheads, seqlen_q, seqlen_k) view as its last array (after a block mask's states)."""
     backward = deterministic is not None
+    if block_mask is not None:
+        from . import block_masks as _block_mask
+
+        mask_mod = _block_mask.resolve(mask_mod, block_mask)
     if backward:
         _bias.check_dropout(function, options.dropout_p)
         _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
@@ -234,7 +243,7 @@ def _with_bias(function, options, inputs, extra, mask_mod, score_mod, bias, view
         _bias.check_backward(function, options.softcap, options.dropout_p, deterministic,
                              accumulate)
     inputs, extra = _with_user_mods(options, inputs, extra, mask_mod,
-                                    _bias.score_mod_with_bias(view, score_mod))
+                                    _bias.score_mod_with_bias(view, score_mod), block_mask)
     if accum is not None:
         options.bias_requires_grad = True
         inputs, extra = inputs + (full,), (*extra, "dbias")
@@ -316,15 +325,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     cupy = _cupy or _cupy_module()
     if bias is not None:
         view = _bias_view(q, k, v, bias, softmax_scale)
-        if block_mask is not None:
-            from . import block_masks as _block_mask
-
-            mask_mod = _block_mask.resolve(mask_mod, block_mask)
         inputs, extra, _ = _with_bias("attention", options, inputs, (), mask_mod, score_mod,
-                                      bias, view, False)
-        if block_mask is not None:
-            options.block_mask = block_mask
-            inputs, extra = inputs + (block_mask.states,), (*extra, block_mask.key)
+                                      bias, view, False, block_mask=block_mask)
         plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
     elif mask_mod is None and score_mod is None and block_mask is None:
         plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
@@ -364,6 +366,9 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     bias_grad = None
     if options.bias_requires_grad:  # dbias's accumulator comes last (cuflash2._bias)
         bias_grad, user_inputs = user_inputs[-1], user_inputs[:-1]
+    block_input = None
+    if getattr(options, "block_mask", None) is not None:  # its states before it
+        block_input, user_inputs = (user_inputs[-1][0], options.block_mask), user_inputs[:-1]
     q, k, v = views["q"], views["k"], views["v"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -389,7 +394,7 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     return _attention_plans.backward_plan(
         views, sources, problem, mods, window, bool(deterministic), device_id,
         device_arch(device_id), {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen,
-        user_inputs=user_inputs, bias_grad=bias_grad)
+        user_inputs=user_inputs, bias_grad=bias_grad, block_input=block_input)
 
 
 def _backward_plan(kind, layout, cupy, inputs, options, deterministic, extra=(),
@@ -415,7 +420,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                        dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
                        dk=None, dv=None, dsinks=None, mask_mod=None, score_mod=None,
-                       bias=None, bias_requires_grad=True):
+                       bias=None, bias_requires_grad=True, block_mask=None):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
     forward's causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed
@@ -436,6 +441,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     dbias, shaped and typed like bias (summed over its broadcast dims): (dq, dk, dv[, dsinks],
     dbias). Not in the kernels yet (NotImplementedError, before any launch): dbias with softcap,
     a bias with dropout, and deterministic mode with a bias broadcast over batch or heads.
+
+    `block_mask`: the forward's (cuflash2.block_mask); the main kernel then walks only the
+    non-empty tiles of each key block's column and runs the mask modifier on the partial ones
+    (the states' tiles must split into the backward's: those of `cuflash2.block_mask(...,
+    head_dim=, dtype=)` for this call do, up to head dim 128).
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
@@ -447,10 +457,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         view = _bias_view(q, k, v, bias, softmax_scale)
         inputs, extra, accum = _with_bias("attention_backward", options, inputs, extra,
                                           mask_mod, score_mod, bias, view, bias_requires_grad,
-                                          deterministic)
-    elif mask_mod is not None or score_mod is not None:
+                                          deterministic, block_mask)
+    elif mask_mod is not None or score_mod is not None or block_mask is not None:
         inputs, extra = _with_backward_user_mods("attention_backward", options, inputs, extra,
-                                                 mask_mod, score_mod)
+                                                 mask_mod, score_mod, block_mask)
     plan, _ = _backward_plan("attention_backward", _BACKWARD, cupy, inputs, options,
                              deterministic, extra)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
@@ -478,12 +488,17 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
                   deterministic=False, mask_mod=None, score_mod=None, bias=None,
-                  bias_requires_grad=True):
+                  bias_requires_grad=True, block_mask=None):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`
     (with sinks `(dq, dk, dv, dsinks)`, with a bias and bias_requires_grad dbias last), which
     keeps the forward's lse (and out) internally. `mask_mod` / `score_mod` / `bias` as in
     `attention` and `attention_backward` (a score_mod without a derivative, and what the
-    backward's dbias does not cover, are refused before the forward runs)."""
+    backward's dbias does not cover, are refused before the forward runs). `block_mask` serves
+    both (cuflash2.block_mask, for the forward's tiles)."""
+    if block_mask is not None:
+        from . import block_masks as _block_mask
+
+        mask_mod = _block_mask.resolve(mask_mod, block_mask)
     if mask_mod is not None or score_mod is not None:
         _check_backward_user_mods("attention_vjp", mask_mod, score_mod, dropout_p)
     if bias is not None:
@@ -501,6 +516,8 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
                   seed=seed, offset=offset)
     if mask_mod is not None or score_mod is not None:
         kwargs.update(mask_mod=mask_mod, score_mod=score_mod)
+    if block_mask is not None:
+        kwargs.update(block_mask=block_mask)
     if bias is not None:
         kwargs.update(bias=bias)
     out, lse = attention(q, k, v, return_lse=True, **kwargs)

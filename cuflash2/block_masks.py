@@ -31,7 +31,8 @@ import numpy
 
 from . import _configs
 
-__all__ = ["BlockMask", "block_mask", "tiles", "check_for_call", "same_mask_mod"]
+__all__ = ["BlockMask", "block_mask", "tiles", "check_for_call", "check_for_backward",
+           "same_mask_mod"]
 
 EMPTY, PARTIAL, FULL = (_configs.BLOCK_MASK_EMPTY, _configs.BLOCK_MASK_PARTIAL,
                         _configs.BLOCK_MASK_FULL)
@@ -194,6 +195,19 @@ def check_for_call(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads
     if tuple(bm.states.shape) != shape or numpy.dtype(bm.states.dtype) != numpy.int8:
         raise ValueError(f"block_mask.states must be int8 {shape}; got "
                          f"{bm.states.dtype} {tuple(bm.states.shape)}")
+
+
+def check_for_backward(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads: int,
+                       seqlen_q: int, seqlen_k: int, device_id: int) -> dict:
+    """check_for_call for the backward's main kernel, whose block_m x block_n tiles may be
+    finer than the states' (the forward's): each state's tile must span whole ones. Returns the
+    BwdModsParams fields `block_m_div`, `block_n_div` (how many it spans each way)."""
+    if bm.block_m % block_m or bm.block_n % block_n:
+        raise ValueError(
+            f"block_mask was built for {bm.block_m}x{bm.block_n} tiles, which do not split into "
+            f"the backward kernel's {block_m}x{block_n} tiles of this call")
+    check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
+    return {"block_m_div": bm.block_m // block_m, "block_n_div": bm.block_n // block_n}
 
 
 def states_fields(bm: BlockMask) -> dict:

@@ -384,16 +384,20 @@ def forward_config(config, mask: ModSource | None, score: ModSource | None,
     return _configs.FwdModsConfig(**fields, user_mods=header, mods_hash=h)
 
 
-def _with_mods(config, cls, mask: ModSource | None, score: ModSource | None):
+def _with_mods(config, cls, mask: ModSource | None, score: ModSource | None,
+               block_mask: bool = False):
     import dataclasses
 
     from . import _configs
 
+    if block_mask and mask is None:
+        raise ValueError("a block mask needs its mask modifier")
     header, h = user_mods_header(mask, score)
     base = cls.__mro__[1]  # the config class without the modifiers
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(base)}
-    fields["features"] = (config.features & ~_configs.USER_MOD_FEATURES) | features_of(mask,
-                                                                                         score)
+    fields["features"] = ((config.features & ~_configs.USER_MOD_FEATURES)
+                          | features_of(mask, score)
+                          | (_configs.FEATURE_BLOCK_MASK if block_mask else 0))
     return cls(**fields, user_mods=header, mods_hash=h)
 
 
@@ -408,13 +412,16 @@ def check_backward(score: ModSource | None) -> None:
             "and `score - <...>` need none")
 
 
-def backward_config(config, mask: ModSource | None, score: ModSource | None):
+def backward_config(config, mask: ModSource | None, score: ModSource | None,
+                    block_mask: bool = False):
     """The BwdModsConfig of the mma.sync backward main kernel `config` (a BwdConfig) with these
-    modifiers compiled in (check_backward first: the header needs score_grad)."""
+    modifiers compiled in (check_backward first: the header needs score_grad); `block_mask`:
+    walking a block mask's non-empty tiles only (FEATURE_BLOCK_MASK; block_mask.cuh,
+    BlockMaskColumn)."""
     from . import _configs
 
     check_backward(score)
-    return _with_mods(config, _configs.BwdModsConfig, mask, score)
+    return _with_mods(config, _configs.BwdModsConfig, mask, score, block_mask)
 
 
 def dq_config(config, mask: ModSource | None, score: ModSource | None):

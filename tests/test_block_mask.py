@@ -172,6 +172,32 @@ def test_check_for_call_refuses(change, call, message):
         block_masks.check_for_call(bm, 64, 64, 8, 16, 1000, 1000, 0)
 
 
+def test_check_for_backward_takes_coarser_states():
+    # The forward's 128 x 64 states over the backward's 64 x 64 tiles: two query blocks a state.
+    assert block_masks.check_for_backward(_block_mask(tiles=(128, 64)), 64, 64, 8, 16, 1000,
+                                          1000, 0) == {"block_m_div": 2, "block_n_div": 1}
+    assert block_masks.check_for_backward(_block_mask(), 64, 64, 8, 16, 1000, 1000, 0) == {
+        "block_m_div": 1, "block_n_div": 1}
+    with pytest.raises(ValueError, match="do not split into the backward kernel's 128x64"):
+        block_masks.check_for_backward(_block_mask(), 128, 64, 8, 16, 1000, 1000, 0)
+    with pytest.raises(ValueError, match="batch=2, the call has batch=8"):
+        block_masks.check_for_backward(_block_mask(batch=2), 64, 64, 8, 16, 1000, 1000, 0)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_with_block_mask_compiles_without_spills(d, arch):
+    base = _dispatch.bwd_mods_config("bfloat16", d, arch)
+    config = mods.backward_config(base, DOC, None, block_mask=True)
+    assert config.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK
+    # the forward's states split into its tiles (check_for_backward)
+    fwd = block_masks.tiles("bfloat16", d, arch)
+    assert fwd[0] % config.block_m == 0 and fwd[1] % config.block_n == 0
+    report = _compile.compile_report(config, arch)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
 def test_check_for_call_refuses_altered_states():
     bm = _block_mask()
     bm.states = numpy.zeros((1, 1, 16, 15), numpy.int8)

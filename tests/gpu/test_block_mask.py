@@ -6,7 +6,7 @@ the checks before a launch (the CPU suite compiles these kernels: tests/test_blo
 
 import numpy
 import pytest
-from grids import DTYPES, FP16, seed_of  # tests/gpu helper
+from grids import BF16, DTYPES, FP16, seed_of  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -97,6 +97,52 @@ def test_forward_with_block_mask(dtype, headdim, name, shape):
     # mask_mod given too: the same modifier is accepted.
     out3 = cuflash2.attention(q, k, v, mask_mod=mm, block_mask=bm)
     cupy.testing.assert_array_equal(out3, out)
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("name, dtype, deterministic", [
+    ("document", FP16, False), ("document", BF16, True), ("prefix-lm", BF16, False),
+    ("sliding-window", FP16, False), ("document-noncausal", BF16, False)])
+def test_backward_with_block_mask(dtype, headdim, name, deterministic):
+    # The backward's main kernel walks each key block's non-empty tiles (FEATURE_BLOCK_MASK):
+    # against the reference's dense mask, and against the mask modifier alone (once).
+    shape = (2, 300, 257, 4, 2)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, name, str(dtype), "bwd", deterministic)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
+    dout = cupy.asarray(numpy.random.default_rng(seed + 3).standard_normal(q.shape)
+                        .astype(dtype))
+    mm, dense = _masks(sq, sk, seed)[name]
+    bm = cuflash2.block_mask(mm, 1, 1, sq, sk, head_dim=headdim, dtype=dtype)
+    out, vjp = cuflash2.attention_vjp(q, k, v, block_mask=bm, deterministic=deterministic)
+    grads = vjp(dout)
+    results = testing.check_backward(dout, q, k, v, *grads, mask=cupy.asarray(dense))
+    assert all(r.ok for r in results), [str(r) for r in results]
+    if (name, headdim) != ("document", 128) or deterministic:
+        return
+    _, vjp2 = cuflash2.attention_vjp(q, k, v, mask_mod=mm)
+    for a, b in zip(grads, vjp2(dout)):
+        cupy.testing.assert_allclose(a.astype(cupy.float32), b.astype(cupy.float32),
+                                     atol=5e-3, rtol=0)
+
+
+def test_backward_with_block_mask_per_head_and_bias():
+    # States per batch entry and head (a mask that reads b and h), with a bias and its dbias.
+    shape = (2, 200, 200, 2, 2)
+    batch, sq, sk, h, hk = shape
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, 64, FP16, 11)
+    mm = cuflash2.mask_mod("kv_idx <= q_idx + 32 * (b + h) && kv_idx + 64 > q_idx")
+    bm = cuflash2.block_mask(mm, batch, h, sq, sk, head_dim=64, dtype="float16")
+    bias = cupy.asarray(numpy.random.default_rng(11).standard_normal((batch, h, sq, sk))
+                        .astype(numpy.float32))
+    qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+    dense = numpy.stack([numpy.stack([(ki <= qi + 32 * (b + hh)) & (ki + 64 > qi)
+                                      for hh in range(h)]) for b in range(batch)])
+    out, vjp = cuflash2.attention_vjp(q, k, v, block_mask=bm, bias=bias)
+    dout = cupy.asarray(numpy.random.default_rng(12).standard_normal(q.shape).astype(FP16))
+    results = testing.check_backward(dout, q, k, v, *vjp(dout), mask=cupy.asarray(dense),
+                                     bias=bias)
+    assert all(r.ok for r in results), [str(r) for r in results]
 
 
 def test_forward_with_block_mask_and_causal():
