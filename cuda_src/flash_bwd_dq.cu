@@ -55,12 +55,14 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
     }
 }
 
-// FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi), varlen batches
-// (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters: BwdParams
-// (kernel_params.cuh).
-template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
-__global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
-flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+// The kernel's body, shared by flash_bwd_dq_kernel and flash_bwd_dq_mods_kernel (below).
+// FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi, the programmable
+// modifiers), varlen batches (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The
+// parameters: BwdParams (kernel_params.cuh), and with the programmable modifiers their inputs
+// (`user`, UserParams; an unused NoUserInputs otherwise) and the scale of the scores the softmax
+// saw (`score_scale`, BwdModsParams), as flash_bwd.cu's body.
+template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES, class UserInputs>
+CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, float score_scale) {
     using T = BwdDqTraits<Elem, HEAD_DIM, BLOCK_N, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -168,7 +170,13 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
             key0 + BLOCK_N > seqlen_k ||
             (p.window_right >= 0 && key0 + BLOCK_N - 1 > row_first + vis.diag + p.window_right) ||
             (p.window_left >= 0 && key0 < row_last + vis.diag - p.window_left);
-        if (needs_mask) {
+        if constexpr (Variant::MASK_MOD) {
+            // The user's mask on every tile, as the forward (no tile is known to need none).
+            float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
+            const UserModContext ctx{user, batch, head, seqlen_q, seqlen_k, score_scale,
+                                     p.mods.alibi_to_units};
+            Variant::mask_mod(s, thread_row0, key0 + 2 * (lane % 4), vis, ctx);
+        } else if (needs_mask) {
             float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
             Variant::mask(s, thread_row0, key0 + 2 * (lane % 4), vis);
         }
@@ -176,7 +184,8 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         gemm_dq_rows<Elem, T>(acc_dp, rows_frag, QTile::BYTES, kv_rows_frag,
                               stage_offset + KVTile::BYTES);
 
-        // dS = P o (dP - D) (times 1 - t^2 with softcap), packed as the A operand of
+        // dS = P o (dP - D) (times 1 - t^2 with softcap, times the user's score modifier's
+        // derivative with one: variant.cuh, score_mod_backward), packed as the A operand of
         // dQ += dS K (the scale comes at the end).
 #pragma unroll
         for (int ks = 0; ks < T::KV_STEPS; ++ks) {
@@ -192,14 +201,24 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                     const float row = static_cast<float>(thread_row0 + 8 * (e / 2));
                     const float key =
                         static_cast<float>(key0 + 8 * (2 * ks + j) + 2 * (lane % 4) + e % 2);
-                    const float prob =
-                        fast_exp2(fmaf(variant.biased(s, row, key), p.scale_log2, -row_lse[e / 2]));
+                    float score = variant.biased(s, row, key);
+                    float grad = 1.f;
+                    if constexpr (Variant::SCORE_MOD) {
+                        // The modified score, as the forward's, and its derivative.
+                        const UserModContext ctx{user, batch, head, seqlen_q, seqlen_k,
+                                                 score_scale, p.mods.alibi_to_units};
+                        score = Variant::score_mod_backward(
+                            score, thread_row0 + 8 * (e / 2),
+                            key0 + 8 * (2 * ks + j) + 2 * (lane % 4) + e % 2, ctx, grad);
+                    }
+                    const float prob = fast_exp2(fmaf(score, p.scale_log2, -row_lse[e / 2]));
                     float dp = acc_dp[2 * ks + j][e];
                     if constexpr (DROPOUT)
                         dp = (keep >> dropout_index(e / 2, j, e % 2)) & 1u ? dp * p.dropout.scale
                                                                            : 0.f;
                     ds[j][e] = prob * (dp - row_delta[e / 2]);
                     if constexpr (Variant::SOFTCAP) ds[j][e] *= variant.dtanh(s);
+                    if constexpr (Variant::SCORE_MOD) ds[j][e] *= grad;
                 }
             }
             u32 a[4];
@@ -250,4 +269,22 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
             store_16B_global(dq_block + row * p.dq_row_stride + chunk * 8, vals);
         }
     }
+}
+
+// BwdParams (kernel_params.cuh): every specialisation but those with programmable modifiers.
+template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
+__global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
+flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+    flash_bwd_dq_body<Elem, HEAD_DIM, BLOCK_N, KV_STAGES, FEATURES>(p, NoUserInputs{}, 0.f);
+}
+
+// With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): BwdModsParams and the
+// generated user_mods.cuh, whose hash MODS_HASH names the kernel, as flash_bwd_mods_kernel.
+template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES,
+          unsigned MODS_HASH>
+__global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
+flash_bwd_dq_mods_kernel(const __grid_constant__ BwdModsParams p) {
+    static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
+    flash_bwd_dq_body<Elem, HEAD_DIM, BLOCK_N, KV_STAGES, FEATURES>(p.base, p.user,
+                                                                     p.score_scale);
 }

@@ -100,13 +100,16 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
     }
 }
 
-// FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi, sinks), varlen batches
-// (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters: FwdParams
-// (kernel_params.cuh).
+// The kernel's body, shared by flash_fwd_kernel and flash_fwd_mods_kernel (below). FEATURES: the
+// attention variant's features (variant.cuh: softcap, ALiBi, sinks, the programmable modifiers),
+// varlen batches (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The parameters:
+// FwdParams (kernel_params.cuh), and with the programmable modifiers `extra`, the whole
+// FwdModsParams (their inputs `user`, a block mask's states `blocks`; an unused NoUserInputs
+// otherwise, user_inputs.cuh).
+
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
-          int FEATURES>
-__global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
-flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+          int FEATURES, class Extra>
+CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
     using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
@@ -154,6 +157,15 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         Variant::visibility(seqlen_q, seqlen_k, p.window_left, p.window_right);
     int tile_first, tile_end;
     vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
+    // With a block mask (FEATURE_BLOCK_MASK, block_mask.cuh) only the tiles of the range whose
+    // state is not empty are visited: the range ends after the highest of them, the loop below
+    // steps from each to the next one down (`next`); `state`, the current tile's state.
+    constexpr bool BLOCK_MASK = Variant::BLOCK_MASK;
+    const BlockMaskRow<BLOCK_MASK> block_row =
+        block_mask_row<BLOCK_MASK>(extra, batch, head, m_block);
+    int state = BLOCK_MASK_FULL;
+    if constexpr (BLOCK_MASK)
+        tile_end = block_row.prev_visited(tile_first, tile_end, state) + 1;
 
     if (tile_end <= tile_first) {
         // No row of this block sees any key: output 0, lse +inf (the sink with sinks).
@@ -210,13 +222,16 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     u32 stage_offset = 0;
     for (int tile = tile_end - 1; tile >= tile_first; --tile) {
         const int key0 = tile * BLOCK_N;
+        // With a block mask, the tile visited next: the next one down that is not empty.
+        int next = 0, next_state = BLOCK_MASK_FULL;
+        if constexpr (BLOCK_MASK) next = block_row.prev_visited(tile_first, tile, next_state);
         cp_async_wait<0>();
         if constexpr (KV_STAGES == 2) {
             __syncthreads();  // K, V of this tile landed; every warp is done with the other stage
-            if (tile > tile_first) {
+            if (BLOCK_MASK ? next >= tile_first : tile > tile_first) {
                 // The whole next tile streams in while this one is computed.
-                load_k(tile - 1, stage_offset ^ T::STAGE_BYTES);
-                load_v(tile - 1, stage_offset ^ T::STAGE_BYTES);
+                load_k(BLOCK_MASK ? next : tile - 1, stage_offset ^ T::STAGE_BYTES);
+                load_v(BLOCK_MASK ? next : tile - 1, stage_offset ^ T::STAGE_BYTES);
                 cp_async_commit();
             }
         } else {
@@ -237,8 +252,30 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             const int t = thread_index_fresh();
             variant.apply(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
                        key0 + 2 * (t % 4));
+            if constexpr (Variant::SCORE_MOD) {
+                // The programmable modifiers' context (user_inputs.cuh): inputs, batch entry,
+                // head, lengths, score units.
+                const UserModContext ctx{extra.user, batch, head, seqlen_q, seqlen_k,
+                                         p.softmax_scale, p.mods.alibi_to_units};
+                Variant::score_mod(acc_s, row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4,
+                                   key0 + 2 * (t % 4), ctx);
+            }
         }
-        if (tile < unmasked_lo || tile >= unmasked_hi) {
+        if constexpr (Variant::MASK_MOD) {
+            // The user's mask on every tile (no tile is known to need none), or with a block
+            // mask on its partial tiles; its full tiles need only the built-in mask, where the
+            // tile crosses a window edge or the sequence's tail.
+            const int t = thread_index_fresh();
+            const int thread_row0 = row_first + (t / 32) * T::ROWS_PER_WARP + (t % 32) / 4;
+            const int thread_key0 = key0 + 2 * (t % 4);
+            if (!BLOCK_MASK || state == BLOCK_MASK_PARTIAL) {
+                const UserModContext ctx{extra.user, batch, head, seqlen_q, seqlen_k,
+                                         p.softmax_scale, p.mods.alibi_to_units};
+                Variant::mask_mod(acc_s, thread_row0, thread_key0, vis, ctx);
+            } else if (tile < unmasked_lo || tile >= unmasked_hi) {
+                Variant::mask(acc_s, thread_row0, thread_key0, vis);
+            }
+        } else if (tile < unmasked_lo || tile >= unmasked_hi) {
             // This thread's first accumulator row (query index) and key; from a fresh thread
             // index so that they take no registers across the loop.
             const int t = thread_index_fresh();
@@ -252,8 +289,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         if constexpr (KV_STAGES == 1) {
             cp_async_wait<0>();
             __syncthreads();  // V of this tile landed; every warp is done reading K
-            if (tile > tile_first) {
-                load_k(tile - 1, 0);  // streams in during P V
+            if (BLOCK_MASK ? next >= tile_first : tile > tile_first) {
+                load_k(BLOCK_MASK ? next : tile - 1, 0);  // streams in during P V
                 cp_async_commit();
             }
         }
@@ -266,6 +303,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             softmax_gemm_pv<Elem, T>(acc_o, acc_s, softmax, p.scale_log2, v_frag, stage_offset);
         }
         if constexpr (KV_STAGES == 2) stage_offset ^= T::STAGE_BYTES;
+        if constexpr (BLOCK_MASK) {
+            tile = next + 1;  // --tile: next
+            state = next_state;
+        }
     }
 
     // Epilogue: divide by l once, stage the tile through this warp's own rows of the Q buffer
@@ -295,4 +336,25 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     store_staged_rows<T::ROWS_PER_WARP, QTile::CHUNKS, 32>(
         p, o_block, [&](int row, int chunk) { return q_smem + QTile::offset(row, chunk); },
         row_first, seqlen_q, head_chunks, warp_row0, lane);
+}
+
+// FwdParams (kernel_params.cuh): every specialisation but those with programmable modifiers.
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
+          int FEATURES>
+__global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
+flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+    flash_fwd_body<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(
+        p, NoUserInputs{});
+}
+
+// With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD; FEATURE_BLOCK_MASK with a
+// block mask's states in p.blocks): FwdModsParams, the
+// modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the kernel
+// (cuflash2/mods.py: one specialisation per expressions and inputs' types).
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
+          int FEATURES, unsigned MODS_HASH>
+__global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
+flash_fwd_mods_kernel(const __grid_constant__ FwdModsParams p) {
+    static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
+    flash_fwd_body<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(p.base, p);
 }

@@ -79,6 +79,49 @@ struct FwdParams {
     int batch_offset;  // first sequence of this launch (grids of more than 65535 sequences)
 };
 
+// A read-only input of a programmable modifier (cuflash2.mask_mod / score_mod; user_inputs.cuh):
+// its address and element strides (unused dims 0). Its element type and rank are the generated
+// user_mods.cuh's, per specialisation.
+struct UserInput {
+    const void* data;
+    i64 stride0;
+    i64 stride1;
+    i64 stride2;
+    i64 stride3;
+};
+
+// The inputs of a specialisation's mask and score modifiers, in the order cuflash2/mods.py
+// numbers them (the mask's first); those it does not have stay null.
+struct UserParams {
+    UserInput in0;
+    UserInput in1;
+    UserInput in2;
+    UserInput in3;
+    UserInput in4;
+    UserInput in5;
+    UserInput in6;
+    UserInput in7;
+};
+
+// A block mask's per-tile states (cuflash2.block_mask; block_mask.cuh): one byte a (batch, head,
+// m block, n block) tile of the kernel's own tiles (BLOCK_MASK_EMPTY, _PARTIAL, _FULL), the
+// batch and head strides 0 where the states are shared by every batch entry / head.
+struct BlockMaskStates {
+    const signed char* states;
+    i64 batch_stride;
+    i64 head_stride;
+    i64 row_stride;  // the n blocks of a row
+};
+
+// flash_fwd.cu's kernel with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): the
+// forward's parameters, then the modifiers' inputs. A struct of its own, so that FwdParams, and
+// with it every other specialisation's parameters and machine code, stays as it was.
+struct FwdModsParams {
+    FwdParams base;
+    UserParams user;
+    BlockMaskStates blocks;  // FEATURE_BLOCK_MASK only (block_mask.cuh); unused otherwise
+};
+
 // flash_fwd_sm90.cu: the forward's parameters plus the TMA descriptors of q, k and v, each over
 // the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with 128-byte
 // swizzle (cuflash2/_hopper.py builds them). The maps come first: at offsets 0, 128 and 256 they
@@ -159,6 +202,34 @@ struct BwdParams {
     int batch;            // sequences (the sinks' gradient sums over all of them)
 };
 
+// The gradient of an additive bias (attention_backward with bias=; FEATURE_BIAS_GRAD): dS at
+// every (row, key) of the tiles the main kernel visits, into a zeroed fp32 array of the bias's
+// own shape, indexed (batch, query head, row, key) with element strides 0 along the dims the
+// bias broadcasts. There several CTAs add to one element (accumulate = 1: atomics); otherwise
+// each element has one writer.
+struct BiasGrad {
+    float* data;
+    i64 stride0;
+    i64 stride1;
+    i64 stride2;
+    i64 stride3;
+    int accumulate;
+};
+
+// flash_bwd.cu's and flash_bwd_dq.cu's kernels with programmable modifiers (FEATURE_MASK_MOD,
+// FEATURE_SCORE_MOD; flash_bwd_mods_kernel, flash_bwd_dq_mods_kernel): the backward's
+// parameters, the modifiers' inputs and the scale of the scores the softmax saw (softcap's, with
+// softcap: FwdParams' softmax_scale of the forward; BwdParams keeps it only times log2(e)), with
+// which the user's score modifier takes the scores as the forward gave them. A struct of its
+// own, as FwdModsParams: BwdParams and every other specialisation's machine code stay as they
+// were. The preprocess and the dQ conversion take `base`.
+struct BwdModsParams {
+    BwdParams base;
+    UserParams user;
+    float score_scale;
+    BiasGrad dbias;  // FEATURE_BIAS_GRAD only (bias_grad.cuh); unused otherwise
+};
+
 // flash_bwd_sm90.cu: the backward's parameters plus the TMA descriptors of q, k, v and dout, each
 // over the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with
 // 128-byte swizzle, as FwdSm90Params' (cuflash2/_hopper.py builds them: q and dout boxes of
@@ -233,5 +304,18 @@ struct DropoutMaskParams {
     int seqlen_q;
     int seqlen_k;
     DropoutParams dropout;
+    int batch_offset;
+};
+
+// block_mask.cu (cuflash2.block_mask): the states (batch, nheads, num_m_blocks, num_n_blocks) of
+// a mask modifier with inputs `user`; batch and nheads 1 where the states are shared.
+struct BlockMaskParams {
+    signed char* states;
+    int nheads;
+    int seqlen_q;
+    int seqlen_k;
+    int num_m_blocks;
+    int num_n_blocks;
+    UserParams user;
     int batch_offset;
 };

@@ -6,9 +6,19 @@
 //   1. which keys a query row sees: visibility() (causal, windows, the sequence's own lengths
 //      under varlen), from which the kernels take the KV tiles a Q tile visits (tile_range), the
 //      tiles that need no mask (unmasked_tile_range) and, backward, the Q tiles a KV tile sees;
+//      with a block mask (FEATURE_BLOCK_MASK, block_mask.cuh: cuflash2.block_mask's per-tile
+//      states of the user's mask), of those tiles only the ones not empty, the user's mask on
+//      the partial ones only (so far the mma.sync forward's mods kernel);
 //   2. the scores' transform, on every tile before the mask (ScoreMods: softcap, then the ALiBi
 //      bias), and for the backward its derivative (dtanh) and the bias with P;
 //   3. the mask of a boundary tile: mask() (the invisible keys to -inf);
+//   2'/3'. programmable modifiers (FEATURE_SCORE_MOD, FEATURE_MASK_MOD: the user's expressions in
+//      the generated user_mods.cuh, cuflash2/mods.py): score_mod() after softcap and ALiBi, before
+//      the mask; mask_mod() instead of mask() on every tile the visibility gives (no tile is
+//      known to need no mask), or with a block mask on its partial tiles only; the backward
+//      recomputes the modified score and multiplies dS by the modifier's derivative
+//      (score_mod_backward). The mma.sync forward (with block masks), backward and deterministic
+//      dQ kernels (the *_mods_kernel entries); not the Hopper or decode kernels.
 //   4. what enters each row's softmax denominator besides the keys: the learnable sinks (one
 //      logit a query head, no value), as the online softmax's state before the first tile
 //      (start_softmax: a key already seen; the decode kernel's split 0 alone, so that the merge
@@ -27,6 +37,8 @@
 #include "masking.cuh"
 #include "online_softmax.cuh"
 #include "score_mods.cuh"
+#include "user_mods.cuh"
+#include "block_mask.cuh"
 
 template <int FEATURES>
 struct AttentionVariant : ScoreMods<FEATURES> {
@@ -34,8 +46,14 @@ struct AttentionVariant : ScoreMods<FEATURES> {
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     // Whether the scores change before the mask (softcap, ALiBi): the kernels skip the
     // transform's pass over a tile otherwise.
+    static constexpr bool MASK_MOD = (FEATURES & FEATURE_MASK_MOD) != 0;
+    static constexpr bool SCORE_MOD = (FEATURES & FEATURE_SCORE_MOD) != 0;
+    // A block mask's states (with MASK_MOD): skip the empty tiles, the user's mask on the
+    // partial ones only.
+    static constexpr bool BLOCK_MASK = (FEATURES & FEATURE_BLOCK_MASK) != 0;
+    static_assert(!BLOCK_MASK || MASK_MOD, "a block mask comes with its mask modifier");
     static constexpr bool TRANSFORMS_SCORES =
-        ScoreMods<FEATURES>::SOFTCAP || ScoreMods<FEATURES>::ALIBI;
+        ScoreMods<FEATURES>::SOFTCAP || ScoreMods<FEATURES>::ALIBI || SCORE_MOD;
 
     using ScoreMods<FEATURES>::ScoreMods;
 
@@ -51,6 +69,89 @@ struct AttentionVariant : ScoreMods<FEATURES> {
     CF2_DEVICE static void mask(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
                                 const KeyVisibility& vis) {
         mask_scores<M_TILES, N_TILES>(s, row0, key0, vis);
+    }
+
+    // 2'. The user's score modifier (SCORE_MOD), after apply(): each score of a query and key
+    // inside the sequence becomes UserMods::score(the scaled score, b, h, q_idx, kv_idx), back in
+    // score units; positions past the sequence's ends keep theirs (the mask hides them) and
+    // never reach the user's code. Accumulator layout, as mask().
+    template <int M_TILES, int N_TILES>
+    CF2_DEVICE static void score_mod(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
+                                     const UserModContext& ctx) {
+        if constexpr (SCORE_MOD) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = row0 + 16 * mt + 8 * half;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int key = key0 + 8 * nt + e;
+                            float& x = s[mt][nt][2 * half + e];
+                            if (row < ctx.seqlen_q && key < ctx.seqlen_k)
+                                x = UserMods::score(ctx.user, x * ctx.scale, ctx.batch, ctx.head,
+                                                    row, key) * ctx.inv_scale;
+                        }
+                }
+        }
+    }
+
+    // 2'' (backward). The user's score modifier of one score `u` (score units, softcap and ALiBi
+    // applied: the forward's input to score_mod()) of query `row`, key `key`: returns the
+    // modified score in score units, as score_mod() gives it, and sets `grad` to the modifier's
+    // derivative d s' / d s at the scaled score s = u * scale (UserMods::score_grad: the
+    // user's `grad`, or 1 for `score + <no score>`, cuflash2/mods.py). A masked score (-inf)
+    // or a position past the sequence's ends stays as it is, with grad 0 (its P is 0), and
+    // never reaches the user's code. `Mods`: UserMods, as a template argument so that a
+    // forward-only user_mods.cuh without score_grad still compiles.
+    //
+    // The chain rule (the backward's dS is w.r.t. the scores the softmax sees, in scaled units):
+    // the forward has s = u * scale, s' = f(s), u' = s' / scale, P = exp(u' * scale - lse)
+    // = exp(s' - lse); the kernels' P o (dP - D) is dL/ds'. Then dL/ds = dL/ds' * f'(s): the
+    // derivative is dimensionless (s and s' in the same scaled units), so dS is multiplied by
+    // f'(s) alone; what follows (softcap's 1 - t^2, the softmax scale on dQ and dK) is
+    // unchanged, as s depends on q.k as it did without the modifier.
+    template <class Mods = UserMods>
+    CF2_DEVICE static float score_mod_backward(float u, int row, int key,
+                                               const UserModContext& ctx, float& grad) {
+        if (row < ctx.seqlen_q && key < ctx.seqlen_k && u != neg_inf()) {
+            const float s = u * ctx.scale;
+            grad = Mods::score_grad(ctx.user, s, ctx.batch, ctx.head, row, key);
+            return Mods::score(ctx.user, s, ctx.batch, ctx.head, row, key) * ctx.inv_scale;
+        }
+        grad = 0.f;
+        return u;
+    }
+
+    // 3'. The mask of a tile with the user's mask modifier (MASK_MOD): a score stays where the
+    // key is visible (vis: causal, window, the sequence's end), the row inside the sequence and
+    // UserMods::mask(b, h, q_idx, kv_idx) is true; the user's code runs for those positions
+    // only. Every tile the visibility gives goes through it. A row the user's mask leaves
+    // without keys ends with O = 0 and lse = +inf (or the sink): its running max stays -inf
+    // (OnlineSoftmax::fold_max), its sum 0.
+    template <int M_TILES, int N_TILES>
+    CF2_DEVICE static void mask_mod(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
+                                    const KeyVisibility& vis, const UserModContext& ctx) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + 16 * mt + 8 * half;
+                const int key_lo = vis.lo(row);
+                const int key_hi = min(vis.hi(row), ctx.seqlen_k);
+                const bool row_in = row < ctx.seqlen_q;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = key0 + 8 * nt + e;
+                        const bool visible = row_in && key >= key_lo && key < key_hi &&
+                                             UserMods::mask(ctx.user, ctx.batch, ctx.head, row, key);
+                        if (!visible) s[mt][nt][2 * half + e] = neg_inf();
+                    }
+            }
     }
 
     // The sink of query head `head` in log2 units of the scaled scores (the units of the

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from . import reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
+from . import block_masks, mods, reference  # noqa: E402  (numpy/cupy reference, no GPU needed)
 from .api import (  # noqa: E402
     attention,
     attention_backward,
@@ -19,6 +19,8 @@ from .api import (  # noqa: E402
     forward_kernels,
     varlen_forward_kernels,
 )
+from .block_masks import BlockMask, block_mask  # noqa: E402
+from .mods import mask_mod, score_mod  # noqa: E402
 
 __all__ = [
     "attention",
@@ -35,6 +37,12 @@ __all__ = [
     "forward_kernels",
     "varlen_forward_kernels",
     "backward_kernels",
+    "mask_mod",
+    "block_mask",
+    "BlockMask",
+    "score_mod",
+    "mods",
+    "block_masks",
     "reference",
     "__version__",
 ]

@@ -42,16 +42,30 @@ def _varlen_fields(varlen) -> dict:
 
 
 def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: int, arch: int,
-                 out_shape, lse_shape, varlen=None, config=None) -> _plans.Plan:
+                 out_shape, lse_shape, varlen=None, config=None, user_inputs=(),
+                 block_input=None) -> _plans.Plan:
     """views, by struct field: q, k, v, out (None: allocated), mods.alibi_slopes, mods.sinks,
     varlen.cu_seqlens_q, varlen.cu_seqlens_k (None or missing where absent). Outputs: [out if
     not given, lse]. The kernel, its grid and on sm_90 its tensor maps are
     _dispatch.forward_kernel's choice: the Hopper kernel for every call it covers, the mma.sync
-    kernel the others; `config` runs instead where given."""
+    kernel the others; `config` runs instead where given. With programmable modifiers
+    (`mods.user_mods`; `user_inputs`: (input position, array) of each of their arrays, the mask's
+    first) the mma.sync kernel's FwdModsParams: these FwdParams as `base`, then `user`, the
+    arrays' addresses (per call) and element strides; with a block mask (`block_input`: (input
+    position, BlockMask)) its states in `blocks`, checked against the kernel's tiles and the
+    call (cuflash2.block_masks.check_for_call)."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
-    choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config)
+    choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
+                                      mods.user_mods)
     config = choice.config
+    if block_input is not None:
+        from . import block_masks as block_mask
+
+        if varlen is not None:
+            raise ValueError("block_mask: not with varlen batches yet (attention only)")
+        block_mask.check_for_call(block_input[1], config.block_m, config.block_n, p.batch,
+                                  p.nheads, p.seqlen_q, p.seqlen_k, device_id)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     fields = {
         **_stride_fields("q", element_strides(q)), **_stride_fields("k", element_strides(k)),
@@ -76,6 +90,9 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         launches.append(_launch.kernel_launch(config, device_id, choice.grid))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
+    if mods.user_mods is not None:
+        return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
+                          mods, user_inputs, block_input)
     if not choice.hopper:
         return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
                            output_fields, aligned=aligned, per_call=_dropout_slots(mods))
@@ -84,6 +101,49 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     return _sm90_plan(device_id, "FwdSm90Params", fields, choice.maps, choice.map_fields,
                       launches, inputs, outputs, output_fields, aligned=aligned,
                       own_fields=choice.grid_fields, counters=counters)
+
+
+def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_fields, aligned,
+               mods, user_inputs, block_input=None) -> _plans.Plan:
+    """The plan of the forward with programmable modifiers: FwdModsParams, the FwdParams
+    `fields`, `inputs` and `output_fields` under `base.`, and UserParams' slots in order
+    (user.in<i>: the address of input i per call, its element strides once)."""
+    base = "base."
+    user = _user_fields(user_inputs)
+    blocks = []
+    if block_input is not None:  # BlockMaskStates: the states' address per call
+        from . import block_masks as block_mask
+
+        user.update(block_mask.states_fields(block_input[1]))
+        blocks = [("blocks.states", block_input[0], 0)]
+    return _plans.Plan(
+        device_id, "FwdModsParams", {**{base + f: v for f, v in fields.items()}, **user},
+        launches, [(base + f, pos, off) for f, pos, off in inputs]
+        + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)] + blocks,
+        outputs, [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
+        per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
+        batch_offset=base + "batch_offset")
+
+
+def _bias_grad_fields(bias_grad) -> dict:
+    """BiasGrad's element strides (0 along the bias's broadcast dims) and whether CTAs share
+    elements (atomics), of dbias's accumulator view; {} without it."""
+    if bias_grad is None:
+        return {}
+    _, x = bias_grad
+    strides = [s // x.itemsize for s in x.strides]
+    accumulate = any(s == 0 and n > 1 for s, n in zip(strides[:2], x.shape[:2]))
+    return {**{f"dbias.stride{j}": s for j, s in enumerate(strides)},
+            "dbias.accumulate": int(accumulate)}
+
+
+def _user_fields(user_inputs) -> dict:
+    """UserParams' element strides (`user.in<i>.stride<j>`) of the modifiers' arrays."""
+    user = {}
+    for i, (_, x) in enumerate(user_inputs):
+        strides = [s // x.itemsize for s in x.strides] + [0] * (4 - x.ndim)
+        user.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
+    return user
 
 
 def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields: dict,
@@ -117,7 +177,7 @@ def _dropout_slots(mods) -> tuple:
 
 def backward_plan(views: dict, sources: dict, problem, mods, window, deterministic: bool,
                   device_id: int, arch: int, grad_shapes: dict, varlen=None,
-                  config=None) -> _plans.Plan:
+                  config=None, user_inputs=(), bias_grad=None) -> _plans.Plan:
     """views, by struct field: dout, q, k, v, out, lse, dq, dk, dv (None: allocated, in that
     order, shaped `grad_shapes[name]`), mods.alibi_slopes, mods.sinks, dsinks (with sinks; None:
     allocated, after the others, float32 (nheads,)), varlen.cu_seqlens_q/_k (None or missing
@@ -131,13 +191,21 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     kernel is the Hopper one for every call it covers (_dispatch.backward_kernels); the
     preprocess, conversion, workspace and every BwdParams field are the same, the struct is
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
-    conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one)."""
+    conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one).
+    With programmable modifiers (`mods.user_mods`; `user_inputs`: (input position, array) of
+    each of their arrays, the mask's first) the main and dQ kernels are the mma.sync *_mods
+    kernels on every architecture, the struct BwdModsParams: these BwdParams as `base` (which
+    the preprocess and the conversion take), `user` as the forward's, and `score_scale`.
+    `bias_grad`: (input position, array) of dbias's float32 accumulator as a (batch, nheads,
+    seqlen_q, seqlen_k) view (cuflash2._bias), which the main kernel fills
+    (FEATURE_BIAS_GRAD, BwdModsParams.dbias)."""
     p = problem
     sinks = views.get("mods.sinks") is not None
     features = _configs.backward_features(
-        mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN))
+        mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+        | (0 if bias_grad is None else _configs.FEATURE_BIAS_GRAD))
     choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
-                                        config)
+                                        config, mods.user_mods)
     config, hopper = choice.config, choice.hopper
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
@@ -197,7 +265,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     # BwdSm90Params). The main kernel's grid: (key blocks x head-dim chunks, KV heads, batch);
     # the Hopper kernel's chunk is the whole head dim.
     launches = []
-    aux = "base" if hopper else ""
+    aux = "base" if hopper or mods.user_mods is not None else ""
     num_kv_blocks = -(-p.seqlen_k // config.block_n)
     if p.batch and p.nheads:
         if max_rows_padded:
@@ -228,6 +296,20 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     aligned = [(sources[n][0], n) for n in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
                if views[n] is not None]
     kernels = [launch for launch, _ in launches]
+    if mods.user_mods is not None:
+        base = "base."
+        return _plans.Plan(
+            device_id, "BwdModsParams",
+            {**{base + f: v for f, v in fields.items()}, **_user_fields(user_inputs),
+             "score_scale": mods.softmax_scale, **_bias_grad_fields(bias_grad)},
+            kernels, [(base + f, pos, off) for f, pos, off in inputs]
+            + [(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)]
+            + ([("dbias.data", bias_grad[0], 0)] if bias_grad is not None else []),
+            outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
+            [(base + f, off) for f, off in workspace_fields], aligned,
+            per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
+            batch_offset=base + "batch_offset",
+            launch_structs=[struct for _, struct in launches])
     if not hopper:
         return _plans.Plan(device_id, "BwdParams", fields, kernels, inputs, outputs,
                            output_fields, workspace_bytes, workspace_fields, aligned,

@@ -33,9 +33,12 @@ def cuda_src_dir() -> Path:
 GENERATED_HEADER = "constants.cuh"
 
 
-@lru_cache(maxsize=None)
-def kernel_source(filename: str) -> str:
-    """The source of `filename` with its local includes inlined (each header once).
+@lru_cache(maxsize=64)
+def kernel_source(filename: str, headers: tuple = ()) -> str:
+    """The source of `filename` with its local includes inlined (each header once, each ".inc"
+    fragment wherever it is included); `headers`,
+    (name, text) pairs, replace the files of those names (a specialisation's generated headers:
+    the programmable modifiers' user_mods.cuh, FwdModsConfig).
 
     Inlining makes the source string the whole truth: CuPy's disk cache keys on the string, so a
     changed header can never be served from a stale cache entry.
@@ -44,14 +47,17 @@ def kernel_source(filename: str) -> str:
 
     root = cuda_src_dir()
     seen: set[str] = set()
+    generated = dict(headers)
 
     def expand(name: str) -> str:
-        if name in seen:
+        # A ".inc" file is a fragment of code (a kernel body, cuda_src/flash_bwd_body.inc),
+        # inlined wherever it is included; a header, once.
+        if name in seen and not name.endswith(".inc"):
             return ""
         seen.add(name)
         if name == GENERATED_HEADER:
             return _configs.cuda_constants_header()
-        text = (root / name).read_text()
+        text = generated[name] if name in generated else (root / name).read_text()
         text = text.replace("#pragma once", "")
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
@@ -61,7 +67,8 @@ def kernel_source(filename: str) -> str:
 def specialisation_source(config) -> str:
     """The source compiled for `config`: its file, then static_asserts that the kernel's traits
     agree with what the host derives from `config` (threads, shared memory)."""
-    return kernel_source(config.source_file) + getattr(config, "probes", "")
+    headers = getattr(config, "generated_headers", ())
+    return kernel_source(config.source_file, headers) + getattr(config, "probes", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,14 +109,28 @@ def get_kernel(config, device_id: int):
         if fn is None:
             import cupy
 
-            module = cupy.RawModule(code=specialisation_source(config),
-                                    options=NVRTC_OPTIONS + arch_options(config),
-                                    name_expressions=[config.name_expression])
-            fn = module.get_function(config.name_expression)
+            try:
+                module = cupy.RawModule(code=specialisation_source(config),
+                                        options=NVRTC_OPTIONS + arch_options(config),
+                                        name_expressions=[config.name_expression])
+                fn = module.get_function(config.name_expression)
+            except Exception as exc:
+                _raise_user_error(config, exc)
+                raise
             if config.smem_bytes > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = config.smem_bytes
             _modules[key] = fn
     return fn
+
+
+def _raise_user_error(config, exc) -> None:
+    """For a specialisation with programmable modifiers (FwdModsConfig) whose compile failed:
+    raises mods.ModCompileError with the user's expressions and NVRTC's messages on them
+    (from `exc`'s text: CuPy's CompileException, or compile_report's RuntimeError)."""
+    if getattr(config, "user_mods", ""):
+        from . import mods
+
+        raise mods.compile_error(config.user_mods, str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,8 +187,12 @@ def compile_report(config, arch: int) -> CompileReport:
                      "add name expression", prog, nvrtc)
         options = [o.encode() for o in NVRTC_OPTIONS + tuple(getattr(config, "extra_options", ()))]
         options += [f"-arch=sm_{target_arch(config, arch)}".encode(), b"--ptxas-options=-v"]
-        _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog,
-                     nvrtc)
+        try:
+            _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile",
+                         prog, nvrtc)
+        except RuntimeError as exc:
+            _raise_user_error(config, exc)
+            raise
         log = _nvrtc_log(prog, nvrtc)
         (cubin_size,) = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size", prog, nvrtc)
         odd_descriptors = None

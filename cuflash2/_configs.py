@@ -33,7 +33,28 @@ FEATURE_DROPOUT = 8  # Philox dropout on P (cuda_src/dropout.cuh)
 #: (cuda_src/variant.cuh). The backward main kernels are the same with or without them (P comes
 #: from the lse, which counts the sink); their gradient is flash_bwd_sinks.cu's.
 FEATURE_SINKS = 16
-#: Every combination of the features.
+#: Programmable modifiers (cuflash2.mask_mod / score_mod, cuflash2/mods.py): the user's mask and
+#: score expressions, compiled into a specialisation of their own with the generated header
+#: user_mods.cuh (cuda_src/variant.cuh: mask_mod, score_mod): the mma.sync forward, backward and
+#: deterministic dQ kernels (FwdModsConfig, BwdModsConfig, BwdDqModsConfig).
+FEATURE_MASK_MOD = 32
+FEATURE_SCORE_MOD = 64
+#: A block mask (cuflash2.block_mask, cuflash2/block_mask.py) with the mask modifier: the mods
+#: forward reads its per-tile states, skips empty tiles and runs the user's mask on partial ones
+#: only (cuda_src/block_mask.cuh). Only with FEATURE_MASK_MOD, in the mods kernels.
+FEATURE_BLOCK_MASK = 128
+USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD | FEATURE_BLOCK_MASK
+#: The additive bias's gradient (attention_backward with bias=, cuda_src/bias_grad.cuh): the
+#: mma.sync backward main kernel with the bias as its score modifier writes dS out as dbias
+#: (BwdModsParams.dbias). Backward main kernel only; never in the dQ kernel.
+FEATURE_BIAS_GRAD = 256
+#: A block mask's tile states (int8): no visible key in the tile, some, every (query, key) of the
+#: tile inside the sequence visible.
+BLOCK_MASK_EMPTY, BLOCK_MASK_PARTIAL, BLOCK_MASK_FULL = 0, 1, 2
+#: Warps of block_mask.cu's CTA (one tile row of one head and batch entry; a warp a tile).
+BLOCK_MASK_WARPS = 8
+#: Every combination of the built-in features (the programmable modifiers' specialisations
+#: are per expression: FwdModsConfig).
 ALL_FEATURES = tuple(range(32))
 #: The features only the forward kernels take: a backward call's main kernels are those of the
 #: call without them (backward_features).
@@ -111,7 +132,11 @@ DQ_SEMAPHORE_ROWS = 4
 CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
-    "FEATURE_SINKS": FEATURE_SINKS,
+    "FEATURE_SINKS": FEATURE_SINKS, "FEATURE_MASK_MOD": FEATURE_MASK_MOD,
+    "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD, "FEATURE_BLOCK_MASK": FEATURE_BLOCK_MASK,
+    "FEATURE_BIAS_GRAD": FEATURE_BIAS_GRAD,
+    "BLOCK_MASK_EMPTY": BLOCK_MASK_EMPTY, "BLOCK_MASK_PARTIAL": BLOCK_MASK_PARTIAL,
+    "BLOCK_MASK_FULL": BLOCK_MASK_FULL, "BLOCK_MASK_WARPS": BLOCK_MASK_WARPS,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
     "MAX_SPLITS": MAX_SPLITS, "MAX_CLUSTER_SPLITS": MAX_CLUSTER_SPLITS,
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
@@ -167,6 +192,28 @@ class FwdConfig:
         return _traits_probes(
             f"FwdTraits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
             f"{self.block_n}, {self.num_warps}, {self.kv_stages}>", self)
+
+
+@dataclass(frozen=True)
+class FwdModsConfig(FwdConfig):
+    """A forward specialisation with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD):
+    FwdConfig's tile and features plus the generated header `user_mods` (cuflash2/mods.py:
+    user_mods_header), whose hash names the kernel (flash_fwd_mods_kernel, FwdModsParams)."""
+
+    user_mods: str = ""  # the text of the generated user_mods.cuh
+    mods_hash: int = 0  # its USER_MODS_HASH (a hash of its code, mods.py)
+
+    @property
+    def name_expression(self) -> str:
+        tag = DTYPE_TAGS[self.dtype]
+        return (f"flash_fwd_mods_kernel<{tag}, {self.head_dim}, {self.block_m}, "
+                f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}, "
+                f"{self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        """(name, text) of the headers generated for this specialisation alone (_compile)."""
+        return (("user_mods.cuh", self.user_mods),)
 
 
 def _traits_probes(traits: str, config, block_m: bool = False) -> str:
@@ -545,6 +592,28 @@ class BwdConfig:
 
 
 @dataclass(frozen=True)
+class BwdModsConfig(BwdConfig):
+    """A backward main kernel with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD):
+    BwdConfig's tile and features plus the generated header `user_mods` (cuflash2/mods.py), whose
+    hash names the kernel (flash_bwd_mods_kernel, BwdModsParams), as FwdModsConfig."""
+
+    user_mods: str = ""
+    mods_hash: int = 0
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.d_chunk}, {self.block_m}, {self.block_n}, {self.num_warps}, "
+                f"{self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
+                f"{'true' if self.compute_dq else 'false'}, {self.features}, "
+                f"{self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        return (("user_mods.cuh", self.user_mods),)
+
+
+@dataclass(frozen=True)
 class BwdDqConfig:
     """One specialisation of the deterministic dQ kernel (flash_bwd_dq.cu): 4 warps of 16 rows."""
 
@@ -577,6 +646,24 @@ class BwdDqConfig:
 
 
 @dataclass(frozen=True)
+class BwdDqModsConfig(BwdDqConfig):
+    """The deterministic dQ kernel with programmable modifiers (flash_bwd_dq_mods_kernel,
+    BwdModsParams): BwdDqConfig plus the generated header, as BwdModsConfig."""
+
+    user_mods: str = ""
+    mods_hash: int = 0
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_dq_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.block_n}, {self.kv_stages}, {self.features}, {self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        return (("user_mods.cuh", self.user_mods),)
+
+
+@dataclass(frozen=True)
 class AuxKernel:
     """A small kernel specialised on the dtype only (backward pre- and post-processing)."""
 
@@ -604,6 +691,31 @@ class AuxKernel:
         return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}, {'true' if self.varlen else 'false'}>"
 
     probes = ""
+
+
+@dataclass(frozen=True)
+class BlockMaskConfig:
+    """cuflash2.block_mask's kernel (cuda_src/block_mask.cu) for tiles of block_m x block_n and a
+    mask modifier's generated header `user_mods` (mods.user_mods_header; its hash names the
+    kernel, as FwdModsConfig's). Grid (num_m_blocks, nheads, batch), BLOCK_MASK_WARPS warps."""
+
+    block_m: int
+    block_n: int
+    user_mods: str = ""
+    mods_hash: int = 0
+    threads: int = 32 * BLOCK_MASK_WARPS
+    smem_bytes: int = 0
+    source_file: str = "block_mask.cu"
+    probes: str = ""
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_block_mask_kernel<{self.block_m}, {self.block_n}, "
+                f"{self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        return (("user_mods.cuh", self.user_mods),)
 
 
 @dataclass(frozen=True)
@@ -688,7 +800,10 @@ def describe(config) -> str:
     dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(config.dtype, config.dtype)
     mods = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "ALiBi"),
                                    (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout"),
-                                   (FEATURE_VARLEN, "varlen"))
+                                   (FEATURE_VARLEN, "varlen"), (FEATURE_MASK_MOD, "mask_mod"),
+                                   (FEATURE_SCORE_MOD, "score_mod"),
+                                   (FEATURE_BLOCK_MASK, "block mask"),
+                                   (FEATURE_BIAS_GRAD, "dbias"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

@@ -19,11 +19,12 @@ import os
 from dataclasses import dataclass, field
 
 from . import _hopper, _launch
-from ._configs import (DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+                       FEATURE_BIAS_GRAD,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
-                       FwdSm90Config, backward_features, with_features)
+                       USER_MOD_FEATURES, FwdSm90Config, backward_features, with_features)
 
 #: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
 FORCED: dict = {}
@@ -49,12 +50,22 @@ class ForwardChoice:
 
 
 def forward_kernel(problem, features: int, window, arch: int, views: dict, varlen, device_id: int,
-                   config=None) -> ForwardChoice:
+                   config=None, user_mods=None) -> ForwardChoice:
     """The forward kernel of a checked call (`features`: its FEATURE_* bits, varlen included;
     `window`: the kernels' (left, right)). On sm_90 the Hopper kernel runs every call it covers
     (hopper_forward_config) whose q, k and v the TMA describes, the mma.sync kernel (fwd_config)
-    the others; `config`, or a tuning script's FORCED["fwd"], runs instead where given."""
+    the others; `config`, or a tuning script's FORCED["fwd"], runs instead where given.
+    `user_mods`: the programmable modifiers' sources (mask, score), which only the mma.sync
+    kernel takes so far, on every architecture (fwd_mods_config's tile; a FwdModsConfig)."""
     p = problem
+    if user_mods is not None:
+        from . import mods
+
+        if config is None:
+            config = FORCED.get("fwd") or fwd_mods_config(p.dtype, p.head_dim, arch)
+        config = mods.forward_config(with_features(config, features & ~USER_MOD_FEATURES),
+                                     *user_mods, block_mask=bool(features & FEATURE_BLOCK_MASK))
+        return ForwardChoice(config, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch))
     hopper = map_fields = None
     if config is None and "fwd" not in FORCED:
         hopper = hopper_forward_config(p, features, window, arch, varlen)
@@ -88,13 +99,30 @@ class BackwardChoice:
 
 
 def backward_kernels(problem, features: int, deterministic: bool, arch: int, views: dict,
-                     varlen, window, config=None) -> BackwardChoice:
+                     varlen, window, config=None, user_mods=None) -> BackwardChoice:
     """The backward kernels of a checked call (`features`: those of its main kernels,
     backward_features): `config` or a tuning script's forced one if given (a BwdSm90Config
     forces the Hopper kernel), else the Hopper kernel where hopper_backward_config covers the
-    call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config)."""
+    call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config).
+    `user_mods`: the programmable modifiers' sources (mask, score): the mma.sync kernels on every
+    architecture, never the Hopper one (bwd_mods_config's tile, or a forced BwdConfig's; a
+    BwdModsConfig, and in deterministic mode a BwdDqModsConfig; mods.check_backward's
+    ValueError for a score modifier without a derivative)."""
     p = problem
     forced = config if config is not None else FORCED.get("bwd")
+    if user_mods is not None:
+        from . import mods
+
+        if forced is None or isinstance(forced, BwdSm90Config):
+            forced = bwd_mods_config(p.dtype, p.head_dim, arch, deterministic)
+        base = with_features(dataclasses.replace(forced, compute_dq=not deterministic),
+                             features & ~USER_MOD_FEATURES)
+        dq_config = None
+        if deterministic:
+            dq_config = mods.dq_config(
+                with_features(bwd_dq_config(p.dtype, p.head_dim, arch),
+                              features & ~USER_MOD_FEATURES & ~FEATURE_BIAS_GRAD), *user_mods)
+        return BackwardChoice(mods.backward_config(base, *user_mods), dq_config=dq_config)
     hopper = map_fields = None
     if isinstance(forced, BwdSm90Config):
         # BwdSm90Config refuses what the kernel does not compile in (dropout): ValueError here.
@@ -206,6 +234,22 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
     return config
 
 
+def fwd_mods_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
+    """The mma.sync forward's tile with programmable modifiers (FwdModsConfig): up to d=128,
+    64 x 64 tiles of 4 warps of 16 rows (the user's code runs on every score of a visited tile
+    and on the 128-row tiles of fwd_config it spilled: the compile tests' expressions at d=64
+    and 128, sm_80 and sm_90, ptxas report), double-buffered where two CTAs fit on an SM;
+    above, fwd_config's (16 rows a warp already). Not yet timed on a GPU."""
+    d = kernel_head_dim(head_dim)
+    if d > 128:
+        return fwd_config(dtype, head_dim, arch)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    config = FwdConfig(dtype, d, 64, 64, num_warps=4, kv_stages=2)
+    if 2 * (config.smem_bytes + 1024) > smem_per_sm:
+        config = FwdConfig(dtype, d, 64, 64, num_warps=4, kv_stages=1)
+    return config
+
+
 #: Most fp32 accumulator registers a backward thread may keep (BwdConfig.accumulator_registers):
 #: the rest of the 255 go to fragments, addresses and statistics.
 BWD_MAX_ACCUMULATORS = 192
@@ -234,6 +278,42 @@ def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False
                     and config.smem_bytes + 1024 <= smem_per_sm):
                 return config
     raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
+
+
+def bwd_mods_config(dtype: str, head_dim: int, arch: int,
+                    deterministic: bool = False) -> BwdConfig:
+    """The mma.sync backward's tile with programmable modifiers (BwdModsConfig): bwd_config's
+    rule over its shapes of at most 64 x 64 (query x key) steps, at every head dim.
+    The user's code and its derivative run on every score of phase A; ptxas (the compile tests'
+    expressions, fp16 and bf16, sm_80 and sm_90; registers / spill stores, atomic dQ and
+    deterministic alike):
+
+        d    tile (m x n, warps, Q stages)   rel-pos score + doc mask   softcap-like + grad
+        64   128 x 128, 8, 2 (bwd_config)    255 / 0                    255 / 0
+        128  64 x 128, 8, 2 (bwd_config)     255 / 0 to 8               255 / 56 to 92
+        128  64 x 128, 8, 1                  255 / 0 to 8               255 / 60 to 88
+        128  64 x 64, 4, 2                   255 / 0 to 44              255 / 76 to 92
+        128  64 x 64, 8, 2 (this)            178 to 189 / 0             171 to 178 / 0
+
+    With the additive bias (`score + cf2_bias(b, h, q_idx, kv_idx)`, a 4-D input: four strides)
+    bwd_config's 128 x 128 tile at d=32 and d=64 spills 12 to 36 bytes, with dbias
+    (FEATURE_BIAS_GRAD) or without; 64 x 64, 8 warps: 118 to 166 registers, no spills (fp16,
+    sm_80 / sm_90). Hence 64 x 64 at d <= 64 too.
+
+    Not yet timed on a GPU."""
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    chunks = [d] if d <= 128 else [d, d // 2]
+    for block_m, block_n, warps, stages in ((64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 4, 1),
+                                            (32, 32, 4, 1)):
+        for d_chunk in chunks:
+            config = BwdConfig(dtype, d, d_chunk, block_m, block_n, warps, stages,
+                               not deterministic)
+            if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
+                    and config.smem_bytes + 1024 <= smem_per_sm):
+                return config
+    raise AssertionError(f"no backward tile with programmable modifiers fits head dim {d} on "
+                         f"sm_{arch}")
 
 
 @functools.lru_cache(maxsize=None)

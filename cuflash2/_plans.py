@@ -191,7 +191,9 @@ class Plan:
         self.input_reads = tuple(
             (pos, aligned_names.get(pos), tuple(slots_by_position.get(pos, ())))
             for pos in dict.fromkeys([*slots_by_position, *aligned_names]))
-        self.per_call = {f: self.block.slot(f) for f in per_call}
+        # A per-call field by its own name, or (name in `scalars`, field) where they differ.
+        self.per_call = {(f if isinstance(f, str) else f[0]):
+                         self.block.slot(f if isinstance(f, str) else f[1]) for f in per_call}
         self.counter_slots = tuple(self.block.slot(f) for f in counters)
         # The launches as one CUDA graph a stream, where the driver path allows it.
         self.graphs = (_launch.LaunchGraphs(self.launches, self.launch_blocks,

@@ -101,6 +101,9 @@ class ScoreMods:
     alibi_batch_stride: int
     alibi_to_units: float
     dropout: dict  # DropoutParams field -> value ({} without dropout)
+    # The programmable modifiers' sources (mods.ModSource: mask, score; None where absent), or
+    # None without them (FEATURE_MASK_MOD, FEATURE_SCORE_MOD).
+    user_mods: tuple | None = None
 
     def fields(self) -> dict:
         """The VariantParams (`mods.*`) and DropoutParams (`dropout.*`) fields."""
@@ -134,10 +137,46 @@ def score_mods(problem, options) -> ScoreMods:
                 | (_configs.FEATURE_ALIBI if options.alibi_slopes is not None else 0)
                 | (_configs.FEATURE_DROPOUT if dropout_args else 0)
                 | (_configs.FEATURE_SINKS if options.sinks is not None else 0))
+    user_mods = check_user_mods(options.mask_mod, options.score_mod)
+    if user_mods is not None:
+        from . import mods
+
+        features |= mods.features_of(*user_mods)
+        if getattr(options, "block_mask", None) is not None:
+            features |= _configs.FEATURE_BLOCK_MASK
     effective = softcap if softcap > 0 else problem.softmax_scale
     return ScoreMods(features, effective,
                      problem.softmax_scale / softcap if softcap > 0 else 0.0,
-                     int(stride or 0), 1.0 / effective, dropout_args)
+                     int(stride or 0), 1.0 / effective, dropout_args, user_mods)
+
+
+def check_user_mods(mask_mod, score_mod):
+    """(mask source, score source) of a call's programmable modifiers (cuflash2.mods), checked:
+    the types and the inputs' count together; None without them."""
+    if mask_mod is None and score_mod is None:
+        return None
+    from . import mods
+
+    if mask_mod is not None and not isinstance(mask_mod, mods.MaskMod):
+        raise TypeError(f"mask_mod must be made by cuflash2.mask_mod(expression, **inputs); got "
+                        f"{type(mask_mod).__name__}")
+    if score_mod is not None and not isinstance(score_mod, mods.ScoreMod):
+        raise TypeError(f"score_mod must be made by cuflash2.score_mod(expression, grad=None, "
+                        f"**inputs); got {type(score_mod).__name__}")
+    sources = (mask_mod.source if mask_mod is not None else None,
+               score_mod.source if score_mod is not None else None)
+    mods.check_together(*sources)
+    return sources
+
+
+def user_mod_arrays(mask_mod, score_mod) -> dict:
+    """The modifiers' input arrays by a name for messages ("mask_mod input doc")."""
+    out = {}
+    for kind, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if mod is not None:
+            for sig, x in zip(mod.source.inputs, mod.arrays):
+                out[f"{kind} input {sig.name}"] = x
+    return out
 
 
 def element_strides(x) -> tuple[int, int, int]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from . import (_attention_plans, _configs, _dispatch, _kvcache, _launch, _params, _plans, _prepare,
-               _validate)
+from . import (_attention_plans, _bias, _configs, _dispatch, _kvcache, _launch, _params, _plans,
+               _prepare, _validate)
 from ._options import AttentionOptions
 from ._plans import value_key
 from ._prepare import device_arch  # noqa: F401  (part of the module's interface for tools)
@@ -122,9 +122,13 @@ def _forward_key(kind, cupy, arrays, options, extra=()):
 
 
 def _plan_forward(layout, inputs, options, varlen_args=None):
-    """Checks a forward call (its arrays `inputs`, as `layout` names them, and its `options`)
-    in full and plans it."""
+    """Checks a forward call (its arrays `inputs`, as `layout` names them, then the programmable
+    modifiers' arrays, and its `options`) in full and plans it."""
     views, sources, names = layout.arrays(inputs)
+    user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
+    block_input = None
+    if getattr(options, "block_mask", None) is not None:  # its states come last
+        block_input, user_inputs = (user_inputs[-1][0], options.block_mask), user_inputs[:-1]
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -140,12 +144,101 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
                                                           varlen_args[4], cupy)
         lse_shape = (packed.nheads, packed.seqlen_q)
     mods = _prepare.score_mods(problem, options)
-    device_id = _prepare.check_device(
-        *_device_arrays(layout, views, names, ("q", "k", "v", "out")), cupy)
+    tensors, others = _device_arrays(layout, views, names, ("q", "k", "v", "out"))
+    others.update(_prepare.user_mod_arrays(options.mask_mod, options.score_mod))
+    device_id = _prepare.check_device(tensors, others, cupy)
     window = _validate.check_window(options.window_size, options.causal, problem.seqlen_q,
                                     problem.seqlen_k)
     return _attention_plans.forward_plan(views, sources, problem, mods, window, device_id,
-                                         device_arch(device_id), q.shape, lse_shape, varlen)
+                                         device_arch(device_id), q.shape, lse_shape, varlen,
+                                         user_inputs=user_inputs, block_input=block_input)
+
+
+def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod, block_mask=None):
+    """(inputs, signature key's extra) of a forward call with programmable modifiers: their
+    arrays after the layout's (the mask's first; a block mask's states last), their sources (and
+    the block mask's tiles and lengths) in the key. Checks their types (before any key is
+    built); a block mask gives the mask modifier (cuflash2.block_masks.resolve)."""
+    if block_mask is not None:
+        from . import block_masks as _block_mask
+
+        mask_mod = _block_mask.resolve(mask_mod, block_mask)
+    _prepare.check_user_mods(mask_mod, score_mod)
+    options.mask_mod, options.score_mod = mask_mod, score_mod
+    options.block_mask = block_mask
+    arrays = ((mask_mod.arrays if mask_mod is not None else ())
+              + (score_mod.arrays if score_mod is not None else ()))
+    keys = (mask_mod.key if mask_mod is not None else None,
+            score_mod.key if score_mod is not None else None)
+    if block_mask is not None:
+        return inputs + arrays + (block_mask.states,), (*extra, "user_mods", keys, block_mask.key)
+    return inputs + arrays, (*extra, "user_mods", keys)
+
+
+def _check_backward_user_mods(function: str, mask_mod, score_mod, dropout_p) -> None:
+    """What the backward of the programmable modifiers refuses, before any launch: a score
+    modifier without a derivative (ValueError: pass grad=), and a score modifier with dropout
+    (NotImplementedError: the main kernel's dropout bookkeeping needs dS's factor >= 0)."""
+    _prepare.check_user_mods(mask_mod, score_mod)
+    if score_mod is None:
+        return
+    from . import mods
+
+    try:
+        mods.check_backward(score_mod.source)
+    except ValueError as exc:
+        raise ValueError(f"{function}: {exc}") from None
+    if isinstance(dropout_p, (int, float)) and dropout_p > 0:
+        raise NotImplementedError(
+            f"{function}: score_mod with dropout_p > 0 has no backward kernel yet (mask_mod "
+            "with dropout has)")
+
+
+def _with_backward_user_mods(function, options, inputs, extra, mask_mod, score_mod):
+    """(inputs, signature key's extra) of a backward call with programmable modifiers, checked
+    (_check_backward_user_mods), as _with_user_mods."""
+    _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
+    return _with_user_mods(options, inputs, extra, mask_mod, score_mod)
+
+
+def _bias_view(q, k, v, bias, softmax_scale, varlen_args=None):
+    """`bias` as the (batch, nheads, seqlen_q, seqlen_k) view the kernels read (cuflash2._bias),
+    checked after the call's arrays (their messages come first). Varlen: batch = sequences, the
+    maximum lengths (cu_seqlens' values are not read here)."""
+    cupy = _prepare.require_cupy_arrays({"q": q, "k": k, "v": v})
+    if varlen_args is None:
+        p = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale)
+    else:
+        p = _prepare.varlen_problem(q, k, v, *varlen_args[:4], softmax_scale, None, False,
+                                    cupy)[1]
+    return _bias.bias_view(bias, p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.batched,
+                           varlen_args is not None, cupy)
+
+
+def _with_bias(function, options, inputs, extra, mask_mod, score_mod, bias, view,
+               bias_requires_grad, deterministic=None):
+    """(inputs, signature key's extra, dbias's float32 accumulator or None) of a call with a
+    bias: the bias as the score modifier (cuflash2._bias), after the user's modifiers are
+    checked; a backward (`deterministic` not None) that returns dbias gets its accumulator's
+    (batch, nheads, seqlen_q, seqlen_k) view as its last array."""
+    backward = deterministic is not None
+    if backward:
+        _bias.check_dropout(function, options.dropout_p)
+        _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
+    else:
+        _prepare.check_user_mods(mask_mod, score_mod)
+    _prepare.check_flag("bias_requires_grad", bias_requires_grad)
+    accum = None
+    if backward and bias_requires_grad:
+        accum, full, accumulate = _bias.gradient_buffer(bias, view, _cupy or _cupy_module())
+        _bias.check_backward(function, options.softcap, options.dropout_p, deterministic,
+                             accumulate)
+    inputs, extra = _with_user_mods(options, inputs, extra, mask_mod,
+                                    _bias.score_mod_with_bias(view, score_mod))
+    if accum is not None:
+        options.bias_requires_grad = True
+        inputs, extra = inputs + (full,), (*extra, "dbias")
+    return inputs, extra, accum
 
 
 def _forward_plan(kind, layout, cupy, inputs, options, extra=(), varlen_args=None):
@@ -172,7 +265,8 @@ def _forward_result(plan, inputs, options, out, return_lse, cupy):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-              return_lse=False, out=None):
+              return_lse=False, out=None, mask_mod=None, score_mod=None, block_mask=None,
+              bias=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -197,12 +291,46 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     them (scaled, capped, biased; with sinks, the sink's exp counted too; +inf, with out 0, for
     a row that sees no key, or the sink's logit with sinks). Runs on the current CuPy stream,
     without host syncs.
+
+    `mask_mod` (`cuflash2.mask_mod(expression, **inputs)`) and `score_mod`
+    (`cuflash2.score_mod(expression, grad=None, **inputs)`): programmable masks and score
+    modifiers, CUDA C expressions compiled into the mma.sync forward kernel (cuflash2.mods;
+    the score modifier after softcap and ALiBi, the mask ANDed with causal and the window).
+    Their backward: attention_backward's `mask_mod=`, `score_mod=` (a score_mod needs `grad=`
+    unless it is `score + <no score>`).
+
+    `block_mask` (`cuflash2.block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, head_dim=,
+    dtype=)`): the mask modifier's per-tile states, evaluated once: the kernel skips the empty
+    tiles and runs the expression on the partial ones only. It carries its mask_mod (a
+    `mask_mod=` given too must be the same); built for this call's tiles, lengths, batch and
+    heads (or batch / nheads 1, shared) on its device, else ValueError (cuflash2.block_masks).
+
+    `bias`: an additive bias, a CuPy array (batch or 1, nheads or 1, seqlen_q, seqlen_k) (for
+    unbatched q (nheads or 1, seqlen_q, seqlen_k)) of float16, bfloat16 or float32, a dim of 1
+    broadcast; added to the scaled scores after softcap and ALiBi, before `score_mod` and the
+    mask (the mma.sync kernels with programmable modifiers; cuflash2._bias).
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (q, k, v, out, alibi_slopes, sinks)
     cupy = _cupy or _cupy_module()
-    plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale)
+        if block_mask is not None:
+            from . import block_masks as _block_mask
+
+            mask_mod = _block_mask.resolve(mask_mod, block_mask)
+        inputs, extra, _ = _with_bias("attention", options, inputs, (), mask_mod, score_mod,
+                                      bias, view, False)
+        if block_mask is not None:
+            options.block_mask = block_mask
+            inputs, extra = inputs + (block_mask.states,), (*extra, block_mask.key)
+        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
+    elif mask_mod is None and score_mod is None and block_mask is None:
+        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
+    else:
+        inputs, extra = _with_user_mods(options, inputs, (), mask_mod, score_mod, block_mask)
+        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
     return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
@@ -232,6 +360,10 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     """Checks a backward call in full and plans it (as _plan_forward; its arrays: dout, q, k,
     v, out, lse, the gradients given, the optional ones)."""
     views, sources, names = layout.arrays(inputs)
+    user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
+    bias_grad = None
+    if options.bias_requires_grad:  # dbias's accumulator comes last (cuflash2._bias)
+        bias_grad, user_inputs = user_inputs[-1], user_inputs[:-1]
     q, k, v = views["q"], views["k"], views["v"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -250,11 +382,14 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
                                     problem.seqlen_k)
     mods = _prepare.score_mods(problem, options)
     _validate.check_dsinks(views["dsinks"], options.sinks, problem.nheads)
-    device_id = _prepare.check_device(*_device_arrays(
-        layout, views, names, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")), cupy)
+    tensors, others = _device_arrays(
+        layout, views, names, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
+    others.update(_prepare.user_mod_arrays(options.mask_mod, options.score_mod))
+    device_id = _prepare.check_device(tensors, others, cupy)
     return _attention_plans.backward_plan(
         views, sources, problem, mods, window, bool(deterministic), device_id,
-        device_arch(device_id), {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen)
+        device_arch(device_id), {"dq": q.shape, "dk": k.shape, "dv": v.shape}, varlen,
+        user_inputs=user_inputs, bias_grad=bias_grad)
 
 
 def _backward_plan(kind, layout, cupy, inputs, options, deterministic, extra=(),
@@ -279,7 +414,8 @@ def _gradients(outputs, given):
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                        dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
-                       dk=None, dv=None, dsinks=None):
+                       dk=None, dv=None, dsinks=None, mask_mod=None, score_mod=None,
+                       bias=None, bias_requires_grad=True):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
     forward's causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed
@@ -292,15 +428,34 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     (dq, dk, dv, dsinks), dsinks float32 (nheads,) (into `dsinks=` if given): one gradient a
     differentiable array argument of the forward, in its order. `deterministic=True` gives
     bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
+    `mask_mod` / `score_mod`: the forward's (the mma.sync backward kernels on every
+    architecture); a score_mod needs its derivative (`grad=`, or the form `score + <no
+    score>`): ValueError otherwise, before any launch.
+
+    `bias`: the forward's; with `bias_requires_grad=True` (the default) the result ends with
+    dbias, shaped and typed like bias (summed over its broadcast dims): (dq, dk, dv[, dsinks],
+    dbias). Not in the kernels yet (NotImplementedError, before any launch): dbias with softcap,
+    a bias with dropout, and deterministic mode with a bias broadcast over batch or heads.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
     cupy = _cupy or _cupy_module()
+    extra = ()
+    accum = None
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale)
+        inputs, extra, accum = _with_bias("attention_backward", options, inputs, extra,
+                                          mask_mod, score_mod, bias, view, bias_requires_grad,
+                                          deterministic)
+    elif mask_mod is not None or score_mod is not None:
+        inputs, extra = _with_backward_user_mods("attention_backward", options, inputs, extra,
+                                                 mask_mod, score_mod)
     plan, _ = _backward_plan("attention_backward", _BACKWARD, cupy, inputs, options,
-                             deterministic)
+                             deterministic, extra)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
-    return _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
 
 
 def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
@@ -322,15 +477,35 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-                  deterministic=False):
+                  deterministic=False, mask_mod=None, score_mod=None, bias=None,
+                  bias_requires_grad=True):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`
-    (with sinks `(dq, dk, dv, dsinks)`), which keeps the forward's lse (and out) internally."""
+    (with sinks `(dq, dk, dv, dsinks)`, with a bias and bias_requires_grad dbias last), which
+    keeps the forward's lse (and out) internally. `mask_mod` / `score_mod` / `bias` as in
+    `attention` and `attention_backward` (a score_mod without a derivative, and what the
+    backward's dbias does not cover, are refused before the forward runs)."""
+    if mask_mod is not None or score_mod is not None:
+        _check_backward_user_mods("attention_vjp", mask_mod, score_mod, dropout_p)
+    if bias is not None:
+        _bias.check_dropout("attention_vjp", dropout_p)
+        view = _bias_view(q, k, v, bias, softmax_scale)
+        if bias_requires_grad:
+            _prepare.check_flag("bias_requires_grad", bias_requires_grad)
+            _prepare.check_flag("deterministic", deterministic)
+            accumulate = any(s == 0 and n > 1 for s, n in zip(view.strides[:2], view.shape[:2]))
+            _bias.check_backward("attention_vjp", softcap, dropout_p, deterministic, accumulate)
     if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
         seed = int.from_bytes(os.urandom(8), "little")
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                   seed=seed, offset=offset)
+    if mask_mod is not None or score_mod is not None:
+        kwargs.update(mask_mod=mask_mod, score_mod=score_mod)
+    if bias is not None:
+        kwargs.update(bias=bias)
     out, lse = attention(q, k, v, return_lse=True, **kwargs)
+    if bias is not None:
+        kwargs.update(bias_requires_grad=bias_requires_grad)
 
     def vjp(dout):
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
@@ -448,7 +623,8 @@ def _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens) -> tuple:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-                     return_lse=False, out=None, check_cu_seqlens=True):
+                     return_lse=False, out=None, check_cu_seqlens=True, mask_mod=None,
+                     score_mod=None, bias=None):
     """`attention` on variable-length sequences packed one after another (flash-attn's
     `flash_attn_varlen_func`).
 
@@ -463,11 +639,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     `check_cu_seqlens=True` copies cu_seqlens to the host to check their values and the max
     lengths: one device synchronisation. With False nothing is synchronised and bad values give
     undefined results (never out-of-bounds accesses: the kernels clamp to the packed lengths).
+    `mask_mod` / `score_mod` as in `attention`: b is the sequence's index, q_idx and kv_idx
+    positions within the sequence. `bias`: (batch or 1, nheads or 1, max_seqlen_q,
+    max_seqlen_k), sequence b reading bias[b, :, :seqlen_q_b, :seqlen_k_b].
     """
     plan, planned, inputs, options, cupy = _varlen_plan(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset, out,
-        check_cu_seqlens)
+        check_cu_seqlens, mask_mod, score_mod, bias)
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, out, cupy)
@@ -476,16 +655,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed,
-                 offset, out, check_cu_seqlens):
+                 offset, out, check_cu_seqlens, mask_mod=None, score_mod=None, bias=None):
     """(plan of an attention_varlen call, whether it was planned now: the call checked in full,
     its inputs, its options, cupy) (varlen_forward_kernels names its kernels)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (q, k, v, out, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
     cupy = _cupy or _cupy_module()
+    extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale,
+                          (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        inputs, extra, _ = _with_bias("attention_varlen", options, inputs, extra, mask_mod,
+                                      score_mod, bias, view, False)
+    elif mask_mod is not None or score_mod is not None:
+        inputs, extra = _with_user_mods(options, inputs, extra, mask_mod, score_mod)
     plan, planned = _forward_plan(
-        "attention_varlen", _VARLEN, cupy, inputs, options,
-        _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens),
+        "attention_varlen", _VARLEN, cupy, inputs, options, extra,
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_cu_seqlens))
     return plan, planned, inputs, options, cupy
 
@@ -506,24 +692,39 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k, *, causal=False, softmax_scale=None,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                               dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
-                              dk=None, dv=None, dsinks=None, check_cu_seqlens=True):
+                              dk=None, dv=None, dsinks=None, check_cu_seqlens=True,
+                              mask_mod=None, score_mod=None, bias=None, bias_requires_grad=True):
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
-    As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks))."""
+    As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks)); `mask_mod` /
+    `score_mod` as in `attention_backward` (b the sequence's index); `bias` as in
+    `attention_varlen`, dbias as in `attention_backward` (0 outside each sequence's lengths)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks, cu_seqlens_q,
               cu_seqlens_k)
     cupy = _cupy or _cupy_module()
+    extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)
+    accum = None
+    if bias is not None:
+        view = _bias_view(q, k, v, bias, softmax_scale,
+                          (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        inputs, extra, accum = _with_bias("attention_varlen_backward", options, inputs, extra,
+                                          mask_mod, score_mod, bias, view, bias_requires_grad,
+                                          deterministic)
+    elif mask_mod is not None or score_mod is not None:
+        inputs, extra = _with_backward_user_mods("attention_varlen_backward", options, inputs,
+                                                 extra, mask_mod, score_mod)
     plan, planned = _backward_plan(
         "attention_varlen_backward", _VARLEN_BACKWARD, cupy, inputs, options, deterministic,
-        _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens),
+        extra,
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_cu_seqlens))
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, None, cupy)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
-    return _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
 
 
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):

@@ -103,6 +103,7 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "attention_varlen_backward",
+    "block_mask_states",
 ]
 
 _LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
@@ -1113,3 +1114,28 @@ def attention_with_kvcache(
     lse = (xp.stack(lses) if lses
            else xp.zeros((problem.batch, problem.nheads, problem.seqlen_q), numpy.float32))
     return (out, lse) if return_lse else out
+
+
+def block_mask_states(dense_mask, block_m: int, block_n: int):
+    """The per-tile states of a dense boolean mask (..., seqlen_q, seqlen_k) (True = visible) in
+    tiles of block_m x block_n, as cuflash2.block_mask computes them on the GPU: int8 (...,
+    ceil(seqlen_q / block_m), ceil(seqlen_k / block_n)), 0 where no position of the tile is
+    visible, 2 where every position of the tile inside the sequence is, 1 otherwise (the last
+    tiles of a row or column hold only the positions before the sequence's ends)."""
+    xp = _array_module(dense_mask)
+    mask = xp.asarray(dense_mask)
+    if mask.dtype != xp.bool_ or mask.ndim < 2:
+        raise ValueError(f"block_mask_states: dense_mask must be a boolean array (..., seqlen_q, "
+                         f"seqlen_k); got {mask.dtype} {tuple(mask.shape)}")
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"block_mask_states: {name} must be an int >= 1; got {value!r}")
+    *lead, seqlen_q, seqlen_k = mask.shape
+    mb, nb = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    pad = [(0, 0)] * len(lead) + [(0, mb * block_m - seqlen_q), (0, nb * block_n - seqlen_k)]
+    tiles = (*lead, mb, block_m, nb, block_n)
+    # Padding: invisible for "any", visible for "all" (positions past the ends do not count).
+    some = xp.pad(mask, pad, constant_values=False).reshape(tiles).any(axis=(-3, -1))
+    every = xp.pad(mask, pad, constant_values=True).reshape(tiles).all(axis=(-3, -1))
+    return xp.where(every, 2, xp.where(some, 1, 0)).astype(xp.int8)
+

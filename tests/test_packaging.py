@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted(
     p.relative_to(REPO / "cuda_src").as_posix()
     for p in (REPO / "cuda_src").rglob("*")
-    if p.is_file() and p.suffix in (".cu", ".cuh", ".h")
+    if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".inc")
 )
 PYTHON_MODULES = sorted(p.relative_to(REPO / "cuflash2").as_posix()
                         for p in (REPO / "cuflash2").rglob("*.py") if "__pycache__" not in p.parts)

@@ -1,0 +1,16 @@
+// The programmable modifiers of a specialisation (cuflash2.mask_mod / score_mod): cuflash2/mods.py
+// generates this header for each specialisation that has them (FEATURE_MASK_MOD,
+// FEATURE_SCORE_MOD), with the user's expressions inside UserMods::mask and UserMods::score. This
+// file is the default for every other kernel: never called (the variant calls UserMods only
+// under those bits), so the plain kernels do not change.
+#pragma once
+#include "user_inputs.cuh"
+
+constexpr unsigned USER_MODS_HASH = 0u;
+
+struct UserMods {
+    CF2_DEVICE static bool mask(const UserParams&, int, int, int, int) { return true; }
+    CF2_DEVICE static float score(const UserParams&, float score, int, int, int, int) {
+        return score;
+    }
+};

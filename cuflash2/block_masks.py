@@ -1,0 +1,203 @@
+"""Block masks (issue 44): a mask modifier evaluated on the GPU once into one state per tile of
+the forward kernel's own tiles, so that the kernel skips the empty tiles and runs the user's
+expression on the partial ones only.
+
+    doc = cupy.asarray(document_ids, dtype=cupy.int32)                  # (seqlen,)
+    mask = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx", doc=doc)
+    bm = cuflash2.block_mask(mask, 1, 1, seqlen, seqlen, head_dim=128, dtype="bfloat16")
+    out = cuflash2.attention(q, k, v, block_mask=bm)     # mask_mod=mask may be given too
+
+- `block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, *, head_dim=None, dtype="float16",
+  block_m=None, block_n=None)` -> `BlockMask`. `states`: int8 CuPy array (batch, nheads,
+  num_m_blocks, num_n_blocks), per tile BLOCK_MASK_EMPTY (0: no (query, key) of the tile
+  visible), BLOCK_MASK_PARTIAL (1) or BLOCK_MASK_FULL (2: every (query, key) of the tile inside
+  the sequence visible). Causal and windows are not part of it: `attention`'s causal /
+  window_size still apply on top (as they do to the mask modifier).
+- Broadcast: batch=1 (nheads=1) means the mask does not depend on `b` (`h`): the states are
+  evaluated at b = 0 (h = 0) and serve calls of any batch (any number of heads), across calls
+  and layers. Whether the expression depends on b or h is the caller's to know (not checked).
+- The tiles must be those of the kernel that will read the states: by default the mods
+  forward's tiles for `head_dim` and `dtype` on the current device
+  (`_dispatch.fwd_mods_config`); `attention` refuses a BlockMask of other tiles (ValueError).
+- `attention(q, k, v, block_mask=bm)` takes the mask modifier from `bm`; a `mask_mod=` given
+  with it must be the same modifier (the same expression and constants, the same input arrays).
+  So far `attention` only (the mma.sync forward's mods kernel; not attention_varlen, no
+  backward).
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from . import _configs
+
+__all__ = ["BlockMask", "block_mask", "tiles", "check_for_call", "same_mask_mod"]
+
+EMPTY, PARTIAL, FULL = (_configs.BLOCK_MASK_EMPTY, _configs.BLOCK_MASK_PARTIAL,
+                        _configs.BLOCK_MASK_FULL)
+
+
+class BlockMask:
+    """Per-tile states of a mask modifier (see `block_mask`): `states` (int8, (batch, nheads,
+    num_m_blocks, num_n_blocks), batch / nheads 1 where shared), `mask_mod`, the tiles
+    `block_m` x `block_n`, the lengths, and the device it lives on."""
+
+    __slots__ = ("states", "mask_mod", "block_m", "block_n", "batch", "nheads", "seqlen_q",
+                 "seqlen_k", "device_id")
+
+    def __init__(self, states, mask_mod, block_m: int, block_n: int, batch: int, nheads: int,
+                 seqlen_q: int, seqlen_k: int, device_id: int):
+        self.states = states
+        self.mask_mod = mask_mod
+        self.block_m, self.block_n = block_m, block_n
+        self.batch, self.nheads = batch, nheads
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.device_id = device_id
+
+    @property
+    def num_m_blocks(self) -> int:
+        return -(-self.seqlen_q // self.block_m)
+
+    @property
+    def num_n_blocks(self) -> int:
+        return -(-self.seqlen_k // self.block_n)
+
+    @property
+    def key(self) -> tuple:
+        """Its share of a call's signature key (the states' array enters as an array)."""
+        return ("block_mask", self.block_m, self.block_n, self.batch, self.nheads, self.seqlen_q,
+                self.seqlen_k, self.mask_mod.key)
+
+    def __repr__(self) -> str:
+        return (f"BlockMask({self.mask_mod!r}, batch={self.batch}, nheads={self.nheads}, "
+                f"seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k}, tiles={self.block_m}x"
+                f"{self.block_n})")
+
+
+def _dtype_name(dtype) -> str:
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or str(dtype)
+    name = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(name, name)
+    if name not in _configs.DTYPE_TAGS:
+        raise ValueError(f"block_mask: dtype must be one of {', '.join(_configs.DTYPE_TAGS)}; "
+                         f"got {dtype!r}")
+    return name
+
+
+def tiles(dtype, head_dim: int, arch: int) -> tuple[int, int]:
+    """(block_m, block_n) of the forward with a mask modifier for `dtype`, `head_dim` on
+    sm_`arch` (_dispatch.fwd_mods_config: the tiles a block mask must be built for)."""
+    from . import _dispatch
+
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"block_mask: head_dim must be an int > 0; got {head_dim!r}")
+    config = _dispatch.fwd_mods_config(_dtype_name(dtype), head_dim, arch)
+    return config.block_m, config.block_n
+
+
+def block_mask(mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, *,
+               head_dim: int | None = None, dtype="float16", block_m: int | None = None,
+               block_n: int | None = None) -> BlockMask:
+    """The per-tile states of `mask_mod` (a `cuflash2.mask_mod`) for calls of `batch` x `nheads`
+    x `seqlen_q` x `seqlen_k` (batch or nheads 1: shared by every batch entry / head, the mask
+    evaluated at b = 0 / h = 0), evaluated on the current device and stream. The tiles: the
+    forward's for `head_dim` and `dtype` (tiles()), or `block_m` x `block_n` as given. Module
+    docstring: cuflash2.block_mask."""
+    from . import _launch, _params, _prepare, mods
+
+    if not isinstance(mask_mod, mods.MaskMod):
+        raise TypeError(f"block_mask: mask_mod must be made by cuflash2.mask_mod(expression, "
+                        f"**inputs); got {type(mask_mod).__name__}")
+    for name, value in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q),
+                        ("seqlen_k", seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"block_mask: {name} must be an int >= 1; got {value!r}")
+    cupy = _prepare.cupy_module()
+    device_id = cupy.cuda.Device().id
+    if block_m is None or block_n is None:
+        if head_dim is None:
+            raise ValueError("block_mask: give head_dim (and dtype) for the forward's tiles, or "
+                             "block_m and block_n")
+        bm, bn = tiles(dtype, head_dim, _prepare.device_arch(device_id))
+        block_m = bm if block_m is None else block_m
+        block_n = bn if block_n is None else block_n
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"block_mask: {name} must be an int >= 1; got {value!r}")
+    for name, x in _prepare.user_mod_arrays(mask_mod, None).items():
+        if x.device.id != device_id:
+            raise ValueError(f"block_mask: {name} is on device {x.device.id}, the current "
+                             f"device is {device_id}")
+    result = BlockMask(None, mask_mod, block_m, block_n, batch, nheads, seqlen_q, seqlen_k,
+                       device_id)
+    states = cupy.empty((batch, nheads, result.num_m_blocks, result.num_n_blocks),
+                        dtype=cupy.int8)
+    header, h = mods.user_mods_header(mask_mod.source, None)
+    config = _configs.BlockMaskConfig(block_m, block_n, header, h)
+    fields = {"states": states.data.ptr, "nheads": nheads, "seqlen_q": seqlen_q,
+              "seqlen_k": seqlen_k, "num_m_blocks": result.num_m_blocks,
+              "num_n_blocks": result.num_n_blocks}
+    for i, (x, strides) in enumerate(zip(mask_mod.arrays, mask_mod.element_strides())):
+        fields[f"user.in{i}.data"] = x.data.ptr
+        fields.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
+    block = _params.ParamBlock("BlockMaskParams", fields)
+    launch = _launch.kernel_launch(config, device_id, (result.num_m_blocks, nheads, batch))
+    _launch.run(launch, block, cupy.cuda.get_current_stream().ptr, block.slot("batch_offset"))
+    result.states = states
+    return result
+
+
+def same_mask_mod(a, b) -> bool:
+    """Whether two mask modifiers are the same: the same object, or the same source (expression,
+    inputs' signatures, constants) over the same arrays (address, shape, strides)."""
+    if a is b:
+        return True
+    if a.source != b.source or len(a.arrays) != len(b.arrays):
+        return False
+    return all(x.data.ptr == y.data.ptr and x.shape == y.shape and x.strides == y.strides
+               for x, y in zip(a.arrays, b.arrays))
+
+
+def resolve(mask_mod, block_mask_):
+    """The mask modifier of a call given `block_mask=` (and maybe `mask_mod=`): the block mask's
+    own; a `mask_mod` given too must be the same (same_mask_mod), else ValueError."""
+    if not isinstance(block_mask_, BlockMask):
+        raise TypeError(f"block_mask must be made by cuflash2.block_mask(...); got "
+                        f"{type(block_mask_).__name__}")
+    if mask_mod is not None and not same_mask_mod(mask_mod, block_mask_.mask_mod):
+        raise ValueError(
+            f"block_mask was built for {block_mask_.mask_mod!r}, not for the mask_mod given "
+            f"({mask_mod!r}); pass the same modifier, or block_mask alone (it carries its "
+            "mask_mod)")
+    return block_mask_.mask_mod
+
+
+def check_for_call(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads: int,
+                   seqlen_q: int, seqlen_k: int, device_id: int) -> None:
+    """ValueError unless `bm` fits a call of batch x nheads x seqlen_q x seqlen_k on device
+    `device_id` whose kernel's tiles are block_m x block_n (batch / nheads broadcast from 1)."""
+    if (bm.block_m, bm.block_n) != (block_m, block_n):
+        raise ValueError(
+            f"block_mask was built for {bm.block_m}x{bm.block_n} tiles, the forward kernel of "
+            f"this call uses {block_m}x{block_n} tiles: build it with this call's head_dim and "
+            "dtype (cuflash2.block_mask(..., head_dim=, dtype=))")
+    for name, have, want in (("batch", bm.batch, batch), ("nheads", bm.nheads, nheads)):
+        if have not in (1, want):
+            raise ValueError(f"block_mask was built for {name}={have}, the call has "
+                             f"{name}={want} (a block mask of {name}=1 is shared by all)")
+    if (bm.seqlen_q, bm.seqlen_k) != (seqlen_q, seqlen_k):
+        raise ValueError(f"block_mask was built for seqlen_q={bm.seqlen_q}, seqlen_k="
+                         f"{bm.seqlen_k}; the call has seqlen_q={seqlen_q}, seqlen_k={seqlen_k}")
+    if bm.device_id != device_id:
+        raise ValueError(f"block_mask is on device {bm.device_id}, the call's arrays on device "
+                         f"{device_id}")
+    shape = (bm.batch, bm.nheads, bm.num_m_blocks, bm.num_n_blocks)
+    if tuple(bm.states.shape) != shape or numpy.dtype(bm.states.dtype) != numpy.int8:
+        raise ValueError(f"block_mask.states must be int8 {shape}; got "
+                         f"{bm.states.dtype} {tuple(bm.states.shape)}")
+
+
+def states_fields(bm: BlockMask) -> dict:
+    """BlockMaskStates' strides (`blocks.*` of FwdModsParams): 0 over a shared batch / head."""
+    _, h, m, n = bm.states.shape
+    return {"blocks.batch_stride": 0 if bm.batch == 1 else h * m * n,
+            "blocks.head_stride": 0 if bm.nheads == 1 else m * n, "blocks.row_stride": n}

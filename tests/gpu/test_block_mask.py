@@ -1,0 +1,137 @@
+"""Block masks (cuflash2.block_mask, issue 44): the states from the GPU kernel (block_mask.cu)
+against the NumPy reference (reference.block_mask_states) for a document mask, prefix-LM, a
+sliding window and odd lengths, per batch / head and shared; the forward with a block mask
+against the reference's dense mask (2x rule) and against the same forward without the block mask;
+the checks before a launch (the CPU suite compiles these kernels: tests/test_block_mask.py)."""
+
+import numpy
+import pytest
+from grids import DTYPES, FP16, seed_of  # tests/gpu helper
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import block_masks, reference, testing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _documents(seqlen, seed, pieces=4):
+    rng = numpy.random.default_rng(seed)
+    cuts = numpy.sort(rng.choice(numpy.arange(1, seqlen), size=min(pieces - 1, seqlen - 1),
+                                 replace=False))
+    doc = numpy.zeros(seqlen, numpy.int32)
+    for c in cuts:
+        doc[c:] += 1
+    return doc
+
+
+def _positions(sq, sk):
+    return numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+
+
+def _masks(sq, sk, seed):
+    """name -> (mask_mod, dense (seqlen_q, seqlen_k) bool) of the masks under test."""
+    qi, ki = _positions(sq, sk)
+    doc_np = _documents(max(sq, sk), seed)
+    doc = cupy.asarray(doc_np)
+    return {
+        "document": (cuflash2.mask_mod("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx", doc=doc),
+                     (doc_np[qi] == doc_np[ki]) & (ki <= qi)),
+        "prefix-lm": (cuflash2.mask_mod("kv_idx <= q_idx || kv_idx < prefix", prefix=77),
+                      (ki <= qi) | (ki < 77)),
+        "sliding-window": (cuflash2.mask_mod("kv_idx <= q_idx && q_idx - kv_idx < 100"),
+                           (ki <= qi) & (qi - ki < 100)),
+        "document-noncausal": (cuflash2.mask_mod("doc[q_idx] == doc[kv_idx]", doc=doc),
+                               doc_np[qi] == doc_np[ki]),
+    }
+
+
+LENGTHS = [(64, 64), (300, 300), (257, 131), (97, 513)]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("name", ["document", "prefix-lm", "sliding-window",
+                                  "document-noncausal"])
+def test_states_equal_reference(name, lengths):
+    sq, sk = lengths
+    mm, dense = _masks(sq, sk, seed_of(lengths, name))[name]
+    bm = cuflash2.block_mask(mm, 1, 1, sq, sk, head_dim=128)
+    assert bm.states.dtype == cupy.int8
+    expected = reference.block_mask_states(dense, bm.block_m, bm.block_n)
+    numpy.testing.assert_array_equal(cupy.asnumpy(bm.states)[0, 0], expected)
+
+
+def test_states_per_batch_and_head():
+    sq = sk = 200
+    doc = numpy.stack([_documents(sq, s) for s in range(3)])  # (batch, seqlen)
+    mm = cuflash2.mask_mod("doc(b, q_idx) == doc(b, kv_idx) && kv_idx <= q_idx + h",
+                           doc=cupy.asarray(doc))
+    bm = cuflash2.block_mask(mm, 3, 2, sq, sk, block_m=64, block_n=64)
+    qi, ki = _positions(sq, sk)
+    dense = numpy.stack([numpy.stack([(doc[b][qi] == doc[b][ki]) & (ki <= qi + h)
+                                      for h in range(2)]) for b in range(3)])
+    numpy.testing.assert_array_equal(cupy.asnumpy(bm.states),
+                                     reference.block_mask_states(dense, 64, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("name", ["document", "prefix-lm", "sliding-window",
+                                  "document-noncausal"])
+@pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 257, 513, 2, 2)])
+def test_forward_with_block_mask(dtype, headdim, name, shape):
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, name, str(dtype))
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
+    mm, dense = _masks(sq, sk, seed)[name]
+    bm = cuflash2.block_mask(mm, 1, 1, sq, sk, head_dim=headdim, dtype=dtype)
+    out, lse = cuflash2.attention(q, k, v, block_mask=bm, return_lse=True)
+    results = testing.check_forward(q, k, v, out, lse, mask=cupy.asarray(dense))
+    assert all(r.ok for r in results), [str(r) for r in results]
+    # The same as the mask modifier alone (the user's mask on every tile).
+    out2, lse2 = cuflash2.attention(q, k, v, mask_mod=mm, return_lse=True)
+    cupy.testing.assert_allclose(out.astype(cupy.float32), out2.astype(cupy.float32),
+                                 atol=2e-3, rtol=0)
+    cupy.testing.assert_allclose(lse, lse2, atol=1e-4, rtol=0)
+    # mask_mod given too: the same modifier is accepted.
+    out3 = cuflash2.attention(q, k, v, mask_mod=mm, block_mask=bm)
+    cupy.testing.assert_array_equal(out3, out)
+
+
+def test_forward_with_block_mask_and_causal():
+    q, k, v = testing.random_qkv(cupy, 1, 300, 300, 2, 2, 64, FP16, 5)
+    mm, dense = _masks(300, 300, 5)["document-noncausal"]
+    bm = cuflash2.block_mask(mm, 1, 1, 300, 300, head_dim=64, dtype="float16")
+    out, lse = cuflash2.attention(q, k, v, block_mask=bm, causal=True, return_lse=True)
+    results = testing.check_forward(q, k, v, out, lse, mask=cupy.asarray(dense), causal=True)
+    assert all(r.ok for r in results), [str(r) for r in results]
+
+
+def test_forward_rows_without_keys():
+    # Every tile empty for the second half of the queries: out 0, lse +inf.
+    q, k, v = testing.random_qkv(cupy, 1, 256, 256, 2, 2, 64, FP16, 6)
+    mm = cuflash2.mask_mod("q_idx < 128 && kv_idx <= q_idx")
+    bm = cuflash2.block_mask(mm, 1, 1, 256, 256, head_dim=64, dtype="float16")
+    assert (cupy.asnumpy(bm.states)[0, 0, 2:] == block_masks.EMPTY).all()
+    out, lse = cuflash2.attention(q, k, v, block_mask=bm, return_lse=True)
+    assert not cupy.asnumpy(out[:, 128:]).any()
+    assert numpy.isposinf(cupy.asnumpy(lse[:, :, 128:])).all()
+
+
+def test_checks_before_launch():
+    q, k, v = testing.random_qkv(cupy, 2, 300, 300, 4, 4, 64, FP16, 7)
+    mm, _ = _masks(300, 300, 7)["sliding-window"]
+    with pytest.raises(ValueError, match="seqlen_q=200"):
+        cuflash2.attention(q, k, v, block_mask=cuflash2.block_mask(mm, 1, 1, 200, 300,
+                                                                   head_dim=64))
+    with pytest.raises(ValueError, match="tiles"):
+        cuflash2.attention(q, k, v, block_mask=cuflash2.block_mask(mm, 1, 1, 300, 300,
+                                                                   block_m=128, block_n=64))
+    with pytest.raises(ValueError, match="batch=3"):
+        cuflash2.attention(q, k, v, block_mask=cuflash2.block_mask(mm, 3, 1, 300, 300,
+                                                                   head_dim=64))
+    other, _ = _masks(300, 300, 7)["prefix-lm"]
+    with pytest.raises(ValueError, match="block_mask was built for"):
+        cuflash2.attention(q, k, v, mask_mod=other,
+                           block_mask=cuflash2.block_mask(mm, 1, 1, 300, 300, head_dim=64))

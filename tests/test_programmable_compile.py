@@ -1,0 +1,400 @@
+"""Programmable masks and score modifiers (cuflash2.mods, issue 44) on the CPU: NVRTC compiles the
+mma.sync forward, backward and deterministic dQ kernels with user expressions (no spills,
+ptxas report), the generated header and its hash, the dispatch (every architecture: the
+mma.sync kernels), the plans' structs, and the error paths (names, inputs, compile errors
+showing the user's line, the backward's refusal of a score modifier without a derivative).
+"""
+
+import types
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy
+import pytest
+
+import cuflash2
+from cuflash2 import _compile, _configs, _dispatch, _params, _validate, mods
+
+DOC = mods.ModSource("mask_mod", "doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx",
+                     inputs=(mods.InputSignature("doc", "int32", 1),))
+# Prefix-LM with the prefix length a Python int, baked in as a constant (mods docstring).
+PREFIX_LM = mods.ModSource("mask_mod", "kv_idx <= q_idx || kv_idx < prefix_len",
+                           constants=(("prefix_len", "int", "2048"),))
+# The same with the length read per call from a 1-element array.
+PREFIX_LM_ARRAY = mods.ModSource("mask_mod", "kv_idx <= q_idx || kv_idx < prefix[0]",
+                                 inputs=(mods.InputSignature("prefix", "int32", 1),))
+REL_POS = mods.ModSource("score_mod", "score + table(h, q_idx - kv_idx + 1023)",
+                         inputs=(mods.InputSignature("table", "float32", 2),))
+SOFTCAP_LIKE = mods.ModSource("score_mod", "12.f * tanhf(score / 12.f)",
+                              grad="1.f - (tanhf(score / 12.f) * tanhf(score / 12.f))")
+
+# (mask, score) pairs: each expression of the brief, mask and score modifier compiled together
+# (both code paths in one kernel), and each kind alone once.
+PAIRS = [(DOC, REL_POS), (PREFIX_LM, SOFTCAP_LIKE)]
+CASES = [(mask, score, dtype, d, arch) for mask, score in PAIRS for dtype in ("float16", "bfloat16")
+         for d in (64, 128) for arch in (80, 90)]
+CASES += [(DOC, None, "float16", 128, 80), (None, SOFTCAP_LIKE, "bfloat16", 64, 90),
+          (PREFIX_LM_ARRAY, None, "bfloat16", 128, 90)]
+
+
+# The README's test run compiles one case of each kernel (the first pair at fp16, d=128,
+# sm_90); `--exhaustive` (.ci/run's second step) compiles every case (tests/conftest.py).
+SAMPLE = (DOC, REL_POS, "float16", 128, 90)
+
+
+def _params_of(cases, ids):
+    return [pytest.param(i, id=name, marks=() if case[-5:] == SAMPLE else pytest.mark.exhaustive)
+            for i, (case, name) in enumerate(zip(cases, ids))]
+
+
+def _selected(config, cases):
+    """The indices of the cases this run compiles (all with --exhaustive, else the sample)."""
+    every = config.getoption("--exhaustive")
+    return [i for i, case in enumerate(cases) if every or case[-5:] == SAMPLE]
+
+
+def _config(mask, score, dtype, d, arch):
+    return mods.forward_config(_dispatch.fwd_mods_config(dtype, d, arch), mask, score)
+
+
+def _bwd_config(mask, score, dtype, d, arch, deterministic=False):
+    return mods.backward_config(_dispatch.bwd_mods_config(dtype, d, arch, deterministic), mask,
+                                score)
+
+
+def _dq_config(mask, score, dtype, d, arch):
+    return mods.dq_config(_dispatch.bwd_dq_config(dtype, d, arch), mask, score)
+
+
+def _report(case):
+    mask, score, dtype, d, arch = case
+    return _compile.compile_report(_config(mask, score, dtype, d, arch), arch)
+
+
+# The backward: the main kernel (atomic dQ and deterministic) and the dQ kernel, each case of
+# the forward's.
+KERNELS = ("bwd", "bwd-det", "dq")
+BWD_CASES = [(kernel, *case) for case in CASES for kernel in KERNELS]
+
+
+def _bwd_report(case):
+    kernel, mask, score, dtype, d, arch = case
+    if kernel == "dq":
+        config = _dq_config(mask, score, dtype, d, arch)
+    else:
+        config = _bwd_config(mask, score, dtype, d, arch, kernel == "bwd-det")
+    return _compile.compile_report(config, arch)
+
+
+@pytest.fixture(scope="module")
+def reports(request):
+    indices = _selected(request.config, CASES)
+    with ProcessPoolExecutor(2) as pool:
+        return dict(zip(indices, pool.map(_report, [CASES[i] for i in indices])))
+
+
+@pytest.mark.parametrize("index", _params_of(
+    CASES, [f"{m.kind if m else '-'}+{s.kind if s else '-'}-{dt}-d{d}-sm{a}"
+            for m, s, dt, d, a in CASES]))
+def test_forward_with_user_mods_compiles_without_spills(reports, index):
+    report = reports[index]
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert report.registers <= 255
+    assert not report.odd_descriptors, report.odd_descriptors
+    mask, score = CASES[index][:2]
+    assert report.name_expression.startswith("flash_fwd_mods_kernel<")
+
+
+@pytest.fixture(scope="module")
+def bwd_reports(request):
+    indices = _selected(request.config, BWD_CASES)
+    with ProcessPoolExecutor(2) as pool:
+        return dict(zip(indices, pool.map(_bwd_report, [BWD_CASES[i] for i in indices])))
+
+
+@pytest.mark.parametrize("index", _params_of(
+    BWD_CASES, [f"{k}-{m.kind if m else '-'}+{s.kind if s else '-'}-{dt}-d{d}-sm{a}"
+                for k, m, s, dt, d, a in BWD_CASES]))
+def test_backward_with_user_mods_compiles_without_spills(bwd_reports, index):
+    report = bwd_reports[index]
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert report.registers <= 255
+    assert not report.odd_descriptors, report.odd_descriptors
+    kernel = BWD_CASES[index][0]
+    expected = "flash_bwd_dq_mods_kernel<" if kernel == "dq" else "flash_bwd_mods_kernel<"
+    assert report.name_expression.startswith(expected)
+    if kernel == "bwd-det":
+        assert ", false, " in report.name_expression  # no dQ atomics
+
+
+def test_backward_configs_carry_the_header():
+    config = _bwd_config(DOC, REL_POS, "float16", 128, 80)
+    forward = _config(DOC, REL_POS, "float16", 128, 80)
+    assert isinstance(config, _configs.BwdModsConfig)
+    assert config.mods_hash == forward.mods_hash and config.user_mods == forward.user_mods
+    assert config.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD
+    assert f"{config.mods_hash:#010x}u>" in config.name_expression
+    assert "score_grad" in config.user_mods  # the derivative, 1.f for the additive form
+    dq = _dq_config(DOC, REL_POS, "bfloat16", 64, 90)
+    assert isinstance(dq, _configs.BwdDqModsConfig) and dq.mods_hash == config.mods_hash
+    # The tile: 64 x 64 steps, 8 warps, at every head dim (bwd_mods_config's table).
+    assert (config.block_m, config.block_n, config.num_warps) == (64, 64, 8)
+    small = _dispatch.bwd_mods_config("float16", 64, 80)
+    assert (small.block_m, small.block_n, small.num_warps) == (64, 64, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The additive bias as the kernels take it (cuflash2._bias): a score modifier.
+
+BIAS = mods.ModSource("score_mod", "score + cf2_bias(b, h, q_idx, kv_idx)", "1.f",
+                      (mods.InputSignature("cf2_bias", "float32", 4),))
+
+
+def test_bias_is_a_score_modifier_composed_before_the_users():
+    from cuflash2 import _bias
+
+    view = _FakeArray("float32", (2, 4, 8, 8))
+    alone = _bias.score_mod_with_bias(view, None)
+    assert alone.source == BIAS and alone.arrays == (view,)
+    user = cuflash2.score_mod("12.f * tanhf(score / 12.f)", grad="1.f - tanhf(score) * score_x",
+                              score_x=2.0)
+    both = _bias.score_mod_with_bias(view, user)
+    biased = "(score + cf2_bias(b, h, q_idx, kv_idx))"
+    assert both.source.expression == f"12.f * tanhf({biased} / 12.f)"
+    assert both.source.grad == f"1.f - tanhf({biased}) * score_x"  # other names kept
+    assert both.source.inputs[-1].name == "cf2_bias" and both.arrays[-1] is view
+    # an additive user modifier keeps derivative 1 at the biased score
+    additive = _bias.score_mod_with_bias(view, cuflash2.score_mod("score - 0.5f"))
+    assert additive.source.grad == "1.f"
+
+
+def test_bias_gradient_kernel_compiles_without_spills():
+    """The backward main kernel that writes dbias (FEATURE_BIAS_GRAD) at the README's sample
+    (fp16, d=128, sm_90); every head dim and architecture with --exhaustive."""
+    import dataclasses
+
+    base = _dispatch.bwd_mods_config("float16", 128, 90)
+    base = dataclasses.replace(base, features=base.features | _configs.FEATURE_BIAS_GRAD)
+    config = mods.backward_config(base, None, BIAS)
+    assert "dbias" in _configs.describe(config)
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128])
+def test_bias_kernels_compile_without_spills_every_head_dim(arch, headdim):
+    import dataclasses
+
+    fwd = mods.forward_config(_dispatch.fwd_mods_config("bfloat16", headdim, arch), None, BIAS)
+    base = _dispatch.bwd_mods_config("bfloat16", headdim, arch)
+    bwd = mods.backward_config(
+        dataclasses.replace(base, features=base.features | _configs.FEATURE_BIAS_GRAD), None,
+        BIAS)
+    for config in (fwd, bwd):
+        report = _compile.compile_report(config, arch)
+        assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
+def test_dispatch_sends_user_mods_to_the_mma_sync_backward_on_every_arch():
+    q = numpy.zeros((2, 4096, 8, 128), numpy.float16)
+    problem = _validate.check_attention_inputs(q, q, q)
+    features = _configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD
+    for arch in _configs.CPU_TEST_ARCHS:
+        for deterministic in (False, True):
+            choice = _dispatch.backward_kernels(problem, features, deterministic, arch, {}, None,
+                                                (-1, 0), user_mods=(DOC, REL_POS))
+            assert not choice.hopper
+            assert isinstance(choice.config, _configs.BwdModsConfig)
+            assert choice.config.compute_dq is not deterministic
+            assert choice.config.features == features
+            if deterministic:
+                assert isinstance(choice.dq_config, _configs.BwdDqModsConfig)
+                assert choice.dq_config.features == features
+            else:
+                assert choice.dq_config is None
+
+
+def test_bwd_mods_params_layout():
+    bwd, mods_params = _params.layout("BwdParams"), _params.layout("BwdModsParams")
+    assert mods_params.offsets["base.q"] == 0
+    assert mods_params.offsets["user.in0.data"] >= bwd.size
+    assert mods_params.offsets["score_scale"] > mods_params.offsets["user.in7.stride3"]
+
+
+def test_header_hash_names_the_kernel():
+    a = _config(DOC, None, "float16", 64, 80)
+    b = _config(DOC, None, "float16", 64, 80)
+    c = _config(PREFIX_LM, None, "float16", 64, 80)
+    d = _config(DOC, REL_POS, "float16", 64, 80)
+    assert a == b and a.name_expression == b.name_expression
+    assert len({a.name_expression, c.name_expression, d.name_expression}) == 3
+    assert f"{a.mods_hash:#010x}u" in a.user_mods  # USER_MODS_HASH, checked by a static_assert
+    assert a.features == _configs.FEATURE_MASK_MOD
+    assert d.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD
+    # Another dtype of the input is another specialisation.
+    e = _config(mods.ModSource("mask_mod", DOC.expression,
+                               inputs=(mods.InputSignature("doc", "int64", 1),)),
+                None, "float16", 64, 80)
+    assert e.name_expression != a.name_expression
+    # The plain kernels' source has the default user_mods.cuh (never called).
+    plain = _compile.specialisation_source(_dispatch.fwd_config("float16", 64, 80))
+    assert "USER_MODS_HASH = 0u" in plain and "doc[q_idx]" not in plain
+    assert "doc[q_idx]" in _compile.specialisation_source(a)
+
+
+def test_inputs_take_slots_in_order():
+    header, _ = mods.user_mods_header(DOC, REL_POS)
+    assert "UserArray1<int> doc(cf2_user.in0)" in header
+    assert "UserArray2<float> table(cf2_user.in1)" in header
+    header, _ = mods.user_mods_header(PREFIX_LM, None)
+    assert "constexpr int prefix_len = 2048;" in header
+
+
+def test_dispatch_sends_user_mods_to_the_mma_sync_forward_on_every_arch():
+    q = numpy.zeros((2, 4096, 8, 128), numpy.float16)
+    problem = _validate.check_attention_inputs(q, q, q)
+    for arch in _configs.CPU_TEST_ARCHS:
+        choice = _dispatch.forward_kernel(problem, _configs.FEATURE_MASK_MOD, (-1, 0), arch, {},
+                                          None, 0, user_mods=(DOC, None))
+        assert not choice.hopper
+        assert isinstance(choice.config, _configs.FwdModsConfig)
+        assert choice.grid == (4096 // choice.config.block_m, 8, 2)
+    # Without them, sm_90 still takes the Hopper kernel's config for this call.
+    assert _dispatch.hopper_forward_config(problem, 0, (-1, 0), 90) is not None
+    assert _dispatch.hopper_forward_config(problem, _configs.FEATURE_MASK_MOD, (-1, 0), 90) is None
+
+
+def test_mods_params_layout():
+    fwd, mods_params = _params.layout("FwdParams"), _params.layout("FwdModsParams")
+    assert mods_params.offsets["base.q"] == 0
+    assert mods_params.offsets["user.in0.data"] >= fwd.size
+    assert "user.in7.stride3" in mods_params.offsets
+
+
+def test_score_derivative_rule():
+    assert mods.score_derivative("score + table(h, q_idx)", None) == "1.f"
+    assert mods.score_derivative("  score + bias[kv_idx]  ", None) == "1.f"
+    assert mods.score_derivative("score + score_table[h]", None) == "1.f"  # another identifier
+    assert mods.score_derivative("score + 0.5f * score", None) is None
+    assert mods.score_derivative("2.f * score", None) is None
+    assert mods.score_derivative("2.f * score", "2.f") == "2.f"
+    # score - <...>, and tails that bind as one operand of the + or -
+    assert mods.score_derivative("score - 0.01f * (q_idx - kv_idx)", None) == "1.f"
+    assert mods.score_derivative("score + (q_idx > kv_idx ? 1.f : 0.f)", None) == "1.f"
+    assert mods.score_derivative("score + p->x", None) == "1.f"
+    # (score + a) ? b : c, (score - a) < b, score++ : not the additive form
+    assert mods.score_derivative("score + a ? b : c", None) is None
+    assert mods.score_derivative("score - a < b", None) is None
+    assert mods.score_derivative("score++", None) is None
+    assert mods.score_derivative("score + a, b", None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Error paths
+
+
+class _FakeArray:
+    """A stand-in for a CuPy array (no CuPy on the CPU test machine)."""
+
+    def __init__(self, dtype, shape):
+        self.dtype = numpy.dtype(dtype)
+        self.shape = shape
+        self.ndim = len(shape)
+        self.size = int(numpy.prod(shape))
+        self.itemsize = self.dtype.itemsize
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    monkeypatch.setattr(mods, "_cupy", lambda: types.SimpleNamespace(ndarray=_FakeArray))
+
+
+def test_valid_inputs(fake_cupy):
+    m = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx]", doc=_FakeArray("int32", (10,)))
+    assert m.source.inputs == (mods.InputSignature("doc", "int32", 1),)
+    s = cuflash2.score_mod("score + t(h, q_idx, kv_idx)", t=_FakeArray("float16", (2, 3, 4)),
+                           scale=0.5, n=3, flag=True)
+    assert s.source.constants == (("scale", "float", "0.5f"), ("n", "int", "3"),
+                                  ("flag", "bool", "true"))
+    assert s.derivative == "1.f"
+
+
+@pytest.mark.parametrize("name", ["1x", "a-b", "x y"])
+def test_bad_identifier(fake_cupy, name):
+    with pytest.raises(ValueError, match="not a valid C identifier"):
+        cuflash2.mask_mod("q_idx < 3", **{name: 1})
+
+
+@pytest.mark.parametrize("name", ["q_idx", "kv_idx", "b", "h", "score", "int", "return",
+                                  "cf2_user", "UserMods", "threadIdx"])
+def test_reserved_name(fake_cupy, name):
+    with pytest.raises(ValueError, match=f"input name '{name}' is reserved"):
+        cuflash2.mask_mod("q_idx < 3", **{name: 1})
+
+
+def test_wrong_input_dtype_and_type(fake_cupy):
+    with pytest.raises(TypeError, match="doc has dtype float64"):
+        cuflash2.mask_mod("doc[q_idx] > 0", doc=_FakeArray("float64", (4,)))
+    with pytest.raises(TypeError, match="numpy array"):
+        cuflash2.mask_mod("doc[q_idx] > 0", doc=numpy.zeros(4, numpy.int32))
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        cuflash2.mask_mod("doc[q_idx] > 0", doc=[1, 2])
+    with pytest.raises(ValueError, match="1 to 4 dims"):
+        cuflash2.mask_mod("doc(q_idx) > 0", doc=_FakeArray("int32", (1, 1, 1, 1, 1)))
+    with pytest.raises(ValueError, match="one expression"):
+        cuflash2.mask_mod("true; }")
+    with pytest.raises(TypeError, match="string"):
+        cuflash2.score_mod(lambda s: s)
+
+
+def test_too_many_inputs_together():
+    inputs = tuple(mods.InputSignature(f"x{i}", "int32", 1) for i in range(5))
+    a = mods.ModSource("mask_mod", "true", inputs=inputs)
+    b = mods.ModSource("score_mod", "score", inputs=inputs)
+    with pytest.raises(ValueError, match="10 array inputs together; at most 8"):
+        mods.user_mods_header(a, b)
+
+
+def test_compile_error_shows_the_users_line():
+    bad = mods.ModSource("mask_mod", "doc[q_idx] == doc[kv_idx] && nope",
+                         inputs=(mods.InputSignature("doc", "int32", 1),))
+    config = _config(bad, REL_POS, "float16", 64, 80)
+    with pytest.raises(mods.ModCompileError) as info:
+        _compile.compile_report(config, 80)
+    message = str(info.value)
+    assert "doc[q_idx] == doc[kv_idx] && nope" in message  # the expression
+    assert "mask_mod(1)" in message and '"nope" is undefined' in message  # NVRTC on its line
+    assert "score + table(h, q_idx - kv_idx + 1023)" in message  # the other one, for context
+    assert "flash_fwd_body" not in message and len(message) < 3000  # not the whole kernel
+
+
+def test_compile_error_in_the_score_grad():
+    bad = mods.ModSource("score_mod", "score * 2.f", grad="2.f * undefined_thing")
+    with pytest.raises(mods.ModCompileError, match="score_mod_grad"):
+        _compile.compile_report(_config(None, bad, "float16", 64, 80), 80)
+
+
+def test_backward_refuses_a_score_mod_without_derivative():
+    # Checked before any array is looked at (no CuPy here): nothing is launched.
+    no_grad = cuflash2.score_mod("2.f * score")
+    for call in (lambda kw: cuflash2.attention_backward(None, None, None, None, None, None, **kw),
+                 lambda kw: cuflash2.attention_vjp(None, None, None, **kw),
+                 lambda kw: cuflash2.attention_varlen_backward(None, None, None, None, None, None,
+                                                               None, None, 1, 1, **kw)):
+        with pytest.raises(ValueError, match=r"score_mod .*pass grad="):
+            call({"score_mod": no_grad})
+        with pytest.raises(TypeError, match="cuflash2.mask_mod"):
+            call({"mask_mod": object()})
+        with pytest.raises(NotImplementedError, match="dropout"):
+            call({"score_mod": cuflash2.score_mod("score + 1.f"), "dropout_p": 0.1,
+                  "seed": 1})
+    with pytest.raises(ValueError, match="pass grad="):
+        mods.backward_config(_dispatch.bwd_config("float16", 64, 80), None, no_grad.source)
+
+
+def test_wrong_mod_type_is_refused_before_anything_else():
+    with pytest.raises(TypeError, match="cuflash2.mask_mod"):
+        cuflash2.attention(None, None, None, mask_mod="doc[q_idx] == 0")
+    with pytest.raises(TypeError, match="cuflash2.score_mod"):
+        cuflash2.attention(None, None, None, score_mod=lambda s: s)
