@@ -267,10 +267,20 @@ def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False
     above d=128 the dK/dV/dQ columns are split in two chunks (grid.x) when that is needed.
     """
     d = kernel_head_dim(head_dim)
-    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     # 128-query steps where the accumulators allow it (d <= 64): half the steps, same atomics.
     shapes = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 2), (64, 64, 8, 1),
               (32, 64, 4, 1), (32, 32, 4, 1)]
+    config = _first_backward_tile(dtype, d, arch, deterministic, shapes)
+    if config is None:
+        raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
+    return config
+
+
+def _first_backward_tile(dtype: str, d: int, arch: int, deterministic: bool, shapes):
+    """The first (block_m, block_n, warps, Q stages) of `shapes` (each with the whole head dim
+    d, then above d=128 with half of it a chunk) that has a warp grid for every phase, keeps its
+    accumulators in registers and fits one CTA per SM; None where none does."""
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     chunks = [d] if d <= 128 else [d, d // 2]
     for block_m, block_n, warps, stages in shapes:
         for d_chunk in chunks:
@@ -279,7 +289,7 @@ def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False
             if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
                     and config.smem_bytes + 1024 <= smem_per_sm):
                 return config
-    raise AssertionError(f"no backward tile fits head dim {d} on sm_{arch}")
+    return None
 
 
 def bwd_mods_config(dtype: str, head_dim: int, arch: int,
@@ -304,16 +314,10 @@ def bwd_mods_config(dtype: str, head_dim: int, arch: int,
 
     Not yet timed on a GPU."""
     d = kernel_head_dim(head_dim)
-    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
-    chunks = [d] if d <= 128 else [d, d // 2]
-    for block_m, block_n, warps, stages in ((64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 4, 1),
-                                            (32, 32, 4, 1)):
-        for d_chunk in chunks:
-            config = BwdConfig(dtype, d, d_chunk, block_m, block_n, warps, stages,
-                               not deterministic)
-            if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
-                    and config.smem_bytes + 1024 <= smem_per_sm):
-                return config
+    config = _first_backward_tile(dtype, d, arch, deterministic, (
+        (64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 4, 1), (32, 32, 4, 1)))
+    if config is not None:
+        return config
     raise AssertionError(f"no backward tile with programmable modifiers fits head dim {d} on "
                          f"sm_{arch}")
 

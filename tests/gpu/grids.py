@@ -85,3 +85,17 @@ def paged_cache(k_cache, v_cache, page_size, rng):
             k_paged[int(order[b, j])] = k_cache[b, rows]
             v_paged[int(order[b, j])] = v_cache[b, rows]
     return k_paged, v_paged, cupy.asarray(order.astype(numpy.int32))
+
+
+def varlen_inputs(cupy, lengths_q, lengths_k, nheads, nheads_kv, headdim, dtype, seed):
+    """Packed variable-length inputs: q, k, v and dout (standard normal, in that order from
+    one generator of `seed`), cu_seqlens_q / _k (int32) and max_seqlen_q / _k."""
+    rng = numpy.random.default_rng(seed)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = cupy.asarray(rng.standard_normal((total_q, nheads, headdim)).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((total_k, nheads_kv, headdim)).astype(dtype))
+    v = cupy.asarray(rng.standard_normal((total_k, nheads_kv, headdim)).astype(dtype))
+    dout = cupy.asarray(rng.standard_normal((total_q, nheads, headdim)).astype(dtype))
+    cu_q = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_q)]).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_k)]).astype(numpy.int32))
+    return q, k, v, dout, cu_q, cu_k, max(lengths_q), max(lengths_k)

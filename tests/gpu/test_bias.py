@@ -7,7 +7,7 @@ an Evoformer-like pair bias, and the refusals before any launch."""
 
 import numpy
 import pytest
-from grids import DTYPES, seed_of  # tests/gpu helper
+from grids import DTYPES, seed_of, varlen_inputs  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -127,17 +127,10 @@ def test_bias_deterministic(dtype):
 def test_varlen_bias(dtype):
     lengths_q, lengths_k, h, hk, d = [97, 1, 0, 200, 64], [97, 1, 0, 150, 80], 4, 2, 64
     seed = seed_of("varlen-bias", str(dtype))
-    rng = numpy.random.default_rng(seed)
-    tq, tk = sum(lengths_q), sum(lengths_k)
-    q = cupy.asarray(rng.standard_normal((tq, h, d)).astype(dtype))
-    k = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
-    v = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
-    dout = cupy.asarray(rng.standard_normal((tq, h, d)).astype(dtype))
-    cu_q = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_q)]).astype(numpy.int32))
-    cu_k = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_k)]).astype(numpy.int32))
-    max_q, max_k = max(lengths_q), max(lengths_k)
-    bias = cupy.asarray(rng.standard_normal((len(lengths_q), 1, max_q, max_k))
-                        .astype(numpy.float32))
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = varlen_inputs(cupy, lengths_q, lengths_k, h, hk, d,
+                                                            dtype, seed)
+    bias = cupy.asarray(numpy.random.default_rng(seed + 7)
+                        .standard_normal((len(lengths_q), 1, max_q, max_k)).astype(numpy.float32))
     args = (q, k, v, cu_q, cu_k, max_q, max_k)
     out, lse = cuflash2.attention_varlen(*args, causal=True, bias=bias, return_lse=True)
     grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,

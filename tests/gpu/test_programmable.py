@@ -6,7 +6,7 @@ GQA, varlen (the CPU suite compiles these kernels: tests/test_programmable_compi
 
 import numpy
 import pytest
-from grids import DTYPES, seed_of  # tests/gpu helper
+from grids import DTYPES, seed_of, varlen_inputs  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -153,14 +153,8 @@ def test_rows_left_without_keys(dtype, sinks):
 def test_varlen_document_mask_and_score_mod(dtype):
     lengths_q, lengths_k, h, hk, d = [97, 1, 0, 300, 64], [97, 1, 0, 250, 80], 4, 2, 64
     seed = seed_of("varlen-mods", str(dtype))
-    rng = numpy.random.default_rng(seed)
-    tq, tk = sum(lengths_q), sum(lengths_k)
-    q = cupy.asarray(rng.standard_normal((tq, h, d)).astype(dtype))
-    k = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
-    v = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
-    cu_q = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_q)]).astype(numpy.int32))
-    cu_k = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_k)]).astype(numpy.int32))
-    max_q, max_k = max(lengths_q), max(lengths_k)
+    q, k, v, _, cu_q, cu_k, max_q, max_k = varlen_inputs(cupy, lengths_q, lengths_k, h, hk, d,
+                                                         dtype, seed)
     batch = len(lengths_q)
     # Per-sequence document ids, (batch, max length): b and the in-sequence positions.
     docs_np = numpy.stack([_documents(max(max_q, max_k), seed + b) for b in range(batch)])
@@ -300,15 +294,8 @@ def test_backward_score_mod_with_softcap_and_alibi(dtype):
 def test_backward_varlen_document_mask_and_score_mod(dtype, deterministic):
     lengths_q, lengths_k, h, hk, d = [97, 1, 0, 300, 64], [97, 1, 0, 250, 80], 4, 2, 64
     seed = seed_of("varlen-mods-bwd", str(dtype), deterministic)
-    rng = numpy.random.default_rng(seed)
-    tq, tk = sum(lengths_q), sum(lengths_k)
-    q = cupy.asarray(rng.standard_normal((tq, h, d)).astype(dtype))
-    k = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
-    v = cupy.asarray(rng.standard_normal((tk, hk, d)).astype(dtype))
-    dout = cupy.asarray(rng.standard_normal((tq, h, d)).astype(dtype))
-    cu_q = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_q)]).astype(numpy.int32))
-    cu_k = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_k)]).astype(numpy.int32))
-    max_q, max_k = max(lengths_q), max(lengths_k)
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = varlen_inputs(cupy, lengths_q, lengths_k, h, hk, d,
+                                                            dtype, seed)
     batch = len(lengths_q)
     docs_np = numpy.stack([_documents(max(max_q, max_k), seed + b) for b in range(batch)])
     mm = cuflash2.mask_mod("docs(b, q_idx) == docs(b, kv_idx)", docs=cupy.asarray(docs_np))

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy
 import pytest
-from grids import DTYPES, seed_of, switched  # tests/gpu helper
+from grids import DTYPES, seed_of, switched, varlen_inputs  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -33,15 +33,7 @@ OPTIONS = {
 
 def _inputs(layout, headdim, dtype, seed):
     lengths_q, lengths_k, h, hk = LAYOUTS[layout]
-    rng = numpy.random.default_rng(seed)
-    total_q, total_k = sum(lengths_q), sum(lengths_k)
-    q = cupy.asarray(rng.standard_normal((total_q, h, headdim)).astype(dtype))
-    k = cupy.asarray(rng.standard_normal((total_k, hk, headdim)).astype(dtype))
-    v = cupy.asarray(rng.standard_normal((total_k, hk, headdim)).astype(dtype))
-    dout = cupy.asarray(rng.standard_normal((total_q, h, headdim)).astype(dtype))
-    cu_q = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_q)]).astype(numpy.int32))
-    cu_k = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths_k)]).astype(numpy.int32))
-    return q, k, v, dout, cu_q, cu_k, max(lengths_q), max(lengths_k)
+    return varlen_inputs(cupy, lengths_q, lengths_k, h, hk, headdim, dtype, seed)
 
 
 def _options(name, batch, nheads, seed):
