@@ -89,11 +89,14 @@
 // One work tile of a consumer warpgroup (warpgroup 1 + c owns rows 64 c .. 64 c + 63 of it):
 // the FA2 loop over its KV tiles from ring position ring0 on (consume_kv_tiles), then the
 // epilogue (store_tile). q_round: the how-many-th Q of this CTA the tile's Q is.
-template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT>
+// `user`: the programmable modifiers' inputs (UserParams, the mods kernel's) or NoUserInputs.
+template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
+          class User>
 CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
                              const FwdTileContext& c, int head_chunks, int ring0, int q_round,
                              int consumer, u32 q_smem, u32 kv_smem, u32 o_smem,
-                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
+                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
+                             const User& user) {
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     consume_kv_tiles<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
         p, vis, c, ring0, q_round, consumer, q_smem, kv_smem, bars,
@@ -101,7 +104,8 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
             float (&row_lse)[2]) {
             store_tile<Elem, T, PERSISTENT, VARLEN>(p, c, acc_o, softmax, inv_sum, row_lse,
                                                     head_chunks, consumer, o_smem);
-        });
+        },
+        user);
 }
 
 // PINGPONG: the consumers take turns on the tensor cores (one's softmax under the other's GEMMs;
@@ -124,90 +128,23 @@ template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, boo
 __global__ void __launch_bounds__(
     FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
-    using T = FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>;
-    constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
-    static_assert((FEATURES & FEATURE_DROPOUT) == 0, "dropout runs on the mma.sync kernel");
-    static_assert(!(VARLEN && PERSISTENT), "varlen runs on the one-tile-per-CTA grid");
-    static_assert(!PINGPONG || T::CONSUMER_WARPGROUPS == 2, "ping-pong takes two consumers");
-    const FwdParams& p = params.base;
+    const NoUserInputs user{};
+#include "flash_fwd_sm90_body.inc"
+}
 
-    extern __shared__ unsigned char smem[];
-    static_assert(!CLAIMS || PERSISTENT, "tiles are claimed on the persistent grid");
-    __shared__ FwdSm90ClaimBarriers<STAGES, OVERLAP, PERSISTENT, CLAIMS> bars;
-    const u32 smem_base = (smem_address(smem) + T::SMEM_ALIGN - 1) & ~(T::SMEM_ALIGN - 1u);
-    const u32 q_smem = smem_base;
-    const u32 kv_smem = q_smem + T::Q_BYTES;  // stage s: K at + s * STAGE_BYTES, V after it
-    // O is staged in the Q buffer, or after the ring in a buffer of its own (PERSISTENT).
-    const u32 o_smem = PERSISTENT ? kv_smem + STAGES * T::STAGE_BYTES : q_smem;
-
-    // The CTA's own work tile on the one-tile-per-CTA grid (unused by the persistent grid). This
-    // is tile_context() (sm90/fwd_tile_scheduler.cuh) spelt out in the order the kernel has
-    // always computed it, so that the one-tile-per-CTA specialisations keep their SASS (a
-    // function of the scheduler's returning it gave the varlen ones other SASS).
-    const FwdWorkTile own_tile = grid_work_tile(p);
-    const int kv_head = own_tile.head / p.heads_per_kv_head;
-    const int row_first = own_tile.m_block * BLOCK_M;
-    // VARLEN: batch index = sequence; its rows in the packed arrays (varlen.cuh), and the m
-    // blocks past its end exit here, the whole CTA, before any barrier is initialised or used
-    // (the grid is sized by the longest sequence). Dense batches: {0, seqlen}.
-    const SequenceRows seq_q = query_rows<VARLEN>(p, own_tile.batch);
-    const SequenceRows seq_k = key_rows<VARLEN>(p, own_tile.batch);
-    if (VARLEN && row_first >= seq_q.length) return;
-    const int row_last = min(row_first + BLOCK_M, VARLEN ? seq_q.length : p.seqlen_q) - 1;
-    const KeyVisibility vis = key_visibility<VARLEN>(p, seq_q, seq_k);
-    int tile_first, tile_end;
-    vis.tile_range(row_first, row_last, BLOCK_N, tile_first, tile_end);
-    u16* o_block = p.out + own_tile.batch * p.o_batch_stride + own_tile.head * p.o_head_stride +
-                   (seq_q.start + row_first) * p.o_row_stride;
-    // lse: dense (batch, nheads, seqlen_q), varlen (nheads, total_q)
-    float* lse_block = p.lse + lse_row0<VARLEN>(own_tile.batch, own_tile.head, p.nheads,
-                                                p.seqlen_q, p.varlen.total_q, seq_q.start) +
-                       row_first;
-    const FwdTileContext own{own_tile, kv_head, {row_first, row_last, tile_first, tile_end},
-                             o_block, lse_block, seq_q, seq_k};
-    const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in an O row
-    if constexpr (!PERSISTENT) {
-        // No row of this block sees any key: O = 0, lse = +inf, by the whole CTA before any role.
-        if (own.span.empty()) {
-            store_empty_tile_rows<T, BLOCK_M, T::THREADS, FEATURES>(p, own, head_chunks, 0,
-                                                             threadIdx.x);
-            return;
-        }
-    }
-
-    if (threadIdx.x == 0) init_barriers<T::CONSUMER_THREADS>(bars);
-    __syncthreads();
-
-    const FwdTileScheduler<BLOCK_M, BLOCK_N, PERSISTENT, CLAIMS, decltype(bars)> scheduler{
-        params, own, bars};
-    const int warpgroup = threadIdx.x / T::WARPGROUP_THREADS;
-    if (warpgroup == 0) {
-        // ---- producer ----
-        setmaxnreg_dec<T::PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0)
-            scheduler.for_each(
-                CompileTimeFlag<false>{}, false,
-                [&](const FwdTileContext& tile, int ring0, int q_round) {
-                    produce_tile<T, OVERLAP, PERSISTENT, VARLEN>(params, tile, ring0, q_round,
-                                                                 q_smem, kv_smem, bars);
-                },
-                [](const FwdTileContext&) {});  // nothing to load
-    } else {
-        // ---- consumers: warpgroup 1 + c owns rows 64 c .. 64 c + 63 of each work tile ----
-        setmaxnreg_inc<T::CONSUMER_REGISTERS>();
-        const int consumer = warpgroup - 1;
-        scheduler.for_each(
-            CompileTimeFlag<true>{},
-            threadIdx.x == T::WARPGROUP_THREADS,  // the first consumer thread claims
-            [&](const FwdTileContext& tile, int ring0, int q_round) {
-                consume_tile<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
-                    p, vis, tile, head_chunks, ring0, q_round, consumer, q_smem, kv_smem, o_smem,
-                    bars);
-            },
-            [&](const FwdTileContext& tile) {
-                const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;
-                store_empty_tile_rows<T, T::ROWS_PER_WARPGROUP, T::WARPGROUP_THREADS, FEATURES>(
-                    p, tile, head_chunks, wg_row0, threadIdx.x % T::WARPGROUP_THREADS);
-            });
-    }
+// With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD; cuflash2/mods.py): the same
+// kernel, its parameters FwdSm90ModsParams (FwdSm90Params as `sm90`, then the modifiers'
+// inputs), the modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the
+// kernel. The user's code runs in the consumers' score step (sm90/fwd_mainloop.cuh,
+// FwdScoreStep). No block masks here yet.
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
+          bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS, unsigned MODS_HASH>
+__global__ void __launch_bounds__(
+    FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
+flash_fwd_sm90_mods_kernel(const __grid_constant__ FwdSm90ModsParams mods_params) {
+    static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
+    static_assert((FEATURES & FEATURE_BLOCK_MASK) == 0, "no block masks in the Hopper forward");
+    const FwdSm90Params& params = mods_params.sm90;
+    const UserParams& user = mods_params.user;
+#include "flash_fwd_sm90_body.inc"
 }

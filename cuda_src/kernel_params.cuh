@@ -140,6 +140,14 @@ struct FwdSm90Params {
     int* tile_counters;
 };
 
+// flash_fwd_sm90.cu's kernel with programmable modifiers (flash_fwd_sm90_mods_kernel): the
+// Hopper forward's parameters as they are (their tensor maps first, 64-byte aligned), then the
+// modifiers' inputs. A struct of its own, as FwdModsParams.
+struct FwdSm90ModsParams {
+    FwdSm90Params sm90;
+    UserParams user;
+};
+
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)
 // and flash_bwd_convert_dq.cu all take one struct, filled once per call; each reads its part.
 struct BwdParams {

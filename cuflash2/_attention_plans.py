@@ -90,6 +90,14 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         launches.append(_launch.kernel_launch(config, device_id, choice.grid))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
+    if mods.user_mods is not None and choice.hopper:
+        # FwdSm90ModsParams: FwdSm90Params as `sm90`, then the modifiers' inputs.
+        return _sm90_plan(device_id, "FwdSm90ModsParams", fields, choice.maps, choice.map_fields,
+                          launches, inputs, outputs, output_fields, aligned=aligned,
+                          own_fields=choice.grid_fields, counters=counters, prefix="sm90.",
+                          extra_fields=_user_fields(user_inputs),
+                          extra_inputs=[(f"user.in{i}.data", pos, 0)
+                                        for i, (pos, _) in enumerate(user_inputs)])
     if mods.user_mods is not None:
         return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
                           mods, user_inputs, block_input)
@@ -149,7 +157,8 @@ def _user_fields(user_inputs) -> dict:
 def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields: dict,
                launches, inputs, outputs, output_fields, workspace_bytes: int = 0,
                workspace_fields=(), aligned=(), launch_structs=(), own_fields=None,
-               counters=()) -> _plans.Plan:
+               counters=(), prefix: str = "", extra_fields=None,
+               extra_inputs=()) -> _plans.Plan:
     """The plan of an sm_90a kernel whose struct is tensor maps (`maps`: map field -> (view
     name, box rows); `map_fields`: their words, encoded once by the dispatch) followed by the
     sm_80 kernels' struct as `base`: `fields`, `inputs`, `output_fields` and `workspace_fields`
@@ -157,18 +166,24 @@ def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields
     persistent forward grid's batch, the backward's dispatch groups). A call patches each map's
     address (its word 0, _hopper.ADDRESS_WORD) with its array's pointer like any other pointer
     of the struct. `counters`: own fields set to the stream's counters a call
-    (_plans.stream_counters)."""
-    base = "base."
+    (_plans.stream_counters). `prefix`: where that sm_90a struct sits in `struct` ("sm90." in
+    FwdSm90ModsParams), whose other fields are `extra_fields` (set once) and `extra_inputs`
+    ((field, input position, byte offset), per call: the modifiers' arrays)."""
+    base = prefix + "base."
     # The inputs that patch each map's address word per call, from those of the arrays.
-    map_inputs = [(f"{field}.v", pos, off) for name, pos, off in inputs
+    map_inputs = [(f"{prefix}{field}.v", pos, off) for name, pos, off in inputs
                   for field, (source, _) in maps.items() if source == name]
     return _plans.Plan(
         device_id, struct,
-        {**{base + f: v for f, v in fields.items()}, **map_fields, **(own_fields or {})},
-        launches, [(base + f, pos, off) for f, pos, off in inputs] + map_inputs,
+        {**{base + f: v for f, v in fields.items()},
+         **{prefix + f: v for f, v in map_fields.items()},
+         **{prefix + f: v for f, v in (own_fields or {}).items()}, **(extra_fields or {})},
+        launches, [(base + f, pos, off) for f, pos, off in inputs] + map_inputs
+        + list(extra_inputs),
         outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
         [(base + f, off) for f, off in workspace_fields], aligned,
-        batch_offset=base + "batch_offset", launch_structs=launch_structs, counters=counters)
+        batch_offset=base + "batch_offset", launch_structs=launch_structs,
+        counters=tuple(prefix + f for f in counters))
 
 
 def _dropout_slots(mods) -> tuple:

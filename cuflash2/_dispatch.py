@@ -55,16 +55,32 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     `window`: the kernels' (left, right)). On sm_90 the Hopper kernel runs every call it covers
     (hopper_forward_config) whose q, k and v the TMA describes, the mma.sync kernel (fwd_config)
     the others; `config`, or a tuning script's FORCED["fwd"], runs instead where given.
-    `user_mods`: the programmable modifiers' sources (mask, score), which only the mma.sync
-    kernel takes so far, on every architecture (fwd_mods_config's tile; a FwdModsConfig)."""
+    `user_mods`: the programmable modifiers' sources (mask, score): on sm_90 a mask modifier
+    alone runs on the Hopper kernel (a FwdSm90ModsConfig: hopper_forward_config's choice for
+    the call's other features; HOPPER_FORWARD_MODS), the others on the mma.sync kernel
+    (fwd_mods_config's tile; a FwdModsConfig)."""
     p = problem
     if user_mods is not None:
         from . import mods
 
+        block_mask = bool(features & FEATURE_BLOCK_MASK)
+        if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS and not block_mask
+                and user_mods[1] is None and p.head_dim <= HOPPER_MODS_MAX_HEAD_DIM):
+            hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, window, arch,
+                                           varlen)
+            if hopper is not None:
+                maps = _hopper.forward_maps(hopper)
+                map_fields = _hopper.readable_map_fields(views, maps)
+                if map_fields is not None:
+                    hopper = mods.hopper_forward_config(hopper, *user_mods)
+                    grid, grid_fields = forward_grid(
+                        hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q, p.seqlen_k,
+                        p.head_dim, views["q"].itemsize, window[1], device_id)
+                    return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
         if config is None:
             config = FORCED.get("fwd") or fwd_mods_config(p.dtype, p.head_dim, arch)
         config = mods.forward_config(with_features(config, features & ~USER_MOD_FEATURES),
-                                     *user_mods, block_mask=bool(features & FEATURE_BLOCK_MASK))
+                                     *user_mods, block_mask=block_mask)
         return ForwardChoice(config, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch))
     hopper = map_fields = None
     if config is None and "fwd" not in FORCED:
@@ -400,6 +416,15 @@ HOPPER_FORWARD = os.environ.get("CUFLASH2_HOPPER", "1") != "0"
 #: "Varlen"). CUFLASH2_HOPPER_VARLEN=0 keeps them on the mma.sync kernel (tests flip
 #: `HOPPER_FORWARD_VARLEN` and clear the plan caches).
 HOPPER_FORWARD_VARLEN = os.environ.get("CUFLASH2_HOPPER_VARLEN", "1") != "0"
+#: Calls with a mask modifier (no score modifier or bias, no block mask) on the Hopper forward
+#: (FwdSm90ModsConfig) where it covers their other features, up to head dim
+#: HOPPER_MODS_MAX_HEAD_DIM. ptxas, bf16, every dispatched schedule and grid (consumers at 240
+#: registers): a document mask spills nothing at d=64 to 192 and 168 bytes at d=256; a score
+#: modifier spills 32 to 88 bytes (the bias's 4-D input at d=64 / 128, a relative-position
+#: table on the persistent grid at d=128), so those stay on the mma.sync mods kernel.
+#: CUFLASH2_HOPPER_MODS=0 keeps every modifier there.
+HOPPER_FORWARD_MODS = os.environ.get("CUFLASH2_HOPPER_MODS", "1") != "0"
+HOPPER_MODS_MAX_HEAD_DIM = 192
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of

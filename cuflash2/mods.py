@@ -384,6 +384,14 @@ def forward_config(config, mask: ModSource | None, score: ModSource | None,
     return _configs.FwdModsConfig(**fields, user_mods=header, mods_hash=h)
 
 
+def hopper_forward_config(config, mask: ModSource | None, score: ModSource | None):
+    """The FwdSm90ModsConfig of the Hopper forward `config` (a FwdSm90Config, its features
+    without the modifiers' bits) with these modifiers compiled in (no block mask)."""
+    from . import _configs
+
+    return _with_mods(config, _configs.FwdSm90ModsConfig, mask, score)
+
+
 def _with_mods(config, cls, mask: ModSource | None, score: ModSource | None,
                block_mask: bool = False):
     import dataclasses

@@ -251,18 +251,69 @@ def test_inputs_take_slots_in_order():
     assert "constexpr int prefix_len = 2048;" in header
 
 
-def test_dispatch_sends_user_mods_to_the_mma_sync_forward_on_every_arch():
+def test_dispatch_sends_user_mods_to_the_mma_sync_forward_below_sm90():
     q = numpy.zeros((2, 4096, 8, 128), numpy.float16)
     problem = _validate.check_attention_inputs(q, q, q)
-    for arch in _configs.CPU_TEST_ARCHS:
-        choice = _dispatch.forward_kernel(problem, _configs.FEATURE_MASK_MOD, (-1, 0), arch, {},
-                                          None, 0, user_mods=(DOC, None))
-        assert not choice.hopper
-        assert isinstance(choice.config, _configs.FwdModsConfig)
-        assert choice.grid == (4096 // choice.config.block_m, 8, 2)
+    for arch in (80, 86, 89):
+        for user_mods in ((DOC, None), (DOC, REL_POS), (None, REL_POS)):
+            choice = _dispatch.forward_kernel(problem, _configs.FEATURE_MASK_MOD, (-1, 0), arch,
+                                              {}, None, 0, user_mods=user_mods)
+            assert not choice.hopper
+            assert isinstance(choice.config, _configs.FwdModsConfig)
+            assert choice.grid == (4096 // choice.config.block_m, 8, 2)
     # Without them, sm_90 still takes the Hopper kernel's config for this call.
     assert _dispatch.hopper_forward_config(problem, 0, (-1, 0), 90) is not None
     assert _dispatch.hopper_forward_config(problem, _configs.FEATURE_MASK_MOD, (-1, 0), 90) is None
+
+
+def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_forward(monkeypatch):
+    """On sm_90 a mask modifier alone runs on the Hopper forward (FwdSm90ModsConfig: the
+    schedule the call would have without it, the user's code compiled in); a score modifier,
+    a block mask, head dims past HOPPER_MODS_MAX_HEAD_DIM and CUFLASH2_HOPPER_MODS=0 keep the
+    mma.sync kernel (stand-ins for the TMA encoder and the SM count)."""
+    from cuflash2 import _hopper
+
+    monkeypatch.setattr(_hopper, "readable_map_fields",
+                        lambda views, maps: {f"{f}.v": b"\0" * 128 for f in maps})
+    monkeypatch.setattr(_dispatch, "persistent_slots", lambda config, device_id: 132)
+    views = {"q": numpy.zeros((2, 4096, 8, 128), numpy.float16)}
+    problem = _validate.check_attention_inputs(views["q"], views["q"], views["q"])
+
+    def choose(user_mods, features=_configs.FEATURE_MASK_MOD, p=problem):
+        return _dispatch.forward_kernel(p, features, (-1, 0), 90, views, None, 0,
+                                        user_mods=user_mods)
+
+    choice = choose((DOC, None))
+    plain = _dispatch.hopper_forward_config(problem, 0, (-1, 0), 90)
+    assert choice.hopper and isinstance(choice.config, _configs.FwdSm90ModsConfig)
+    assert choice.config.features == _configs.FEATURE_MASK_MOD
+    assert (choice.config.pingpong, choice.config.overlap, choice.config.persistent,
+            choice.config.block_n) == (plain.pingpong, plain.overlap, plain.persistent,
+                                       plain.block_n)
+    assert choice.config.name_expression.startswith("flash_fwd_sm90_mods_kernel<")
+    assert choice.config.name_expression.endswith(f", {choice.config.mods_hash:#010x}u>")
+    assert not choose((DOC, REL_POS)).hopper
+    assert not choose((None, REL_POS), _configs.FEATURE_SCORE_MOD).hopper
+    assert not choose((DOC, None), _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK).hopper
+    big = numpy.zeros((2, 4096, 8, 256), numpy.float16)
+    assert not choose((DOC, None), p=_validate.check_attention_inputs(big, big, big)).hopper
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_MODS", False)
+    assert not choose((DOC, None)).hopper
+
+
+@pytest.mark.parametrize("name", [
+    "mask", pytest.param("mask-persistent-d64", marks=pytest.mark.exhaustive)])
+def test_hopper_forward_with_a_mask_modifier_compiles_without_spills(name):
+    """The Hopper forward with a document mask (FwdSm90ModsConfig) at the dispatched
+    schedule of d=128 (bf16, the one-tile-per-CTA grid); under --exhaustive the persistent
+    three-consumer d=64 one too."""
+    if name == "mask":
+        base = _configs.FwdSm90Config("bfloat16", 128, 128, 128, 2, True, True)
+    else:
+        base = _configs.FwdSm90Config("bfloat16", 64, 192, 128, 2, persistent=True, claims=True)
+    config = mods.hopper_forward_config(base, DOC, None)
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
 
 def test_mods_params_layout():

@@ -102,7 +102,11 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 // work tile's (the producer loads the same tiles for both warpgroups).
 // (The thread's row is worked out in each call, as the lambda this was did: computed once in the
 // constructor, it gave other SASS.)
-template <int FEATURES, int BLOCK_N>
+// With the programmable modifiers (FEATURE_SCORE_MOD, FEATURE_MASK_MOD; `User` = UserParams,
+// the mods kernel's inputs) the user's score modifier follows the variant's transform, and the
+// user's mask runs on every tile in place of the boundary tiles' mask, as in the mma.sync
+// forward (flash_fwd.cu); `User` = NoUserInputs (never read) for every other specialisation.
+template <int FEATURES, int BLOCK_N, class User = NoUserInputs>
 struct FwdScoreStep {
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     using Variant = AttentionVariant<FEATURES>;
@@ -110,14 +114,25 @@ struct FwdScoreStep {
     const KeyVisibility& vis;
     int row_first, wg_row0, warp, lane;
     int unmasked_lo, unmasked_hi;
+    const FwdParams& p;
+    const FwdTileContext& c;
+    const User& user;
 
     CF2_DEVICE FwdScoreStep(const FwdParams& p, const KeyVisibility& vis, const FwdTileContext& c,
-                            int wg_row0, int warp, int lane)
+                            int wg_row0, int warp, int lane, const User& user)
         : variant(p.mods, tile_seqlen_q<VARLEN>(p, c), tile_seqlen_k<VARLEN>(p, c)),
-          vis(vis), row_first(c.span.row_first), wg_row0(wg_row0), warp(warp), lane(lane) {
+          vis(vis), row_first(c.span.row_first), wg_row0(wg_row0), warp(warp), lane(lane), p(p),
+          c(c), user(user) {
         variant.select_head(p.mods, c.w.batch, c.w.head);
         vis.unmasked_tile_range(c.span.row_first, c.span.row_last, BLOCK_N, unmasked_lo,
                                 unmasked_hi);
+    }
+
+    // The programmable modifiers' context (user_inputs.cuh): inputs, batch entry (sequence),
+    // head, lengths, score units. Instantiated with the modifiers only.
+    CF2_DEVICE UserModContext user_context() const {
+        return {user, c.w.batch, c.w.head, tile_seqlen_q<VARLEN>(p, c),
+                tile_seqlen_k<VARLEN>(p, c), p.softmax_scale, p.mods.alibi_to_units};
     }
 
     template <class Scores>  // S or its left_half
@@ -126,8 +141,13 @@ struct FwdScoreStep {
         const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
         const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
         if constexpr (Variant::TRANSFORMS_SCORES) variant.apply(acc_s, thread_row0, thread_key0);
-        if (tile < unmasked_lo || tile >= unmasked_hi)
+        if constexpr (Variant::SCORE_MOD)
+            Variant::score_mod(acc_s, thread_row0, thread_key0, user_context());
+        if constexpr (Variant::MASK_MOD) {
+            Variant::mask_mod(acc_s, thread_row0, thread_key0, vis, user_context());
+        } else if (tile < unmasked_lo || tile >= unmasked_hi) {
             Variant::mask(acc_s, thread_row0, thread_key0, vis);
+        }
     }
 };
 
@@ -138,12 +158,12 @@ struct FwdScoreStep {
 // (sm90/fwd_epilogue.cuh).
 // q_round: the how-many-th Q of this CTA the tile's Q is (the parity of its q_full phase).
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
-          class Epilogue>
+          class Epilogue, class User = NoUserInputs>
 CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
                                  const FwdTileContext& c, int ring0, int q_round, int consumer,
                                  u32 q_smem, u32 kv_smem,
                                  FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
-                                 Epilogue&& epilogue) {
+                                 Epilogue&& epilogue, const User& user = User{}) {
     constexpr int STAGES = T::KV_STAGES;
     constexpr int BLOCK_N = T::KEYS_PER_TILE;
     const FwdTileSpan& span = c.span;
@@ -166,7 +186,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     // thread: variant.cuh)
     AttentionVariant<FEATURES>::start_softmax(softmax, p.mods, c.w.head, lane % 4 == 0);
     // S_j in place: score modifiers, mask (boundary tiles only).
-    const FwdScoreStep<FEATURES, BLOCK_N> score_step(p, vis, c, wg_row0, warp, lane);
+    const FwdScoreStep<FEATURES, BLOCK_N, User> score_step(p, vis, c, wg_row0, warp, lane, user);
 
     // Half tiles (ping-pong + overlap, the dispatched two-consumer schedule): this warpgroup's
     // rows see no key at or past hi() of its last row (hi grows with the row; rows past the
