@@ -6,12 +6,12 @@ GQA, varlen (the CPU suite compiles these kernels: tests/test_programmable_compi
 
 import numpy
 import pytest
-from grids import DTYPES, seed_of, varlen_inputs  # tests/gpu helper
+from grids import DTYPES, needs_hopper, seed_of, switched, varlen_inputs  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import reference, testing  # noqa: E402
+from cuflash2 import _dispatch, api, reference, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -174,6 +174,32 @@ def test_varlen_document_mask_and_score_mod(dtype):
     results = [testing.check_close("out", out, ref_hi, ref_lo),
                testing.lse_close(lse, ref_lse)]
     assert all(r.ok for r in results), [str(r) for r in results]
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_with_a_mask_modifier(dtype, headdim, causal):
+    # On sm_90 a mask modifier alone runs on the Hopper forward (FwdSm90ModsConfig), on every
+    # schedule and grid the dispatcher picks (2 x 1000 rows: the persistent grid where it has
+    # one); against the reference, and against the mma.sync mods kernel.
+    shape = (2, 1000, 1100, 4, 2)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, "hopper-mask", str(dtype), causal)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
+    doc_np = _documents(max(sq, sk), seed, pieces=6)
+    mm = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx] || kv_idx < 7", doc=cupy.asarray(doc_np))
+    out, lse = cuflash2.attention(q, k, v, mask_mod=mm, causal=causal, return_lse=True)
+    qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+    _check(q, k, v, out, lse, causal=causal,
+           mask=cupy.asarray((doc_np[qi] == doc_np[ki]) | (ki < 7)))
+    with switched(_dispatch, {"HOPPER_FORWARD_MODS": False}, api._forward_plans):
+        out2, lse2 = cuflash2.attention(q, k, v, mask_mod=mm, causal=causal, return_lse=True)
+    finite = cupy.isfinite(lse2)
+    assert bool(cupy.all(finite == cupy.isfinite(lse)))  # the same rows without keys
+    cupy.testing.assert_allclose(cupy.where(finite, lse, 0), cupy.where(finite, lse2, 0),
+                                 atol=1e-3, rtol=0)
 
 
 def test_plans_reuse_and_new_expressions():
