@@ -4,15 +4,17 @@
 # into CuPy's disk cache in parallel (prewarm_cache.py), the GPU suite beside the
 # compute-sanitizer suite, then the paper grid A/B of the checkout against a base version of the
 # package (ab_packages.py, forward then backward, with SDPA's cuDNN backend), then the cost of
-# the sinks (sinks_cost.py). Logs and results go to OUT (the device tool's $OUT). A step that
-# the budget leaves no time for is skipped with a line that says so; STEPS picks steps.
+# the sinks (sinks_cost.py), the programmable kernels' GPU tests ("mods") and their timing next
+# to FlexAttention ("flex", benchmarks/programmable_vs_flex.py). Logs and results go to OUT (the
+# device tool's $OUT). A step that the budget leaves no time for is skipped with a line that
+# says so; STEPS picks steps (the default: the first five).
 #
 #   OUT=/tmp/out BASE=ab_base BUDGET=585 STEPS="prewarm suite ab-fwd ab-bwd sinks" \
 #       AB_ARGS="--seqlens 4096 16384" SINKS_ARGS="--dtypes bf16" bash benchmarks/dev/device_check.sh
 # (AB_ARGS and SINKS_ARGS narrow the A/B's and the sinks' grids: the options of ab_packages.py
 # and sinks_cost.py.)
 set -uo pipefail
-# shellcheck disable=SC2086  (AB_ARGS, SINKS_ARGS, FEATURES: word lists)
+# shellcheck disable=SC2086  (AB_ARGS, SINKS_ARGS, FLEX_ARGS, FEATURES: word lists)
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder for logs}
@@ -23,6 +25,7 @@ ROUNDS=${ROUNDS:-2}
 FEATURES=${FEATURES:-0 1 2 3 4 5 6 7 8 12 16 17 18 19 20 23 24}
 AB_ARGS=${AB_ARGS:-}
 SINKS_ARGS=${SINKS_ARGS:-}
+FLEX_ARGS=${FLEX_ARGS:-}
 
 left() { echo $((BUDGET - SECONDS)); }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -69,5 +72,19 @@ if want sinks; then
     bounded 2 python3 benchmarks/sinks_cost.py --rounds "$ROUNDS" $SINKS_ARGS \
         > "$OUT/sinks-cost.md" 2>&1
     tail -8 "$OUT/sinks-cost.md"
+fi
+if want mods; then
+    # The programmable kernels' GPU tests (issue 44), before the benchmark that uses them.
+    bounded "${MODS_KEEP:-70}" python3 -m pytest -q -p no:cacheprovider -rf --maxfail 20 \
+        tests/gpu/test_programmable.py tests/gpu/test_block_mask.py tests/gpu/test_bias.py \
+        tests/gpu/test_readme_examples.py > "$OUT/mods-tests.txt" 2>&1
+    tail -15 "$OUT/mods-tests.txt"
+fi
+if want flex; then
+    # FLEX_ARGS: benchmarks/programmable_vs_flex.py's options (--only masks bias evo).
+    bounded 2 python3 benchmarks/programmable_vs_flex.py --iters 10 $FLEX_ARGS \
+        > "$OUT/vs-flex.md" 2> "$OUT/vs-flex.err"
+    cat "$OUT/vs-flex.md"
+    tail -3 "$OUT/vs-flex.err"
 fi
 echo "device_check: ${SECONDS} s"
