@@ -321,33 +321,38 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    inputs = (q, k, v, out, alibi_slopes, sinks)
     cupy = _cupy or _cupy_module()
+    plan, inputs = _attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask,
+                                   bias)
+    return _forward_result(plan, inputs, options, out, return_lse, cupy)
+
+
+def _attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask, bias):
+    """(plan, inputs) of an `attention` call (forward_kernels' too)."""
+    inputs = (q, k, v, out, options.alibi_slopes, options.sinks)
     if bias is not None:
-        view = _bias_view(q, k, v, bias, softmax_scale)
+        view = _bias_view(q, k, v, bias, options.softmax_scale)
         inputs, extra, _ = _with_bias("attention", options, inputs, (), mask_mod, score_mod,
                                       bias, view, False, block_mask=block_mask)
-        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
     elif mask_mod is None and score_mod is None and block_mask is None:
-        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
+        return _forward_plan("attention", _ATTENTION, cupy, inputs, options)[0], inputs
     else:
         inputs, extra = _with_user_mods(options, inputs, (), mask_mod, score_mod, block_mask)
-        plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
-    return _forward_result(plan, inputs, options, out, return_lse, cupy)
+    return _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)[0], inputs
 
 
 def forward_kernels(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
-                    offset=0, out=None) -> list[str]:
+                    offset=0, out=None, mask_mod=None, score_mod=None, block_mask=None,
+                    bias=None) -> list[str]:
     """The kernels `attention(q, k, v, ...)` with these arguments runs on the current device,
     in words: on an H100/H200 the Hopper forward (wgmma, TMA, warp specialisation) where it
     covers the call, the mma.sync forward otherwise. The call is checked and planned (the
     kernels compiled), nothing is launched."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    plan, _ = _forward_plan("attention", _ATTENTION, _cupy_module(),
-                            (q, k, v, out, alibi_slopes, sinks), options)
-    return _kernels(plan)
+    return _kernels(_attention_plan(_cupy_module(), q, k, v, out, options, mask_mod, score_mod,
+                                    block_mask, bias)[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,12 +454,24 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
     cupy = _cupy or _cupy_module()
+    plan, inputs, accum = _attention_backward_plan(
+        cupy, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks), options,
+        deterministic, mask_mod, score_mod, block_mask, bias, bias_requires_grad)
+    outputs = plan.run(inputs, cupy, options.dropout_scalars())
+    grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
+    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
+
+
+def _attention_backward_plan(cupy, inputs, options, deterministic, mask_mod, score_mod,
+                             block_mask, bias, bias_requires_grad):
+    """(plan, inputs, dbias's accumulator or None) of an `attention_backward` call (`inputs`:
+    its arrays in _BACKWARD's order; backward_kernels' too)."""
+    q, k, v = inputs[1:4]
     extra = ()
     accum = None
     if bias is not None:
-        view = _bias_view(q, k, v, bias, softmax_scale)
+        view = _bias_view(q, k, v, bias, options.softmax_scale)
         inputs, extra, accum = _with_bias("attention_backward", options, inputs, extra,
                                           mask_mod, score_mod, bias, view, bias_requires_grad,
                                           deterministic, block_mask)
@@ -463,15 +480,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                                                  mask_mod, score_mod, block_mask)
     plan, _ = _backward_plan("attention_backward", _BACKWARD, cupy, inputs, options,
                              deterministic, extra)
-    outputs = plan.run(inputs, cupy, options.dropout_scalars())
-    grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
-    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
+    return plan, inputs, accum
 
 
 def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                      dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None, dk=None,
-                     dv=None, dsinks=None) -> list[str]:
+                     dv=None, dsinks=None, mask_mod=None, score_mod=None, block_mask=None,
+                     bias=None, bias_requires_grad=True) -> list[str]:
     """The kernels `attention_backward(dout, q, k, v, out, lse, ...)` with these arguments runs
     on the current device, in words, in launch order: the preprocess, the main kernel (on an
     H100/H200 the Hopper backward where it covers the call (unless CUFLASH2_HOPPER_BWD=0), the
@@ -479,10 +495,9 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
     The call is checked and planned (the kernels compiled), nothing is launched."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks)
-    plan, _ = _backward_plan("attention_backward", _BACKWARD, _cupy_module(), inputs, options,
-                             deterministic)
-    return _kernels(plan)
+    return _kernels(_attention_backward_plan(
+        _cupy_module(), (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks),
+        options, deterministic, mask_mod, score_mod, block_mask, bias, bias_requires_grad)[0])
 
 
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),

@@ -190,6 +190,8 @@ def test_hopper_forward_with_a_mask_modifier(dtype, headdim, causal):
     q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
     doc_np = _documents(max(sq, sk), seed, pieces=6)
     mm = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx] || kv_idx < 7", doc=cupy.asarray(doc_np))
+    (kernel,) = cuflash2.forward_kernels(q, k, v, mask_mod=mm, causal=causal)
+    assert kernel.startswith("Hopper forward") and kernel.endswith("with mask_mod"), kernel
     out, lse = cuflash2.attention(q, k, v, mask_mod=mm, causal=causal, return_lse=True)
     qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
     _check(q, k, v, out, lse, causal=causal,
