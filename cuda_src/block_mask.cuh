@@ -133,3 +133,48 @@ CF2_DEVICE int visited_steps(const Params& b, int batch, int n_block, int head0,
 CF2_DEVICE int visited_steps(const NoBlockMask&, int, int, int, int, int, int) {
     return 0;
 }
+
+// The Hopper forward's use (flash_fwd_sm90.cu with FEATURE_BLOCK_MASK): a work tile's KV tile
+// range [tile_first, tile_end), which the built-in masks give, narrowed to its lowest and its
+// highest tile that is not empty. Producer and consumers both walk the narrowed range, so they
+// need no exchange; the empty tiles inside it are computed and masked by the user's mask (a
+// document, window or causal mask leaves none). A Hopper tile spans m_div x n_div of the states'
+// tiles (the forward's 64 x 64 ones): it is visited where any of them is not empty. Every thread
+// that calls it gets the same answer (it reads the same bytes).
+struct BlockMaskNarrow {
+    const BlockMaskStates& p;
+    int m_div;
+    int n_div;
+    int num_m_blocks;  // the states' rows and columns (the last may be partial)
+    int num_n_blocks;
+
+    CF2_DEVICE bool visited(const signed char* rows, int tile, int m_count) const {
+        const int n0 = tile * n_div;
+        const int n_end = min(n0 + n_div, num_n_blocks);
+        for (int r = 0; r < m_count; ++r)
+            for (int n = n0; n < n_end; ++n)
+                if (rows[r * p.row_stride + n] != BLOCK_MASK_EMPTY) return true;
+        return false;
+    }
+
+    // The range of the work tile of query block m_block (of BLOCK_M = m_div states' rows) of
+    // (batch, head), in place; tile_end = tile_first where no tile is visited.
+    CF2_DEVICE void operator()(int batch, int head, int m_block, int& tile_first,
+                               int& tile_end) const {
+        const int m0 = m_block * m_div;
+        const int m_count = min(m_div, num_m_blocks - m0);
+        const signed char* rows = p.states + batch * p.batch_stride + head * p.head_stride +
+                                  m0 * p.row_stride;
+        int hi = tile_end;
+        while (hi > tile_first && !visited(rows, hi - 1, m_count)) --hi;
+        int lo = tile_first;
+        while (lo < hi && !visited(rows, lo, m_count)) ++lo;
+        tile_first = lo;
+        tile_end = hi > lo ? hi : lo;
+    }
+};
+
+// Without a block mask: the range as it is.
+struct NoNarrow {
+    CF2_DEVICE void operator()(int, int, int, int&, int&) const {}
+};

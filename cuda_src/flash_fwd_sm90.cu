@@ -129,22 +129,38 @@ __global__ void __launch_bounds__(
     FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     const NoUserInputs user{};
+    const NoNarrow narrow{};
 #include "flash_fwd_sm90_body.inc"
+}
+
+// The mods kernel's narrowing of a work tile's KV range: its block mask's (ON), or none.
+template <bool ON>
+CF2_DEVICE auto block_mask_narrow(const FwdSm90ModsParams& m) {
+    if constexpr (ON) {
+        return BlockMaskNarrow{m.blocks, m.block_m_div, m.block_n_div, m.num_m_blocks,
+                               m.num_n_blocks};
+    } else {
+        return NoNarrow{};
+    }
 }
 
 // With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD; cuflash2/mods.py): the same
 // kernel, its parameters FwdSm90ModsParams (FwdSm90Params as `sm90`, then the modifiers'
 // inputs), the modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the
 // kernel. The user's code runs in the consumers' score step (sm90/fwd_mainloop.cuh,
-// FwdScoreStep). No block masks here yet.
+// FwdScoreStep). With a block mask (FEATURE_BLOCK_MASK) each work tile's KV range is narrowed
+// to its visited tiles (BlockMaskNarrow, block_mask.cuh); the user's mask still runs on every
+// tile of it.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
           bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS, unsigned MODS_HASH>
 __global__ void __launch_bounds__(
     FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_mods_kernel(const __grid_constant__ FwdSm90ModsParams mods_params) {
     static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
-    static_assert((FEATURES & FEATURE_BLOCK_MASK) == 0, "no block masks in the Hopper forward");
+    static_assert(!((FEATURES & FEATURE_BLOCK_MASK) && (FEATURES & FEATURE_VARLEN)),
+                  "no block masks with varlen batches");
     const FwdSm90Params& params = mods_params.sm90;
     const UserParams& user = mods_params.user;
+    const auto narrow = block_mask_narrow<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
 #include "flash_fwd_sm90_body.inc"
 }

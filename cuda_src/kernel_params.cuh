@@ -146,6 +146,13 @@ struct FwdSm90Params {
 struct FwdSm90ModsParams {
     FwdSm90Params sm90;
     UserParams user;
+    // FEATURE_BLOCK_MASK only (block_mask.cuh, BlockMaskNarrow): the states (of the forward's
+    // mma.sync tiles), how many of their rows / columns a Hopper tile spans, and their count.
+    BlockMaskStates blocks;
+    int block_m_div;
+    int block_n_div;
+    int num_m_blocks;
+    int num_n_blocks;
 };
 
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)

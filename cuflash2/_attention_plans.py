@@ -59,13 +59,20 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
                                       mods.user_mods)
     config = choice.config
+    block_fields = {}
     if block_input is not None:
         from . import block_masks as block_mask
 
         if varlen is not None:
             raise ValueError("block_mask: not with varlen batches yet (attention only)")
-        block_mask.check_for_call(block_input[1], config.block_m, config.block_n, p.batch,
-                                  p.nheads, p.seqlen_q, p.seqlen_k, device_id)
+        if choice.hopper:  # the states' tiles make up the Hopper kernel's (BlockMaskNarrow)
+            block_fields = {**block_mask.states_fields(block_input[1]),
+                            **block_mask.check_for_hopper(
+                                block_input[1], config.block_m, config.block_n, p.batch,
+                                p.nheads, p.seqlen_q, p.seqlen_k, device_id)}
+        else:
+            block_mask.check_for_call(block_input[1], config.block_m, config.block_n, p.batch,
+                                      p.nheads, p.seqlen_q, p.seqlen_k, device_id)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     fields = {
         **_stride_fields("q", element_strides(q)), **_stride_fields("k", element_strides(k)),
@@ -95,9 +102,10 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         return _sm90_plan(device_id, "FwdSm90ModsParams", fields, choice.maps, choice.map_fields,
                           launches, inputs, outputs, output_fields, aligned=aligned,
                           own_fields=choice.grid_fields, counters=counters, prefix="sm90.",
-                          extra_fields=_user_fields(user_inputs),
+                          extra_fields={**_user_fields(user_inputs), **block_fields},
                           extra_inputs=[(f"user.in{i}.data", pos, 0)
-                                        for i, (pos, _) in enumerate(user_inputs)])
+                                        for i, (pos, _) in enumerate(user_inputs)]
+                          + ([("blocks.states", block_input[0], 0)] if block_input else []))
     if mods.user_mods is not None:
         return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
                           mods, user_inputs, block_input)

@@ -57,22 +57,26 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     the others; `config`, or a tuning script's FORCED["fwd"], runs instead where given.
     `user_mods`: the programmable modifiers' sources (mask, score): on sm_90 a mask modifier
     alone runs on the Hopper kernel (a FwdSm90ModsConfig: hopper_forward_config's choice for
-    the call's other features; HOPPER_FORWARD_MODS), the others on the mma.sync kernel
-    (fwd_mods_config's tile; a FwdModsConfig)."""
+    the call's other features; HOPPER_FORWARD_MODS; with a block mask up to
+    HOPPER_BLOCK_MASK_MAX_HEAD_DIM), the others on the mma.sync kernel (fwd_mods_config's
+    tile; a FwdModsConfig)."""
     p = problem
     if user_mods is not None:
         from . import mods
 
         block_mask = bool(features & FEATURE_BLOCK_MASK)
-        if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS and not block_mask
-                and user_mods[1] is None and p.head_dim <= HOPPER_MODS_MAX_HEAD_DIM):
+        most = HOPPER_BLOCK_MASK_MAX_HEAD_DIM if block_mask else HOPPER_MODS_MAX_HEAD_DIM
+        if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS
+                and user_mods[1] is None and p.head_dim <= most
+                and not (block_mask and varlen is not None)):
             hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, window, arch,
                                            varlen)
             if hopper is not None:
                 maps = _hopper.forward_maps(hopper)
                 map_fields = _hopper.readable_map_fields(views, maps)
                 if map_fields is not None:
-                    hopper = mods.hopper_forward_config(hopper, *user_mods)
+                    hopper = mods.hopper_forward_config(hopper, *user_mods,
+                                                        block_mask=block_mask)
                     grid, grid_fields = forward_grid(
                         hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q, p.seqlen_k,
                         p.head_dim, views["q"].itemsize, window[1], device_id)
@@ -422,9 +426,12 @@ HOPPER_FORWARD_VARLEN = os.environ.get("CUFLASH2_HOPPER_VARLEN", "1") != "0"
 #: registers): a document mask spills nothing at d=64 to 192 and 168 bytes at d=256; a score
 #: modifier spills 32 to 88 bytes (the bias's 4-D input at d=64 / 128, a relative-position
 #: table on the persistent grid at d=128), so those stay on the mma.sync mods kernel.
-#: CUFLASH2_HOPPER_MODS=0 keeps every modifier there.
+#: CUFLASH2_HOPPER_MODS=0 keeps every modifier there. With a block mask, head dims up to
+#: HOPPER_BLOCK_MASK_MAX_HEAD_DIM (whose KV tiles, 128 keys, are whole multiples of the states'
+#: 64: BlockMaskNarrow reads a Hopper tile's states).
 HOPPER_FORWARD_MODS = os.environ.get("CUFLASH2_HOPPER_MODS", "1") != "0"
 HOPPER_MODS_MAX_HEAD_DIM = 192
+HOPPER_BLOCK_MASK_MAX_HEAD_DIM = 128
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of

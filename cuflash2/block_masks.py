@@ -32,6 +32,7 @@ import numpy
 from . import _configs
 
 __all__ = ["BlockMask", "block_mask", "tiles", "check_for_call", "check_for_backward",
+           "check_for_hopper",
            "same_mask_mod"]
 
 EMPTY, PARTIAL, FULL = (_configs.BLOCK_MASK_EMPTY, _configs.BLOCK_MASK_PARTIAL,
@@ -195,6 +196,21 @@ def check_for_call(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads
     if tuple(bm.states.shape) != shape or numpy.dtype(bm.states.dtype) != numpy.int8:
         raise ValueError(f"block_mask.states must be int8 {shape}; got "
                          f"{bm.states.dtype} {tuple(bm.states.shape)}")
+
+
+def check_for_hopper(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads: int,
+                     seqlen_q: int, seqlen_k: int, device_id: int) -> dict:
+    """check_for_call for the Hopper forward, whose block_m x block_n tiles are coarser than the
+    states' (the mma.sync forward's): each must span whole ones. Returns the FwdSm90ModsParams
+    fields `block_m_div`, `block_n_div` (states a Hopper tile spans each way) and the states'
+    counts `num_m_blocks`, `num_n_blocks`."""
+    if block_m % bm.block_m or block_n % bm.block_n:
+        raise ValueError(
+            f"block_mask was built for {bm.block_m}x{bm.block_n} tiles, which do not make up the "
+            f"Hopper forward's {block_m}x{block_n} tiles of this call")
+    check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
+    return {"block_m_div": block_m // bm.block_m, "block_n_div": block_n // bm.block_n,
+            "num_m_blocks": bm.num_m_blocks, "num_n_blocks": bm.num_n_blocks}
 
 
 def check_for_backward(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads: int,

@@ -384,12 +384,15 @@ def forward_config(config, mask: ModSource | None, score: ModSource | None,
     return _configs.FwdModsConfig(**fields, user_mods=header, mods_hash=h)
 
 
-def hopper_forward_config(config, mask: ModSource | None, score: ModSource | None):
+def hopper_forward_config(config, mask: ModSource | None, score: ModSource | None,
+                          block_mask: bool = False):
     """The FwdSm90ModsConfig of the Hopper forward `config` (a FwdSm90Config, its features
-    without the modifiers' bits) with these modifiers compiled in (no block mask)."""
+    without the modifiers' bits) with these modifiers compiled in; `block_mask`: each work
+    tile's KV range narrowed to its block mask's visited tiles (FEATURE_BLOCK_MASK;
+    block_mask.cuh, BlockMaskNarrow)."""
     from . import _configs
 
-    return _with_mods(config, _configs.FwdSm90ModsConfig, mask, score)
+    return _with_mods(config, _configs.FwdSm90ModsConfig, mask, score, block_mask)
 
 
 def _with_mods(config, cls, mask: ModSource | None, score: ModSource | None,

@@ -75,7 +75,8 @@ def test_dispatch_passes_the_bit():
     problem = type("P", (), {"dtype": "bfloat16", "head_dim": 128, "seqlen_q": 1000,
                              "nheads": 4, "batch": 2})()
     features = _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK
-    choice = _dispatch.forward_kernel(problem, features, (-1, -1), 90, {}, None, 0,
+    # (the mma.sync forward's; on sm_90 the Hopper one takes it: test_programmable_compile.py)
+    choice = _dispatch.forward_kernel(problem, features, (-1, -1), 80, {}, None, 0,
                                       user_mods=(DOC, None))
     assert choice.config.features == features
     assert choice.grid == (16, 4, 2)

@@ -268,9 +268,10 @@ def test_dispatch_sends_user_mods_to_the_mma_sync_forward_below_sm90():
 
 def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_forward(monkeypatch):
     """On sm_90 a mask modifier alone runs on the Hopper forward (FwdSm90ModsConfig: the
-    schedule the call would have without it, the user's code compiled in); a score modifier,
-    a block mask, head dims past HOPPER_MODS_MAX_HEAD_DIM and CUFLASH2_HOPPER_MODS=0 keep the
-    mma.sync kernel (stand-ins for the TMA encoder and the SM count)."""
+    schedule the call would have without it, the user's code compiled in; with a block mask up to
+    d=128); a score modifier, head dims past HOPPER_MODS_MAX_HEAD_DIM (with a block mask
+    HOPPER_BLOCK_MASK_MAX_HEAD_DIM) and CUFLASH2_HOPPER_MODS=0 keep the mma.sync kernel
+    (stand-ins for the TMA encoder and the SM count)."""
     from cuflash2 import _hopper
 
     monkeypatch.setattr(_hopper, "readable_map_fields",
@@ -294,24 +295,37 @@ def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_forward(monkeypatch)
     assert choice.config.name_expression.endswith(f", {choice.config.mods_hash:#010x}u>")
     assert not choose((DOC, REL_POS)).hopper
     assert not choose((None, REL_POS), _configs.FEATURE_SCORE_MOD).hopper
-    assert not choose((DOC, None), _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK).hopper
+    with_states = _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK
+    blocked = choose((DOC, None), with_states)
+    assert blocked.hopper and blocked.config.features == with_states
     big = numpy.zeros((2, 4096, 8, 256), numpy.float16)
     assert not choose((DOC, None), p=_validate.check_attention_inputs(big, big, big)).hopper
+    d192 = numpy.zeros((2, 4096, 8, 192), numpy.float16)
+    p192 = _validate.check_attention_inputs(d192, d192, d192)
+    assert choose((DOC, None), p=p192).hopper  # 112-key tiles: no block mask there
+    assert not choose((DOC, None), with_states, p=p192).hopper
     monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_MODS", False)
     assert not choose((DOC, None)).hopper
 
 
 @pytest.mark.parametrize("name", [
-    "mask", pytest.param("mask-persistent-d64", marks=pytest.mark.exhaustive)])
+    "mask", pytest.param("mask-persistent-d64", marks=pytest.mark.exhaustive),
+    pytest.param("block-mask-persistent-d128", marks=pytest.mark.exhaustive),
+    pytest.param("block-mask-d64", marks=pytest.mark.exhaustive)])
 def test_hopper_forward_with_a_mask_modifier_compiles_without_spills(name):
     """The Hopper forward with a document mask (FwdSm90ModsConfig) at the dispatched
     schedule of d=128 (bf16, the one-tile-per-CTA grid); under --exhaustive the persistent
-    three-consumer d=64 one too."""
+    three-consumer d=64 one, and with a block mask (BlockMaskNarrow) the persistent d=128 and
+    the three-consumer d=64 ones."""
+    block_mask = name.startswith("block-mask")
     if name == "mask":
         base = _configs.FwdSm90Config("bfloat16", 128, 128, 128, 2, True, True)
+    elif name == "block-mask-persistent-d128":
+        base = _configs.FwdSm90Config("bfloat16", 128, 128, 128, 2, True, True, persistent=True,
+                                      claims=True)
     else:
         base = _configs.FwdSm90Config("bfloat16", 64, 192, 128, 2, persistent=True, claims=True)
-    config = mods.hopper_forward_config(base, DOC, None)
+    config = mods.hopper_forward_config(base, DOC, None, block_mask=block_mask)
     report = _compile.compile_report(config, 90)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 

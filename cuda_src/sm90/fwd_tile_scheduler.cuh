@@ -13,6 +13,7 @@
 #include "masking.cuh"
 #include "kernel_params.cuh"
 #include "varlen.cuh"
+#include "block_mask.cuh"
 
 // One unit of work: BLOCK_M query rows (block m_block) of one (batch, head).
 struct FwdWorkTile {
@@ -217,11 +218,22 @@ struct WorkTileClaims {
 // with a return value there spills, WorkTileClaims).
 // `own`: the CTA's tile on the one-tile-per-CTA grid (the kernel's prologue); `bars`: the CTA's
 // mbarriers (FwdSm90ClaimBarriers, whose claim slots WorkTileClaims uses).
-template <int BLOCK_M, int BLOCK_N, bool PERSISTENT, bool CLAIMS, class Bars>
+// `narrow`: a work tile's KV tile range narrowed to its block mask's visited tiles
+// (BlockMaskNarrow, block_mask.cuh), or NoNarrow; applied to the persistent grid's tiles here
+// (the kernel's prologue applies it to `own`).
+template <int BLOCK_M, int BLOCK_N, bool PERSISTENT, bool CLAIMS, class Bars,
+          class Narrow = NoNarrow>
 struct FwdTileScheduler {
     const FwdSm90Params& params;
     const FwdTileContext& own;
     Bars& bars;
+    Narrow narrow = {};
+
+    CF2_DEVICE FwdTileContext context(const FwdParams& p, const FwdWorkTile& w) const {
+        FwdTileContext tile = tile_context<BLOCK_M, BLOCK_N>(p, w);
+        narrow(w.batch, w.head, w.m_block, tile.span.tile_first, tile.span.tile_end);
+        return tile;
+    }
 
     template <class MayClaim, class Work, class Empty>
     CF2_DEVICE void for_each(MayClaim may_claim, bool claimer, Work&& work, Empty&& empty) const {
@@ -237,7 +249,7 @@ struct FwdTileScheduler {
                 // Spelt out as before the claims: through `run` below, the same steps compile
                 // to other SASS, and these specialisations keep the code that was measured.
                 for (int t = blockIdx.x; t < order.count(); t += gridDim.x) {
-                    const FwdTileContext tile = tile_context<BLOCK_M, BLOCK_N>(p, order[t]);
+                    const FwdTileContext tile = context(p, order[t]);
                     if (tile.span.empty()) {
                         empty(tile);
                         continue;
@@ -264,7 +276,7 @@ struct FwdTileScheduler {
                     int ahead = 0;
                     if constexpr (MAY_CLAIM)
                         if (claimer) ahead = claims.claim();
-                    run(tile_context<BLOCK_M, BLOCK_N>(p, order[t]), ring, q_round);
+                    run(context(p, order[t]), ring, q_round);
                     if constexpr (MAY_CLAIM)
                         if (claimer) claims.put_ahead(k, ahead);
                 }

@@ -6,7 +6,7 @@ the checks before a launch (the CPU suite compiles these kernels: tests/test_blo
 
 import numpy
 import pytest
-from grids import BF16, DTYPES, FP16, seed_of, switched  # tests/gpu helper
+from grids import BF16, DTYPES, FP16, needs_hopper, seed_of, switched  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -89,13 +89,14 @@ def test_forward_with_block_mask(dtype, headdim, name, shape):
     out, lse = cuflash2.attention(q, k, v, block_mask=bm, return_lse=True)
     results = testing.check_forward(q, k, v, out, lse, mask=cupy.asarray(dense))
     assert all(r.ok for r in results), [str(r) for r in results]
-    # The same as the mask modifier alone (the user's mask on every tile), on the same kernel
-    # family (on sm_90 a mask modifier alone runs on the Hopper forward, a block mask not yet).
+    # The same as the mask modifier alone (the user's mask on every tile), on the mma.sync
+    # kernels both (on sm_90 the Hopper forward takes both, with other rounding).
     with switched(_dispatch, {"HOPPER_FORWARD_MODS": False}, api._forward_plans):
+        out1, lse1 = cuflash2.attention(q, k, v, block_mask=bm, return_lse=True)
         out2, lse2 = cuflash2.attention(q, k, v, mask_mod=mm, return_lse=True)
-    cupy.testing.assert_allclose(out.astype(cupy.float32), out2.astype(cupy.float32),
+    cupy.testing.assert_allclose(out1.astype(cupy.float32), out2.astype(cupy.float32),
                                  atol=2e-3, rtol=0)
-    cupy.testing.assert_allclose(lse, lse2, atol=1e-4, rtol=0)
+    cupy.testing.assert_allclose(lse1, lse2, atol=1e-4, rtol=0)
     # mask_mod given too: the same modifier is accepted.
     out3 = cuflash2.attention(q, k, v, mask_mod=mm, block_mask=bm)
     cupy.testing.assert_array_equal(out3, out)
@@ -146,6 +147,27 @@ def test_backward_with_block_mask_per_head_and_bias():
     dout = cupy.asarray(numpy.random.default_rng(12).standard_normal(q.shape).astype(FP16))
     results = testing.check_backward(dout, q, k, v, *vjp(dout), mask=cupy.asarray(dense),
                                      bias=bias)
+    assert all(r.ok for r in results), [str(r) for r in results]
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+@pytest.mark.parametrize("name", ["document", "prefix-lm", "sliding-window"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_with_block_mask(headdim, name, causal):
+    # On sm_90 the Hopper forward takes a block mask up to d=128: each work tile's KV range
+    # narrowed to its visited tiles (BlockMaskNarrow), on the schedules and grids the dispatcher
+    # picks (2 x 1500 rows: the persistent grid where it has one).
+    shape = (2, 1500, 1300, 4, 2)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, name, "hopper", causal)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, BF16, seed)
+    mm, dense = _masks(sq, sk, seed)[name]
+    bm = cuflash2.block_mask(mm, 1, 1, sq, sk, head_dim=headdim, dtype=BF16)
+    (kernel,) = cuflash2.forward_kernels(q, k, v, block_mask=bm, causal=causal)
+    assert kernel.startswith("Hopper forward") and "block mask" in kernel, kernel
+    out, lse = cuflash2.attention(q, k, v, block_mask=bm, causal=causal, return_lse=True)
+    results = testing.check_forward(q, k, v, out, lse, mask=cupy.asarray(dense), causal=causal)
     assert all(r.ok for r in results), [str(r) for r in results]
 
 
