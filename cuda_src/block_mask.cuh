@@ -157,6 +157,23 @@ struct BlockMaskNarrow {
         return false;
     }
 
+    // Whether every state of KV tile `tile` of that work tile is full (every (query, key) of it
+    // inside the sequence visible: the user's mask need not run there). States past the last
+    // row or column (rows and keys past the sequence, which the built-in mask handles) count
+    // as full.
+    CF2_DEVICE bool full(int batch, int head, int m_block, int tile) const {
+        const int m0 = m_block * m_div;
+        const int m_count = min(m_div, num_m_blocks - m0);
+        const signed char* rows = p.states + batch * p.batch_stride + head * p.head_stride +
+                                  m0 * p.row_stride;
+        const int n0 = tile * n_div;
+        const int n_end = min(n0 + n_div, num_n_blocks);
+        for (int r = 0; r < m_count; ++r)
+            for (int n = n0; n < n_end; ++n)
+                if (rows[r * p.row_stride + n] != BLOCK_MASK_FULL) return false;
+        return true;
+    }
+
     // The range of the work tile of query block m_block (of BLOCK_M = m_div states' rows) of
     // (batch, head), in place; tile_end = tile_first where no tile is visited.
     CF2_DEVICE void operator()(int batch, int head, int m_block, int& tile_first,
@@ -177,4 +194,5 @@ struct BlockMaskNarrow {
 // Without a block mask: the range as it is.
 struct NoNarrow {
     CF2_DEVICE void operator()(int, int, int, int&, int&) const {}
+    CF2_DEVICE bool full(int, int, int, int) const { return false; }
 };

@@ -90,13 +90,14 @@
 // the FA2 loop over its KV tiles from ring position ring0 on (consume_kv_tiles), then the
 // epilogue (store_tile). q_round: the how-many-th Q of this CTA the tile's Q is.
 // `user`: the programmable modifiers' inputs (UserParams, the mods kernel's) or NoUserInputs.
+// `narrow`: the block mask's view (BlockMaskNarrow) or NoNarrow, for the score step.
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
-          class User>
+          class User, class Narrow>
 CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
                              const FwdTileContext& c, int head_chunks, int ring0, int q_round,
                              int consumer, u32 q_smem, u32 kv_smem, u32 o_smem,
                              FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
-                             const User& user) {
+                             const User& user, const Narrow& narrow) {
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     consume_kv_tiles<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
         p, vis, c, ring0, q_round, consumer, q_smem, kv_smem, bars,
@@ -105,7 +106,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
             store_tile<Elem, T, PERSISTENT, VARLEN>(p, c, acc_o, softmax, inv_sum, row_lse,
                                                     head_chunks, consumer, o_smem);
         },
-        user);
+        user, narrow);
 }
 
 // PINGPONG: the consumers take turns on the tensor cores (one's softmax under the other's GEMMs;

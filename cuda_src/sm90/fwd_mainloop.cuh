@@ -106,7 +106,9 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 // the mods kernel's inputs) the user's score modifier follows the variant's transform, and the
 // user's mask runs on every tile in place of the boundary tiles' mask, as in the mma.sync
 // forward (flash_fwd.cu); `User` = NoUserInputs (never read) for every other specialisation.
-template <int FEATURES, int BLOCK_N, class User = NoUserInputs>
+// `narrow` (FEATURE_BLOCK_MASK: BlockMaskNarrow, block_mask.cuh): on a tile whose states are all
+// full the user's mask does not run, only the built-in one where the tile needs it.
+template <int FEATURES, int BLOCK_N, class User = NoUserInputs, class Narrow = NoNarrow>
 struct FwdScoreStep {
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     using Variant = AttentionVariant<FEATURES>;
@@ -117,12 +119,14 @@ struct FwdScoreStep {
     const FwdParams& p;
     const FwdTileContext& c;
     const User& user;
+    const Narrow& narrow;
 
     CF2_DEVICE FwdScoreStep(const FwdParams& p, const KeyVisibility& vis, const FwdTileContext& c,
-                            int wg_row0, int warp, int lane, const User& user)
+                            int wg_row0, int warp, int lane, const User& user,
+                            const Narrow& narrow)
         : variant(p.mods, tile_seqlen_q<VARLEN>(p, c), tile_seqlen_k<VARLEN>(p, c)),
           vis(vis), row_first(c.span.row_first), wg_row0(wg_row0), warp(warp), lane(lane), p(p),
-          c(c), user(user) {
+          c(c), user(user), narrow(narrow) {
         variant.select_head(p.mods, c.w.batch, c.w.head);
         vis.unmasked_tile_range(c.span.row_first, c.span.row_last, BLOCK_N, unmasked_lo,
                                 unmasked_hi);
@@ -144,7 +148,10 @@ struct FwdScoreStep {
         if constexpr (Variant::SCORE_MOD)
             Variant::score_mod(acc_s, thread_row0, thread_key0, user_context());
         if constexpr (Variant::MASK_MOD) {
-            Variant::mask_mod(acc_s, thread_row0, thread_key0, vis, user_context());
+            if (!Variant::BLOCK_MASK || !narrow.full(c.w.batch, c.w.head, c.w.m_block, tile))
+                Variant::mask_mod(acc_s, thread_row0, thread_key0, vis, user_context());
+            else if (tile < unmasked_lo || tile >= unmasked_hi)
+                Variant::mask(acc_s, thread_row0, thread_key0, vis);
         } else if (tile < unmasked_lo || tile >= unmasked_hi) {
             Variant::mask(acc_s, thread_row0, thread_key0, vis);
         }
@@ -158,12 +165,13 @@ struct FwdScoreStep {
 // (sm90/fwd_epilogue.cuh).
 // q_round: the how-many-th Q of this CTA the tile's Q is (the parity of its q_full phase).
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
-          class Epilogue, class User = NoUserInputs>
+          class Epilogue, class User = NoUserInputs, class Narrow = NoNarrow>
 CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
                                  const FwdTileContext& c, int ring0, int q_round, int consumer,
                                  u32 q_smem, u32 kv_smem,
                                  FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
-                                 Epilogue&& epilogue, const User& user = User{}) {
+                                 Epilogue&& epilogue, const User& user = User{},
+                                 const Narrow& narrow = Narrow{}) {
     constexpr int STAGES = T::KV_STAGES;
     constexpr int BLOCK_N = T::KEYS_PER_TILE;
     const FwdTileSpan& span = c.span;
@@ -186,7 +194,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     // thread: variant.cuh)
     AttentionVariant<FEATURES>::start_softmax(softmax, p.mods, c.w.head, lane % 4 == 0);
     // S_j in place: score modifiers, mask (boundary tiles only).
-    const FwdScoreStep<FEATURES, BLOCK_N, User> score_step(p, vis, c, wg_row0, warp, lane, user);
+    const FwdScoreStep<FEATURES, BLOCK_N, User, Narrow> score_step(p, vis, c, wg_row0, warp, lane,
+                                                                   user, narrow);
 
     // Half tiles (ping-pong + overlap, the dispatched two-consumer schedule): this warpgroup's
     // rows see no key at or past hi() of its last row (hi grows with the row; rows past the
