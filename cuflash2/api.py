@@ -216,25 +216,24 @@ def _bias_view(q, k, v, bias, softmax_scale, varlen_args=None):
 
 
 def _with_bias(function, options, inputs, extra, mask_mod, score_mod, bias, view,
-               bias_requires_grad, deterministic=None):
+               bias_requires_grad, deterministic=None, block_mask=None):
     """(inputs, signature key's extra, dbias's float32 accumulator or None) of a call with a
     bias: the bias as the score modifier (cuflash2._bias), after the user's modifiers are
-    checked; a backward (`deterministic` not None) that returns dbias gets its accumulator's
-    (batch, nheads, seqlen_q, seqlen_k) view as its last array."""
-    backward = deterministic is not None
-    if backward:
+    checked, with a block mask as _with_user_mods takes it; a backward (`deterministic` not
+    None) that returns dbias gets its accumulator's (batch, nheads, seqlen_q, seqlen_k) view as
+    its last array."""
+    accum = None
+    if deterministic is not None:  # a backward
         _bias.check_dropout(function, options.dropout_p)
         _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
+        _prepare.check_flag("bias_requires_grad", bias_requires_grad)
+        if bias_requires_grad:
+            _bias.check_backward(function, bias, view, options.softcap, deterministic)
+            accum, full = _bias.gradient_buffer(bias, view, _cupy or _cupy_module())
     else:
         _prepare.check_user_mods(mask_mod, score_mod)
-    _prepare.check_flag("bias_requires_grad", bias_requires_grad)
-    accum = None
-    if backward and bias_requires_grad:
-        accum, full, accumulate = _bias.gradient_buffer(bias, view, _cupy or _cupy_module())
-        _bias.check_backward(function, options.softcap, options.dropout_p, deterministic,
-                             accumulate)
     inputs, extra = _with_user_mods(options, inputs, extra, mask_mod,
-                                    _bias.score_mod_with_bias(view, score_mod))
+                                    _bias.score_mod_with_bias(view, score_mod), block_mask)
     if accum is not None:
         options.bias_requires_grad = True
         inputs, extra = inputs + (full,), (*extra, "dbias")
@@ -316,15 +315,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     cupy = _cupy or _cupy_module()
     if bias is not None:
         view = _bias_view(q, k, v, bias, softmax_scale)
-        if block_mask is not None:
-            from . import block_masks as _block_mask
-
-            mask_mod = _block_mask.resolve(mask_mod, block_mask)
         inputs, extra, _ = _with_bias("attention", options, inputs, (), mask_mod, score_mod,
-                                      bias, view, False)
-        if block_mask is not None:
-            options.block_mask = block_mask
-            inputs, extra = inputs + (block_mask.states,), (*extra, block_mask.key)
+                                      bias, view, False, block_mask=block_mask)
         plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)
     elif mask_mod is None and score_mod is None and block_mask is None:
         plan, _ = _forward_plan("attention", _ATTENTION, cupy, inputs, options)
@@ -492,8 +484,7 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
         if bias_requires_grad:
             _prepare.check_flag("bias_requires_grad", bias_requires_grad)
             _prepare.check_flag("deterministic", deterministic)
-            accumulate = any(s == 0 and n > 1 for s, n in zip(view.strides[:2], view.shape[:2]))
-            _bias.check_backward("attention_vjp", softcap, dropout_p, deterministic, accumulate)
+            _bias.check_backward("attention_vjp", bias, view, softcap, deterministic)
     if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
         seed = int.from_bytes(os.urandom(8), "little")
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
