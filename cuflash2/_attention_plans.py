@@ -155,11 +155,9 @@ def _bias_grad_fields(bias_grad) -> dict:
 
 def _user_fields(user_inputs) -> dict:
     """UserParams' element strides (`user.in<i>.stride<j>`) of the modifiers' arrays."""
-    user = {}
-    for i, (_, x) in enumerate(user_inputs):
-        strides = [s // x.itemsize for s in x.strides] + [0] * (4 - x.ndim)
-        user.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
-    return user
+    from . import mods
+
+    return mods.user_input_strides([x for _, x in user_inputs])
 
 
 def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields: dict,

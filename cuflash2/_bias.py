@@ -66,14 +66,21 @@ def score_mod_with_bias(view, score_mod):
     return mod
 
 
+def _four_dims(bias) -> tuple:
+    return tuple(bias.shape) if bias.ndim == 4 else (1, *bias.shape)
+
+
+def shares_elements(bias, view) -> bool:
+    """Whether the bias broadcasts over a batch or head dim of the call (`view`, bias_view's):
+    then several CTAs add to one dbias element (atomics)."""
+    return any(own == 1 < wide for own, wide in zip(_four_dims(bias)[:2], view.shape[:2]))
+
+
 def gradient_buffer(bias, view, cupy):
-    """(float32 zeros of the bias's 4-D shape, its (batch, nheads, seqlen_q, seqlen_k) view,
-    whether CTAs add to shared elements): where the backward writes dbias."""
-    four = tuple(bias.shape) if bias.ndim == 4 else (1, *bias.shape)
-    accum = cupy.zeros(four, dtype=numpy.float32)
-    full = cupy.broadcast_to(accum, view.shape)
-    accumulate = any(own == 1 < wide for own, wide in zip(four[:2], view.shape[:2]))
-    return accum, full, accumulate
+    """(float32 zeros of the bias's 4-D shape, its (batch, nheads, seqlen_q, seqlen_k) view):
+    where the backward writes dbias."""
+    accum = cupy.zeros(_four_dims(bias), dtype=numpy.float32)
+    return accum, cupy.broadcast_to(accum, view.shape)
 
 
 def gradient(bias, accum):
@@ -82,13 +89,13 @@ def gradient(bias, accum):
     return out.reshape(bias.shape)
 
 
-def check_backward(function: str, softcap, dropout_p, deterministic, accumulate: bool) -> None:
+def check_backward(function: str, bias, view, softcap, deterministic) -> None:
     """What the kernels' dbias does not cover yet: NotImplementedError before any launch."""
     if isinstance(softcap, (int, float)) and softcap > 0:
         raise NotImplementedError(
             f"{function}: dbias with softcap > 0 is not implemented in the kernels yet (pass "
             "bias_requires_grad=False, or use cuflash2.reference.attention_backward)")
-    if deterministic and accumulate:
+    if deterministic and shares_elements(bias, view):
         raise NotImplementedError(
             f"{function}: deterministic=True with a bias broadcast over batch or heads: its "
             "dbias is summed with atomics (pass a bias with full batch and heads dims, or "

@@ -194,8 +194,19 @@ class FwdConfig:
             f"{self.block_n}, {self.num_warps}, {self.kv_stages}>", self)
 
 
+class _UserModsHeader:
+    """The specialisations with programmable modifiers: their `user_mods` text is the generated
+    header user_mods.cuh (cuflash2/mods.py, user_mods_header), which _compile adds to their
+    source."""
+
+    @property
+    def generated_headers(self) -> tuple:
+        """(name, text) of the headers generated for this specialisation alone (_compile)."""
+        return (("user_mods.cuh", self.user_mods),)
+
+
 @dataclass(frozen=True)
-class FwdModsConfig(FwdConfig):
+class FwdModsConfig(FwdConfig, _UserModsHeader):
     """A forward specialisation with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD):
     FwdConfig's tile and features plus the generated header `user_mods` (cuflash2/mods.py:
     user_mods_header), whose hash names the kernel (flash_fwd_mods_kernel, FwdModsParams)."""
@@ -209,11 +220,6 @@ class FwdModsConfig(FwdConfig):
         return (f"flash_fwd_mods_kernel<{tag}, {self.head_dim}, {self.block_m}, "
                 f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}, "
                 f"{self.mods_hash:#010x}u>")
-
-    @property
-    def generated_headers(self) -> tuple:
-        """(name, text) of the headers generated for this specialisation alone (_compile)."""
-        return (("user_mods.cuh", self.user_mods),)
 
 
 def _traits_probes(traits: str, config, block_m: bool = False) -> str:
@@ -614,7 +620,7 @@ class BwdConfig:
 
 
 @dataclass(frozen=True)
-class BwdModsConfig(BwdConfig):
+class BwdModsConfig(BwdConfig, _UserModsHeader):
     """A backward main kernel with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD):
     BwdConfig's tile and features plus the generated header `user_mods` (cuflash2/mods.py), whose
     hash names the kernel (flash_bwd_mods_kernel, BwdModsParams), as FwdModsConfig."""
@@ -629,10 +635,6 @@ class BwdModsConfig(BwdConfig):
                 f"{self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}, {self.features}, "
                 f"{self.mods_hash:#010x}u>")
-
-    @property
-    def generated_headers(self) -> tuple:
-        return (("user_mods.cuh", self.user_mods),)
 
 
 @dataclass(frozen=True)
@@ -668,7 +670,7 @@ class BwdDqConfig:
 
 
 @dataclass(frozen=True)
-class BwdDqModsConfig(BwdDqConfig):
+class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
     """The deterministic dQ kernel with programmable modifiers (flash_bwd_dq_mods_kernel,
     BwdModsParams): BwdDqConfig plus the generated header, as BwdModsConfig."""
 
@@ -679,10 +681,6 @@ class BwdDqModsConfig(BwdDqConfig):
     def name_expression(self) -> str:
         return (f"flash_bwd_dq_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.block_n}, {self.kv_stages}, {self.features}, {self.mods_hash:#010x}u>")
-
-    @property
-    def generated_headers(self) -> tuple:
-        return (("user_mods.cuh", self.user_mods),)
 
 
 @dataclass(frozen=True)
@@ -716,7 +714,7 @@ class AuxKernel:
 
 
 @dataclass(frozen=True)
-class BlockMaskConfig:
+class BlockMaskConfig(_UserModsHeader):
     """cuflash2.block_mask's kernel (cuda_src/block_mask.cu) for tiles of block_m x block_n and a
     mask modifier's generated header `user_mods` (mods.user_mods_header; its hash names the
     kernel, as FwdModsConfig's). Grid (num_m_blocks, nheads, batch), BLOCK_MASK_WARPS warps."""
@@ -734,10 +732,6 @@ class BlockMaskConfig:
     def name_expression(self) -> str:
         return (f"flash_block_mask_kernel<{self.block_m}, {self.block_n}, "
                 f"{self.mods_hash:#010x}u>")
-
-    @property
-    def generated_headers(self) -> tuple:
-        return (("user_mods.cuh", self.user_mods),)
 
 
 @dataclass(frozen=True)

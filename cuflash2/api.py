@@ -224,24 +224,23 @@ def _with_bias(function, options, inputs, extra, mask_mod, score_mod, bias, view
                bias_requires_grad, deterministic=None, block_mask=None):
     """(inputs, signature key's extra, dbias's float32 accumulator or None) of a call with a
     bias: the bias as the score modifier (cuflash2._bias), after the user's modifiers are
-    checked; a backward (`deterministic` not None) that returns dbias gets its accumulator's
-    (batch, nheads, seqlen_q, seqlen_k) view as its last array (after a block mask's states)."""
-    backward = deterministic is not None
+    checked (with a block mask, its mask modifier), a block mask as _with_user_mods takes it; a
+    backward (`deterministic` not None) that returns dbias gets its accumulator's (batch,
+    nheads, seqlen_q, seqlen_k) view as its last array (after a block mask's states)."""
     if block_mask is not None:
         from . import block_masks as _block_mask
 
         mask_mod = _block_mask.resolve(mask_mod, block_mask)
-    if backward:
+    accum = None
+    if deterministic is not None:  # a backward
         _bias.check_dropout(function, options.dropout_p)
         _check_backward_user_mods(function, mask_mod, score_mod, options.dropout_p)
+        _prepare.check_flag("bias_requires_grad", bias_requires_grad)
+        if bias_requires_grad:
+            _bias.check_backward(function, bias, view, options.softcap, deterministic)
+            accum, full = _bias.gradient_buffer(bias, view, _cupy or _cupy_module())
     else:
         _prepare.check_user_mods(mask_mod, score_mod)
-    _prepare.check_flag("bias_requires_grad", bias_requires_grad)
-    accum = None
-    if backward and bias_requires_grad:
-        accum, full, accumulate = _bias.gradient_buffer(bias, view, _cupy or _cupy_module())
-        _bias.check_backward(function, options.softcap, options.dropout_p, deterministic,
-                             accumulate)
     inputs, extra = _with_user_mods(options, inputs, extra, mask_mod,
                                     _bias.score_mod_with_bias(view, score_mod), block_mask)
     if accum is not None:
@@ -522,8 +521,7 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
         if bias_requires_grad:
             _prepare.check_flag("bias_requires_grad", bias_requires_grad)
             _prepare.check_flag("deterministic", deterministic)
-            accumulate = any(s == 0 and n > 1 for s, n in zip(view.strides[:2], view.shape[:2]))
-            _bias.check_backward("attention_vjp", softcap, dropout_p, deterministic, accumulate)
+            _bias.check_backward("attention_vjp", bias, view, softcap, deterministic)
     if dropout_p and seed is None:  # the mask is kept inside, so a fresh seed will do
         seed = int.from_bytes(os.urandom(8), "little")
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,

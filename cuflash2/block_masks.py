@@ -138,9 +138,9 @@ def block_mask(mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, 
     fields = {"states": states.data.ptr, "nheads": nheads, "seqlen_q": seqlen_q,
               "seqlen_k": seqlen_k, "num_m_blocks": result.num_m_blocks,
               "num_n_blocks": result.num_n_blocks}
-    for i, (x, strides) in enumerate(zip(mask_mod.arrays, mask_mod.element_strides())):
+    fields.update(mods.user_input_strides(mask_mod.arrays))
+    for i, x in enumerate(mask_mod.arrays):
         fields[f"user.in{i}.data"] = x.data.ptr
-        fields.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
     block = _params.ParamBlock("BlockMaskParams", fields)
     launch = _launch.kernel_launch(config, device_id, (result.num_m_blocks, nheads, batch))
     _launch.run(launch, block, cupy.cuda.get_current_stream().ptr, block.slot("batch_offset"))

@@ -172,6 +172,16 @@ def _split_inputs(kind: str, inputs: dict):
     return tuple(signatures), tuple(arrays), tuple(constants)
 
 
+def user_input_strides(arrays) -> dict:
+    """UserParams' element strides of the modifiers' arrays in slot order (`user.in<i>.stride<j>`,
+    padded to 4 dims with 0): the fields a plan, or the block mask's launch, sets once."""
+    fields = {}
+    for i, x in enumerate(arrays):
+        strides = [s // x.itemsize for s in x.strides] + [0] * (4 - x.ndim)
+        fields.update({f"user.in{i}.stride{j}": s for j, s in enumerate(strides)})
+    return fields
+
+
 def _cupy():
     try:
         import cupy
@@ -193,14 +203,6 @@ class _Mod:
         # The signature key's share (api._forward_key): the source; the arrays' shapes, strides,
         # dtypes and devices enter the key as arrays of the call.
         self.key = source
-
-    def element_strides(self) -> list:
-        """Each array's element strides, padded to 4 with 0 (UserInput's stride0..3)."""
-        out = []
-        for x in self.arrays:
-            strides = [s // x.itemsize for s in x.strides]
-            out.append(tuple(strides) + (0,) * (4 - len(strides)))
-        return out
 
     def __repr__(self) -> str:
         names = [s.name for s in self.source.inputs] + [c[0] for c in self.source.constants]
