@@ -5,6 +5,9 @@
 // batch entry (grid (num_m_blocks, nheads, batch): 1 and 1 where the states are shared, b and h
 // then 0), each warp a tile at a time: its lanes walk the tile's rows 32 keys at a time and vote
 // (__any_sync, __all_sync) after each row, stopping at the first row that shows it partial.
+// Then the row's ranges (BlockMaskRanges, kernel_params.cuh): its first and last visited tile
+// and its longest run of full tiles, by one thread over the states the CTA just wrote (visible
+// to it after the barrier); once a block mask, so the kernels that read them need no scan.
 #include "mma_primitives.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"
@@ -42,4 +45,26 @@ flash_block_mask_kernel(const __grid_constant__ BlockMaskParams p) {
             row_states[n_block] = static_cast<signed char>(
                 some ? (every ? BLOCK_MASK_FULL : BLOCK_MASK_PARTIAL) : BLOCK_MASK_EMPTY);
     }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    int first = 0, end = 0;            // visited: [first, end)
+    int full_first = 0, full_end = 0;  // the longest run of full tiles
+    int run_first = 0;                 // the current run of full tiles starts here
+    bool any = false;
+    for (int n_block = 0; n_block < p.num_n_blocks; ++n_block) {
+        const int state = row_states[n_block];
+        if (state != BLOCK_MASK_EMPTY) {
+            if (!any) first = n_block;
+            any = true;
+            end = n_block + 1;
+        }
+        if (state != BLOCK_MASK_FULL) {
+            run_first = n_block + 1;
+        } else if (n_block + 1 - run_first > full_end - full_first) {
+            full_first = run_first;
+            full_end = n_block + 1;
+        }
+    }
+    p.ranges[(static_cast<i64>(batch) * p.nheads + head) * p.num_m_blocks + m_block] =
+        make_int4(first, end, full_first, full_end);
 }

@@ -134,65 +134,81 @@ CF2_DEVICE int visited_steps(const NoBlockMask&, int, int, int, int, int, int) {
     return 0;
 }
 
-// The Hopper forward's use (flash_fwd_sm90.cu with FEATURE_BLOCK_MASK): a work tile's KV tile
-// range [tile_first, tile_end), which the built-in masks give, narrowed to its lowest and its
-// highest tile that is not empty. Producer and consumers both walk the narrowed range, so they
-// need no exchange; the empty tiles inside it are computed and masked by the user's mask (a
-// document, window or causal mask leaves none). A Hopper tile spans m_div x n_div of the states'
-// tiles (the forward's 64 x 64 ones): it is visited where any of them is not empty. Every thread
-// that calls it gets the same answer (it reads the same bytes).
+// The Hopper forward's use (flash_fwd_sm90.cu with FEATURE_BLOCK_MASK), from the ranges of the
+// states' rows (BlockMaskRanges, made with the states by block_mask.cu): a work tile's KV tile
+// range [tile_first, tile_end), which the built-in masks give, narrowed to its first and its
+// last tile that is not empty, and the run of its tiles that are full, on which the user's mask
+// does not run. A Hopper tile spans m_div x n_div of the states' tiles (the forward's 64 x 64
+// ones): it is visited where any of them is not empty, full where all of them lie in their
+// row's longest run of full tiles. Producer and consumers both walk the narrowed range, so they
+// need no exchange; the empty tiles inside it (none for a document, window, causal or prefix
+// mask) are computed and masked by the user's mask. m_div 16-byte loads a work tile, every
+// thread that calls it reading the same ones.
 struct BlockMaskNarrow {
-    const BlockMaskStates& p;
+    // The work tiles of the last m blocks first, as under a key limit: the rows of a causal,
+    // prefix or document mask see more keys the later they come, and the longest tiles first
+    // leave the short ones to fill the grid's tail (the host schedules these calls as causal
+    // ones, _dispatch.forward_kernel).
+    static constexpr bool LATE_ROWS_FIRST = true;
+    const BlockMaskRanges& p;
     int m_div;
     int n_div;
-    int num_m_blocks;  // the states' rows and columns (the last may be partial)
-    int num_n_blocks;
+    int num_m_blocks;  // the states' rows (rows past them: the sequence's end)
 
-    CF2_DEVICE bool visited(const signed char* rows, int tile, int m_count) const {
-        const int n0 = tile * n_div;
-        const int n_end = min(n0 + n_div, num_n_blocks);
-        for (int r = 0; r < m_count; ++r)
-            for (int n = n0; n < n_end; ++n)
-                if (rows[r * p.row_stride + n] != BLOCK_MASK_EMPTY) return true;
-        return false;
-    }
-
-    // Whether every state of KV tile `tile` of that work tile is full (every (query, key) of it
-    // inside the sequence visible: the user's mask need not run there). States past the last
-    // row or column (rows and keys past the sequence, which the built-in mask handles) count
-    // as full.
-    CF2_DEVICE bool full(int batch, int head, int m_block, int tile) const {
+    // In Hopper tiles: [first, end) visited, [full_first, full_end) full (empty where
+    // full_end <= full_first) for the work tile of query block m_block of (batch, head).
+    CF2_DEVICE void ranges(int batch, int head, int m_block, int& first, int& end,
+                           int& full_first, int& full_end) const {
         const int m0 = m_block * m_div;
         const int m_count = min(m_div, num_m_blocks - m0);
-        const signed char* rows = p.states + batch * p.batch_stride + head * p.head_stride +
-                                  m0 * p.row_stride;
-        const int n0 = tile * n_div;
-        const int n_end = min(n0 + n_div, num_n_blocks);
-        for (int r = 0; r < m_count; ++r)
-            for (int n = n0; n < n_end; ++n)
-                if (rows[r * p.row_stride + n] != BLOCK_MASK_FULL) return false;
-        return true;
+        const int4* rows = p.rows + batch * p.batch_stride + head * p.head_stride + m0;
+        int lo = 0x7fffffff, hi = 0, full_lo = 0, full_hi = 0x7fffffff;
+        for (int r = 0; r < m_count; ++r) {
+            const int4 row = rows[r];
+            if (row.x < row.y) {
+                lo = min(lo, row.x);
+                hi = max(hi, row.y);
+            }
+            full_lo = max(full_lo, row.z);
+            full_hi = min(full_hi, row.w);
+        }
+        first = hi > 0 ? lo / n_div : 0;
+        end = (hi + n_div - 1) / n_div;
+        // Whole Hopper tiles inside the states' run (a partial last one stays masked).
+        full_first = (full_lo + n_div - 1) / n_div;
+        full_end = full_hi / n_div;
     }
 
-    // The range of the work tile of query block m_block (of BLOCK_M = m_div states' rows) of
-    // (batch, head), in place; tile_end = tile_first where no tile is visited.
+    // The range of that work tile, in place.
     CF2_DEVICE void operator()(int batch, int head, int m_block, int& tile_first,
                                int& tile_end) const {
-        const int m0 = m_block * m_div;
-        const int m_count = min(m_div, num_m_blocks - m0);
-        const signed char* rows = p.states + batch * p.batch_stride + head * p.head_stride +
-                                  m0 * p.row_stride;
-        int hi = tile_end;
-        while (hi > tile_first && !visited(rows, hi - 1, m_count)) --hi;
-        int lo = tile_first;
-        while (lo < hi && !visited(rows, lo, m_count)) ++lo;
-        tile_first = lo;
-        tile_end = hi > lo ? hi : lo;
+        int first, end, full_first, full_end;
+        ranges(batch, head, m_block, first, end, full_first, full_end);
+        const int lo = max(tile_first, first), hi = min(tile_end, end);
+        // A work tile the built-in masks leave keys keeps one tile where the block mask leaves
+        // it none (the user's mask then empties its rows): every such work tile loads its Q, as
+        // the dynamic claims need (sm90/fwd_tile_scheduler.cuh, WorkTileClaims).
+        if (hi > lo) {
+            tile_first = lo;
+            tile_end = hi;
+        } else {
+            tile_end = min(tile_end, tile_first + 1);
+        }
+    }
+
+    // The full tiles of that work tile: [full_first, full_end).
+    CF2_DEVICE void full_range(int batch, int head, int m_block, int& full_first,
+                               int& full_end) const {
+        int first, end;
+        ranges(batch, head, m_block, first, end, full_first, full_end);
     }
 };
 
 // Without a block mask: the range as it is.
 struct NoNarrow {
+    static constexpr bool LATE_ROWS_FIRST = false;
     CF2_DEVICE void operator()(int, int, int, int&, int&) const {}
-    CF2_DEVICE bool full(int, int, int, int) const { return false; }
+    CF2_DEVICE void full_range(int, int, int, int& full_first, int& full_end) const {
+        full_first = full_end = 0;
+    }
 };

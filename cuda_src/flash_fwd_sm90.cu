@@ -138,8 +138,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
 template <bool ON>
 CF2_DEVICE auto block_mask_narrow(const FwdSm90ModsParams& m) {
     if constexpr (ON) {
-        return BlockMaskNarrow{m.blocks, m.block_m_div, m.block_n_div, m.num_m_blocks,
-                               m.num_n_blocks};
+        return BlockMaskNarrow{m.ranges, m.block_m_div, m.block_n_div, m.num_m_blocks};
     } else {
         return NoNarrow{};
     }

@@ -113,6 +113,18 @@ struct BlockMaskStates {
     i64 row_stride;  // the n blocks of a row
 };
 
+// A block mask's rows summed up (block_mask.cu; cuflash2.reference.block_mask_ranges): for each
+// (batch, head, m block) row of states, in n blocks, .x / .y the first tile that is not empty
+// and one past the last (0, 0 where all are empty), .z / .w the row's longest run of full tiles
+// (its first, one past its last; 0, 0 where none is full). The Hopper forward narrows a work
+// tile's KV range to [x, y) and skips the user's mask on [z, w) (BlockMaskNarrow): 16 bytes a
+// row, read once a work tile. Strides in rows, 0 where the states are shared.
+struct BlockMaskRanges {
+    const int4* rows;
+    i64 batch_stride;
+    i64 head_stride;
+};
+
 // flash_fwd.cu's kernel with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): the
 // forward's parameters, then the modifiers' inputs. A struct of its own, so that FwdParams, and
 // with it every other specialisation's parameters and machine code, stays as it was.
@@ -146,13 +158,13 @@ struct FwdSm90Params {
 struct FwdSm90ModsParams {
     FwdSm90Params sm90;
     UserParams user;
-    // FEATURE_BLOCK_MASK only (block_mask.cuh, BlockMaskNarrow): the states (of the forward's
-    // mma.sync tiles), how many of their rows / columns a Hopper tile spans, and their count.
-    BlockMaskStates blocks;
+    // FEATURE_BLOCK_MASK only (block_mask.cuh, BlockMaskNarrow): the ranges of the states' rows
+    // (of the forward's mma.sync tiles), how many of their rows / columns a Hopper tile spans,
+    // and the count of their rows.
+    BlockMaskRanges ranges;
     int block_m_div;
     int block_n_div;
     int num_m_blocks;
-    int num_n_blocks;
 };
 
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)
@@ -331,6 +343,7 @@ struct DropoutMaskParams {
 // a mask modifier with inputs `user`; batch and nheads 1 where the states are shared.
 struct BlockMaskParams {
     signed char* states;
+    int4* ranges;  // BlockMaskRanges' rows, one a CTA
     int nheads;
     int seqlen_q;
     int seqlen_k;

@@ -52,8 +52,9 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     (`mods.user_mods`; `user_inputs`: (input position, array) of each of their arrays, the mask's
     first) the mma.sync kernel's FwdModsParams: these FwdParams as `base`, then `user`, the
     arrays' addresses (per call) and element strides; with a block mask (`block_input`: (input
-    position, BlockMask)) its states in `blocks`, checked against the kernel's tiles and the
-    call (cuflash2.block_masks.check_for_call)."""
+    position of its states, BlockMask); its ranges in the next one) its states in `blocks`
+    (the mma.sync kernel) or its ranges in `ranges` (the Hopper kernel), checked against the
+    kernel's tiles and the call (cuflash2.block_masks.check_for_call)."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
     choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
@@ -66,8 +67,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         if varlen is not None:
             raise ValueError("block_mask: not with varlen batches yet (attention only)")
         if choice.hopper:  # the states' tiles make up the Hopper kernel's (BlockMaskNarrow)
-            block_fields = {**block_mask.states_fields(block_input[1]),
-                            **block_mask.check_for_hopper(
+            block_fields = {**block_mask.check_for_hopper(
                                 block_input[1], config.block_m, config.block_n, p.batch,
                                 p.nheads, p.seqlen_q, p.seqlen_k, device_id)}
         else:
@@ -105,7 +105,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
                           extra_fields={**_user_fields(user_inputs), **block_fields},
                           extra_inputs=[(f"user.in{i}.data", pos, 0)
                                         for i, (pos, _) in enumerate(user_inputs)]
-                          + ([("blocks.states", block_input[0], 0)] if block_input else []))
+                          + ([("ranges.rows", block_input[0] + 1, 0)] if block_input else []))
     if mods.user_mods is not None:
         return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
                           mods, user_inputs, block_input)

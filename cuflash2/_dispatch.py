@@ -58,8 +58,8 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     `user_mods`: the programmable modifiers' sources (mask, score): on sm_90 a mask modifier
     alone runs on the Hopper kernel (a FwdSm90ModsConfig: hopper_forward_config's choice for
     the call's other features; HOPPER_FORWARD_MODS; with a block mask up to
-    HOPPER_BLOCK_MASK_MAX_HEAD_DIM), the others on the mma.sync kernel (fwd_mods_config's
-    tile; a FwdModsConfig)."""
+    HOPPER_BLOCK_MASK_MAX_HEAD_DIM, scheduled as a causal call), the others on the mma.sync
+    kernel (fwd_mods_config's tile; a FwdModsConfig)."""
     p = problem
     if user_mods is not None:
         from . import mods
@@ -69,7 +69,10 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
         if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS
                 and user_mods[1] is None and p.head_dim <= most
                 and not (block_mask and varlen is not None)):
-            hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, window, arch,
+            # A block mask's call is scheduled as a causal one (the grid, its order and the
+            # dynamic claims of a key limit): its work tiles' lengths vary as theirs do.
+            schedule = (window[0], 0) if block_mask and window[1] < 0 else window
+            hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch,
                                            varlen)
             if hopper is not None:
                 maps = _hopper.forward_maps(hopper)
@@ -79,7 +82,7 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
                                                         block_mask=block_mask)
                     grid, grid_fields = forward_grid(
                         hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q, p.seqlen_k,
-                        p.head_dim, views["q"].itemsize, window[1], device_id)
+                        p.head_dim, views["q"].itemsize, schedule[1], device_id)
                     return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
         if config is None:
             config = FORCED.get("fwd") or fwd_mods_config(p.dtype, p.head_dim, arch)

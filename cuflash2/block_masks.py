@@ -11,7 +11,10 @@ expression on the partial ones only.
   block_m=None, block_n=None)` -> `BlockMask`. `states`: int8 CuPy array (batch, nheads,
   num_m_blocks, num_n_blocks), per tile BLOCK_MASK_EMPTY (0: no (query, key) of the tile
   visible), BLOCK_MASK_PARTIAL (1) or BLOCK_MASK_FULL (2: every (query, key) of the tile inside
-  the sequence visible). Causal and windows are not part of it: `attention`'s causal /
+  the sequence visible). `ranges`: int32 (batch, nheads, num_m_blocks, 4), each row of states
+  summed up as (first visited n block, one past the last, first and one past the last n block of
+  its longest run of full tiles), zeros where none (reference.block_mask_ranges); the Hopper
+  forward reads these. Causal and windows are not part of it: `attention`'s causal /
   window_size still apply on top (as they do to the mask modifier).
 - Broadcast: batch=1 (nheads=1) means the mask does not depend on `b` (`h`): the states are
   evaluated at b = 0 (h = 0) and serve calls of any batch (any number of heads), across calls
@@ -44,12 +47,13 @@ class BlockMask:
     num_m_blocks, num_n_blocks), batch / nheads 1 where shared), `mask_mod`, the tiles
     `block_m` x `block_n`, the lengths, and the device it lives on."""
 
-    __slots__ = ("states", "mask_mod", "block_m", "block_n", "batch", "nheads", "seqlen_q",
+    __slots__ = ("states", "ranges", "mask_mod", "block_m", "block_n", "batch", "nheads", "seqlen_q",
                  "seqlen_k", "device_id")
 
     def __init__(self, states, mask_mod, block_m: int, block_n: int, batch: int, nheads: int,
                  seqlen_q: int, seqlen_k: int, device_id: int):
         self.states = states
+        self.ranges = None  # (batch, nheads, num_m_blocks, 4) int32, made with the states
         self.mask_mod = mask_mod
         self.block_m, self.block_n = block_m, block_n
         self.batch, self.nheads = batch, nheads
@@ -135,7 +139,8 @@ def block_mask(mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, 
                         dtype=cupy.int8)
     header, h = mods.user_mods_header(mask_mod.source, None)
     config = _configs.BlockMaskConfig(block_m, block_n, header, h)
-    fields = {"states": states.data.ptr, "nheads": nheads, "seqlen_q": seqlen_q,
+    ranges = cupy.empty((batch, nheads, result.num_m_blocks, 4), dtype=cupy.int32)
+    fields = {"states": states.data.ptr, "ranges": ranges.data.ptr, "nheads": nheads, "seqlen_q": seqlen_q,
               "seqlen_k": seqlen_k, "num_m_blocks": result.num_m_blocks,
               "num_n_blocks": result.num_n_blocks}
     fields.update(mods.user_input_strides(mask_mod.arrays))
@@ -144,7 +149,7 @@ def block_mask(mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, 
     block = _params.ParamBlock("BlockMaskParams", fields)
     launch = _launch.kernel_launch(config, device_id, (result.num_m_blocks, nheads, batch))
     _launch.run(launch, block, cupy.cuda.get_current_stream().ptr, block.slot("batch_offset"))
-    result.states = states
+    result.states, result.ranges = states, ranges
     return result
 
 
@@ -202,15 +207,22 @@ def check_for_hopper(bm: BlockMask, block_m: int, block_n: int, batch: int, nhea
                      seqlen_q: int, seqlen_k: int, device_id: int) -> dict:
     """check_for_call for the Hopper forward, whose block_m x block_n tiles are coarser than the
     states' (the mma.sync forward's): each must span whole ones. Returns the FwdSm90ModsParams
-    fields `block_m_div`, `block_n_div` (states a Hopper tile spans each way) and the states'
-    counts `num_m_blocks`, `num_n_blocks`."""
+    fields `block_m_div`, `block_n_div` (states a Hopper tile spans each way), the states' row
+    count `num_m_blocks` and the strides of their rows' ranges (`ranges.*`, BlockMaskRanges: 0
+    over a shared batch / head)."""
     if block_m % bm.block_m or block_n % bm.block_n:
         raise ValueError(
             f"block_mask was built for {bm.block_m}x{bm.block_n} tiles, which do not make up the "
             f"Hopper forward's {block_m}x{block_n} tiles of this call")
     check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
+    shape = (bm.batch, bm.nheads, bm.num_m_blocks, 4)
+    if tuple(bm.ranges.shape) != shape or numpy.dtype(bm.ranges.dtype) != numpy.int32:
+        raise ValueError(f"block_mask.ranges must be int32 {shape}; got "
+                         f"{bm.ranges.dtype} {tuple(bm.ranges.shape)}")
     return {"block_m_div": block_m // bm.block_m, "block_n_div": block_n // bm.block_n,
-            "num_m_blocks": bm.num_m_blocks, "num_n_blocks": bm.num_n_blocks}
+            "num_m_blocks": bm.num_m_blocks,
+            "ranges.batch_stride": 0 if bm.batch == 1 else bm.nheads * bm.num_m_blocks,
+            "ranges.head_stride": 0 if bm.nheads == 1 else bm.num_m_blocks}
 
 
 def check_for_backward(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads: int,

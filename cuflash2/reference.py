@@ -104,6 +104,7 @@ __all__ = [
     "attention_with_kvcache",
     "attention_varlen_backward",
     "block_mask_states",
+    "block_mask_ranges",
 ]
 
 _LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
@@ -1138,4 +1139,30 @@ def block_mask_states(dense_mask, block_m: int, block_n: int):
     some = xp.pad(mask, pad, constant_values=False).reshape(tiles).any(axis=(-3, -1))
     every = xp.pad(mask, pad, constant_values=True).reshape(tiles).all(axis=(-3, -1))
     return xp.where(every, 2, xp.where(some, 1, 0)).astype(xp.int8)
+
+
+def block_mask_ranges(states):
+    """Each row of block-mask states (..., num_m_blocks, num_n_blocks) summed up as
+    cuflash2.block_mask does on the GPU (BlockMask.ranges): int32 (..., num_m_blocks, 4) of the
+    first n block that is not empty and one past the last (0, 0 where all are), then the first
+    and one past the last n block of the row's longest run of full tiles (the first such run
+    where two are as long; 0, 0 where no tile is full)."""
+    xp = _array_module(states)
+    rows = numpy.asarray(states.get() if hasattr(states, "get") else states)
+    if rows.ndim < 2:
+        raise ValueError(f"block_mask_ranges: states must be (..., num_m_blocks, num_n_blocks); "
+                         f"got {tuple(rows.shape)}")
+    flat = rows.reshape(-1, rows.shape[-1])
+    out = numpy.zeros((flat.shape[0], 4), numpy.int32)
+    for i, row in enumerate(flat):
+        visited = numpy.flatnonzero(row != 0)
+        if visited.size:
+            out[i, :2] = visited[0], visited[-1] + 1
+        run_first = 0
+        for n, state in enumerate(row):
+            if state != 2:
+                run_first = n + 1
+            elif n + 1 - run_first > out[i, 3] - out[i, 2]:
+                out[i, 2:] = run_first, n + 1
+    return xp.asarray(out.reshape(*rows.shape[:-1], 4))
 

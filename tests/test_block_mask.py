@@ -89,8 +89,12 @@ def test_params_struct():
         assert field in layout.offsets
     assert "blocks.states" in layout.pointers or "states" in str(layout.pointers)
     states = _params.layout("BlockMaskParams")
-    assert {"states", "nheads", "seqlen_q", "seqlen_k", "num_m_blocks", "num_n_blocks",
-            "user.in0.data", "batch_offset"} <= set(states.offsets)
+    assert {"states", "ranges", "nheads", "seqlen_q", "seqlen_k", "num_m_blocks",
+            "num_n_blocks", "user.in0.data", "batch_offset"} <= set(states.offsets)
+    hopper = _params.layout("FwdSm90ModsParams")
+    assert {"ranges.rows", "ranges.batch_stride", "ranges.head_stride", "block_m_div",
+            "block_n_div", "num_m_blocks"} <= set(hopper.offsets)
+    assert "ranges.rows" in hopper.pointers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +131,19 @@ def test_states_reference_prefix_lm():
     numpy.testing.assert_array_equal(reference.block_mask_states(mask, 4, 4), [[2, 0], [2, 1]])
     numpy.testing.assert_array_equal(reference.block_mask_states(mask, 2, 2),
                                      [[2, 2, 0, 0], [2, 2, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]])
+
+
+def test_ranges_reference():
+    # Causal over 2 x 3 tiles: visited up to the diagonal, full before it.
+    causal = reference.block_mask_states(_dense(lambda q, k: k <= q, 5, 7), 2, 3)
+    numpy.testing.assert_array_equal(reference.block_mask_ranges(causal),
+                                     [[0, 1, 0, 0], [0, 2, 0, 1], [0, 2, 0, 1]])
+    # A hole: visited from the first to the last tile, the longest full run (the first of
+    # two as long), an empty row all zeros.
+    states = numpy.array([[1, 2, 0, 2, 2, 1], [2, 0, 2, 0, 0, 0], [0, 0, 0, 0, 0, 0]], numpy.int8)
+    numpy.testing.assert_array_equal(reference.block_mask_ranges(states),
+                                     [[0, 6, 3, 5], [0, 3, 0, 1], [0, 0, 0, 0]])
+    assert reference.block_mask_ranges(numpy.zeros((2, 3, 4, 5), numpy.int8)).shape == (2, 3, 4, 4)
 
 
 def test_states_reference_errors():

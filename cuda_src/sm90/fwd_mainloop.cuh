@@ -106,8 +106,9 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 // the mods kernel's inputs) the user's score modifier follows the variant's transform, and the
 // user's mask runs on every tile in place of the boundary tiles' mask, as in the mma.sync
 // forward (flash_fwd.cu); `User` = NoUserInputs (never read) for every other specialisation.
-// `narrow` (FEATURE_BLOCK_MASK: BlockMaskNarrow, block_mask.cuh): on a tile whose states are all
-// full the user's mask does not run, only the built-in one where the tile needs it.
+// `narrow` (FEATURE_BLOCK_MASK: BlockMaskNarrow, block_mask.cuh): on the work tile's run of
+// full tiles [full_first, full_end), found once a work tile, the user's mask does not run, only
+// the built-in one where the tile needs it.
 template <int FEATURES, int BLOCK_N, class User = NoUserInputs, class Narrow = NoNarrow>
 struct FwdScoreStep {
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
@@ -116,6 +117,7 @@ struct FwdScoreStep {
     const KeyVisibility& vis;
     int row_first, wg_row0, warp, lane;
     int unmasked_lo, unmasked_hi;
+    int full_first, full_end;  // FEATURE_BLOCK_MASK: the tiles the user's mask skips
     const FwdParams& p;
     const FwdTileContext& c;
     const User& user;
@@ -130,6 +132,8 @@ struct FwdScoreStep {
         variant.select_head(p.mods, c.w.batch, c.w.head);
         vis.unmasked_tile_range(c.span.row_first, c.span.row_last, BLOCK_N, unmasked_lo,
                                 unmasked_hi);
+        if constexpr (Variant::BLOCK_MASK)
+            narrow.full_range(c.w.batch, c.w.head, c.w.m_block, full_first, full_end);
     }
 
     // The programmable modifiers' context (user_inputs.cuh): inputs, batch entry (sequence),
@@ -148,7 +152,7 @@ struct FwdScoreStep {
         if constexpr (Variant::SCORE_MOD)
             Variant::score_mod(acc_s, thread_row0, thread_key0, user_context());
         if constexpr (Variant::MASK_MOD) {
-            if (!Variant::BLOCK_MASK || !narrow.full(c.w.batch, c.w.head, c.w.m_block, tile))
+            if (!Variant::BLOCK_MASK || tile < full_first || tile >= full_end)
                 Variant::mask_mod(acc_s, thread_row0, thread_key0, vis, user_context());
             else if (tile < unmasked_lo || tile >= unmasked_hi)
                 Variant::mask(acc_s, thread_row0, thread_key0, vis);

@@ -89,8 +89,11 @@ CF2_DEVICE FwdTileContext tile_context(const FwdParams& p, const FwdWorkTile& w)
 // The work tile of a CTA of the one-tile-per-CTA grid (m blocks, heads, batch). With an upper
 // limit on keys (causal), later Q blocks see more keys: start those first so that the long CTAs
 // do not form the tail of the grid.
-CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p) {
-    const int m_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+// `late_rows_first`: the last m blocks first without a key limit too (a block mask's order,
+// BlockMaskNarrow::LATE_ROWS_FIRST).
+CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p, bool late_rows_first = false) {
+    const int m_block =
+        p.window_right >= 0 || late_rows_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     return {m_block, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z + p.batch_offset)};
 }
 
@@ -243,7 +246,8 @@ struct FwdTileScheduler {
         } else {
             const PersistentTiles order{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M,
                                         params.batch * p.nheads, params.section_pairs, p.nheads,
-                                        p.batch_offset, p.window_right >= 0};
+                                        p.batch_offset,
+                                        p.window_right >= 0 || Narrow::LATE_ROWS_FIRST};
             int ring = 0, q_round = 0;
             if constexpr (!CLAIMS) {
                 // Spelt out as before the claims: through `run` below, the same steps compile

@@ -60,6 +60,8 @@ def test_states_equal_reference(name, lengths):
     assert bm.states.dtype == cupy.int8
     expected = reference.block_mask_states(dense, bm.block_m, bm.block_n)
     numpy.testing.assert_array_equal(cupy.asnumpy(bm.states)[0, 0], expected)
+    numpy.testing.assert_array_equal(cupy.asnumpy(bm.ranges)[0, 0],
+                                     reference.block_mask_ranges(expected))
 
 
 def test_states_per_batch_and_head():
@@ -73,6 +75,8 @@ def test_states_per_batch_and_head():
                                       for h in range(2)]) for b in range(3)])
     numpy.testing.assert_array_equal(cupy.asnumpy(bm.states),
                                      reference.block_mask_states(dense, 64, 64))
+    numpy.testing.assert_array_equal(cupy.asnumpy(bm.ranges),
+                                     reference.block_mask_ranges(cupy.asnumpy(bm.states)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,9 +201,10 @@ def test_checks_before_launch():
     with pytest.raises(ValueError, match="seqlen_q=200"):
         cuflash2.attention(q, k, v, block_mask=cuflash2.block_mask(mm, 1, 1, 200, 300,
                                                                    head_dim=64))
+    # (80-row tiles neither are the mma.sync forward's nor make up the Hopper forward's)
     with pytest.raises(ValueError, match="tiles"):
         cuflash2.attention(q, k, v, block_mask=cuflash2.block_mask(mm, 1, 1, 300, 300,
-                                                                   block_m=128, block_n=64))
+                                                                   block_m=80, block_n=64))
     with pytest.raises(ValueError, match="batch=3"):
         cuflash2.attention(q, k, v, block_mask=cuflash2.block_mask(mm, 3, 1, 300, 300,
                                                                    head_dim=64))
