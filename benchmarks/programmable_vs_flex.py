@@ -69,6 +69,7 @@ def mask_rows(torch, flex, create_block_mask, args, backlog):
     print("| mask | cuflash2 fwd ms | built-in fwd | Flex fwd | vs Flex | cuflash2 bwd ms | "
           "built-in bwd | Flex bwd | vs Flex |")
     print("|---|---|---|---|---|---|---|---|---|")
+    kernels = []  # (mask, forward kernels, backward kernels): printed after the table
     for name, (mm, fn, builtin) in _masks(torch).items():
         bm = cuflash2.block_mask(mm, 1, 1, SEQ, SEQ, head_dim=D, dtype=dtype)
         out, lse = cuflash2.attention(q, k, v, mask_mod=mm, block_mask=bm, return_lse=True)
@@ -95,6 +96,11 @@ def mask_rows(torch, flex, create_block_mask, args, backlog):
                            2, args.iters, backlog)
         print(f"| {name} | {fwd:.3f} | {b_fwd:.3f} | {f_fwd:.3f} | {f_fwd / fwd:.2f}x | "
               f"{bwd:.3f} | {b_bwd:.3f} | {f_bwd:.3f} | {f_bwd / bwd:.2f}x |", flush=True)
+        kernels.append((name, cuflash2.forward_kernels(q, k, v, mask_mod=mm, block_mask=bm),
+                        cuflash2.backward_kernels(dout, q, k, v, out, lse, block_mask=bm)))
+    print()
+    for name, fwd_kernels, bwd_kernels in kernels:
+        print(f"- {name}: forward {'; '.join(fwd_kernels)}; backward {'; '.join(bwd_kernels)}")
 
 
 def bias_rows(args, backlog):
@@ -166,6 +172,10 @@ def main() -> int:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     print(f"# torch {torch.__version__}")
+    # One compiled flex_attention for every mask and bias here, with and without gradients:
+    # past dynamo's default of 8 recompilations it would fall back to the unfused, eager
+    # implementation (which materialises the scores).
+    torch._dynamo.config.recompile_limit = 64
     flex = torch.compile(flex_attention)
     if "evo" in args.only:
         evoformer_rows(torch, flex, args, backlog)
