@@ -91,13 +91,14 @@
 // epilogue (store_tile). q_round: the how-many-th Q of this CTA the tile's Q is.
 // `user`: the programmable modifiers' inputs (UserParams, the mods kernel's) or NoUserInputs.
 // `narrow`: the block mask's view (BlockMaskNarrow) or NoNarrow, for the score step.
+// `bias`: the bias's tiles (BiasTile, FEATURE_BIAS_TILE) or NoBiasTile (sm90/fwd_bias.cuh).
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
-          class User, class Narrow>
+          class User, class Narrow, class Bias>
 CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
                              const FwdTileContext& c, int head_chunks, int ring0, int q_round,
                              int consumer, u32 q_smem, u32 kv_smem, u32 o_smem,
                              FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
-                             const User& user, const Narrow& narrow) {
+                             const User& user, const Narrow& narrow, const Bias& bias) {
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     consume_kv_tiles<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
         p, vis, c, ring0, q_round, consumer, q_smem, kv_smem, bars,
@@ -106,7 +107,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
             store_tile<Elem, T, PERSISTENT, VARLEN>(p, c, acc_o, softmax, inv_sum, row_lse,
                                                     head_chunks, consumer, o_smem);
         },
-        user, narrow);
+        user, narrow, bias);
 }
 
 // PINGPONG: the consumers take turns on the tensor cores (one's softmax under the other's GEMMs;
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     const NoUserInputs user{};
     const NoNarrow narrow{};
+    const NoBiasTile bias{};
 #include "flash_fwd_sm90_body.inc"
 }
 
@@ -141,6 +143,17 @@ CF2_DEVICE auto block_mask_narrow(const FwdSm90ModsParams& m) {
         return BlockMaskNarrow{m.ranges, m.block_m_div, m.block_n_div, m.num_m_blocks};
     } else {
         return NoNarrow{};
+    }
+}
+
+// The mods kernel's bias tiles (ON: FEATURE_BIAS_TILE), or none.
+template <bool ON, typename Elem, int BLOCK_M>
+CF2_DEVICE auto bias_tile(const FwdSm90ModsParams& m) {
+    if constexpr (ON) {
+        return BiasTile<Elem, BLOCK_M * Sm90CtaLayout::ROW_BYTES>{m.bias_map, m.bias_heads,
+                                                                  m.bias_batches};
+    } else {
+        return NoBiasTile{};
     }
 }
 
@@ -162,5 +175,7 @@ flash_fwd_sm90_mods_kernel(const __grid_constant__ FwdSm90ModsParams mods_params
     const FwdSm90Params& params = mods_params.sm90;
     const UserParams& user = mods_params.user;
     const auto narrow = block_mask_narrow<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
+    const auto bias =
+        bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
 #include "flash_fwd_sm90_body.inc"
 }

@@ -165,6 +165,12 @@ struct FwdSm90ModsParams {
     int block_m_div;
     int block_n_div;
     int num_m_blocks;
+    // FEATURE_BIAS_TILE only (sm90/fwd_bias.cuh): the bias's map, over its own (batch or 1,
+    // heads or 1, seqlen_q, seqlen_k) array as (key, row, head, batch) with 128-byte swizzle,
+    // boxes of 64 keys x block_m rows; its head and batch extents (1: broadcast).
+    int bias_heads;
+    int bias_batches;
+    TensorMap bias_map;
 };
 
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)

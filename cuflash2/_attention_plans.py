@@ -15,7 +15,7 @@ import math
 
 import numpy
 
-from . import _configs, _dispatch, _hopper, _launch, _params, _plans
+from . import _bias, _configs, _dispatch, _hopper, _launch, _params, _plans
 from ._prepare import LOG2E, element_strides, output_strides
 
 
@@ -57,8 +57,11 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     kernel's tiles and the call (cuflash2.block_masks.check_for_call)."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
+    bias_tile = None  # a bias alone (the last input): the Hopper forward may take it as tiles
+    if mods.user_mods is not None and _bias.is_bias_alone(mods.user_mods[1]):
+        bias_tile = _bias.tile_array(user_inputs[-1][1])
     choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
-                                      mods.user_mods)
+                                      mods.user_mods, bias_tile)
     config = choice.config
     block_fields = {}
     if block_input is not None:
@@ -102,10 +105,14 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         return _sm90_plan(device_id, "FwdSm90ModsParams", fields, choice.maps, choice.map_fields,
                           launches, inputs, outputs, output_fields, aligned=aligned,
                           own_fields=choice.grid_fields, counters=counters, prefix="sm90.",
-                          extra_fields={**_user_fields(user_inputs), **block_fields},
+                          extra_fields={**_user_fields(user_inputs), **block_fields,
+                                        **(choice.bias_fields or {})},
                           extra_inputs=[(f"user.in{i}.data", pos, 0)
                                         for i, (pos, _) in enumerate(user_inputs)]
-                          + ([("ranges.rows", block_input[0] + 1, 0)] if block_input else []))
+                          + ([("ranges.rows", block_input[0] + 1, 0)] if block_input else [])
+                          # the bias map's address word, per call (the bias's own address)
+                          + ([("bias_map.v", user_inputs[-1][0], 0)] if choice.bias_fields
+                             else []))
     if mods.user_mods is not None:
         return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
                           mods, user_inputs, block_input)

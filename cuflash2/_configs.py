@@ -48,6 +48,11 @@ USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD | FEATURE_BLOCK_MASK
 #: mma.sync backward main kernel with the bias as its score modifier writes dS out as dbias
 #: (BwdModsParams.dbias). Backward main kernel only; never in the dQ kernel.
 FEATURE_BIAS_GRAD = 256
+#: The additive bias as a tile (the Hopper forward, flash_fwd_sm90.cu with a bias alone as its
+#: score modifier): the producer loads each KV tile's BLOCK_M x BLOCK_N block of the bias by TMA
+#: with V, the consumers add it to S from shared memory (sm90/fwd_bias.cuh), instead of reading
+#: it score by score through the 4-D accessor. In FwdSm90ModsConfig only.
+FEATURE_BIAS_TILE = 512
 #: A block mask's tile states (int8): no visible key in the tile, some, every (query, key) of the
 #: tile inside the sequence visible.
 BLOCK_MASK_EMPTY, BLOCK_MASK_PARTIAL, BLOCK_MASK_FULL = 0, 1, 2
@@ -134,7 +139,7 @@ CUDA_CONSTANTS = {
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
     "FEATURE_SINKS": FEATURE_SINKS, "FEATURE_MASK_MOD": FEATURE_MASK_MOD,
     "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD, "FEATURE_BLOCK_MASK": FEATURE_BLOCK_MASK,
-    "FEATURE_BIAS_GRAD": FEATURE_BIAS_GRAD,
+    "FEATURE_BIAS_GRAD": FEATURE_BIAS_GRAD, "FEATURE_BIAS_TILE": FEATURE_BIAS_TILE,
     "BLOCK_MASK_EMPTY": BLOCK_MASK_EMPTY, "BLOCK_MASK_PARTIAL": BLOCK_MASK_PARTIAL,
     "BLOCK_MASK_FULL": BLOCK_MASK_FULL, "BLOCK_MASK_WARPS": BLOCK_MASK_WARPS,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
@@ -324,8 +329,16 @@ class FwdSm90Config:
         # Q tile + stages x (K tile + V tile) (+ an O tile of Q's size when persistent), rows of
         # `panels` x 128 bytes, + 1 KiB to align the base to 1024 B by hand
         # (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
+        # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
         o_rows = self.block_m if self.persistent else 0
-        return 128 * self.panels * (self.block_m + 2 * self.stages * self.block_n + o_rows) + 1024
+        bias = 2 * self.block_m * self.block_n * self.stages if self.bias_tile else 0
+        return (128 * self.panels * (self.block_m + 2 * self.stages * self.block_n + o_rows)
+                + bias + 1024)
+
+    @property
+    def bias_tile(self) -> bool:
+        """Whether the bias comes as tiles with V (FEATURE_BIAS_TILE)."""
+        return bool(self.features & FEATURE_BIAS_TILE)
 
     @property
     def source_file(self) -> str:
@@ -343,7 +356,8 @@ class FwdSm90Config:
     @property
     def probes(self) -> str:
         traits = (f"FwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                  f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}>")
+                  f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}"
+                  f"{', true' if self.bias_tile else ''}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == "
             f"{sm90_consumer_registers(self.block_m // 64)}, \"setmaxnreg budget\");\n")
@@ -819,7 +833,8 @@ def describe(config) -> str:
                                    (FEATURE_VARLEN, "varlen"), (FEATURE_MASK_MOD, "mask_mod"),
                                    (FEATURE_SCORE_MOD, "score_mod"),
                                    (FEATURE_BLOCK_MASK, "block mask"),
-                                   (FEATURE_BIAS_GRAD, "dbias"))
+                                   (FEATURE_BIAS_GRAD, "dbias"),
+                                   (FEATURE_BIAS_TILE, "bias tiles"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

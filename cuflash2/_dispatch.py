@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from . import _hopper, _launch
 from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
-                       FEATURE_BIAS_GRAD,
+                       FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
@@ -47,10 +47,12 @@ class ForwardChoice:
     grid_fields: dict = field(default_factory=dict)
     maps: dict | None = None
     map_fields: dict | None = None
+    #: FEATURE_BIAS_TILE: the bias's map words ("bias_map.v") and extents (FwdSm90ModsParams).
+    bias_fields: dict | None = None
 
 
 def forward_kernel(problem, features: int, window, arch: int, views: dict, varlen, device_id: int,
-                   config=None, user_mods=None) -> ForwardChoice:
+                   config=None, user_mods=None, bias_tile=None) -> ForwardChoice:
     """The forward kernel of a checked call (`features`: its FEATURE_* bits, varlen included;
     `window`: the kernels' (left, right)). On sm_90 the Hopper kernel runs every call it covers
     (hopper_forward_config) whose q, k and v the TMA describes, the mma.sync kernel (fwd_config)
@@ -59,12 +61,20 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     alone runs on the Hopper kernel (a FwdSm90ModsConfig: hopper_forward_config's choice for
     the call's other features; HOPPER_FORWARD_MODS; with a block mask up to
     HOPPER_BLOCK_MASK_MAX_HEAD_DIM, scheduled as a causal call), the others on the mma.sync
-    kernel (fwd_mods_config's tile; a FwdModsConfig)."""
+    kernel (fwd_mods_config's tile; a FwdModsConfig). `bias_tile`: where the score modifier is
+    the bias alone, the bias's elements as _bias.tile_array gives them: on sm_90 the Hopper
+    forward takes it as tiles where it can (hopper_bias_tile_choice)."""
     p = problem
     if user_mods is not None:
         from . import mods
 
         block_mask = bool(features & FEATURE_BLOCK_MASK)
+        if (bias_tile is not None and config is None and "fwd" not in FORCED
+                and HOPPER_FORWARD_BIAS_TILES):
+            choice = hopper_bias_tile_choice(p, features, window, arch, views, varlen,
+                                             user_mods[0], bias_tile)
+            if choice is not None:
+                return choice
         most = HOPPER_BLOCK_MASK_MAX_HEAD_DIM if block_mask else HOPPER_MODS_MAX_HEAD_DIM
         if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS
                 and user_mods[1] is None and p.head_dim <= most
@@ -104,6 +114,56 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
                                      device_id)
     return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+
+
+#: A bias alone runs on the Hopper forward as tiles (FEATURE_BIAS_TILE, sm90/fwd_bias.cuh) where
+#: hopper_bias_tile_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0 keeps it on the mma.sync mods
+#: kernel (development: measuring the two).
+HOPPER_FORWARD_BIAS_TILES = os.environ.get("CUFLASH2_HOPPER_BIAS_TILES", "1") != "0"
+
+
+def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: dict, varlen,
+                            mask, bias_tile):
+    """The Hopper forward with the bias as tiles (FEATURE_BIAS_TILE: each KV tile's block of the
+    bias loaded by TMA with V into its stage, added to S from shared memory), with the call's
+    mask modifier `mask` (or None) and built-in features, or None where it does not take the
+    call: not sm_90, varlen, a bias of another dtype than q's, a head dim whose stages do not fit
+    shared memory with the bias's (above 128), or arrays the TMA cannot read (a bias whose rows
+    are not 16-byte multiples: seqlen_k % 8). Two consumers with the overlap schedule, one tile a
+    CTA (the persistent grid's O buffer leaves no room for the bias's tiles); scheduled as a
+    causal call with a block mask, as the mask modifier's forward."""
+    from . import mods
+
+    p = problem
+    if varlen is not None or bias_tile.dtype != views["q"].dtype:
+        return None
+    block_mask = bool(features & FEATURE_BLOCK_MASK)
+    schedule = (window[0], 0) if block_mask and window[1] < 0 else window
+    hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch, varlen)
+    if hopper is None or hopper.head_dim > 128:
+        return None
+    causal = schedule[1] == 0 and schedule[0] < 0
+    pingpong, overlap = SCHEDULES[hopper.head_dim, causal]
+    if not overlap:
+        return None
+    config = dataclasses.replace(fwd_sm90_config(p.dtype, hopper.head_dim), pingpong=pingpong,
+                                 overlap=overlap, features=hopper.features)
+    config = mods.hopper_forward_config(config, mask, None, block_mask=block_mask)
+    config = dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE)
+    if config.smem_bytes > SM90_MAX_SMEM:
+        return None
+    maps = _hopper.forward_maps(config)
+    map_fields = _hopper.readable_map_fields(views, maps)
+    bias_words = _hopper.readable_map_fields({"bias": bias_tile},
+                                             {"bias_map": ("bias", config.block_m)})
+    if map_fields is None or bias_words is None:
+        return None
+    grid, grid_fields = forward_grid(config, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
+                                     p.seqlen_k, p.head_dim, views["q"].itemsize, schedule[1],
+                                     0)
+    return ForwardChoice(config, grid, True, grid_fields, maps, map_fields,
+                         {**bias_words, "bias_batches": bias_tile.shape[0],
+                          "bias_heads": bias_tile.shape[2]})
 
 
 @dataclass

@@ -251,6 +251,65 @@ def test_inputs_take_slots_in_order():
     assert "constexpr int prefix_len = 2048;" in header
 
 
+def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_forward(monkeypatch):
+    """On sm_90 a bias alone (`score + bias`) runs on the Hopper forward as tiles
+    (FEATURE_BIAS_TILE: two consumers, overlap, one tile a CTA, the bias's map and extents for
+    FwdSm90ModsParams); another dtype than q's, head dims above 128, varlen, a user's score
+    modifier and CUFLASH2_HOPPER_BIAS_TILES=0 keep the generic path (stand-ins for the TMA
+    encoder)."""
+    from cuflash2 import _bias, _hopper
+
+    monkeypatch.setattr(_hopper, "readable_map_fields",
+                        lambda views, maps: {f"{f}.v": b"\0" * 128 for f in maps})
+    q = numpy.zeros((4, 4096, 16, 128), numpy.float16)
+    views = {"q": q}
+    problem = _validate.check_attention_inputs(q, q, q)
+    bias = numpy.zeros((1, 16, 4096, 4096), numpy.float16)
+    view = numpy.broadcast_to(bias, (4, 16, 4096, 4096))
+    tile = _bias.tile_array(view)
+    assert tile.shape == (1, 4096, 16, 4096) and tile.strides[3] == 2
+    source = _bias.score_mod_with_bias(view, None).source
+    assert _bias.is_bias_alone(source)
+
+    def choose(user_mods=(None, source), bias_tile=tile, p=problem, features=None, vs=views):
+        features = _configs.FEATURE_SCORE_MOD if features is None else features
+        return _dispatch.forward_kernel(p, features, (-1, -1), 90, vs, None, 0,
+                                        user_mods=user_mods, bias_tile=bias_tile)
+
+    choice = choose()
+    config = choice.config
+    assert choice.hopper and isinstance(config, _configs.FwdSm90ModsConfig)
+    assert config.features == _configs.FEATURE_BIAS_TILE
+    assert (config.block_m, config.overlap, config.persistent) == (128, True, False)
+    assert config.smem_bytes <= _configs.SM90_MAX_SMEM
+    assert choice.grid == (4096 // 128, 16, 4)
+    assert set(choice.bias_fields) == {"bias_map.v", "bias_batches", "bias_heads"}
+    assert (choice.bias_fields["bias_batches"], choice.bias_fields["bias_heads"]) == (1, 16)
+    masked = choose((DOC, source), features=_configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD)
+    assert masked.config.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_BIAS_TILE
+    assert not choose(bias_tile=tile.astype(numpy.float32)).hopper
+    big = numpy.zeros((4, 4096, 16, 192), numpy.float16)
+    assert not choose(p=_validate.check_attention_inputs(big, big, big), vs={"q": big}).hopper
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_BIAS_TILES", False)
+    assert not choose().hopper
+
+
+@pytest.mark.parametrize("d,mask", [(128, None), (128, "doc"),
+                                    pytest.param(64, None, marks=pytest.mark.exhaustive),
+                                    pytest.param(96, "doc", marks=pytest.mark.exhaustive)])
+def test_hopper_forward_with_bias_tiles_compiles_without_spills(d, mask):
+    """The Hopper forward with the bias as tiles (FEATURE_BIAS_TILE; two consumers, ping-pong and
+    overlap, one tile a CTA; d=128: 225 KiB of shared memory) with and without a mask modifier."""
+    import dataclasses
+
+    base = _configs.FwdSm90Config("bfloat16", d, 128, 128, 2, True, True)
+    config = mods.hopper_forward_config(base, DOC if mask else None, None)
+    config = dataclasses.replace(config, features=config.features | _configs.FEATURE_BIAS_TILE)
+    assert config.smem_bytes <= _configs.SM90_MAX_SMEM
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
 def test_dispatch_sends_user_mods_to_the_mma_sync_forward_below_sm90():
     q = numpy.zeros((2, 4096, 8, 128), numpy.float16)
     problem = _validate.check_attention_inputs(q, q, q)

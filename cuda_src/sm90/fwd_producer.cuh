@@ -5,6 +5,7 @@
 #include "hopper_primitives.cuh"
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
+#include "sm90/fwd_bias.cuh"
 
 // The producer's loads for one work tile (thread 0 of warpgroup 0): Q, then K_j and V_j of every
 // KV tile the rows see, from the last one down, into the ring from position ring0 on: the j-th
@@ -21,10 +22,14 @@
 // row, the batch coordinate is 0. A box that runs past the sequence reads the next sequence's
 // rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
 // last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
-template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false>
+// Bias (FEATURE_BIAS_TILE: BiasTile, sm90/fwd_bias.cuh; else NoBiasTile): each KV tile's block
+// of the bias goes into its stage after V, on V's barrier.
+template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false, class Bias = NoBiasTile>
 CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,
                              int q_round, u32 q_smem, u32 kv_smem,
-                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
+                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
+                             const Bias& bias = Bias{}) {
+    static_assert(Bias::ON == (T::BIAS_TILE_BYTES > 0), "the traits' stage holds the bias");
     constexpr int STAGES = T::KV_STAGES;
     const FwdWorkTile& w = c.w;
     const FwdTileSpan& span = c.span;
@@ -62,9 +67,12 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         }
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
-        mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
+        mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES + T::BIAS_TILE_BYTES);
         tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
                                                     k_row0 + tile * T::KEYS_PER_TILE, kv_head,
                                                     batch);
+        if constexpr (Bias::ON)
+            bias.template load<T::BIAS_PANELS>(v_tile + T::KV_TILE_BYTES, v_full, span.row_first,
+                                               tile * T::KEYS_PER_TILE, w.head, w.batch);
     }
 }

@@ -1,0 +1,63 @@
+// The additive bias as tiles (FEATURE_BIAS_TILE: the Hopper forward with a bias alone as its
+// score modifier, cuflash2/_bias.py). The producer loads the bias's BLOCK_M x BLOCK_N block of
+// each KV tile by TMA into the tile's ring stage, after V and on V's barrier (so it is given back
+// with V); the consumers wait for V before the tile's softmax (its P V needs V soon after) and
+// add the block to S from shared memory. The generic path reads the bias score by score from
+// global memory through the 4-D accessor (user_inputs.cuh), 64-bit index arithmetic a score,
+// and with it the Hopper forward spilled.
+#pragma once
+#include "hopper_primitives.cuh"
+#include "kernel_params.cuh"
+
+// Without a bias tile: nothing to load or add.
+struct NoBiasTile {
+    static constexpr bool ON = false;
+    template <int PANELS>
+    CF2_DEVICE void load(u32, u32, int, int, int, int) const {}
+    template <int N_TILES>
+    CF2_DEVICE void add(float (&)[1][N_TILES][4], u32, int, int, float) const {}
+};
+
+// The bias (Elem, like q) through `map`: its own (batch or 1, heads or 1, seqlen_q, seqlen_k)
+// array as (key, row, head, batch), 128-byte swizzle, boxes of 64 keys x BLOCK_M rows; a head or
+// batch extent of 1 is a broadcast one (coordinate 0). A tile is PANELS panels of 64 keys,
+// PANEL_BYTES apart, each BLOCK_M 128-byte rows (the layout the TMA writes for Q). Rows and keys
+// past the array's ends come zero-filled; the mask hides them.
+template <typename Elem, int PANEL_BYTES>
+struct BiasTile {
+    static constexpr bool ON = true;
+    const TensorMap& map;
+    int heads;
+    int batches;
+
+    // Producer: rows [row, row + BLOCK_M) x keys [key0, key0 + 64 PANELS) of (head, batch) into
+    // `dst`, completing on `bar` (whose expected bytes the caller has set).
+    template <int PANELS>
+    CF2_DEVICE void load(u32 dst, u32 bar, int row, int key0, int head, int batch) const {
+        const int h = heads == 1 ? 0 : head;
+        const int b = batches == 1 ? 0 : batch;
+#pragma unroll
+        for (int panel = 0; panel < PANELS; ++panel)
+            tma_load_4d(dst + panel * PANEL_BYTES, map, bar,
+                        key0 + Sm90CtaLayout::PANEL_COLS * panel, row, h, b);
+    }
+
+    // Consumer: S += bias (in the scores' units: `to_units`, 1 / the softmax's scale, as ALiBi's
+    // bias) for this thread's accumulator entries: rows row0 and row0 + 8 of the tile, keys
+    // 8 nt + 2 (lane % 4) + e. The key pair is one 4-byte word of chunk nt (8 keys, 16 bytes)
+    // of its row; the 128-byte swizzle puts the eight rows of a warp's quad-mates in eight
+    // different bank groups, so the loads are free of bank conflicts.
+    template <int N_TILES>
+    CF2_DEVICE void add(float (&s)[1][N_TILES][4], u32 tile, int row0, int lane,
+                        float to_units) const {
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 word = static_cast<u32>(load_4B_shared_fresh(
+                    swizzled_chunk<PANEL_BYTES>(tile, row0 + 8 * half, nt) + 4 * (lane % 4)));
+                s[0][nt][2 * half] += to_float<Elem>(static_cast<u16>(word & 0xffffu)) * to_units;
+                s[0][nt][2 * half + 1] += to_float<Elem>(static_cast<u16>(word >> 16)) * to_units;
+            }
+    }
+};
