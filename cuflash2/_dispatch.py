@@ -72,16 +72,14 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
         if (bias_tile is not None and config is None and "fwd" not in FORCED
                 and HOPPER_FORWARD_BIAS_TILES):
             choice = hopper_bias_tile_choice(p, features, window, arch, views, varlen,
-                                             user_mods[0], bias_tile)
+                                             device_id, user_mods[0], bias_tile)
             if choice is not None:
                 return choice
         most = HOPPER_BLOCK_MASK_MAX_HEAD_DIM if block_mask else HOPPER_MODS_MAX_HEAD_DIM
         if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS
                 and user_mods[1] is None and p.head_dim <= most
                 and not (block_mask and varlen is not None)):
-            # A block mask's call is scheduled as a causal one (the grid, its order and the
-            # dynamic claims of a key limit): its work tiles' lengths vary as theirs do.
-            schedule = (window[0], 0) if block_mask and window[1] < 0 else window
+            schedule = scheduling_window(window, block_mask)
             hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch,
                                            varlen)
             if hopper is not None:
@@ -116,6 +114,13 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
 
 
+def scheduling_window(window, block_mask: bool):
+    """The (left, right) window a call's grid, tile order and claims are chosen for: a block
+    mask's call is scheduled as a causal one, its work tiles' lengths varying as theirs do (the
+    kernels still take the call's own window)."""
+    return (window[0], 0) if block_mask and window[1] < 0 else window
+
+
 #: A bias alone runs on the Hopper forward as tiles (FEATURE_BIAS_TILE, sm90/fwd_bias.cuh) where
 #: hopper_bias_tile_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0 keeps it on the mma.sync mods
 #: kernel (development: measuring the two).
@@ -123,7 +128,7 @@ HOPPER_FORWARD_BIAS_TILES = os.environ.get("CUFLASH2_HOPPER_BIAS_TILES", "1") !=
 
 
 def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: dict, varlen,
-                            mask, bias_tile):
+                            device_id: int, mask, bias_tile):
     """The Hopper forward with the bias as tiles (FEATURE_BIAS_TILE: each KV tile's block of the
     bias loaded by TMA with V into its stage, added to S from shared memory), with the call's
     mask modifier `mask` (or None) and built-in features, or None where it does not take the
@@ -138,7 +143,7 @@ def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: di
     if varlen is not None or bias_tile.dtype != views["q"].dtype:
         return None
     block_mask = bool(features & FEATURE_BLOCK_MASK)
-    schedule = (window[0], 0) if block_mask and window[1] < 0 else window
+    schedule = scheduling_window(window, block_mask)
     hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch, varlen)
     if hopper is None or hopper.head_dim > 128:
         return None
@@ -160,7 +165,7 @@ def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: di
         return None
     grid, grid_fields = forward_grid(config, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, schedule[1],
-                                     0)
+                                     device_id)
     return ForwardChoice(config, grid, True, grid_fields, maps, map_fields,
                          {**bias_words, "bias_batches": bias_tile.shape[0],
                           "bias_heads": bias_tile.shape[2]})
