@@ -149,8 +149,8 @@ CF2_DEVICE auto block_mask_narrow(const FwdSm90ModsParams& m) {
 // inputs), the modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the
 // kernel. The user's code runs in the consumers' score step (sm90/fwd_mainloop.cuh,
 // FwdScoreStep). With a block mask (FEATURE_BLOCK_MASK) each work tile's KV range is narrowed
-// to its visited tiles (BlockMaskNarrow, block_mask.cuh); the user's mask still runs on every
-// tile of it.
+// to its visited tiles and the user's mask skips its run of full tiles (BlockMaskNarrow,
+// block_mask.cuh, from the block mask's row ranges).
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
           bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS, unsigned MODS_HASH>
 __global__ void __launch_bounds__(

@@ -27,8 +27,8 @@ expression on the partial ones only.
   (`_dispatch.fwd_mods_config`); `attention` refuses a BlockMask of other tiles (ValueError).
 - `attention(q, k, v, block_mask=bm)` takes the mask modifier from `bm`; a `mask_mod=` given
   with it must be the same modifier (the same expression and constants, the same input arrays).
-  So far `attention` only (the mma.sync forward's mods kernel; not attention_varlen, no
-  backward).
+  `attention_backward(..., block_mask=bm)` and `attention_vjp` take it too; not
+  attention_varlen yet.
 """
 
 from __future__ import annotations
