@@ -210,6 +210,27 @@ def test_hopper_backward_with_a_mask_modifier(headdim, name, blocked):
             cupy.asnumpy(bm.columns), reference.block_mask_columns(cupy.asnumpy(bm.states)))
 
 
+@needs_hopper
+def test_hopper_backward_with_a_block_mask_per_head():
+    # States per batch entry and head under GQA (4 query heads, 2 KV heads): each key block's
+    # query blocks are the union over its group's heads, the full ones their intersection.
+    shape = (2, 600, 520, 4, 2)
+    batch, sq, sk, h, hk = shape
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, 128, BF16, 13)
+    mm = cuflash2.mask_mod("kv_idx <= q_idx + 96 * (b + h) && kv_idx + 200 > q_idx")
+    bm = cuflash2.block_mask(mm, batch, h, sq, sk, head_dim=128, dtype=BF16)
+    qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+    dense = numpy.stack([numpy.stack([(ki <= qi + 96 * (b + hh)) & (ki + 200 > qi)
+                                      for hh in range(h)]) for b in range(batch)])
+    out, lse = cuflash2.attention(q, k, v, block_mask=bm, return_lse=True)
+    dout = cupy.asarray(numpy.random.default_rng(14).standard_normal(q.shape).astype(BF16))
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, block_mask=bm)
+    assert any(k.startswith("Hopper backward") and "block mask" in k for k in kernels), kernels
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, block_mask=bm)
+    results = testing.check_backward(dout, q, k, v, *grads, mask=cupy.asarray(dense))
+    assert all(r.ok for r in results), [str(r) for r in results]
+
+
 def test_forward_with_block_mask_and_causal():
     q, k, v = testing.random_qkv(cupy, 1, 300, 300, 2, 2, 64, FP16, 5)
     mm, dense = _masks(300, 300, 5)["document-noncausal"]
