@@ -4,10 +4,10 @@
 # into CuPy's disk cache in parallel (prewarm_cache.py), the GPU suite beside the
 # compute-sanitizer suite, then the paper grid A/B of the checkout against a base version of the
 # package (ab_packages.py, forward then backward, with SDPA's cuDNN backend), then the cost of
-# the sinks (sinks_cost.py), the programmable kernels' GPU tests ("mods") and their timing next
-# to FlexAttention ("flex", benchmarks/programmable_vs_flex.py). Logs and results go to OUT (the
-# device tool's $OUT). A step that the budget leaves no time for is skipped with a line that
-# says so; STEPS picks steps (the default: the first five).
+# the sinks (sinks_cost.py), the programmable kernels' GPU tests ("mods", a pytest a file side
+# by side) and their timing next to FlexAttention ("flex", benchmarks/programmable_vs_flex.py).
+# Logs and results go to OUT (the device tool's $OUT). A step that the budget leaves no time for
+# is skipped with a line that says so; STEPS picks steps (the default: the first five).
 #
 #   OUT=/tmp/out BASE=ab_base BUDGET=585 STEPS="prewarm suite ab-fwd ab-bwd sinks" \
 #       AB_ARGS="--seqlens 4096 16384" SINKS_ARGS="--dtypes bf16" bash benchmarks/dev/device_check.sh
@@ -74,11 +74,20 @@ if want sinks; then
     tail -8 "$OUT/sinks-cost.md"
 fi
 if want mods; then
-    # The programmable kernels' GPU tests (issue 44), before the benchmark that uses them.
-    bounded "${MODS_KEEP:-70}" python3 -m pytest -q -p no:cacheprovider -rf --maxfail 20 \
-        tests/gpu/test_programmable.py tests/gpu/test_block_mask.py tests/gpu/test_bias.py \
-        tests/gpu/test_readme_examples.py > "$OUT/mods-tests.txt" 2>&1
-    tail -15 "$OUT/mods-tests.txt"
+    # The programmable kernels' GPU tests (issue 44), before the benchmark that uses them: one
+    # pytest a file, side by side, since their time is mostly NVRTC compiling each test's own
+    # kernels on one CPU core (the disk cache is shared; a kernel two files compile is compiled
+    # twice at worst).
+    pids=()
+    for f in test_programmable test_block_mask test_bias test_readme_examples; do
+        bounded "${MODS_KEEP:-70}" python3 -m pytest -q -p no:cacheprovider -rf --maxfail 20 \
+            "tests/gpu/$f.py" > "$OUT/mods-$f.txt" 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    for f in test_programmable test_block_mask test_bias test_readme_examples; do
+        echo "== $f"; tail -6 "$OUT/mods-$f.txt"
+    done
 fi
 if want flex; then
     # FLEX_ARGS: benchmarks/programmable_vs_flex.py's options (--only masks bias evo).
