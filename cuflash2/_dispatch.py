@@ -69,9 +69,7 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
         if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS
                 and user_mods[1] is None and p.head_dim <= most
                 and not (block_mask and varlen is not None)):
-            # A block mask's call is scheduled as a causal one (the grid, its order and the
-            # dynamic claims of a key limit): its work tiles' lengths vary as theirs do.
-            schedule = (window[0], 0) if block_mask and window[1] < 0 else window
+            schedule = scheduling_window(window, block_mask)
             hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch,
                                            varlen)
             if hopper is not None:
@@ -104,6 +102,13 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
                                      device_id)
     return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+
+
+def scheduling_window(window, block_mask: bool):
+    """The (left, right) window a call's grid, tile order and claims are chosen for: a block
+    mask's call is scheduled as a causal one, its work tiles' lengths varying as theirs do (the
+    kernels still take the call's own window)."""
+    return (window[0], 0) if block_mask and window[1] < 0 else window
 
 
 @dataclass
