@@ -154,9 +154,7 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
                 map_fields = _hopper.readable_map_fields(views, maps)
                 if map_fields is not None:
                     hopper = hopper_backward_mods_config(hopper, user_mods[0], block_mask)
-                    # A block mask's key blocks are grouped as a causal call's (their work
-                    # varies as theirs does; the forward schedules it so too).
-                    schedule = (window[0], 0) if block_mask and window[1] < 0 else window
+                    schedule = scheduling_window(window, block_mask)
                     key_blocks = -(-p.seqlen_k // hopper.block_n)
                     return BackwardChoice(
                         hopper, True, maps=maps, map_fields=map_fields,
