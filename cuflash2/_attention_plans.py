@@ -222,8 +222,10 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
     conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one).
     With programmable modifiers (`mods.user_mods`; `user_inputs`: (input position, array) of
-    each of their arrays, the mask's first) the main and dQ kernels are the mma.sync *_mods
-    kernels on every architecture, the struct BwdModsParams: these BwdParams as `base` (which
+    each of their arrays, the mask's first) on sm_90 a mask modifier alone runs on the Hopper
+    kernel where the dispatch says so (BwdSm90ModsParams: BwdSm90Params as `sm90`, the mask's
+    inputs, a block mask's columns); else the main and dQ kernels are the mma.sync *_mods
+    kernels, the struct BwdModsParams: these BwdParams as `base` (which
     the preprocess and the conversion take), `user` as the forward's, and `score_scale`.
     `bias_grad`: (input position, array) of dbias's float32 accumulator as a (batch, nheads,
     seqlen_q, seqlen_k) view (cuflash2._bias), which the main kernel fills
@@ -327,6 +329,24 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     aligned = [(sources[n][0], n) for n in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
                if views[n] is not None]
     kernels = [launch for launch, _ in launches]
+    if mods.user_mods is not None and hopper:
+        # BwdSm90ModsParams: BwdSm90Params as `sm90` (the aux kernels take its `base`), then
+        # the mask's inputs and the block mask's columns (per call: block_input's third array).
+        block_fields, columns = {}, []
+        if block_input is not None:
+            from . import block_masks as block_mask
+
+            block_fields = block_mask.check_for_hopper_backward(
+                block_input[1], p.batch, p.nheads, p.seqlen_q, p.seqlen_k, device_id)
+            columns = [("columns.columns", block_input[0] + 2, 0)]
+        return _sm90_plan(
+            device_id, "BwdSm90ModsParams", fields, choice.maps, choice.map_fields, kernels,
+            inputs, outputs, output_fields, workspace_bytes, workspace_fields, aligned,
+            ["sm90.base" if struct == "base" else struct for _, struct in launches],
+            own_fields={"dispatch_group_pairs": choice.group_pairs}, prefix="sm90.",
+            extra_fields={**_user_fields(user_inputs), **block_fields},
+            extra_inputs=[(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)]
+            + columns)
     if mods.user_mods is not None:
         base = "base."
         blocks, block_fields = [], {}

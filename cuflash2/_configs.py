@@ -528,6 +528,28 @@ class BwdSm90Config:
             "\"static shared memory\");\n")
 
 
+@dataclass(frozen=True)
+class BwdSm90ModsConfig(BwdSm90Config):
+    """The Hopper backward with a mask modifier (FEATURE_MASK_MOD, and FEATURE_BLOCK_MASK for a
+    block mask's narrowed query blocks; no score modifiers): BwdSm90Config's tile and features
+    plus the generated header `user_mods` (cuflash2/mods.py), whose hash names the kernel
+    (flash_bwd_sm90_mods_kernel, BwdSm90ModsParams), as FwdSm90ModsConfig."""
+
+    user_mods: str = ""
+    mods_hash: int = 0
+
+    @property
+    def name_expression(self) -> str:
+        plain = super().name_expression
+        return (plain.replace("flash_bwd_sm90_kernel<", "flash_bwd_sm90_mods_kernel<", 1)[:-1]
+                + f", {self.mods_hash:#010x}u>")
+
+    @property
+    def generated_headers(self) -> tuple:
+        """(name, text) of the headers generated for this specialisation alone (_compile)."""
+        return (("user_mods.cuh", self.user_mods),)
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward
 

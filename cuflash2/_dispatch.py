@@ -192,15 +192,34 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
     backward_features): `config` or a tuning script's forced one if given (a BwdSm90Config
     forces the Hopper kernel), else the Hopper kernel where hopper_backward_config covers the
     call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config).
-    `user_mods`: the programmable modifiers' sources (mask, score): the mma.sync kernels on every
-    architecture, never the Hopper one (bwd_mods_config's tile, or a forced BwdConfig's; a
-    BwdModsConfig, and in deterministic mode a BwdDqModsConfig; mods.check_backward's
-    ValueError for a score modifier without a derivative)."""
+    `user_mods`: the programmable modifiers' sources (mask, score): on sm_90 a mask modifier
+    alone (no dbias) runs on the Hopper kernel where it covers the call's other features (a
+    BwdSm90ModsConfig, 64-row steps; HOPPER_BACKWARD_MODS; with a block mask not in
+    deterministic mode nor varlen), the others on the mma.sync kernels (bwd_mods_config's tile,
+    or a forced BwdConfig's; a BwdModsConfig, and in deterministic mode a BwdDqModsConfig;
+    mods.check_backward's ValueError for a score modifier without a derivative)."""
     p = problem
     forced = config if config is not None else FORCED.get("bwd")
     if user_mods is not None:
         from . import mods
 
+        block_mask = bool(features & FEATURE_BLOCK_MASK)
+        if (forced is None and HOPPER_BACKWARD_MODS and user_mods[1] is None
+                and not features & FEATURE_BIAS_GRAD
+                and not (block_mask and (deterministic or varlen is not None))):
+            hopper = hopper_backward_config(p, features & ~USER_MOD_FEATURES, arch, varlen,
+                                            deterministic)
+            if hopper is not None:
+                maps = _hopper.backward_maps(hopper)
+                map_fields = _hopper.readable_map_fields(views, maps)
+                if map_fields is not None:
+                    hopper = hopper_backward_mods_config(hopper, user_mods[0], block_mask)
+                    schedule = scheduling_window(window, block_mask)
+                    key_blocks = -(-p.seqlen_k // hopper.block_n)
+                    return BackwardChoice(
+                        hopper, True, maps=maps, map_fields=map_fields,
+                        group_pairs=dispatch_group_pairs(key_blocks, hopper.num_chunks,
+                                                         schedule, deterministic))
         if forced is None or isinstance(forced, BwdSm90Config):
             forced = bwd_mods_config(p.dtype, p.head_dim, arch, deterministic)
         base = with_features(dataclasses.replace(forced, compute_dq=not deterministic),
@@ -774,6 +793,10 @@ HOPPER_BACKWARD_VARLEN = os.environ.get("CUFLASH2_HOPPER_BWD_VARLEN", "1") != "0
 #: The features the Hopper backward compiles in (dropout: the mma.sync backward).
 HOPPER_BACKWARD_FEATURES = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_VARLEN
 
+#: A mask modifier alone runs on the Hopper backward (BwdSm90ModsConfig, backward_kernels);
+#: CUFLASH2_HOPPER_BWD_MODS=0 keeps it on the mma.sync backward (development: measuring the two).
+HOPPER_BACKWARD_MODS = os.environ.get("CUFLASH2_HOPPER_BWD_MODS", "1") != "0"
+
 
 #: (block_m, block_n, stages, dq_buffers) per head dim. block_n is 128 throughout: two consumer
 #: warpgroups of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90
@@ -812,6 +835,19 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
     block_m, block_n, stages, dq_buffers = tiles[head_dim]
     return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,
                          features=features, dq_buffers=dq_buffers, deterministic=deterministic)
+
+
+def hopper_backward_mods_config(config, mask, block_mask: bool = False):
+    """The Hopper backward `config` (hopper_backward_config's) with the mask modifier `mask`
+    (a ModSource) compiled in (mods.hopper_backward_config), at 64-row steps: at 128 the user's
+    code spilled (d=64, prefix-LM: 16 bytes)."""
+    from . import mods
+
+    if config.block_m > 64:
+        config = dataclasses.replace(config, **dict(zip(
+            ("block_m", "block_n", "stages", "dq_buffers"),
+            SM90_BWD_64_ROW_TILES[config.head_dim])))
+    return mods.hopper_backward_config(config, mask, block_mask=block_mask)
 
 
 def hopper_backward_head_dim(head_dim: int) -> int:

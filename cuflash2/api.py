@@ -127,8 +127,8 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
     views, sources, names = layout.arrays(inputs)
     user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
     block_input = None
-    if getattr(options, "block_mask", None) is not None:  # its states, then its ranges, last
-        block_input, user_inputs = (user_inputs[-2][0], options.block_mask), user_inputs[:-2]
+    if getattr(options, "block_mask", None) is not None:  # its states, ranges, columns last
+        block_input, user_inputs = (user_inputs[-3][0], options.block_mask), user_inputs[:-3]
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -156,9 +156,10 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
 
 def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod, block_mask=None):
     """(inputs, signature key's extra) of a forward call with programmable modifiers: their
-    arrays after the layout's (the mask's first; a block mask's states and ranges last), their
-    sources (and the block mask's tiles and lengths) in the key. Checks their types (before any key is
-    built); a block mask gives the mask modifier (cuflash2.block_masks.resolve)."""
+    arrays after the layout's (the mask's first; a block mask's states, ranges and columns
+    last), their sources (and the block mask's tiles and lengths) in the key. Checks their types
+    (before any key is built); a block mask gives the mask modifier
+    (cuflash2.block_masks.resolve)."""
     if block_mask is not None:
         from . import block_masks as _block_mask
 
@@ -171,7 +172,7 @@ def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod, b
     keys = (mask_mod.key if mask_mod is not None else None,
             score_mod.key if score_mod is not None else None)
     if block_mask is not None:
-        return (inputs + arrays + (block_mask.states, block_mask.ranges),
+        return (inputs + arrays + (block_mask.states, block_mask.ranges, block_mask.columns),
                 (*extra, "user_mods", keys, block_mask.key))
     return inputs + arrays, (*extra, "user_mods", keys)
 
@@ -372,8 +373,8 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     if options.bias_requires_grad:  # dbias's accumulator comes last (cuflash2._bias)
         bias_grad, user_inputs = user_inputs[-1], user_inputs[:-1]
     block_input = None
-    if getattr(options, "block_mask", None) is not None:  # its states and ranges before it
-        block_input, user_inputs = (user_inputs[-2][0], options.block_mask), user_inputs[:-2]
+    if getattr(options, "block_mask", None) is not None:  # states, ranges, columns before it
+        block_input, user_inputs = (user_inputs[-3][0], options.block_mask), user_inputs[:-3]
     q, k, v = views["q"], views["k"], views["v"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)

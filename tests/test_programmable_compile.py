@@ -306,6 +306,54 @@ def test_hopper_forward_with_bias_tiles_compiles_without_spills(d, mask):
     config = mods.hopper_forward_config(base, DOC if mask else None, None)
     config = dataclasses.replace(config, features=config.features | _configs.FEATURE_BIAS_TILE)
     assert config.smem_bytes <= _configs.SM90_MAX_SMEM
+
+
+def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_backward(monkeypatch):
+    """On sm_90 a mask modifier alone runs on the Hopper backward (BwdSm90ModsConfig, 64-row
+    steps, the user's code compiled in; a block mask's bit too, except in deterministic mode); a
+    score modifier, dbias and CUFLASH2_HOPPER_BWD_MODS=0 keep the mma.sync backward (a stand-in
+    for the TMA encoder)."""
+    from cuflash2 import _hopper
+
+    monkeypatch.setattr(_hopper, "readable_map_fields",
+                        lambda views, maps: {f"{f}.v": b"\0" * 128 for f in maps})
+    mask = _configs.FEATURE_MASK_MOD
+    blocked = mask | _configs.FEATURE_BLOCK_MASK
+    for d in (64, 128, 256):
+        q = numpy.zeros((2, 4096, 8, d), numpy.float16)
+        problem = _validate.check_attention_inputs(q, q, q)
+
+        def choose(user_mods, features=mask, deterministic=False, p=problem):
+            return _dispatch.backward_kernels(p, features, deterministic, 90, {}, None,
+                                              (-1, -1), user_mods=user_mods)
+
+        choice = choose((DOC, None))
+        assert choice.hopper and isinstance(choice.config, _configs.BwdSm90ModsConfig)
+        assert choice.config.features == mask and choice.config.block_m == 64
+        assert choice.config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
+        assert choice.config.name_expression.endswith(f", {choice.config.mods_hash:#010x}u>")
+        assert choose((DOC, None), blocked).config.features == blocked
+        assert choose((DOC, None), deterministic=True).config.deterministic
+        assert not choose((DOC, None), blocked, deterministic=True).hopper
+        assert not choose((DOC, REL_POS), mask | _configs.FEATURE_SCORE_MOD).hopper
+        assert not choose((DOC, None), mask | _configs.FEATURE_BIAS_GRAD).hopper
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD_MODS", False)
+    assert not choose((DOC, None)).hopper
+
+
+@pytest.mark.parametrize("d,block_mask,mask", [
+    (128, False, "doc"), (128, True, "doc"), (128, True, "prefix"),
+    pytest.param(64, True, "prefix", marks=pytest.mark.exhaustive),
+    pytest.param(64, False, "doc", marks=pytest.mark.exhaustive),
+    pytest.param(96, True, "doc", marks=pytest.mark.exhaustive),
+    pytest.param(256, True, "doc", marks=pytest.mark.exhaustive)])
+def test_hopper_backward_with_a_mask_modifier_compiles_without_spills(d, block_mask, mask):
+    """The Hopper backward with a mask modifier (BwdSm90ModsConfig at its dispatched 64-row
+    steps): a document mask and prefix-LM, with and without a block mask's column ranges."""
+    source = {"doc": DOC, "prefix": PREFIX_LM}[mask]
+    config = _dispatch.hopper_backward_mods_config(_dispatch.bwd_sm90_config("bfloat16", d),
+                                                   source, block_mask)
+    assert config.block_m == 64
     report = _compile.compile_report(config, 90)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
