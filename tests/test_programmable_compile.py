@@ -294,7 +294,8 @@ def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_forward(monkeypatch)
     assert not choose().hopper
 
 
-@pytest.mark.parametrize("d,mask", [(128, None), (128, "doc"),
+@pytest.mark.parametrize("d,mask", [pytest.param(128, None, marks=pytest.mark.exhaustive),
+                                    (128, "doc"),
                                     pytest.param(64, None, marks=pytest.mark.exhaustive),
                                     pytest.param(96, "doc", marks=pytest.mark.exhaustive)])
 def test_hopper_forward_with_bias_tiles_compiles_without_spills(d, mask):
@@ -342,7 +343,8 @@ def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_backward(monkeypatch
 
 
 @pytest.mark.parametrize("d,block_mask,mask", [
-    (128, False, "doc"), (128, True, "doc"), (128, True, "prefix"),
+    pytest.param(128, False, "doc", marks=pytest.mark.exhaustive),
+    pytest.param(128, True, "doc", marks=pytest.mark.exhaustive), (128, True, "prefix"),
     pytest.param(64, True, "prefix", marks=pytest.mark.exhaustive),
     pytest.param(64, False, "doc", marks=pytest.mark.exhaustive),
     pytest.param(96, True, "doc", marks=pytest.mark.exhaustive),
