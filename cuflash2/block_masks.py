@@ -35,8 +35,7 @@ import numpy
 from . import _configs
 
 __all__ = ["BlockMask", "block_mask", "tiles", "check_for_call", "check_for_backward",
-           "check_for_hopper",
-           "same_mask_mod"]
+           "check_for_hopper", "same_mask_mod"]
 
 EMPTY, PARTIAL, FULL = (_configs.BLOCK_MASK_EMPTY, _configs.BLOCK_MASK_PARTIAL,
                         _configs.BLOCK_MASK_FULL)
@@ -47,8 +46,8 @@ class BlockMask:
     num_m_blocks, num_n_blocks), batch / nheads 1 where shared), `mask_mod`, the tiles
     `block_m` x `block_n`, the lengths, and the device it lives on."""
 
-    __slots__ = ("states", "ranges", "mask_mod", "block_m", "block_n", "batch", "nheads", "seqlen_q",
-                 "seqlen_k", "device_id")
+    __slots__ = ("states", "ranges", "mask_mod", "block_m", "block_n", "batch", "nheads",
+                 "seqlen_q", "seqlen_k", "device_id")
 
     def __init__(self, states, mask_mod, block_m: int, block_n: int, batch: int, nheads: int,
                  seqlen_q: int, seqlen_k: int, device_id: int):
@@ -59,6 +58,12 @@ class BlockMask:
         self.batch, self.nheads = batch, nheads
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.device_id = device_id
+
+    @property
+    def arrays(self) -> tuple:
+        """The arrays a call passes on to the kernels, in this order, after the modifiers' own
+        (cuflash2.api: the states, then the rows' ranges)."""
+        return (self.states, self.ranges)
 
     @property
     def num_m_blocks(self) -> int:
@@ -140,8 +145,8 @@ def block_mask(mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, 
     header, h = mods.user_mods_header(mask_mod.source, None)
     config = _configs.BlockMaskConfig(block_m, block_n, header, h)
     ranges = cupy.empty((batch, nheads, result.num_m_blocks, 4), dtype=cupy.int32)
-    fields = {"states": states.data.ptr, "ranges": ranges.data.ptr, "nheads": nheads, "seqlen_q": seqlen_q,
-              "seqlen_k": seqlen_k, "num_m_blocks": result.num_m_blocks,
+    fields = {"states": states.data.ptr, "ranges": ranges.data.ptr, "nheads": nheads,
+              "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "num_m_blocks": result.num_m_blocks,
               "num_n_blocks": result.num_n_blocks}
     fields.update(mods.user_input_strides(mask_mod.arrays))
     for i, x in enumerate(mask_mod.arrays):
