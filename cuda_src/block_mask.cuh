@@ -148,7 +148,7 @@ struct BlockMaskNarrow {
     // The work tiles of the last m blocks first, as under a key limit: the rows of a causal,
     // prefix or document mask see more keys the later they come, and the longest tiles first
     // leave the short ones to fill the grid's tail (the host schedules these calls as causal
-    // ones, _dispatch.forward_kernel).
+    // ones, _dispatch.scheduling_window).
     static constexpr bool LATE_ROWS_FIRST = true;
     const BlockMaskRanges& p;
     int m_div;

@@ -70,9 +70,9 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         if varlen is not None:
             raise ValueError("block_mask: not with varlen batches yet (attention only)")
         if choice.hopper:  # the states' tiles make up the Hopper kernel's (BlockMaskNarrow)
-            block_fields = {**block_mask.check_for_hopper(
-                                block_input[1], config.block_m, config.block_n, p.batch,
-                                p.nheads, p.seqlen_q, p.seqlen_k, device_id)}
+            block_fields = block_mask.check_for_hopper(
+                block_input[1], config.block_m, config.block_n, p.batch, p.nheads, p.seqlen_q,
+                p.seqlen_k, device_id)
         else:
             block_mask.check_for_call(block_input[1], config.block_m, config.block_n, p.batch,
                                       p.nheads, p.seqlen_q, p.seqlen_k, device_id)

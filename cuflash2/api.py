@@ -126,9 +126,7 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
     modifiers' arrays, and its `options`) in full and plans it."""
     views, sources, names = layout.arrays(inputs)
     user_inputs = tuple(enumerate(inputs[len(layout.names):], len(layout.names)))
-    block_input = None
-    if getattr(options, "block_mask", None) is not None:  # its states, ranges, columns last
-        block_input, user_inputs = (user_inputs[-3][0], options.block_mask), user_inputs[:-3]
+    block_input, user_inputs = _block_input(options, user_inputs)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)
@@ -154,12 +152,22 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
                                          user_inputs=user_inputs, block_input=block_input)
 
 
+def _block_input(options, user_inputs: tuple) -> tuple:
+    """(block_input, the other user inputs) of a call whose `user_inputs` ((position, array)
+    after the layout's) end with its block mask's arrays (_with_user_mods): block_input is
+    (position of the first, the BlockMask), None without one."""
+    bm = getattr(options, "block_mask", None)
+    if bm is None:
+        return None, user_inputs
+    count = len(bm.arrays)
+    return (user_inputs[-count][0], bm), user_inputs[:-count]
+
+
 def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod, block_mask=None):
     """(inputs, signature key's extra) of a forward call with programmable modifiers: their
-    arrays after the layout's (the mask's first; a block mask's states, ranges and columns
-    last), their sources (and the block mask's tiles and lengths) in the key. Checks their types
-    (before any key is built); a block mask gives the mask modifier
-    (cuflash2.block_masks.resolve)."""
+    arrays after the layout's (the mask's first; a block mask's, BlockMask.arrays, last), their
+    sources (and the block mask's tiles and lengths) in the key. Checks their types (before any
+    key is built); a block mask gives the mask modifier (cuflash2.block_masks.resolve)."""
     if block_mask is not None:
         from . import block_masks as _block_mask
 
@@ -172,8 +180,7 @@ def _with_user_mods(options, inputs: tuple, extra: tuple, mask_mod, score_mod, b
     keys = (mask_mod.key if mask_mod is not None else None,
             score_mod.key if score_mod is not None else None)
     if block_mask is not None:
-        return (inputs + arrays + (block_mask.states, block_mask.ranges, block_mask.columns),
-                (*extra, "user_mods", keys, block_mask.key))
+        return inputs + arrays + block_mask.arrays, (*extra, "user_mods", keys, block_mask.key)
     return inputs + arrays, (*extra, "user_mods", keys)
 
 
@@ -228,7 +235,7 @@ def _with_bias(function, options, inputs, extra, mask_mod, score_mod, bias, view
     bias: the bias as the score modifier (cuflash2._bias), after the user's modifiers are
     checked (with a block mask, its mask modifier), a block mask as _with_user_mods takes it; a
     backward (`deterministic` not None) that returns dbias gets its accumulator's (batch,
-    nheads, seqlen_q, seqlen_k) view as its last array (after a block mask's states)."""
+    nheads, seqlen_q, seqlen_k) view as its last array (after a block mask's arrays)."""
     if block_mask is not None:
         from . import block_masks as _block_mask
 
@@ -372,9 +379,7 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
     bias_grad = None
     if options.bias_requires_grad:  # dbias's accumulator comes last (cuflash2._bias)
         bias_grad, user_inputs = user_inputs[-1], user_inputs[:-1]
-    block_input = None
-    if getattr(options, "block_mask", None) is not None:  # states, ranges, columns before it
-        block_input, user_inputs = (user_inputs[-3][0], options.block_mask), user_inputs[:-3]
+    block_input, user_inputs = _block_input(options, user_inputs)  # before dbias's
     q, k, v = views["q"], views["k"], views["v"]
     cupy = _prepare.require_cupy_arrays(_typed(names))
     _prepare.check_flag("causal", options.causal)

@@ -17,8 +17,9 @@ expression on the partial ones only.
   forward reads these. `columns`: int32 (batch, nheads, num_n_blocks, 8), each column of
   states summed up (first visited m block and one past the last, or 0x7fffffff and 0; first
   and one past the last full m block and how many are full; three unused)
-  (reference.block_mask_columns); the Hopper backward reads these. Causal and windows are not part of it: `attention`'s causal /
-  window_size still apply on top (as they do to the mask modifier).
+  (reference.block_mask_columns); the Hopper backward reads these. Causal and windows are not
+  part of it: `attention`'s causal / window_size still apply on top (as they do to the mask
+  modifier).
 - Broadcast: batch=1 (nheads=1) means the mask does not depend on `b` (`h`): the states are
   evaluated at b = 0 (h = 0) and serve calls of any batch (any number of heads), across calls
   and layers. Whether the expression depends on b or h is the caller's to know (not checked).
@@ -38,8 +39,7 @@ import numpy
 from . import _configs
 
 __all__ = ["BlockMask", "block_mask", "tiles", "check_for_call", "check_for_backward",
-           "check_for_hopper",
-           "same_mask_mod"]
+           "check_for_hopper", "same_mask_mod"]
 
 EMPTY, PARTIAL, FULL = (_configs.BLOCK_MASK_EMPTY, _configs.BLOCK_MASK_PARTIAL,
                         _configs.BLOCK_MASK_FULL)
@@ -52,8 +52,8 @@ class BlockMask:
     num_m_blocks, num_n_blocks), batch / nheads 1 where shared), `mask_mod`, the tiles
     `block_m` x `block_n`, the lengths, and the device it lives on."""
 
-    __slots__ = ("states", "ranges", "columns", "mask_mod", "block_m", "block_n", "batch", "nheads", "seqlen_q",
-                 "seqlen_k", "device_id")
+    __slots__ = ("states", "ranges", "columns", "mask_mod", "block_m", "block_n", "batch",
+                 "nheads", "seqlen_q", "seqlen_k", "device_id")
 
     def __init__(self, states, mask_mod, block_m: int, block_n: int, batch: int, nheads: int,
                  seqlen_q: int, seqlen_k: int, device_id: int):
@@ -65,6 +65,12 @@ class BlockMask:
         self.batch, self.nheads = batch, nheads
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.device_id = device_id
+
+    @property
+    def arrays(self) -> tuple:
+        """The arrays a call passes on to the kernels, in this order, after the modifiers' own
+        (cuflash2.api: the states, the rows' ranges, the columns' summaries)."""
+        return (self.states, self.ranges, self.columns)
 
     @property
     def num_m_blocks(self) -> int:
