@@ -364,11 +364,11 @@ class FwdSm90Config:
 
 
 @dataclass(frozen=True)
-class FwdSm90ModsConfig(FwdSm90Config):
-    """The Hopper forward with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD; no
-    block masks yet): FwdSm90Config's schedule, tile and features plus the generated header
-    `user_mods` (cuflash2/mods.py), whose hash names the kernel (flash_fwd_sm90_mods_kernel,
-    FwdSm90ModsParams), as FwdModsConfig."""
+class FwdSm90ModsConfig(FwdSm90Config, _UserModsHeader):
+    """The Hopper forward with programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD, and
+    FEATURE_BLOCK_MASK for a block mask's narrowed ranges): FwdSm90Config's schedule, tile and
+    features plus the generated header `user_mods` (cuflash2/mods.py), whose hash names the
+    kernel (flash_fwd_sm90_mods_kernel, FwdSm90ModsParams), as FwdModsConfig."""
 
     user_mods: str = ""
     mods_hash: int = 0
@@ -378,11 +378,6 @@ class FwdSm90ModsConfig(FwdSm90Config):
         plain = super().name_expression
         return (plain.replace("flash_fwd_sm90_kernel<", "flash_fwd_sm90_mods_kernel<", 1)[:-1]
                 + f", {self.mods_hash:#010x}u>")
-
-    @property
-    def generated_headers(self) -> tuple:
-        """(name, text) of the headers generated for this specialisation alone (_compile)."""
-        return (("user_mods.cuh", self.user_mods),)
 
 
 #: Registers of a consumer thread after setmaxnreg.inc with two consumer warpgroups
