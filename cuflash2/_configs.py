@@ -524,7 +524,7 @@ class BwdSm90Config:
 
 
 @dataclass(frozen=True)
-class BwdSm90ModsConfig(BwdSm90Config):
+class BwdSm90ModsConfig(BwdSm90Config, _UserModsHeader):
     """The Hopper backward with a mask modifier (FEATURE_MASK_MOD, and FEATURE_BLOCK_MASK for a
     block mask's narrowed query blocks; no score modifiers): BwdSm90Config's tile and features
     plus the generated header `user_mods` (cuflash2/mods.py), whose hash names the kernel
@@ -538,11 +538,6 @@ class BwdSm90ModsConfig(BwdSm90Config):
         plain = super().name_expression
         return (plain.replace("flash_bwd_sm90_kernel<", "flash_bwd_sm90_mods_kernel<", 1)[:-1]
                 + f", {self.mods_hash:#010x}u>")
-
-    @property
-    def generated_headers(self) -> tuple:
-        """(name, text) of the headers generated for this specialisation alone (_compile)."""
-        return (("user_mods.cuh", self.user_mods),)
 
 
 # ---------------------------------------------------------------------------------------------
