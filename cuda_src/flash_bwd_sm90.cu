@@ -111,6 +111,7 @@ __global__ void __launch_bounds__(
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const NoUserInputs user{};
     const NoColumnRange column_range{};
+    const NoBiasTile bias{};
 #include "flash_bwd_sm90_body.inc"
 }
 
@@ -124,6 +125,17 @@ CF2_DEVICE auto block_mask_column_range(const BwdSm90ModsParams& m) {
     }
 }
 
+// The mods kernel's bias tiles (ON: FEATURE_BIAS_TILE), or none.
+template <bool ON, typename Elem, int BLOCK_M>
+CF2_DEVICE auto bwd_bias_tile(const BwdSm90ModsParams& m) {
+    if constexpr (ON) {
+        return BiasTile<Elem, BLOCK_M * Sm90CtaLayout::ROW_BYTES>{m.bias_map, m.bias_heads,
+                                                                  m.bias_batches};
+    } else {
+        return NoBiasTile{};
+    }
+}
+
 // With a mask modifier (FEATURE_MASK_MOD; cuflash2/mods.py): the same kernel, its parameters
 // BwdSm90ModsParams (BwdSm90Params as `sm90`, then the modifier's inputs), the modifier's code
 // from the generated user_mods.cuh, whose hash MODS_HASH names the kernel. The user's mask runs
@@ -131,7 +143,10 @@ CF2_DEVICE auto block_mask_column_range(const BwdSm90ModsParams& m) {
 // (Variant::mask_mod_transposed). With a block mask (FEATURE_BLOCK_MASK) each key block's query
 // blocks are narrowed to the visited ones and the user's mask skips the full ones
 // (BlockMaskColumnRange, block_mask.cuh); not with the ordered dQ of deterministic mode, whose
-// turns assume every key block of a query block's range adds to it.
+// turns assume every key block of a query block's range adds to it. With a bias alone as the
+// score modifier (FEATURE_BIAS_TILE, without dbias; up to d=128, not varlen) the step's block of
+// the bias comes as a tile with Q_i and is added to S^T after softcap's t (the dispatch keeps
+// softcap with a bias on the mma.sync backward: dS's 1 - t^2 needs t without the bias).
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
           int DQ_BUFFERS, bool DETERMINISTIC, unsigned MODS_HASH>
 __global__ void __launch_bounds__(
@@ -143,9 +158,14 @@ flash_bwd_sm90_mods_kernel(const __grid_constant__ BwdSm90ModsParams mods_params
                   "no block masks with varlen batches");
     static_assert(!((FEATURES & FEATURE_BLOCK_MASK) && DETERMINISTIC),
                   "a block mask's narrowed ranges break the ordered dQ's turns");
+    static_assert(!(FEATURES & FEATURE_BIAS_TILE) ||
+                      !(FEATURES & (FEATURE_SOFTCAP | FEATURE_VARLEN)),
+                  "bias tiles: not with softcap (dS's 1 - t^2), nor varlen (the bias's rows)");
     const BwdSm90Params& params = mods_params.sm90;
     const UserParams& user = mods_params.user;
     const auto column_range =
         block_mask_column_range<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
+    const auto bias =
+        bwd_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
 #include "flash_bwd_sm90_body.inc"
 }

@@ -91,7 +91,7 @@
 // epilogue (store_tile). q_round: the how-many-th Q of this CTA the tile's Q is.
 // `user`: the programmable modifiers' inputs (UserParams, the mods kernel's) or NoUserInputs.
 // `narrow`: the block mask's view (BlockMaskNarrow) or NoNarrow, for the score step.
-// `bias`: the bias's tiles (BiasTile, FEATURE_BIAS_TILE) or NoBiasTile (sm90/fwd_bias.cuh).
+// `bias`: the bias's tiles (BiasTile, FEATURE_BIAS_TILE) or NoBiasTile (sm90/bias_tile.cuh).
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
           class User, class Narrow, class Bias>
 CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,

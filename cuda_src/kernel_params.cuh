@@ -165,7 +165,7 @@ struct FwdSm90ModsParams {
     int block_m_div;
     int block_n_div;
     int num_m_blocks;
-    // FEATURE_BIAS_TILE only (sm90/fwd_bias.cuh): the bias's map, over its own (batch or 1,
+    // FEATURE_BIAS_TILE only (sm90/bias_tile.cuh): the bias's map, over its own (batch or 1,
     // heads or 1, seqlen_q, seqlen_k) array as (key, row, head, batch) with 128-byte swizzle,
     // boxes of 64 keys x block_m rows; its head and batch extents (1: broadcast).
     int bias_heads;
@@ -304,6 +304,11 @@ struct BwdSm90ModsParams {
     int state_block_m;
     int state_block_n;
     int num_n_blocks;
+    // FEATURE_BIAS_TILE only (sm90/bias_tile.cuh): the bias's map and extents, as
+    // FwdSm90ModsParams's (boxes of 64 keys x the step's block_m rows).
+    int bias_heads;
+    int bias_batches;
+    TensorMap bias_map;
 };
 
 // flash_decode.cu

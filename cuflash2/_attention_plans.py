@@ -222,9 +222,10 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
     conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one).
     With programmable modifiers (`mods.user_mods`; `user_inputs`: (input position, array) of
-    each of their arrays, the mask's first) on sm_90 a mask modifier alone runs on the Hopper
-    kernel where the dispatch says so (BwdSm90ModsParams: BwdSm90Params as `sm90`, the mask's
-    inputs, a block mask's columns); else the main and dQ kernels are the mma.sync *_mods
+    each of their arrays, the mask's first) on sm_90 a mask modifier alone, or the bias alone
+    without dbias (as tiles), runs on the Hopper kernel where the dispatch says so
+    (BwdSm90ModsParams: BwdSm90Params as `sm90`, the modifiers' inputs, a block mask's columns,
+    the bias's map); else the main and dQ kernels are the mma.sync *_mods
     kernels, the struct BwdModsParams: these BwdParams as `base` (which
     the preprocess and the conversion take), `user` as the forward's, and `score_scale`.
     `bias_grad`: (input position, array) of dbias's float32 accumulator as a (batch, nheads,
@@ -237,8 +238,12 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     features = _configs.backward_features(
         mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
         | (0 if bias_grad is None else _configs.FEATURE_BIAS_GRAD))
+    bias_tile = None  # a bias alone without dbias (the last input): the Hopper kernel's tiles
+    if (mods.user_mods is not None and bias_grad is None
+            and _bias.is_bias_alone(mods.user_mods[1])):
+        bias_tile = _bias.tile_array(user_inputs[-1][1])
     choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
-                                        config, mods.user_mods)
+                                        config, mods.user_mods, bias_tile)
     config, hopper = choice.config, choice.hopper
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
@@ -331,7 +336,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     kernels = [launch for launch, _ in launches]
     if mods.user_mods is not None and hopper:
         # BwdSm90ModsParams: BwdSm90Params as `sm90` (the aux kernels take its `base`), then
-        # the mask's inputs and the block mask's columns (per call: block_input's third array).
+        # the modifiers' inputs, the block mask's columns (per call: block_input's third array)
+        # and the bias's map.
         block_fields, columns = {}, []
         if block_input is not None:
             from . import block_masks as block_mask
@@ -344,9 +350,12 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
             inputs, outputs, output_fields, workspace_bytes, workspace_fields, aligned,
             ["sm90.base" if struct == "base" else struct for _, struct in launches],
             own_fields={"dispatch_group_pairs": choice.group_pairs}, prefix="sm90.",
-            extra_fields={**_user_fields(user_inputs), **block_fields},
+            extra_fields={**_user_fields(user_inputs), **block_fields,
+                          **(choice.bias_fields or {})},
             extra_inputs=[(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)]
-            + columns)
+            + columns
+            # the bias map's address word, per call (the bias's own address)
+            + ([("bias_map.v", user_inputs[-1][0], 0)] if choice.bias_fields else []))
     if mods.user_mods is not None:
         base = "base."
         blocks, block_fields = [], {}

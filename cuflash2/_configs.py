@@ -48,10 +48,11 @@ USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD | FEATURE_BLOCK_MASK
 #: mma.sync backward main kernel with the bias as its score modifier writes dS out as dbias
 #: (BwdModsParams.dbias). Backward main kernel only; never in the dQ kernel.
 FEATURE_BIAS_GRAD = 256
-#: The additive bias as a tile (the Hopper forward, flash_fwd_sm90.cu with a bias alone as its
-#: score modifier): the producer loads each KV tile's BLOCK_M x BLOCK_N block of the bias by TMA
-#: with V, the consumers add it to S from shared memory (sm90/fwd_bias.cuh), instead of reading
-#: it score by score through the 4-D accessor. In FwdSm90ModsConfig only.
+#: The additive bias as a tile (the Hopper kernels, flash_fwd_sm90.cu and flash_bwd_sm90.cu, with
+#: a bias alone as their score modifier): the producer loads each step's BLOCK_M x BLOCK_N block
+#: of the bias by TMA (the forward's with V, the backward's with Q_i), the consumers add it to the
+#: scores from shared memory (sm90/bias_tile.cuh), instead of reading it score by score through
+#: the 4-D accessor. In FwdSm90ModsConfig and BwdSm90ModsConfig only.
 FEATURE_BIAS_TILE = 512
 #: A block mask's tile states (int8): no visible key in the tile, some, every (query, key) of the
 #: tile inside the sequence visible.
@@ -498,6 +499,9 @@ class BwdSm90Config:
         # (BwdSm90Traits::SMEM_BYTES).
         kv = 2 * 128 * self.panels * self.block_n
         stage = 2 * 128 * self.panels * self.block_m + 2 * 4 * self.block_m
+        # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
+        if self.features & FEATURE_BIAS_TILE:
+            stage += 2 * self.block_m * self.block_n
         ds = 2 * 2 * self.block_m * self.block_n
         dq = self.dq_buffers * 4 * self.block_m * self.head_dim
         return kv + self.stages * stage + ds + dq + 1024
@@ -514,8 +518,9 @@ class BwdSm90Config:
 
     @property
     def probes(self) -> str:
+        bias = ", true" if self.features & FEATURE_BIAS_TILE else ""
         traits = (f"BwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                  f"{self.block_n}, {self.stages}, {self.dq_buffers}>")
+                  f"{self.block_n}, {self.stages}, {self.dq_buffers}{bias}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
             "\"setmaxnreg budget\");\n"

@@ -121,7 +121,7 @@ def scheduling_window(window, block_mask: bool):
     return (window[0], 0) if block_mask and window[1] < 0 else window
 
 
-#: A bias alone runs on the Hopper forward as tiles (FEATURE_BIAS_TILE, sm90/fwd_bias.cuh) where
+#: A bias alone runs on the Hopper forward as tiles (FEATURE_BIAS_TILE, sm90/bias_tile.cuh) where
 #: hopper_bias_tile_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0 keeps it on the mma.sync mods
 #: kernel (development: measuring the two).
 HOPPER_FORWARD_BIAS_TILES = os.environ.get("CUFLASH2_HOPPER_BIAS_TILES", "1") != "0"
@@ -184,42 +184,33 @@ class BackwardChoice:
     group_pairs: int = 1
     maps: dict | None = None
     map_fields: dict | None = None
+    #: FEATURE_BIAS_TILE: the bias's map words ("bias_map.v") and extents (BwdSm90ModsParams).
+    bias_fields: dict | None = None
 
 
 def backward_kernels(problem, features: int, deterministic: bool, arch: int, views: dict,
-                     varlen, window, config=None, user_mods=None) -> BackwardChoice:
+                     varlen, window, config=None, user_mods=None,
+                     bias_tile=None) -> BackwardChoice:
     """The backward kernels of a checked call (`features`: those of its main kernels,
     backward_features): `config` or a tuning script's forced one if given (a BwdSm90Config
     forces the Hopper kernel), else the Hopper kernel where hopper_backward_config covers the
     call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config).
     `user_mods`: the programmable modifiers' sources (mask, score): on sm_90 a mask modifier
-    alone (no dbias) runs on the Hopper kernel where it covers the call's other features (a
-    BwdSm90ModsConfig, 64-row steps; HOPPER_BACKWARD_MODS; with a block mask not in
-    deterministic mode nor varlen), the others on the mma.sync kernels (bwd_mods_config's tile,
-    or a forced BwdConfig's; a BwdModsConfig, and in deterministic mode a BwdDqModsConfig;
-    mods.check_backward's ValueError for a score modifier without a derivative)."""
+    alone, or the bias alone with or without one, runs on the Hopper kernel where
+    hopper_backward_mods_choice takes it (`bias_tile`: as forward_kernel's), the others on the
+    mma.sync kernels (bwd_mods_config's tile, or a forced BwdConfig's; a BwdModsConfig, and in
+    deterministic mode a BwdDqModsConfig; mods.check_backward's ValueError for a score modifier
+    without a derivative)."""
     p = problem
     forced = config if config is not None else FORCED.get("bwd")
     if user_mods is not None:
         from . import mods
 
-        block_mask = bool(features & FEATURE_BLOCK_MASK)
-        if (forced is None and HOPPER_BACKWARD_MODS and user_mods[1] is None
-                and not features & FEATURE_BIAS_GRAD
-                and not (block_mask and (deterministic or varlen is not None))):
-            hopper = hopper_backward_config(p, features & ~USER_MOD_FEATURES, arch, varlen,
-                                            deterministic)
-            if hopper is not None:
-                maps = _hopper.backward_maps(hopper)
-                map_fields = _hopper.readable_map_fields(views, maps)
-                if map_fields is not None:
-                    hopper = hopper_backward_mods_config(hopper, user_mods[0], block_mask)
-                    schedule = scheduling_window(window, block_mask)
-                    key_blocks = -(-p.seqlen_k // hopper.block_n)
-                    return BackwardChoice(
-                        hopper, True, maps=maps, map_fields=map_fields,
-                        group_pairs=dispatch_group_pairs(key_blocks, hopper.num_chunks,
-                                                         schedule, deterministic))
+        if forced is None:
+            choice = hopper_backward_mods_choice(p, features, deterministic, arch, views, varlen,
+                                                 window, user_mods, bias_tile)
+            if choice is not None:
+                return choice
         if forced is None or isinstance(forced, BwdSm90Config):
             forced = bwd_mods_config(p.dtype, p.head_dim, arch, deterministic)
         base = with_features(dataclasses.replace(forced, compute_dq=not deterministic),
@@ -835,6 +826,68 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
     block_m, block_n, stages, dq_buffers = tiles[head_dim]
     return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,
                          features=features, dq_buffers=dq_buffers, deterministic=deterministic)
+
+
+#: A bias alone (no dbias) runs on the Hopper backward as tiles (FEATURE_BIAS_TILE,
+#: sm90/bias_tile.cuh) where hopper_backward_mods_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0
+#: keeps it on the mma.sync mods kernel, as the forward's (development: measuring the two).
+HOPPER_BACKWARD_BIAS_TILES = HOPPER_FORWARD_BIAS_TILES
+
+
+def hopper_backward_mods_choice(problem, features: int, deterministic: bool, arch: int,
+                                views: dict, varlen, window, user_mods, bias_tile):
+    """The Hopper backward of a call with programmable modifiers (`user_mods`: mask, score), or
+    None where it stays on the mma.sync kernels: switched off (HOPPER_BACKWARD_MODS), a score
+    modifier other than the bias alone (`bias_tile`, _bias.tile_array's view of it; None for any
+    other), dbias, a block mask in deterministic mode or varlen (its narrowed ranges break the
+    ordered dQ's turns), or what hopper_backward_config leaves out. The bias alone comes as
+    tiles (FEATURE_BIAS_TILE; HOPPER_BACKWARD_BIAS_TILES) with q's dtype, up to d=128 (the
+    stages' shared memory), not varlen (its rows are the queries' own), not with softcap (dS's
+    1 - t^2 needs t without the bias), with arrays the TMA reads (seqlen_k % 8); one staged dQ
+    tile at d=96 / 128 (with_bias_tiles). 64-row steps (hopper_backward_mods_config)."""
+    p = problem
+    mask, score = user_mods
+    block_mask = bool(features & FEATURE_BLOCK_MASK)
+    if (not HOPPER_BACKWARD_MODS or features & FEATURE_BIAS_GRAD
+            or (block_mask and (deterministic or varlen is not None))):
+        return None
+    bias = score is not None
+    if bias and (bias_tile is None or not HOPPER_BACKWARD_BIAS_TILES or varlen is not None
+                 or features & FEATURE_SOFTCAP or bias_tile.dtype != views["q"].dtype):
+        return None
+    hopper = hopper_backward_config(p, features & ~USER_MOD_FEATURES, arch, varlen,
+                                    deterministic)
+    if hopper is None or (bias and hopper.head_dim > 128):
+        return None
+    maps = _hopper.backward_maps(hopper)
+    map_fields = _hopper.readable_map_fields(views, maps)
+    if map_fields is None:
+        return None
+    hopper = hopper_backward_mods_config(hopper, mask, block_mask)
+    bias_fields = None
+    if bias:
+        hopper = with_bias_tiles(hopper)
+        bias_words = _hopper.readable_map_fields({"bias": bias_tile},
+                                                 {"bias_map": ("bias", hopper.block_m)})
+        if bias_words is None:
+            return None
+        bias_fields = {**bias_words, "bias_batches": bias_tile.shape[0],
+                       "bias_heads": bias_tile.shape[2]}
+    key_blocks = -(-p.seqlen_k // hopper.block_n)
+    return BackwardChoice(
+        hopper, True, maps=maps, map_fields=map_fields,
+        group_pairs=dispatch_group_pairs(key_blocks, hopper.num_chunks,
+                                         scheduling_window(window, block_mask), deterministic),
+        bias_fields=bias_fields)
+
+
+def with_bias_tiles(config):
+    """The Hopper backward `config` (64-row steps) with the bias as tiles (FEATURE_BIAS_TILE):
+    a 16 KiB tile in each Q / dO stage, and at d=96 / 128 one staged dQ tile, the second's
+    32 KiB going to the bias's two stages (231,424 bytes either way)."""
+    return dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE,
+                               dq_buffers=min(config.dq_buffers,
+                                              1 if config.head_dim > 64 else 2))
 
 
 def hopper_backward_mods_config(config, mask, block_mask: bool = False):

@@ -307,6 +307,68 @@ def test_hopper_forward_with_bias_tiles_compiles_without_spills(d, mask):
     config = mods.hopper_forward_config(base, DOC if mask else None, None)
     config = dataclasses.replace(config, features=config.features | _configs.FEATURE_BIAS_TILE)
     assert config.smem_bytes <= _configs.SM90_MAX_SMEM
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
+def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_backward(monkeypatch):
+    """On sm_90 a bias alone without dbias runs on the Hopper backward as tiles
+    (BwdSm90ModsConfig with FEATURE_BIAS_TILE, 64-row steps, one staged dQ tile at d=128, the
+    bias's map and extents), with a mask modifier or a block mask too; dbias, softcap, another
+    dtype than q's, head dims above 128, a user's score modifier and CUFLASH2_HOPPER_BIAS_TILES=0
+    keep the mma.sync backward (stand-ins for the TMA encoder)."""
+    from cuflash2 import _bias, _hopper
+
+    monkeypatch.setattr(_hopper, "readable_map_fields",
+                        lambda views, maps: {f"{f}.v": b"\0" * 128 for f in maps})
+    score = _configs.FEATURE_SCORE_MOD
+    for d, dq_buffers in ((64, 2), (128, 1)):
+        q = numpy.zeros((4, 4096, 16, d), numpy.float16)
+        problem = _validate.check_attention_inputs(q, q, q)
+        view = numpy.broadcast_to(numpy.zeros((1, 16, 4096, 4096), numpy.float16),
+                                  (4, 16, 4096, 4096))
+        tile = _bias.tile_array(view)
+        source = _bias.score_mod_with_bias(view, None).source
+
+        def choose(user_mods=(None, source), features=score, bias_tile=tile, p=problem,
+                   views={"q": q}, deterministic=False):
+            return _dispatch.backward_kernels(p, features, deterministic, 90, views, None,
+                                              (-1, -1), user_mods=user_mods, bias_tile=bias_tile)
+
+        choice = choose()
+        config = choice.config
+        assert choice.hopper and isinstance(config, _configs.BwdSm90ModsConfig)
+        assert config.features == _configs.FEATURE_BIAS_TILE
+        assert (config.block_m, config.dq_buffers) == (64, dq_buffers)
+        assert config.smem_bytes <= _configs.SM90_MAX_SMEM - _configs.SM90_BWD_BARRIER_BYTES
+        assert set(choice.bias_fields) == {"bias_map.v", "bias_batches", "bias_heads"}
+        assert (choice.bias_fields["bias_batches"], choice.bias_fields["bias_heads"]) == (1, 16)
+        blocked = _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK
+        assert choose((DOC, source), blocked | score).config.features == (
+            blocked | _configs.FEATURE_BIAS_TILE)
+        assert choose(deterministic=True).config.deterministic
+        assert not choose(features=score | _configs.FEATURE_BIAS_GRAD).hopper
+        assert not choose(features=score | _configs.FEATURE_SOFTCAP).hopper
+        assert not choose(bias_tile=tile.astype(numpy.float32)).hopper
+        assert not choose((None, REL_POS), bias_tile=None).hopper
+    big = numpy.zeros((4, 4096, 16, 192), numpy.float16)
+    assert not choose(p=_validate.check_attention_inputs(big, big, big), views={"q": big}).hopper
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD_BIAS_TILES", False)
+    assert not choose().hopper
+
+
+@pytest.mark.parametrize("d,mask", [(128, None),
+                                    pytest.param(128, "doc", marks=pytest.mark.exhaustive),
+                                    pytest.param(64, "doc", marks=pytest.mark.exhaustive),
+                                    pytest.param(96, None, marks=pytest.mark.exhaustive)])
+def test_hopper_backward_with_bias_tiles_compiles_without_spills(d, mask):
+    """The Hopper backward with the bias as tiles (FEATURE_BIAS_TILE at its dispatched 64-row
+    steps, one staged dQ tile above d=64) with and without a mask modifier."""
+    config = _dispatch.with_bias_tiles(_dispatch.hopper_backward_mods_config(
+        _dispatch.bwd_sm90_config("bfloat16", d), DOC if mask else None))
+    assert config.smem_bytes <= _configs.SM90_MAX_SMEM - _configs.SM90_BWD_BARRIER_BYTES
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
 
 
 def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_backward(monkeypatch):

@@ -11,7 +11,7 @@
 #include "kernel_params.cuh"
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
-#include "sm90/fwd_bias.cuh"
+#include "sm90/bias_tile.cuh"
 
 // S = Q K^T for this warpgroup's 64 rows over the head dim (hopper_primitives.cuh's K-major
 // product: Q's rows and K's tile in 128-byte-swizzled panels). Issues the wgmmas only.
@@ -110,7 +110,7 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 // `narrow` (FEATURE_BLOCK_MASK: BlockMaskNarrow, block_mask.cuh): on the work tile's run of
 // full tiles [full_first, full_end), found once a work tile, the user's mask does not run, only
 // the built-in one where the tile needs it.
-// `bias` (FEATURE_BIAS_TILE: BiasTile, sm90/fwd_bias.cuh): the tile's block of the bias added to
+// `bias` (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh): the tile's block of the bias added to
 // S from shared memory after the variant's transform (`bias_tile`: its address in the stage).
 template <int FEATURES, int BLOCK_N, class User = NoUserInputs, class Narrow = NoNarrow,
           class Bias = NoBiasTile>
@@ -177,7 +177,7 @@ struct FwdScoreStep {
 // (sm90/fwd_epilogue.cuh).
 // q_round: the how-many-th Q of this CTA the tile's Q is (the parity of its q_full phase).
 // `bias` (FEATURE_BIAS_TILE, the overlap schedule only): each tile's softmax waits for V, which
-// brings the tile's block of the bias (sm90/fwd_bias.cuh), and adds it in the score step.
+// brings the tile's block of the bias (sm90/bias_tile.cuh), and adds it in the score step.
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
           class Epilogue, class User = NoUserInputs, class Narrow = NoNarrow,
           class Bias = NoBiasTile>

@@ -5,7 +5,7 @@
 #include "hopper_primitives.cuh"
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
-#include "sm90/fwd_bias.cuh"
+#include "sm90/bias_tile.cuh"
 
 // The producer's loads for one work tile (thread 0 of warpgroup 0): Q, then K_j and V_j of every
 // KV tile the rows see, from the last one down, into the ring from position ring0 on: the j-th
@@ -22,7 +22,7 @@
 // row, the batch coordinate is 0. A box that runs past the sequence reads the next sequence's
 // rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
 // last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
-// Bias (FEATURE_BIAS_TILE: BiasTile, sm90/fwd_bias.cuh; else NoBiasTile): each KV tile's block
+// Bias (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh; else NoBiasTile): each KV tile's block
 // of the bias goes into its stage after V, on V's barrier.
 template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false, class Bias = NoBiasTile>
 CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,

@@ -7,7 +7,7 @@
 #include "constants.cuh"
 
 // BIAS (FEATURE_BIAS_TILE): each stage of the ring holds the bias's BLOCK_M x BLOCK_N tile of
-// its KV tile after V (sm90/fwd_bias.cuh), in 64-key panels of BLOCK_M 128-byte rows.
+// its KV tile after V (sm90/bias_tile.cuh), in 64-key panels of BLOCK_M 128-byte rows.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES,
           bool PERSISTENT = false, bool BIAS = false>
 struct FwdSm90Traits : Sm90CtaLayout {

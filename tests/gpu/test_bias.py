@@ -3,7 +3,8 @@ kernels with programmable modifiers, the bias as their score modifier: cuflash2.
 the reference's dense bias with the 2x rule: every broadcast (full, shared by the batch, by the
 heads, by both), fp16 / bf16 / fp32 biases, odd lengths, GQA / MQA, causal, with a mask and a
 score modifier of the user's, unbatched, varlen, deterministic mode, bias_requires_grad=False,
-an Evoformer-like pair bias, and the refusals before any launch."""
+an Evoformer-like pair bias, and the refusals before any launch; on sm_90 the bias as tiles on
+the Hopper forward and, without dbias, on the Hopper backward."""
 
 import numpy
 import pytest
@@ -63,6 +64,39 @@ def test_hopper_forward_with_bias_tiles(dtype, headdim, broadcast):
     assert kernel.startswith("Hopper forward") and "bias tiles" in kernel, kernel
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     _ok(testing.check_forward(q, k, v, out, lse, bias=bias, causal=causal, mask=mask))
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+@pytest.mark.parametrize("broadcast", BROADCASTS)
+def test_hopper_backward_with_bias_tiles(dtype, headdim, broadcast):
+    # On sm_90 a bias alone of q's dtype without its gradient (bias_requires_grad=False) runs on
+    # the Hopper backward as tiles (FEATURE_BIAS_TILE: TMA loads with Q_i, the add to S^T from
+    # shared memory). Odd query rows and a key tail, GQA, causal with the batch-broadcast one, a
+    # mask modifier with the head one, deterministic mode with the full one.
+    shape = (2, 700, 456, 4, 2)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, "bias-tiles-bwd", str(dtype), broadcast)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
+    bias = _bias(shape, broadcast, dtype, seed)
+    causal = broadcast == "batch"
+    options = {"bias": bias, "causal": causal}
+    ref = {"bias": bias, "causal": causal, "bias_requires_grad": False}
+    if broadcast == "heads":
+        options["mask_mod"] = cuflash2.mask_mod("kv_idx + 300 > q_idx")
+        qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+        ref["mask"] = cupy.asarray(ki + 300 > qi)
+    deterministic = broadcast == "full"
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    dout = _dout(q, seed)
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, bias_requires_grad=False,
+                                        deterministic=deterministic, **options)
+    assert any(k.startswith("Hopper backward") and "bias tiles" in k for k in kernels), kernels
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, bias_requires_grad=False,
+                                        deterministic=deterministic, **options)
+    assert len(grads) == 3
+    _ok(testing.check_backward(dout, q, k, v, *grads, **ref))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,10 +1,11 @@
-// The additive bias as tiles (FEATURE_BIAS_TILE: the Hopper forward with a bias alone as its
+// The additive bias as tiles (FEATURE_BIAS_TILE: the Hopper kernels with a bias alone as their
 // score modifier, cuflash2/_bias.py). The producer loads the bias's BLOCK_M x BLOCK_N block of
-// each KV tile by TMA into the tile's ring stage, after V and on V's barrier (so it is given back
-// with V); the consumers wait for V before the tile's softmax (its P V needs V soon after) and
-// add the block to S from shared memory. The generic path reads the bias score by score from
-// global memory through the 4-D accessor (user_inputs.cuh), 64-bit index arithmetic a score,
-// and with it the Hopper forward spilled.
+// a step by TMA into the step's ring stage; the consumers add it to the scores from shared
+// memory. The forward loads it after V and on V's barrier (so it is given back with V), its
+// consumers waiting for V before the tile's softmax (its P V needs V soon after); the backward
+// loads it with Q_i, on Q_i's barrier, and adds it to S^T (keys as rows: add_transposed). The
+// generic path reads the bias score by score from global memory through the 4-D accessor
+// (user_inputs.cuh), 64-bit index arithmetic a score, and with it the Hopper forward spilled.
 #pragma once
 #include "hopper_primitives.cuh"
 #include "kernel_params.cuh"
@@ -16,13 +17,16 @@ struct NoBiasTile {
     CF2_DEVICE void load(u32, u32, int, int, int, int) const {}
     template <int N_TILES>
     CF2_DEVICE void add(float (&)[1][N_TILES][4], u32, int, int, float) const {}
+    template <int PANEL_BYTES, int S_TILES>
+    CF2_DEVICE void add_transposed(float (&)[S_TILES][4], u32, int, int, float) const {}
 };
 
 // The bias (Elem, like q) through `map`: its own (batch or 1, heads or 1, seqlen_q, seqlen_k)
 // array as (key, row, head, batch), 128-byte swizzle, boxes of 64 keys x BLOCK_M rows; a head or
 // batch extent of 1 is a broadcast one (coordinate 0). A tile is PANELS panels of 64 keys,
 // PANEL_BYTES apart, each BLOCK_M 128-byte rows (the layout the TMA writes for Q). Rows and keys
-// past the array's ends come zero-filled; the mask hides them.
+// past the array's ends come zero-filled; the mask hides them (the backward: P = 0 on rows past
+// seqlen_q, whose lse_log2 is +inf).
 template <typename Elem, int PANEL_BYTES>
 struct BiasTile {
     static constexpr bool ON = true;
@@ -59,5 +63,30 @@ struct BiasTile {
                 s[0][nt][2 * half] += to_float<Elem>(static_cast<u16>(word & 0xffffu)) * to_units;
                 s[0][nt][2 * half + 1] += to_float<Elem>(static_cast<u16>(word >> 16)) * to_units;
             }
+    }
+
+    // Consumer of the backward: S^T += bias for this thread's entries of the transposed tile
+    // (keys as rows: acc[nt][2 half + e] is key key_chunk0 * 8 + lane / 4 + 8 half, query
+    // 8 nt + 2 (lane % 4) + e, the layout bwd_scores.cuh's store_ds_transposed writes the dS
+    // tile from). The bias tile [queries x keys] has the dS tile's layout (PANEL_BYTES: a panel
+    // of 64 keys), so ldmatrix .trans reads it back as store_ds_transposed's stmatrix .trans
+    // writes dS: per 16 queries one x4 load, matrix j = keys 8 (j % 2) .. + 7 x queries
+    // 8 (j / 2) .. + 7, lane 8 j + c naming query row 8 (j / 2) + c (conflict-free, as there).
+    template <int PANEL_BYTES, int S_TILES>
+    CF2_DEVICE void add_transposed(float (&acc)[S_TILES][4], u32 tile, int key_chunk0, int lane,
+                                   float to_units) const {
+        const int j = lane / 8, c = lane % 8;
+#pragma unroll
+        for (int ks = 0; ks < S_TILES / 2; ++ks) {
+            u32 r[4];
+            ldmatrix_x4_trans(r, swizzled_chunk<PANEL_BYTES>(tile, 16 * ks + 8 * (j / 2) + c,
+                                                             key_chunk0 + j % 2));
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                float (&e)[4] = acc[2 * ks + m / 2];
+                e[2 * (m % 2)] += to_float<Elem>(static_cast<u16>(r[m] & 0xffffu)) * to_units;
+                e[2 * (m % 2) + 1] += to_float<Elem>(static_cast<u16>(r[m] >> 16)) * to_units;
+            }
+        }
     }
 };
