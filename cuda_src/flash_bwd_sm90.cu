@@ -125,17 +125,6 @@ CF2_DEVICE auto block_mask_column_range(const BwdSm90ModsParams& m) {
     }
 }
 
-// The mods kernel's bias tiles (ON: FEATURE_BIAS_TILE), or none.
-template <bool ON, typename Elem, int BLOCK_M>
-CF2_DEVICE auto bwd_bias_tile(const BwdSm90ModsParams& m) {
-    if constexpr (ON) {
-        return BiasTile<Elem, BLOCK_M * Sm90CtaLayout::ROW_BYTES>{m.bias_map, m.bias_heads,
-                                                                  m.bias_batches};
-    } else {
-        return NoBiasTile{};
-    }
-}
-
 // With a mask modifier (FEATURE_MASK_MOD; cuflash2/mods.py): the same kernel, its parameters
 // BwdSm90ModsParams (BwdSm90Params as `sm90`, then the modifier's inputs), the modifier's code
 // from the generated user_mods.cuh, whose hash MODS_HASH names the kernel. The user's mask runs
@@ -166,6 +155,6 @@ flash_bwd_sm90_mods_kernel(const __grid_constant__ BwdSm90ModsParams mods_params
     const auto column_range =
         block_mask_column_range<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
     const auto bias =
-        bwd_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
+        mods_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
 #include "flash_bwd_sm90_body.inc"
 }

@@ -146,17 +146,6 @@ CF2_DEVICE auto block_mask_narrow(const FwdSm90ModsParams& m) {
     }
 }
 
-// The mods kernel's bias tiles (ON: FEATURE_BIAS_TILE), or none.
-template <bool ON, typename Elem, int BLOCK_M>
-CF2_DEVICE auto bias_tile(const FwdSm90ModsParams& m) {
-    if constexpr (ON) {
-        return BiasTile<Elem, BLOCK_M * Sm90CtaLayout::ROW_BYTES>{m.bias_map, m.bias_heads,
-                                                                  m.bias_batches};
-    } else {
-        return NoBiasTile{};
-    }
-}
-
 // With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD; cuflash2/mods.py): the same
 // kernel, its parameters FwdSm90ModsParams (FwdSm90Params as `sm90`, then the modifiers'
 // inputs), the modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the
@@ -176,6 +165,6 @@ flash_fwd_sm90_mods_kernel(const __grid_constant__ FwdSm90ModsParams mods_params
     const UserParams& user = mods_params.user;
     const auto narrow = block_mask_narrow<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
     const auto bias =
-        bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
+        mods_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
 #include "flash_fwd_sm90_body.inc"
 }

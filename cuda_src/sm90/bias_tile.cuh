@@ -90,3 +90,16 @@ struct BiasTile {
         }
     }
 };
+
+// The bias tiles of a mods kernel (ON: FEATURE_BIAS_TILE; `m`: FwdSm90ModsParams or
+// BwdSm90ModsParams, their bias_map, bias_heads and bias_batches), or none. Tiles of BLOCK_M
+// rows: panels of BLOCK_M 128-byte rows.
+template <bool ON, typename Elem, int BLOCK_M, class ModsParams>
+CF2_DEVICE auto mods_bias_tile(const ModsParams& m) {
+    if constexpr (ON) {
+        return BiasTile<Elem, BLOCK_M * Sm90CtaLayout::ROW_BYTES>{m.bias_map, m.bias_heads,
+                                                                  m.bias_batches};
+    } else {
+        return NoBiasTile{};
+    }
+}

@@ -44,10 +44,12 @@ def _ok(results):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("headdim", [64, 96, 128])
 @pytest.mark.parametrize("broadcast", BROADCASTS)
-def test_hopper_forward_with_bias_tiles(dtype, headdim, broadcast):
+def test_hopper_kernels_with_bias_tiles(dtype, headdim, broadcast):
     # On sm_90 a bias alone of q's dtype (rows of whole 16 bytes) runs on the Hopper forward as
-    # tiles (FEATURE_BIAS_TILE): TMA loads with V, the add from shared memory. Odd query rows and
-    # a key tail, GQA, causal with the batch-broadcast one, a mask modifier with the head one.
+    # tiles (FEATURE_BIAS_TILE: TMA loads with V, the add from shared memory), and without its
+    # gradient (bias_requires_grad=False) on the Hopper backward (loads with Q_i, the add to
+    # S^T). Odd query rows and a key tail, GQA, causal with the batch-broadcast one, a mask
+    # modifier with the head one, the backward's deterministic mode with the full one.
     shape = (2, 700, 456, 4, 2)
     batch, sq, sk, h, hk = shape
     seed = seed_of(shape, headdim, "bias-tiles", str(dtype), broadcast)
@@ -55,48 +57,24 @@ def test_hopper_forward_with_bias_tiles(dtype, headdim, broadcast):
     bias = _bias(shape, broadcast, dtype, seed)
     causal = broadcast == "batch"
     options = {"bias": bias, "causal": causal}
-    mask = None
-    if broadcast == "heads":
-        options["mask_mod"] = cuflash2.mask_mod("kv_idx + 300 > q_idx")
-        qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
-        mask = cupy.asarray(ki + 300 > qi)
-    (kernel,) = cuflash2.forward_kernels(q, k, v, **options)
-    assert kernel.startswith("Hopper forward") and "bias tiles" in kernel, kernel
-    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
-    _ok(testing.check_forward(q, k, v, out, lse, bias=bias, causal=causal, mask=mask))
-
-
-@needs_hopper
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("headdim", [64, 96, 128])
-@pytest.mark.parametrize("broadcast", BROADCASTS)
-def test_hopper_backward_with_bias_tiles(dtype, headdim, broadcast):
-    # On sm_90 a bias alone of q's dtype without its gradient (bias_requires_grad=False) runs on
-    # the Hopper backward as tiles (FEATURE_BIAS_TILE: TMA loads with Q_i, the add to S^T from
-    # shared memory). Odd query rows and a key tail, GQA, causal with the batch-broadcast one, a
-    # mask modifier with the head one, deterministic mode with the full one.
-    shape = (2, 700, 456, 4, 2)
-    batch, sq, sk, h, hk = shape
-    seed = seed_of(shape, headdim, "bias-tiles-bwd", str(dtype), broadcast)
-    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
-    bias = _bias(shape, broadcast, dtype, seed)
-    causal = broadcast == "batch"
-    options = {"bias": bias, "causal": causal}
-    ref = {"bias": bias, "causal": causal, "bias_requires_grad": False}
+    ref = {"bias": bias, "causal": causal}
     if broadcast == "heads":
         options["mask_mod"] = cuflash2.mask_mod("kv_idx + 300 > q_idx")
         qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
         ref["mask"] = cupy.asarray(ki + 300 > qi)
-    deterministic = broadcast == "full"
+    (kernel,) = cuflash2.forward_kernels(q, k, v, **options)
+    assert kernel.startswith("Hopper forward") and "bias tiles" in kernel, kernel
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    _ok(testing.check_forward(q, k, v, out, lse, **ref))
+
+    deterministic = broadcast == "full"
     dout = _dout(q, seed)
-    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, bias_requires_grad=False,
-                                        deterministic=deterministic, **options)
+    backward = {**options, "bias_requires_grad": False, "deterministic": deterministic}
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **backward)
     assert any(k.startswith("Hopper backward") and "bias tiles" in k for k in kernels), kernels
-    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, bias_requires_grad=False,
-                                        deterministic=deterministic, **options)
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, **backward)
     assert len(grads) == 3
-    _ok(testing.check_backward(dout, q, k, v, *grads, **ref))
+    _ok(testing.check_backward(dout, q, k, v, *grads, **ref, bias_requires_grad=False))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
