@@ -491,3 +491,31 @@ def test_a_sinks_decode_step_compiles_them_in(api_host, monkeypatch, arch):
             "float16", 128, 90), _configs.FEATURE_SINKS)
     cuflash2.attention_with_kvcache(q, cache, cache, cache_seqlens=4000)
     assert api_host.launches[-1][0].config.features == 0
+
+
+def test_packed_entry_points_take_the_programmable_modifiers(api_host):
+    # qkvpacked / kvpacked forward and backward with a mask modifier run the kernels of the
+    # unpacked call (the generated kernel, its configuration), reading q, k, v from the packed
+    # array's own positions.
+    import cuflash2
+
+    mask = cuflash2.mask_mod("kv_idx <= q_idx + 3")
+    qkv, dout = device_array((2, 100, 3, 4, 64)), device_array((2, 100, 4, 64))
+    lse = device_array((2, 4, 100), numpy.float32)
+    cuflash2.attention(*(qkv[:, :, i] for i in range(3)), mask_mod=mask)
+    unpacked = api_host.launches[-1]
+    cuflash2.attention_qkvpacked(qkv, mask_mod=mask)
+    packed = api_host.launches[-1]
+    assert packed[0].config == unpacked[0].config and "mods" in packed[0].config.name_expression
+    assert packed[2]["base"]["q"] == qkv.data.ptr
+    dqkv = cuflash2.attention_qkvpacked_backward(dout, qkv, dout, lse, mask_mod=mask)
+    assert dqkv.shape == qkv.shape
+    assert "mods" in api_host.launches[-2][0].config.name_expression
+    kv = device_array((2, 120, 2, 2, 64))
+    cuflash2.attention_kvpacked(dout, kv, mask_mod=mask)
+    assert "mods" in api_host.launches[-1][0].config.name_expression
+    dq, dkv = cuflash2.attention_kvpacked_backward(dout, dout, kv, dout, lse, mask_mod=mask)
+    assert dq.shape == dout.shape and dkv.shape == kv.shape
+    with pytest.raises(ValueError, match="score_mod .* has no derivative"):
+        cuflash2.attention_qkvpacked_backward(dout, qkv, dout, lse,
+                                              score_mod=cuflash2.score_mod("score * 2"))
