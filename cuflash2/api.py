@@ -311,8 +311,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     `mask_mod` (`cuflash2.mask_mod(expression, **inputs)`) and `score_mod`
     (`cuflash2.score_mod(expression, grad=None, **inputs)`): programmable masks and score
-    modifiers, CUDA C expressions compiled into the mma.sync forward kernel (cuflash2.mods;
-    the score modifier after softcap and ALiBi, the mask ANDed with causal and the window).
+    modifiers, CUDA C expressions compiled into the forward kernel (cuflash2.mods; on sm_90 the
+    Hopper forward takes a mask modifier, the mma.sync forward a score modifier; the score
+    modifier after softcap and ALiBi, the mask ANDed with causal and the window).
     Their backward: attention_backward's `mask_mod=`, `score_mod=` (a score_mod needs `grad=`
     unless it is `score + <no score>`).
 
@@ -325,7 +326,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     `bias`: an additive bias, a CuPy array (batch or 1, nheads or 1, seqlen_q, seqlen_k) (for
     unbatched q (nheads or 1, seqlen_q, seqlen_k)) of float16, bfloat16 or float32, a dim of 1
     broadcast; added to the scaled scores after softcap and ALiBi, before `score_mod` and the
-    mask (the mma.sync kernels with programmable modifiers; cuflash2._bias).
+    mask (a score modifier, cuflash2._bias; on sm_90 a bias alone of q's dtype comes to the
+    Hopper forward as tiles).
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
@@ -454,8 +456,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     (dq, dk, dv, dsinks), dsinks float32 (nheads,) (into `dsinks=` if given): one gradient a
     differentiable array argument of the forward, in its order. `deterministic=True` gives
     bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
-    `mask_mod` / `score_mod`: the forward's (the mma.sync backward kernels on every
-    architecture); a score_mod needs its derivative (`grad=`, or the form `score + <no
+    `mask_mod` / `score_mod`: the forward's (on sm_90 a mask modifier on the Hopper backward,
+    a score modifier on the mma.sync one); a score_mod needs its derivative (`grad=`, or the form `score + <no
     score>`): ValueError otherwise, before any launch.
 
     `bias`: the forward's; with `bias_requires_grad=True` (the default) the result ends with
