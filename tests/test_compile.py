@@ -55,8 +55,11 @@ AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs
 # - each feature alone and all together (TESTED_FEATURES, sinks included; the backward's
 #   without sinks; for decode TESTED_DECODE_FEATURES: each score modifier, sinks alone and all
 #   together) at d=128 on sm_90 and d=64 on sm_80.
-# The small kernels (preprocess, convert_dq, dropout mask, the benchmark's spin kernel) are
-# compiled for every case. The other sm_90 feature combinations and the remaining head dim /
+# The decode kernel's variant with its rows on the mma's n side (DECODE_BLOCK_M_N8) only at d=128
+# (its points there: plain on every architecture, the features on sm_90), the other half of a
+# decode point's cost; the one that reads the cache early (sm_90's programmatic launches) only at
+# d=128 plain. The small kernels (preprocess, convert_dq, dropout mask, the benchmark's
+# spin kernel) are compiled for every case. The other sm_90 feature combinations and the remaining head dim /
 # architecture / dtype points are compiled under --exhaustive.
 SAMPLE_PLAIN = {(arch, dtype, d) for arch in _configs.CPU_TEST_ARCHS
                 for dtype in _configs.DTYPE_TAGS for d in (64, 128)}
@@ -72,6 +75,10 @@ def _sampled(cfg, arch) -> bool:
     if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, dropout mask: every case
         return True
     point = (arch, cfg.dtype, cfg.head_dim)
+    if isinstance(cfg, _configs.DecodeConfig) and (
+            (cfg.block_m == _configs.DECODE_BLOCK_M_N8 and cfg.head_dim != 128)
+            or (cfg.early_cache_reads and (cfg.head_dim != 128 or cfg.features))):
+        return False  # the decode kernel's variants: at their d=128 points (below)
     if cfg.features == 0:
         return point in SAMPLE_PLAIN
     return cfg.features in _tested_features(cfg) and point in SAMPLE_FEATURES
