@@ -98,6 +98,7 @@
 #include "sm90/bwd_scores.cuh"
 #include "sm90/bwd_mainloop.cuh"
 #include "sm90/bwd_epilogue.cuh"
+#include "sm90/bwd_bias_grad.cuh"
 
 // FEATURES: the attention variant's (variant.cuh: softcap, ALiBi; its sinks need nothing here, P
 // coming from the lse), or 0; DQ_BUFFERS: dQ through
@@ -112,6 +113,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const NoUserInputs user{};
     const NoColumnRange column_range{};
     const NoBiasTile bias{};
+    const NoBiasGrad bias_grad{};
 #include "flash_bwd_sm90_body.inc"
 }
 
@@ -125,6 +127,16 @@ CF2_DEVICE auto block_mask_column_range(const BwdSm90ModsParams& m) {
     }
 }
 
+// The mods kernel's dbias accumulator (ON: FEATURE_BIAS_GRAD), or none.
+template <bool ON>
+CF2_DEVICE auto mods_bias_grad(const BwdSm90ModsParams& m) {
+    if constexpr (ON) {
+        return m.dbias;
+    } else {
+        return NoBiasGrad{};
+    }
+}
+
 // With a mask modifier (FEATURE_MASK_MOD; cuflash2/mods.py): the same kernel, its parameters
 // BwdSm90ModsParams (BwdSm90Params as `sm90`, then the modifier's inputs), the modifier's code
 // from the generated user_mods.cuh, whose hash MODS_HASH names the kernel. The user's mask runs
@@ -135,7 +147,9 @@ CF2_DEVICE auto block_mask_column_range(const BwdSm90ModsParams& m) {
 // turns assume every key block of a query block's range adds to it. With a bias alone as the
 // score modifier (FEATURE_BIAS_TILE, without dbias; up to d=128, not varlen) the step's block of
 // the bias comes as a tile with Q_i and is added to S^T after softcap's t (the dispatch keeps
-// softcap with a bias on the mma.sync backward: dS's 1 - t^2 needs t without the bias).
+// softcap with a bias on the mma.sync backward: dS's 1 - t^2 needs t without the bias); with
+// dbias (FEATURE_BIAS_GRAD) each step's dS tile is copied into its accumulator too
+// (sm90/bwd_bias_grad.cuh).
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
           int DQ_BUFFERS, bool DETERMINISTIC, unsigned MODS_HASH>
 __global__ void __launch_bounds__(
@@ -150,11 +164,14 @@ flash_bwd_sm90_mods_kernel(const __grid_constant__ BwdSm90ModsParams mods_params
     static_assert(!(FEATURES & FEATURE_BIAS_TILE) ||
                       !(FEATURES & (FEATURE_SOFTCAP | FEATURE_VARLEN)),
                   "bias tiles: not with softcap (dS's 1 - t^2), nor varlen (the bias's rows)");
+    static_assert(!(FEATURES & FEATURE_BIAS_GRAD) || (FEATURES & FEATURE_BIAS_TILE),
+                  "dbias with the bias as tiles (rows of whole 16-byte chunks)");
     const BwdSm90Params& params = mods_params.sm90;
     const UserParams& user = mods_params.user;
     const auto column_range =
         block_mask_column_range<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
     const auto bias =
         mods_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
+    const auto bias_grad = mods_bias_grad<(FEATURES & FEATURE_BIAS_GRAD) != 0>(mods_params);
 #include "flash_bwd_sm90_body.inc"
 }

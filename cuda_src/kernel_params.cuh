@@ -308,6 +308,8 @@ struct BwdSm90ModsParams {
     // FwdSm90ModsParams's (boxes of 64 keys x the step's block_m rows).
     int bias_heads;
     int bias_batches;
+    // FEATURE_BIAS_GRAD only (sm90/bwd_bias_grad.cuh): dbias's fp32 accumulator.
+    BiasGrad dbias;
     TensorMap bias_map;
 };
 

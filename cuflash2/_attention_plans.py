@@ -223,7 +223,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one).
     With programmable modifiers (`mods.user_mods`; `user_inputs`: (input position, array) of
     each of their arrays, the mask's first) on sm_90 a mask modifier alone, or the bias alone
-    without dbias (as tiles), runs on the Hopper kernel where the dispatch says so
+    (as tiles; dbias from the dS tiles), runs on the Hopper kernel where the dispatch says so
     (BwdSm90ModsParams: BwdSm90Params as `sm90`, the modifiers' inputs, a block mask's columns,
     the bias's map); else the main and dQ kernels are the mma.sync *_mods
     kernels, the struct BwdModsParams: these BwdParams as `base` (which
@@ -238,9 +238,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     features = _configs.backward_features(
         mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
         | (0 if bias_grad is None else _configs.FEATURE_BIAS_GRAD))
-    bias_tile = None  # a bias alone without dbias (the last input): the Hopper kernel's tiles
-    if (mods.user_mods is not None and bias_grad is None
-            and _bias.is_bias_alone(mods.user_mods[1])):
+    bias_tile = None  # a bias alone (the last input): the Hopper kernel's tiles
+    if mods.user_mods is not None and _bias.is_bias_alone(mods.user_mods[1]):
         bias_tile = _bias.tile_array(user_inputs[-1][1])
     choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
                                         config, mods.user_mods, bias_tile)
@@ -351,11 +350,12 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
             ["sm90.base" if struct == "base" else struct for _, struct in launches],
             own_fields={"dispatch_group_pairs": choice.group_pairs}, prefix="sm90.",
             extra_fields={**_user_fields(user_inputs), **block_fields,
-                          **(choice.bias_fields or {})},
+                          **(choice.bias_fields or {}), **_bias_grad_fields(bias_grad)},
             extra_inputs=[(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)]
             + columns
             # the bias map's address word, per call (the bias's own address)
-            + ([("bias_map.v", user_inputs[-1][0], 0)] if choice.bias_fields else []))
+            + ([("bias_map.v", user_inputs[-1][0], 0)] if choice.bias_fields else [])
+            + ([("dbias.data", bias_grad[0], 0)] if bias_grad is not None else []))
     if mods.user_mods is not None:
         base = "base."
         blocks, block_fields = [], {}

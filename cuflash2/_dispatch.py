@@ -839,24 +839,25 @@ def hopper_backward_mods_choice(problem, features: int, deterministic: bool, arc
     """The Hopper backward of a call with programmable modifiers (`user_mods`: mask, score), or
     None where it stays on the mma.sync kernels: switched off (HOPPER_BACKWARD_MODS), a score
     modifier other than the bias alone (`bias_tile`, _bias.tile_array's view of it; None for any
-    other), dbias, a block mask in deterministic mode or varlen (its narrowed ranges break the
+    other), a block mask in deterministic mode or varlen (its narrowed ranges break the
     ordered dQ's turns), or what hopper_backward_config leaves out. The bias alone comes as
-    tiles (FEATURE_BIAS_TILE; HOPPER_BACKWARD_BIAS_TILES) with q's dtype, up to d=128 (the
+    tiles (FEATURE_BIAS_TILE; HOPPER_BACKWARD_BIAS_TILES), with dbias (FEATURE_BIAS_GRAD, from
+    each step's dS tile) or without, with q's dtype, up to d=128 (the
     stages' shared memory), not varlen (its rows are the queries' own), not with softcap (dS's
     1 - t^2 needs t without the bias), with arrays the TMA reads (seqlen_k % 8); one staged dQ
     tile at d=96 / 128 (with_bias_tiles). 64-row steps (hopper_backward_mods_config)."""
     p = problem
     mask, score = user_mods
     block_mask = bool(features & FEATURE_BLOCK_MASK)
-    if (not HOPPER_BACKWARD_MODS or features & FEATURE_BIAS_GRAD
+    bias = score is not None
+    if (not HOPPER_BACKWARD_MODS or (features & FEATURE_BIAS_GRAD and not bias)
             or (block_mask and (deterministic or varlen is not None))):
         return None
-    bias = score is not None
     if bias and (bias_tile is None or not HOPPER_BACKWARD_BIAS_TILES or varlen is not None
                  or features & FEATURE_SOFTCAP or bias_tile.dtype != views["q"].dtype):
         return None
-    hopper = hopper_backward_config(p, features & ~USER_MOD_FEATURES, arch, varlen,
-                                    deterministic)
+    hopper = hopper_backward_config(p, features & ~USER_MOD_FEATURES & ~FEATURE_BIAS_GRAD, arch,
+                                    varlen, deterministic)
     if hopper is None or (bias and hopper.head_dim > 128):
         return None
     maps = _hopper.backward_maps(hopper)
@@ -866,7 +867,7 @@ def hopper_backward_mods_choice(problem, features: int, deterministic: bool, arc
     hopper = hopper_backward_mods_config(hopper, mask, block_mask)
     bias_fields = None
     if bias:
-        hopper = with_bias_tiles(hopper)
+        hopper = with_bias_tiles(hopper, features & FEATURE_BIAS_GRAD)
         bias_words = _hopper.readable_map_fields({"bias": bias_tile},
                                                  {"bias_map": ("bias", hopper.block_m)})
         if bias_words is None:
@@ -881,11 +882,12 @@ def hopper_backward_mods_choice(problem, features: int, deterministic: bool, arc
         bias_fields=bias_fields)
 
 
-def with_bias_tiles(config):
+def with_bias_tiles(config, bias_grad: int = 0):
     """The Hopper backward `config` (64-row steps) with the bias as tiles (FEATURE_BIAS_TILE):
     a 16 KiB tile in each Q / dO stage, and at d=96 / 128 one staged dQ tile, the second's
-    32 KiB going to the bias's two stages (231,424 bytes either way)."""
-    return dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE,
+    32 KiB going to the bias's two stages (231,424 bytes either way); `bias_grad`
+    (FEATURE_BIAS_GRAD or 0): dbias copied from each step's dS tile too."""
+    return dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE | bias_grad,
                                dq_buffers=min(config.dq_buffers,
                                               1 if config.head_dim > 64 else 2))
 

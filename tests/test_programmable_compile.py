@@ -312,11 +312,11 @@ def test_hopper_forward_with_bias_tiles_compiles_without_spills(d, mask):
 
 
 def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_backward(monkeypatch):
-    """On sm_90 a bias alone without dbias runs on the Hopper backward as tiles
-    (BwdSm90ModsConfig with FEATURE_BIAS_TILE, 64-row steps, one staged dQ tile at d=128, the
-    bias's map and extents), with a mask modifier or a block mask too; dbias, softcap, another
-    dtype than q's, head dims above 128, a user's score modifier and CUFLASH2_HOPPER_BIAS_TILES=0
-    keep the mma.sync backward (stand-ins for the TMA encoder)."""
+    """On sm_90 a bias alone runs on the Hopper backward as tiles (BwdSm90ModsConfig with
+    FEATURE_BIAS_TILE, 64-row steps, one staged dQ tile at d=128, the bias's map and extents),
+    dbias from the dS tiles (FEATURE_BIAS_GRAD), with a mask modifier or a block mask too;
+    softcap, another dtype than q's, head dims above 128, a user's score modifier and
+    CUFLASH2_HOPPER_BIAS_TILES=0 keep the mma.sync backward (stand-ins for the TMA encoder)."""
     from cuflash2 import _bias, _hopper
 
     monkeypatch.setattr(_hopper, "readable_map_fields",
@@ -347,7 +347,8 @@ def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_backward(monkeypatch
         assert choose((DOC, source), blocked | score).config.features == (
             blocked | _configs.FEATURE_BIAS_TILE)
         assert choose(deterministic=True).config.deterministic
-        assert not choose(features=score | _configs.FEATURE_BIAS_GRAD).hopper
+        with_grad = choose(features=score | _configs.FEATURE_BIAS_GRAD).config
+        assert with_grad.features == _configs.FEATURE_BIAS_TILE | _configs.FEATURE_BIAS_GRAD
         assert not choose(features=score | _configs.FEATURE_SOFTCAP).hopper
         assert not choose(bias_tile=tile.astype(numpy.float32)).hopper
         assert not choose((None, REL_POS), bias_tile=None).hopper
@@ -357,15 +358,18 @@ def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_backward(monkeypatch
     assert not choose().hopper
 
 
-@pytest.mark.parametrize("d,mask", [(128, None),
-                                    pytest.param(128, "doc", marks=pytest.mark.exhaustive),
-                                    pytest.param(64, "doc", marks=pytest.mark.exhaustive),
-                                    pytest.param(96, None, marks=pytest.mark.exhaustive)])
-def test_hopper_backward_with_bias_tiles_compiles_without_spills(d, mask):
+@pytest.mark.parametrize("d,mask,dbias", [
+    (128, None, True), pytest.param(128, None, False, marks=pytest.mark.exhaustive),
+    pytest.param(128, "doc", False, marks=pytest.mark.exhaustive),
+    pytest.param(128, "doc", True, marks=pytest.mark.exhaustive),
+    pytest.param(64, "doc", True, marks=pytest.mark.exhaustive),
+    pytest.param(96, None, False, marks=pytest.mark.exhaustive)])
+def test_hopper_backward_with_bias_tiles_compiles_without_spills(d, mask, dbias):
     """The Hopper backward with the bias as tiles (FEATURE_BIAS_TILE at its dispatched 64-row
-    steps, one staged dQ tile above d=64) with and without a mask modifier."""
+    steps, one staged dQ tile above d=64), with and without dbias and a mask modifier."""
     config = _dispatch.with_bias_tiles(_dispatch.hopper_backward_mods_config(
-        _dispatch.bwd_sm90_config("bfloat16", d), DOC if mask else None))
+        _dispatch.bwd_sm90_config("bfloat16", d), DOC if mask else None),
+        _configs.FEATURE_BIAS_GRAD if dbias else 0)
     assert config.smem_bytes <= _configs.SM90_MAX_SMEM - _configs.SM90_BWD_BARRIER_BYTES
     report = _compile.compile_report(config, 90)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log

@@ -46,9 +46,9 @@ def _ok(results):
 @pytest.mark.parametrize("broadcast", BROADCASTS)
 def test_hopper_kernels_with_bias_tiles(dtype, headdim, broadcast):
     # On sm_90 a bias alone of q's dtype (rows of whole 16 bytes) runs on the Hopper forward as
-    # tiles (FEATURE_BIAS_TILE: TMA loads with V, the add from shared memory), and without its
-    # gradient (bias_requires_grad=False) on the Hopper backward (loads with Q_i, the add to
-    # S^T). Odd query rows and a key tail, GQA, causal with the batch-broadcast one, a mask
+    # tiles (FEATURE_BIAS_TILE: TMA loads with V, the add from shared memory), and on the Hopper
+    # backward (loads with Q_i, the add to S^T), without its gradient (bias_requires_grad=False)
+    # and with it (dbias copied from the dS tiles). Odd query rows and a key tail, GQA, causal with the batch-broadcast one, a mask
     # modifier with the head one, the backward's deterministic mode with the full one.
     shape = (2, 700, 456, 4, 2)
     batch, sq, sk, h, hk = shape
@@ -75,6 +75,14 @@ def test_hopper_kernels_with_bias_tiles(dtype, headdim, broadcast):
     grads = cuflash2.attention_backward(dout, q, k, v, out, lse, **backward)
     assert len(grads) == 3
     _ok(testing.check_backward(dout, q, k, v, *grads, **ref, bias_requires_grad=False))
+
+    # dbias from the dS tiles: stores for the full bias, vector reductions where it broadcasts.
+    backward["bias_requires_grad"] = True
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **backward)
+    assert any("bias tiles" in k and "dbias" in k for k in kernels), kernels
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, **backward)
+    assert len(grads) == 4 and grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+    _ok(testing.check_backward(dout, q, k, v, *grads, **ref))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
