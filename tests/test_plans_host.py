@@ -298,6 +298,15 @@ class _DeviceArray:
     def __getitem__(self, index):
         return _DeviceArray(self.array[index], device=self.device.id)
 
+    def transpose(self, *axes):
+        return _DeviceArray(self.array.transpose(*axes), device=self.device.id)
+
+    def astype(self, dtype):
+        return _DeviceArray(self.array.astype(dtype), device=self.device.id)
+
+    def reshape(self, shape):
+        return _DeviceArray(self.array.reshape(shape), device=self.device.id)
+
 
 def _contiguous(shape):
     strides, size = [], 1
@@ -519,3 +528,37 @@ def test_packed_entry_points_take_the_programmable_modifiers(api_host):
     with pytest.raises(ValueError, match="score_mod .* has no derivative"):
         cuflash2.attention_qkvpacked_backward(dout, qkv, dout, lse,
                                               score_mod=cuflash2.score_mod("score * 2"))
+
+
+def test_a_bias_on_sm90_runs_the_hopper_backward_with_its_tiles_and_dbias(api_host, monkeypatch):
+    # The bias alone on sm_90: the Hopper backward's mods kernel with the bias as tiles, its
+    # map's address word the bias's, dbias's accumulator in BiasGrad (stand-ins for the TMA
+    # encoder).
+    import cuflash2
+    from cuflash2 import _dispatch, _hopper
+
+    api_host.set_arch(90)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: numpy.array(
+        [x.data.ptr, rows] + [0] * 14, numpy.uint64).tobytes())
+    api_host.cupy.broadcast_to = lambda x, shape: _DeviceArray(
+        numpy.broadcast_to(x.array, shape))
+    q, k, v = _forward_arrays(d=128)
+    dout, lse = device_array(q.shape), device_array((2, 4, 100), numpy.float32)
+    bias = device_array((1, 4, 100, 120))
+    for grad in (False, True):
+        kernels = cuflash2.backward_kernels(dout, q, k, v, dout, lse, bias=bias,
+                                            bias_requires_grad=grad)
+        assert "bias tiles" in kernels[1] and ("dbias" in kernels[1]) == grad, kernels
+        cuflash2.attention_backward(dout, q, k, v, dout, lse, bias=bias,
+                                    bias_requires_grad=grad)
+        main = api_host.launches[-2]
+        assert main[0].config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
+        record = main[2]
+        assert int(numpy.ravel(record["bias_map"]["v"])[0]) == bias.data.ptr
+        assert (record["bias_batches"], record["bias_heads"]) == (1, 4)
+        assert bool(record["dbias"]["data"]) == grad
+        if grad:
+            assert (record["dbias"]["stride0"], record["dbias"]["stride3"],
+                    record["dbias"]["accumulate"]) == (0, 1, 1)
