@@ -530,10 +530,10 @@ def test_packed_entry_points_take_the_programmable_modifiers(api_host):
                                               score_mod=cuflash2.score_mod("score * 2"))
 
 
-def test_a_bias_on_sm90_runs_the_hopper_backward_with_its_tiles_and_dbias(api_host, monkeypatch):
-    # The bias alone on sm_90: the Hopper backward's mods kernel with the bias as tiles, its
-    # map's address word the bias's, dbias's accumulator in BiasGrad (stand-ins for the TMA
-    # encoder).
+def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(api_host, monkeypatch):
+    # The bias alone on sm_90: the Hopper forward's and backward's mods kernels with the bias as
+    # tiles, their map's address word the bias's, dbias's accumulator in BiasGrad (stand-ins for
+    # the TMA encoder).
     import cuflash2
     from cuflash2 import _dispatch, _hopper
 
@@ -547,6 +547,11 @@ def test_a_bias_on_sm90_runs_the_hopper_backward_with_its_tiles_and_dbias(api_ho
     q, k, v = _forward_arrays(d=128)
     dout, lse = device_array(q.shape), device_array((2, 4, 100), numpy.float32)
     bias = device_array((1, 4, 100, 120))
+    (kernel,) = cuflash2.forward_kernels(q, k, v, bias=bias)
+    assert kernel.startswith("Hopper forward") and "bias tiles" in kernel, kernel
+    cuflash2.attention(q, k, v, bias=bias)
+    forward = api_host.launches[-1]
+    assert int(numpy.ravel(forward[2]["bias_map"]["v"])[0]) == bias.data.ptr
     for grad in (False, True):
         kernels = cuflash2.backward_kernels(dout, q, k, v, dout, lse, bias=bias,
                                             bias_requires_grad=grad)
