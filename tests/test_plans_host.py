@@ -567,3 +567,27 @@ def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(api_hos
         if grad:
             assert (record["dbias"]["stride0"], record["dbias"]["stride3"],
                     record["dbias"]["accumulate"]) == (0, 1, 1)
+
+
+def test_a_mask_modifier_on_sm90_runs_the_hopper_backward_mods_kernel(api_host, monkeypatch):
+    # A mask modifier alone on sm_90: the Hopper backward's mods kernel, its inputs in
+    # UserParams (stand-ins for the TMA encoder).
+    import cuflash2
+    from cuflash2 import _dispatch, _hopper
+
+    api_host.set_arch(90)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: numpy.array(
+        [x.data.ptr, rows] + [0] * 14, numpy.uint64).tobytes())
+    q, k, v = _forward_arrays(d=128)
+    dout, lse = device_array(q.shape), device_array((2, 4, 100), numpy.float32)
+    doc = device_array((120,), numpy.int32)
+    mask = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx]", doc=doc)
+    kernels = cuflash2.backward_kernels(dout, q, k, v, dout, lse, mask_mod=mask)
+    assert kernels[1].startswith("Hopper backward") and "mask_mod" in kernels[1], kernels
+    cuflash2.attention_backward(dout, q, k, v, dout, lse, mask_mod=mask)
+    launch, _, record = api_host.launches[-2]
+    assert launch.config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
+    assert launch.config.block_m == 64
+    assert int(numpy.ravel(record["user"]["in0"]["data"])[0]) == doc.data.ptr
