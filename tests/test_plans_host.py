@@ -530,11 +530,10 @@ def test_packed_entry_points_take_the_programmable_modifiers(api_host):
                                               score_mod=cuflash2.score_mod("score * 2"))
 
 
-def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(api_host, monkeypatch):
-    # The bias alone on sm_90: the Hopper forward's and backward's mods kernels with the bias as
-    # tiles, their map's address word the bias's, dbias's accumulator in BiasGrad (stand-ins for
-    # the TMA encoder).
-    import cuflash2
+@pytest.fixture
+def hopper_api_host(api_host, monkeypatch):
+    """api_host on sm_90 with the Hopper kernels on and a stand-in TMA encoder (a map's word 0
+    its address, word 1 its box rows)."""
     from cuflash2 import _dispatch, _hopper
 
     api_host.set_arch(90)
@@ -542,7 +541,16 @@ def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(api_hos
     monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: numpy.array(
         [x.data.ptr, rows] + [0] * 14, numpy.uint64).tobytes())
-    api_host.cupy.broadcast_to = lambda x, shape: _DeviceArray(
+    return api_host
+
+
+def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(hopper_api_host):
+    # The bias alone on sm_90: the Hopper forward's and backward's mods kernels with the bias as
+    # tiles, their map's address word the bias's, dbias's accumulator in BiasGrad (stand-ins for
+    # the TMA encoder).
+    import cuflash2
+
+    hopper_api_host.cupy.broadcast_to = lambda x, shape: _DeviceArray(
         numpy.broadcast_to(x.array, shape))
     q, k, v = _forward_arrays(d=128)
     dout, lse = device_array(q.shape), device_array((2, 4, 100), numpy.float32)
@@ -550,7 +558,7 @@ def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(api_hos
     (kernel,) = cuflash2.forward_kernels(q, k, v, bias=bias)
     assert kernel.startswith("Hopper forward") and "bias tiles" in kernel, kernel
     cuflash2.attention(q, k, v, bias=bias)
-    forward = api_host.launches[-1]
+    forward = hopper_api_host.launches[-1]
     assert int(numpy.ravel(forward[2]["bias_map"]["v"])[0]) == bias.data.ptr
     for grad in (False, True):
         kernels = cuflash2.backward_kernels(dout, q, k, v, dout, lse, bias=bias,
@@ -558,7 +566,7 @@ def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(api_hos
         assert "bias tiles" in kernels[1] and ("dbias" in kernels[1]) == grad, kernels
         cuflash2.attention_backward(dout, q, k, v, dout, lse, bias=bias,
                                     bias_requires_grad=grad)
-        main = api_host.launches[-2]
+        main = hopper_api_host.launches[-2]
         assert main[0].config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
         record = main[2]
         assert int(numpy.ravel(record["bias_map"]["v"])[0]) == bias.data.ptr
@@ -569,17 +577,11 @@ def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(api_hos
                     record["dbias"]["accumulate"]) == (0, 1, 1)
 
 
-def test_a_mask_modifier_on_sm90_runs_the_hopper_backward_mods_kernel(api_host, monkeypatch):
+def test_a_mask_modifier_on_sm90_runs_the_hopper_backward_mods_kernel(hopper_api_host):
     # A mask modifier alone on sm_90: the Hopper backward's mods kernel, its inputs in
     # UserParams (stand-ins for the TMA encoder).
     import cuflash2
-    from cuflash2 import _dispatch, _hopper
 
-    api_host.set_arch(90)
-    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", True)
-    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
-    monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: numpy.array(
-        [x.data.ptr, rows] + [0] * 14, numpy.uint64).tobytes())
     q, k, v = _forward_arrays(d=128)
     dout, lse = device_array(q.shape), device_array((2, 4, 100), numpy.float32)
     doc = device_array((120,), numpy.int32)
@@ -587,7 +589,7 @@ def test_a_mask_modifier_on_sm90_runs_the_hopper_backward_mods_kernel(api_host, 
     kernels = cuflash2.backward_kernels(dout, q, k, v, dout, lse, mask_mod=mask)
     assert kernels[1].startswith("Hopper backward") and "mask_mod" in kernels[1], kernels
     cuflash2.attention_backward(dout, q, k, v, dout, lse, mask_mod=mask)
-    launch, _, record = api_host.launches[-2]
+    launch, _, record = hopper_api_host.launches[-2]
     assert launch.config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
     assert launch.config.block_m == 64
     assert int(numpy.ravel(record["user"]["in0"]["data"])[0]) == doc.data.ptr
