@@ -8,7 +8,7 @@ the Hopper forward and, without dbias, on the Hopper backward."""
 
 import numpy
 import pytest
-from grids import DTYPES, needs_hopper, seed_of, varlen_inputs  # tests/gpu helper
+from grids import BF16, DTYPES, FP16, needs_hopper, seed_of, varlen_inputs  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -40,10 +40,17 @@ def _ok(results):
     assert all(r.ok for r in results), [str(r) for r in results]
 
 
+#: Every broadcast at bf16 d=128, one each at the other (dtype, head dim) points: each case
+#: compiles its own forward and two backward kernels.
+HOPPER_TILE_CASES = ([(BF16, 128, b) for b in BROADCASTS]
+                     + [(FP16, 64, "heads"), (FP16, 96, "full"), (BF16, 64, "batch"),
+                        (FP16, 128, "both"), (BF16, 96, "heads")])
+
+
 @needs_hopper
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("headdim", [64, 96, 128])
-@pytest.mark.parametrize("broadcast", BROADCASTS)
+@pytest.mark.parametrize("dtype, headdim, broadcast", HOPPER_TILE_CASES,
+                         ids=[f"{'bf16' if d == BF16 else 'fp16'}-{h}-{b}"
+                              for d, h, b in HOPPER_TILE_CASES])
 def test_hopper_kernels_with_bias_tiles(dtype, headdim, broadcast):
     # On sm_90 a bias alone of q's dtype (rows of whole 16 bytes) runs on the Hopper forward as
     # tiles (FEATURE_BIAS_TILE: TMA loads with V, the add from shared memory), and on the Hopper
