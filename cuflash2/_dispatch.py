@@ -860,14 +860,16 @@ def hopper_backward_mods_choice(problem, features: int, deterministic: bool, arc
                                     varlen, deterministic)
     if hopper is None or (bias and hopper.head_dim > 128):
         return None
+    hopper = hopper_backward_mods_config(hopper, mask, block_mask)
+    if bias:
+        hopper = with_bias_tiles(hopper, features & FEATURE_BIAS_GRAD)
+    # The maps' boxes are the final tile's (hopper_backward_mods_config's 64-row steps).
     maps = _hopper.backward_maps(hopper)
     map_fields = _hopper.readable_map_fields(views, maps)
     if map_fields is None:
         return None
-    hopper = hopper_backward_mods_config(hopper, mask, block_mask)
     bias_fields = None
     if bias:
-        hopper = with_bias_tiles(hopper, features & FEATURE_BIAS_GRAD)
         bias_words = _hopper.readable_map_fields({"bias": bias_tile},
                                                  {"bias_map": ("bias", hopper.block_m)})
         if bias_words is None:

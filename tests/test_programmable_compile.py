@@ -397,6 +397,8 @@ def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_backward(monkeypatch
         choice = choose((DOC, None))
         assert choice.hopper and isinstance(choice.config, _configs.BwdSm90ModsConfig)
         assert choice.config.features == mask and choice.config.block_m == 64
+        # Q and dO come in boxes of the step's rows (the plain kernel's d=64 steps are 128)
+        assert choice.maps["q_map"][1] == choice.maps["do_map"][1] == 64
         assert choice.config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
         assert choice.config.name_expression.endswith(f", {choice.config.mods_hash:#010x}u>")
         assert choose((DOC, None), blocked).config.features == blocked
