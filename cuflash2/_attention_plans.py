@@ -57,11 +57,8 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     kernel's tiles and the call (cuflash2.block_masks.check_for_call)."""
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
-    bias_tile = None  # a bias alone (the last input): the Hopper forward may take it as tiles
-    if mods.user_mods is not None and _bias.is_bias_alone(mods.user_mods[1]):
-        bias_tile = _bias.tile_array(user_inputs[-1][1])
     choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
-                                      mods.user_mods, bias_tile)
+                                      mods.user_mods, _bias_tile(mods, user_inputs))
     config = choice.config
     block_fields = {}
     if block_input is not None:
@@ -146,6 +143,14 @@ def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_f
         outputs, [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
         per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
         batch_offset=base + "batch_offset")
+
+
+def _bias_tile(mods, user_inputs):
+    """The bias's elements as the Hopper kernels' tiles read them (_bias.tile_array) where the
+    call's score modifier is the bias alone (its array the last of `user_inputs`), else None."""
+    if mods.user_mods is not None and _bias.is_bias_alone(mods.user_mods[1]):
+        return _bias.tile_array(user_inputs[-1][1])
+    return None
 
 
 def _bias_grad_fields(bias_grad) -> dict:
@@ -238,11 +243,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     features = _configs.backward_features(
         mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
         | (0 if bias_grad is None else _configs.FEATURE_BIAS_GRAD))
-    bias_tile = None  # a bias alone (the last input): the Hopper kernel's tiles
-    if mods.user_mods is not None and _bias.is_bias_alone(mods.user_mods[1]):
-        bias_tile = _bias.tile_array(user_inputs[-1][1])
     choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
-                                        config, mods.user_mods, bias_tile)
+                                        config, mods.user_mods, _bias_tile(mods, user_inputs))
     config, hopper = choice.config, choice.hopper
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence

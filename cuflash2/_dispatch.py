@@ -159,16 +159,23 @@ def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: di
         return None
     maps = _hopper.forward_maps(config)
     map_fields = _hopper.readable_map_fields(views, maps)
-    bias_words = _hopper.readable_map_fields({"bias": bias_tile},
-                                             {"bias_map": ("bias", config.block_m)})
-    if map_fields is None or bias_words is None:
+    bias_fields = bias_tile_fields(bias_tile, config.block_m)
+    if map_fields is None or bias_fields is None:
         return None
     grid, grid_fields = forward_grid(config, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, schedule[1],
                                      device_id)
-    return ForwardChoice(config, grid, True, grid_fields, maps, map_fields,
-                         {**bias_words, "bias_batches": bias_tile.shape[0],
-                          "bias_heads": bias_tile.shape[2]})
+    return ForwardChoice(config, grid, True, grid_fields, maps, map_fields, bias_fields)
+
+
+def bias_tile_fields(bias_tile, block_m: int) -> dict | None:
+    """The mods params' fields of the bias as tiles (FwdSm90ModsParams, BwdSm90ModsParams): its
+    map's words ("bias_map.v", boxes of 64 keys x `block_m` rows) and its batch and head extents
+    (1: broadcast), or None where the TMA cannot read it."""
+    words = _hopper.readable_map_fields({"bias": bias_tile}, {"bias_map": ("bias", block_m)})
+    if words is None:
+        return None
+    return {**words, "bias_batches": bias_tile.shape[0], "bias_heads": bias_tile.shape[2]}
 
 
 @dataclass
@@ -828,7 +835,7 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
                          features=features, dq_buffers=dq_buffers, deterministic=deterministic)
 
 
-#: A bias alone (no dbias) runs on the Hopper backward as tiles (FEATURE_BIAS_TILE,
+#: A bias alone (with or without dbias) runs on the Hopper backward as tiles (FEATURE_BIAS_TILE,
 #: sm90/bias_tile.cuh) where hopper_backward_mods_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0
 #: keeps it on the mma.sync mods kernel, as the forward's (development: measuring the two).
 HOPPER_BACKWARD_BIAS_TILES = HOPPER_FORWARD_BIAS_TILES
@@ -870,12 +877,9 @@ def hopper_backward_mods_choice(problem, features: int, deterministic: bool, arc
         return None
     bias_fields = None
     if bias:
-        bias_words = _hopper.readable_map_fields({"bias": bias_tile},
-                                                 {"bias_map": ("bias", hopper.block_m)})
-        if bias_words is None:
+        bias_fields = bias_tile_fields(bias_tile, hopper.block_m)
+        if bias_fields is None:
             return None
-        bias_fields = {**bias_words, "bias_batches": bias_tile.shape[0],
-                       "bias_heads": bias_tile.shape[2]}
     key_blocks = -(-p.seqlen_k // hopper.block_n)
     return BackwardChoice(
         hopper, True, maps=maps, map_fields=map_fields,
