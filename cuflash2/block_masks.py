@@ -231,14 +231,8 @@ def check_for_hopper(bm: BlockMask, block_m: int, block_n: int, batch: int, nhea
             f"block_mask was built for {bm.block_m}x{bm.block_n} tiles, which do not make up the "
             f"Hopper forward's {block_m}x{block_n} tiles of this call")
     check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
-    shape = (bm.batch, bm.nheads, bm.num_m_blocks, 4)
-    if tuple(bm.ranges.shape) != shape or numpy.dtype(bm.ranges.dtype) != numpy.int32:
-        raise ValueError(f"block_mask.ranges must be int32 {shape}; got "
-                         f"{bm.ranges.dtype} {tuple(bm.ranges.shape)}")
     return {"block_m_div": block_m // bm.block_m, "block_n_div": block_n // bm.block_n,
-            "num_m_blocks": bm.num_m_blocks,
-            "ranges.batch_stride": 0 if bm.batch == 1 else bm.nheads * bm.num_m_blocks,
-            "ranges.head_stride": 0 if bm.nheads == 1 else bm.num_m_blocks}
+            "num_m_blocks": bm.num_m_blocks, **_summary_fields(bm, "ranges", bm.num_m_blocks, 4)}
 
 
 def check_for_backward(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads: int,
@@ -261,14 +255,22 @@ def check_for_hopper_backward(bm: BlockMask, batch: int, nheads: int, seqlen_q: 
     fields: the states' tile, their column count and the columns' strides (0 over a shared
     batch / head)."""
     check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
-    shape = (bm.batch, bm.nheads, bm.num_n_blocks, 8)
-    if tuple(bm.columns.shape) != shape or numpy.dtype(bm.columns.dtype) != numpy.int32:
-        raise ValueError(f"block_mask.columns must be int32 {shape}; got "
-                         f"{bm.columns.dtype} {tuple(bm.columns.shape)}")
     return {"state_block_m": bm.block_m, "state_block_n": bm.block_n,
             "num_n_blocks": bm.num_n_blocks,
-            "columns.batch_stride": 0 if bm.batch == 1 else bm.nheads * bm.num_n_blocks,
-            "columns.head_stride": 0 if bm.nheads == 1 else bm.num_n_blocks}
+            **_summary_fields(bm, "columns", bm.num_n_blocks, 8)}
+
+
+def _summary_fields(bm: BlockMask, name: str, count: int, width: int) -> dict:
+    """The strides of the block mask's summaries `name` (its ranges or columns: int32 (batch,
+    nheads, count, width), checked), in summaries: `<name>.batch_stride`, `<name>.head_stride`,
+    0 over a shared batch / head."""
+    array = getattr(bm, name)
+    shape = (bm.batch, bm.nheads, count, width)
+    if tuple(array.shape) != shape or numpy.dtype(array.dtype) != numpy.int32:
+        raise ValueError(f"block_mask.{name} must be int32 {shape}; got "
+                         f"{array.dtype} {tuple(array.shape)}")
+    return {f"{name}.batch_stride": 0 if bm.batch == 1 else bm.nheads * count,
+            f"{name}.head_stride": 0 if bm.nheads == 1 else count}
 
 
 def states_fields(bm: BlockMask) -> dict:
