@@ -164,7 +164,8 @@ flash_fwd_sm90_mods_kernel(const __grid_constant__ FwdSm90ModsParams mods_params
     const FwdSm90Params& params = mods_params.sm90;
     const UserParams& user = mods_params.user;
     const auto narrow = block_mask_narrow<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
-    const auto bias =
-        mods_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(mods_params);
+    __shared__ BiasTileRing<STAGES> bias_ring;  // FEATURE_BIAS_TILE only (else unused)
+    const auto bias = mods_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(
+        mods_params, &bias_ring);
 #include "flash_fwd_sm90_body.inc"
 }

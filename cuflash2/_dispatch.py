@@ -82,6 +82,12 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
             schedule = scheduling_window(window, block_mask)
             hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch,
                                            varlen)
+            if (hopper is not None and block_mask and BLOCK_MASK_PERSISTENT
+                    and not hopper.persistent and hopper.block_m == 128
+                    and hopper.head_dim in SM90_PERSISTENT_TILES):
+                hopper = dataclasses.replace(
+                    fwd_sm90_config(p.dtype, hopper.head_dim, True), pingpong=hopper.pingpong,
+                    overlap=hopper.overlap, features=hopper.features)
             if hopper is not None:
                 maps = _hopper.forward_maps(hopper)
                 map_fields = _hopper.readable_map_fields(views, maps)
@@ -127,6 +133,10 @@ def scheduling_window(window, block_mask: bool):
 HOPPER_FORWARD_BIAS_TILES = os.environ.get("CUFLASH2_HOPPER_BIAS_TILES", "1") != "0"
 
 
+#: Development: block-mask calls on the persistent grid's static schedule (measuring it).
+BLOCK_MASK_PERSISTENT = os.environ.get("CUFLASH2_BLOCK_MASK_PERSISTENT", "0") == "1"
+
+
 def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: dict, varlen,
                             device_id: int, mask, bias_tile):
     """The Hopper forward with the bias as tiles (FEATURE_BIAS_TILE: each KV tile's block of the
@@ -155,6 +165,9 @@ def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: di
                                  overlap=overlap, features=hopper.features)
     config = mods.hopper_forward_config(config, mask, None, block_mask=block_mask)
     config = dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE)
+    if config.smem_bytes > SM90_MAX_SMEM:
+        # d=96's three K/V stages (fwd_sm90_config) leave no room for the bias's: two, as d=128.
+        config = dataclasses.replace(config, stages=2)
     if config.smem_bytes > SM90_MAX_SMEM:
         return None
     maps = _hopper.forward_maps(config)

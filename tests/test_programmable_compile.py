@@ -288,6 +288,11 @@ def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_forward(monkeypatch)
     masked = choose((DOC, source), features=_configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD)
     assert masked.config.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_BIAS_TILE
     assert not choose(bias_tile=tile.astype(numpy.float32)).hopper
+    d96 = numpy.zeros((4, 4096, 16, 96), numpy.float16)
+    narrow = choose(p=_validate.check_attention_inputs(d96, d96, d96), vs={"q": d96})
+    # d=96's plain three K/V stages leave no room for the bias's: two, as at d=128.
+    assert narrow.hopper and narrow.config.stages == 2
+    assert narrow.config.smem_bytes <= _configs.SM90_MAX_SMEM
     big = numpy.zeros((4, 4096, 16, 192), numpy.float16)
     assert not choose(p=_validate.check_attention_inputs(big, big, big), vs={"q": big}).hopper
     monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_BIAS_TILES", False)

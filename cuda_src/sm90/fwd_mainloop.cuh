@@ -176,8 +176,9 @@ struct FwdScoreStep {
 // to `epilogue` (acc_o, softmax, inv_sum, row_lse): the kernel's store_tile
 // (sm90/fwd_epilogue.cuh).
 // q_round: the how-many-th Q of this CTA the tile's Q is (the parity of its q_full phase).
-// `bias` (FEATURE_BIAS_TILE, the overlap schedule only): each tile's softmax waits for V, which
-// brings the tile's block of the bias (sm90/bias_tile.cuh), and adds it in the score step.
+// `bias` (FEATURE_BIAS_TILE, the overlap schedule only): each tile's softmax waits for the
+// tile's block of the bias (sm90/bias_tile.cuh, its own ring barriers), adds it in the score
+// step and gives it back.
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
           class Epilogue, class User = NoUserInputs, class Narrow = NoNarrow,
           class Bias = NoBiasTile>
@@ -344,9 +345,10 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         pin_registers(acc_s[0]);
         release_k(0);
         if (tiles == 1) release_q();  // S_0 was the last S GEMM
-        if constexpr (Bias::ON) wait_v(0);  // V_0 brings the bias's tile
+        bias.template wait<STAGES>(ring_of(0));
         auto first_softmax = [&](auto& s) {
             score_step(s, tile_end - 1, bias_tile_of(0));
+            bias.template release<STAGES>(ring_of(0));
             softmax.fold_max(s, p.scale_log2, correction);  // O is 0: no rescale
             softmax.exp_scores(s, p.scale_log2);
         };
@@ -385,8 +387,9 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             pin_registers(acc_s[0]);
             release_k(j);
             if (j == tiles - 1) release_q();  // S_j was the last S GEMM
-            if constexpr (Bias::ON) wait_v(j);  // V_j brings the bias's tile
+            bias.template wait<STAGES>(ring_of(j));
             score_step(acc_s, tile_end - 1 - j, bias_tile_of(j));
+            bias.template release<STAGES>(ring_of(j));
             rescale = softmax.fold_max(acc_s, p.scale_log2, correction);
             softmax.exp_scores(acc_s, p.scale_log2);
         }

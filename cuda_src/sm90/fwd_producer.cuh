@@ -23,7 +23,7 @@
 // rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
 // last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
 // Bias (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh; else NoBiasTile): each KV tile's block
-// of the bias goes into its stage after V, on V's barrier.
+// of the bias goes into its stage after K, on the bias ring's barriers (BiasTileRing).
 template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false, class Bias = NoBiasTile>
 CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,
                              int q_round, u32 q_smem, u32 kv_smem,
@@ -65,14 +65,15 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
                 load_q();
             }
         }
+        // The bias's block (needed at the tile's softmax, before V) once its stage is read.
+        bias.template produce<T::BIAS_PANELS, STAGES, T::BIAS_TILE_BYTES>(
+            v_tile + T::KV_TILE_BYTES, ring, span.row_first, tile * T::KEYS_PER_TILE, w.head,
+            w.batch);
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
-        mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES + T::BIAS_TILE_BYTES);
+        mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
         tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
                                                     k_row0 + tile * T::KEYS_PER_TILE, kv_head,
                                                     batch);
-        if constexpr (Bias::ON)
-            bias.template load<T::BIAS_PANELS>(v_tile + T::KV_TILE_BYTES, v_full, span.row_first,
-                                               tile * T::KEYS_PER_TILE, w.head, w.batch);
     }
 }
