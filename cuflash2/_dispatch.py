@@ -82,12 +82,6 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
             schedule = scheduling_window(window, block_mask)
             hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch,
                                            varlen)
-            if (hopper is not None and block_mask and BLOCK_MASK_PERSISTENT
-                    and not hopper.persistent and hopper.block_m == 128
-                    and hopper.head_dim in SM90_PERSISTENT_TILES):
-                hopper = dataclasses.replace(
-                    fwd_sm90_config(p.dtype, hopper.head_dim, True), pingpong=hopper.pingpong,
-                    overlap=hopper.overlap, features=hopper.features)
             if hopper is not None:
                 maps = _hopper.forward_maps(hopper)
                 map_fields = _hopper.readable_map_fields(views, maps)
@@ -123,7 +117,10 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
 def scheduling_window(window, block_mask: bool):
     """The (left, right) window a call's grid, tile order and claims are chosen for: a block
     mask's call is scheduled as a causal one, its work tiles' lengths varying as theirs do (the
-    kernels still take the call's own window)."""
+    kernels still take the call's own window). The persistent grid's static schedule instead
+    (H100, 16k, d=128; `benchmarks/results/2026-12-06-h100-block-mask-persistent-grid.md`):
+    causal and prefix-LM masks 1.40x slower, the window 0.99x, document-causal 0.91x; the host
+    does not know the block mask's tile counts, so every block mask keeps this schedule."""
     return (window[0], 0) if block_mask and window[1] < 0 else window
 
 
@@ -131,10 +128,6 @@ def scheduling_window(window, block_mask: bool):
 #: hopper_bias_tile_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0 keeps it on the mma.sync mods
 #: kernel (development: measuring the two).
 HOPPER_FORWARD_BIAS_TILES = os.environ.get("CUFLASH2_HOPPER_BIAS_TILES", "1") != "0"
-
-
-#: Development: block-mask calls on the persistent grid's static schedule (measuring it).
-BLOCK_MASK_PERSISTENT = os.environ.get("CUFLASH2_BLOCK_MASK_PERSISTENT", "0") == "1"
 
 
 def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: dict, varlen,
