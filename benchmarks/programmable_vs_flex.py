@@ -8,7 +8,8 @@ Rows (bf16 unless said):
   flex_attention) with `create_block_mask` of the same mask; cuflash2's built-in causal and
   window beside them (a mask modifier that equals a built-in: within 1.1x of it);
 - the bias forward against the plain forward at 4k tokens (4 x 16 heads, d=128, a (1, 16, 4k,
-  4k) bias): within 1.3x;
+  4k) bias): within 1.3x; the backward without dbias (bias_requires_grad=False) against the
+  plain backward;
 - an Evoformer pair bias (batch 64, 4 heads, 768 x 768, d=32, the bias (1, 4, 768, 768) shared
   by the batch), forward and backward with dbias, next to FlexAttention with the same bias as a
   score_mod (its gradient through autograd).
@@ -116,6 +117,18 @@ def bias_rows(args, backlog):
     print(f"\nbias forward, bf16 {b} x {h} heads x {s} tokens x d={D}, bias (1, {h}, {s}, {s}): "
           f"plain {plain:.3f} ms ({cuflash2.forward_kernels(q, k, v)[0][:40]}...), with bias "
           f"{biased:.3f} ms: {biased / plain:.2f}x", flush=True)
+    # The backward without dbias (bias_requires_grad=False) against the plain backward.
+    out, lse = cuflash2.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(q.shape, dtype=cupy.float32).astype(dtype)
+    plain_bwd = time_cupy(cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse), 2,
+                          args.iters, backlog)
+    out, lse = cuflash2.attention(q, k, v, bias=bias, return_lse=True)
+    biased_bwd = time_cupy(cupy, lambda: cuflash2.attention_backward(
+        dout, q, k, v, out, lse, bias=bias, bias_requires_grad=False), 2, args.iters, backlog)
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, bias=bias,
+                                        bias_requires_grad=False)
+    print(f"bias backward without dbias: plain {plain_bwd:.3f} ms, with bias {biased_bwd:.3f} "
+          f"ms: {biased_bwd / plain_bwd:.2f}x ({kernels[1][:60]}...)", flush=True)
 
 
 def evoformer_rows(torch, flex, args, backlog):

@@ -5,6 +5,8 @@
 // batch entry (grid (num_m_blocks, nheads, batch): 1 and 1 where the states are shared, b and h
 // then 0), each warp a tile at a time: its lanes walk the tile's rows 32 keys at a time and vote
 // (__any_sync, __all_sync) after each row, stopping at the first row that shows it partial.
+// Each state also goes into its column's summary (BlockMaskColumns, by atomics: the first and
+// last visited row, the first and last full row and their count).
 // Then the row's ranges (BlockMaskRanges, kernel_params.cuh): its first and last visited tile
 // and its longest run of full tiles, by one thread over the states the CTA just wrote (visible
 // to it after the barrier); once a block mask, so the kernels that read them need no scan.
@@ -41,9 +43,23 @@ flash_block_mask_kernel(const __grid_constant__ BlockMaskParams p) {
         }
         const bool some = __any_sync(0xffffffffu, any);
         const bool every = __all_sync(0xffffffffu, all);
-        if (lane == 0)
+        if (lane == 0) {
             row_states[n_block] = static_cast<signed char>(
                 some ? (every ? BLOCK_MASK_FULL : BLOCK_MASK_PARTIAL) : BLOCK_MASK_EMPTY);
+            // The column's summary (BlockMaskColumns), every row of it adding its state.
+            int* column =
+                p.columns + ((static_cast<i64>(batch) * p.nheads + head) * p.num_n_blocks +
+                             n_block) * 8;
+            if (some) {
+                atomicMin(column, m_block);
+                atomicMax(column + 1, m_block + 1);
+            }
+            if (some && every) {
+                atomicMin(column + 2, m_block);
+                atomicMax(column + 3, m_block + 1);
+                atomicAdd(column + 4, 1);
+            }
+        }
     }
     __syncthreads();
     if (threadIdx.x != 0) return;

@@ -204,6 +204,68 @@ struct BlockMaskNarrow {
     }
 };
 
+// The Hopper backward's use (flash_bwd_sm90.cu with FEATURE_BLOCK_MASK), from the summaries of
+// the states' columns (BlockMaskColumns, made with the states by block_mask.cu): a key block's
+// query blocks [m_first, m_first + m_count), which the built-in masks give, narrowed to those
+// whose rows a visited state of the block's columns holds (in any query head of its KV head's
+// group), and the query blocks whose states are all full there (in every one of those heads),
+// on which the user's mask does not run: [full_first, full_end). The states' tiles need not
+// divide the kernel's: rows and keys are converted through positions. Producer, dQ thread and
+// consumers all take the narrowed range from the kernel's prologue; the empty query blocks
+// inside it (none for a document, window, causal or prefix mask) are computed and masked by
+// the user's mask. heads x (key block's columns) 32-byte reads a CTA, once.
+struct BlockMaskColumnRange {
+    const BlockMaskColumns& c;
+    int state_block_m;  // the states' tile
+    int state_block_n;
+    int num_n_blocks;   // the states' columns
+
+    CF2_DEVICE void operator()(int batch, int head0, int heads, int key_first, int block_n,
+                               int block_m, int seqlen_q, int& m_first, int& m_count,
+                               int& full_first, int& full_end) const {
+        const int col_first = key_first / state_block_n;
+        const int col_end = min((key_first + block_n + state_block_n - 1) / state_block_n,
+                                num_n_blocks);
+        int lo = 0x7fffffff, hi = 0, full_lo = 0, full_hi = 0x7fffffff;  // in state rows
+        for (int head = head0; head < head0 + heads; ++head)
+            for (int col = col_first; col < col_end; ++col) {
+                const int* column = c.columns + (batch * c.batch_stride +
+                                                 head * c.head_stride + col) * 8;
+                const int4 rows = *reinterpret_cast<const int4*>(column);
+                const bool run = column[4] > 0 && column[4] == rows.w - rows.z;
+                lo = min(lo, rows.x);
+                hi = max(hi, rows.y);
+                full_lo = max(full_lo, run ? rows.z : 0x7fffffff);
+                full_hi = min(full_hi, run ? rows.w : 0);
+            }
+        const int blocks = (seqlen_q + block_m - 1) / block_m;
+        int first = 0, end = 0;
+        if (hi > 0) {
+            first = lo * state_block_m / block_m;
+            end = (min(hi * state_block_m, seqlen_q) + block_m - 1) / block_m;
+        }
+        const int lo_block = max(m_first, first), hi_block = min(m_first + m_count, end);
+        m_first = lo_block;
+        m_count = max(0, hi_block - lo_block);
+        full_first = full_end = 0;
+        if (full_hi > full_lo) {
+            // Whole query blocks inside the full rows; the last block's rows past the sequence
+            // count as full (their P is 0 whatever the mask).
+            const int row_hi = min(full_hi * state_block_m, seqlen_q);
+            full_first = (full_lo * state_block_m + block_m - 1) / block_m;
+            full_end = row_hi == seqlen_q ? blocks : row_hi / block_m;
+        }
+    }
+};
+
+// Without a block mask: the query blocks as they are, none known full.
+struct NoColumnRange {
+    CF2_DEVICE void operator()(int, int, int, int, int, int, int, int&, int&, int& full_first,
+                               int& full_end) const {
+        full_first = full_end = 0;
+    }
+};
+
 // Without a block mask: the range as it is.
 struct NoNarrow {
     static constexpr bool LATE_ROWS_FIRST = false;

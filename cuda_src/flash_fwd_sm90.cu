@@ -91,13 +91,14 @@
 // epilogue (store_tile). q_round: the how-many-th Q of this CTA the tile's Q is.
 // `user`: the programmable modifiers' inputs (UserParams, the mods kernel's) or NoUserInputs.
 // `narrow`: the block mask's view (BlockMaskNarrow) or NoNarrow, for the score step.
+// `bias`: the bias's tiles (BiasTile, FEATURE_BIAS_TILE) or NoBiasTile (sm90/bias_tile.cuh).
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
-          class User, class Narrow>
+          class User, class Narrow, class Bias>
 CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
                              const FwdTileContext& c, int head_chunks, int ring0, int q_round,
                              int consumer, u32 q_smem, u32 kv_smem, u32 o_smem,
                              FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
-                             const User& user, const Narrow& narrow) {
+                             const User& user, const Narrow& narrow, const Bias& bias) {
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     consume_kv_tiles<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
         p, vis, c, ring0, q_round, consumer, q_smem, kv_smem, bars,
@@ -106,7 +107,7 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
             store_tile<Elem, T, PERSISTENT, VARLEN>(p, c, acc_o, softmax, inv_sum, row_lse,
                                                     head_chunks, consumer, o_smem);
         },
-        user, narrow);
+        user, narrow, bias);
 }
 
 // PINGPONG: the consumers take turns on the tensor cores (one's softmax under the other's GEMMs;
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     const NoUserInputs user{};
     const NoNarrow narrow{};
+    const NoBiasTile bias{};
 #include "flash_fwd_sm90_body.inc"
 }
 
@@ -162,5 +164,8 @@ flash_fwd_sm90_mods_kernel(const __grid_constant__ FwdSm90ModsParams mods_params
     const FwdSm90Params& params = mods_params.sm90;
     const UserParams& user = mods_params.user;
     const auto narrow = block_mask_narrow<(FEATURES & FEATURE_BLOCK_MASK) != 0>(mods_params);
+    __shared__ BiasTileRing<STAGES> bias_ring;  // FEATURE_BIAS_TILE only (else unused)
+    const auto bias = mods_bias_tile<(FEATURES & FEATURE_BIAS_TILE) != 0, Elem, BLOCK_M>(
+        mods_params, &bias_ring);
 #include "flash_fwd_sm90_body.inc"
 }

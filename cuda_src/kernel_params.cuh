@@ -165,6 +165,12 @@ struct FwdSm90ModsParams {
     int block_m_div;
     int block_n_div;
     int num_m_blocks;
+    // FEATURE_BIAS_TILE only (sm90/bias_tile.cuh): the bias's map, over its own (batch or 1,
+    // heads or 1, seqlen_q, seqlen_k) array as (key, row, head, batch) with 128-byte swizzle,
+    // boxes of 64 keys x block_m rows; its head and batch extents (1: broadcast).
+    int bias_heads;
+    int bias_batches;
+    TensorMap bias_map;
 };
 
 // The backward family: flash_bwd_preprocess.cu, flash_bwd.cu, flash_bwd_dq.cu (deterministic dQ)
@@ -275,6 +281,38 @@ struct BwdSm90Params {
     int dispatch_group_pairs;  // (KV head, batch) pairs taken key-block-major together (1: none)
 };
 
+// A block mask's columns summed up (block_mask.cu, by atomics as the states are made;
+// cuflash2.reference.block_mask_columns): for each (batch, head, n block) column of states, 8
+// ints: [0] its first row (m block) that is not empty and [1] one past its last (0x7fffffff, 0
+// where all are empty); [2] its first full row and [3] one past its last, [4] how many rows are
+// full (the rows [2] .. [3] are all full where [4] = [3] - [2]); [5..7] unused. Strides in
+// columns, 0 where the states are shared.
+struct BlockMaskColumns {
+    const int* columns;
+    i64 batch_stride;
+    i64 head_stride;
+};
+
+// flash_bwd_sm90.cu's kernel with a mask modifier (flash_bwd_sm90_mods_kernel): the Hopper
+// backward's parameters as they are, then the modifier's inputs; with a block mask
+// (FEATURE_BLOCK_MASK: block_mask.cuh, BlockMaskColumnRange) its columns, the states' tile
+// (their rows and keys) and their count of columns. A struct of its own, as FwdSm90ModsParams.
+struct BwdSm90ModsParams {
+    BwdSm90Params sm90;
+    UserParams user;
+    BlockMaskColumns columns;
+    int state_block_m;
+    int state_block_n;
+    int num_n_blocks;
+    // FEATURE_BIAS_TILE only (sm90/bias_tile.cuh): the bias's map and extents, as
+    // FwdSm90ModsParams's (boxes of 64 keys x the step's block_m rows).
+    int bias_heads;
+    int bias_batches;
+    // FEATURE_BIAS_GRAD only (sm90/bwd_bias_grad.cuh): dbias's fp32 accumulator.
+    BiasGrad dbias;
+    TensorMap bias_map;
+};
+
 // flash_decode.cu
 struct DecodeParams {
     const u16* q;
@@ -344,6 +382,7 @@ struct DropoutMaskParams {
 struct BlockMaskParams {
     signed char* states;
     int4* ranges;  // BlockMaskRanges' rows, one a CTA
+    int* columns;  // BlockMaskColumns' columns, filled beforehand (0x7fffffff, 0, 0x7fffffff, 0, 0)
     int nheads;
     int seqlen_q;
     int seqlen_k;

@@ -162,6 +162,18 @@ struct AttentionVariant : ScoreMods<FEATURES> {
         return neg_inf();
     }
 
+    // Whether the user's mask modifier keeps (query, key) (MASK_MOD), one position at a time:
+    // the Hopper backward's, which applies it to P^T and dS^T as they are packed
+    // (sm90/bwd_scores.cuh, score_gradients), where its registers are freest. The key must be
+    // visible (vis: causal, window, the sequence's end) and the query inside the sequence; the
+    // user's code runs for those only.
+    CF2_DEVICE static bool keeps(int query, int key, const KeyVisibility& vis,
+                                 const UserModContext& ctx) {
+        return query < ctx.seqlen_q && key >= vis.lo(query) &&
+               key < min(vis.hi(query), ctx.seqlen_k) &&
+               UserMods::mask(ctx.user, ctx.batch, ctx.head, query, key);
+    }
+
     // The same for a transposed tile (keys as rows, queries as columns: the Hopper backward's
     // S^T; mask_transposed's layout).
     template <int NT>

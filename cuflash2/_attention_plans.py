@@ -15,7 +15,7 @@ import math
 
 import numpy
 
-from . import _configs, _dispatch, _hopper, _launch, _params, _plans
+from . import _bias, _configs, _dispatch, _hopper, _launch, _params, _plans
 from ._prepare import LOG2E, element_strides, output_strides
 
 
@@ -58,7 +58,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     p = problem
     features = mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
     choice = _dispatch.forward_kernel(p, features, window, arch, views, varlen, device_id, config,
-                                      mods.user_mods)
+                                      mods.user_mods, _bias_tile(mods, user_inputs))
     config = choice.config
     block_fields = {}
     if block_input is not None:
@@ -102,10 +102,14 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         return _sm90_plan(device_id, "FwdSm90ModsParams", fields, choice.maps, choice.map_fields,
                           launches, inputs, outputs, output_fields, aligned=aligned,
                           own_fields=choice.grid_fields, counters=counters, prefix="sm90.",
-                          extra_fields={**_user_fields(user_inputs), **block_fields},
+                          extra_fields={**_user_fields(user_inputs), **block_fields,
+                                        **(choice.bias_fields or {})},
                           extra_inputs=[(f"user.in{i}.data", pos, 0)
                                         for i, (pos, _) in enumerate(user_inputs)]
-                          + ([("ranges.rows", block_input[0] + 1, 0)] if block_input else []))
+                          + ([("ranges.rows", block_input[0] + 1, 0)] if block_input else [])
+                          # the bias map's address word, per call (the bias's own address)
+                          + ([("bias_map.v", user_inputs[-1][0], 0)] if choice.bias_fields
+                             else []))
     if mods.user_mods is not None:
         return _mods_plan(device_id, fields, launches, inputs, outputs, output_fields, aligned,
                           mods, user_inputs, block_input)
@@ -139,6 +143,14 @@ def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_f
         outputs, [(base + f, i, off) for f, i, off in output_fields], aligned=aligned,
         per_call=tuple((f, base + f) for f in _dropout_slots(mods)),
         batch_offset=base + "batch_offset")
+
+
+def _bias_tile(mods, user_inputs):
+    """The bias's elements as the Hopper kernels' tiles read them (_bias.tile_array) where the
+    call's score modifier is the bias alone (its array the last of `user_inputs`), else None."""
+    if mods.user_mods is not None and _bias.is_bias_alone(mods.user_mods[1]):
+        return _bias.tile_array(user_inputs[-1][1])
+    return None
 
 
 def _bias_grad_fields(bias_grad) -> dict:
@@ -215,8 +227,11 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     BwdSm90Params (tensor maps, then these BwdParams as `base`, which the preprocess and the
     conversion take). `config` forces the main kernel (a BwdSm90Config: the Hopper one).
     With programmable modifiers (`mods.user_mods`; `user_inputs`: (input position, array) of
-    each of their arrays, the mask's first) the main and dQ kernels are the mma.sync *_mods
-    kernels on every architecture, the struct BwdModsParams: these BwdParams as `base` (which
+    each of their arrays, the mask's first) on sm_90 a mask modifier alone, or the bias alone
+    (as tiles; dbias from the dS tiles), runs on the Hopper kernel where the dispatch says so
+    (BwdSm90ModsParams: BwdSm90Params as `sm90`, the modifiers' inputs, a block mask's columns,
+    the bias's map); else the main and dQ kernels are the mma.sync *_mods
+    kernels, the struct BwdModsParams: these BwdParams as `base` (which
     the preprocess and the conversion take), `user` as the forward's, and `score_scale`.
     `bias_grad`: (input position, array) of dbias's float32 accumulator as a (batch, nheads,
     seqlen_q, seqlen_k) view (cuflash2._bias), which the main kernel fills
@@ -229,7 +244,7 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
         mods.features | (0 if varlen is None else _configs.FEATURE_VARLEN)
         | (0 if bias_grad is None else _configs.FEATURE_BIAS_GRAD))
     choice = _dispatch.backward_kernels(p, features, deterministic, arch, views, varlen, window,
-                                        config, mods.user_mods)
+                                        config, mods.user_mods, _bias_tile(mods, user_inputs))
     config, hopper = choice.config, choice.hopper
     pad = _configs.BWD_ROW_PADDING
     max_rows_padded = -(-p.seqlen_q // pad) * pad  # of one sequence
@@ -320,6 +335,29 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     aligned = [(sources[n][0], n) for n in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
                if views[n] is not None]
     kernels = [launch for launch, _ in launches]
+    if mods.user_mods is not None and hopper:
+        # BwdSm90ModsParams: BwdSm90Params as `sm90` (the aux kernels take its `base`), then
+        # the modifiers' inputs, the block mask's columns (per call: block_input's third array)
+        # and the bias's map.
+        block_fields, columns = {}, []
+        if block_input is not None:
+            from . import block_masks as block_mask
+
+            block_fields = block_mask.check_for_hopper_backward(
+                block_input[1], p.batch, p.nheads, p.seqlen_q, p.seqlen_k, device_id)
+            columns = [("columns.columns", block_input[0] + 2, 0)]
+        return _sm90_plan(
+            device_id, "BwdSm90ModsParams", fields, choice.maps, choice.map_fields, kernels,
+            inputs, outputs, output_fields, workspace_bytes, workspace_fields, aligned,
+            ["sm90.base" if struct == "base" else struct for _, struct in launches],
+            own_fields={"dispatch_group_pairs": choice.group_pairs}, prefix="sm90.",
+            extra_fields={**_user_fields(user_inputs), **block_fields,
+                          **(choice.bias_fields or {}), **_bias_grad_fields(bias_grad)},
+            extra_inputs=[(f"user.in{i}.data", pos, 0) for i, (pos, _) in enumerate(user_inputs)]
+            + columns
+            # the bias map's address word, per call (the bias's own address)
+            + ([("bias_map.v", user_inputs[-1][0], 0)] if choice.bias_fields else [])
+            + ([("dbias.data", bias_grad[0], 0)] if bias_grad is not None else []))
     if mods.user_mods is not None:
         base = "base."
         blocks, block_fields = [], {}

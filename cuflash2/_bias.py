@@ -66,6 +66,24 @@ def score_mod_with_bias(view, score_mod):
     return mod
 
 
+def is_bias_alone(source) -> bool:
+    """Whether the score modifier `source` (a ModSource) is the bias alone, `score + bias`
+    (score_mod_with_bias without a user's modifier): the Hopper kernels take it as tiles
+    (_dispatch.forward_kernel, _dispatch.backward_kernels; FEATURE_BIAS_TILE)."""
+    return (source is not None and source.expression == f"score + {_TERM}"
+            and len(source.inputs) == 1 and source.inputs[0].name == BIAS_INPUT
+            and not source.constants)
+
+
+def tile_array(view):
+    """The bias's own elements behind `view` (bias_view's) as the (batch or 1, seqlen_q, heads
+    or 1, seqlen_k) array the Hopper kernels' TMA map describes (_hopper.tensor_map_geometry's
+    (batch, seqlen, heads, headdim) order; extent 1 along each dim the view broadcasts), no
+    copy."""
+    own = view[tuple(slice(0, 1) if view.strides[i] == 0 else slice(None) for i in (0, 1))]
+    return own.transpose(0, 2, 1, 3)
+
+
 def _four_dims(bias) -> tuple:
     return tuple(bias.shape) if bias.ndim == 4 else (1, *bias.shape)
 

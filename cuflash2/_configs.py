@@ -48,6 +48,12 @@ USER_MOD_FEATURES = FEATURE_MASK_MOD | FEATURE_SCORE_MOD | FEATURE_BLOCK_MASK
 #: mma.sync backward main kernel with the bias as its score modifier writes dS out as dbias
 #: (BwdModsParams.dbias). Backward main kernel only; never in the dQ kernel.
 FEATURE_BIAS_GRAD = 256
+#: The additive bias as a tile (the Hopper kernels, flash_fwd_sm90.cu and flash_bwd_sm90.cu, with
+#: a bias alone as their score modifier): the producer loads each step's BLOCK_M x BLOCK_N block
+#: of the bias by TMA (the forward's with V, the backward's with Q_i), the consumers add it to the
+#: scores from shared memory (sm90/bias_tile.cuh), instead of reading it score by score through
+#: the 4-D accessor. In FwdSm90ModsConfig and BwdSm90ModsConfig only.
+FEATURE_BIAS_TILE = 512
 #: A block mask's tile states (int8): no visible key in the tile, some, every (query, key) of the
 #: tile inside the sequence visible.
 BLOCK_MASK_EMPTY, BLOCK_MASK_PARTIAL, BLOCK_MASK_FULL = 0, 1, 2
@@ -134,7 +140,7 @@ CUDA_CONSTANTS = {
     "FEATURE_VARLEN": FEATURE_VARLEN, "FEATURE_DROPOUT": FEATURE_DROPOUT,
     "FEATURE_SINKS": FEATURE_SINKS, "FEATURE_MASK_MOD": FEATURE_MASK_MOD,
     "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD, "FEATURE_BLOCK_MASK": FEATURE_BLOCK_MASK,
-    "FEATURE_BIAS_GRAD": FEATURE_BIAS_GRAD,
+    "FEATURE_BIAS_GRAD": FEATURE_BIAS_GRAD, "FEATURE_BIAS_TILE": FEATURE_BIAS_TILE,
     "BLOCK_MASK_EMPTY": BLOCK_MASK_EMPTY, "BLOCK_MASK_PARTIAL": BLOCK_MASK_PARTIAL,
     "BLOCK_MASK_FULL": BLOCK_MASK_FULL, "BLOCK_MASK_WARPS": BLOCK_MASK_WARPS,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
@@ -324,8 +330,16 @@ class FwdSm90Config:
         # Q tile + stages x (K tile + V tile) (+ an O tile of Q's size when persistent), rows of
         # `panels` x 128 bytes, + 1 KiB to align the base to 1024 B by hand
         # (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
+        # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
         o_rows = self.block_m if self.persistent else 0
-        return 128 * self.panels * (self.block_m + 2 * self.stages * self.block_n + o_rows) + 1024
+        bias = 2 * self.block_m * self.block_n * self.stages if self.bias_tile else 0
+        return (128 * self.panels * (self.block_m + 2 * self.stages * self.block_n + o_rows)
+                + bias + 1024)
+
+    @property
+    def bias_tile(self) -> bool:
+        """Whether the bias comes as tiles with V (FEATURE_BIAS_TILE)."""
+        return bool(self.features & FEATURE_BIAS_TILE)
 
     @property
     def source_file(self) -> str:
@@ -343,7 +357,8 @@ class FwdSm90Config:
     @property
     def probes(self) -> str:
         traits = (f"FwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                  f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}>")
+                  f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}"
+                  f"{', true' if self.bias_tile else ''}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == "
             f"{sm90_consumer_registers(self.block_m // 64)}, \"setmaxnreg budget\");\n")
@@ -484,6 +499,9 @@ class BwdSm90Config:
         # (BwdSm90Traits::SMEM_BYTES).
         kv = 2 * 128 * self.panels * self.block_n
         stage = 2 * 128 * self.panels * self.block_m + 2 * 4 * self.block_m
+        # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
+        if self.features & FEATURE_BIAS_TILE:
+            stage += 2 * self.block_m * self.block_n
         ds = 2 * 2 * self.block_m * self.block_n
         dq = self.dq_buffers * 4 * self.block_m * self.head_dim
         return kv + self.stages * stage + ds + dq + 1024
@@ -500,13 +518,31 @@ class BwdSm90Config:
 
     @property
     def probes(self) -> str:
+        bias = ", true" if self.features & FEATURE_BIAS_TILE else ""
         traits = (f"BwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                  f"{self.block_n}, {self.stages}, {self.dq_buffers}>")
+                  f"{self.block_n}, {self.stages}, {self.dq_buffers}{bias}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
             "\"setmaxnreg budget\");\n"
             f"static_assert(sizeof(BwdSm90Barriers<{self.stages}>) <= {SM90_BWD_BARRIER_BYTES}, "
             "\"static shared memory\");\n")
+
+
+@dataclass(frozen=True)
+class BwdSm90ModsConfig(BwdSm90Config, _UserModsHeader):
+    """The Hopper backward with a mask modifier (FEATURE_MASK_MOD, and FEATURE_BLOCK_MASK for a
+    block mask's narrowed query blocks; no score modifiers): BwdSm90Config's tile and features
+    plus the generated header `user_mods` (cuflash2/mods.py), whose hash names the kernel
+    (flash_bwd_sm90_mods_kernel, BwdSm90ModsParams), as FwdSm90ModsConfig."""
+
+    user_mods: str = ""
+    mods_hash: int = 0
+
+    @property
+    def name_expression(self) -> str:
+        plain = super().name_expression
+        return (plain.replace("flash_bwd_sm90_kernel<", "flash_bwd_sm90_mods_kernel<", 1)[:-1]
+                + f", {self.mods_hash:#010x}u>")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -814,7 +850,8 @@ def describe(config) -> str:
                                    (FEATURE_VARLEN, "varlen"), (FEATURE_MASK_MOD, "mask_mod"),
                                    (FEATURE_SCORE_MOD, "score_mod"),
                                    (FEATURE_BLOCK_MASK, "block mask"),
-                                   (FEATURE_BIAS_GRAD, "dbias"))
+                                   (FEATURE_BIAS_GRAD, "dbias"),
+                                   (FEATURE_BIAS_TILE, "bias tiles"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from . import _hopper, _launch
 from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
-                       FEATURE_BIAS_GRAD,
+                       FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
@@ -47,10 +47,12 @@ class ForwardChoice:
     grid_fields: dict = field(default_factory=dict)
     maps: dict | None = None
     map_fields: dict | None = None
+    #: FEATURE_BIAS_TILE: the bias's map words ("bias_map.v") and extents (FwdSm90ModsParams).
+    bias_fields: dict | None = None
 
 
 def forward_kernel(problem, features: int, window, arch: int, views: dict, varlen, device_id: int,
-                   config=None, user_mods=None) -> ForwardChoice:
+                   config=None, user_mods=None, bias_tile=None) -> ForwardChoice:
     """The forward kernel of a checked call (`features`: its FEATURE_* bits, varlen included;
     `window`: the kernels' (left, right)). On sm_90 the Hopper kernel runs every call it covers
     (hopper_forward_config) whose q, k and v the TMA describes, the mma.sync kernel (fwd_config)
@@ -59,12 +61,20 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     alone runs on the Hopper kernel (a FwdSm90ModsConfig: hopper_forward_config's choice for
     the call's other features; HOPPER_FORWARD_MODS; with a block mask up to
     HOPPER_BLOCK_MASK_MAX_HEAD_DIM, scheduled as a causal call), the others on the mma.sync
-    kernel (fwd_mods_config's tile; a FwdModsConfig)."""
+    kernel (fwd_mods_config's tile; a FwdModsConfig). `bias_tile`: where the score modifier is
+    the bias alone, the bias's elements as _bias.tile_array gives them: on sm_90 the Hopper
+    forward takes it as tiles where it can (hopper_bias_tile_choice)."""
     p = problem
     if user_mods is not None:
         from . import mods
 
         block_mask = bool(features & FEATURE_BLOCK_MASK)
+        if (bias_tile is not None and config is None and "fwd" not in FORCED
+                and HOPPER_FORWARD_BIAS_TILES):
+            choice = hopper_bias_tile_choice(p, features, window, arch, views, varlen,
+                                             device_id, user_mods[0], bias_tile)
+            if choice is not None:
+                return choice
         most = HOPPER_BLOCK_MASK_MAX_HEAD_DIM if block_mask else HOPPER_MODS_MAX_HEAD_DIM
         if (config is None and "fwd" not in FORCED and HOPPER_FORWARD_MODS
                 and user_mods[1] is None and p.head_dim <= most
@@ -107,8 +117,71 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
 def scheduling_window(window, block_mask: bool):
     """The (left, right) window a call's grid, tile order and claims are chosen for: a block
     mask's call is scheduled as a causal one, its work tiles' lengths varying as theirs do (the
-    kernels still take the call's own window)."""
+    kernels still take the call's own window). The persistent grid's static schedule instead
+    (H100, 16k, d=128; `benchmarks/results/2026-12-06-h100-block-mask-persistent-grid.md`):
+    causal and prefix-LM masks 1.40x slower, the window 0.99x, document-causal 0.91x; the host
+    does not know the block mask's tile counts, so every block mask keeps this schedule."""
     return (window[0], 0) if block_mask and window[1] < 0 else window
+
+
+#: A bias alone runs on the Hopper forward as tiles (FEATURE_BIAS_TILE, sm90/bias_tile.cuh) where
+#: hopper_bias_tile_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0 keeps it on the mma.sync mods
+#: kernel (development: measuring the two).
+HOPPER_FORWARD_BIAS_TILES = os.environ.get("CUFLASH2_HOPPER_BIAS_TILES", "1") != "0"
+
+
+def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: dict, varlen,
+                            device_id: int, mask, bias_tile):
+    """The Hopper forward with the bias as tiles (FEATURE_BIAS_TILE: each KV tile's block of the
+    bias loaded by TMA with V into its stage, added to S from shared memory), with the call's
+    mask modifier `mask` (or None) and built-in features, or None where it does not take the
+    call: not sm_90, varlen, a bias of another dtype than q's, a head dim whose stages do not fit
+    shared memory with the bias's (above 128), or arrays the TMA cannot read (a bias whose rows
+    are not 16-byte multiples: seqlen_k % 8). Two consumers with the overlap schedule, one tile a
+    CTA (the persistent grid's O buffer leaves no room for the bias's tiles); scheduled as a
+    causal call with a block mask, as the mask modifier's forward."""
+    from . import mods
+
+    p = problem
+    if varlen is not None or bias_tile.dtype != views["q"].dtype:
+        return None
+    block_mask = bool(features & FEATURE_BLOCK_MASK)
+    schedule = scheduling_window(window, block_mask)
+    hopper = hopper_forward_config(p, features & ~USER_MOD_FEATURES, schedule, arch, varlen)
+    if hopper is None or hopper.head_dim > 128:
+        return None
+    causal = schedule[1] == 0 and schedule[0] < 0
+    pingpong, overlap = SCHEDULES[hopper.head_dim, causal]
+    if not overlap:
+        return None
+    config = dataclasses.replace(fwd_sm90_config(p.dtype, hopper.head_dim), pingpong=pingpong,
+                                 overlap=overlap, features=hopper.features)
+    config = mods.hopper_forward_config(config, mask, None, block_mask=block_mask)
+    config = dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE)
+    if config.smem_bytes > SM90_MAX_SMEM:
+        # d=96's three K/V stages (fwd_sm90_config) leave no room for the bias's: two, as d=128.
+        config = dataclasses.replace(config, stages=2)
+    if config.smem_bytes > SM90_MAX_SMEM:
+        return None
+    maps = _hopper.forward_maps(config)
+    map_fields = _hopper.readable_map_fields(views, maps)
+    bias_fields = bias_tile_fields(bias_tile, config.block_m)
+    if map_fields is None or bias_fields is None:
+        return None
+    grid, grid_fields = forward_grid(config, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
+                                     p.seqlen_k, p.head_dim, views["q"].itemsize, schedule[1],
+                                     device_id)
+    return ForwardChoice(config, grid, True, grid_fields, maps, map_fields, bias_fields)
+
+
+def bias_tile_fields(bias_tile, block_m: int) -> dict | None:
+    """The mods params' fields of the bias as tiles (FwdSm90ModsParams, BwdSm90ModsParams): its
+    map's words ("bias_map.v", boxes of 64 keys x `block_m` rows) and its batch and head extents
+    (1: broadcast), or None where the TMA cannot read it."""
+    words = _hopper.readable_map_fields({"bias": bias_tile}, {"bias_map": ("bias", block_m)})
+    if words is None:
+        return None
+    return {**words, "bias_batches": bias_tile.shape[0], "bias_heads": bias_tile.shape[2]}
 
 
 @dataclass
@@ -124,23 +197,33 @@ class BackwardChoice:
     group_pairs: int = 1
     maps: dict | None = None
     map_fields: dict | None = None
+    #: FEATURE_BIAS_TILE: the bias's map words ("bias_map.v") and extents (BwdSm90ModsParams).
+    bias_fields: dict | None = None
 
 
 def backward_kernels(problem, features: int, deterministic: bool, arch: int, views: dict,
-                     varlen, window, config=None, user_mods=None) -> BackwardChoice:
+                     varlen, window, config=None, user_mods=None,
+                     bias_tile=None) -> BackwardChoice:
     """The backward kernels of a checked call (`features`: those of its main kernels,
     backward_features): `config` or a tuning script's forced one if given (a BwdSm90Config
     forces the Hopper kernel), else the Hopper kernel where hopper_backward_config covers the
     call and the TMA describes q, k, v and dout, else the mma.sync kernel's tile (bwd_config).
-    `user_mods`: the programmable modifiers' sources (mask, score): the mma.sync kernels on every
-    architecture, never the Hopper one (bwd_mods_config's tile, or a forced BwdConfig's; a
-    BwdModsConfig, and in deterministic mode a BwdDqModsConfig; mods.check_backward's
-    ValueError for a score modifier without a derivative)."""
+    `user_mods`: the programmable modifiers' sources (mask, score): on sm_90 a mask modifier
+    alone, or the bias alone with or without one, runs on the Hopper kernel where
+    hopper_backward_mods_choice takes it (`bias_tile`: as forward_kernel's), the others on the
+    mma.sync kernels (bwd_mods_config's tile, or a forced BwdConfig's; a BwdModsConfig, and in
+    deterministic mode a BwdDqModsConfig; mods.check_backward's ValueError for a score modifier
+    without a derivative)."""
     p = problem
     forced = config if config is not None else FORCED.get("bwd")
     if user_mods is not None:
         from . import mods
 
+        if forced is None:
+            choice = hopper_backward_mods_choice(p, features, deterministic, arch, views, varlen,
+                                                 window, user_mods, bias_tile)
+            if choice is not None:
+                return choice
         if forced is None or isinstance(forced, BwdSm90Config):
             forced = bwd_mods_config(p.dtype, p.head_dim, arch, deterministic)
         base = with_features(dataclasses.replace(forced, compute_dq=not deterministic),
@@ -714,6 +797,10 @@ HOPPER_BACKWARD_VARLEN = os.environ.get("CUFLASH2_HOPPER_BWD_VARLEN", "1") != "0
 #: The features the Hopper backward compiles in (dropout: the mma.sync backward).
 HOPPER_BACKWARD_FEATURES = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_VARLEN
 
+#: A mask modifier alone runs on the Hopper backward (BwdSm90ModsConfig, backward_kernels);
+#: CUFLASH2_HOPPER_BWD_MODS=0 keeps it on the mma.sync backward (development: measuring the two).
+HOPPER_BACKWARD_MODS = os.environ.get("CUFLASH2_HOPPER_BWD_MODS", "1") != "0"
+
 
 #: (block_m, block_n, stages, dq_buffers) per head dim. block_n is 128 throughout: two consumer
 #: warpgroups of 64 keys (the M of wgmma). block_m 64 queries a step as FlashAttention-3's sm90
@@ -752,6 +839,82 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
     block_m, block_n, stages, dq_buffers = tiles[head_dim]
     return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,
                          features=features, dq_buffers=dq_buffers, deterministic=deterministic)
+
+
+#: A bias alone (with or without dbias) runs on the Hopper backward as tiles (FEATURE_BIAS_TILE,
+#: sm90/bias_tile.cuh) where hopper_backward_mods_choice takes it; CUFLASH2_HOPPER_BIAS_TILES=0
+#: keeps it on the mma.sync mods kernel, as the forward's (development: measuring the two).
+HOPPER_BACKWARD_BIAS_TILES = HOPPER_FORWARD_BIAS_TILES
+
+
+def hopper_backward_mods_choice(problem, features: int, deterministic: bool, arch: int,
+                                views: dict, varlen, window, user_mods, bias_tile):
+    """The Hopper backward of a call with programmable modifiers (`user_mods`: mask, score), or
+    None where it stays on the mma.sync kernels: switched off (HOPPER_BACKWARD_MODS), a score
+    modifier other than the bias alone (`bias_tile`, _bias.tile_array's view of it; None for any
+    other), a block mask in deterministic mode or varlen (its narrowed ranges break the
+    ordered dQ's turns), or what hopper_backward_config leaves out. The bias alone comes as
+    tiles (FEATURE_BIAS_TILE; HOPPER_BACKWARD_BIAS_TILES), with dbias (FEATURE_BIAS_GRAD, from
+    each step's dS tile) or without, with q's dtype, up to d=128 (the
+    stages' shared memory), not varlen (its rows are the queries' own), not with softcap (dS's
+    1 - t^2 needs t without the bias), with arrays the TMA reads (seqlen_k % 8); one staged dQ
+    tile at d=96 / 128 (with_bias_tiles). 64-row steps (hopper_backward_mods_config)."""
+    p = problem
+    mask, score = user_mods
+    block_mask = bool(features & FEATURE_BLOCK_MASK)
+    bias = score is not None
+    if (not HOPPER_BACKWARD_MODS or (features & FEATURE_BIAS_GRAD and not bias)
+            or (block_mask and (deterministic or varlen is not None))):
+        return None
+    if bias and (bias_tile is None or not HOPPER_BACKWARD_BIAS_TILES or varlen is not None
+                 or features & FEATURE_SOFTCAP or bias_tile.dtype != views["q"].dtype):
+        return None
+    hopper = hopper_backward_config(p, features & ~USER_MOD_FEATURES & ~FEATURE_BIAS_GRAD, arch,
+                                    varlen, deterministic)
+    if hopper is None or (bias and hopper.head_dim > 128):
+        return None
+    hopper = hopper_backward_mods_config(hopper, mask, block_mask)
+    if bias:
+        hopper = with_bias_tiles(hopper, features & FEATURE_BIAS_GRAD)
+    # The maps' boxes are the final tile's (hopper_backward_mods_config's 64-row steps).
+    maps = _hopper.backward_maps(hopper)
+    map_fields = _hopper.readable_map_fields(views, maps)
+    if map_fields is None:
+        return None
+    bias_fields = None
+    if bias:
+        bias_fields = bias_tile_fields(bias_tile, hopper.block_m)
+        if bias_fields is None:
+            return None
+    key_blocks = -(-p.seqlen_k // hopper.block_n)
+    return BackwardChoice(
+        hopper, True, maps=maps, map_fields=map_fields,
+        group_pairs=dispatch_group_pairs(key_blocks, hopper.num_chunks,
+                                         scheduling_window(window, block_mask), deterministic),
+        bias_fields=bias_fields)
+
+
+def with_bias_tiles(config, bias_grad: int = 0):
+    """The Hopper backward `config` (64-row steps) with the bias as tiles (FEATURE_BIAS_TILE):
+    a 16 KiB tile in each Q / dO stage, and at d=96 / 128 one staged dQ tile, the second's
+    32 KiB going to the bias's two stages (231,424 bytes either way); `bias_grad`
+    (FEATURE_BIAS_GRAD or 0): dbias copied from each step's dS tile too."""
+    return dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE | bias_grad,
+                               dq_buffers=min(config.dq_buffers,
+                                              1 if config.head_dim > 64 else 2))
+
+
+def hopper_backward_mods_config(config, mask, block_mask: bool = False):
+    """The Hopper backward `config` (hopper_backward_config's) with the mask modifier `mask`
+    (a ModSource) compiled in (mods.hopper_backward_config), at 64-row steps: at 128 the user's
+    code spilled (d=64, prefix-LM: 16 bytes)."""
+    from . import mods
+
+    if config.block_m > 64:
+        config = dataclasses.replace(config, **dict(zip(
+            ("block_m", "block_n", "stages", "dq_buffers"),
+            SM90_BWD_64_ROW_TILES[config.head_dim])))
+    return mods.hopper_backward_config(config, mask, block_mask=block_mask)
 
 
 def hopper_backward_head_dim(head_dim: int) -> int:

@@ -311,8 +311,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     `mask_mod` (`cuflash2.mask_mod(expression, **inputs)`) and `score_mod`
     (`cuflash2.score_mod(expression, grad=None, **inputs)`): programmable masks and score
-    modifiers, CUDA C expressions compiled into the mma.sync forward kernel (cuflash2.mods;
-    the score modifier after softcap and ALiBi, the mask ANDed with causal and the window).
+    modifiers, CUDA C expressions compiled into the forward kernel (cuflash2.mods; on sm_90 the
+    Hopper forward takes a mask modifier, the mma.sync forward a score modifier; the score
+    modifier after softcap and ALiBi, the mask ANDed with causal and the window).
     Their backward: attention_backward's `mask_mod=`, `score_mod=` (a score_mod needs `grad=`
     unless it is `score + <no score>`).
 
@@ -325,7 +326,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     `bias`: an additive bias, a CuPy array (batch or 1, nheads or 1, seqlen_q, seqlen_k) (for
     unbatched q (nheads or 1, seqlen_q, seqlen_k)) of float16, bfloat16 or float32, a dim of 1
     broadcast; added to the scaled scores after softcap and ALiBi, before `score_mod` and the
-    mask (the mma.sync kernels with programmable modifiers; cuflash2._bias).
+    mask (a score modifier, cuflash2._bias; on sm_90 a bias alone of q's dtype comes to the
+    Hopper forward as tiles).
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
@@ -337,16 +339,26 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 def _attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask, bias):
     """(plan, inputs) of an `attention` call (forward_kernels' too)."""
-    inputs = (q, k, v, out, options.alibi_slopes, options.sinks)
+    return _modified_forward_plan("attention", _ATTENTION, cupy,
+                                  (q, k, v, out, options.alibi_slopes, options.sinks),
+                                  lambda: (q, k, v), options, mask_mod, score_mod, block_mask,
+                                  bias)
+
+
+def _modified_forward_plan(kind, layout, cupy, inputs, qkv, options, mask_mod, score_mod,
+                           block_mask, bias):
+    """(plan, inputs) of a forward call of `layout` (`inputs`: its arrays in the layout's
+    order; `qkv()`: its q, k, v, for the bias's view) with its programmable modifiers, block
+    mask and bias where given."""
     if bias is not None:
-        view = _bias_view(q, k, v, bias, options.softmax_scale)
-        inputs, extra, _ = _with_bias("attention", options, inputs, (), mask_mod, score_mod,
-                                      bias, view, False, block_mask=block_mask)
+        view = _bias_view(*qkv(), bias, options.softmax_scale)
+        inputs, extra, _ = _with_bias(kind, options, inputs, (), mask_mod, score_mod, bias, view,
+                                      False, block_mask=block_mask)
     elif mask_mod is None and score_mod is None and block_mask is None:
-        return _forward_plan("attention", _ATTENTION, cupy, inputs, options)[0], inputs
+        return _forward_plan(kind, layout, cupy, inputs, options)[0], inputs
     else:
         inputs, extra = _with_user_mods(options, inputs, (), mask_mod, score_mod, block_mask)
-    return _forward_plan("attention", _ATTENTION, cupy, inputs, options, extra)[0], inputs
+    return _forward_plan(kind, layout, cupy, inputs, options, extra)[0], inputs
 
 
 def forward_kernels(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -444,8 +456,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     (dq, dk, dv, dsinks), dsinks float32 (nheads,) (into `dsinks=` if given): one gradient a
     differentiable array argument of the forward, in its order. `deterministic=True` gives
     bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
-    `mask_mod` / `score_mod`: the forward's (the mma.sync backward kernels on every
-    architecture); a score_mod needs its derivative (`grad=`, or the form `score + <no
+    `mask_mod` / `score_mod`: the forward's (on sm_90 a mask modifier on the Hopper backward,
+    a score modifier on the mma.sync one); a score_mod needs its derivative (`grad=`, or the form `score + <no
     score>`): ValueError otherwise, before any launch.
 
     `bias`: the forward's; with `bias_requires_grad=True` (the default) the result ends with
@@ -473,19 +485,27 @@ def _attention_backward_plan(cupy, inputs, options, deterministic, mask_mod, sco
                              block_mask, bias, bias_requires_grad):
     """(plan, inputs, dbias's accumulator or None) of an `attention_backward` call (`inputs`:
     its arrays in _BACKWARD's order; backward_kernels' too)."""
-    q, k, v = inputs[1:4]
+    return _modified_backward_plan("attention_backward", _BACKWARD, cupy, inputs,
+                                   lambda: inputs[1:4], options, deterministic, mask_mod,
+                                   score_mod, block_mask, bias, bias_requires_grad)
+
+
+def _modified_backward_plan(kind, layout, cupy, inputs, qkv, options, deterministic, mask_mod,
+                            score_mod, block_mask, bias, bias_requires_grad):
+    """(plan, inputs, dbias's accumulator or None) of a backward call of `layout` (`inputs`:
+    its arrays in the layout's order; `qkv()`: its q, k, v, for the bias's view) with its
+    programmable modifiers, block mask and bias where given."""
     extra = ()
     accum = None
     if bias is not None:
-        view = _bias_view(q, k, v, bias, options.softmax_scale)
-        inputs, extra, accum = _with_bias("attention_backward", options, inputs, extra,
-                                          mask_mod, score_mod, bias, view, bias_requires_grad,
-                                          deterministic, block_mask)
+        view = _bias_view(*qkv(), bias, options.softmax_scale)
+        inputs, extra, accum = _with_bias(kind, options, inputs, extra, mask_mod, score_mod,
+                                          bias, view, bias_requires_grad, deterministic,
+                                          block_mask)
     elif mask_mod is not None or score_mod is not None or block_mask is not None:
-        inputs, extra = _with_backward_user_mods("attention_backward", options, inputs, extra,
-                                                 mask_mod, score_mod, block_mask)
-    plan, _ = _backward_plan("attention_backward", _BACKWARD, cupy, inputs, options,
-                             deterministic, extra)
+        inputs, extra = _with_backward_user_mods(kind, options, inputs, extra, mask_mod,
+                                                 score_mod, block_mask)
+    plan, _ = _backward_plan(kind, layout, cupy, inputs, options, deterministic, extra)
     return plan, inputs, accum
 
 
@@ -568,25 +588,31 @@ def _unpack(name: str, packed, parts: int):
 
 def attention_qkvpacked(qkv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
-                        offset=0, return_lse=False, out=None):
-    """`attention` on q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim), without copies."""
+                        offset=0, return_lse=False, out=None, mask_mod=None, score_mod=None,
+                        block_mask=None, bias=None):
+    """`attention` on q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim), without copies;
+    `mask_mod`, `score_mod`, `block_mask` and `bias` as attention's."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    inputs = (qkv, out, alibi_slopes, sinks)
     cupy = _cupy or _cupy_module()
-    plan, _ = _forward_plan("attention_qkvpacked", _QKVPACKED, cupy, inputs, options)
+    plan, inputs = _modified_forward_plan(
+        "attention_qkvpacked", _QKVPACKED, cupy, (qkv, out, alibi_slopes, sinks),
+        lambda: _unpack("qkv", qkv, 3), options, mask_mod, score_mod, block_mask, bias)
     return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
 def attention_kvpacked(q, kv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
-                       offset=0, return_lse=False, out=None):
-    """`attention` with k, v packed as kv (batch, seqlen_k, 2, nheads_kv, headdim)."""
+                       offset=0, return_lse=False, out=None, mask_mod=None, score_mod=None,
+                       block_mask=None, bias=None):
+    """`attention` with k, v packed as kv (batch, seqlen_k, 2, nheads_kv, headdim); `mask_mod`,
+    `score_mod`, `block_mask` and `bias` as attention's."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    inputs = (q, kv, out, alibi_slopes, sinks)
     cupy = _cupy or _cupy_module()
-    plan, _ = _forward_plan("attention_kvpacked", _KVPACKED, cupy, inputs, options)
+    plan, inputs = _modified_forward_plan(
+        "attention_kvpacked", _KVPACKED, cupy, (q, kv, out, alibi_slopes, sinks),
+        lambda: (q, *_unpack("kv", kv, 2)), options, mask_mod, score_mod, block_mask, bias)
     return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
@@ -606,38 +632,51 @@ def _packed_gradient(name: str, given, packed):
 def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_scale=None,
                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                  sinks=None, dropout_p=0.0, seed=None, offset=0,
-                                 deterministic=False, dqkv=None, dsinks=None):
+                                 deterministic=False, dqkv=None, dsinks=None, mask_mod=None,
+                                 score_mod=None, bias=None, bias_requires_grad=True,
+                                 block_mask=None):
     """Gradient of `attention_qkvpacked`: dqkv shaped like qkv (written into `dqkv` if given);
-    with sinks `(dqkv, dsinks)`."""
+    with sinks `(dqkv, dsinks)`; `mask_mod`, `score_mod`, `block_mask`, `bias` and
+    `bias_requires_grad` as attention_backward's (dbias last)."""
     cupy = _cupy or _cupy_module()
     _prepare.require_cupy_arrays({"qkv": qkv})
     dqkv = _packed_gradient("dqkv", dqkv, qkv)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    inputs = (dout, qkv, out, lse, dqkv, alibi_slopes, sinks, dsinks)
-    plan, _ = _backward_plan("attention_qkvpacked_backward", _QKVPACKED_BACKWARD, cupy, inputs,
-                             options, deterministic)
+    plan, inputs, accum = _modified_backward_plan(
+        "attention_qkvpacked_backward", _QKVPACKED_BACKWARD, cupy,
+        (dout, qkv, out, lse, dqkv, alibi_slopes, sinks, dsinks), lambda: _unpack("qkv", qkv, 3),
+        options, deterministic, mask_mod, score_mod, block_mask, bias, bias_requires_grad)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
-    return dqkv if sinks is None else (dqkv, *_gradients(outputs, (dsinks,)))
+    grads = (dqkv,) if sinks is None else (dqkv, *_gradients(outputs, (dsinks,)))
+    if accum is not None:
+        grads = (*grads, _bias.gradient(bias, accum))
+    return grads[0] if len(grads) == 1 else grads
 
 
 def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_scale=None,
                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                 sinks=None, dropout_p=0.0, seed=None, offset=0,
-                                deterministic=False, dq=None, dkv=None, dsinks=None):
+                                deterministic=False, dq=None, dkv=None, dsinks=None,
+                                mask_mod=None, score_mod=None, bias=None,
+                                bias_requires_grad=True, block_mask=None):
     """Gradient of `attention_kvpacked`: (dq, dkv), dkv shaped like kv; with sinks
-    `(dq, dkv, dsinks)`."""
+    `(dq, dkv, dsinks)`; `mask_mod`, `score_mod`, `block_mask`, `bias` and
+    `bias_requires_grad` as attention_backward's (dbias last)."""
     cupy = _cupy or _cupy_module()
     _prepare.require_cupy_arrays({"kv": kv})
     dkv = _packed_gradient("dkv", dkv, kv)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset)
-    inputs = (dout, q, kv, out, lse, dq, dkv, alibi_slopes, sinks, dsinks)
-    plan, _ = _backward_plan("attention_kvpacked_backward", _KVPACKED_BACKWARD, cupy, inputs,
-                             options, deterministic)
+    plan, inputs, accum = _modified_backward_plan(
+        "attention_kvpacked_backward", _KVPACKED_BACKWARD, cupy,
+        (dout, q, kv, out, lse, dq, dkv, alibi_slopes, sinks, dsinks),
+        lambda: (q, *_unpack("kv", kv, 2)), options, deterministic, mask_mod, score_mod,
+        block_mask, bias, bias_requires_grad)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
     dq, *rest = _gradients(outputs, (dq,) if sinks is None else (dq, dsinks))
-    return (dq, dkv, *rest)
+    grads = (dq, dkv, *rest)
+    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,12 @@ expression on the partial ones only.
   the sequence visible). `ranges`: int32 (batch, nheads, num_m_blocks, 4), each row of states
   summed up as (first visited n block, one past the last, first and one past the last n block of
   its longest run of full tiles), zeros where none (reference.block_mask_ranges); the Hopper
-  forward reads these. Causal and windows are not part of it: `attention`'s causal /
-  window_size still apply on top (as they do to the mask modifier).
+  forward reads these. `columns`: int32 (batch, nheads, num_n_blocks, 8), each column of
+  states summed up (first visited m block and one past the last, or 0x7fffffff and 0; first
+  and one past the last full m block and how many are full; three unused)
+  (reference.block_mask_columns); the Hopper backward reads these. Causal and windows are not
+  part of it: `attention`'s causal / window_size still apply on top (as they do to the mask
+  modifier).
 - Broadcast: batch=1 (nheads=1) means the mask does not depend on `b` (`h`): the states are
   evaluated at b = 0 (h = 0) and serve calls of any batch (any number of heads), across calls
   and layers. Whether the expression depends on b or h is the caller's to know (not checked).
@@ -39,6 +43,8 @@ __all__ = ["BlockMask", "block_mask", "tiles", "check_for_call", "check_for_back
 
 EMPTY, PARTIAL, FULL = (_configs.BLOCK_MASK_EMPTY, _configs.BLOCK_MASK_PARTIAL,
                         _configs.BLOCK_MASK_FULL)
+#: A column's summary before any row added its state (BlockMaskColumns, kernel_params.cuh).
+COLUMNS_START = (0x7FFFFFFF, 0, 0x7FFFFFFF, 0, 0, 0, 0, 0)
 
 
 class BlockMask:
@@ -46,13 +52,14 @@ class BlockMask:
     num_m_blocks, num_n_blocks), batch / nheads 1 where shared), `mask_mod`, the tiles
     `block_m` x `block_n`, the lengths, and the device it lives on."""
 
-    __slots__ = ("states", "ranges", "mask_mod", "block_m", "block_n", "batch", "nheads",
-                 "seqlen_q", "seqlen_k", "device_id")
+    __slots__ = ("states", "ranges", "columns", "mask_mod", "block_m", "block_n", "batch",
+                 "nheads", "seqlen_q", "seqlen_k", "device_id")
 
     def __init__(self, states, mask_mod, block_m: int, block_n: int, batch: int, nheads: int,
                  seqlen_q: int, seqlen_k: int, device_id: int):
         self.states = states
         self.ranges = None  # (batch, nheads, num_m_blocks, 4) int32, made with the states
+        self.columns = None  # (batch, nheads, num_n_blocks, 8) int32, made with the states
         self.mask_mod = mask_mod
         self.block_m, self.block_n = block_m, block_n
         self.batch, self.nheads = batch, nheads
@@ -62,8 +69,8 @@ class BlockMask:
     @property
     def arrays(self) -> tuple:
         """The arrays a call passes on to the kernels, in this order, after the modifiers' own
-        (cuflash2.api: the states, then the rows' ranges)."""
-        return (self.states, self.ranges)
+        (cuflash2.api: the states, the rows' ranges, the columns' summaries)."""
+        return (self.states, self.ranges, self.columns)
 
     @property
     def num_m_blocks(self) -> int:
@@ -145,8 +152,12 @@ def block_mask(mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, 
     header, h = mods.user_mods_header(mask_mod.source, None)
     config = _configs.BlockMaskConfig(block_m, block_n, header, h)
     ranges = cupy.empty((batch, nheads, result.num_m_blocks, 4), dtype=cupy.int32)
-    fields = {"states": states.data.ptr, "ranges": ranges.data.ptr, "nheads": nheads,
-              "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "num_m_blocks": result.num_m_blocks,
+    # The columns' summaries start as "none visited, none full"; the kernel's atomics fill them.
+    columns = cupy.zeros((batch, nheads, result.num_n_blocks, 8), dtype=cupy.int32)
+    columns[..., 0], columns[..., 2] = COLUMNS_START[0], COLUMNS_START[2]  # on the stream
+    fields = {"states": states.data.ptr, "ranges": ranges.data.ptr,
+              "columns": columns.data.ptr, "nheads": nheads, "seqlen_q": seqlen_q,
+              "seqlen_k": seqlen_k, "num_m_blocks": result.num_m_blocks,
               "num_n_blocks": result.num_n_blocks}
     fields.update(mods.user_input_strides(mask_mod.arrays))
     for i, x in enumerate(mask_mod.arrays):
@@ -154,7 +165,7 @@ def block_mask(mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, 
     block = _params.ParamBlock("BlockMaskParams", fields)
     launch = _launch.kernel_launch(config, device_id, (result.num_m_blocks, nheads, batch))
     _launch.run(launch, block, cupy.cuda.get_current_stream().ptr, block.slot("batch_offset"))
-    result.states, result.ranges = states, ranges
+    result.states, result.ranges, result.columns = states, ranges, columns
     return result
 
 
@@ -220,14 +231,8 @@ def check_for_hopper(bm: BlockMask, block_m: int, block_n: int, batch: int, nhea
             f"block_mask was built for {bm.block_m}x{bm.block_n} tiles, which do not make up the "
             f"Hopper forward's {block_m}x{block_n} tiles of this call")
     check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
-    shape = (bm.batch, bm.nheads, bm.num_m_blocks, 4)
-    if tuple(bm.ranges.shape) != shape or numpy.dtype(bm.ranges.dtype) != numpy.int32:
-        raise ValueError(f"block_mask.ranges must be int32 {shape}; got "
-                         f"{bm.ranges.dtype} {tuple(bm.ranges.shape)}")
     return {"block_m_div": block_m // bm.block_m, "block_n_div": block_n // bm.block_n,
-            "num_m_blocks": bm.num_m_blocks,
-            "ranges.batch_stride": 0 if bm.batch == 1 else bm.nheads * bm.num_m_blocks,
-            "ranges.head_stride": 0 if bm.nheads == 1 else bm.num_m_blocks}
+            "num_m_blocks": bm.num_m_blocks, **_summary_fields(bm, "ranges", bm.num_m_blocks, 4)}
 
 
 def check_for_backward(bm: BlockMask, block_m: int, block_n: int, batch: int, nheads: int,
@@ -241,6 +246,31 @@ def check_for_backward(bm: BlockMask, block_m: int, block_n: int, batch: int, nh
             f"the backward kernel's {block_m}x{block_n} tiles of this call")
     check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
     return {"block_m_div": bm.block_m // block_m, "block_n_div": bm.block_n // block_n}
+
+
+def check_for_hopper_backward(bm: BlockMask, batch: int, nheads: int, seqlen_q: int,
+                              seqlen_k: int, device_id: int) -> dict:
+    """check_for_call for the Hopper backward, which reads the columns' summaries at any tile
+    of its own (BlockMaskColumnRange converts through positions). Returns the BwdSm90ModsParams
+    fields: the states' tile, their column count and the columns' strides (0 over a shared
+    batch / head)."""
+    check_for_call(bm, bm.block_m, bm.block_n, batch, nheads, seqlen_q, seqlen_k, device_id)
+    return {"state_block_m": bm.block_m, "state_block_n": bm.block_n,
+            "num_n_blocks": bm.num_n_blocks,
+            **_summary_fields(bm, "columns", bm.num_n_blocks, 8)}
+
+
+def _summary_fields(bm: BlockMask, name: str, count: int, width: int) -> dict:
+    """The strides of the block mask's summaries `name` (its ranges or columns: int32 (batch,
+    nheads, count, width), checked), in summaries: `<name>.batch_stride`, `<name>.head_stride`,
+    0 over a shared batch / head."""
+    array = getattr(bm, name)
+    shape = (bm.batch, bm.nheads, count, width)
+    if tuple(array.shape) != shape or numpy.dtype(array.dtype) != numpy.int32:
+        raise ValueError(f"block_mask.{name} must be int32 {shape}; got "
+                         f"{array.dtype} {tuple(array.shape)}")
+    return {f"{name}.batch_stride": 0 if bm.batch == 1 else bm.nheads * count,
+            f"{name}.head_stride": 0 if bm.nheads == 1 else count}
 
 
 def states_fields(bm: BlockMask) -> dict:

@@ -397,6 +397,17 @@ def hopper_forward_config(config, mask: ModSource | None, score: ModSource | Non
     return _with_mods(config, _configs.FwdSm90ModsConfig, mask, score, block_mask)
 
 
+def hopper_backward_config(config, mask: ModSource | None, block_mask: bool = False):
+    """The BwdSm90ModsConfig of the Hopper backward `config` (a BwdSm90Config, its features
+    without the modifiers' bits) with the mask modifier `mask` (or none: the bias's tiles alone)
+    compiled in; `block_mask`: each
+    key block's query blocks narrowed to its block mask's visited ones (FEATURE_BLOCK_MASK;
+    block_mask.cuh, BlockMaskColumnRange)."""
+    from . import _configs
+
+    return _with_mods(config, _configs.BwdSm90ModsConfig, mask, None, block_mask)
+
+
 def _with_mods(config, cls, mask: ModSource | None, score: ModSource | None,
                block_mask: bool = False):
     import dataclasses

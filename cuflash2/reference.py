@@ -105,6 +105,7 @@ __all__ = [
     "attention_varlen_backward",
     "block_mask_states",
     "block_mask_ranges",
+    "block_mask_columns",
 ]
 
 _LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
@@ -1139,6 +1140,29 @@ def block_mask_states(dense_mask, block_m: int, block_n: int):
     some = xp.pad(mask, pad, constant_values=False).reshape(tiles).any(axis=(-3, -1))
     every = xp.pad(mask, pad, constant_values=True).reshape(tiles).all(axis=(-3, -1))
     return xp.where(every, 2, xp.where(some, 1, 0)).astype(xp.int8)
+
+
+def block_mask_columns(states):
+    """Each column of block-mask states (..., num_m_blocks, num_n_blocks) summed up as
+    cuflash2.block_mask does on the GPU (BlockMask.columns): int32 (..., num_n_blocks, 8) of the
+    first m block that is not empty and one past the last (0x7fffffff, 0 where all are), the
+    first full m block and one past the last full one (0x7fffffff, 0 where none is full), how
+    many are full, and three zeros."""
+    rows = numpy.asarray(states.get() if hasattr(states, "get") else states)
+    if rows.ndim < 2:
+        raise ValueError(f"block_mask_columns: states must be (..., num_m_blocks, "
+                         f"num_n_blocks); got {tuple(rows.shape)}")
+    cols = numpy.swapaxes(rows, -1, -2).reshape(-1, rows.shape[-2])
+    out = numpy.zeros((cols.shape[0], 8), numpy.int32)
+    out[:, 0] = out[:, 2] = 0x7FFFFFFF
+    for i, col in enumerate(cols):
+        visited, full = numpy.flatnonzero(col != 0), numpy.flatnonzero(col == 2)
+        if visited.size:
+            out[i, :2] = visited[0], visited[-1] + 1
+        if full.size:
+            out[i, 2:5] = full[0], full[-1] + 1, full.size
+    shape = (*rows.shape[:-2], rows.shape[-1], 8)
+    return _array_module(states).asarray(out.reshape(shape))
 
 
 def block_mask_ranges(states):

@@ -91,6 +91,11 @@ def test_params_struct():
     states = _params.layout("BlockMaskParams")
     assert {"states", "ranges", "nheads", "seqlen_q", "seqlen_k", "num_m_blocks",
             "num_n_blocks", "user.in0.data", "batch_offset"} <= set(states.offsets)
+    assert "columns" in states.offsets
+    hopper_bwd = _params.layout("BwdSm90ModsParams")
+    assert {"columns.columns", "columns.batch_stride", "columns.head_stride", "state_block_m",
+            "state_block_n", "num_n_blocks", "sm90.base.dq_accum", "user.in0.data"} <= set(
+                hopper_bwd.offsets)
     hopper = _params.layout("FwdSm90ModsParams")
     assert {"ranges.rows", "ranges.batch_stride", "ranges.head_stride", "block_m_div",
             "block_n_div", "num_m_blocks"} <= set(hopper.offsets)
@@ -144,6 +149,22 @@ def test_ranges_reference():
     numpy.testing.assert_array_equal(reference.block_mask_ranges(states),
                                      [[0, 6, 3, 5], [0, 3, 0, 1], [0, 0, 0, 0]])
     assert reference.block_mask_ranges(numpy.zeros((2, 3, 4, 5), numpy.int8)).shape == (2, 3, 4, 4)
+
+
+def test_columns_reference():
+    # Causal over 2 x 3 tiles (states [[1, 0, 0], [2, 1, 0], [2, 1, 0]]): column 0 visited by
+    # rows 0-2 and full in rows 1-2, column 1 visited by rows 1-2, none full, column 2 empty.
+    causal = reference.block_mask_states(_dense(lambda q, k: k <= q, 5, 7), 2, 3)
+    none = 0x7FFFFFFF
+    numpy.testing.assert_array_equal(reference.block_mask_columns(causal), [
+        [0, 3, 1, 3, 2, 0, 0, 0], [1, 3, none, 0, 0, 0, 0, 0], [none, 0, none, 0, 0, 0, 0, 0]])
+    # Full rows with a hole: their count tells the kernel the run is not whole.
+    states = numpy.array([[2], [1], [2]], numpy.int8)
+    numpy.testing.assert_array_equal(reference.block_mask_columns(states),
+                                     [[0, 3, 0, 3, 2, 0, 0, 0]])
+    assert reference.block_mask_columns(numpy.zeros((2, 3, 4, 5), numpy.int8)).shape == (
+        2, 3, 5, 8)
+    assert tuple(block_masks.COLUMNS_START) == (none, 0, none, 0, 0, 0, 0, 0)
 
 
 def test_states_reference_errors():

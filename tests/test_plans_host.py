@@ -298,6 +298,15 @@ class _DeviceArray:
     def __getitem__(self, index):
         return _DeviceArray(self.array[index], device=self.device.id)
 
+    def transpose(self, *axes):
+        return _DeviceArray(self.array.transpose(*axes), device=self.device.id)
+
+    def astype(self, dtype):
+        return _DeviceArray(self.array.astype(dtype), device=self.device.id)
+
+    def reshape(self, shape):
+        return _DeviceArray(self.array.reshape(shape), device=self.device.id)
+
 
 def _contiguous(shape):
     strides, size = [], 1
@@ -491,3 +500,96 @@ def test_a_sinks_decode_step_compiles_them_in(api_host, monkeypatch, arch):
             "float16", 128, 90), _configs.FEATURE_SINKS)
     cuflash2.attention_with_kvcache(q, cache, cache, cache_seqlens=4000)
     assert api_host.launches[-1][0].config.features == 0
+
+
+def test_packed_entry_points_take_the_programmable_modifiers(api_host):
+    # qkvpacked / kvpacked forward and backward with a mask modifier run the kernels of the
+    # unpacked call (the generated kernel, its configuration), reading q, k, v from the packed
+    # array's own positions.
+    import cuflash2
+
+    mask = cuflash2.mask_mod("kv_idx <= q_idx + 3")
+    qkv, dout = device_array((2, 100, 3, 4, 64)), device_array((2, 100, 4, 64))
+    lse = device_array((2, 4, 100), numpy.float32)
+    cuflash2.attention(*(qkv[:, :, i] for i in range(3)), mask_mod=mask)
+    unpacked = api_host.launches[-1]
+    cuflash2.attention_qkvpacked(qkv, mask_mod=mask)
+    packed = api_host.launches[-1]
+    assert packed[0].config == unpacked[0].config and "mods" in packed[0].config.name_expression
+    assert packed[2]["base"]["q"] == qkv.data.ptr
+    dqkv = cuflash2.attention_qkvpacked_backward(dout, qkv, dout, lse, mask_mod=mask)
+    assert dqkv.shape == qkv.shape
+    assert "mods" in api_host.launches[-2][0].config.name_expression
+    kv = device_array((2, 120, 2, 2, 64))
+    cuflash2.attention_kvpacked(dout, kv, mask_mod=mask)
+    assert "mods" in api_host.launches[-1][0].config.name_expression
+    dq, dkv = cuflash2.attention_kvpacked_backward(dout, dout, kv, dout, lse, mask_mod=mask)
+    assert dq.shape == dout.shape and dkv.shape == kv.shape
+    with pytest.raises(ValueError, match="score_mod .* has no derivative"):
+        cuflash2.attention_qkvpacked_backward(dout, qkv, dout, lse,
+                                              score_mod=cuflash2.score_mod("score * 2"))
+
+
+@pytest.fixture
+def hopper_api_host(api_host, monkeypatch):
+    """api_host on sm_90 with the Hopper kernels on and a stand-in TMA encoder (a map's word 0
+    its address, word 1 its box rows)."""
+    from cuflash2 import _dispatch, _hopper
+
+    api_host.set_arch(90)
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
+    monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: numpy.array(
+        [x.data.ptr, rows] + [0] * 14, numpy.uint64).tobytes())
+    return api_host
+
+
+def test_a_bias_on_sm90_runs_the_hopper_kernels_with_its_tiles_and_dbias(hopper_api_host):
+    # The bias alone on sm_90: the Hopper forward's and backward's mods kernels with the bias as
+    # tiles, their map's address word the bias's, dbias's accumulator in BiasGrad (stand-ins for
+    # the TMA encoder).
+    import cuflash2
+
+    hopper_api_host.cupy.broadcast_to = lambda x, shape: _DeviceArray(
+        numpy.broadcast_to(x.array, shape))
+    q, k, v = _forward_arrays(d=128)
+    dout, lse = device_array(q.shape), device_array((2, 4, 100), numpy.float32)
+    bias = device_array((1, 4, 100, 120))
+    (kernel,) = cuflash2.forward_kernels(q, k, v, bias=bias)
+    assert kernel.startswith("Hopper forward") and "bias tiles" in kernel, kernel
+    cuflash2.attention(q, k, v, bias=bias)
+    forward = hopper_api_host.launches[-1]
+    assert int(numpy.ravel(forward[2]["bias_map"]["v"])[0]) == bias.data.ptr
+    for grad in (False, True):
+        kernels = cuflash2.backward_kernels(dout, q, k, v, dout, lse, bias=bias,
+                                            bias_requires_grad=grad)
+        assert "bias tiles" in kernels[1] and ("dbias" in kernels[1]) == grad, kernels
+        cuflash2.attention_backward(dout, q, k, v, dout, lse, bias=bias,
+                                    bias_requires_grad=grad)
+        main = hopper_api_host.launches[-2]
+        assert main[0].config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
+        record = main[2]
+        assert int(numpy.ravel(record["bias_map"]["v"])[0]) == bias.data.ptr
+        assert (record["bias_batches"], record["bias_heads"]) == (1, 4)
+        assert bool(record["dbias"]["data"]) == grad
+        if grad:
+            assert (record["dbias"]["stride0"], record["dbias"]["stride3"],
+                    record["dbias"]["accumulate"]) == (0, 1, 1)
+
+
+def test_a_mask_modifier_on_sm90_runs_the_hopper_backward_mods_kernel(hopper_api_host):
+    # A mask modifier alone on sm_90: the Hopper backward's mods kernel, its inputs in
+    # UserParams (stand-ins for the TMA encoder).
+    import cuflash2
+
+    q, k, v = _forward_arrays(d=128)
+    dout, lse = device_array(q.shape), device_array((2, 4, 100), numpy.float32)
+    doc = device_array((120,), numpy.int32)
+    mask = cuflash2.mask_mod("doc[q_idx] == doc[kv_idx]", doc=doc)
+    kernels = cuflash2.backward_kernels(dout, q, k, v, dout, lse, mask_mod=mask)
+    assert kernels[1].startswith("Hopper backward") and "mask_mod" in kernels[1], kernels
+    cuflash2.attention_backward(dout, q, k, v, dout, lse, mask_mod=mask)
+    launch, _, record = hopper_api_host.launches[-2]
+    assert launch.config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
+    assert launch.config.block_m == 64
+    assert int(numpy.ravel(record["user"]["in0"]["data"])[0]) == doc.data.ptr

@@ -251,6 +251,188 @@ def test_inputs_take_slots_in_order():
     assert "constexpr int prefix_len = 2048;" in header
 
 
+def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_forward(monkeypatch):
+    """On sm_90 a bias alone (`score + bias`) runs on the Hopper forward as tiles
+    (FEATURE_BIAS_TILE: two consumers, overlap, one tile a CTA, the bias's map and extents for
+    FwdSm90ModsParams); another dtype than q's, head dims above 128, varlen, a user's score
+    modifier and CUFLASH2_HOPPER_BIAS_TILES=0 keep the generic path (stand-ins for the TMA
+    encoder)."""
+    from cuflash2 import _bias, _hopper
+
+    monkeypatch.setattr(_hopper, "readable_map_fields",
+                        lambda views, maps: {f"{f}.v": b"\0" * 128 for f in maps})
+    q = numpy.zeros((4, 4096, 16, 128), numpy.float16)
+    views = {"q": q}
+    problem = _validate.check_attention_inputs(q, q, q)
+    bias = numpy.zeros((1, 16, 4096, 4096), numpy.float16)
+    view = numpy.broadcast_to(bias, (4, 16, 4096, 4096))
+    tile = _bias.tile_array(view)
+    assert tile.shape == (1, 4096, 16, 4096) and tile.strides[3] == 2
+    source = _bias.score_mod_with_bias(view, None).source
+    assert _bias.is_bias_alone(source)
+
+    def choose(user_mods=(None, source), bias_tile=tile, p=problem, features=None, vs=views):
+        features = _configs.FEATURE_SCORE_MOD if features is None else features
+        return _dispatch.forward_kernel(p, features, (-1, -1), 90, vs, None, 0,
+                                        user_mods=user_mods, bias_tile=bias_tile)
+
+    choice = choose()
+    config = choice.config
+    assert choice.hopper and isinstance(config, _configs.FwdSm90ModsConfig)
+    assert config.features == _configs.FEATURE_BIAS_TILE
+    assert (config.block_m, config.overlap, config.persistent) == (128, True, False)
+    assert config.smem_bytes <= _configs.SM90_MAX_SMEM
+    assert choice.grid == (4096 // 128, 16, 4)
+    assert set(choice.bias_fields) == {"bias_map.v", "bias_batches", "bias_heads"}
+    assert (choice.bias_fields["bias_batches"], choice.bias_fields["bias_heads"]) == (1, 16)
+    masked = choose((DOC, source), features=_configs.FEATURE_MASK_MOD | _configs.FEATURE_SCORE_MOD)
+    assert masked.config.features == _configs.FEATURE_MASK_MOD | _configs.FEATURE_BIAS_TILE
+    assert not choose(bias_tile=tile.astype(numpy.float32)).hopper
+    d96 = numpy.zeros((4, 4096, 16, 96), numpy.float16)
+    narrow = choose(p=_validate.check_attention_inputs(d96, d96, d96), vs={"q": d96})
+    # d=96's plain three K/V stages leave no room for the bias's: two, as at d=128.
+    assert narrow.hopper and narrow.config.stages == 2
+    assert narrow.config.smem_bytes <= _configs.SM90_MAX_SMEM
+    big = numpy.zeros((4, 4096, 16, 192), numpy.float16)
+    assert not choose(p=_validate.check_attention_inputs(big, big, big), vs={"q": big}).hopper
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_BIAS_TILES", False)
+    assert not choose().hopper
+
+
+@pytest.mark.parametrize("d,mask", [pytest.param(128, None, marks=pytest.mark.exhaustive),
+                                    (128, "doc"),
+                                    pytest.param(64, None, marks=pytest.mark.exhaustive),
+                                    pytest.param(96, "doc", marks=pytest.mark.exhaustive)])
+def test_hopper_forward_with_bias_tiles_compiles_without_spills(d, mask):
+    """The Hopper forward with the bias as tiles (FEATURE_BIAS_TILE; two consumers, ping-pong and
+    overlap, one tile a CTA; d=128: 225 KiB of shared memory) with and without a mask modifier."""
+    import dataclasses
+
+    base = _configs.FwdSm90Config("bfloat16", d, 128, 128, 2, True, True)
+    config = mods.hopper_forward_config(base, DOC if mask else None, None)
+    config = dataclasses.replace(config, features=config.features | _configs.FEATURE_BIAS_TILE)
+    assert config.smem_bytes <= _configs.SM90_MAX_SMEM
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
+def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_backward(monkeypatch):
+    """On sm_90 a bias alone runs on the Hopper backward as tiles (BwdSm90ModsConfig with
+    FEATURE_BIAS_TILE, 64-row steps, one staged dQ tile at d=128, the bias's map and extents),
+    dbias from the dS tiles (FEATURE_BIAS_GRAD), with a mask modifier or a block mask too;
+    softcap, another dtype than q's, head dims above 128, a user's score modifier and
+    CUFLASH2_HOPPER_BIAS_TILES=0 keep the mma.sync backward (stand-ins for the TMA encoder)."""
+    from cuflash2 import _bias, _hopper
+
+    monkeypatch.setattr(_hopper, "readable_map_fields",
+                        lambda views, maps: {f"{f}.v": b"\0" * 128 for f in maps})
+    score = _configs.FEATURE_SCORE_MOD
+    for d, dq_buffers in ((64, 2), (128, 1)):
+        q = numpy.zeros((4, 4096, 16, d), numpy.float16)
+        problem = _validate.check_attention_inputs(q, q, q)
+        view = numpy.broadcast_to(numpy.zeros((1, 16, 4096, 4096), numpy.float16),
+                                  (4, 16, 4096, 4096))
+        tile = _bias.tile_array(view)
+        source = _bias.score_mod_with_bias(view, None).source
+
+        def choose(user_mods=(None, source), features=score, bias_tile=tile, p=problem,
+                   views={"q": q}, deterministic=False):
+            return _dispatch.backward_kernels(p, features, deterministic, 90, views, None,
+                                              (-1, -1), user_mods=user_mods, bias_tile=bias_tile)
+
+        choice = choose()
+        config = choice.config
+        assert choice.hopper and isinstance(config, _configs.BwdSm90ModsConfig)
+        assert config.features == _configs.FEATURE_BIAS_TILE
+        assert (config.block_m, config.dq_buffers) == (64, dq_buffers)
+        assert config.smem_bytes <= _configs.SM90_MAX_SMEM - _configs.SM90_BWD_BARRIER_BYTES
+        assert set(choice.bias_fields) == {"bias_map.v", "bias_batches", "bias_heads"}
+        assert (choice.bias_fields["bias_batches"], choice.bias_fields["bias_heads"]) == (1, 16)
+        blocked = _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK
+        assert choose((DOC, source), blocked | score).config.features == (
+            blocked | _configs.FEATURE_BIAS_TILE)
+        assert choose(deterministic=True).config.deterministic
+        with_grad = choose(features=score | _configs.FEATURE_BIAS_GRAD).config
+        assert with_grad.features == _configs.FEATURE_BIAS_TILE | _configs.FEATURE_BIAS_GRAD
+        assert not choose(features=score | _configs.FEATURE_SOFTCAP).hopper
+        assert not choose(bias_tile=tile.astype(numpy.float32)).hopper
+        assert not choose((None, REL_POS), bias_tile=None).hopper
+    big = numpy.zeros((4, 4096, 16, 192), numpy.float16)
+    assert not choose(p=_validate.check_attention_inputs(big, big, big), views={"q": big}).hopper
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD_BIAS_TILES", False)
+    assert not choose().hopper
+
+
+@pytest.mark.parametrize("d,mask,dbias", [
+    (128, None, True), pytest.param(128, None, False, marks=pytest.mark.exhaustive),
+    pytest.param(128, "doc", False, marks=pytest.mark.exhaustive),
+    pytest.param(128, "doc", True, marks=pytest.mark.exhaustive),
+    pytest.param(64, "doc", True, marks=pytest.mark.exhaustive),
+    pytest.param(96, None, False, marks=pytest.mark.exhaustive)])
+def test_hopper_backward_with_bias_tiles_compiles_without_spills(d, mask, dbias):
+    """The Hopper backward with the bias as tiles (FEATURE_BIAS_TILE at its dispatched 64-row
+    steps, one staged dQ tile above d=64), with and without dbias and a mask modifier."""
+    config = _dispatch.with_bias_tiles(_dispatch.hopper_backward_mods_config(
+        _dispatch.bwd_sm90_config("bfloat16", d), DOC if mask else None),
+        _configs.FEATURE_BIAS_GRAD if dbias else 0)
+    assert config.smem_bytes <= _configs.SM90_MAX_SMEM - _configs.SM90_BWD_BARRIER_BYTES
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
+def test_dispatch_sends_a_mask_modifier_alone_to_the_hopper_backward(monkeypatch):
+    """On sm_90 a mask modifier alone runs on the Hopper backward (BwdSm90ModsConfig, 64-row
+    steps, the user's code compiled in; a block mask's bit too, except in deterministic mode); a
+    score modifier, dbias and CUFLASH2_HOPPER_BWD_MODS=0 keep the mma.sync backward (a stand-in
+    for the TMA encoder)."""
+    from cuflash2 import _hopper
+
+    monkeypatch.setattr(_hopper, "readable_map_fields",
+                        lambda views, maps: {f"{f}.v": b"\0" * 128 for f in maps})
+    mask = _configs.FEATURE_MASK_MOD
+    blocked = mask | _configs.FEATURE_BLOCK_MASK
+    for d in (64, 128, 256):
+        q = numpy.zeros((2, 4096, 8, d), numpy.float16)
+        problem = _validate.check_attention_inputs(q, q, q)
+
+        def choose(user_mods, features=mask, deterministic=False, p=problem):
+            return _dispatch.backward_kernels(p, features, deterministic, 90, {}, None,
+                                              (-1, -1), user_mods=user_mods)
+
+        choice = choose((DOC, None))
+        assert choice.hopper and isinstance(choice.config, _configs.BwdSm90ModsConfig)
+        assert choice.config.features == mask and choice.config.block_m == 64
+        # Q and dO come in boxes of the step's rows (the plain kernel's d=64 steps are 128)
+        assert choice.maps["q_map"][1] == choice.maps["do_map"][1] == 64
+        assert choice.config.name_expression.startswith("flash_bwd_sm90_mods_kernel<")
+        assert choice.config.name_expression.endswith(f", {choice.config.mods_hash:#010x}u>")
+        assert choose((DOC, None), blocked).config.features == blocked
+        assert choose((DOC, None), deterministic=True).config.deterministic
+        assert not choose((DOC, None), blocked, deterministic=True).hopper
+        assert not choose((DOC, REL_POS), mask | _configs.FEATURE_SCORE_MOD).hopper
+        assert not choose((DOC, None), mask | _configs.FEATURE_BIAS_GRAD).hopper
+    monkeypatch.setattr(_dispatch, "HOPPER_BACKWARD_MODS", False)
+    assert not choose((DOC, None)).hopper
+
+
+@pytest.mark.parametrize("d,block_mask,mask", [
+    pytest.param(128, False, "doc", marks=pytest.mark.exhaustive),
+    pytest.param(128, True, "doc", marks=pytest.mark.exhaustive), (128, True, "prefix"),
+    pytest.param(64, True, "prefix", marks=pytest.mark.exhaustive),
+    pytest.param(64, False, "doc", marks=pytest.mark.exhaustive),
+    pytest.param(96, True, "doc", marks=pytest.mark.exhaustive),
+    pytest.param(256, True, "doc", marks=pytest.mark.exhaustive)])
+def test_hopper_backward_with_a_mask_modifier_compiles_without_spills(d, block_mask, mask):
+    """The Hopper backward with a mask modifier (BwdSm90ModsConfig at its dispatched 64-row
+    steps): a document mask and prefix-LM, with and without a block mask's column ranges."""
+    source = {"doc": DOC, "prefix": PREFIX_LM}[mask]
+    config = _dispatch.hopper_backward_mods_config(_dispatch.bwd_sm90_config("bfloat16", d),
+                                                   source, block_mask)
+    assert config.block_m == 64
+    report = _compile.compile_report(config, 90)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+
+
 def test_dispatch_sends_user_mods_to_the_mma_sync_forward_below_sm90():
     q = numpy.zeros((2, 4096, 8, 128), numpy.float16)
     problem = _validate.check_attention_inputs(q, q, q)

@@ -7,6 +7,11 @@
 #include "hopper_primitives.cuh"
 #include "variant.cuh"
 
+// score_gradients' `keep` of every entry.
+struct KeepAll {
+    CF2_DEVICE bool operator()(int, int) const { return true; }
+};
+
 // P = exp2((score + ALiBi bias) * scale_log2 - lse_log2[query]) for one entry of S^T; `score` is
 // the raw score (or softcap's t). ALiBi's distance query + diag - key comes from one float a
 // thread plus a constant (`query_minus_key`): the positions themselves are not held, registers
@@ -38,11 +43,13 @@ CF2_DEVICE void exponentiate(float (&acc)[T::S_TILES][4], const float* lse,
 // a[0] / a[2] rows g, a[1] / a[3] rows g + 8 (the forward's exp_pack order). `s` holds P
 // (exponentiate) or, with softcap, t (P is formed here: one pass in which S^T and dP^T die as
 // the fragments grow, so the consumer's peak stays at dK + dV + S^T + dP^T).
-template <typename Elem, class T, int FEATURES>
+// `keep` (nt, i): whether entry acc[nt][i] stays; P = 0 (and dS) where not. KeepAll for every
+// kernel but the one with a mask modifier (flash_bwd_sm90.cu), whose mask acts here.
+template <typename Elem, class T, int FEATURES, class Keep = KeepAll>
 CF2_DEVICE void score_gradients(u32 (&p_frag)[T::M_STEPS][4], u32 (&ds_frag)[T::M_STEPS][4],
                                 const float (&s)[T::S_TILES][4], const float (&dp)[T::S_TILES][4],
                                 const float* lse, const AttentionVariant<FEATURES>& variant,
-                                float scale_log2, float offset0) {
+                                float scale_log2, float offset0, const Keep& keep = Keep{}) {
     constexpr bool SOFTCAP = AttentionVariant<FEATURES>::SOFTCAP;
 #pragma unroll
     for (int nt = 0; nt < T::S_TILES; ++nt) {
@@ -59,6 +66,7 @@ CF2_DEVICE void score_gradients(u32 (&p_frag)[T::M_STEPS][4], u32 (&ds_frag)[T::
                                       offset0 + static_cast<float>(8 * nt + i % 2 - 8 * (i / 2)));
                 grad *= variant.dtanh(s[nt][i]);
             }
+            if (!keep(nt, i)) prob[i] = 0.f;  // a select: P may be inf where the mask hides it
             ds[i] = prob[i] * grad;
         }
         p_frag[nt / 2][2 * (nt % 2)] = pack_pair<Elem>(prob[0], prob[1]);

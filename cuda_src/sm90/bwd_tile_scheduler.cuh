@@ -49,12 +49,15 @@ struct QueryBlockWalk {
 // group's long CTAs start first and its short ones fill the tail, where pair by pair the last
 // pair's key block 0 starts last and runs alone. The host chooses the groups
 // (_dispatch.dispatch_group_pairs).
+// `batch_inner` (not DETERMINISTIC): the pairs in the order (batch entry fastest, KV head), for
+// a bias broadcast over the batch (BiasTile::batch_inner): the CTAs of one (key block, head) for
+// every batch entry close together, reading the bias's column of tiles at about the same time.
 struct CtaWork {
     int x, kv_head, batch;
 };
 
 template <bool DETERMINISTIC>
-CF2_DEVICE CtaWork cta_work(int group_pairs) {
+CF2_DEVICE CtaWork cta_work(int group_pairs, bool batch_inner = false) {
     if constexpr (DETERMINISTIC)
         return {static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
                 static_cast<int>(blockIdx.z)};
@@ -65,6 +68,9 @@ CF2_DEVICE CtaWork cta_work(int group_pairs) {
     const int group_size = min(group_pairs, pairs - first_pair);  // the last group: the rest
     const int in_group = cta - first_pair * xs;
     const int pair = first_pair + in_group % group_size;
+    if (batch_inner)
+        return {in_group / group_size, pair / static_cast<int>(gridDim.z),
+                pair % static_cast<int>(gridDim.z)};
     return {in_group / group_size, pair % static_cast<int>(gridDim.y),
             pair / static_cast<int>(gridDim.y)};
 }

@@ -6,7 +6,10 @@
 #include "hopper_primitives.cuh"
 #include "constants.cuh"
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int DQ_TILES>
+// BIAS (FEATURE_BIAS_TILE): each stage of the ring holds the bias's BLOCK_M x BLOCK_N block of
+// its step after dO_i (sm90/bias_tile.cuh), in the dS tile's layout.
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int DQ_TILES,
+          bool BIAS = false>
 struct BwdSm90Traits : Sm90CtaLayout {
     // dQ through shared memory (the kernel's note) in DQ_BUFFERS fp32 tiles, or (0) by vector
     // reductions from the registers.
@@ -30,14 +33,16 @@ struct BwdSm90Traits : Sm90CtaLayout {
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
     static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;  // Q_i and dO_i
     static constexpr int Q_TILE_BYTES = PANELS * Q_PANEL_BYTES;
-    static constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES;  // Q_i, then dO_i
     static constexpr int STAT_BYTES = BLOCK_M * 4;       // lse_log2 or D of the stage's rows
     // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
     static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int DS_BYTES = (BLOCK_N / PANEL_COLS) * DS_PANEL_BYTES;
+    static constexpr int BLOCK_N_PANELS = BLOCK_N / PANEL_COLS;  // of the dS and bias tiles
+    static constexpr int BIAS_TILE_BYTES = BIAS ? DS_BYTES : 0;
+    static constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES + BIAS_TILE_BYTES;  // Q_i, dO_i, bias
     // dQ_i of a step in fp32, as its BLOCK_M rows of dq_accum (DQ_BUFFERS of them).
     static constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4;
-    // K | V | STAGES x (Q | dO) | 2 x dS | STAGES x (lse | D) | DQ_BUFFERS x dQ, + the slack to
+    // K | V | STAGES x (Q | dO | bias) | 2 x dS | STAGES x (lse | D) | DQ_BUFFERS x dQ, + the slack to
     // align the base.
     static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
                                       STAGES * 2 * STAT_BYTES + DQ_BUFFERS * DQ_TILE_BYTES +

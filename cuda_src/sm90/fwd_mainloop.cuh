@@ -11,6 +11,7 @@
 #include "kernel_params.cuh"
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
+#include "sm90/bias_tile.cuh"
 
 // S = Q K^T for this warpgroup's 64 rows over the head dim (hopper_primitives.cuh's K-major
 // product: Q's rows and K's tile in 128-byte-swizzled panels). Issues the wgmmas only.
@@ -109,7 +110,10 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 // `narrow` (FEATURE_BLOCK_MASK: BlockMaskNarrow, block_mask.cuh): on the work tile's run of
 // full tiles [full_first, full_end), found once a work tile, the user's mask does not run, only
 // the built-in one where the tile needs it.
-template <int FEATURES, int BLOCK_N, class User = NoUserInputs, class Narrow = NoNarrow>
+// `bias` (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh): the tile's block of the bias added to
+// S from shared memory after the variant's transform (`bias_tile`: its address in the stage).
+template <int FEATURES, int BLOCK_N, class User = NoUserInputs, class Narrow = NoNarrow,
+          class Bias = NoBiasTile>
 struct FwdScoreStep {
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     using Variant = AttentionVariant<FEATURES>;
@@ -122,13 +126,14 @@ struct FwdScoreStep {
     const FwdTileContext& c;
     const User& user;
     const Narrow& narrow;
+    const Bias& bias;
 
     CF2_DEVICE FwdScoreStep(const FwdParams& p, const KeyVisibility& vis, const FwdTileContext& c,
                             int wg_row0, int warp, int lane, const User& user,
-                            const Narrow& narrow)
+                            const Narrow& narrow, const Bias& bias)
         : variant(p.mods, tile_seqlen_q<VARLEN>(p, c), tile_seqlen_k<VARLEN>(p, c)),
           vis(vis), row_first(c.span.row_first), wg_row0(wg_row0), warp(warp), lane(lane), p(p),
-          c(c), user(user), narrow(narrow) {
+          c(c), user(user), narrow(narrow), bias(bias) {
         variant.select_head(p.mods, c.w.batch, c.w.head);
         vis.unmasked_tile_range(c.span.row_first, c.span.row_last, BLOCK_N, unmasked_lo,
                                 unmasked_hi);
@@ -144,11 +149,14 @@ struct FwdScoreStep {
     }
 
     template <class Scores>  // S or its left_half
-    CF2_DEVICE void operator()(Scores& acc_s, int tile) const {
+    CF2_DEVICE void operator()(Scores& acc_s, int tile, u32 bias_tile = 0) const {
         // This thread's first accumulator row (query index) and key.
         const int thread_row0 = row_first + wg_row0 + 16 * warp + lane / 4;
         const int thread_key0 = tile * BLOCK_N + 2 * (lane % 4);
         if constexpr (Variant::TRANSFORMS_SCORES) variant.apply(acc_s, thread_row0, thread_key0);
+        if constexpr (Bias::ON)
+            bias.add(acc_s, bias_tile, wg_row0 + 16 * warp + lane / 4, lane,
+                     p.mods.alibi_to_units);
         if constexpr (Variant::SCORE_MOD)
             Variant::score_mod(acc_s, thread_row0, thread_key0, user_context());
         if constexpr (Variant::MASK_MOD) {
@@ -168,14 +176,19 @@ struct FwdScoreStep {
 // to `epilogue` (acc_o, softmax, inv_sum, row_lse): the kernel's store_tile
 // (sm90/fwd_epilogue.cuh).
 // q_round: the how-many-th Q of this CTA the tile's Q is (the parity of its q_full phase).
+// `bias` (FEATURE_BIAS_TILE, the overlap schedule only): each tile's softmax waits for the
+// tile's block of the bias (sm90/bias_tile.cuh, its own ring barriers), adds it in the score
+// step and gives it back.
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
-          class Epilogue, class User = NoUserInputs, class Narrow = NoNarrow>
+          class Epilogue, class User = NoUserInputs, class Narrow = NoNarrow,
+          class Bias = NoBiasTile>
 CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
                                  const FwdTileContext& c, int ring0, int q_round, int consumer,
                                  u32 q_smem, u32 kv_smem,
                                  FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
                                  Epilogue&& epilogue, const User& user = User{},
-                                 const Narrow& narrow = Narrow{}) {
+                                 const Narrow& narrow = Narrow{}, const Bias& bias = Bias{}) {
+    static_assert(!Bias::ON || OVERLAP, "bias tiles: the overlap schedule");
     constexpr int STAGES = T::KV_STAGES;
     constexpr int BLOCK_N = T::KEYS_PER_TILE;
     const FwdTileSpan& span = c.span;
@@ -198,8 +211,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     // thread: variant.cuh)
     AttentionVariant<FEATURES>::start_softmax(softmax, p.mods, c.w.head, lane % 4 == 0);
     // S_j in place: score modifiers, mask (boundary tiles only).
-    const FwdScoreStep<FEATURES, BLOCK_N, User, Narrow> score_step(p, vis, c, wg_row0, warp, lane,
-                                                                   user, narrow);
+    const FwdScoreStep<FEATURES, BLOCK_N, User, Narrow, Bias> score_step(p, vis, c, wg_row0, warp,
+                                                                         lane, user, narrow, bias);
 
     // Half tiles (ping-pong + overlap, the dispatched two-consumer schedule): this warpgroup's
     // rows see no key at or past hi() of its last row (hi grows with the row; rows past the
@@ -228,6 +241,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     auto ring_of = [&](int j) { return ring0 + j; };
     auto k_tile_of = [&](int j) { return kv_smem + (ring_of(j) % STAGES) * T::STAGE_BYTES; };
     auto v_tile_of = [&](int j) { return k_tile_of(j) + T::KV_TILE_BYTES; };
+    auto bias_tile_of = [&](int j) { return v_tile_of(j) + T::KV_TILE_BYTES; };
     auto wait_k = [&](int j) {
         mbarrier_wait(smem_address(&bars.k_full[ring_of(j) % STAGES]), (ring_of(j) / STAGES) & 1);
     };
@@ -331,8 +345,10 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         pin_registers(acc_s[0]);
         release_k(0);
         if (tiles == 1) release_q();  // S_0 was the last S GEMM
+        bias.template wait<STAGES>(ring_of(0));
         auto first_softmax = [&](auto& s) {
-            score_step(s, tile_end - 1);
+            score_step(s, tile_end - 1, bias_tile_of(0));
+            bias.template release<STAGES>(ring_of(0));
             softmax.fold_max(s, p.scale_log2, correction);  // O is 0: no rescale
             softmax.exp_scores(s, p.scale_log2);
         };
@@ -371,7 +387,9 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             pin_registers(acc_s[0]);
             release_k(j);
             if (j == tiles - 1) release_q();  // S_j was the last S GEMM
-            score_step(acc_s, tile_end - 1 - j);
+            bias.template wait<STAGES>(ring_of(j));
+            score_step(acc_s, tile_end - 1 - j, bias_tile_of(j));
+            bias.template release<STAGES>(ring_of(j));
             rescale = softmax.fold_max(acc_s, p.scale_log2, correction);
             softmax.exp_scores(acc_s, p.scale_log2);
         }

@@ -5,6 +5,7 @@
 #include "hopper_primitives.cuh"
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
+#include "sm90/bias_tile.cuh"
 
 // The producer's loads for one work tile (thread 0 of warpgroup 0): Q, then K_j and V_j of every
 // KV tile the rows see, from the last one down, into the ring from position ring0 on: the j-th
@@ -21,10 +22,14 @@
 // row, the batch coordinate is 0. A box that runs past the sequence reads the next sequence's
 // rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
 // last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
-template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false>
+// Bias (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh; else NoBiasTile): each KV tile's block
+// of the bias goes into its stage after K, on the bias ring's barriers (BiasTileRing).
+template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false, class Bias = NoBiasTile>
 CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,
                              int q_round, u32 q_smem, u32 kv_smem,
-                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars) {
+                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
+                             const Bias& bias = Bias{}) {
+    static_assert(Bias::ON == (T::BIAS_TILE_BYTES > 0), "the traits' stage holds the bias");
     constexpr int STAGES = T::KV_STAGES;
     const FwdWorkTile& w = c.w;
     const FwdTileSpan& span = c.span;
@@ -60,6 +65,10 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
                 load_q();
             }
         }
+        // The bias's block (needed at the tile's softmax, before V) once its stage is read.
+        bias.template produce<T::BIAS_PANELS, STAGES, T::BIAS_TILE_BYTES>(
+            v_tile + T::KV_TILE_BYTES, ring, span.row_first, tile * T::KEYS_PER_TILE, w.head,
+            w.batch);
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
         mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);

@@ -91,7 +91,18 @@ CF2_DEVICE FwdTileContext tile_context(const FwdParams& p, const FwdWorkTile& w)
 // do not form the tail of the grid.
 // `late_rows_first`: the last m blocks first without a key limit too (a block mask's order,
 // BlockMaskNarrow::LATE_ROWS_FIRST).
-CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p, bool late_rows_first = false) {
+// `batch_inner`: the CTAs in the order (batch entry fastest, m block, head), the grid's
+// dimensions kept: every batch entry's CTA of one (m block, head) side by side, for a bias
+// broadcast over the batch (BiasTile::batch_inner).
+CF2_DEVICE FwdWorkTile grid_work_tile(const FwdParams& p, bool late_rows_first = false,
+                                      bool batch_inner = false) {
+    if (batch_inner) {
+        const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const unsigned x = cta / gridDim.z % gridDim.x;
+        const unsigned m_block = p.window_right >= 0 || late_rows_first ? gridDim.x - 1 - x : x;
+        return {static_cast<int>(m_block), static_cast<int>(cta / gridDim.z / gridDim.x),
+                static_cast<int>(cta % gridDim.z + p.batch_offset)};
+    }
     const int m_block =
         p.window_right >= 0 || late_rows_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     return {m_block, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z + p.batch_offset)};

@@ -6,8 +6,10 @@
 #include "hopper_primitives.cuh"
 #include "constants.cuh"
 
+// BIAS (FEATURE_BIAS_TILE): each stage of the ring holds the bias's BLOCK_M x BLOCK_N tile of
+// its KV tile after V (sm90/bias_tile.cuh), in 64-key panels of BLOCK_M 128-byte rows.
 template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES,
-          bool PERSISTENT = false>
+          bool PERSISTENT = false, bool BIAS = false>
 struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int ROWS_PER_WARPGROUP = 64;  // the M of wgmma
     static constexpr int CONSUMER_WARPGROUPS = BLOCK_M / ROWS_PER_WARPGROUP;
@@ -36,7 +38,11 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
-    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;  // K tile, then V tile
+    static constexpr int BIAS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
+    static constexpr int BIAS_PANELS = BIAS ? BLOCK_N / PANEL_COLS : 0;
+    static constexpr int BIAS_TILE_BYTES = BIAS_PANELS * BIAS_PANEL_BYTES;
+    // K tile, then V tile (then the bias's tile)
+    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES + BIAS_TILE_BYTES;
     static constexpr int KV_STAGES = STAGES;
     // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and layout),
     // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
@@ -57,7 +63,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // (d=96 and 128 on the persistent grid).
     template <int FEATURES>
     static constexpr bool HALF_TILES =
-        BLOCK_N % 32 == 0 && (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI)) == 0;
+        BLOCK_N % 32 == 0 &&
+        (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS_TILE)) == 0;
 
     // wgmma N (dense f16 / bf16) is a multiple of 8 up to 256; the k16 steps over the head dim
     // (Q K^T) and over the keys (P V) make both multiples of 16 here. A K/V panel of BLOCK_N rows
@@ -73,6 +80,7 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
+    static_assert(!BIAS || BLOCK_N % PANEL_COLS == 0, "the bias's tile: whole 64-key panels");
     static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS),
                   "the setmaxnreg split fits the register file");
     static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,

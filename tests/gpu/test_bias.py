@@ -3,11 +3,12 @@ kernels with programmable modifiers, the bias as their score modifier: cuflash2.
 the reference's dense bias with the 2x rule: every broadcast (full, shared by the batch, by the
 heads, by both), fp16 / bf16 / fp32 biases, odd lengths, GQA / MQA, causal, with a mask and a
 score modifier of the user's, unbatched, varlen, deterministic mode, bias_requires_grad=False,
-an Evoformer-like pair bias, and the refusals before any launch."""
+an Evoformer-like pair bias, and the refusals before any launch; on sm_90 the bias as tiles on
+the Hopper forward and, without dbias, on the Hopper backward."""
 
 import numpy
 import pytest
-from grids import DTYPES, seed_of, varlen_inputs  # tests/gpu helper
+from grids import BF16, DTYPES, FP16, needs_hopper, seed_of, varlen_inputs  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -37,6 +38,58 @@ def _dout(q, seed):
 
 def _ok(results):
     assert all(r.ok for r in results), [str(r) for r in results]
+
+
+#: Every broadcast at bf16 d=128, one each at the other (dtype, head dim) points: each case
+#: compiles its own forward and two backward kernels.
+HOPPER_TILE_CASES = ([(BF16, 128, b) for b in BROADCASTS]
+                     + [(FP16, 64, "heads"), (FP16, 96, "full"), (BF16, 64, "batch"),
+                        (FP16, 128, "both"), (BF16, 96, "heads")])
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype, headdim, broadcast", HOPPER_TILE_CASES,
+                         ids=[f"{'bf16' if d == BF16 else 'fp16'}-{h}-{b}"
+                              for d, h, b in HOPPER_TILE_CASES])
+def test_hopper_kernels_with_bias_tiles(dtype, headdim, broadcast):
+    # On sm_90 a bias alone of q's dtype (rows of whole 16 bytes) runs on the Hopper forward as
+    # tiles (FEATURE_BIAS_TILE: TMA loads with V, the add from shared memory), and on the Hopper
+    # backward (loads with Q_i, the add to S^T), without its gradient (bias_requires_grad=False)
+    # and with it (dbias copied from the dS tiles). Odd query rows and a key tail, GQA, causal with the batch-broadcast one, a mask
+    # modifier with the head one, the backward's deterministic mode with the full one.
+    shape = (2, 700, 456, 4, 2)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, "bias-tiles", str(dtype), broadcast)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, dtype, seed)
+    bias = _bias(shape, broadcast, dtype, seed)
+    causal = broadcast == "batch"
+    options = {"bias": bias, "causal": causal}
+    ref = {"bias": bias, "causal": causal}
+    if broadcast == "heads":
+        options["mask_mod"] = cuflash2.mask_mod("kv_idx + 300 > q_idx")
+        qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+        ref["mask"] = cupy.asarray(ki + 300 > qi)
+    (kernel,) = cuflash2.forward_kernels(q, k, v, **options)
+    assert kernel.startswith("Hopper forward") and "bias tiles" in kernel, kernel
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    _ok(testing.check_forward(q, k, v, out, lse, **ref))
+
+    deterministic = broadcast == "full"
+    dout = _dout(q, seed)
+    backward = {**options, "bias_requires_grad": False, "deterministic": deterministic}
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **backward)
+    assert any(k.startswith("Hopper backward") and "bias tiles" in k for k in kernels), kernels
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, **backward)
+    assert len(grads) == 3
+    _ok(testing.check_backward(dout, q, k, v, *grads, **ref, bias_requires_grad=False))
+
+    # dbias from the dS tiles: stores for the full bias, vector reductions where it broadcasts.
+    backward["bias_requires_grad"] = True
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **backward)
+    assert any("bias tiles" in k and "dbias" in k for k in kernels), kernels
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, **backward)
+    assert len(grads) == 4 and grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+    _ok(testing.check_backward(dout, q, k, v, *grads, **ref))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

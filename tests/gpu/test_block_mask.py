@@ -175,6 +175,62 @@ def test_hopper_forward_with_block_mask(headdim, name, causal):
     assert all(r.ok for r in results), [str(r) for r in results]
 
 
+# Every mask at d=128, the document mask at the other step shapes (d=64: 64-row steps where the
+# plain kernel takes 128; d=256: two head-dim chunks): each case compiles its own kernels.
+HOPPER_BWD_CASES = ([(128, name) for name in ("document", "prefix-lm", "sliding-window",
+                                               "document-noncausal")]
+                    + [(64, "document"), (256, "document")])
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim, name", HOPPER_BWD_CASES)
+@pytest.mark.parametrize("blocked", [False, True])
+def test_hopper_backward_with_a_mask_modifier(headdim, name, blocked):
+    # On sm_90 a mask modifier alone runs on the Hopper backward (the user's mask on P^T and
+    # dS^T), with a block mask each key block's query blocks narrowed to its visited ones
+    # (BlockMaskColumnRange); GQA, odd lengths, rows and key blocks the mask leaves empty.
+    shape = (2, 700, 450, 4, 2)
+    batch, sq, sk, h, hk = shape
+    seed = seed_of(shape, headdim, name, "hopper-bwd", blocked)
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, headdim, BF16, seed)
+    dout = cupy.asarray(numpy.random.default_rng(seed + 3).standard_normal(q.shape)
+                        .astype(BF16))
+    mm, dense = _masks(sq, sk, seed)[name]
+    options = {"block_mask": cuflash2.block_mask(mm, 1, 1, sq, sk, head_dim=headdim,
+                                                 dtype=BF16)} if blocked else {"mask_mod": mm}
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **options)
+    assert any(k.startswith("Hopper backward") and "mask_mod" in k for k in kernels), kernels
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, **options)
+    results = testing.check_backward(dout, q, k, v, *grads, mask=cupy.asarray(dense))
+    assert all(r.ok for r in results), [str(r) for r in results]
+    if blocked:  # the columns' summaries against the reference's
+        bm = options["block_mask"]
+        numpy.testing.assert_array_equal(
+            cupy.asnumpy(bm.columns), reference.block_mask_columns(cupy.asnumpy(bm.states)))
+
+
+@needs_hopper
+def test_hopper_backward_with_a_block_mask_per_head():
+    # States per batch entry and head under GQA (4 query heads, 2 KV heads): each key block's
+    # query blocks are the union over its group's heads, the full ones their intersection.
+    shape = (2, 600, 520, 4, 2)
+    batch, sq, sk, h, hk = shape
+    q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, 128, BF16, 13)
+    mm = cuflash2.mask_mod("kv_idx <= q_idx + 96 * (b + h) && kv_idx + 200 > q_idx")
+    bm = cuflash2.block_mask(mm, batch, h, sq, sk, head_dim=128, dtype=BF16)
+    qi, ki = numpy.arange(sq)[:, None], numpy.arange(sk)[None, :]
+    dense = numpy.stack([numpy.stack([(ki <= qi + 96 * (b + hh)) & (ki + 200 > qi)
+                                      for hh in range(h)]) for b in range(batch)])
+    out, lse = cuflash2.attention(q, k, v, block_mask=bm, return_lse=True)
+    dout = cupy.asarray(numpy.random.default_rng(14).standard_normal(q.shape).astype(BF16))
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, block_mask=bm)
+    assert any(k.startswith("Hopper backward") and "block mask" in k for k in kernels), kernels
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, block_mask=bm)
+    results = testing.check_backward(dout, q, k, v, *grads, mask=cupy.asarray(dense))
+    assert all(r.ok for r in results), [str(r) for r in results]
+
+
 def test_forward_with_block_mask_and_causal():
     q, k, v = testing.random_qkv(cupy, 1, 300, 300, 2, 2, 64, FP16, 5)
     mm, dense = _masks(300, 300, 5)["document-noncausal"]

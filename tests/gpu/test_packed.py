@@ -1,10 +1,11 @@
 """Packed inputs (qkv (b, s, 3, h, d) and kv (b, s, 2, h_kv, d)): the packed functions run the
 same kernels on strided views of the packed array, so they must agree bitwise with the unpacked
-calls (deterministic backward), write gradients into the packed layout, and copy nothing."""
+calls (deterministic backward), write gradients into the packed layout, and copy nothing; with
+the programmable modifiers and the bias too."""
 
 import numpy
 import pytest
-from grids import DTYPES  # tests/gpu helper
+from grids import BF16, DTYPES  # tests/gpu helper
 
 cupy = pytest.importorskip("cupy")
 
@@ -66,6 +67,39 @@ def test_kvpacked_matches_unpacked_gqa(dtype, causal):
     assert _same(dq, ref[0])
     assert _same(cupy.ascontiguousarray(dkv[:, :, 0]), ref[1])
     assert _same(cupy.ascontiguousarray(dkv[:, :, 1]), ref[2])
+
+
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+def test_packed_with_a_mask_modifier_and_a_bias_matches_unpacked(packing):
+    # The programmable modifiers and the bias on the packed entry points: the unpacked call's
+    # kernels on the packed array's views, bitwise (the deterministic backward, dbias last).
+    dtype = BF16
+    mask = cuflash2.mask_mod("kv_idx <= q_idx + 5")
+    if packing == "qkv":
+        qkv = _randn((2, 97, 3, 4, 64), dtype, 9)
+        q, k, v = (cupy.ascontiguousarray(qkv[:, :, i]) for i in range(3))
+    else:
+        q = _randn((2, 77, 4, 64), dtype, 9)
+        kv = _randn((2, 130, 2, 2, 64), dtype, 10)
+        k, v = (cupy.ascontiguousarray(kv[:, :, i]) for i in range(2))
+    bias = _randn((2, 4, q.shape[1], k.shape[1]), dtype, 11)
+    dout = _randn(q.shape, dtype, 12)
+    options = {"mask_mod": mask, "bias": bias}
+    ref_out, ref_lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    ref = cuflash2.attention_backward(dout, q, k, v, ref_out, ref_lse, deterministic=True,
+                                      **options)
+    if packing == "qkv":
+        out, lse = cuflash2.attention_qkvpacked(qkv, return_lse=True, **options)
+        dqkv, dbias = cuflash2.attention_qkvpacked_backward(dout, qkv, out, lse,
+                                                            deterministic=True, **options)
+        got = [cupy.ascontiguousarray(dqkv[:, :, i]) for i in range(3)] + [dbias]
+    else:
+        out, lse = cuflash2.attention_kvpacked(q, kv, return_lse=True, **options)
+        dq, dkv, dbias = cuflash2.attention_kvpacked_backward(dout, q, kv, out, lse,
+                                                              deterministic=True, **options)
+        got = [dq] + [cupy.ascontiguousarray(dkv[:, :, i]) for i in range(2)] + [dbias]
+    assert _same(out, ref_out) and bool((lse == ref_lse).all())
+    assert all(_same(a, b) for a, b in zip(got, ref)) and len(ref) == 4
 
 
 def test_packed_shape_errors():
