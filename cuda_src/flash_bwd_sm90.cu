@@ -145,7 +145,7 @@ CF2_DEVICE auto mods_bias_grad(const BwdSm90ModsParams& m) {
 // blocks are narrowed to the visited ones and the user's mask skips the full ones
 // (BlockMaskColumnRange, block_mask.cuh); not with the ordered dQ of deterministic mode, whose
 // turns assume every key block of a query block's range adds to it. With a bias alone as the
-// score modifier (FEATURE_BIAS_TILE, without dbias; up to d=128, not varlen) the step's block of
+// score modifier (FEATURE_BIAS_TILE; up to d=128, not varlen) the step's block of
 // the bias comes as a tile with Q_i and is added to S^T after softcap's t (the dispatch keeps
 // softcap with a bias on the mma.sync backward: dS's 1 - t^2 needs t without the bias); with
 // dbias (FEATURE_BIAS_GRAD) each step's dS tile is copied into its accumulator too

@@ -457,8 +457,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     differentiable array argument of the forward, in its order. `deterministic=True` gives
     bitwise reproducible results (no floating-point atomics). Runs on the current CuPy stream.
     `mask_mod` / `score_mod`: the forward's (on sm_90 a mask modifier on the Hopper backward,
-    a score modifier on the mma.sync one); a score_mod needs its derivative (`grad=`, or the form `score + <no
-    score>`): ValueError otherwise, before any launch.
+    a score modifier on the mma.sync one); a score_mod needs its derivative (`grad=`, or the
+    form `score + <no score>`): ValueError otherwise, before any launch.
 
     `bias`: the forward's; with `bias_requires_grad=True` (the default) the result ends with
     dbias, shaped and typed like bias (summed over its broadcast dims): (dq, dk, dv[, dsinks],
@@ -478,7 +478,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         deterministic, mask_mod, score_mod, block_mask, bias, bias_requires_grad)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
     grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
-    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
+    return _with_dbias(grads, bias, accum)
 
 
 def _attention_backward_plan(cupy, inputs, options, deterministic, mask_mod, score_mod,
@@ -507,6 +507,12 @@ def _modified_backward_plan(kind, layout, cupy, inputs, qkv, options, determinis
                                                  score_mod, block_mask)
     plan, _ = _backward_plan(kind, layout, cupy, inputs, options, deterministic, extra)
     return plan, inputs, accum
+
+
+def _with_dbias(grads: tuple, bias, accum) -> tuple:
+    """A backward's gradients with dbias last, from its accumulator `accum` (typed and shaped
+    like `bias`: _bias.gradient), where the call computed one (accum not None)."""
+    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
 
 
 def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
@@ -648,9 +654,8 @@ def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_s
         (dout, qkv, out, lse, dqkv, alibi_slopes, sinks, dsinks), lambda: _unpack("qkv", qkv, 3),
         options, deterministic, mask_mod, score_mod, block_mask, bias, bias_requires_grad)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
-    grads = (dqkv,) if sinks is None else (dqkv, *_gradients(outputs, (dsinks,)))
-    if accum is not None:
-        grads = (*grads, _bias.gradient(bias, accum))
+    grads = _with_dbias((dqkv,) if sinks is None else (dqkv, *_gradients(outputs, (dsinks,))),
+                        bias, accum)
     return grads[0] if len(grads) == 1 else grads
 
 
@@ -675,8 +680,7 @@ def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_
         block_mask, bias, bias_requires_grad)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
     dq, *rest = _gradients(outputs, (dq,) if sinks is None else (dq, dsinks))
-    grads = (dq, dkv, *rest)
-    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
+    return _with_dbias((dq, dkv, *rest), bias, accum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -800,7 +804,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                          softmax_scale, None, cupy)
     outputs = plan.run(inputs, cupy, options.dropout_scalars())
     grads = _gradients(outputs, (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks))
-    return grads if accum is None else (*grads, _bias.gradient(bias, accum))
+    return _with_dbias(grads, bias, accum)
 
 
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):

@@ -36,14 +36,14 @@ struct BwdSm90Traits : Sm90CtaLayout {
     static constexpr int STAT_BYTES = BLOCK_M * 4;       // lse_log2 or D of the stage's rows
     // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
     static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
-    static constexpr int DS_BYTES = (BLOCK_N / PANEL_COLS) * DS_PANEL_BYTES;
     static constexpr int BLOCK_N_PANELS = BLOCK_N / PANEL_COLS;  // of the dS and bias tiles
+    static constexpr int DS_BYTES = BLOCK_N_PANELS * DS_PANEL_BYTES;
     static constexpr int BIAS_TILE_BYTES = BIAS ? DS_BYTES : 0;
     static constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES + BIAS_TILE_BYTES;  // Q_i, dO_i, bias
     // dQ_i of a step in fp32, as its BLOCK_M rows of dq_accum (DQ_BUFFERS of them).
     static constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4;
-    // K | V | STAGES x (Q | dO | bias) | 2 x dS | STAGES x (lse | D) | DQ_BUFFERS x dQ, + the slack to
-    // align the base.
+    // K | V | STAGES x (Q | dO | bias) | 2 x dS | STAGES x (lse | D) | DQ_BUFFERS x dQ, + the
+    // slack to align the base.
     static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
                                       STAGES * 2 * STAT_BYTES + DQ_BUFFERS * DQ_TILE_BYTES +
                                       SMEM_ALIGN;
