@@ -9,6 +9,9 @@
 constexpr unsigned USER_MODS_HASH = 0u;
 
 struct UserMods {
+    // Whether mask() reads the user's arrays (the Hopper backward then masks later, where its
+    // loads' registers are free: flash_bwd_sm90_body.inc).
+    static constexpr bool MASK_READS_INPUTS = false;
     CF2_DEVICE static bool mask(const UserParams&, int, int, int, int) { return true; }
     CF2_DEVICE static float score(const UserParams&, float score, int, int, int, int) {
         return score;

@@ -8,17 +8,20 @@
 //      tiles that need no mask (unmasked_tile_range) and, backward, the Q tiles a KV tile sees;
 //      with a block mask (FEATURE_BLOCK_MASK, block_mask.cuh: cuflash2.block_mask's per-tile
 //      states of the user's mask), of those tiles only the ones not empty, the user's mask on
-//      the partial ones only (so far the mma.sync forward's mods kernel);
+//      the partial ones only (the mods kernels of both families, but varlen and the
+//      deterministic dQ kernel);
 //   2. the scores' transform, on every tile before the mask (ScoreMods: softcap, then the ALiBi
 //      bias), and for the backward its derivative (dtanh) and the bias with P;
 //   3. the mask of a boundary tile: mask() (the invisible keys to -inf);
 //   2'/3'. programmable modifiers (FEATURE_SCORE_MOD, FEATURE_MASK_MOD: the user's expressions in
 //      the generated user_mods.cuh, cuflash2/mods.py): score_mod() after softcap and ALiBi, before
 //      the mask; mask_mod() instead of mask() on every tile the visibility gives (no tile is
-//      known to need no mask), or with a block mask on its partial tiles only; the backward
-//      recomputes the modified score and multiplies dS by the modifier's derivative
-//      (score_mod_backward). The mma.sync forward (with block masks), backward and deterministic
-//      dQ kernels (the *_mods_kernel entries); not the Hopper or decode kernels.
+//      known to need no mask), or with a block mask on its partial tiles only, and
+//      mask_mod_inside() (the user's mask alone) on those the visibility does not cut; the
+//      backward recomputes the modified score and multiplies dS by the modifier's derivative
+//      (score_mod_backward). The mma.sync forward, backward and deterministic dQ kernels (the
+//      *_mods_kernel entries), the Hopper forward and backward with a mask modifier and the
+//      bias as tiles (sm90/bias_tile.cuh); not the decode kernel.
 //   4. what enters each row's softmax denominator besides the keys: the learnable sinks (one
 //      logit a query head, no value), as the online softmax's state before the first tile
 //      (start_softmax: a key already seen; the decode kernel's split 0 alone, so that the merge
@@ -51,6 +54,11 @@ struct AttentionVariant : ScoreMods<FEATURES> {
     // A block mask's states (with MASK_MOD): skip the empty tiles, the user's mask on the
     // partial ones only.
     static constexpr bool BLOCK_MASK = (FEATURES & FEATURE_BLOCK_MASK) != 0;
+    // Whether the Hopper kernels run the user's mask alone on the tiles the visibility does not
+    // cut (mask_mod_inside, mask_mod_transposed_inside): for a mask that reads no arrays. With
+    // a document mask's loads that second copy of the user's code spilled (Hopper backward,
+    // d=128: 16 bytes; the persistent forward: 12).
+    static constexpr bool USER_MASK_INSIDE = MASK_MOD && !UserMods::MASK_READS_INPUTS;
     static_assert(!BLOCK_MASK || MASK_MOD, "a block mask comes with its mask modifier");
     static constexpr bool TRANSFORMS_SCORES =
         ScoreMods<FEATURES>::SOFTCAP || ScoreMods<FEATURES>::ALIBI || SCORE_MOD;
@@ -154,6 +162,30 @@ struct AttentionVariant : ScoreMods<FEATURES> {
             }
     }
 
+    // 3''. The user's mask alone, on a tile the visibility does not cut (every key inside the
+    // sequence, the causal diagonal and the window of each of the tile's rows: the kernels'
+    // unmasked tiles) and whose rows are all inside the sequence: mask_mod()'s own tests are
+    // all true there, and a partial tile of a block mask is mostly such a tile (a window's
+    // edges, a document's corners). Accumulator layout, as mask().
+    template <int M_TILES, int N_TILES>
+    CF2_DEVICE static void mask_mod_inside(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
+                                           const UserModContext& ctx) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + 16 * mt + 8 * half;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = key0 + 8 * nt + e;
+                        if (!UserMods::mask(ctx.user, ctx.batch, ctx.head, row, key))
+                            s[mt][nt][2 * half + e] = neg_inf();
+                    }
+            }
+    }
+
     // The sink of query head `head` in log2 units of the scaled scores (the units of the
     // softmax's scaled maxima), for a merge of partial softmax states (the decode kernel's);
     // -inf (no sink) without SINKS.
@@ -172,6 +204,20 @@ struct AttentionVariant : ScoreMods<FEATURES> {
         return query < ctx.seqlen_q && key >= vis.lo(query) &&
                key < min(vis.hi(query), ctx.seqlen_k) &&
                UserMods::mask(ctx.user, ctx.batch, ctx.head, query, key);
+    }
+
+    // mask_mod_inside() for a transposed tile (keys as rows, queries as columns: the Hopper
+    // backward's S^T; mask_transposed's layout), before its exponentials.
+    template <int NT>
+    CF2_DEVICE static void mask_mod_transposed_inside(float (&s)[NT][4], int key0, int query0,
+                                                      const UserModContext& ctx) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (!UserMods::mask(ctx.user, ctx.batch, ctx.head, query0 + 8 * nt + i % 2,
+                                    key0 + 8 * (i / 2)))
+                    s[nt][i] = neg_inf();
     }
 
     // The same for a transposed tile (keys as rows, queries as columns: the Hopper backward's

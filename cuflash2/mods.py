@@ -322,6 +322,9 @@ def user_mods_code(mask: ModSource | None, score: ModSource | None) -> str:
     check_together(mask, score)
     params = "int b, int h, int q_idx, int kv_idx"
     lines = ["struct UserMods {"]
+    reads = mask is not None and any(_has_identifier(mask.expression, sig.name)
+                                     for sig in mask.inputs)
+    lines.append(f"    static constexpr bool MASK_READS_INPUTS = {str(reads).lower()};")
     if mask is not None:
         lines += _function(f"mask(const UserParams& cf2_user, {params})", "bool",
                            LABELS["mask"], mask.expression,

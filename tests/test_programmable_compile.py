@@ -251,6 +251,23 @@ def test_inputs_take_slots_in_order():
     assert "constexpr int prefix_len = 2048;" in header
 
 
+def test_header_says_whether_the_mask_reads_arrays():
+    """UserMods::MASK_READS_INPUTS (the Hopper kernels run a mask that reads no arrays alone on
+    the tiles the visibility does not cut: Variant::USER_MASK_INSIDE)."""
+    def reads(mask, score=None):
+        header, _ = mods.user_mods_header(mask, score)
+        return {"static constexpr bool MASK_READS_INPUTS = true;": True,
+                "static constexpr bool MASK_READS_INPUTS = false;": False}[
+            next(line.strip() for line in header.splitlines() if "MASK_READS_INPUTS" in line)]
+
+    assert reads(DOC) and reads(PREFIX_LM_ARRAY)
+    assert not reads(PREFIX_LM)  # a Python int: a constant
+    assert not reads(None, REL_POS)  # the score modifier's table is not the mask's
+    unused = mods.ModSource("mask_mod", "kv_idx <= q_idx",
+                            inputs=(mods.InputSignature("doc", "int32", 1),))
+    assert not reads(unused)
+
+
 def test_dispatch_takes_a_bias_alone_as_tiles_on_the_hopper_forward(monkeypatch):
     """On sm_90 a bias alone (`score + bias`) runs on the Hopper forward as tiles
     (FEATURE_BIAS_TILE: two consumers, overlap, one tile a CTA, the bias's map and extents for

@@ -106,14 +106,18 @@ CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TIL
 // With the programmable modifiers (FEATURE_SCORE_MOD, FEATURE_MASK_MOD; `User` = UserParams,
 // the mods kernel's inputs) the user's score modifier follows the variant's transform, and the
 // user's mask runs on every tile in place of the boundary tiles' mask, as in the mma.sync
-// forward (flash_fwd.cu); `User` = NoUserInputs (never read) for every other specialisation.
+// forward (flash_fwd.cu), without the visibility's tests on a tile that needs none of them
+// (Variant::mask_mod_inside: an unmasked tile, the warpgroup's rows inside the sequence; a mask
+// that reads no arrays, Variant::USER_MASK_INSIDE);
+// `User` = NoUserInputs (never read) for every other specialisation.
 // `narrow` (FEATURE_BLOCK_MASK: BlockMaskNarrow, block_mask.cuh): on the work tile's run of
 // full tiles [full_first, full_end), found once a work tile, the user's mask does not run, only
 // the built-in one where the tile needs it.
 // `bias` (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh): the tile's block of the bias added to
 // S from shared memory after the variant's transform (`bias_tile`: its address in the stage).
-template <int FEATURES, int BLOCK_N, class User = NoUserInputs, class Narrow = NoNarrow,
-          class Bias = NoBiasTile>
+// WG_ROWS: a warpgroup's rows (T::ROWS_PER_WARPGROUP).
+template <int FEATURES, int BLOCK_N, int WG_ROWS, class User = NoUserInputs,
+          class Narrow = NoNarrow, class Bias = NoBiasTile>
 struct FwdScoreStep {
     static constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
     using Variant = AttentionVariant<FEATURES>;
@@ -122,6 +126,7 @@ struct FwdScoreStep {
     int row_first, wg_row0, warp, lane;
     int unmasked_lo, unmasked_hi;
     int full_first, full_end;  // FEATURE_BLOCK_MASK: the tiles the user's mask skips
+    bool rows_inside;          // this warpgroup's rows all inside the sequence
     const FwdParams& p;
     const FwdTileContext& c;
     const User& user;
@@ -137,6 +142,7 @@ struct FwdScoreStep {
         variant.select_head(p.mods, c.w.batch, c.w.head);
         vis.unmasked_tile_range(c.span.row_first, c.span.row_last, BLOCK_N, unmasked_lo,
                                 unmasked_hi);
+        rows_inside = row_first + wg_row0 + WG_ROWS <= tile_seqlen_q<VARLEN>(p, c);
         if constexpr (Variant::BLOCK_MASK)
             narrow.full_range(c.w.batch, c.w.head, c.w.m_block, full_first, full_end);
     }
@@ -160,10 +166,14 @@ struct FwdScoreStep {
         if constexpr (Variant::SCORE_MOD)
             Variant::score_mod(acc_s, thread_row0, thread_key0, user_context());
         if constexpr (Variant::MASK_MOD) {
-            if (!Variant::BLOCK_MASK || tile < full_first || tile >= full_end)
+            const bool unmasked = tile >= unmasked_lo && tile < unmasked_hi;
+            if (Variant::BLOCK_MASK && tile >= full_first && tile < full_end) {
+                if (!unmasked) Variant::mask(acc_s, thread_row0, thread_key0, vis);
+            } else if (Variant::USER_MASK_INSIDE && unmasked && rows_inside) {
+                Variant::mask_mod_inside(acc_s, thread_row0, thread_key0, user_context());
+            } else {
                 Variant::mask_mod(acc_s, thread_row0, thread_key0, vis, user_context());
-            else if (tile < unmasked_lo || tile >= unmasked_hi)
-                Variant::mask(acc_s, thread_row0, thread_key0, vis);
+            }
         } else if (tile < unmasked_lo || tile >= unmasked_hi) {
             Variant::mask(acc_s, thread_row0, thread_key0, vis);
         }
@@ -211,8 +221,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     // thread: variant.cuh)
     AttentionVariant<FEATURES>::start_softmax(softmax, p.mods, c.w.head, lane % 4 == 0);
     // S_j in place: score modifiers, mask (boundary tiles only).
-    const FwdScoreStep<FEATURES, BLOCK_N, User, Narrow, Bias> score_step(p, vis, c, wg_row0, warp,
-                                                                         lane, user, narrow, bias);
+    const FwdScoreStep<FEATURES, BLOCK_N, T::ROWS_PER_WARPGROUP, User, Narrow, Bias> score_step(
+        p, vis, c, wg_row0, warp, lane, user, narrow, bias);
 
     // Half tiles (ping-pong + overlap, the dispatched two-consumer schedule): this warpgroup's
     // rows see no key at or past hi() of its last row (hi grows with the row; rows past the
