@@ -133,7 +133,8 @@ HOPPER_FORWARD_BIAS_TILES = os.environ.get("CUFLASH2_HOPPER_BIAS_TILES", "1") !=
 def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: dict, varlen,
                             device_id: int, mask, bias_tile):
     """The Hopper forward with the bias as tiles (FEATURE_BIAS_TILE: each KV tile's block of the
-    bias loaded by TMA with V into its stage, added to S from shared memory), with the call's
+    bias loaded by TMA into its stage after K, on barriers of its own, and added to S from
+    shared memory; sm90/bias_tile.cuh), with the call's
     mask modifier `mask` (or None) and built-in features, or None where it does not take the
     call: not sm_90, varlen, a bias of another dtype than q's, a head dim whose stages do not fit
     shared memory with the bias's (above 128), or arrays the TMA cannot read (a bias whose rows
@@ -158,9 +159,10 @@ def hopper_bias_tile_choice(problem, features: int, window, arch: int, views: di
                                  overlap=overlap, features=hopper.features)
     config = mods.hopper_forward_config(config, mask, None, block_mask=block_mask)
     config = dataclasses.replace(config, features=config.features | FEATURE_BIAS_TILE)
-    if config.smem_bytes > SM90_MAX_SMEM:
-        # d=96's three K/V stages (fwd_sm90_config) leave no room for the bias's: two, as d=128.
-        config = dataclasses.replace(config, stages=2)
+    while config.smem_bytes > SM90_MAX_SMEM and config.stages > 2:
+        # Fewer K/V stages to make room for the bias's (d=96: three stages, fwd_sm90_config,
+        # then two as d=128).
+        config = dataclasses.replace(config, stages=config.stages - 1)
     if config.smem_bytes > SM90_MAX_SMEM:
         return None
     maps = _hopper.forward_maps(config)
