@@ -17,23 +17,25 @@
 // The forward's barriers of the bias tiles' ring (static shared memory), stage s's tile in the
 // K/V ring's stage s: full[s] completes with the producer's expect_tx arrival and the TMA's
 // bytes, empty[s] once every consumer thread has read the tile.
-template <int STAGES>
+template <int STAGES_>
 struct BiasTileRing {
+    static constexpr int STAGES = STAGES_;
     u64 full[STAGES];
     u64 empty[STAGES];
 };
+
+// The backward's: none (its bias tiles come on Q_i's barrier).
+struct NoBiasTileRing {};
 
 // Without a bias tile: nothing to load or add.
 struct NoBiasTile {
     static constexpr bool ON = false;
     CF2_DEVICE bool batch_inner() const { return false; }
-    template <int STAGES, int CONSUMER_THREADS>
+    template <int CONSUMER_THREADS>
     CF2_DEVICE void init_ring() const {}
-    template <int PANELS, int STAGES, int BYTES>
+    template <int PANELS, int BYTES>
     CF2_DEVICE void produce(u32, int, int, int, int, int) const {}
-    template <int STAGES>
     CF2_DEVICE void wait(int) const {}
-    template <int STAGES>
     CF2_DEVICE void release(int) const {}
     template <int PANELS>
     CF2_DEVICE void load(u32, u32, int, int, int, int) const {}
@@ -49,53 +51,48 @@ struct NoBiasTile {
 // PANEL_BYTES apart, each BLOCK_M 128-byte rows (the layout the TMA writes for Q). Rows and keys
 // past the array's ends come zero-filled; the mask hides them (the backward: P = 0 on rows past
 // seqlen_q, whose lse_log2 is +inf).
-// `ring`: the forward's BiasTileRing<STAGES> (its loads on barriers of their own), nullptr in
-// the backward (on Q_i's).
-template <typename Elem, int PANEL_BYTES>
+// `ring`: the forward's BiasTileRing (Ring; its loads on barriers of their own), none in the
+// backward (NoBiasTileRing: on Q_i's).
+template <typename Elem, int PANEL_BYTES, class Ring = NoBiasTileRing>
 struct BiasTile {
     static constexpr bool ON = true;
     const TensorMap& map;
     int heads;
     int batches;
-    void* ring = nullptr;
+    Ring* ring = nullptr;
 
     // A bias broadcast over the batch: the grid runs the CTAs of every batch entry for one
     // (block, head) side by side (grid_work_tile, cta_work), so that they read its tiles at
     // about the same time and the L2 serves them from one read of HBM.
     CF2_DEVICE bool batch_inner() const { return batches == 1; }
 
-    template <int STAGES>
-    CF2_DEVICE BiasTileRing<STAGES>& barriers() const {
-        return *static_cast<BiasTileRing<STAGES>*>(ring);
-    }
-    // Thread 0, beside the kernel's init_barriers (before the CTA's first __syncthreads).
-    template <int STAGES, int CONSUMER_THREADS>
+    // The forward's ring: thread 0, beside the kernel's init_barriers (before the CTA's first
+    // __syncthreads).
+    template <int CONSUMER_THREADS>
     CF2_DEVICE void init_ring() const {
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(smem_address(&barriers<STAGES>().full[s]), 1);
-            mbarrier_init(smem_address(&barriers<STAGES>().empty[s]), CONSUMER_THREADS);
+        for (int s = 0; s < Ring::STAGES; ++s) {
+            mbarrier_init(smem_address(&ring->full[s]), 1);
+            mbarrier_init(smem_address(&ring->empty[s]), CONSUMER_THREADS);
         }
     }
     // Producer of the forward: ring position `pos`'s tile (stage pos % STAGES, in its
     // (pos / STAGES)-th phase) into `dst` once the consumers gave the stage's last one back.
-    template <int PANELS, int STAGES, int BYTES>
+    template <int PANELS, int BYTES>
     CF2_DEVICE void produce(u32 dst, int pos, int row, int key0, int head, int batch) const {
-        const int stage = pos % STAGES;
-        const u32 phase = (pos / STAGES) & 1;
-        mbarrier_wait(smem_address(&barriers<STAGES>().empty[stage]), phase ^ 1);
-        const u32 full = smem_address(&barriers<STAGES>().full[stage]);
+        const int stage = pos % Ring::STAGES;
+        const u32 phase = (pos / Ring::STAGES) & 1;
+        mbarrier_wait(smem_address(&ring->empty[stage]), phase ^ 1);
+        const u32 full = smem_address(&ring->full[stage]);
         mbarrier_arrive_expect_tx(full, BYTES);
         load<PANELS>(dst, full, row, key0, head, batch);
     }
     // Consumers of the forward: position `pos`'s tile landed; read, given back.
-    template <int STAGES>
     CF2_DEVICE void wait(int pos) const {
-        mbarrier_wait(smem_address(&barriers<STAGES>().full[pos % STAGES]), (pos / STAGES) & 1);
+        mbarrier_wait(smem_address(&ring->full[pos % Ring::STAGES]), (pos / Ring::STAGES) & 1);
     }
-    template <int STAGES>
     CF2_DEVICE void release(int pos) const {
-        mbarrier_arrive(smem_address(&barriers<STAGES>().empty[pos % STAGES]));
+        mbarrier_arrive(smem_address(&ring->empty[pos % Ring::STAGES]));
     }
 
     // Producer: rows [row, row + BLOCK_M) x keys [key0, key0 + 64 PANELS) of (head, batch) into
@@ -158,12 +155,12 @@ struct BiasTile {
 // The bias tiles of a mods kernel (ON: FEATURE_BIAS_TILE; `m`: FwdSm90ModsParams or
 // BwdSm90ModsParams, their bias_map, bias_heads and bias_batches), or none. Tiles of BLOCK_M
 // rows: panels of BLOCK_M 128-byte rows.
-// `ring`: the forward's BiasTileRing (shared memory), nullptr in the backward.
-template <bool ON, typename Elem, int BLOCK_M, class ModsParams>
-CF2_DEVICE auto mods_bias_tile(const ModsParams& m, void* ring = nullptr) {
+// `ring`: the forward's BiasTileRing (shared memory), none in the backward.
+template <bool ON, typename Elem, int BLOCK_M, class Ring = NoBiasTileRing, class ModsParams>
+CF2_DEVICE auto mods_bias_tile(const ModsParams& m, Ring* ring = nullptr) {
     if constexpr (ON) {
-        return BiasTile<Elem, BLOCK_M * Sm90CtaLayout::ROW_BYTES>{m.bias_map, m.bias_heads,
-                                                                  m.bias_batches, ring};
+        return BiasTile<Elem, BLOCK_M * Sm90CtaLayout::ROW_BYTES, Ring>{m.bias_map, m.bias_heads,
+                                                                        m.bias_batches, ring};
     } else {
         return NoBiasTile{};
     }

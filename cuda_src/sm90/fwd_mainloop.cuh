@@ -355,10 +355,10 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         pin_registers(acc_s[0]);
         release_k(0);
         if (tiles == 1) release_q();  // S_0 was the last S GEMM
-        bias.template wait<STAGES>(ring_of(0));
+        bias.wait(ring_of(0));
         auto first_softmax = [&](auto& s) {
             score_step(s, tile_end - 1, bias_tile_of(0));
-            bias.template release<STAGES>(ring_of(0));
+            bias.release(ring_of(0));
             softmax.fold_max(s, p.scale_log2, correction);  // O is 0: no rescale
             softmax.exp_scores(s, p.scale_log2);
         };
@@ -397,9 +397,9 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             pin_registers(acc_s[0]);
             release_k(j);
             if (j == tiles - 1) release_q();  // S_j was the last S GEMM
-            bias.template wait<STAGES>(ring_of(j));
+            bias.wait(ring_of(j));
             score_step(acc_s, tile_end - 1 - j, bias_tile_of(j));
-            bias.template release<STAGES>(ring_of(j));
+            bias.release(ring_of(j));
             rescale = softmax.fold_max(acc_s, p.scale_log2, correction);
             softmax.exp_scores(acc_s, p.scale_log2);
         }

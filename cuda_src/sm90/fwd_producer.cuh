@@ -66,7 +66,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
             }
         }
         // The bias's block (needed at the tile's softmax, before V) once its stage is read.
-        bias.template produce<T::BIAS_PANELS, STAGES, T::BIAS_TILE_BYTES>(
+        bias.template produce<T::BIAS_PANELS, T::BIAS_TILE_BYTES>(
             v_tile + T::KV_TILE_BYTES, ring, span.row_first, tile * T::KEYS_PER_TILE, w.head,
             w.batch);
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
