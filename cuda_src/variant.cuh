@@ -43,6 +43,22 @@
 #include "user_mods.cuh"
 #include "block_mask.cuh"
 
+// f(score, its row, its key) for every score of a thread's accumulator tile (the mma.sync
+// m16n8 layout: s[mt][nt][2 * half + e] is row row0 + 16 mt + 8 half, key key0 + 8 nt + e).
+template <int M_TILES, int N_TILES, class F>
+CF2_DEVICE void for_each_score(float (&s)[M_TILES][N_TILES][4], int row0, int key0, F&& f) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 16 * mt + 8 * half;
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) f(s[mt][nt][2 * half + e], row, key0 + 8 * nt + e);
+        }
+}
+
 template <int FEATURES>
 struct AttentionVariant : ScoreMods<FEATURES> {
     static constexpr bool SINKS = (FEATURES & FEATURE_SINKS) != 0;
@@ -87,22 +103,11 @@ struct AttentionVariant : ScoreMods<FEATURES> {
     CF2_DEVICE static void score_mod(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
                                      const UserModContext& ctx) {
         if constexpr (SCORE_MOD) {
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int row = row0 + 16 * mt + 8 * half;
-#pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int key = key0 + 8 * nt + e;
-                            float& x = s[mt][nt][2 * half + e];
-                            if (row < ctx.seqlen_q && key < ctx.seqlen_k)
-                                x = UserMods::score(ctx.user, x * ctx.scale, ctx.batch, ctx.head,
-                                                    row, key) * ctx.inv_scale;
-                        }
-                }
+            for_each_score(s, row0, key0, [&](float& x, int row, int key) {
+                if (row < ctx.seqlen_q && key < ctx.seqlen_k)
+                    x = UserMods::score(ctx.user, x * ctx.scale, ctx.batch, ctx.head, row, key) *
+                        ctx.inv_scale;
+            });
         }
     }
 
@@ -170,20 +175,9 @@ struct AttentionVariant : ScoreMods<FEATURES> {
     template <int M_TILES, int N_TILES>
     CF2_DEVICE static void mask_mod_inside(float (&s)[M_TILES][N_TILES][4], int row0, int key0,
                                            const UserModContext& ctx) {
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = row0 + 16 * mt + 8 * half;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = key0 + 8 * nt + e;
-                        if (!UserMods::mask(ctx.user, ctx.batch, ctx.head, row, key))
-                            s[mt][nt][2 * half + e] = neg_inf();
-                    }
-            }
+        for_each_score(s, row0, key0, [&](float& x, int row, int key) {
+            if (!UserMods::mask(ctx.user, ctx.batch, ctx.head, row, key)) x = neg_inf();
+        });
     }
 
     // The sink of query head `head` in log2 units of the scaled scores (the units of the
