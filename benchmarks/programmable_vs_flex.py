@@ -35,25 +35,40 @@ from cuflash2.selfcheck import dtype_from_name  # noqa: E402
 
 SEQ, HEADS, D = 16384, 16, 128
 DOC_LEN, WINDOW, PREFIX = 2048, 1024, 2048
+#: The issue's four masks: name -> (the mask modifier's expression, which reads `doc` (document
+#: ids, doc_ids) where it names it; the built-in masks it equals, or None).
+MASKS = {
+    "causal": ("kv_idx <= q_idx", dict(causal=True)),
+    "document-causal 8 x 2k": ("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx", None),
+    "causal window 1024": (f"kv_idx <= q_idx && q_idx - kv_idx < {WINDOW}",
+                           dict(causal=True, window_size=(WINDOW - 1, 0))),
+    "prefix-LM 2048": (f"kv_idx <= q_idx || kv_idx < {PREFIX}", None),
+}
+
+
+def doc_ids():
+    """The document of each of the SEQ positions (DOC_LEN each), int32 on the GPU."""
+    return cupy.asarray(numpy.arange(SEQ, dtype=numpy.int32) // DOC_LEN)
+
+
+def mask_mod_of(package, name: str, doc):
+    """MASKS[name]'s mask modifier of `package` (cuflash2, or another version of it)."""
+    expression = MASKS[name][0]
+    return package.mask_mod(expression, **({"doc": doc} if "doc[" in expression else {}))
 
 
 def _masks(torch):
     """name -> (cuflash2 mask_mod, flex mask function, built-in kwargs or None)."""
-    doc = cupy.asarray(numpy.arange(SEQ, dtype=numpy.int32) // DOC_LEN)
+    doc = doc_ids()
     doc_t = torch.arange(SEQ, device="cuda") // DOC_LEN
-    return {
-        "causal": (cuflash2.mask_mod("kv_idx <= q_idx"),
-                   lambda b, h, q, kv: kv <= q, dict(causal=True)),
-        "document-causal 8 x 2k": (
-            cuflash2.mask_mod("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx", doc=doc),
-            lambda b, h, q, kv: (doc_t[q] == doc_t[kv]) & (kv <= q), None),
-        "causal window 1024": (
-            cuflash2.mask_mod(f"kv_idx <= q_idx && q_idx - kv_idx < {WINDOW}"),
-            lambda b, h, q, kv: (kv <= q) & (q - kv < WINDOW),
-            dict(causal=True, window_size=(WINDOW - 1, 0))),
-        "prefix-LM 2048": (cuflash2.mask_mod(f"kv_idx <= q_idx || kv_idx < {PREFIX}"),
-                           lambda b, h, q, kv: (kv <= q) | (kv < PREFIX), None),
+    flex = {
+        "causal": lambda b, h, q, kv: kv <= q,
+        "document-causal 8 x 2k": lambda b, h, q, kv: (doc_t[q] == doc_t[kv]) & (kv <= q),
+        "causal window 1024": lambda b, h, q, kv: (kv <= q) & (q - kv < WINDOW),
+        "prefix-LM 2048": lambda b, h, q, kv: (kv <= q) | (kv < PREFIX),
     }
+    return {name: (mask_mod_of(cuflash2, name, doc), flex[name], builtin)
+            for name, (_, builtin) in MASKS.items()}
 
 
 def _bhsd(torch, x, dtype):

@@ -19,34 +19,24 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # programmable_vs_flex
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy  # noqa: E402
-import numpy  # noqa: E402
 
 import cuflash2  # noqa: E402
 from ab_packages import load_base_package  # noqa: E402
 from cuflash2.bench.timing import Backlog, time_cupy  # noqa: E402
 from cuflash2.selfcheck import dtype_from_name  # noqa: E402
+from programmable_vs_flex import D, HEADS, MASKS, SEQ, doc_ids, mask_mod_of  # noqa: E402
 
-SEQ, HEADS, D = 16384, 16, 128
-DOC_LEN, WINDOW, PREFIX = 2048, 1024, 2048
-
-
-MASK_NAMES = ("causal", "document-causal 8 x 2k", "causal window 1024", "prefix-LM 2048")
+MASK_NAMES = tuple(MASKS)
 
 
 def masks(package, doc):
     """name -> (mask_mod, built-in kwargs or None) of `package`."""
-    return {
-        "causal": (package.mask_mod("kv_idx <= q_idx"), dict(causal=True)),
-        "document-causal 8 x 2k": (
-            package.mask_mod("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx", doc=doc), None),
-        "causal window 1024": (
-            package.mask_mod(f"kv_idx <= q_idx && q_idx - kv_idx < {WINDOW}"),
-            dict(causal=True, window_size=(WINDOW - 1, 0))),
-        "prefix-LM 2048": (package.mask_mod(f"kv_idx <= q_idx || kv_idx < {PREFIX}"), None),
-    }
+    return {name: (mask_mod_of(package, name, doc), builtin)
+            for name, (_, builtin) in MASKS.items()}
 
 
 def inputs():
@@ -54,8 +44,7 @@ def inputs():
     rng = cupy.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((1, SEQ, HEADS, D), dtype=cupy.float32).astype(dtype)
                      for _ in range(4))
-    doc = cupy.asarray(numpy.arange(SEQ, dtype=numpy.int32) // DOC_LEN)
-    return dtype, q, k, v, dout, doc
+    return dtype, q, k, v, dout, doc_ids()
 
 
 def mask_calls(package, name, arrays, builtin_too: bool):
