@@ -43,6 +43,12 @@ def backward_kernel_family(compute_capability: str) -> str:
             f"run mma.sync ({names})")
 
 
+#: How to install CuPy, for the messages that find it missing: the wheel for the CUDA version,
+#: or cuflash2's extra from a checkout (cuflash2 is not on a package index yet).
+CUPY_INSTALL_HINT = ('pip install cupy-cuda13x (CUDA 13; cupy-cuda12x for CUDA 12), or from a '
+                     'checkout of cuflash2 pip install ".[cuda13]" (or ".[cuda12]")')
+
+
 def cupy_cache_dir() -> str:
     """CuPy's on-disk kernel cache, where compiled cuflash2 kernels persist between processes."""
     return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
@@ -54,12 +60,16 @@ def find_gpu():
         import cupy
     except Exception as exc:  # ImportError, or a CUDA library that fails to load
         return None, (
-            f"CuPy is not available ({exc.__class__.__name__}: {exc}); "
-            'install it with pip install "cuflash2[cuda13]" (or [cuda12])'
+            f"CuPy is not available ({exc.__class__.__name__}: {exc}); install it: "
+            f"{CUPY_INSTALL_HINT}"
         )
+    # The runtime reports driver version 0 where no NVIDIA driver is installed, and then calls
+    # that "insufficient", which reads as a driver too old.
+    if _try(lambda: cupy.cuda.runtime.driverGetVersion()) == 0:
+        return None, "no NVIDIA driver is installed (cuflash2's kernels need one and a GPU)"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, no device, CUDA_VISIBLE_DEVICES=""
+    except Exception as exc:  # no device, CUDA_VISIBLE_DEVICES=""
         return None, f"no CUDA device is visible ({exc})"
     if count == 0:
         return None, "no CUDA device is visible"
@@ -121,7 +131,8 @@ def collect() -> dict:
         runtime = cupy.cuda.runtime
         env["cupy"] = cupy.__version__
         env["cuda_runtime"] = _try(lambda: _cuda_version(runtime.runtimeGetVersion()))
-        env["cuda_driver"] = _try(lambda: _cuda_version(runtime.driverGetVersion()))
+        driver = _try(runtime.driverGetVersion)
+        env["cuda_driver"] = _cuda_version(driver) if driver else None  # 0: no driver
         env["nvrtc"] = _try(lambda: "{}.{}".format(*cupy.cuda.nvrtc.getVersion()))
     if env["gpu_error"] is None:
         env["gpu"] = _try(lambda: _describe_device(cupy))
@@ -155,7 +166,7 @@ def format_info(env: dict) -> list[str]:
     if env["cupy"]:
         lines += [
             f"CUDA runtime   {env['cuda_runtime'] or 'unknown'}",
-            f"CUDA driver    {env['cuda_driver'] or 'unknown (no driver?)'}",
+            f"CUDA driver    {env['cuda_driver'] or 'none found (no NVIDIA driver installed?)'}",
             f"NVRTC          {env['nvrtc'] or 'not found'}",
         ]
     lines.append(f"torch          {env['torch'] or missing} (only for bench --compare torch)")

@@ -80,6 +80,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     """api.attention_with_kvcache, its options (causal, softmax_scale, window_size, softcap,
     alibi_slopes, sinks) as one _options.AttentionOptions."""
     global _cupy
+    if _cupy is None:  # the first call: NumPy arrays get their hint before CuPy is imported
+        _prepare.require_cupy_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache},
+                                     "attention_with_kvcache")
     cupy = _cupy or _prepare.cupy_module()
     _cupy = cupy
     key = None if check_cache else _key(
@@ -120,7 +123,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
             arrays[name] = x
     if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
         arrays["cache_seqlens"] = cache_seqlens
-    cupy = _prepare.require_cupy_arrays(arrays)
+    cupy = _prepare.require_cupy_arrays(arrays, "attention_with_kvcache")
     _prepare.check_flag("causal", options.causal)
     _prepare.check_flag("early_cache_reads", early_cache_reads)
     num_splits = check_num_splits(num_splits)

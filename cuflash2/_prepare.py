@@ -23,21 +23,21 @@ def cupy_module():
     try:
         import cupy
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "cuflash2 needs CuPy for GPU arrays: pip install 'cuflash2[cuda13]' (or [cuda12])"
-        ) from exc
+        from ._environment import CUPY_INSTALL_HINT
+
+        raise ImportError(f"cuflash2 needs CuPy for GPU arrays: {CUPY_INSTALL_HINT}") from exc
     return cupy
 
 
-def require_cupy_arrays(arrays: dict):
-    """Checks the array arguments are CuPy arrays; returns the cupy module."""
+def require_cupy_arrays(arrays: dict, reference: str = "attention"):
+    """Checks the array arguments are CuPy arrays; returns the cupy module. `reference`: the
+    cuflash2.reference function that computes the call on the CPU (the hint for NumPy arrays)."""
     for name, x in arrays.items():
         # Checked before importing CuPy, so the hint also reaches users without CuPy installed.
         if isinstance(x, numpy.ndarray):
             raise TypeError(
-                f"{name} is a numpy array; cuflash2.attention runs on the GPU and needs CuPy "
-                f"arrays: use cupy.asarray({name}), or cuflash2.reference.attention to compute "
-                f"on the CPU")
+                f"{name} is a numpy array; cuflash2 runs on the GPU and needs CuPy arrays: use "
+                f"cupy.asarray({name}), or cuflash2.reference.{reference} to compute on the CPU")
     cupy = cupy_module()
     for name, x in arrays.items():
         if not isinstance(x, cupy.ndarray):

@@ -393,7 +393,7 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
         bias_grad, user_inputs = user_inputs[-1], user_inputs[:-1]
     block_input, user_inputs = _block_input(options, user_inputs)  # before dbias's
     q, k, v = views["q"], views["k"], views["v"]
-    cupy = _prepare.require_cupy_arrays(_typed(names))
+    cupy = _prepare.require_cupy_arrays(_typed(names), "attention_backward")
     _prepare.check_flag("causal", options.causal)
     _prepare.check_flag("deterministic", deterministic)
     varlen = None

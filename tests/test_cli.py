@@ -530,3 +530,26 @@ def test_measure_times_flash_and_cudnn_on_every_row(monkeypatch):
         else:
             assert row.cudnn_ms == 2.0 and row.ratio_vs_cudnn == 2.0 and row.cudnn_error is None
             assert row.cudnn_max_abs_diff == (1e-3 if c.direction == "fwd" else None)
+
+
+def test_info_says_when_no_driver_is_installed(monkeypatch):
+    """Without an NVIDIA driver the CUDA runtime reports driver version 0 and calls it
+    insufficient; info says there is none instead of "CUDA driver 0.0"."""
+    import types
+
+    from cuflash2 import _environment
+
+    def no_driver():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    runtime = types.SimpleNamespace(driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 13000,
+                                    getDeviceCount=no_driver)
+    fake = types.SimpleNamespace(__version__="14.0.0", cuda=types.SimpleNamespace(
+        runtime=runtime, nvrtc=types.SimpleNamespace(getVersion=lambda: (13, 0))))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    cupy, reason = _environment.find_gpu()
+    assert cupy is None and reason.startswith("no NVIDIA driver is installed")
+    env = _environment.collect()
+    assert env["cuda_driver"] is None and env["gpu_error"] == reason
+    lines = "\n".join(_environment.format_info(env))
+    assert "CUDA driver    none found" in lines and "CUDA driver    0.0" not in lines

@@ -34,8 +34,17 @@ def test_valid_problem_sizes():
 
 def test_numpy_input_gets_a_hint():
     q, k, v = arrays()
-    with pytest.raises(TypeError, match=r"q is a numpy array.*cupy\.asarray\(q\).*reference"):
+    with pytest.raises(TypeError, match=r"q is a numpy array.*cupy\.asarray\(q\).*"
+                                        r"cuflash2\.reference\.attention to compute"):
         cuflash2.attention(q, k, v)
+    # Each entry point names its own reference function, before CuPy is imported.
+    lse = np.zeros((q.shape[0], q.shape[2], q.shape[1]), np.float32)
+    with pytest.raises(TypeError, match=r"dout is a numpy array.*"
+                                        r"cuflash2\.reference\.attention_backward to compute"):
+        cuflash2.attention_backward(q, q, k, v, q, lse)
+    with pytest.raises(TypeError, match=r"q is a numpy array.*"
+                                        r"cuflash2\.reference\.attention_with_kvcache to compute"):
+        cuflash2.attention_with_kvcache(q, k, v)
 
 
 @pytest.mark.parametrize("bad,pattern", [
