@@ -177,6 +177,12 @@ def _check_shapes(q, k, v):
         raise ValueError(
             f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})"
         )
+    # One input dtype, as the kernels take: a mix would be computed without a word, each array
+    # rounded (compute_dtype's low precision) as if it were the others' type.
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}); got {x.dtype}. "
+                            f"Cast explicitly, e.g. {name}.astype(q.dtype)")
 
 
 def _scale(softmax_scale, headdim):

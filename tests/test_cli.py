@@ -553,3 +553,13 @@ def test_info_says_when_no_driver_is_installed(monkeypatch):
     assert env["cuda_driver"] is None and env["gpu_error"] == reason
     lines = "\n".join(_environment.format_info(env))
     assert "CUDA driver    none found" in lines and "CUDA driver    0.0" not in lines
+
+
+def test_check_help_describes_its_options():
+    result = run_cli("check", "--help")
+    assert result.returncode == 0
+    out = " ".join(result.stdout.split())
+    assert "checks each result against cuflash2.reference" in out
+    for option, words in (("--dtype", "input dtypes"), ("--headdim", "head dims to check"),
+                          ("--seed", "seed of the random inputs")):
+        assert option in out and words in out, option

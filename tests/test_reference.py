@@ -434,3 +434,13 @@ def test_check_varlen_backward_accepts_reference_and_rejects_perturbed():
     grads[2] = grads[2] * FP16.type(1.1)
     results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
     assert [r.ok for r in results] == [True, True, False]
+
+
+def test_mixed_input_dtypes_are_refused():
+    """One input dtype, as the kernels take (a mix was computed without a word)."""
+    rng = numpy.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 2, 8)).astype(numpy.float16)
+    with pytest.raises(TypeError, match=r"k must have the same dtype as q \(float16\); got float32"):
+        reference.attention(q, q.astype(numpy.float32), q)
+    with pytest.raises(TypeError, match=r"v must have the same dtype as q"):
+        reference.attention_backward(q, q, q, q.astype(numpy.float32), None, None)
