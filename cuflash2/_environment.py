@@ -54,6 +54,15 @@ def cupy_cache_dir() -> str:
     return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
 
 
+def cached_modules(cache_dir: str) -> int:
+    """Compiled modules in CuPy's kernel cache `cache_dir` (its .cubin files: cuflash2's and any
+    other CuPy user's); 0 where the directory does not exist."""
+    try:
+        return sum(1 for entry in os.scandir(cache_dir) if entry.name.endswith(".cubin"))
+    except OSError:
+        return 0
+
+
 def find_gpu():
     """Return (cupy module, None) when a CUDA device is usable, else (None, reason for a person)."""
     try:
@@ -122,6 +131,7 @@ def collect() -> dict:
         "gpu_error": None,
         "cupy_cache_dir": cupy_cache_dir(),
     }
+    env["cupy_cache_modules"] = cached_modules(env["cupy_cache_dir"])
     cupy, reason = find_gpu()
     if cupy is None:
         env["gpu_error"] = reason
@@ -183,5 +193,7 @@ def format_info(env: dict) -> list[str]:
         ]
     else:
         lines.append(f"GPU            none: {env['gpu_error'] or 'device query failed'}")
-    lines.append(f"kernel cache   {env['cupy_cache_dir']} (CuPy's; set CUPY_CACHE_DIR to move it)")
+    lines.append(f"kernel cache   {env['cupy_cache_dir']} ({env.get('cupy_cache_modules', 0)} "
+                 f"compiled modules; CuPy's: set CUPY_CACHE_DIR to move it, fill it with "
+                 f"`cuflash2 precompile`)")
     return lines

@@ -1,5 +1,5 @@
-"""Command line: `cuflash2 info | check | bench` (the console script), or
-`python -m cuflash2 info | check | bench`.
+"""Command line: `cuflash2 info | check | precompile | bench` (the console script), or
+`python -m cuflash2 info | check | precompile | bench`.
 
 CuPy (and torch) are imported only inside the commands that need them, so `info` and `--help`
 work on a machine without CuPy or without a GPU.
@@ -8,9 +8,11 @@ work on a machine without CuPy or without a GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
-# Exit status of `check` and `bench` when there is nothing to run them on.
+# Exit status of `check`, `precompile` and `bench` when there is nothing to run them on.
 EXIT_NO_GPU = 2
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
@@ -24,7 +26,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
     """`prog`: the command as the user typed it, for usage and help lines."""
-    from cuflash2 import selfcheck
+    from cuflash2 import precompile, selfcheck
     from cuflash2.bench.paper_grid import PAPER_HIDDEN, PAPER_SEQLENS, PAPER_TOKENS
 
     parser = argparse.ArgumentParser(
@@ -52,6 +54,37 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0,
                        help="seed of the random inputs (default 0); another seed, other inputs")
     check.set_defaults(func=_check)
+
+    pre = commands.add_parser(
+        "precompile", help="compile kernels ahead of time into CuPy's cache, with progress",
+        description="Compiles every kernel specialisation the calls you name can use, for this "
+                    "machine's GPU, in parallel processes, into CuPy's on-disk kernel cache (or "
+                    "--cache-dir): a later process (or another machine with the same GPU and "
+                    "that cache, CUPY_CACHE_DIR) then starts warm instead of compiling inside "
+                    "its first calls.")
+    pre.add_argument("--dtype", nargs="+", choices=tuple(precompile.DTYPES),
+                     default=list(precompile.DTYPES), help="input dtypes (default: both)")
+    pre.add_argument("--headdim", nargs="+", type=_positive_int,
+                     default=list(precompile.DEFAULT_HEAD_DIMS),
+                     help="head dims of your calls (default: "
+                          f"{' '.join(map(str, precompile.DEFAULT_HEAD_DIMS))})")
+    pre.add_argument("--features", nargs="+", default=list(precompile.DEFAULT_FEATURES),
+                     metavar="NAME[+NAME]",
+                     help="the features of your calls, each a set of "
+                          f"{', '.join(precompile.FEATURE_NAMES)} joined by + (e.g. none "
+                          "softcap+alibi; default: none)")
+    pre.add_argument("--directions", nargs="+", choices=precompile.DIRECTIONS,
+                     default=list(precompile.DEFAULT_DIRECTIONS),
+                     help="fwd (attention), bwd (attention_backward, deterministic mode too), "
+                          "decode (attention_with_kvcache) (default: fwd bwd)")
+    pre.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                     help="parallel compiler processes (default: the CPU count)")
+    pre.add_argument("--cache-dir", default=None,
+                     help="the kernel cache directory to fill (default: CuPy's, "
+                          "CUPY_CACHE_DIR or ~/.cupy/kernel_cache)")
+    pre.add_argument("--list", action="store_true",
+                     help="print the specialisations and exit, compiling nothing")
+    pre.set_defaults(func=_precompile)
 
     bench_cmd = commands.add_parser(
         "bench", help="TFLOP/s on the FlashAttention-2 paper's grid, optionally next to torch SDPA")
@@ -131,6 +164,35 @@ def _check(args) -> int:
     from cuflash2 import selfcheck
 
     return selfcheck.run(cupy, args.dtype, args.headdim, args.seed)
+
+
+def _precompile(args) -> int:
+    from cuflash2 import _environment, precompile
+
+    try:
+        features = precompile.parse_features(args.features)
+    except ValueError as exc:
+        print(f"cuflash2 precompile: {exc}", file=sys.stderr)
+        return 2
+    cupy = _require_gpu("precompile")
+    if cupy is None:
+        return EXIT_NO_GPU
+    arch = int(cupy.cuda.Device().compute_capability)
+    configs = precompile.plan(arch, [precompile.DTYPES[d] for d in args.dtype], args.headdim,
+                              features, args.directions)
+    if args.list:
+        print("\n".join(c.name_expression for c in configs))
+        return 0
+    cache_dir = args.cache_dir or _environment.cupy_cache_dir()
+    print(f"cuflash2 precompile: {len(configs)} specialisations for sm_{arch} into {cache_dir}, "
+          f"{args.jobs} processes", file=sys.stderr)
+    start = time.monotonic()
+    errors = precompile.run(configs, args.jobs, args.cache_dir)
+    for error in errors:
+        print(f"failed: {error}", file=sys.stderr)
+    print(f"cuflash2 precompile: {len(configs) - len(errors)} of {len(configs)} compiled in "
+          f"{time.monotonic() - start:.0f} s", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def _bench(args) -> int:

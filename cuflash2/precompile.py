@@ -1,0 +1,134 @@
+"""`cuflash2 precompile`: the kernel specialisations a user names, compiled ahead of time in
+parallel processes into CuPy's on-disk kernel cache (or a directory the user names), so that a
+later process, or a cluster job that ships the cache, starts warm.
+
+A first call of each new signature compiles its kernels (NVRTC, about a second each, a Hopper
+backward more) one at a time, inside the call. Which specialisations a call needs follows from
+its dtype, head dim, features and direction (and on an H100/H200 from its lengths: the Hopper
+kernels or the mma.sync ones); `plan` takes every specialisation the dispatcher can choose for
+the named ones, on this machine's GPU architecture (CuPy compiles for the current device, and
+a cache serves machines with the same GPU).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from . import _configs, _dispatch
+
+#: --features names -> feature bits (combine with "+": "softcap+alibi"; "none": plain).
+FEATURE_NAMES = {"none": 0, "softcap": _configs.FEATURE_SOFTCAP,
+                 "alibi": _configs.FEATURE_ALIBI, "sinks": _configs.FEATURE_SINKS,
+                 "dropout": _configs.FEATURE_DROPOUT, "varlen": _configs.FEATURE_VARLEN}
+DIRECTIONS = ("fwd", "bwd", "decode")
+DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+#: The defaults: the head dims of most models, plain attention, both training directions.
+DEFAULT_HEAD_DIMS = (64, 128)
+DEFAULT_FEATURES = ("none",)
+DEFAULT_DIRECTIONS = ("fwd", "bwd")
+
+
+def parse_features(names) -> list[int]:
+    """Feature bit sets from --features names ("softcap", "softcap+alibi", "none", ...);
+    ValueError naming the unknown name."""
+    sets = []
+    for combo in names:
+        bits = 0
+        for name in combo.split("+"):
+            if name not in FEATURE_NAMES:
+                raise ValueError(f"--features: unknown feature {name!r}; the names are "
+                                 f"{', '.join(FEATURE_NAMES)} (combined with +)")
+            bits |= FEATURE_NAMES[name]
+        sets.append(bits)
+    return list(dict.fromkeys(sets))
+
+
+def plan(arch: int, dtypes, head_dims, features, directions) -> list:
+    """Every specialisation the dispatcher can choose on sm_`arch` for calls of these dtypes
+    ("float16" / "bfloat16"), head dims (any the API takes), feature bit sets and directions
+    ("fwd", "bwd": with the deterministic dQ kernel and the backward's pre- and
+    post-processing; "decode": attention_with_kvcache), each once."""
+    dtypes = set(dtypes)
+    dims = {_dispatch.kernel_head_dim(d) for d in head_dims}
+    hopper = arch == 90
+    fwd_dims = {min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= h)
+                for h in head_dims if h <= max(_configs.SM90_FWD_HEAD_DIMS)}
+    bwd_dims = {_dispatch.hopper_backward_head_dim(h)
+                for h in head_dims if h <= max(_configs.SM90_BWD_HEAD_DIMS)}
+
+    def named(configs, kernel_dims):
+        return [c for c in configs if c.dtype in dtypes and c.head_dim in kernel_dims]
+
+    configs = []
+    if "fwd" in directions:
+        configs += named(_dispatch.all_fwd_configs(arch, features), dims)
+        if hopper:
+            configs += named(_dispatch.hopper_forward_configs(
+                [f for f in features if f in _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES]),
+                fwd_dims)
+    if "bwd" in directions:
+        configs += named(_dispatch.all_bwd_configs(arch, features), dims)
+        backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))
+        varlen = any(f & _configs.FEATURE_VARLEN for f in features)
+        configs += [c for c in _configs.aux_kernels() if c.dtype in dtypes
+                    and (varlen or not c.varlen)
+                    and (c.kernel != "flash_bwd_sinks_kernel"
+                         or any(f & _configs.FEATURE_SINKS for f in features))]
+        if hopper:
+            sm90 = named(_dispatch.all_bwd_sm90_configs(
+                [f for f in backward
+                 if f in _configs.SM90_BWD_FEATURES + _configs.SM90_BWD_VARLEN_FEATURES]),
+                bwd_dims)
+            configs += sm90 + [_dispatch.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+                               for c in sm90]
+    if "decode" in directions:
+        configs += named(_dispatch.all_decode_configs(
+            arch, [f for f in features if f in _configs.DECODE_FEATURES]), dims)
+    return list(dict.fromkeys(configs))
+
+
+def progress_line(done: int, total: int, elapsed: float) -> str:
+    """`done` of `total` compiled after `elapsed` seconds: count, rate and time left."""
+    rate = done / elapsed if elapsed > 0 else 0.0
+    left = (total - done) / rate if rate > 0 else float("nan")
+    bar_width = 30
+    filled = bar_width * done // total if total else bar_width
+    left_text = f"{left:.0f} s left" if left == left else "time left unknown"
+    return (f"[{'#' * filled}{'.' * (bar_width - filled)}] {done}/{total} kernels, "
+            f"{rate:.1f}/s, {left_text}")
+
+
+def _compile_one(config) -> str | None:
+    """A worker's compile of one specialisation into CuPy's cache; its error in words, or None."""
+    from . import _compile
+
+    try:
+        _compile.get_kernel(config, 0)
+    except Exception as exc:  # reported by the parent, which goes on with the others
+        return f"{config.name_expression}: {exc.__class__.__name__}: {exc}"
+    return None
+
+
+def run(configs, jobs: int, cache_dir: str | None = None, stream=sys.stderr) -> list[str]:
+    """Compiles `configs` in `jobs` processes, writing a progress line to `stream` as each
+    completes; returns the errors (empty when every one compiled). `cache_dir`: CuPy's kernel
+    cache directory for the workers (CUPY_CACHE_DIR), else CuPy's own."""
+    if cache_dir is not None:
+        os.environ["CUPY_CACHE_DIR"] = cache_dir  # the workers (spawned) inherit it
+    errors, done, start = [], 0, time.monotonic()
+    # spawn: the parent may hold a CUDA context, which forked children cannot use.
+    with ProcessPoolExecutor(max(1, jobs),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        for future in as_completed([pool.submit(_compile_one, c) for c in configs]):
+            error = future.result()
+            if error is not None:
+                errors.append(error)
+            done += 1
+            end = "\n" if done == len(configs) else ""
+            print(f"\r{progress_line(done, len(configs), time.monotonic() - start)}", end=end,
+                  file=stream, flush=True)
+    return errors

@@ -1,0 +1,78 @@
+"""`cuflash2 precompile` on a CPU machine: which specialisations it plans for the calls a user
+names, its option parsing and progress line, its refusal without a GPU, and `info`'s count of
+the cache (the compiles themselves need CuPy and a GPU: tests/gpu)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuflash2 import _configs, _dispatch, precompile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_plan_covers_what_the_dispatcher_chooses_for_the_named_calls():
+    for arch in (80, 90):
+        configs = precompile.plan(arch, ["bfloat16"], [100], [0], ("fwd", "bwd"))
+        assert configs == list(dict.fromkeys(configs))
+        assert {c.dtype for c in configs} == {"bfloat16"}
+        assert _dispatch.fwd_config("bfloat16", 100, arch) in configs  # d=100 -> kernel d=128
+        assert _dispatch.bwd_config("bfloat16", 100, arch) in configs
+        assert _dispatch.bwd_dq_config("bfloat16", 100, arch) in configs
+        kernels = {c.kernel for c in configs if isinstance(c, _configs.AuxKernel)}
+        assert kernels == {"flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel"}
+    hopper = precompile.plan(90, ["bfloat16"], [128], [0], ("fwd", "bwd"))
+    assert any(isinstance(c, _configs.FwdSm90Config) for c in hopper)
+    sm90_bwd = [c for c in hopper if isinstance(c, _configs.BwdSm90Config)]
+    assert {c.deterministic for c in sm90_bwd} == {False, True}
+    assert not any(isinstance(c, (_configs.FwdSm90Config, _configs.BwdSm90Config))
+                   for c in precompile.plan(80, ["bfloat16"], [128], [0], ("fwd", "bwd")))
+
+
+def test_the_plan_follows_features_and_directions():
+    plain = precompile.plan(80, ["float16"], [64], [0], ("decode",))
+    assert plain and all(isinstance(c, _configs.DecodeConfig) for c in plain)
+    features = precompile.parse_features(["softcap+alibi", "sinks", "varlen"])
+    assert features == [_configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI,
+                        _configs.FEATURE_SINKS, _configs.FEATURE_VARLEN]
+    configs = precompile.plan(80, ["float16"], [64], features, ("fwd", "bwd"))
+    assert {c.features for c in configs if isinstance(c, _configs.FwdConfig)} == set(features)
+    aux = {(c.kernel, c.varlen) for c in configs if isinstance(c, _configs.AuxKernel)}
+    assert ("flash_bwd_sinks_kernel", False) in aux and ("flash_bwd_preprocess_kernel", True) in aux
+
+
+def test_unknown_feature_names_are_refused():
+    with pytest.raises(ValueError, match="--features: unknown feature 'softcapp'"):
+        precompile.parse_features(["softcapp"])
+
+
+def test_the_progress_line_counts_rates_and_time_left():
+    assert precompile.progress_line(12, 120, 4.0).endswith("12/120 kernels, 3.0/s, 36 s left")
+    assert "time left unknown" in precompile.progress_line(0, 10, 0.0)
+    assert precompile.progress_line(10, 10, 2.0).startswith("[" + "#" * 30 + "]")
+
+
+def _cli(*args, **env):
+    return subprocess.run([sys.executable, "-m", "cuflash2", *args], cwd=REPO,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_precompile_without_a_gpu_says_what_it_needs():
+    result = _cli("precompile")
+    assert result.returncode == 2
+    assert "cuflash2 precompile: needs an NVIDIA GPU" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = _cli("precompile", "--features", "bias")
+    assert result.returncode == 2 and "unknown feature 'bias'" in result.stderr
+
+
+def test_info_counts_the_cached_modules(tmp_path):
+    for name in ("a.cubin", "b.cubin", "notes.txt"):
+        (tmp_path / name).write_text("")
+    result = _cli("info", CUPY_CACHE_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"{tmp_path} (2 compiled modules" in result.stdout
