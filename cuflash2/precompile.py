@@ -67,9 +67,9 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
     if "fwd" in directions:
         configs += named(_dispatch.all_fwd_configs(arch, features), dims)
         if hopper:
+            taken = _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES
             configs += named(_dispatch.hopper_forward_configs(
-                [f for f in features if f in _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES]),
-                fwd_dims)
+                [f for f in features if f in taken]), fwd_dims)
     if "bwd" in directions:
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))
