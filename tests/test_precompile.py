@@ -55,24 +55,39 @@ def test_the_progress_line_counts_rates_and_time_left():
     assert precompile.progress_line(10, 10, 2.0).startswith("[" + "#" * 30 + "]")
 
 
-def _cli(*args, **env):
-    return subprocess.run([sys.executable, "-m", "cuflash2", *args], cwd=REPO,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **env),
-                          capture_output=True, text=True, timeout=120)
+def _cli(capsys, monkeypatch, *args, **env):
+    """`cuflash2 ARGS` in this process (CUDA_VISIBLE_DEVICES="": no GPU, on any machine):
+    (exit status, stdout, stderr)."""
+    from cuflash2 import cli
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        status = cli.main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        status = exc.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
 
 
-def test_precompile_without_a_gpu_says_what_it_needs():
-    result = _cli("precompile")
-    assert result.returncode == 2
+def test_precompile_without_a_gpu_says_what_it_needs(capsys, monkeypatch):
+    # A process of its own: CUDA_VISIBLE_DEVICES must be set before CUDA starts (on a GPU
+    # machine this process may have started it).
+    result = subprocess.run([sys.executable, "-m", "cuflash2", "precompile"], cwd=REPO,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
     assert "cuflash2 precompile: needs an NVIDIA GPU" in result.stderr
     assert "Traceback" not in result.stderr
-    result = _cli("precompile", "--features", "bias")
-    assert result.returncode == 2 and "unknown feature 'bias'" in result.stderr
+    # The options are checked first, GPU or not.
+    status, _, err = _cli(capsys, monkeypatch, "precompile", "--features", "bias")
+    assert status == 2 and "unknown feature 'bias'" in err
 
 
-def test_info_counts_the_cached_modules(tmp_path):
+def test_info_counts_the_cached_modules(tmp_path, capsys, monkeypatch):
     for name in ("a.cubin", "b.cubin", "notes.txt"):
         (tmp_path / name).write_text("")
-    result = _cli("info", CUPY_CACHE_DIR=str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert f"{tmp_path} (2 compiled modules" in result.stdout
+    status, out, err = _cli(capsys, monkeypatch, "info", CUPY_CACHE_DIR=str(tmp_path))
+    assert status == 0, err
+    assert f"{tmp_path} (2 compiled modules" in out
