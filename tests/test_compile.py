@@ -46,7 +46,8 @@ AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs
 
 # The default sample, as (arch, dtype, kernel head dim) points of every kernel family (forward;
 # backward main kernel with and without dQ; deterministic dQ; decode):
-# - plain kernels at the main head dims 64 and 128 on every architecture, in both dtypes;
+# - plain kernels at the main head dims 64 and 128 on every architecture, in both dtypes on
+#   sm_80 and sm_90 and one each on sm_86 and sm_89 (MAIN_POINTS; --exhaustive: all);
 # - plain kernels at head dim 256 on every architecture, the dtype alternating: the > 128 path,
 #   whose tiles differ by architecture (8-warp forward tiles, 4-warp ones on the 100 KiB parts;
 #   the backward's dK/dV/dQ in two column chunks on sm_90; 2-warp decode tiles on 100 KiB parts);
@@ -58,22 +59,29 @@ AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs
 # The decode kernel's variant with its rows on the mma's n side (DECODE_BLOCK_M_N8) only at d=128
 # (its points there: plain on every architecture, the features on sm_90), the other half of a
 # decode point's cost; the one that reads the cache early (sm_90's programmatic launches) only at
-# d=128 plain. The small kernels (preprocess, convert_dq, dropout mask, the benchmark's
-# spin kernel) are compiled for every case. The other sm_90 feature combinations and the remaining head dim /
+# d=128 plain. The small kernels (preprocess, convert_dq, sinks, dropout mask) are compiled for
+# every case on sm_80 and sm_90 (AUX_SAMPLE_ARCHS), the benchmark's spin kernel everywhere.
+# The other sm_90 feature combinations and the remaining head dim /
 # architecture / dtype points are compiled under --exhaustive.
-SAMPLE_PLAIN = {(arch, dtype, d) for arch in _configs.CPU_TEST_ARCHS
-                for dtype in _configs.DTYPE_TAGS for d in (64, 128)}
+#: The (architecture, dtype) pairs of the main head dims: both dtypes where the kernels' tiles
+#: differ most (sm_80, sm_90), one each on sm_86 and sm_89 (the sm_86 family's 100 KiB tiles,
+#: which differ from sm_80's by architecture, not by dtype).
+MAIN_POINTS = {(80, "float16"), (80, "bfloat16"), (86, "float16"), (89, "bfloat16"),
+               (90, "float16"), (90, "bfloat16")}
+SAMPLE_PLAIN = {(arch, dtype, d) for arch, dtype in MAIN_POINTS for d in (64, 128)}
 SAMPLE_PLAIN |= {(80, "float16", 256), (86, "bfloat16", 256), (89, "float16", 256),
                  (90, "bfloat16", 256)}
 SAMPLE_PLAIN |= {(80, "float16", 32), (86, "bfloat16", 96), (89, "float16", 160),
                  (90, "bfloat16", 192), (90, "float16", 224)}
 SAMPLE_FEATURES = {(90, "bfloat16", 128), (80, "float16", 64)}
+#: The small kernels (no head dim: their code does not depend on the tiles) on these.
+AUX_SAMPLE_ARCHS = (80, 90)
 
 
 def _sampled(cfg, arch) -> bool:
     """Whether (cfg, arch) is compiled without --exhaustive."""
-    if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, dropout mask: every case
-        return True
+    if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, sinks, dropout mask: every
+        return arch in AUX_SAMPLE_ARCHS  # case on the sample's ends of the architectures
     point = (arch, cfg.dtype, cfg.head_dim)
     if isinstance(cfg, _configs.DecodeConfig) and (
             (cfg.block_m == _configs.DECODE_BLOCK_M_N8 and cfg.head_dim != 128)
@@ -264,11 +272,14 @@ def test_sample_covers_every_family_feature_architecture_and_main_head_dim():
         plain = [(cfg, arch) for cfg, arch in cases if cfg.features == 0]
         assert {cfg.head_dim for cfg, _ in plain} == set(_configs.KERNEL_HEAD_DIMS), family
         for d in (64, 128):
-            assert {(arch, cfg.dtype) for cfg, arch in plain if cfg.head_dim == d} == {
-                (arch, dtype) for arch in _configs.CPU_TEST_ARCHS for dtype in _configs.DTYPE_TAGS}
+            points = {(arch, cfg.dtype) for cfg, arch in plain if cfg.head_dim == d}
+            assert points == MAIN_POINTS, family
+            assert {arch for arch, _ in points} == set(_configs.CPU_TEST_ARCHS)
+            assert {dtype for _, dtype in points} == set(_configs.DTYPE_TAGS)
         assert {arch for cfg, arch in plain if cfg.head_dim == 256} == set(_configs.CPU_TEST_ARCHS)
     for cases in (AUX_CASES, AUX_CASES_EXTRA):
-        assert all(_sampled(*c) for c in cases)
+        assert {(cfg, arch) for cfg, arch in cases if _sampled(cfg, arch)} == {
+            (cfg, arch) for cfg, arch in cases if arch in AUX_SAMPLE_ARCHS}
 
 
 def test_sinks_are_compiled_into_the_forward_kernels_only():
