@@ -516,7 +516,7 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
         raise ValueError(f"head dim {head_dim} or heads {nheads}/{nheads_kv} not covered")
     device_id = q.device.id
     if config is None:
-        kernel_dim = min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+        kernel_dim = _dispatch.hopper_forward_head_dim(head_dim)
         config = _dispatch.fwd_sm90_config(q.dtype.name, kernel_dim)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     left, right = window_size

@@ -667,7 +667,7 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
         return None
     if not plannable(p, SM90_FWD_HEAD_DIMS):
         return None
-    kernel_dim = min(d for d in SM90_FWD_HEAD_DIMS if d >= p.head_dim)
+    kernel_dim = hopper_forward_head_dim(p.head_dim)
     if kernel_dim <= MMA_SYNC_MAX_DIM and p.seqlen_k <= MMA_SYNC_MAX_KEYS:
         return None
     causal = window[1] == 0 and window[0] < 0
@@ -917,6 +917,16 @@ def hopper_backward_mods_config(config, mask, block_mask: bool = False):
             ("block_m", "block_n", "stages", "dq_buffers"),
             SM90_BWD_64_ROW_TILES[config.head_dim])))
     return mods.hopper_backward_config(config, mask, block_mask=block_mask)
+
+
+def hopper_forward_head_dim(head_dim: int, kernel_dims=SM90_FWD_HEAD_DIMS) -> int:
+    """The smallest Hopper forward head dim of `kernel_dims` (ascending) that holds `head_dim`
+    (the TMA zero-fills the columns up to it): d=96 runs on the d=96 kernel, 160 on 192."""
+    for d in kernel_dims:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"the Hopper forward takes head dims up to {kernel_dims[-1]}, not "
+                     f"{head_dim}")
 
 
 def hopper_backward_head_dim(head_dim: int) -> int:

@@ -55,7 +55,7 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
     dtypes = set(dtypes)
     dims = {_dispatch.kernel_head_dim(d) for d in head_dims}
     hopper = arch == 90
-    fwd_dims = {min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= h)
+    fwd_dims = {_dispatch.hopper_forward_head_dim(h)
                 for h in head_dims if h <= max(_configs.SM90_FWD_HEAD_DIMS)}
     bwd_dims = {_dispatch.hopper_backward_head_dim(h)
                 for h in head_dims if h <= max(_configs.SM90_BWD_HEAD_DIMS)}

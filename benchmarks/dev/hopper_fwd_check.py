@@ -145,10 +145,9 @@ def _inputs(cupy, case, seed):
 
 
 def _kernel_dim(head_dim):
-    from cuflash2 import _configs
+    from cuflash2 import _dispatch  # (cuflash2 is imported inside the functions here)
 
-    # The smallest kernel head dim that holds head_dim: d=96 runs on the d=96 kernel, 160 on 192.
-    return min(d for d in _configs.SM90_FWD_HEAD_DIMS if d >= head_dim)
+    return _dispatch.hopper_forward_head_dim(head_dim)
 
 
 def _has_persistent(head_dim):
