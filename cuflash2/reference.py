@@ -134,10 +134,27 @@ def _to_host(x):
     return numpy.asarray(x)
 
 
+def _round_tf32(x):
+    """float32 x rounded to TF32 (10 mantissa bits, to nearest, ties away from zero: the
+    tensor cores' cvt.rna), as float32; NumPy or CuPy."""
+    bits = x.view(numpy.uint32)
+    return ((bits + numpy.uint32(0x1000)) & numpy.uint32(0xFFFFE000)).view(numpy.float32)
+
+
 class _Precision:
-    """Which dtype the maths runs in (``acc``) and what values are rounded to (``round_to``)."""
+    """Which dtype the maths runs in (``acc``) and what values are rounded to (``round_to``).
+
+    compute_dtype "tf32" is the low-precision reference of float32 inputs at precision "tf32":
+    float32 maths with the inputs and the probabilities rounded to TF32 (the operands of the
+    tensor-core products), the scores not (they are float32 accumulators)."""
 
     def __init__(self, compute_dtype):
+        self.scores_rounded = True
+        if isinstance(compute_dtype, str) and compute_dtype == "tf32":
+            self.acc = self.result = numpy.dtype(numpy.float32)
+            self.round_to = "tf32"
+            self.scores_rounded = False
+            return
         dtype = numpy.dtype(compute_dtype)
         if dtype in _HIGH_PRECISION:
             self.acc, self.round_to = dtype, None
@@ -145,14 +162,20 @@ class _Precision:
             self.acc, self.round_to = numpy.dtype(numpy.float32), dtype
         else:
             raise ValueError(
-                f"compute_dtype must be float16, bfloat16, float32 or float64, got {dtype}"
+                f"compute_dtype must be float16, bfloat16, float32, float64 or 'tf32', got {dtype}"
             )
         self.result = dtype
 
     def round(self, x):
         if self.round_to is None:
             return x
+        if self.round_to == "tf32":
+            return _round_tf32(x)
         return x.astype(self.round_to).astype(self.acc)
+
+    def round_scores(self, x):
+        """The scores (and sinks) as the implementation holds them."""
+        return self.round(x) if self.scores_rounded else x
 
     def load(self, x):
         # Through acc first: every input float dtype converts to float32/float64 exactly (or
@@ -520,7 +543,7 @@ def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=(), 
         scores = score_mod(scores)
     # One rounding of the final scores: where the plain scaled scores are rounded without
     # features.
-    scores = prec.round(scores)
+    scores = prec.round_scores(scores)
     scores = xp.where(visible, scores, -math.inf)
 
     # has_mass: the row's denominator has a term (a visible key, or a sink > -inf).
@@ -531,7 +554,7 @@ def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=(), 
         row_max = xp.full(scores.shape[:-1] + (1,), -math.inf, dtype=scores.dtype)
     if sinks is not None:
         # The sink is one more logit: rounded as the scores are, part of the max and the sum.
-        sinks = prec.round(sinks)
+        sinks = prec.round_scores(sinks)
         row_max = xp.maximum(row_max, sinks)
         has_mass = row_max > -math.inf
     # Rows without mass have max -inf; shifting by 0 instead avoids -inf - -inf = nan.
