@@ -13,7 +13,11 @@
 //    Q K_j^T and softmax; wait V_j, barrier, issue K_{j-1}; P V_j.
 // Tiles are visited from the last one down: under causal masking the diagonal (masked) tiles
 // come first and the rest run without masking code.
+// Float32 inputs (tf32_tag, f32x3_tag: tf32_primitives.cuh) run the same schedule on m16n8k8
+// TF32 mma: their tiles are twice as many 16-bit words wide, a Q or K fragment (ldmatrix.x4)
+// is one k8 step, P stays fp32 in registers and V's fragments are 32-bit shared loads.
 #include "mma_primitives.cuh"
+#include "tf32_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "variant.cuh"
 #include "varlen.cuh"
@@ -28,10 +32,11 @@ struct FwdTraits {
     static constexpr int M_TILES = ROWS_PER_WARP / 16;  // m16 tiles per warp, sharing K/V frags
     static constexpr int N_TILES = BLOCK_N / 8;         // n8 tiles of the score tile S
     static constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of the output O
-    static constexpr int QK_STEPS = HEAD_DIM / 16;      // k16 steps of Q K^T (over head dim)
-    static constexpr int PV_STEPS = BLOCK_N / 16;       // k16 steps of P V (over keys)
-    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
-    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
+    // k steps of Q K^T (over head dim): 16 words each, k16 of 16-bit elements, k8 of float32.
+    static constexpr int QK_STEPS = HEAD_DIM * Elem::WORDS / 16;
+    static constexpr int PV_STEPS = BLOCK_N / 16;       // k16 slices of P V (over keys)
+    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM * Elem::WORDS>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * Elem::WORDS>;
     // Shared memory: the Q tile, then KV_STAGES stages of (K tile, V tile).
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
     static constexpr int SMEM_BYTES = QTile::BYTES + KV_STAGES * STAGE_BYTES;
@@ -44,22 +49,45 @@ struct FwdTraits {
 // of n-tiles of K; each K fragment feeds all M_TILES m-tiles. The k loop is unrolled by 2 only:
 // the accumulators need nothing indexed by ks, and a full unroll lets the scheduler hoist so many
 // fragment loads that the d=128 kernel spills (ptxas report, sm_80 and sm_90).
+// Float32 elements: each fragment is split into its TF32 parts once, then used the same way.
 template <typename Elem, class T>
 CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
                         const LdmatrixCursor<typename T::QTile>& q_frag,
                         const LdmatrixCursor<typename T::KVTile>& k_frag, u32 stage_offset) {
+    if constexpr (Elem::IS_F32) {
 #pragma unroll 2
-    for (int ks = 0; ks < T::QK_STEPS; ++ks) {
-        u32 a[T::M_TILES][4];
+        for (int ks = 0; ks < T::QK_STEPS; ++ks) {
+            Tf32Parts<Elem, 4> a[T::M_TILES];
 #pragma unroll
-        for (int mt = 0; mt < T::M_TILES; ++mt) ldmatrix_x4(a[mt], q_frag.at(2 * mt, ks));
+            for (int mt = 0; mt < T::M_TILES; ++mt) {
+                u32 bits[4];
+                ldmatrix_x4(bits, q_frag.at(2 * mt, ks));
+                a[mt] = Tf32Parts<Elem, 4>::from_bits(bits);
+            }
 #pragma unroll
-        for (int np = 0; np < T::N_TILES / 2; ++np) {
-            u32 b[4];
-            ldmatrix_x4(b, k_frag.at(2 * np, ks) + stage_offset);
+            for (int np = 0; np < T::N_TILES / 2; ++np) {
+                u32 bits[4];
+                ldmatrix_x4(bits, k_frag.at(2 * np, ks) + stage_offset);
+                const auto b = Tf32Parts<Elem, 4>::from_bits(bits);
 #pragma unroll
-            for (int mt = 0; mt < T::M_TILES; ++mt)
-                mma_m16n16k16<Elem>(acc_s[mt][2 * np], acc_s[mt][2 * np + 1], a[mt], b);
+                for (int mt = 0; mt < T::M_TILES; ++mt)
+                    mma_m16n16k8_f32<Elem>(acc_s[mt][2 * np], acc_s[mt][2 * np + 1], a[mt], b);
+            }
+        }
+    } else {
+#pragma unroll 2
+        for (int ks = 0; ks < T::QK_STEPS; ++ks) {
+            u32 a[T::M_TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < T::M_TILES; ++mt) ldmatrix_x4(a[mt], q_frag.at(2 * mt, ks));
+#pragma unroll
+            for (int np = 0; np < T::N_TILES / 2; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, k_frag.at(2 * np, ks) + stage_offset);
+#pragma unroll
+                for (int mt = 0; mt < T::M_TILES; ++mt)
+                    mma_m16n16k16<Elem>(acc_s[mt][2 * np], acc_s[mt][2 * np + 1], a[mt], b);
+            }
         }
     }
 }
@@ -70,34 +98,84 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
 // (ldmatrix.trans); each V fragment feeds all m-tiles.
 // With DROPOUT, each 16 x 16 block of P draws its keep bits (dropout.cuh); this warp's rows
 // start at q_warp0, the tile's keys at key0.
-template <typename Elem, class T, bool DROPOUT = false>
+// Float32 elements: P stays fp32 (split into TF32 parts), a k16 slice is two k8 steps, and V's
+// fragments are 32-bit loads in P's key order (v_fragments: F32KeyPairCursor).
+template <typename Elem, class T, bool DROPOUT = false, class VCursor>
 CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
                                 const float (&acc_s)[T::M_TILES][T::N_TILES][4],
                                 OnlineSoftmax<T::M_TILES>& softmax, float scale_log2,
-                                const LdmatrixCursor<typename T::KVTile>& v_frag,
-                                u32 stage_offset, const Dropout& dropout = Dropout{},
-                                int q_warp0 = 0, int key0 = 0) {
+                                const VCursor& v_frag, u32 stage_offset,
+                                const Dropout& dropout = Dropout{}, int q_warp0 = 0,
+                                int key0 = 0) {
+    if constexpr (Elem::IS_F32) {
 #pragma unroll
-    for (int ks = 0; ks < T::PV_STEPS; ++ks) {
-        u32 a[T::M_TILES][4];
+        for (int ks = 0; ks < T::PV_STEPS; ++ks) {
+            Tf32Parts<Elem, 4> a[T::M_TILES][2];  // the slice's two k8 steps
 #pragma unroll
-        for (int mt = 0; mt < T::M_TILES; ++mt) {
-            u32 keep = 0xffu;
-            if constexpr (DROPOUT)
-                keep = dropout.keep_bits(q_warp0 + 16 * mt, key0 + 16 * ks,
-                                         thread_index_fresh() % 32);
-            softmax.template exp_pack<Elem, DROPOUT>(a[mt], acc_s[mt][2 * ks],
-                                                     acc_s[mt][2 * ks + 1], mt, scale_log2, keep);
+            for (int mt = 0; mt < T::M_TILES; ++mt) {
+                u32 keep = 0xffu;
+                if constexpr (DROPOUT)
+                    keep = dropout.keep_bits(q_warp0 + 16 * mt, key0 + 16 * ks,
+                                             thread_index_fresh() % 32);
+                float p[8];
+                softmax.template exp_probabilities<DROPOUT>(p, acc_s[mt][2 * ks],
+                                                            acc_s[mt][2 * ks + 1], mt,
+                                                            scale_log2, keep);
+                probabilities_as_a<Elem>(a[mt], p);
+            }
+#pragma unroll
+            for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+#pragma unroll
+                for (int step = 0; step < 2; ++step) {
+                    // Keys 16ks + 8step + 2t + j; columns 16dp + g (lo) and 16dp + 8 + g (hi).
+                    u32 bits[4];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+#pragma unroll
+                        for (int j = 0; j < 2; ++j)
+                            bits[2 * half + j] = load_4B_shared(
+                                v_frag.at(2 * ks + step, 2 * dp + half, j) + stage_offset);
+                    const auto b = Tf32Parts<Elem, 4>::from_bits(bits);
+#pragma unroll
+                    for (int mt = 0; mt < T::M_TILES; ++mt)
+                        mma_m16n16k8_f32<Elem>(acc_o[mt][2 * dp], acc_o[mt][2 * dp + 1],
+                                               a[mt][step], b);
+                }
+            }
         }
+    } else {
 #pragma unroll
-        for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp) + stage_offset);
+        for (int ks = 0; ks < T::PV_STEPS; ++ks) {
+            u32 a[T::M_TILES][4];
 #pragma unroll
-            for (int mt = 0; mt < T::M_TILES; ++mt)
-                mma_m16n16k16<Elem>(acc_o[mt][2 * dp], acc_o[mt][2 * dp + 1], a[mt], b);
+            for (int mt = 0; mt < T::M_TILES; ++mt) {
+                u32 keep = 0xffu;
+                if constexpr (DROPOUT)
+                    keep = dropout.keep_bits(q_warp0 + 16 * mt, key0 + 16 * ks,
+                                             thread_index_fresh() % 32);
+                softmax.template exp_pack<Elem, DROPOUT>(a[mt], acc_s[mt][2 * ks],
+                                                         acc_s[mt][2 * ks + 1], mt, scale_log2, keep);
+            }
+#pragma unroll
+            for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_frag.at(2 * ks, dp) + stage_offset);
+#pragma unroll
+                for (int mt = 0; mt < T::M_TILES; ++mt)
+                    mma_m16n16k16<Elem>(acc_o[mt][2 * dp], acc_o[mt][2 * dp + 1], a[mt], b);
+            }
         }
     }
+}
+
+// V's fragment addresses: the transposed B operand by ldmatrix.trans (lanes 0-15 pick key rows,
+// bit 4 the d8 half), or with float32 elements by 32-bit loads (F32KeyPairCursor).
+template <typename Elem, class KVTile>
+CF2_DEVICE auto v_fragments(u32 v_smem, int lane) {
+    if constexpr (Elem::IS_F32)
+        return F32KeyPairCursor<KVTile>(v_smem, lane);
+    else
+        return LdmatrixCursor<KVTile>(v_smem, lane % 16, lane / 16);
 }
 
 // The kernel's body, shared by flash_fwd_kernel and flash_fwd_mods_kernel (below). FEATURES: the
@@ -195,10 +273,10 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
 
     // Fragment addressing (see LdmatrixCursor): Q as the A operand (lanes 0-15 rows, 16-31 the
     // second k8 half), K as the non-transposed B operand (lanes 0-7 / 16-23 pick n rows, bit 3 the
-    // k8 half), V as the transposed B operand (lanes 0-15 pick key rows, bit 4 the d8 half).
+    // k8 half), V as the transposed B operand (v_fragments).
     const LdmatrixCursor<QTile> q_frag(q_smem, warp * T::ROWS_PER_WARP + lane % 16, lane / 16);
     const LdmatrixCursor<KVTile> k_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const LdmatrixCursor<KVTile> v_frag(v_smem, lane % 16, lane / 16);
+    const auto v_frag = v_fragments<Elem, KVTile>(v_smem, lane);
 
     float acc_o[T::M_TILES][T::D_TILES][4];
 #pragma unroll
@@ -325,9 +403,17 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
                                         : inv_sum[2 * mt + half];
 #pragma unroll
             for (int dt = 0; dt < T::D_TILES; ++dt) {
-                const u32 packed = pack_pair<Elem>(acc_o[mt][dt][2 * half] * scale,
-                                                   acc_o[mt][dt][2 * half + 1] * scale);
-                store_4B_shared(q_smem + QTile::offset(row, dt) + 4 * (lane % 4), packed);
+                if constexpr (Elem::IS_F32) {
+                    // Columns 8dt + 2t, +1: 8 bytes of the n8 tile's two 16-byte chunks.
+                    store_8B_shared(q_smem + QTile::offset(row, 2 * dt + (lane % 4) / 2) +
+                                        8 * (lane % 2),
+                                    acc_o[mt][dt][2 * half] * scale,
+                                    acc_o[mt][dt][2 * half + 1] * scale);
+                } else {
+                    const u32 packed = pack_pair<Elem>(acc_o[mt][dt][2 * half] * scale,
+                                                       acc_o[mt][dt][2 * half + 1] * scale);
+                    store_4B_shared(q_smem + QTile::offset(row, dt) + 4 * (lane % 4), packed);
+                }
             }
             if (lane % 4 == 0 && row_first + row < seqlen_q) lse_block[row] = row_lse[2 * mt + half];
         }

@@ -45,7 +45,8 @@ struct __align__(64) TensorMap {
     unsigned long long v[16];
 };
 
-// flash_fwd.cu
+// flash_fwd.cu. q, k, v, out are addressed in 16-bit words, their strides and head_dim
+// counted in words (mma_primitives.cuh: a float32 element is two).
 struct FwdParams {
     const u16* q;
     const u16* k;

@@ -3,6 +3,8 @@
 // No CUDA headers are included (cuda_fp16.h / cuda_bf16.h drift between CUDA 12 and 13 and are
 // not always installed next to NVRTC): 16-bit elements are plain 16-bit words and pairs of them
 // live in one 32-bit register, so the same code serves fp16 and bf16. The element type is a tag.
+// Memory is addressed in 16-bit words: a tag's WORDS is the words an element takes (float32
+// elements, tf32_primitives.cuh: two), so tiles, strides and 16-byte chunks count words.
 #pragma once
 
 typedef unsigned int u32;
@@ -10,8 +12,16 @@ typedef unsigned short u16;
 typedef long long i64;
 typedef unsigned long long u64;
 
-struct fp16_tag { static constexpr bool is_bf16 = false; };
-struct bf16_tag { static constexpr bool is_bf16 = true; };
+struct fp16_tag {
+    static constexpr bool is_bf16 = false;
+    static constexpr bool IS_F32 = false;
+    static constexpr int WORDS = 1;
+};
+struct bf16_tag {
+    static constexpr bool is_bf16 = true;
+    static constexpr bool IS_F32 = false;
+    static constexpr int WORDS = 1;
+};
 
 #define CF2_DEVICE __device__ __forceinline__
 

@@ -117,6 +117,18 @@ struct OnlineSoftmax {
     CF2_DEVICE void exp_pack(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4], int mt,
                              float scale_log2, u32 keep = 0xffu) {
         float p[8];
+        exp_probabilities<DROPOUT>(p, lo, hi, mt, scale_log2, keep);
+        a[0] = pack_pair<Elem>(p[0], p[1]);  // row g,     keys 2t, 2t+1
+        a[1] = pack_pair<Elem>(p[2], p[3]);  // row g + 8, keys 2t, 2t+1
+        a[2] = pack_pair<Elem>(p[4], p[5]);  // row g,     keys 8 + 2t, 8 + 2t + 1
+        a[3] = pack_pair<Elem>(p[6], p[7]);  // row g + 8, keys 8 + 2t, 8 + 2t + 1
+    }
+
+    // exp_pack's probabilities in fp32, unpacked: p[e] is row half e / 2 of tile `lo`, key
+    // 2t + e % 2, p[4 + e] the same of tile `hi` (the float32 kernels' P, tf32_primitives.cuh).
+    template <bool DROPOUT = false>
+    CF2_DEVICE void exp_probabilities(float (&p)[8], const float (&lo)[4], const float (&hi)[4],
+                                      int mt, float scale_log2, u32 keep = 0xffu) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const float m = max_scaled[2 * mt + e / 2];
@@ -133,10 +145,6 @@ struct OnlineSoftmax {
                 if (!((keep >> (4 * (e / 2) + 2 + e % 2)) & 1u)) p[4 + e] = 0.f;
             }
         }
-        a[0] = pack_pair<Elem>(p[0], p[1]);  // row g,     keys 2t, 2t+1
-        a[1] = pack_pair<Elem>(p[2], p[3]);  // row g + 8, keys 2t, 2t+1
-        a[2] = pack_pair<Elem>(p[4], p[5]);  // row g,     keys 8 + 2t, 8 + 2t + 1
-        a[3] = pack_pair<Elem>(p[6], p[7]);  // row g + 8, keys 8 + 2t, 8 + 2t + 1
     }
 
     // Step 2 split in two, for the Hopper kernel's intra-warpgroup overlap, where the P
