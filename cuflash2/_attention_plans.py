@@ -30,9 +30,11 @@ def _input_fields(views: dict, sources: dict) -> list:
     return fields
 
 
-def _stride_fields(prefix: str, strides) -> dict:
-    return {f"{prefix}_batch_stride": strides[0], f"{prefix}_row_stride": strides[1],
-            f"{prefix}_head_stride": strides[2]}
+def _stride_fields(prefix: str, strides, words: int = 1) -> dict:
+    """The struct's (batch, row, head) strides of an array, from its element strides, in
+    units of `words` 16-bit words an element."""
+    return {f"{prefix}_batch_stride": strides[0] * words, f"{prefix}_row_stride": strides[1] * words,
+            f"{prefix}_head_stride": strides[2] * words}
 
 
 def _varlen_fields(varlen) -> dict:
@@ -74,14 +76,17 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
             block_mask.check_for_call(block_input[1], config.block_m, config.block_n, p.batch,
                                       p.nheads, p.seqlen_q, p.seqlen_k, device_id)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
+    # The kernels address q, k, v and out in 16-bit words (a float32 element is two).
+    words = _configs.ELEMENT_WORDS[p.dtype]
     fields = {
-        **_stride_fields("q", element_strides(q)), **_stride_fields("k", element_strides(k)),
-        **_stride_fields("v", element_strides(v)),
+        **_stride_fields("q", element_strides(q), words),
+        **_stride_fields("k", element_strides(k), words),
+        **_stride_fields("v", element_strides(v), words),
         **_stride_fields("o", element_strides(out) if out is not None
-                         else output_strides(out_shape)),
+                         else output_strides(out_shape), words),
         "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "nheads": p.nheads,
         "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
-        "head_dim": p.head_dim, "softmax_scale": mods.softmax_scale,
+        "head_dim": p.head_dim * words, "softmax_scale": mods.softmax_scale,
         "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
         "window_right": window[1], **mods.fields(), **_varlen_fields(varlen)}
     outputs, output_fields = [], []

@@ -21,6 +21,14 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 #: Element types by the name the CUDA source uses for their tag type.
 DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
+#: Float32 inputs by their precision (cuda_src/tf32_primitives.cuh): "float32", precision
+#: "highest" (each operand as two TF32 parts, three products), and "tf32" (one TF32 product).
+#: The mma.sync forward only, so far.
+FLOAT32_TAGS = {"float32": "f32x3_tag", "tf32": "tf32_tag"}
+ELEMENT_TAGS = {**DTYPE_TAGS, **FLOAT32_TAGS}
+#: 16-bit words an element takes in memory (the tags' WORDS): the kernels address tiles,
+#: strides and head dims in words.
+ELEMENT_WORDS = {"float16": 1, "bfloat16": 1, "float32": 2, "tf32": 2}
 
 #: Optional features (template bits of the kernels: score modifiers in cuda_src/score_mods.cuh,
 #: varlen in cuda_src/varlen.cuh). Specialisations are per combination, so plain attention
@@ -166,7 +174,7 @@ def cuda_constants_header() -> str:
 class FwdConfig:
     """One forward-kernel specialisation."""
 
-    dtype: str  # "float16" or "bfloat16"
+    dtype: str  # "float16", "bfloat16", or float32's "float32" / "tf32" (FLOAT32_TAGS)
     head_dim: int  # kernel head dim (one of KERNEL_HEAD_DIMS)
     block_m: int  # query rows per CTA
     block_n: int  # keys per KV tile
@@ -180,8 +188,9 @@ class FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # Q tile + kv_stages x (K tile + V tile), 2 bytes an element (FwdTraits::SMEM_BYTES).
-        return 2 * self.head_dim * (self.block_m + 2 * self.kv_stages * self.block_n)
+        # Q tile + kv_stages x (K tile + V tile), 2 bytes a word (FwdTraits::SMEM_BYTES).
+        return (2 * ELEMENT_WORDS[self.dtype] * self.head_dim
+                * (self.block_m + 2 * self.kv_stages * self.block_n))
 
     @property
     def source_file(self) -> str:
@@ -189,14 +198,14 @@ class FwdConfig:
 
     @property
     def name_expression(self) -> str:
-        tag = DTYPE_TAGS[self.dtype]
+        tag = ELEMENT_TAGS[self.dtype]
         return (f"flash_fwd_kernel<{tag}, {self.head_dim}, {self.block_m}, "
                 f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
-            f"FwdTraits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
+            f"FwdTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
             f"{self.block_n}, {self.num_warps}, {self.kv_stages}>", self)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from . import _hopper, _launch
 from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+                       FLOAT32_TAGS,
                        FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
@@ -330,6 +331,8 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
     single-buffered schedule is used. Above d=128 the accumulators of 32 rows no longer fit in
     registers: 8 warps own 16 rows each.
     """
+    if dtype in FLOAT32_TAGS:
+        return float32_fwd_config(dtype, head_dim, arch)
     d = kernel_head_dim(head_dim)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     if d > 128:
@@ -347,6 +350,28 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
         if 2 * (config.smem_bytes + 1024) <= smem_per_sm:
             return config
     return config
+
+
+#: The float32 forward's tiles (rows, warps, keys, K/V stages), preferred first: 16 rows a warp
+#: (the TF32 parts of a fragment take twice the registers of a 16-bit one), the first of the
+#: others that fits two CTAs on an SM, else one; the last, 16 keys a tile, where none fits (the
+#: 100 KiB parts above d=192; 32 rows of 2 warps spilled there). Compiled without spills (ptxas report); not yet timed on a GPU.
+FLOAT32_FWD_TILES = ((64, 4, 64, 2), (64, 4, 32, 2), (64, 4, 64, 1), (64, 4, 32, 1),
+                     (64, 4, 16, 1))
+
+
+def float32_fwd_config(element: str, head_dim: int, arch: int) -> FwdConfig:
+    """The mma.sync forward's tile for float32 inputs (`element`: "float32" or "tf32",
+    _configs.FLOAT32_TAGS): FLOAT32_FWD_TILES' choice for the architecture's shared memory."""
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    configs = [FwdConfig(element, d, block_m, block_n, num_warps, stages)
+               for block_m, num_warps, block_n, stages in FLOAT32_FWD_TILES]
+    for ctas in (2, 1):
+        for config in configs[:-1]:
+            if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
+                return config
+    return configs[-1]
 
 
 def fwd_mods_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
@@ -649,7 +674,7 @@ THREE_CONSUMER_PERSISTENT_MAX_KEYS = NO_LIMIT
 
 def hopper_forward_config(problem, features: int, window, arch: int, varlen=None):
     """The Hopper forward's configuration for a checked call, or None where the call stays on
-    the mma.sync kernel: not sm_90, switched off, dropout, varlen unless HOPPER_FORWARD_VARLEN,
+    the mma.sync kernel: not sm_90, switched off, float32 inputs, dropout, varlen unless HOPPER_FORWARD_VARLEN,
     a head dim beyond the Hopper kernels', or an empty problem (forward_kernel then asks the
     TMA to describe q, k and v).
 
@@ -658,7 +683,8 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     extent of 1 (the dense maps' geometry, _hopper.as_batched), each CTA adds its sequence's
     first row to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
-    if not HOPPER_FORWARD or arch != 90 or (varlen is not None and not HOPPER_FORWARD_VARLEN):
+    if (not HOPPER_FORWARD or arch != 90 or p.dtype not in DTYPE_TAGS
+            or (varlen is not None and not HOPPER_FORWARD_VARLEN)):
         return None
     covered = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS
     if varlen is not None:
@@ -1084,11 +1110,12 @@ def decode_slots(config, device_id: int) -> int:
 # Every build the dispatcher can choose (the compile tests and the prewarm build them)
 
 
-def all_fwd_configs(arch: int, features=(0,)) -> list[FwdConfig]:
+def all_fwd_configs(arch: int, features=(0,), elements=tuple(DTYPE_TAGS)) -> list[FwdConfig]:
     """Every forward specialisation the dispatcher can choose on `arch` (for each of `features`;
-    ALL_FEATURES for every score-modifier combination)."""
+    ALL_FEATURES for every score-modifier combination) for the 16-bit dtypes, or `elements`
+    (FLOAT32_TAGS: float32 inputs' mma.sync forward)."""
     return [with_features(fwd_config(dtype, d, arch), f) for f in features
-            for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
+            for dtype in elements for d in KERNEL_HEAD_DIMS]
 
 
 def all_bwd_configs(arch: int, features=(0,)) -> list:

@@ -132,6 +132,9 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                         cupy.asnumpy if check_cache else None)
     # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
     problem = _validate.check_attention_inputs(q, q, q, softmax_scale=options.softmax_scale)
+    if problem.dtype == "float32":
+        raise NotImplementedError("attention_with_kvcache: float32 q has no decoding kernel yet; "
+                                  "q, k_cache, v_cache must be float16 or bfloat16")
     for name in ("k_cache", "v_cache", "k", "v"):
         if name in arrays:
             _validate.check_strides(name, arrays[name])

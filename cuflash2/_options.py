@@ -3,9 +3,10 @@
 Every public entry point takes the same options (causal, softmax_scale, window_size, softcap,
 alibi_slopes, sinks, dropout_p, seed, offset; `bias`, issue 44's additive bias (the reference
 functions read it here; the kernels' calls take it as a score modifier, cuflash2._bias);
-`mask_mod`, `score_mod`, `block_mask`, issue 44's programmable modifiers (cuflash2.mods), and
-`bias_requires_grad`, whether a backward call returns dbias: the last slots, so that positional
-constructions stay valid); each builds
+`mask_mod`, `score_mod`, `block_mask`, issue 44's programmable modifiers (cuflash2.mods),
+`bias_requires_grad`, whether a backward call returns dbias, and `precision`, float32's (None,
+"highest", "high", "tf32": cuflash2._validate.kernel_element): the last slots, so that
+positional constructions stay valid); each builds
 one `AttentionOptions` from its keyword arguments per call, and the signature key
 (`api._forward_key`, `_kvcache._key`: the window, the arrays' signatures, causal, softmax_scale,
 softcap and dropout_p with their types; seed and offset are per-call values), the full check
@@ -27,11 +28,12 @@ class AttentionOptions:
 
     __slots__ = ("causal", "softmax_scale", "window_size", "softcap", "alibi_slopes", "sinks",
                  "dropout_p", "seed", "offset", "bias", "mask_mod", "score_mod", "block_mask",
-                 "bias_requires_grad")
+                 "bias_requires_grad", "precision")
 
     def __init__(self, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0, bias=None,
-                 mask_mod=None, score_mod=None, block_mask=None, bias_requires_grad=False):
+                 mask_mod=None, score_mod=None, block_mask=None, bias_requires_grad=False,
+                 precision=None):
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.window_size = window_size
@@ -48,6 +50,7 @@ class AttentionOptions:
         # A backward call that returns dbias (the kernels' plan: its float32 accumulator is the
         # call's last array; cuflash2._bias).
         self.bias_requires_grad = bias_requires_grad
+        self.precision = precision  # float32 inputs' (None: "highest")
 
     def replace(self, **changes) -> "AttentionOptions":
         """A copy with the given options changed (the reference's per-sequence options: a

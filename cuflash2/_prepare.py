@@ -221,6 +221,18 @@ class Varlen:
         return -(-rows // 4) * 4
 
 
+def with_kernel_element(problem, options):
+    """`problem` with the kernels' element as its dtype (_validate.kernel_element: float32
+    inputs at options.precision), checked against the options float32 calls do not take yet."""
+    element = _validate.kernel_element(problem.dtype, options.precision)
+    if element in _configs.FLOAT32_TAGS and (options.mask_mod is not None
+                                             or options.score_mod is not None):
+        # (a bias comes as a score modifier: cuflash2._bias)
+        raise NotImplementedError("mask_mod, score_mod, bias, block_mask: not with float32 "
+                                  "inputs yet (float16 and bfloat16 inputs take them)")
+    return dataclasses.replace(problem, dtype=element)
+
+
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, out, check_cu_seqlens, cupy):
     """Checks a varlen call. Returns (problem of the packed arrays as one unbatched call,

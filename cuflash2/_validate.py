@@ -16,11 +16,17 @@ import numpy
 from dataclasses import dataclass
 
 # dtype -> name by hash lookup: str(dtype) costs microseconds, and this runs on every call.
-_DTYPE_NAMES = {numpy.dtype(numpy.float16): "float16", numpy.dtype(ml_dtypes.bfloat16): "bfloat16"}
+_DTYPE_NAMES = {numpy.dtype(numpy.float16): "float16", numpy.dtype(ml_dtypes.bfloat16): "bfloat16",
+                numpy.dtype(numpy.float32): "float32"}
 MAX_HEAD_DIM = 256
-#: Rows are copied in 16-byte chunks, so every stride but the last must be a multiple of 8
-#: elements (16 bytes), as it always is for slices of a contiguous (..., headdim) array.
-STRIDE_MULTIPLE = 8
+#: Rows are copied in 16-byte chunks, so every stride but the last must be a multiple of 16
+#: bytes (8 16-bit elements, 4 float32 ones), as it always is for slices of a contiguous
+#: (..., headdim) array.
+STRIDE_BYTES = 16
+#: The `precision` of float32 calls (JAX's names, and "tf32"), as the kernels' element
+#: (cuflash2._configs.FLOAT32_TAGS): "highest" (the default) float32-level error, "high" and
+#: "tf32" one TF32 product (inputs and P rounded to 10 mantissa bits).
+PRECISIONS = {"highest": "float32", "high": "tf32", "tf32": "tf32"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,7 @@ class AttentionProblem:
     nheads: int
     nheads_kv: int
     head_dim: int
-    dtype: str  # "float16" or "bfloat16"
+    dtype: str  # "float16", "bfloat16" or "float32" (the kernels' element: kernel_element)
     batched: bool  # False for (seqlen, nheads, headdim) inputs
     softmax_scale: float
 
@@ -60,8 +66,8 @@ def _check_dtype(name: str, x, expected: str | None) -> str:
     if dtype is None:
         dtype = str(x.dtype)
         raise TypeError(
-            f"{name} must be float16 or bfloat16 (ml_dtypes.bfloat16); got {dtype}. "
-            f"Cast explicitly, e.g. {name}.astype(cupy.float16)")
+            f"{name} must be float16, bfloat16 (ml_dtypes.bfloat16) or float32; got {dtype}. "
+            f"Cast explicitly, e.g. {name}.astype(cupy.float32)")
     if expected is not None and dtype != expected:
         raise TypeError(f"{name} must have the same dtype as q ({expected}); got {dtype}")
     return dtype
@@ -78,11 +84,28 @@ def check_strides(name: str, x) -> None:
             f"{name} must be contiguous in its last dim (headdim stride {itemsize} bytes); got "
             f"strides {strides} for shape {shape}. Use cupy.ascontiguousarray({name})")
     for dim, (size, stride) in enumerate(zip(shape[:-1], strides[:-1])):
-        if size > 1 and stride % (STRIDE_MULTIPLE * itemsize) != 0:
+        if size > 1 and stride % STRIDE_BYTES != 0:
             raise ValueError(
-                f"{name} stride of dim {dim} must be a multiple of {STRIDE_MULTIPLE} elements "
-                f"({STRIDE_MULTIPLE * itemsize} bytes); got strides {strides} for shape {shape}. "
+                f"{name} stride of dim {dim} must be a multiple of {STRIDE_BYTES // itemsize} "
+                f"elements ({STRIDE_BYTES} bytes); got strides {strides} for shape {shape}. "
                 f"Use cupy.ascontiguousarray({name})")
+
+
+def kernel_element(dtype: str, precision) -> str:
+    """The kernels' element type of a call on `dtype` arrays at `precision` (None: the dtype's
+    default): the dtype itself for float16 and bfloat16 (precision must be None), PRECISIONS'
+    for float32."""
+    if dtype != "float32":
+        if precision is not None:
+            raise ValueError(f"precision applies to float32 inputs only; got precision="
+                             f"{precision!r} with {dtype} inputs (leave it None)")
+        return dtype
+    if precision is None:
+        return PRECISIONS["highest"]
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))} or None; "
+                         f"got {precision!r}")
+    return PRECISIONS[precision]
 
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:

@@ -117,7 +117,8 @@ def _forward_key(kind, cupy, arrays, options, extra=()):
     # the full check's message, also where CuPy finds no usable GPU.
     o = options  # its scalar options with their types (seed and offset: per call)
     key += (cupy.cuda.runtime.getDevice(), type(o.causal), o.causal, type(o.softmax_scale),
-            o.softmax_scale, type(o.softcap), o.softcap, type(o.dropout_p), o.dropout_p, *extra)
+            o.softmax_scale, type(o.softcap), o.softcap, type(o.dropout_p), o.dropout_p,
+            o.precision, *extra)
     return tuple(key)
 
 
@@ -141,6 +142,7 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
                                                           options.softmax_scale, out,
                                                           varlen_args[4], cupy)
         lse_shape = (packed.nheads, packed.seqlen_q)
+    problem = _prepare.with_kernel_element(problem, options)
     mods = _prepare.score_mods(problem, options)
     tensors, others = _device_arrays(layout, views, names, ("q", "k", "v", "out"))
     others.update(_prepare.user_mod_arrays(options.mask_mod, options.score_mod))
@@ -283,7 +285,7 @@ def _forward_result(plan, inputs, options, out, return_lse, cupy):
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
               return_lse=False, out=None, mask_mod=None, score_mod=None, block_mask=None,
-              bias=None):
+              bias=None, precision=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -328,9 +330,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     broadcast; added to the scaled scores after softcap and ALiBi, before `score_mod` and the
     mask (a score modifier, cuflash2._bias; on sm_90 a bias alone of q's dtype comes to the
     Hopper forward as tiles).
+
+    float32 q, k, v (out float32) run on TF32 tensor cores at `precision`: "highest" (None, the
+    default) splits every operand into two TF32 parts and sums three products (float32-level
+    error), "high" or "tf32" rounds the operands and the probabilities to TF32 (10 mantissa
+    bits; faster). Float32 calls take every option above but the programmable modifiers, the
+    bias and block masks; their backward is not built yet. 16-bit calls take precision=None.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     cupy = _cupy or _cupy_module()
     plan, inputs = _attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask,
                                    bias)
@@ -406,6 +414,10 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
                                                            varlen_args[4], cupy)
     _validate.check_backward_inputs(checked, views["dout"], q, k, v, views["out"], views["lse"],
                                     dq=views["dq"], dk=views["dk"], dv=views["dv"])
+    if problem.dtype == "float32":
+        raise NotImplementedError(
+            "attention_backward: float32 inputs have no backward kernel yet (attention takes "
+            "them); q, k, v, out and dout must be float16 or bfloat16")
     window = _validate.check_window(options.window_size, options.causal, problem.seqlen_q,
                                     problem.seqlen_k)
     mods = _prepare.score_mods(problem, options)
@@ -595,11 +607,11 @@ def _unpack(name: str, packed, parts: int):
 def attention_qkvpacked(qkv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
                         offset=0, return_lse=False, out=None, mask_mod=None, score_mod=None,
-                        block_mask=None, bias=None):
+                        block_mask=None, bias=None, precision=None):
     """`attention` on q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim), without copies;
-    `mask_mod`, `score_mod`, `block_mask` and `bias` as attention's."""
+    `mask_mod`, `score_mod`, `block_mask`, `bias` and `precision` as attention's."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     cupy = _cupy or _cupy_module()
     plan, inputs = _modified_forward_plan(
         "attention_qkvpacked", _QKVPACKED, cupy, (qkv, out, alibi_slopes, sinks),
@@ -610,11 +622,11 @@ def attention_qkvpacked(qkv, *, causal=False, softmax_scale=None, window_size=(-
 def attention_kvpacked(q, kv, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
                        offset=0, return_lse=False, out=None, mask_mod=None, score_mod=None,
-                       block_mask=None, bias=None):
+                       block_mask=None, bias=None, precision=None):
     """`attention` with k, v packed as kv (batch, seqlen_k, 2, nheads_kv, headdim); `mask_mod`,
-    `score_mod`, `block_mask` and `bias` as attention's."""
+    `score_mod`, `block_mask`, `bias` and `precision` as attention's."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     cupy = _cupy or _cupy_module()
     plan, inputs = _modified_forward_plan(
         "attention_kvpacked", _KVPACKED, cupy, (q, kv, out, alibi_slopes, sinks),
@@ -704,7 +716,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
                      return_lse=False, out=None, check_cu_seqlens=True, mask_mod=None,
-                     score_mod=None, bias=None):
+                     score_mod=None, bias=None, precision=None):
     """`attention` on variable-length sequences packed one after another (flash-attn's
     `flash_attn_varlen_func`).
 
@@ -721,12 +733,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     undefined results (never out-of-bounds accesses: the kernels clamp to the packed lengths).
     `mask_mod` / `score_mod` as in `attention`: b is the sequence's index, q_idx and kv_idx
     positions within the sequence. `bias`: (batch or 1, nheads or 1, max_seqlen_q,
-    max_seqlen_k), sequence b reading bias[b, :, :seqlen_q_b, :seqlen_k_b].
+    max_seqlen_k), sequence b reading bias[b, :, :seqlen_q_b, :seqlen_k_b]. `precision` as in
+    `attention`.
     """
     plan, planned, inputs, options, cupy = _varlen_plan(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset, out,
-        check_cu_seqlens, mask_mod, score_mod, bias)
+        check_cu_seqlens, mask_mod, score_mod, bias, precision)
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, out, cupy)
@@ -735,11 +748,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed,
-                 offset, out, check_cu_seqlens, mask_mod=None, score_mod=None, bias=None):
+                 offset, out, check_cu_seqlens, mask_mod=None, score_mod=None, bias=None,
+                 precision=None):
     """(plan of an attention_varlen call, whether it was planned now: the call checked in full,
     its inputs, its options, cupy) (varlen_forward_kernels names its kernels)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     inputs = (q, k, v, out, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
     cupy = _cupy or _cupy_module()
     extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)

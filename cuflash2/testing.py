@@ -160,7 +160,16 @@ def poison_like(xp, shape, dtype):
     return xp.full(shape, math.nan, dtype=numpy.float32).astype(dtype)
 
 
-def check_forward(q, k, v, out, lse=None, *, atol=None, **options):
+def _references(q, precision):
+    """(ref_hi's, ref_lo's compute_dtype) of the rule for inputs like q: float32 and q's dtype
+    for 16-bit inputs; for float32 inputs float64 and, at `precision`, float32 ("highest",
+    None) or the TF32 roundings ("tf32", "high": reference compute_dtype "tf32")."""
+    if numpy.dtype(q.dtype) != numpy.float32:
+        return numpy.float32, q.dtype
+    return numpy.float64, ("tf32" if precision in ("tf32", "high") else numpy.float32)
+
+
+def check_forward(q, k, v, out, lse=None, *, atol=None, precision=None, **options):
     """Check an implementation's forward result (and lse, if given) against the reference.
 
     options go to ``reference.attention`` as they are: causal, softmax_scale, window_size,
@@ -168,14 +177,14 @@ def check_forward(q, k, v, out, lse=None, *, atol=None, **options):
     must be the keep-mask the implementation used), bias, mask, score_mod (bias_requires_grad
     is ignored here). With sinks the reference's lse counts the
     sink, and a row that sees no key has lse = sink (finite).
-    Returns a list of CheckResult: "out", then "lse" when lse is not None.
+    Returns a list of CheckResult: "out", then "lse" when lse is not None. `precision`: that
+    of float32 inputs (_references).
     """
     # bias_requires_grad is a backward option: dropped, so one options dict serves both checks.
     options = {name: value for name, value in options.items() if name != "bias_requires_grad"}
-    ref_hi, ref_lse = reference.attention(
-        q, k, v, return_lse=True, compute_dtype=numpy.float32, **options
-    )
-    ref_lo = reference.attention(q, k, v, compute_dtype=q.dtype, **options)
+    hi, lo = _references(q, precision)
+    ref_hi, ref_lse = reference.attention(q, k, v, return_lse=True, compute_dtype=hi, **options)
+    ref_lo = reference.attention(q, k, v, compute_dtype=lo, **options)
     results = [check_close("out", out, ref_hi, ref_lo, atol)]
     if lse is not None:
         results.append(lse_close(lse, ref_lse))

@@ -35,6 +35,10 @@ FWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in _dispatch.all_fwd_configs(arch, _configs.TESTED_FEATURES)]
 FWD_CASES += _all_combinations_sm90(_dispatch.all_fwd_configs(90, _configs.ALL_FEATURES),
                                     _configs.TESTED_FEATURES)
+# Float32 inputs' forward (both precisions): every head dim, plain and with the tested features.
+FWD_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
+              for cfg in _dispatch.all_fwd_configs(arch, _configs.TESTED_FEATURES,
+                                                   tuple(_configs.FLOAT32_TAGS))]
 BWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in dict.fromkeys(_dispatch.all_bwd_configs(arch, _configs.TESTED_FEATURES))]
 BWD_CASES += _all_combinations_sm90(
@@ -74,6 +78,11 @@ SAMPLE_PLAIN |= {(80, "float16", 256), (86, "bfloat16", 256), (89, "float16", 25
 SAMPLE_PLAIN |= {(80, "float16", 32), (86, "bfloat16", 96), (89, "float16", 160),
                  (90, "bfloat16", 192), (90, "float16", 224)}
 SAMPLE_FEATURES = {(90, "bfloat16", 128), (80, "float16", 64)}
+#: Float32 inputs' forward: plain at these points, and every feature together at d=128 on sm_90
+#: (FLOAT32_SAMPLE_FEATURES).
+SAMPLE_PLAIN |= {(80, "float32", 128), (90, "tf32", 128), (90, "float32", 64),
+                 (86, "float32", 256)}
+FLOAT32_SAMPLE_FEATURES = (90, "float32", 128)
 #: The small kernels (no head dim: their code does not depend on the tiles) on these.
 AUX_SAMPLE_ARCHS = (80, 90)
 
@@ -89,6 +98,8 @@ def _sampled(cfg, arch) -> bool:
         return False  # the decode kernel's variants: at their d=128 points (below)
     if cfg.features == 0:
         return point in SAMPLE_PLAIN
+    if cfg.dtype in _configs.FLOAT32_TAGS:
+        return point == FLOAT32_SAMPLE_FEATURES and cfg.features == max(_configs.TESTED_FEATURES)
     return cfg.features in _tested_features(cfg) and point in SAMPLE_FEATURES
 
 

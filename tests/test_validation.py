@@ -48,8 +48,8 @@ def test_numpy_input_gets_a_hint():
 
 
 @pytest.mark.parametrize("bad,pattern", [
-    (np.float32, r"q must be float16 or bfloat16.*float32"),
-    (np.float64, r"q must be float16 or bfloat16.*float64"),
+    (np.float64, r"q must be float16, bfloat16 .* or float32.*float64"),
+    (np.int32, r"q must be float16, bfloat16 .* or float32.*int32"),
 ])
 def test_unsupported_dtype(bad, pattern):
     q, k, v = arrays()
@@ -138,7 +138,9 @@ def test_wrong_out():
         check(q, k, v, out=np.empty((2, 5, 4, 32), np.float16))
     with pytest.raises(TypeError, match=r"out must have the same dtype as q"):
         check(q, k, v, out=np.empty(q.shape, ml_dtypes.bfloat16))
-    with pytest.raises(TypeError, match=r"out must be float16 or bfloat16"):
+    with pytest.raises(TypeError, match=r"out must be float16, bfloat16"):
+        check(q, k, v, out=np.empty(q.shape, np.float64))
+    with pytest.raises(TypeError, match=r"out must have the same dtype as q \(float16\); got float32"):
         check(q, k, v, out=np.empty(q.shape, np.float32))
 
 

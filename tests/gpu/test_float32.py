@@ -1,0 +1,171 @@
+"""GPU tests of float32 inputs (cuflash2.attention at precision "highest" and "tf32").
+
+The rule is the 2x rule with the float64 reference as ref_hi: ref_lo is the reference computed
+the plain way in float32 (precision "highest") or with the TF32 roundings of the tensor-core
+products (precision "tf32": reference compute_dtype "tf32"), testing.check_forward's
+`precision`. Inputs are fresh standard-normal draws; outputs are poisoned where given.
+"""
+
+import math
+
+import numpy
+import pytest
+from grids import seed_of as _seed  # tests/gpu helper
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import testing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+PRECISIONS = ("highest", "tf32")
+
+
+def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, seed_extra=""):
+    seed = _seed(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, "float32" + seed_extra)
+    return testing.random_qkv(cupy, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim,
+                              numpy.float32, seed)
+
+
+def _check(q, k, v, precision, out=None, **options):
+    given = out
+    out, lse = cuflash2.attention(q, k, v, precision=precision, return_lse=True, out=out,
+                                  **options)
+    assert out.dtype == numpy.float32 and out.shape == q.shape
+    if given is not None:
+        assert out is given
+    results = testing.check_forward(q, k, v, out, lse, precision=precision, **options)
+    print("; ".join(map(str, results)))
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_head_dims(precision, headdim, causal):
+    """Every kernel head dim, with GQA and odd lengths, seqlen_q != seqlen_k."""
+    q, k, v = _qkv(2, 97, 203, 4, 2, headdim)
+    _check(q, k, v, precision, causal=causal)
+
+
+@pytest.mark.parametrize("seqlens", [(1, 1), (1, 300), (300, 1), (128, 128), (255, 513),
+                                     (1000, 700)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lengths(precision, seqlens):
+    q, k, v = _qkv(1, *seqlens, 2, 1, 64)
+    _check(q, k, v, precision, causal=True)
+    _check(q, k, v, precision)
+
+
+@pytest.mark.parametrize("headdim", [40, 72, 136])
+def test_odd_head_dims_pad_in_shared_memory_only(headdim):
+    q, k, v = _qkv(1, 77, 91, 2, 2, headdim)
+    _check(q, k, v, "highest", causal=True)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_features(precision):
+    """Window, softcap, ALiBi and sinks, each and together; out given (poisoned)."""
+    q, k, v = _qkv(2, 150, 260, 4, 2, 64)
+    slopes = cupy.asarray(numpy.linspace(0.05, 0.5, 4, dtype=numpy.float32))
+    sinks = cupy.asarray(numpy.linspace(-1.0, 2.0, 4, dtype=numpy.float32))
+    for options in ({"window_size": (40, 10)}, {"softcap": 5.0}, {"alibi_slopes": slopes},
+                    {"sinks": sinks},
+                    {"causal": True, "window_size": (64, 0), "softcap": 3.0,
+                     "alibi_slopes": slopes, "sinks": sinks}):
+        out = testing.poison_like(cupy, q.shape, numpy.float32)
+        _check(q, k, v, precision, out=out, **options)
+
+
+def test_dropout_matches_its_mask():
+    q, k, v = _qkv(1, 130, 190, 2, 2, 64)
+    mask = cuflash2.dropout_mask(1, 2, 130, 190, 0.2, 7)
+    out, lse = cuflash2.attention(q, k, v, dropout_p=0.2, seed=7, return_lse=True)
+    results = testing.check_forward(q, k, v, out, lse, dropout_p=0.2, dropout_mask=mask,
+                                    precision="highest")
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_varlen_and_packed(precision):
+    lengths = [1, 70, 129, 33]
+    cu = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)
+    total = int(cu[-1])
+    q, k, v = (x[0] for x in _qkv(1, total, total, 4, 2, 64, "varlen"))
+    cu_d = cupy.asarray(cu)
+    out = cuflash2.attention_varlen(q, k, v, cu_d, cu_d, max(lengths), max(lengths),
+                                    causal=True, precision=precision)
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        results = testing.check_forward(q[rows], k[rows], v[rows], out[rows], causal=True,
+                                        precision=precision)
+        assert all(r.ok for r in results), f"sequence {b}: " + "; ".join(map(str, results))
+    qkv = cupy.stack(_qkv(2, 90, 90, 3, 3, 64, "packed"), axis=2)
+    out = cuflash2.attention_qkvpacked(qkv, causal=True, precision=precision)
+    results = testing.check_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], out, causal=True,
+                                    precision=precision)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+def test_unbatched_and_strided_views():
+    q, k, v = _qkv(1, 64, 96, 2, 2, 64)
+    _check(q[0], k[0], v[0], "highest", causal=True)
+    # A view with a head stride of 4 float32 elements... of a wider array: every stride a
+    # multiple of 16 bytes.
+    wide = cupy.asarray(numpy.random.default_rng(3).standard_normal((1, 96, 2, 72),
+                                                                    dtype=numpy.float32))
+    _check(q, wide[..., :64], wide[..., 8:], "tf32")
+
+
+def test_cuda_graph_replays_with_fresh_inputs():
+    """A captured call replayed as a serving loop replays it: new values in the same arrays."""
+    from cuflash2.bench.decode_graph import CapturedGraph
+
+    q, k, v = _qkv(2, 200, 300, 4, 2, 128)
+    captured = {}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash2.attention(q, k, v, causal=True)  # planned and compiled outside the capture
+    stream.synchronize()
+    graph = CapturedGraph(cupy, stream, lambda: captured.update(
+        out=cuflash2.attention(q, k, v, causal=True)))
+    rng = numpy.random.default_rng(11)
+    for _ in range(3):
+        for x in (q, k, v):
+            x[...] = cupy.asarray(rng.standard_normal(x.shape, dtype=numpy.float32))
+        stream.synchronize()
+        graph.launch()
+        stream.synchronize()
+        results = testing.check_forward(q, k, v, captured["out"], causal=True,
+                                        precision="highest")
+        assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+def test_highest_is_float32_accurate_and_tf32_is_not():
+    """"highest" stays within float32-level error of the float64 reference (a few times the
+    plain float32 reference's), where "tf32" is about a thousand times further."""
+    q, k, v = _qkv(1, 512, 512, 2, 2, 128)
+    ref = cuflash2.reference.attention(q, k, v, compute_dtype=numpy.float64)
+    plain = cuflash2.reference.attention(q, k, v, compute_dtype=numpy.float32)
+    plain_err = float(cupy.abs(plain - ref).max())
+    highest = float(cupy.abs(cuflash2.attention(q, k, v) - ref).max())
+    tf32 = float(cupy.abs(cuflash2.attention(q, k, v, precision="tf32") - ref).max())
+    print(f"max error against float64: plain float32 {plain_err:.2e}, highest {highest:.2e}, "
+          f"tf32 {tf32:.2e}")
+    assert highest <= 8 * plain_err + 1e-6
+    assert tf32 > 30 * highest
+
+
+def test_what_float32_does_not_take_yet():
+    q, k, v = _qkv(1, 16, 16, 1, 1, 64)
+    with pytest.raises(NotImplementedError, match="attention_backward: float32"):
+        cuflash2.attention_backward(q, q, k, v, q, cupy.zeros((1, 1, 16), numpy.float32))
+    with pytest.raises(NotImplementedError, match="mask_mod, score_mod, bias"):
+        cuflash2.attention(q, k, v, mask_mod=cuflash2.mask_mod("kv_idx <= q_idx"))
+    with pytest.raises(NotImplementedError, match="attention_with_kvcache: float32"):
+        cuflash2.attention_with_kvcache(q, k, v)
+    with pytest.raises(ValueError, match="precision applies to float32 inputs only"):
+        cuflash2.attention(q.astype(numpy.float16), k.astype(numpy.float16),
+                           v.astype(numpy.float16), precision="tf32")
+    assert math.isfinite(float(cuflash2.attention(q, k, v, precision="high").sum()))
