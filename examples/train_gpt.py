@@ -549,6 +549,10 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--period", type=int, default=1024,
+                        help="length of the repeating token sequence the data is cut from")
+    parser.add_argument("--symbols", type=int, default=512,
+                        help="distinct tokens in it (fewer: an easier task)")
     parser.add_argument("--compare-sdpa", action="store_true",
                         help="after training, time the same steps with torch SDPA's "
                              "FlashAttention-2 and cuDNN backends in place of cuflash2")
@@ -562,7 +566,7 @@ def main(argv=None) -> int:
     import cupy
 
     trainer = Trainer(cupy, config, Cuflash2Attention(), args.seed)
-    data = SyntheticTokens(config.vocab)
+    data = SyntheticTokens(config.vocab, args.period, args.symbols)
     flops = step_flops(config, trainer.parameters)
     tokens_per_step = config.batch * config.seq_len
     print(f"GPT: {config.layers} layers, {config.heads} heads x {config.head_dim}, hidden "
