@@ -563,7 +563,12 @@ def main(argv=None) -> int:
     if config.dim % config.heads:
         parser.error(f"--dim {config.dim} is not a multiple of --heads {config.heads}")
 
-    import cupy
+    try:
+        import cupy
+    except ImportError as exc:
+        print(f"train_gpt.py needs CuPy and a GPU ({exc}): pip install cupy-cuda13x, or from a "
+              'checkout of cuflash2 pip install ".[cuda13]"', file=sys.stderr)
+        return 2
 
     trainer = Trainer(cupy, config, Cuflash2Attention(), args.seed)
     data = SyntheticTokens(config.vocab, args.period, args.symbols)
