@@ -113,8 +113,9 @@ def cross_entropy(logits, targets):
 
 def scatter_add(target, indices, values):
     """target[indices[i]] += values[i], repeated indices adding up (the embedding's backward)."""
-    if array_module(target) is numpy:
-        numpy.add.at(target, indices, values)
+    xp = array_module(target)
+    if xp is numpy or hasattr(xp.add, "at"):  # CuPy's ufunc.at: newer CuPy
+        xp.add.at(target, indices, values)
     else:
         import cupyx
 
@@ -148,7 +149,6 @@ class CublasMatmul:
 
         self.cupy, self.cublas = cupy, cublas
         self.handle = cupy.cuda.device.get_cublas_handle()
-        cublas.setPointerMode(self.handle, self.POINTER_MODE_HOST)
         self.one = numpy.array(1.0, dtype=numpy.float32)
         self.zero = numpy.array(0.0, dtype=numpy.float32)
 
@@ -169,6 +169,9 @@ class CublasMatmul:
                              f"got {out.dtype} {out.shape}")
         # Row-major C = op(a) op(b) is column-major C^T = op(b)^T op(a)^T: cuBLAS gets b first.
         # A row-major (r, c) array is a column-major (c, r) one with leading dimension c.
+        # alpha and beta are host scalars: the handle is CuPy's, whose routines may have left
+        # it in device pointer mode.
+        self.cublas.setPointerMode(self.handle, self.POINTER_MODE_HOST)
         self.cublas.gemmEx(
             self.handle, self.OP_T if transpose_b else self.OP_N,
             self.OP_T if transpose_a else self.OP_N, n, m, k,

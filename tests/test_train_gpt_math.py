@@ -165,7 +165,8 @@ def test_cublas_operands_give_row_major_products(gpt):
                 out[i + j * ldc] = product[i, j]
 
     matmul = object.__new__(gpt.CublasMatmul)
-    matmul.cublas = types.SimpleNamespace(gemmEx=gemm_ex)
+    matmul.cublas = types.SimpleNamespace(gemmEx=gemm_ex,
+                                          setPointerMode=lambda handle, mode: None)
     matmul.cupy = types.SimpleNamespace(
         float32=numpy.float32,
         empty=lambda shape, dtype: memory.array(numpy.zeros(shape, dtype)))
