@@ -346,8 +346,9 @@ def init_parameters(xp, config: Config, dtype, seed: int = 0):
     for _, shape, decayed, init in layout:
         size = math.prod(shape)
         std = 0.02 / math.sqrt(2 * config.layers) if init == "residual" else 0.02
-        host[offset:offset + size] = (rng.standard_normal(size) * std if init in ("normal", "residual")
-                                      else float(init == "one"))
+        random = init in ("normal", "residual")
+        host[offset:offset + size] = rng.standard_normal(size) * std if random else float(
+            init == "one")
         mask[offset:offset + size] = float(decayed)
         offset += size
     flat = xp.asarray(host.astype(dtype))
