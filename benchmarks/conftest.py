@@ -1,9 +1,9 @@
 """Setup of the pytest-benchmark suite (benchmarks/test_*.py).
 
 Every test here is skipped, saying why, without CuPy and a CUDA device, and (through the
-``gpu_benchmark`` fixture) without pytest-benchmark; nothing here or in the test modules imports
-CuPy or torch at collection. The CPU suite (``python -m pytest -q``, testpaths = tests) does not
-collect this folder.
+``gpu_benchmark`` fixture of cuflash2.pytest_plugin) without pytest-benchmark. The test modules
+import neither CuPy nor torch at collection; this file tries CuPy once, to say why it skips.
+The CPU suite (``python -m pytest -q``, testpaths = tests) does not collect this folder.
 
 The peers, torch SDPA restricted to its FlashAttention-2 backend and to its cuDNN backend, are
 timed next to cuflash2 where torch sees a GPU; ``CUFLASH2_BENCH_PEERS=0`` leaves them out.
@@ -15,16 +15,15 @@ import os
 
 import pytest
 
-from cuflash2.pytest_plugin import gpu_benchmark  # noqa: F401  (also without the entry point)
-
-#: Rounds of each benchmark after its warm-up rounds (the first of which compiles).
-ROUNDS = 30
-WARMUP_ROUNDS = 3
 #: The peers' calls: timed with cuflash2.bench.timing (CUDA events, the median).
 PEER_WARMUP, PEER_ITERS = 3, 20
 
 
 def pytest_configure(config):
+    # The gpu_benchmark fixture: from the pytest11 entry point where cuflash2 is installed, else
+    # (a checkout on PYTHONPATH) registered here.
+    if not config.pluginmanager.hasplugin("cuflash2.pytest_plugin"):
+        config.pluginmanager.import_plugin("cuflash2.pytest_plugin")
     # pytest-benchmark registers it too; here so that a run without it reports skips, not
     # unknown-marker warnings.
     config.addinivalue_line("markers", "benchmark: pytest-benchmark's options of a test")

@@ -82,6 +82,12 @@ def test_gpu_benchmark_times_the_gpu_clock_and_names_the_timer(pytester, stand_i
     assert saved["extra_info"] == {"checked": True}
 
 
+def test_gpu_benchmark_counts_as_a_benchmark_for_benchmark_only(pytester, stand_in):
+    pytester.makepyfile(test_timed=TEST_FILE, test_plain="def test_plain():\n    pass\n")
+    result = pytester.runpytest("-p", "cuflash2.pytest_plugin", "--benchmark-only", "-q")
+    result.assert_outcomes(passed=1, skipped=1)  # test_plain: not a benchmark
+
+
 def test_gpu_benchmark_skips_without_pytest_benchmark(pytester, stand_in):
     pytester.makepyfile(test_timed=TEST_FILE)
     result = pytester.runpytest("-p", "cuflash2.pytest_plugin", "-p", "no:benchmark",
