@@ -16,6 +16,9 @@ with an absolute slack grown with those rows (``dsinks_tolerance``); the bias's 
 by the same rule too, against the float32 reference's unrounded dbias.
 
 Works for NumPy and CuPy arrays; only the final max scalars are copied to the host.
+
+Also here: GPU time for pytest-benchmark (``CudaEventTimer``, ``cuda_event_timer`` and
+``GpuBenchmark``; the ``gpu_benchmark`` fixture of ``cuflash2.pytest_plugin`` wraps them).
 """
 
 import dataclasses
@@ -29,6 +32,9 @@ from cuflash2.reference import _array_module
 
 __all__ = [
     "CheckResult",
+    "CudaEventTimer",
+    "GpuBenchmark",
+    "cuda_event_timer",
     "check_close",
     "check_forward",
     "check_backward",
@@ -333,3 +339,96 @@ def _check_gradients(reference_backward, reference_forward, args, forward_args, 
             dbias_atol = max(default_atol(q.dtype), default_atol(bias.dtype))
         results.append(check_close("dbias", dbias, refs_hi[-1], refs_lo[-1], dbias_atol))
     return results
+
+
+class _GpuReading:
+    """One CUDA event recorded by CudaEventTimer. `later - earlier` waits for `later` and gives
+    the GPU time between the two events in seconds, the one operation pytest-benchmark applies
+    to its timer's readings (`end - start`)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event):
+        self.event = event
+
+    def __sub__(self, earlier):
+        import cupy
+
+        self.event.synchronize()
+        return cupy.cuda.get_elapsed_time(earlier.event, self.event) / 1e3
+
+
+class CudaEventTimer:
+    """A pytest-benchmark timer that reads the GPU's clock: each call records a CUDA event on the
+    current CuPy stream, and the difference of two readings is the GPU time between them, in
+    seconds. So a round's statistics are the time the GPU took from the start event to the end
+    event, not the host's. CuPy is imported at the first reading, not before.
+
+    Give it to pytest-benchmark as ``@pytest.mark.benchmark(timer=cuflash2.testing.
+    cuda_event_timer)`` or ``--benchmark-timer cuflash2.testing.cuda_event_timer``. Alone, it
+    also counts the time the GPU waits for the host to launch the round's work; ``GpuBenchmark``
+    (the ``gpu_benchmark`` fixture) queues a spinning kernel before each round so that the
+    round's launches wait behind it and the events see only the GPU's work.
+    """
+
+    __name__ = "cuda_event_timer"  # how pytest-benchmark names the timer in saved runs
+
+    def __call__(self) -> _GpuReading:
+        import cupy
+
+        event = cupy.cuda.Event()
+        event.record()
+        return _GpuReading(event)
+
+
+#: The timer instance that ``--benchmark-timer`` and the benchmark marker can name.
+cuda_event_timer = CudaEventTimer()
+
+
+class GpuBenchmark:
+    """pytest-benchmark's ``benchmark`` fixture, set up with ``cuda_event_timer``, timing one
+    call of a function per round on the GPU: ``gpu_benchmark(fn)``. Before each round, untimed:
+    ``before()`` if given (an L2 flush, a reset of state), then a kernel that spins for
+    ``host_us`` microseconds, long enough for the host to record the start event, launch fn's
+    work and record the end event while the GPU is still busy; the events then measure fn's
+    GPU time alone. Work runs on the current CuPy stream (enter a stream around the call to
+    time another). Attributes of the benchmark fixture (``extra_info``, ``stats``, ``group``)
+    pass through.
+    """
+
+    def __init__(self, benchmark):
+        self._benchmark = benchmark
+        self._spin = None
+
+    def __getattr__(self, name):
+        return getattr(self._benchmark, name)
+
+    def __call__(self, fn, *, rounds: int = 50, warmup_rounds: int = 5, before=None,
+                 host_us: int = 400):
+        """Times ``fn()`` for ``rounds`` rounds after ``warmup_rounds`` (whose first call pays
+        for compiling); returns fn's last result. The stats are seconds of GPU time."""
+        if rounds < 1 or warmup_rounds < 0 or host_us < 0:
+            raise ValueError(f"rounds must be >= 1, warmup_rounds and host_us >= 0; got rounds="
+                             f"{rounds}, warmup_rounds={warmup_rounds}, host_us={host_us}")
+        import cupy
+
+        if self._spin is None:
+            from cuflash2.bench.timing import spin_kernel
+
+            self._spin = spin_kernel(cupy)
+        spin_ns = cupy.uint64(host_us * 1000)
+
+        def setup():
+            if before is not None:
+                before()
+            self._spin((1,), (1,), (spin_ns,))
+
+        return self._benchmark.pedantic(fn, setup=setup, rounds=rounds,
+                                        warmup_rounds=warmup_rounds, iterations=1)
+
+    def gpu_seconds(self) -> float | None:
+        """The median of the rounds just timed, in seconds of GPU time; None where nothing was
+        timed (``--benchmark-disable``)."""
+        if self._benchmark.stats is None:
+            return None
+        return self._benchmark.stats.stats.median

@@ -115,6 +115,13 @@ def test_wheel_metadata_lists_the_extras(wheel_path, wheel_names):
     for name in ("cuda-bindings", "cuda-toolkit"):
         (requirement,) = needed(name, "test")
         assert not Requirement(requirement).specifier, requirement
+    # The same extras as cuda12's and cuda13's toolkit: pip resolves `cuda-toolkit[a,b]` as one
+    # name per set of extras, and a different set was first resolved to the newest CUDA alone,
+    # then backtracked through every CUDA 13 release to meet cuda12's `==12.*`.
+    (test_toolkit,) = needed("cuda-toolkit", "test")
+    for extra in ("cuda12", "cuda13"):
+        (toolkit,) = needed("cuda-toolkit", extra)
+        assert Requirement(test_toolkit).extras == Requirement(toolkit).extras
 
 
 def test_wheel_metadata_license_and_urls(wheel_path, wheel_names):
