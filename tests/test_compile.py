@@ -42,6 +42,10 @@ BWD_CASES += _all_combinations_sm90(
 AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
 DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
                 for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES)]
+# The e4m3 cache's decode kernels (kv_cache_e4m3.cuh), every one under --exhaustive.
+DECODE_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
+                 for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES,
+                                                         ("e4m3",))]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
 # The default sample, as (arch, dtype, kernel head dim) points of every kernel family (forward;
@@ -74,6 +78,14 @@ SAMPLE_PLAIN |= {(80, "float16", 256), (86, "bfloat16", 256), (89, "float16", 25
 SAMPLE_PLAIN |= {(80, "float16", 32), (86, "bfloat16", 96), (89, "float16", 160),
                  (90, "bfloat16", 192), (90, "float16", 224)}
 SAMPLE_FEATURES = {(90, "bfloat16", 128), (80, "float16", 64)}
+#: The e4m3 cache's decode kernels in the sample, as (arch, dtype, head dim, block_m,
+#: keys_per_warp, features): fp16 on sm_80 (an m16 tile), bf16 with every feature and its rows
+#: on the n side on sm_90, and sm_90's clustered kernel (32 keys a warp: its conversion's rows).
+E4M3_DECODE_SAMPLE = {
+    (80, "float16", 128, _configs.DECODE_BLOCK_M, 16, 0),
+    (90, "bfloat16", 128, _configs.DECODE_BLOCK_M_N8, 16,
+     _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI | _configs.FEATURE_SINKS),
+    (90, "bfloat16", 128, _configs.DECODE_BLOCK_M, 32, 0)}
 #: The small kernels (no head dim: their code does not depend on the tiles) on these.
 AUX_SAMPLE_ARCHS = (80, 90)
 
@@ -83,6 +95,9 @@ def _sampled(cfg, arch) -> bool:
     if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, sinks, dropout mask: every
         return arch in AUX_SAMPLE_ARCHS  # case on the sample's ends of the architectures
     point = (arch, cfg.dtype, cfg.head_dim)
+    if isinstance(cfg, _configs.DecodeConfig) and cfg.kv_cache_dtype is not None:
+        return not cfg.early_cache_reads and (*point, cfg.block_m, cfg.keys_per_warp,
+                                              cfg.features) in E4M3_DECODE_SAMPLE
     if isinstance(cfg, _configs.DecodeConfig) and (
             (cfg.block_m == _configs.DECODE_BLOCK_M_N8 and cfg.head_dim != 128)
             or (cfg.early_cache_reads and (cfg.head_dim != 128 or cfg.features))):
