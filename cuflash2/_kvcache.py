@@ -149,6 +149,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                                                  kv.nheads_kv)
         if error:
             raise ValueError(error)
+        if check_cache and descale is not None:
+            fp8.check_descale_values(name, cupy.asnumpy(descale))
     # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
     problem = _validate.check_attention_inputs(q, q, q, softmax_scale=options.softmax_scale)
     for name in ("k_cache", "v_cache", "k", "v"):

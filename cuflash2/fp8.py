@@ -172,6 +172,15 @@ def descale_shape_error(name, descale, batch, nheads_kv):
     return None
 
 
+def check_descale_values(name, values) -> None:
+    """A descale array's values (on the host): positive and finite (check_cache=True)."""
+    values = numpy.asarray(values, numpy.float64)
+    bad = ~(numpy.isfinite(values) & (values > 0))
+    if bad.any():
+        raise ValueError(f"{name} must hold positive finite factors; got "
+                         f"{values.reshape(-1)[numpy.argmax(bad.reshape(-1))]}")
+
+
 def descale_strides(descale) -> tuple[int, int]:
     """(batch, KV head) strides in elements of a checked descale array (0 where shared)."""
     if descale.ndim < 2:

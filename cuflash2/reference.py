@@ -1126,6 +1126,8 @@ def attention_with_kvcache(
                                           problem.nheads_kv, xp),
                   "v": fp8.descale_values("v_descale", v_descale, problem.batch,
                                           problem.nheads_kv, xp)}
+        for name in scales:
+            fp8.check_descale_values(f"{name}_descale", _to_host(scales[name]))
 
     def to_cache(name, b, x):
         if cache_format is None:

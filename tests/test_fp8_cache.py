@@ -214,6 +214,8 @@ def _call(q=None, k_cache=None, v_cache=None, **kwargs):
      ValueError, r"k_descale must be a float32 array of shape \(batch, nheads_kv\) = \(2, 2\)"),
     ({"kv_cache_dtype": "e4m3", "v_descale": numpy.ones((2, 2), numpy.float64)},
      ValueError, r"v_descale must be a float32 array .* got float64 \(2, 2\)"),
+    ({"kv_cache_dtype": "e4m3", "k_descale": numpy.array([0.0], numpy.float32)},
+     ValueError, r"k_descale must hold positive finite factors; got 0.0"),
 ])
 def test_fp8_arguments_are_checked_with_messages_naming_them(kwargs, error, message):
     with pytest.raises(error, match=message):
