@@ -1096,9 +1096,7 @@ def attention_with_kvcache(
     float32 (batch, nheads, seqlen_q).
     """
     xp = _array_module(q, k_cache, v_cache, k, v, alibi_slopes, sinks)
-    cache_format = fp8.cache_format(q, k_cache, v_cache, k, kv_cache_dtype,
-                                    None if isinstance(k_descale, numbers.Real) else k_descale,
-                                    None if isinstance(v_descale, numbers.Real) else v_descale)
+    cache_format = fp8.cache_format(q, k_cache, v_cache, k, kv_cache_dtype, k_descale, v_descale)
     problem = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
                                              cache_batch_idx, block_table, _to_host,
                                              kv_cache_dtype=cache_format)

@@ -262,3 +262,20 @@ def test_an_fp8_decode_call_plans_the_e4m3_kernel_with_its_descale_pointers(api_
                                     device_array((2, 4096, 2, 128)), cache_seqlens=4000)
     config = api_host.launches[-1][0].config
     assert config.kv_cache_dtype is None and config.name_expression.endswith(", false, 8>")
+
+
+
+def test_a_float_descale_is_for_an_fp8_cache_and_the_reference_only(api_host):
+    """The reference takes a Python float as a descale factor, the kernel path a float32 CuPy
+    array (one on the device: no host value in the plan)."""
+    import cuflash2
+
+    q = device_array((2, 1, 8, 128))
+    cache = device_array((2, 4096, 2, 128), numpy.uint8)
+    with pytest.raises((TypeError, ValueError), match=r"k_descale must be a cupy\.ndarray"):
+        cuflash2.attention_with_kvcache(q, cache, cache, kv_cache_dtype="e4m3", k_descale=0.5)
+
+
+def test_the_reference_refuses_a_float_descale_with_a_16_bit_cache():
+    with pytest.raises(ValueError, match=r"k_descale is for an FP8 cache"):
+        _call(k_cache=numpy.zeros((2, 32, 2, 64), numpy.float16), k_descale=0.5)
