@@ -20,6 +20,7 @@ tests/test_fp8_cache.py checks them against ml_dtypes.
 from __future__ import annotations
 
 import numbers
+import sys
 
 import numpy
 
@@ -51,7 +52,9 @@ E4M3_VALUES.setflags(write=False)
 
 
 def _module(x):
-    return type(x).__module__.split(".")[0] == "cupy" and __import__("cupy") or numpy
+    """cupy for a CuPy array (CuPy imported already, then), else numpy."""
+    cupy = sys.modules.get("cupy")
+    return cupy if cupy is not None and isinstance(x, cupy.ndarray) else numpy
 
 
 def _bits(x, xp):
