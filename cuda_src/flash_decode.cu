@@ -31,18 +31,34 @@
 #include "variant.cuh"
 #include "warp_gemm.cuh"
 #include "kv_cache.cuh"
+#include "kv_cache_e4m3.cuh"
 #include "split_merge.cuh"
 #include "output_store.cuh"
 #include "dependent_launch.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"
 
+// What a KV stage holds and what the cache's elements are: q's 16-bit type in swizzled tiles, or
+// e4m3 bytes (kv_cache_e4m3.cuh).
+template <bool E4M3_CACHE, int ROWS, int COLS>
+struct StagedTileOf {
+    using type = SwizzledTile<ROWS, COLS>;
+    using Stored = u16;
+};
+template <int ROWS, int COLS>
+struct StagedTileOf<true, ROWS, COLS> {
+    using type = E4M3Tile<ROWS, COLS>;
+    using Stored = u8;
+};
+
 // BLOCK_M: the CTA's packed query rows, an m16 tile (DECODE_BLOCK_M), or at most 8 of them on
 // the n side of the mma (DECODE_BLOCK_M_N8: ROWS_ON_N), where a step's rows fit there (one
 // query token of a GQA group of up to 8): S^T = K Q^T and O^T = V^T P^T then spend no mma work
 // on padding rows, half of it for such a step on an m16 tile.
+// E4M3_CACHE: the cache holds e4m3 bytes (kv_cache_e4m3.cuh): the stages hold them as read, and
+// a 16-bit tile after Q the warps' converted rows (K's, then V's), which the mma reads.
 template <int HEAD_DIM, int NUM_WARPS_, int KEYS_PER_WARP, int KV_STAGES,
-          int BLOCK_M_ = DECODE_BLOCK_M>
+          int BLOCK_M_ = DECODE_BLOCK_M, bool E4M3_CACHE = false>
 struct DecodeTraits {
     static constexpr int NUM_WARPS = NUM_WARPS_;
     static constexpr int THREADS = NUM_WARPS * 32;
@@ -56,7 +72,9 @@ struct DecodeTraits {
     static constexpr int D_STEPS = HEAD_DIM / 16;
     using QTile = SwizzledTile<DECODE_BLOCK_M, HEAD_DIM>;  // (ROWS_ON_N: rows 0-7 of it)
     using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
-    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
+    using StagedTile = typename StagedTileOf<E4M3_CACHE, BLOCK_N, HEAD_DIM>::type;
+    static constexpr int STAGE_BYTES = 2 * StagedTile::BYTES;
+    static constexpr int CONVERTED_BYTES = E4M3_CACHE ? KVTile::BYTES : 0;
     // The merge of the warps' states reuses the stage buffers: O (fp32, rows MERGE_STRIDE floats
     // apart) and (m, l) per warp, then the CTA's inbox for a merge of the splits inside a
     // cluster (split_merge.cuh: ClusterInbox; peers may store into it while the warps merge).
@@ -64,9 +82,9 @@ struct DecodeTraits {
         HEAD_DIM + (ROWS_ON_N ? DECODE_MERGE_ROW_PAD_N8 : DECODE_MERGE_ROW_PAD);
     static constexpr int MERGE_BYTES = NUM_WARPS * (MERGE_STRIDE + 2) * BLOCK_M * 4 +
                                        ClusterInboxSize<HEAD_DIM, BLOCK_M>::BYTES;
-    static constexpr int SMEM_BYTES = QTile::BYTES + (KV_STAGES * STAGE_BYTES > MERGE_BYTES
-                                                          ? KV_STAGES * STAGE_BYTES
-                                                          : MERGE_BYTES);
+    static constexpr int KV_BYTES = CONVERTED_BYTES + KV_STAGES * STAGE_BYTES;
+    static constexpr int SMEM_BYTES = QTile::BYTES + (KV_BYTES > MERGE_BYTES ? KV_BYTES
+                                                                             : MERGE_BYTES);
     static_assert(BLOCK_M == DECODE_BLOCK_M || ROWS_ON_N, "an m16 tile of rows, or an n8 one");
     static_assert(KEYS_PER_WARP % 16 == 0, "a warp's keys are whole k16 steps of P V");
     static_assert(KV_STAGES >= 2, "the KV loop is pipelined");
@@ -91,35 +109,54 @@ struct CompileTimeBool {
 // the last tile's other rows (new tokens, rows past seqlen_k) follow one by one. The other tiles
 // (pages shorter than a tile, tiles of new tokens only, head dims above 128) locate each row once
 // for K and V.
-template <class Tile, int THREADS>
+// An e4m3 cache (Stored = u8, Tile an E4M3Tile) is copied as bytes; its new tokens, 16-bit, are
+// quantised by k_descale / v_descale on the way (kv_cache_e4m3.cuh).
+template <class Tile, int THREADS, typename Elem, typename Stored>
 CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& index,
-                                   const KVCacheRows& k_rows, const KVCacheRows& v_rows,
+                                   const KVCacheRowsOf<Stored>& k_rows,
+                                   const KVCacheRowsOf<Stored>& v_rows,
                                    const u16* k_new_rows, i64 kn_row_stride,
                                    const u16* v_new_rows, i64 vn_row_stride, int cache_len,
-                                   int key0, int seqlen_k, int head_chunks, int tid) {
+                                   int key0, int seqlen_k, int head_chunks, int tid,
+                                   float k_descale, float v_descale) {
     // The cache is read once a step: its lines go first from L2 (what a step reads again, the
     // code of its end and the splits' partial results, stays; in a CUDA graph 0.7 us a layer at
     // 64k tokens and 1.2 us at batch 8, 16k, H200).
     const unsigned long long evict_first = l2_evict_first_policy();
     auto copy_row = [&](int row, int chunk) {
         const int key = key0 + row;
-        const u16* k_src = nullptr;
-        const u16* v_src = nullptr;
+        const Stored* k_src = nullptr;
+        const Stored* v_src = nullptr;
         int block, cache_row;
         if (key >= seqlen_k) {
         } else if (key >= cache_len) {
-            k_src = k_new_rows + (key - cache_len) * kn_row_stride;
-            v_src = v_new_rows + (key - cache_len) * vn_row_stride;
+            if constexpr (sizeof(Stored) == 1) {
+                if (chunk < head_chunks) {
+                    const i64 element = chunk * Tile::CHUNK_ELEMS;
+                    stage_new_chunk_e4m3<Elem>(k_smem + Tile::offset(row, chunk),
+                                               k_new_rows + (key - cache_len) * kn_row_stride +
+                                                   element, k_descale);
+                    stage_new_chunk_e4m3<Elem>(v_smem + Tile::offset(row, chunk),
+                                               v_new_rows + (key - cache_len) * vn_row_stride +
+                                                   element, v_descale);
+                    return;
+                }
+            } else {
+                k_src = k_new_rows + (key - cache_len) * kn_row_stride;
+                v_src = v_new_rows + (key - cache_len) * vn_row_stride;
+            }
         } else if (index.locate(key, block, cache_row)) {
             k_src = k_rows.at(block, cache_row);
             v_src = v_rows.at(block, cache_row);
         }
         const bool valid = k_src != nullptr && chunk < head_chunks;
         const u32 offset = Tile::offset(row, chunk);
-        cp_async_16_policy(k_smem + offset, valid ? k_src + chunk * 8 : k_rows.head_base,
-                           valid, evict_first);
-        cp_async_16_policy(v_smem + offset, valid ? v_src + chunk * 8 : v_rows.head_base,
-                           valid, evict_first);
+        cp_async_16_policy(k_smem + offset,
+                           valid ? k_src + chunk * Tile::CHUNK_ELEMS : k_rows.head_base, valid,
+                           evict_first);
+        cp_async_16_policy(v_smem + offset,
+                           valid ? v_src + chunk * Tile::CHUNK_ELEMS : v_rows.head_base, valid,
+                           evict_first);
     };
     if constexpr (THREADS % Tile::CHUNKS == 0 && Tile::ROWS % (THREADS / Tile::CHUNKS) == 0) {
         constexpr int ROW_STEP = THREADS / Tile::CHUNKS;
@@ -133,8 +170,8 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
             (index.block_table == nullptr || index.page_size % Tile::ROWS == 0) &&
             index.locate(key0, block, cache_row)) {
             const bool valid = chunk < head_chunks;
-            const u16* k_src = k_rows.at(block, cache_row + row0) + chunk * 8;
-            const u16* v_src = v_rows.at(block, cache_row + row0) + chunk * 8;
+            const Stored* k_src = k_rows.at(block, cache_row + row0) + chunk * Tile::CHUNK_ELEMS;
+            const Stored* v_src = v_rows.at(block, cache_row + row0) + chunk * Tile::CHUNK_ELEMS;
             const i64 k_step = ROW_STEP * k_rows.row_stride, v_step = ROW_STEP * v_rows.row_stride;
             auto copy_cached_rows = [&](auto whole_tile) {
 #pragma unroll
@@ -177,6 +214,16 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
     }
 }
 
+// Scores q . k of an e4m3 cache's keys times k_descale: the scores of its dequantised keys, before
+// softcap, ALiBi and the softmax scale apply as they do to any score.
+template <int TILES>
+CF2_DEVICE void scale_scores(float (&acc_s)[1][TILES][4], float k_descale) {
+#pragma unroll
+    for (int t = 0; t < TILES; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[0][t][e] *= k_descale;
+}
+
 // The next kernel on the stream may start (programmatic launch, up to its own wait) once every
 // CTA is this many KV tiles before its last (or at its first). In a loop of layers, the launches
 // of the kernel between layers and of the next decoding step, and that step's first cache reads
@@ -201,20 +248,28 @@ __host__ __device__ constexpr int decode_min_ctas() {
 // FEATURES: the attention variant's (variant.cuh): softcap, ALiBi, sinks. The parameters:
 // DecodeParams (kernel_params.cuh).
 // EARLY_CACHE_READS: the caller promised that the previous kernel on the stream writes none of
-// the cache, its lengths, block table or batch index (attention_with_kvcache's
+// the cache, its lengths, block table, batch index or descale factors (attention_with_kvcache's
 // early_cache_reads), so they may be read before the wait.
+// KV_CACHE_FORMAT: KV_CACHE_AS_Q (the cache holds q's 16-bit type) or KV_CACHE_E4M3 (e4m3
+// bytes and their descale factors, kv_cache_e4m3.cuh).
 template <typename Elem, int HEAD_DIM, int NUM_WARPS, int KEYS_PER_WARP, int KV_STAGES, int FEATURES,
-          bool EARLY_CACHE_READS, int BLOCK_M>
+          bool EARLY_CACHE_READS, int BLOCK_M, int KV_CACHE_FORMAT = KV_CACHE_AS_Q>
 __global__ void
 __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP>())
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
-    using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES, BLOCK_M>;
+    constexpr bool E4M3_CACHE = KV_CACHE_FORMAT == KV_CACHE_E4M3;
+    static_assert(E4M3_CACHE || KV_CACHE_FORMAT == KV_CACHE_AS_Q, "a known cache format");
+    using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES, BLOCK_M, E4M3_CACHE>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
+    using StagedTile = typename T::StagedTile;
+    using Stored = typename StagedTileOf<E4M3_CACHE, T::BLOCK_N, HEAD_DIM>::Stored;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 q_smem = smem_address(smem);
-    const u32 stage0 = q_smem + QTile::BYTES;  // stage s: K at + s * STAGE_BYTES, V after K
+    // (E4M3_CACHE: the converted K or V tile, then the stages of bytes)
+    const u32 converted0 = q_smem + QTile::BYTES;
+    const u32 stage0 = converted0 + T::CONVERTED_BYTES;  // stage s: K at + s * STAGE_BYTES, V after K
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -240,7 +295,13 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // appended ones, never past the cache's capacity.
     const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_len_all;
     const int seqlen_k = min(max(cache_len + p.seqlen_new, 0), p.capacity);
-    const int head_chunks = p.head_dim / 8;
+    const int head_chunks = p.head_dim / StagedTile::CHUNK_ELEMS;  // of a staged row
+    // An e4m3 cache's values are e4m3 * descale (the sequence's and KV head's factors).
+    float k_descale = 1.f, v_descale = 1.f;
+    if constexpr (E4M3_CACHE) {
+        k_descale = p.k_descale[batch * p.kd_batch_stride + kv_head * p.kd_head_stride];
+        v_descale = p.v_descale[batch * p.vd_batch_stride + kv_head * p.vd_head_stride];
+    }
 
     using Variant = AttentionVariant<FEATURES>;
     const KeyVisibility vis =
@@ -254,12 +315,12 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const KVCacheIndex index = kv_cache_index(p.cache_batch_idx, p.block_table,
                                               p.block_table_stride, p.page_size, p.num_blocks,
                                               batch, cache_row);
-    const KVCacheRows k_rows =
-        kv_cache_rows(p.k_cache, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride, cache_row,
-                      kv_head);
-    const KVCacheRows v_rows =
-        kv_cache_rows(p.v_cache, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride, cache_row,
-                      kv_head);
+    const KVCacheRowsOf<Stored> k_rows =
+        kv_cache_rows(reinterpret_cast<const Stored*>(p.k_cache), p.kc_batch_stride,
+                      p.kc_row_stride, p.kc_head_stride, cache_row, kv_head);
+    const KVCacheRowsOf<Stored> v_rows =
+        kv_cache_rows(reinterpret_cast<const Stored*>(p.v_cache), p.vc_batch_stride,
+                      p.vc_row_stride, p.vc_head_stride, cache_row, kv_head);
 
     const u16* k_new_rows = p.k_new + batch * p.kn_batch_stride + kv_head * p.kn_head_stride;
     const u16* v_new_rows = p.v_new + batch * p.vn_batch_stride + kv_head * p.vn_head_stride;
@@ -268,9 +329,15 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // the cache at those positions: they read k_new / v_new instead).
     auto append_new_tokens = [&]() {
         if (p.seqlen_new > 0 && blockIdx.x == 0) {
-            append_new_rows(index, k_rows, v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
-                            p.vn_row_stride, p.seqlen_new, cache_len, p.capacity, p.head_dim,
-                            tid, T::THREADS);
+            if constexpr (E4M3_CACHE)
+                append_new_rows_e4m3<Elem>(index, k_rows, v_rows, k_new_rows, p.kn_row_stride,
+                                           v_new_rows, p.vn_row_stride, p.seqlen_new, cache_len,
+                                           p.capacity, p.head_dim, k_descale, v_descale, tid,
+                                           T::THREADS);
+            else
+                append_new_rows(index, k_rows, v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
+                                p.vn_row_stride, p.seqlen_new, cache_len, p.capacity, p.head_dim,
+                                tid, T::THREADS);
         }
     };
     // Q: packed row r of this block is position p = (row_first + r) / group, head
@@ -291,10 +358,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
     auto load_tile = [&](int tile, int stage) {
         const u32 k_smem = stage0 + stage * T::STAGE_BYTES;
-        load_kv_tile_async<KVTile, T::THREADS>(k_smem, k_smem + KVTile::BYTES, index, k_rows,
-                                               v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
-                                               p.vn_row_stride, cache_len, tile * T::BLOCK_N,
-                                               seqlen_k, head_chunks, thread_index_fresh());
+        load_kv_tile_async<StagedTile, T::THREADS, Elem>(
+            k_smem, k_smem + StagedTile::BYTES, index, k_rows, v_rows, k_new_rows,
+            p.kn_row_stride, v_new_rows, p.vn_row_stride, cache_len, tile * T::BLOCK_N, seqlen_k,
+            head_chunks, thread_index_fresh(), k_descale, v_descale);
     };
 
     // This thread's two rows (g and g + 8 of the m16 tile; on the n side 2t and 2t + 1, t =
@@ -392,8 +459,21 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         if (load_first) tile_landed();
         if (i < 0 || (EARLY_CACHE_READS && i >= num_tiles)) continue;
         const int tile = tile_first + i;
-        const u32 k_smem = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;
-        const u32 v_smem = k_smem + KVTile::BYTES;
+        const u32 k_stage = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;
+        const u32 k_smem = E4M3_CACHE ? converted0 : k_stage;
+        const u32 v_smem = E4M3_CACHE ? converted0 : k_stage + KVTile::BYTES;
+        // An e4m3 cache: this warp's rows of K, then of V, to 16 bits in the converted tile (the
+        // barrier above: every warp is done with the last tile's); its lanes then read each
+        // other's rows.
+        auto convert_rows = [&](u32 staged) {
+            if constexpr (E4M3_CACHE) {
+                __syncwarp();  // (V's: every lane's K fragments are read)
+                convert_rows_e4m3<Elem, StagedTile, KVTile, KEYS_PER_WARP>(converted0, staged,
+                                                                          warp_key0, lane);
+                __syncwarp();
+            }
+        };
+        convert_rows(k_stage);
 
         if constexpr (T::ROWS_ON_N) {
             if (i == 0) {  // Q's B fragments: rows 0-7, 32 columns an ldmatrix.x4
@@ -425,6 +505,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             for (int kt = 0; kt < T::KEY_TILES; ++kt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[0][kt][e] += acc_odd[0][kt][e];
+            if constexpr (E4M3_CACHE) scale_scores(acc_s, k_descale);
             softcap.apply_softcap(acc_s);
             // Element e of key tile kt: key 16 kt + lane / 4 + 8 (e / 2), row 2 (lane % 4) + e % 2.
             const int key_base = tile * T::BLOCK_N + warp_key0 + lane / 4;
@@ -439,6 +520,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                                       key_base + 16 * kt + 8 * eh, lo, hi);
             }
             softmax_n8.update_max(acc_s[0], acc_ot[0], p.scale_log2);
+            convert_rows(k_stage + StagedTile::BYTES);
             // O^T_w += V_w^T P^T, one m16 tile of keys (a k16 step) at a time.
             const LdmatrixCursor<KVTile> v_frag = pairs_cursor<KVTile>(v_smem, warp_key0, lane);
 #pragma unroll
@@ -459,6 +541,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             gemm_a_bt<Elem, 1, T::N_TILES, T::D_STEPS>(
                 acc_s, rows_cursor<QTile>(q_smem, 0, lane),
                 pairs_cursor<KVTile>(k_smem, warp_key0, lane));
+            if constexpr (E4M3_CACHE) scale_scores(acc_s, k_descale);
             softcap.apply_softcap(acc_s);
             const int key_base = tile * T::BLOCK_N + warp_key0 + 2 * (lane % 4);
 #pragma unroll
@@ -472,6 +555,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                                       lo, hi);
             }
             softmax.update_max(acc_s, acc_o, p.scale_log2);
+            convert_rows(k_stage + StagedTile::BYTES);
             // O_w += P V_w, one k16 slice of this warp's keys at a time.
 #pragma unroll
             for (int ks = 0; ks < KEYS_PER_WARP / 16; ++ks) {
@@ -639,7 +723,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                 o[j].w = fmaf(weight[w], x.w, o[j].w);
             }
         }
-        const float inv_l = seen ? 1.f / l : 0.f;
+        // (an e4m3 cache's V: its values times v_descale, here once a row)
+        const float inv_l = seen ? (E4M3_CACHE ? v_descale : 1.f) / l : 0.f;
         const float lse2 = seen ? m + __log2f(l) : neg_inf();
 #pragma unroll
         for (int j = 0; j < ROW_CHUNKS; ++j) {

@@ -366,6 +366,14 @@ struct DecodeParams {
     int window_right;
     VariantParams mods;
     int batch_offset;
+    // An e4m3 cache (kv_cache_e4m3.cuh): the factors its values are multiplied by, read at
+    // (batch, kv head) with these strides in elements (0 for a factor shared along that axis).
+    const float* k_descale;
+    const float* v_descale;
+    i64 kd_batch_stride;
+    i64 kd_head_stride;
+    i64 vd_batch_stride;
+    i64 vd_head_stride;
 };
 
 // dropout_mask.cu

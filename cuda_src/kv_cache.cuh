@@ -30,16 +30,19 @@ struct KVCacheIndex {
     }
 };
 
-// One cache tensor (K or V) at one KV head.
-struct KVCacheRows {
-    const u16* head_base;  // cache + kv_head * head_stride (+ cache row * batch stride if contiguous)
-    i64 block_stride;      // paged: elements between blocks
-    i64 row_stride;        // elements between positions (inside a block when paged)
+// One cache tensor (K or V) at one KV head, of elements `Stored` (u16: q's 16-bit type; an
+// e4m3 cache's bytes, kv_cache_e4m3.cuh).
+template <typename Stored>
+struct KVCacheRowsOf {
+    const Stored* head_base;  // cache + kv_head * head_stride (+ cache row * batch stride if contiguous)
+    i64 block_stride;         // paged: elements between blocks
+    i64 row_stride;           // elements between positions (inside a block when paged)
 
-    CF2_DEVICE const u16* at(int block, int row) const {
+    CF2_DEVICE const Stored* at(int block, int row) const {
         return head_base + block * block_stride + row * row_stride;
     }
 };
+using KVCacheRows = KVCacheRowsOf<u16>;
 
 // The index of batch entry `batch`; `cache_row` is the contiguous cache's row (0 when paged).
 // num_blocks: blocks of a paged cache, or rows (batch entries) of a contiguous one.
@@ -63,10 +66,12 @@ CF2_DEVICE KVCacheIndex kv_cache_index(const int* cache_batch_idx, const int* bl
     return index;
 }
 
-CF2_DEVICE KVCacheRows kv_cache_rows(const u16* cache, i64 batch_stride, i64 row_stride,
-                                     i64 head_stride, int cache_row, int kv_head) {
-    return KVCacheRows{cache + cache_row * batch_stride + kv_head * head_stride, batch_stride,
-                       row_stride};
+template <typename Stored>
+CF2_DEVICE KVCacheRowsOf<Stored> kv_cache_rows(const Stored* cache, i64 batch_stride,
+                                               i64 row_stride, i64 head_stride, int cache_row,
+                                               int kv_head) {
+    return KVCacheRowsOf<Stored>{cache + cache_row * batch_stride + kv_head * head_stride,
+                                 batch_stride, row_stride};
 }
 
 // Appends the new tokens of one (sequence, KV head) in place: token i goes to position

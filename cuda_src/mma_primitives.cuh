@@ -9,6 +9,7 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned char u8;
 typedef long long i64;
 typedef unsigned long long u64;
 

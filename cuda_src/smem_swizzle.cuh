@@ -16,6 +16,7 @@ struct SwizzledTile {
     static_assert(COLS % 32 == 0, "tile width must be a multiple of 32 elements");
     static_assert(ROWS % 16 == 0, "tile height must be a multiple of 16 rows");
     static constexpr int CHUNKS = COLS / 8;  // 16-byte chunks per row
+    static constexpr int CHUNK_ELEMS = 8;
     static constexpr int PANEL_COLS = (COLS % 64 == 0) ? 64 : 32;
     static constexpr int PANEL_CHUNKS = PANEL_COLS / 8;
     static constexpr int ROW_BYTES = PANEL_COLS * 2;

@@ -142,6 +142,15 @@ DECODE_MERGE_ROW_PAD_N8 = 4
 #: the slot of the block's first row, plus c. Varlen sequences start on 4-row boundaries there
 #: (varlen.cuh), and a block of 64 rows has 16 slots, for at most two chunks.
 DQ_SEMAPHORE_ROWS = 4
+#: What the decode kernel's KV cache holds (its KV_CACHE_FORMAT; DecodeConfig.kv_cache_dtype):
+#: q's 16-bit type, or FP8 e4m3 bytes with descale factors (cuda_src/kv_cache_e4m3.cuh).
+KV_CACHE_AS_Q = 0
+KV_CACHE_E4M3 = 1
+#: The largest finite e4m3 ("e4m3fn") value: quantisation saturates there (cuda_src/fp8_convert.cuh,
+#: cuflash2/fp8.py).
+E4M3_MAX = 448
+#: attention_with_kvcache's kv_cache_dtype values, by the format code the kernel takes.
+KV_CACHE_FORMATS = {"e4m3": KV_CACHE_E4M3}
 
 CUDA_CONSTANTS = {
     "FEATURE_SOFTCAP": FEATURE_SOFTCAP, "FEATURE_ALIBI": FEATURE_ALIBI,
@@ -159,6 +168,7 @@ CUDA_CONSTANTS = {
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
     "DECODE_MERGE_ROW_PAD_N8": DECODE_MERGE_ROW_PAD_N8, "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
+    "KV_CACHE_AS_Q": KV_CACHE_AS_Q, "KV_CACHE_E4M3": KV_CACHE_E4M3, "E4M3_MAX": E4M3_MAX,
 }
 
 
@@ -812,10 +822,17 @@ class DecodeConfig:
     # early_cache_reads, with a programmatic launch).
     early_cache_reads: bool = False
     block_m: int = DECODE_BLOCK_M
+    # None: the cache holds q's dtype; "e4m3": FP8 e4m3 bytes with descale factors (the
+    # stages hold bytes, a 16-bit tile the warps' converted rows: kv_cache_e4m3.cuh).
+    kv_cache_dtype: str | None = None
 
     @property
     def block_n(self) -> int:
         return self.num_warps * self.keys_per_warp
+
+    @property
+    def cache_element_bytes(self) -> int:
+        return 2 if self.kv_cache_dtype is None else 1
 
     @property
     def threads(self) -> int:
@@ -824,7 +841,9 @@ class DecodeConfig:
     @property
     def smem_bytes(self) -> int:
         q = 2 * DECODE_BLOCK_M * self.head_dim  # an m16 tile (rows on n: its first 8)
-        stages = self.kv_stages * 2 * 2 * self.block_n * self.head_dim
+        stages = self.kv_stages * 2 * self.cache_element_bytes * self.block_n * self.head_dim
+        if self.kv_cache_dtype is not None:  # the 16-bit tile of converted rows (K's, V's)
+            stages += 2 * self.block_n * self.head_dim
         # After the KV loop: the warps' states (O's rows padded, then (m, l)), then the CTA's
         # inbox for a merge inside a cluster (split_merge.cuh: ClusterInboxSize, an mbarrier and
         # a 4-column chunk and an lse a slot).
@@ -840,15 +859,19 @@ class DecodeConfig:
 
     @property
     def name_expression(self) -> str:
+        # (a 16-bit cache's name without the format: the template's default)
+        cache = ("" if self.kv_cache_dtype is None
+                 else f", {KV_CACHE_FORMATS[self.kv_cache_dtype]}")
         return (f"flash_decode_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.num_warps}, "
                 f"{self.keys_per_warp}, {self.kv_stages}, {self.features}, "
-                f"{str(self.early_cache_reads).lower()}, {self.block_m}>")
+                f"{str(self.early_cache_reads).lower()}, {self.block_m}{cache}>")
 
     @property
     def probes(self) -> str:
+        e4m3 = "" if self.kv_cache_dtype is None else ", true"
         return _traits_probes(
             f"DecodeTraits<{self.head_dim}, {self.num_warps}, {self.keys_per_warp}, "
-            f"{self.kv_stages}, {self.block_m}>", self, block_m=True)
+            f"{self.kv_stages}, {self.block_m}{e4m3}>", self, block_m=True)
 
 
 def describe(config) -> str:

@@ -280,14 +280,15 @@ class DecodeChoice:
 
 
 def decode_kernel(kv, dtype: str, features: int, arch: int, device_id: int, num_splits: int,
-                  early_cache_reads: bool) -> DecodeChoice:
+                  early_cache_reads: bool, kv_cache_dtype: str | None = None) -> DecodeChoice:
     """The decode kernel (compiled here if need be, for its occupancy) and its split count for
     a checked call (`kv`: its _validate.KVCacheProblem; `num_splits`: as requested, 0 for
-    automatic)."""
+    automatic; `kv_cache_dtype`: None, or "e4m3" for an FP8 cache)."""
     group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
     block_m = (DECODE_BLOCK_M_N8 if ROWS_ON_N and kv.seqlen_q * group
                <= DECODE_BLOCK_M_N8 else DECODE_BLOCK_M)
-    config = with_features(decode_config(dtype, kv.head_dim, arch, block_m), features)
+    config = with_features(decode_config(dtype, kv.head_dim, arch, block_m, kv_cache_dtype),
+                           features)
     # The kernel waits for the previous kernel's writes itself (dependent_launch.cuh), so a
     # programmatic launch lets it start while that kernel finishes; with the caller's promise
     # its specialisation reads the cache meanwhile (without the overlap there is nothing to gain).
@@ -472,22 +473,29 @@ def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
     return config
 
 
+#: The decode kernel's cp.async stage counts tried (decode_config): with a 16-bit cache, and with
+#: an e4m3 one, whose tiles hold half the bytes (so more of them are in flight for the same bytes).
+DECODE_STAGES = {None: (2, 3, 4), "e4m3": (2, 3, 4, 5, 6)}
+
+
 @functools.lru_cache(maxsize=None)
-def decode_config(dtype: str, head_dim: int, arch: int,
-                  block_m: int = DECODE_BLOCK_M) -> DecodeConfig:
+def decode_config(dtype: str, head_dim: int, arch: int, block_m: int = DECODE_BLOCK_M,
+                  kv_cache_dtype: str | None = None) -> DecodeConfig:
     """4 warps of 16 keys (64-key tiles); of the cp.async stage counts (2 to 4) and CTAs per SM
     that fit, the one with the most KV tiles in flight per SM (CTAs x (stages - 1)), at least two
     CTAs per SM where possible, more CTAs on a tie: decoding is bound by the cache bytes in
     flight, and a single CTA per SM leaves mid-sized grids short of them (H200, d=128: two CTAs
     of three stages beat three of two and one of four, docs/DECODE_DESIGN.md). 2 warps where
     even one CTA of two stages does not fit. `block_m`: DECODE_BLOCK_M, or DECODE_BLOCK_M_N8
-    for the rows on the mma's n side."""
+    for the rows on the mma's n side. `kv_cache_dtype` "e4m3": an FP8 cache, up to 6 stages of
+    half the bytes each (DECODE_STAGES; not yet timed on a GPU)."""
     d = kernel_head_dim(head_dim)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     for warps, min_ctas in ((4, 2), (4, 1), (2, 1)):
         fitting = []
-        for stages in (2, 3, 4):
-            config = DecodeConfig(dtype, d, warps, 16, stages, block_m=block_m)
+        for stages in DECODE_STAGES[kv_cache_dtype]:
+            config = DecodeConfig(dtype, d, warps, 16, stages, block_m=block_m,
+                                  kv_cache_dtype=kv_cache_dtype)
             ctas = min(3, smem_per_sm // (config.smem_bytes + 1024))  # 3: the register budget
             if ctas >= min_ctas:
                 fitting.append((ctas * (stages - 1), ctas, config))
@@ -503,8 +511,8 @@ CLUSTER_MAX_TILES_PER_SPLIT = 4
 CLUSTER_MIN_ARCH = 90
 
 
-def decode_cluster_config(dtype: str, head_dim: int, arch: int,
-                          early_cache_reads: bool = False) -> DecodeConfig:
+def decode_cluster_config(dtype: str, head_dim: int, arch: int, early_cache_reads: bool = False,
+                          kv_cache_dtype: str | None = None) -> DecodeConfig:
     """The decode kernel for splits merged inside a cluster (sm_90): such a step is short (at
     most CLUSTER_MAX_TILES_PER_SPLIT of decode_config's tiles a split) and its grid small (one
     CTA an SM), so every key of a split is loaded at once: in kv_stages - 1 stages, or, with
@@ -513,7 +521,8 @@ def decode_cluster_config(dtype: str, head_dim: int, arch: int,
     tokens in a graph, H200). Of the tiles that fit one CTA so, the widest: 32 keys a warp where
     it fits (half the tile steps, each with its barrier and softmax: 9.45 against 9.71 us a
     layer at 4k in a graph), 16 otherwise; failing both, as many stages as one CTA fits."""
-    config = dataclasses.replace(decode_config(dtype, head_dim, arch),
+    config = dataclasses.replace(decode_config(dtype, head_dim, arch,
+                                               kv_cache_dtype=kv_cache_dtype),
                                  early_cache_reads=early_cache_reads)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     split_keys = CLUSTER_MAX_TILES_PER_SPLIT * config.block_n
@@ -1090,7 +1099,7 @@ def choose_splits(config, requested: int, groups: int, tiles: int, device_id: in
     m16 = dataclasses.replace(config, block_m=DECODE_BLOCK_M)
     if _launch.extended_available():
         deep = with_features(decode_cluster_config(
-            dtype, head_dim, arch, config.early_cache_reads), features)
+            dtype, head_dim, arch, config.early_cache_reads, config.kv_cache_dtype), features)
         for candidate in dict.fromkeys((deep, m16) if short else (m16,)):
             if _launch.cluster_fits(candidate, device_id, splits, groups):
                 return candidate, splits, splits
@@ -1129,18 +1138,20 @@ def all_bwd_configs(arch: int, features=(0,)) -> list:
                         bwd_dq_config(dtype, d, arch))]
 
 
-def all_decode_configs(arch: int, features=(0,)) -> list:
-    """Every decode specialisation the dispatcher can choose on `arch`."""
+def all_decode_configs(arch: int, features=(0,), kv_cache_dtypes=(None,)) -> list:
+    """Every decode specialisation the dispatcher can choose on `arch` (for each of the cache
+    dtypes `kv_cache_dtypes`: None, "e4m3")."""
     rows = (DECODE_BLOCK_M, DECODE_BLOCK_M_N8)
-    configs = [with_features(decode_config(dtype, d, arch, m), f) for f in features
-               for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS for m in rows]
+    configs = [with_features(decode_config(dtype, d, arch, m, c), f) for f in features
+               for c in kv_cache_dtypes for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS
+               for m in rows]
     if arch >= CLUSTER_MIN_ARCH:
         # Programmatic launches (from _launch.PROGRAMMATIC_MIN_ARCH, the same arch) may read
         # the cache early.
         configs += [dataclasses.replace(c, early_cache_reads=True) for c in configs]
         # (clustered steps keep their rows on an m16 tile: choose_splits)
-        configs += [with_features(decode_cluster_config(dtype, d, arch, early), f)
-                    for early in (False, True) for f in features
+        configs += [with_features(decode_cluster_config(dtype, d, arch, early, c), f)
+                    for early in (False, True) for f in features for c in kv_cache_dtypes
                     for dtype in DTYPE_TAGS for d in KERNEL_HEAD_DIMS]
     return list(dict.fromkeys(configs))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from . import _dispatch, _launch, _plans, _prepare, _validate
+from . import _dispatch, _launch, _plans, _prepare, _validate, fp8
 from ._prepare import LOG2E, element_strides, output_strides
 
 
@@ -48,10 +48,11 @@ class KVCachePlan:
     groups: int  # row blocks x KV heads x sequences: the split barriers
     default_cache_len: int  # cache_seqlens=None: the whole capacity is cached
     barrier: bool  # the splits meet at the barrier through L2 (split counters per stream)
+    unit_descale: object = None  # an FP8 cache's factor where none is given: a float32 1 on device
 
 
 def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-         options, num_splits, early_cache_reads):
+         options, num_splits, early_cache_reads, fp8_args=(None, None, None)):
     """The signature of a call (as api._forward_key; `options`: its _options.AttentionOptions);
     None where it has none (checked in full then). An int cache_seqlens enters as "an int", its
     value going to the kernel per call."""
@@ -62,10 +63,14 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
                     cache_seqlens.data.device_id))
     elif cache_seqlens is not None and not _is_int(cache_seqlens):
         return None
+    kv_cache_dtype, k_descale, v_descale = fp8_args
     arrays = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, options.alibi_slopes,
-              options.sinks)
+              options.sinks, k_descale, v_descale)
     if not _plans.add_signature(key, ndarray, arrays, options.window_size):
         return None
+    if kv_cache_dtype is not None and type(kv_cache_dtype) is not str:
+        return None
+    key.append(kv_cache_dtype)
     # The current device once the arrays are CuPy ones (api._forward_key says why).
     o = options  # its scalar options with their types (seed and offset: per call)
     key += (cupy.cuda.runtime.getDevice(), type(o.causal), o.causal, type(o.softmax_scale),
@@ -76,9 +81,10 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                            block_table, options, num_splits, return_lse, check_cache,
-                           early_cache_reads):
+                           early_cache_reads, fp8_args=(None, None, None)):
     """api.attention_with_kvcache, its options (causal, softmax_scale, window_size, softcap,
-    alibi_slopes, sinks) as one _options.AttentionOptions."""
+    alibi_slopes, sinks) as one _options.AttentionOptions; `fp8_args`: (kv_cache_dtype,
+    k_descale, v_descale)."""
     global _cupy
     if _cupy is None:  # the first call: NumPy arrays get their hint before CuPy is imported
         _prepare.require_cupy_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache},
@@ -87,11 +93,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     _cupy = cupy
     key = None if check_cache else _key(
         cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, options,
-        num_splits, early_cache_reads)
+        num_splits, early_cache_reads, fp8_args)
     planned = _plans_by_key.get(key)
     if planned is None:
         planned = _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                        options, num_splits, check_cache, early_cache_reads)
+                        options, num_splits, check_cache, early_cache_reads, fp8_args)
         _plans_by_key.put(key, planned)
     # An int (or no) cache_seqlens goes to the kernel as one length for every sequence (the
     # signature holds its type, and its first call was checked in full).
@@ -106,19 +112,25 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     if planned.barrier:
         scalars["split_counters"] = split_counters(planned.groups, planned.plan.device_id,
                                                    stream, cupy)
+    _, k_descale, v_descale = fp8_args
+    unit = planned.unit_descale
     outputs = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                block_table, options.alibi_slopes, options.sinks), cupy,
+                                block_table, options.alibi_slopes, options.sinks,
+                                unit if k_descale is None else k_descale,
+                                unit if v_descale is None else v_descale), cupy,
                                scalars, wrap=2 if return_lse else 1, stream=stream)
     return tuple(outputs) if return_lse else outputs[0]
 
 
 def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, options,
-          num_splits, check_cache, early_cache_reads) -> KVCachePlan:
+          num_splits, check_cache, early_cache_reads, fp8_args) -> KVCachePlan:
     """Checks a call in full (values too with `check_cache`) and plans its launch."""
+    kv_cache_dtype, k_descale, v_descale = fp8_args
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in (("k", k), ("v", v), ("alibi_slopes", options.alibi_slopes),
                     ("sinks", options.sinks), ("cache_batch_idx", cache_batch_idx),
-                    ("block_table", block_table)):
+                    ("block_table", block_table), ("k_descale", k_descale),
+                    ("v_descale", v_descale)):
         if x is not None:
             arrays[name] = x
     if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
@@ -127,9 +139,18 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     _prepare.check_flag("causal", options.causal)
     _prepare.check_flag("early_cache_reads", early_cache_reads)
     num_splits = check_num_splits(num_splits)
+    cache_format = fp8.cache_format(q, k_cache, v_cache, k, kv_cache_dtype, k_descale, v_descale)
     kv = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
                                         cache_batch_idx, block_table,
-                                        cupy.asnumpy if check_cache else None)
+                                        cupy.asnumpy if check_cache else None,
+                                        kv_cache_dtype=cache_format)
+    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+        error = descale is not None and fp8.descale_shape_error(name, descale, kv.batch,
+                                                                 kv.nheads_kv)
+        if error:
+            raise ValueError(error)
+        if check_cache and descale is not None:
+            fp8.check_descale_values(name, cupy.asnumpy(descale))
     # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
     problem = _validate.check_attention_inputs(q, q, q, softmax_scale=options.softmax_scale)
     if problem.dtype == "float32":
@@ -148,7 +169,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     # The decode kernel (compiled here if need be) and its split count.
     arch = _prepare.device_arch(device_id)
     choice = _dispatch.decode_kernel(kv, problem.dtype, mods.features, arch, device_id,
-                                     num_splits, early_cache_reads)
+                                     num_splits, early_cache_reads, cache_format)
     config, splits, cluster = choice.config, choice.splits, choice.cluster
     m_blocks, groups = choice.m_blocks, choice.groups
     group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
@@ -176,6 +197,12 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "tiles_per_split": tiles_per_split, "split_cluster": int(cluster > 1),
         "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
         "window_right": window[1], **mods.fields()}
+    unit_descale = None
+    if cache_format is not None:  # the factors' (batch, KV head) strides, 0 where shared
+        unit_descale = cupy.ones((1,), cupy.float32)
+        for prefix, descale in (("kd", k_descale), ("vd", v_descale)):
+            strides = fp8.descale_strides(unit_descale if descale is None else descale)
+            fields[f"{prefix}_batch_stride"], fields[f"{prefix}_head_stride"] = strides
     # Pointer fields by position in the call's input tuple; an int or absent cache_seqlens leaves
     # its field null (the kernel then reads cache_len_all).
     given = {"cache_seqlens": 5 if "cache_seqlens" in arrays else None,
@@ -183,7 +210,9 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
              "block_table": 7 if block_table is not None else None,
              "mods.alibi_slopes": 8 if options.alibi_slopes is not None else None,
              "mods.sinks": 9 if options.sinks is not None else None,
-             "k_new": 3 if new_tokens else None, "v_new": 4 if new_tokens else None}
+             "k_new": 3 if new_tokens else None, "v_new": 4 if new_tokens else None,
+             "k_descale": 10 if cache_format is not None else None,
+             "v_descale": 11 if cache_format is not None else None}
     inputs = [("q", 0, 0), ("k_cache", 1, 0), ("v_cache", 2, 0)]
     inputs += [(field, pos, 0) for field, pos in given.items() if pos is not None]
     workspace_bytes, workspace_fields = 0, []
@@ -202,4 +231,4 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                        [(tuple(q.shape), q.dtype), ((kv.batch, kv.nheads, kv.seqlen_q), "float32")],
                        [("out", 0, 0), ("lse", 1, 0)], workspace_bytes, workspace_fields,
                        aligned, per_call)
-    return KVCachePlan(plan, splits, groups, kv.capacity - kv.seqlen_new, barrier)
+    return KVCachePlan(plan, splits, groups, kv.capacity - kv.seqlen_new, barrier, unit_descale)

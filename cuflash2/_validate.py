@@ -434,10 +434,12 @@ def _int32_vector(name: str, x, length: int, what: str) -> None:
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
-                         cache_batch_idx=None, block_table=None, to_host=None) -> KVCacheProblem:
+                         cache_batch_idx=None, block_table=None, to_host=None,
+                         kv_cache_dtype=None) -> KVCacheProblem:
     """Shapes and dtypes of a KV-cache call; with `to_host` (a function copying an array to the
     host: for CuPy arrays a device sync) also the values: cache_seqlens + the new tokens within
-    the capacity, cache_batch_idx and the used block_table entries in range."""
+    the capacity, cache_batch_idx and the used block_table entries in range. `kv_cache_dtype`:
+    an FP8 cache's format, its dtypes checked already (fp8.cache_format)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D; got shape {tuple(x.shape)}")
@@ -447,7 +449,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     rows, cache_len, nheads_kv, cache_dim = k_cache.shape
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype != q.dtype:
+        if kv_cache_dtype is None and x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
     if cache_dim != head_dim:
         raise ValueError(f"k_cache's head dim ({cache_dim}) must equal q's ({head_dim})")

@@ -860,7 +860,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                            cache_batch_idx=None, block_table=None, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            sinks=None, num_splits=0, return_lse=False, check_cache=False,
-                           early_cache_reads=False):
+                           early_cache_reads=False, kv_cache_dtype=None, k_descale=None,
+                           v_descale=None):
     """Attention of q against a KV cache, for inference (flash-attn's `flash_attn_with_kvcache`).
 
     q: (batch, seqlen_q, nheads, headdim). Contiguous cache: k_cache, v_cache (batch_cache,
@@ -891,11 +892,20 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     one finishes (a programmatic launch), it then reads the lengths and its first cache tiles
     before that kernel has ended, instead of after. If the promise is broken, the results may
     come from the cache as it was before that kernel's writes. Elsewhere it changes nothing.
+    (The promise covers k_descale and v_descale too.)
+
+    FP8 cache (`kv_cache_dtype="e4m3"`; cuflash2.fp8, docs/FP8_KV_CACHE.md): k_cache and
+    v_cache uint8 arrays of e4m3 bits (or float8_e4m3fn), head dim a multiple of 16, values
+    e4m3 * k_descale / v_descale: float32 CuPy arrays (batch, nheads_kv) (a factor per sequence
+    and KV head; broadcast views allowed), or () / (1,) for the whole cache (default: 1). q, k, v
+    16-bit; the new tokens are stored as e4m3 bits of k / k_descale (nearest, saturated to
+    +-448). The cache is read at one byte an element.
     """
     return _kvcache.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
         AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks),
-        num_splits, return_lse, check_cache, early_cache_reads)
+        num_splits, return_lse, check_cache, early_cache_reads,
+        (kv_cache_dtype, k_descale, v_descale))
 
 
 @contextlib.contextmanager

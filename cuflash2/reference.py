@@ -93,7 +93,7 @@ import sys
 import ml_dtypes
 import numpy
 
-from . import _validate
+from . import _validate, fp8
 from ._options import AttentionOptions
 from ._validate import check_softcap as _check_softcap
 
@@ -1090,6 +1090,9 @@ def attention_with_kvcache(
     sinks=None,
     return_lse=False,
     compute_dtype=numpy.float32,
+    kv_cache_dtype=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Reference attention with a KV cache (flash-attn's ``flash_attn_with_kvcache``), for
     inference: a few query tokens against a long cache.
@@ -1107,12 +1110,19 @@ def attention_with_kvcache(
     as ``attention``; alibi_slopes (nheads,) or (batch, nheads); sinks (nheads,), counted once
     in each row's denominator).
 
+    An FP8 cache (``kv_cache_dtype="e4m3"``, cuflash2.fp8): k_cache and v_cache uint8 e4m3 bits
+    (or float8_e4m3fn), values e4m3 * k_descale / v_descale (float32 (batch, nheads_kv), () or
+    (1,), or a float; default 1), new tokens stored as fp8.quantize_e4m3(k / k_descale); the
+    attention runs on the dequantised values (in float64, then as compute_dtype loads them).
+
     Returns out (batch, seqlen_q, nheads, headdim) in compute_dtype, or (out, lse) with lse
     float32 (batch, nheads, seqlen_q).
     """
     xp = _array_module(q, k_cache, v_cache, k, v, alibi_slopes, sinks)
+    cache_format = fp8.cache_format(q, k_cache, v_cache, k, kv_cache_dtype, k_descale, v_descale)
     problem = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
-                                             cache_batch_idx, block_table, _to_host)
+                                             cache_batch_idx, block_table, _to_host,
+                                             kv_cache_dtype=cache_format)
     lengths = _validate.kvcache_lengths(problem, cache_seqlens, _to_host)
     rows = (numpy.arange(problem.batch) if cache_batch_idx is None
             else _to_host(cache_batch_idx).astype(numpy.int64))
@@ -1127,16 +1137,42 @@ def attention_with_kvcache(
                     xp.asarray(positions % problem.page_size))
         return (int(rows[b]), xp.asarray(positions))
 
+    # An FP8 cache: its bytes (a uint8 view of a float8_e4m3fn one), the factors of each sequence
+    # and KV head, new tokens quantised on the way in and every value dequantised on the way out.
+    store = {"k": k_cache, "v": v_cache}
+    scales = {}
+    if cache_format is not None:
+        store = {n: c.view(numpy.uint8) for n, c in store.items()}
+        scales = {"k": fp8.descale_values("k_descale", k_descale, problem.batch,
+                                          problem.nheads_kv, xp),
+                  "v": fp8.descale_values("v_descale", v_descale, problem.batch,
+                                          problem.nheads_kv, xp)}
+        for name in scales:
+            fp8.check_descale_values(f"{name}_descale", _to_host(scales[name]))
+
+    def to_cache(name, b, x):
+        if cache_format is None:
+            return x
+        return fp8.quantize_e4m3(x, scales[name][b][:, None].astype(numpy.float32))
+
+    def from_cache(name, b, x):
+        if cache_format is None:
+            return x
+        return fp8.dequantize_e4m3(x, scales[name][b][:, None], numpy.float64)
+
     outs, lses = [], []
     for b in range(problem.batch):
         cached, total = int(lengths[b]), int(lengths[b]) + problem.seqlen_new
         if k is not None:
             new = cache_index(b, numpy.arange(cached, total))
-            k_cache[new] = k[b]
-            v_cache[new] = v[b]
+            store["k"][new] = to_cache("k", b, k[b])
+            store["v"][new] = to_cache("v", b, v[b])
         everything = cache_index(b, numpy.arange(total))
         sequence_options = options.replace(alibi_slopes=None if slopes is None else slopes[b])
-        out, lse = _forward(q[b], k_cache[everything], v_cache[everything], sequence_options,
+        # (q exactly in float64 beside the dequantised cache: _forward takes one dtype)
+        q_b = q[b] if cache_format is None else q[b].astype(numpy.float64)
+        out, lse = _forward(q_b, from_cache("k", b, store["k"][everything]),
+                            from_cache("v", b, store["v"][everything]), sequence_options,
                             compute_dtype, None)
         outs.append(out)
         lses.append(lse)

@@ -46,6 +46,10 @@ BWD_CASES += _all_combinations_sm90(
 AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
 DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
                 for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES)]
+# The e4m3 cache's decode kernels (kv_cache_e4m3.cuh), every one under --exhaustive.
+DECODE_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
+                 for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES,
+                                                         ("e4m3",))]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.aux_kernels()]
 
 # The default sample, as (arch, dtype, kernel head dim) points of every kernel family (forward;
@@ -83,6 +87,14 @@ SAMPLE_FEATURES = {(90, "bfloat16", 128), (80, "float16", 64)}
 SAMPLE_PLAIN |= {(80, "float32", 128), (90, "tf32", 128), (90, "float32", 64),
                  (86, "float32", 256)}
 FLOAT32_SAMPLE_FEATURES = (90, "float32", 128)
+#: The e4m3 cache's decode kernels in the sample, as (arch, dtype, head dim, block_m,
+#: keys_per_warp, features): fp16 on sm_80 (an m16 tile), bf16 with every feature and its rows
+#: on the n side on sm_90 (two compiles: the suite's budget; sm_90's clustered kernel, 32 keys a
+#: warp, and the rest under --exhaustive).
+E4M3_DECODE_SAMPLE = {
+    (80, "float16", 128, _configs.DECODE_BLOCK_M, 16, 0),
+    (90, "bfloat16", 128, _configs.DECODE_BLOCK_M_N8, 16,
+     _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI | _configs.FEATURE_SINKS)}
 #: The small kernels (no head dim: their code does not depend on the tiles) on these.
 AUX_SAMPLE_ARCHS = (80, 90)
 
@@ -92,6 +104,9 @@ def _sampled(cfg, arch) -> bool:
     if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, sinks, dropout mask: every
         return arch in AUX_SAMPLE_ARCHS  # case on the sample's ends of the architectures
     point = (arch, cfg.dtype, cfg.head_dim)
+    if isinstance(cfg, _configs.DecodeConfig) and cfg.kv_cache_dtype is not None:
+        return not cfg.early_cache_reads and (*point, cfg.block_m, cfg.keys_per_warp,
+                                              cfg.features) in E4M3_DECODE_SAMPLE
     if isinstance(cfg, _configs.DecodeConfig) and (
             (cfg.block_m == _configs.DECODE_BLOCK_M_N8 and cfg.head_dim != 128)
             or (cfg.early_cache_reads and (cfg.head_dim != 128 or cfg.features))):
@@ -280,7 +295,8 @@ def test_sample_covers_every_family_feature_architecture_and_main_head_dim():
         cases = [(cfg, arch) for cfg, arch in sample
                  if (type(cfg), getattr(cfg, "compute_dq", None)) == family]
         assert {cfg.features for cfg, _ in cases} == set(_tested_features(example)), family
-        plain = [(cfg, arch) for cfg, arch in cases if cfg.features == 0]
+        plain = [(cfg, arch) for cfg, arch in cases
+                 if cfg.features == 0 and cfg.dtype in _configs.DTYPE_TAGS]
         assert {cfg.head_dim for cfg, _ in plain} == set(_configs.KERNEL_HEAD_DIMS), family
         for d in (64, 128):
             points = {(arch, cfg.dtype) for cfg, arch in plain if cfg.head_dim == d}
@@ -288,6 +304,12 @@ def test_sample_covers_every_family_feature_architecture_and_main_head_dim():
             assert {arch for arch, _ in points} == set(_configs.CPU_TEST_ARCHS)
             assert {dtype for _, dtype in points} == set(_configs.DTYPE_TAGS)
         assert {arch for cfg, arch in plain if cfg.head_dim == 256} == set(_configs.CPU_TEST_ARCHS)
+    # Float32 inputs' forward: both precisions, on sm_80 and sm_90, with every feature.
+    float32 = [(cfg, arch) for cfg, arch in FWD_CASES
+               if cfg.dtype in _configs.FLOAT32_TAGS and _sampled(cfg, arch)]
+    assert {cfg.dtype for cfg, _ in float32} == set(_configs.FLOAT32_TAGS)
+    assert {arch for _, arch in float32} >= {80, 90}
+    assert max(_configs.TESTED_FEATURES) in {cfg.features for cfg, _ in float32}
     for cases in (AUX_CASES, AUX_CASES_EXTRA):
         assert {(cfg, arch) for cfg, arch in cases if _sampled(cfg, arch)} == {
             (cfg, arch) for cfg, arch in cases if arch in AUX_SAMPLE_ARCHS}

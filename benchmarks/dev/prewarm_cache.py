@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--features", type=int, nargs="+", default=list(_configs.ALL_FEATURES))
     ap.add_argument("--arch", type=int, default=None, help="default: device 0's")
     ap.add_argument("--kernels", nargs="+",
-                    choices=("fwd", "bwd", "decode", "sm90-dev", "det-smoke"),
+                    choices=("fwd", "bwd", "decode", "decode-e4m3", "sm90-dev", "det-smoke"),
                     default=["fwd", "bwd", "decode"])
     args = ap.parse_args()
     if args.arch is None:
@@ -32,6 +32,9 @@ def main():
     configs = precompile.plan(args.arch, _configs.DTYPE_TAGS, _configs.KERNEL_HEAD_DIMS,
                               args.features, [k for k in args.kernels if k in
                                               precompile.DIRECTIONS])
+    if "decode-e4m3" in args.kernels:  # the decode kernels of an FP8 e4m3 cache
+        decode_features = [f for f in args.features if f in _configs.DECODE_FEATURES]
+        configs += _dispatch.all_decode_configs(args.arch, decode_features, ("e4m3",))
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
         configs += _dispatch.all_fwd_sm90_configs((0,), persistent=True)
         configs += [dataclasses.replace(c, watchdog=True)  # --schedule plain --watchdog
