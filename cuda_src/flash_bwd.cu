@@ -18,6 +18,10 @@
 // With COMPUTE_DQ false (deterministic mode) phase C is left out and flash_bwd_dq.cu computes dQ
 // without atomics.
 //
+// Float32 inputs (tf32_tag, f32x3_tag: tf32_primitives.cuh) run the same schedule on m16n8k8
+// TF32 mma: tiles count 16-bit words (WORDS = 2: Q, dO, K, V twice as wide), P and dS are
+// stored fp32, and the products are warp_gemm_f32.cuh's.
+//
 // Head dims above 128 are split into chunks (grid.x): each CTA recomputes S and dP over the full
 // head dim but accumulates dK, dV, dQ only for its D_CHUNK columns, which keeps dK and dV in
 // registers.
@@ -25,6 +29,7 @@
 #include "smem_swizzle.cuh"
 #include "variant.cuh"
 #include "warp_gemm.cuh"
+#include "warp_gemm_f32.cuh"
 #include "dq_accum.cuh"
 #include "varlen.cuh"
 #include "dropout.cuh"
@@ -34,10 +39,11 @@
 #include "constants.cuh"
 
 template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
-          int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES>
+          int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, int WORDS = 1>
 struct BwdTraits {
     static constexpr int THREADS = NUM_WARPS * 32;
-    static constexpr int D_STEPS = HEAD_DIM / 16;  // k16 steps of S and dP (full head dim)
+    // k steps of S and dP (full head dim): 16 words each, k16 of 16-bit elements, k8 of float32.
+    static constexpr int D_STEPS = HEAD_DIM * WORDS / 16;
     // Phase A: SDP_WARPS_M x SDP_WARPS_N warps over (BLOCK_M queries x BLOCK_N keys).
     static constexpr int SDP_WARPS_N = NUM_WARPS / SDP_WARPS_M;
     static constexpr int SDP_ROWS = BLOCK_M / SDP_WARPS_M;
@@ -57,9 +63,10 @@ struct BwdTraits {
     static constexpr int DQ_MT = DQ_ROWS / 16;
     static constexpr int DQ_NT = DQ_COLS / 8;
 
-    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
-    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
-    using PTile = SwizzledTile<BLOCK_M, BLOCK_N>;  // P and dS: query rows x key columns
+    // Tiles of 16-bit words, WORDS an element (P and dS as wide as the inputs' elements).
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * WORDS>;
+    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM * WORDS>;
+    using PTile = SwizzledTile<BLOCK_M, BLOCK_N * WORDS>;  // P and dS: query rows x key columns
     // Shared memory: K, V | Q_STAGES x (Q, dO, lse_log2, D) | P, dS
     static constexpr int STAT_BYTES = BLOCK_M * 4;
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * STAT_BYTES;

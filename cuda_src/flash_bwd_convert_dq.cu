@@ -1,7 +1,9 @@
 // Backward postprocessing: dQ = softmax_scale * dq_accum (fp32, accumulated by the main kernel's
 // atomics, layout in dq_accum.cuh) converted to the input dtype and written into the caller's
-// (batch, seqlen_q, nheads, headdim) array with 16-byte stores.
+// (batch, seqlen_q, nheads, headdim) array with 16-byte stores. dq is addressed in 16-bit words
+// (head_dim and strides too): a chunk holds 8 16-bit or 4 float32 (Elem::IS_F32) elements.
 #include "mma_primitives.cuh"
+#include "tf32_primitives.cuh"
 #include "dq_accum.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"
@@ -26,11 +28,17 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
         (stats_row0<VARLEN>(batch, head, p.nheads, p.seqlen_q_padded, seq.start) + row) *
             p.accum_dim;
     u32 packed[4];
+    if constexpr (Elem::IS_F32) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        // Columns 8 chunk + 2i and + 1 are adjacent in the interleaved layout too.
-        const float* pair = src + dq_accum_position(chunk * 8 + 2 * i);
-        packed[i] = pack_pair<Elem>(pair[0] * p.softmax_scale, pair[1] * p.softmax_scale);
+        for (int i = 0; i < 4; ++i)
+            packed[i] = __float_as_uint(src[dq_accum_position(chunk * 4 + i)] * p.softmax_scale);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // Columns 8 chunk + 2i and + 1 are adjacent in the interleaved layout too.
+            const float* pair = src + dq_accum_position(chunk * 8 + 2 * i);
+            packed[i] = pack_pair<Elem>(pair[0] * p.softmax_scale, pair[1] * p.softmax_scale);
+        }
     }
     store_16B_global(p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride +
                          (seq.start + row) * p.dq_row_stride + chunk * 8,

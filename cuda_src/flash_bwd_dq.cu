@@ -7,7 +7,11 @@
 //   S = Q K^T,  P = exp2(S * scale_log2 - lse_log2),  dP = dO V^T,  dS = P o (dP - D)
 // and accumulating dQ += dS K in registers, always in the same order. It costs two extra
 // products (S and dP are computed by both kernels) and writes dQ directly in the input dtype.
+// Float32 inputs (tf32_tag, f32x3_tag: tf32_primitives.cuh) run the same loop on m16n8k8 TF32
+// mma as the forward does: tiles of words twice as wide, S and dP from ldmatrix.x4 fragments,
+// dS kept fp32 in the accumulator's key order and K read in that order by 32-bit loads.
 #include "mma_primitives.cuh"
+#include "tf32_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "variant.cuh"
 #include "varlen.cuh"
@@ -22,10 +26,12 @@ struct BwdDqTraits {
     static constexpr int THREADS = NUM_WARPS * 32;
     static constexpr int N_TILES = BLOCK_N / 8;
     static constexpr int D_TILES = HEAD_DIM / 8;
-    static constexpr int D_STEPS = HEAD_DIM / 16;
-    static constexpr int KV_STEPS = BLOCK_N / 16;
-    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;
-    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;
+    // k steps of S and dP (over the head dim): 16 words each, k16 of 16-bit elements, k8 of
+    // float32.
+    static constexpr int D_STEPS = HEAD_DIM * Elem::WORDS / 16;
+    static constexpr int KV_STEPS = BLOCK_N / 16;  // k16 slices of dQ += dS K (over keys)
+    using QTile = SwizzledTile<BLOCK_M, HEAD_DIM * Elem::WORDS>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * Elem::WORDS>;
     // Shared memory: Q, dO | KV_STAGES x (K, V)
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
     static constexpr int SMEM_BYTES = 2 * QTile::BYTES + KV_STAGES * STAGE_BYTES;
@@ -33,7 +39,8 @@ struct BwdDqTraits {
 };
 
 // acc (16 rows x BLOCK_N) = A (16 rows of a_frag's tile over the head dim) * B^T, B's rows the
-// n dimension: S = Q K^T and dP = dO V^T.
+// n dimension: S = Q K^T and dP = dO V^T. Float32 elements: each fragment split into its TF32
+// parts once (the ldmatrix.x4 fragments are the TF32 ones, as the forward's Q K^T).
 template <typename Elem, class T, class ATile>
 CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<ATile>& a_frag,
                              u32 a_offset, const LdmatrixCursor<typename T::KVTile>& b_frag,
@@ -42,6 +49,21 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
     for (int nt = 0; nt < T::N_TILES; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+    if constexpr (Elem::IS_F32) {
+#pragma unroll 2
+        for (int ks = 0; ks < T::D_STEPS; ++ks) {
+            u32 bits[4];
+            ldmatrix_x4(bits, a_frag.at(0, ks) + a_offset);
+            const auto a = Tf32Parts<Elem, 4>::from_bits(bits);
+#pragma unroll
+            for (int np = 0; np < T::N_TILES / 2; ++np) {
+                ldmatrix_x4(bits, b_frag.at(2 * np, ks) + b_offset);
+                mma_m16n16k8_f32<Elem>(acc[2 * np], acc[2 * np + 1], a,
+                                       Tf32Parts<Elem, 4>::from_bits(bits));
+            }
+        }
+        return;
+    }
 #pragma unroll 2
     for (int ks = 0; ks < T::D_STEPS; ++ks) {
         u32 a[4];
@@ -53,6 +75,17 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
             mma_m16n16k16<Elem>(acc[2 * np], acc[2 * np + 1], a, b);
         }
     }
+}
+
+// K's B fragments of dQ += dS K: the transposed operand by ldmatrix.trans (lanes 0-15 pick key
+// rows, bit 4 the d8 half), or with float32 elements by 32-bit loads in dS's key order
+// (F32KeyPairCursor), as the forward's V.
+template <typename Elem, class KVTile>
+CF2_DEVICE auto k_fragments(u32 k_smem, int lane) {
+    if constexpr (Elem::IS_F32)
+        return F32KeyPairCursor<KVTile>(k_smem, lane);
+    else
+        return LdmatrixCursor<KVTile>(k_smem, lane % 16, lane / 16);
 }
 
 // The kernel's body, shared by flash_bwd_dq_kernel and flash_bwd_dq_mods_kernel (below).
@@ -135,7 +168,7 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
 
     const LdmatrixCursor<QTile> rows_frag(q_smem, warp * 16 + lane % 16, lane / 16);  // Q, dO
     const LdmatrixCursor<KVTile> kv_rows_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const LdmatrixCursor<KVTile> k_trans_frag(k_smem, lane % 16, lane / 16);
+    const auto k_trans_frag = k_fragments<Elem, KVTile>(k_smem, lane);
     const int thread_row0 = row_first + warp * 16 + lane / 4;
     Variant variant(p.mods, seqlen_q, seqlen_k);
     variant.select_head(p.mods, batch, head);
@@ -221,16 +254,42 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
                     if constexpr (Variant::SCORE_MOD) ds[j][e] *= grad;
                 }
             }
-            u32 a[4];
-            a[0] = pack_pair<Elem>(ds[0][0], ds[0][1]);
-            a[1] = pack_pair<Elem>(ds[0][2], ds[0][3]);
-            a[2] = pack_pair<Elem>(ds[1][0], ds[1][1]);
-            a[3] = pack_pair<Elem>(ds[1][2], ds[1][3]);
+            if constexpr (Elem::IS_F32) {
+                // dS as the forward's P: keys 2t, 2t + 1 of each n8 tile as the TF32 A
+                // fragment's columns t, t + 4 of two k8 steps (probabilities_as_a), K's rows
+                // read in that order by 32-bit loads (F32KeyPairCursor).
+                const float p8[8] = {ds[0][0], ds[0][1], ds[0][2], ds[0][3],
+                                     ds[1][0], ds[1][1], ds[1][2], ds[1][3]};
+                Tf32Parts<Elem, 4> a[2];
+                probabilities_as_a<Elem>(a, p8);
 #pragma unroll
-            for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, k_trans_frag.at(2 * ks, dp) + stage_offset);
-                mma_m16n16k16<Elem>(acc_dq[2 * dp], acc_dq[2 * dp + 1], a, b);
+                for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+#pragma unroll
+                    for (int step = 0; step < 2; ++step) {
+                        u32 bits[4];
+#pragma unroll
+                        for (int half = 0; half < 2; ++half)
+#pragma unroll
+                            for (int j = 0; j < 2; ++j)
+                                bits[2 * half + j] = load_4B_shared(
+                                    k_trans_frag.at(2 * ks + step, 2 * dp + half, j) +
+                                    stage_offset);
+                        mma_m16n16k8_f32<Elem>(acc_dq[2 * dp], acc_dq[2 * dp + 1], a[step],
+                                               Tf32Parts<Elem, 4>::from_bits(bits));
+                    }
+                }
+            } else {
+                u32 a[4];
+                a[0] = pack_pair<Elem>(ds[0][0], ds[0][1]);
+                a[1] = pack_pair<Elem>(ds[0][2], ds[0][3]);
+                a[2] = pack_pair<Elem>(ds[1][0], ds[1][1]);
+                a[3] = pack_pair<Elem>(ds[1][2], ds[1][3]);
+#pragma unroll
+                for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, k_trans_frag.at(2 * ks, dp) + stage_offset);
+                    mma_m16n16k16<Elem>(acc_dq[2 * dp], acc_dq[2 * dp + 1], a, b);
+                }
             }
         }
 
@@ -250,9 +309,15 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = warp * 16 + 8 * half + lane / 4;
-            store_4B_shared(q_smem + QTile::offset(row, dt) + 4 * (lane % 4),
-                            pack_pair<Elem>(acc_dq[dt][2 * half] * p.softmax_scale,
-                                            acc_dq[dt][2 * half + 1] * p.softmax_scale));
+            if constexpr (Elem::IS_F32)  // columns 8dt + 2t, +1: 8 bytes of two chunks
+                store_8B_shared(q_smem + QTile::offset(row, 2 * dt + (lane % 4) / 2) +
+                                    8 * (lane % 2),
+                                acc_dq[dt][2 * half] * p.softmax_scale,
+                                acc_dq[dt][2 * half + 1] * p.softmax_scale);
+            else
+                store_4B_shared(q_smem + QTile::offset(row, dt) + 4 * (lane % 4),
+                                pack_pair<Elem>(acc_dq[dt][2 * half] * p.softmax_scale,
+                                                acc_dq[dt][2 * half + 1] * p.softmax_scale));
         }
     }
     __syncwarp();

@@ -7,6 +7,7 @@
 // the deterministic Hopper backward's dQ semaphores (dq_semaphore set), a slot per
 // DQ_SEMAPHORE_ROWS rows.
 #include "mma_primitives.cuh"
+#include "tf32_primitives.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"
@@ -15,7 +16,8 @@
 // per warp; then the CTA zeroes its rows of dq_accum, 16 bytes a thread. VARLEN: packed
 // sequences (varlen.cuh), grid z over the sequences. The parameters: BwdParams
 // (kernel_params.cuh), of which this kernel reads dout, out, lse and writes delta, lse_log2 and
-// dq_accum.
+// dq_accum. dO and O are addressed in 16-bit words (head_dim and strides too): with float32
+// elements (Elem::IS_F32) a chunk is 4 floats and a row up to 64 chunks, two a lane.
 template <typename Elem, bool VARLEN>
 __global__ void __launch_bounds__(PREPROCESS_THREADS)
 flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
@@ -43,7 +45,18 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         const int row = row0 + r;
         if (row >= rows_padded) break;
         float partial = 0.f;
-        if (row < seqlen_q && lane * 8 < p.head_dim) {
+        if constexpr (Elem::IS_F32) {
+            if (row < seqlen_q) {
+                for (int chunk = lane; chunk * 8 < p.head_dim; chunk += 32) {
+                    u32 a[4], b[4];
+                    load_16B_global(a, dout_head + row * p.do_row_stride + chunk * 8);
+                    load_16B_global(b, out_head + row * p.o_row_stride + chunk * 8);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        partial = fmaf(__uint_as_float(a[i]), __uint_as_float(b[i]), partial);
+                }
+            }
+        } else if (row < seqlen_q && lane * 8 < p.head_dim) {
             u32 a[4], b[4];
             load_16B_global(a, dout_head + row * p.do_row_stride + lane * 8);
             load_16B_global(b, out_head + row * p.o_row_stride + lane * 8);

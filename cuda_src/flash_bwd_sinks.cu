@@ -13,6 +13,7 @@
 // read from cu_seqlens. The statistics of a call are a few MB, fresh in L2 from the preprocess. The parameters: BwdParams (kernel_params.cuh), of which this kernel reads
 // lse_log2, delta, mods.sinks and writes dsinks[head].
 #include "mma_primitives.cuh"
+#include "tf32_primitives.cuh"
 #include "varlen.cuh"
 #include "constants.cuh"
 #include "kernel_params.cuh"

@@ -594,7 +594,7 @@ class BwdConfig:
     (block_m x block_n), phase B (dK, dV) over (block_n x d_chunk), phase C (dQ) over
     (block_m x d_chunk)."""
 
-    dtype: str
+    dtype: str  # "float16", "bfloat16", or float32's "float32" / "tf32" (FLOAT32_TAGS)
     head_dim: int  # kernel head dim (one of KERNEL_HEAD_DIMS)
     d_chunk: int  # head-dim columns of dK, dV, dQ per CTA (head_dim or head_dim / 2)
     block_m: int  # query rows per step
@@ -645,9 +645,12 @@ class BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        kv = 2 * 2 * self.block_n * self.head_dim
-        stage = 2 * 2 * self.block_m * self.head_dim + 2 * 4 * self.block_m
-        p_ds = 2 * 2 * self.block_m * self.block_n
+        # 2 bytes a word, ELEMENT_WORDS words an element (BwdTraits::SMEM_BYTES); the per-row
+        # statistics are float32 whatever the element.
+        element = 2 * ELEMENT_WORDS[self.dtype]
+        kv = 2 * element * self.block_n * self.head_dim
+        stage = 2 * element * self.block_m * self.head_dim + 2 * 4 * self.block_m
+        p_ds = 2 * element * self.block_m * self.block_n
         return kv + self.q_stages * stage + p_ds
 
     @property
@@ -656,7 +659,7 @@ class BwdConfig:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
+        return (f"flash_bwd_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
                 f"{self.block_m}, {self.block_n}, {self.num_warps}, {self.sdp_warps_m}, "
                 f"{self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}, {self.features}>")
@@ -666,7 +669,13 @@ class BwdConfig:
         return _traits_probes(
             f"BwdTraits<{self.head_dim}, {self.d_chunk}, {self.block_m}, {self.block_n}, "
             f"{self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, "
-            f"{self.q_stages}>", self)
+            f"{self.q_stages}{self._words_argument}>", self)
+
+    @property
+    def _words_argument(self) -> str:
+        """BwdTraits' WORDS (16-bit words an element) where it is not its default 1."""
+        words = ELEMENT_WORDS[self.dtype]
+        return "" if words == 1 else f", {words}"
 
 
 @dataclass(frozen=True)
@@ -691,7 +700,7 @@ class BwdModsConfig(BwdConfig, _UserModsHeader):
 class BwdDqConfig:
     """One specialisation of the deterministic dQ kernel (flash_bwd_dq.cu): 4 warps of 16 rows."""
 
-    dtype: str
+    dtype: str  # "float16", "bfloat16", or float32's "float32" / "tf32" (FLOAT32_TAGS)
     head_dim: int
     block_n: int
     kv_stages: int
@@ -701,7 +710,9 @@ class BwdDqConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return 2 * 2 * self.block_m * self.head_dim + self.kv_stages * 2 * 2 * self.block_n * self.head_dim
+        element = 2 * ELEMENT_WORDS[self.dtype]  # bytes: 2 a 16-bit word (BwdDqTraits)
+        return (2 * element * self.block_m * self.head_dim
+                + self.kv_stages * 2 * element * self.block_n * self.head_dim)
 
     @property
     def source_file(self) -> str:
@@ -709,13 +720,13 @@ class BwdDqConfig:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_dq_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
+        return (f"flash_bwd_dq_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.kv_stages}, {self.features}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
-            f"BwdDqTraits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
+            f"BwdDqTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
             f"{self.kv_stages}>", self, block_m=True)
 
 
@@ -737,7 +748,7 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
 class AuxKernel:
     """A small kernel specialised on the dtype only (backward pre- and post-processing)."""
 
-    dtype: str
+    dtype: str  # "float16", "bfloat16" or "float32" (whatever the float32 call's precision)
     #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
     #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only)
     kernel: str
@@ -758,7 +769,7 @@ class AuxKernel:
 
     @property
     def name_expression(self) -> str:
-        return f"{self.kernel}<{DTYPE_TAGS[self.dtype]}, {'true' if self.varlen else 'false'}>"
+        return f"{self.kernel}<{ELEMENT_TAGS[self.dtype]}, {'true' if self.varlen else 'false'}>"
 
     probes = ""
 
@@ -796,8 +807,10 @@ class DropoutMaskKernel:
     probes: str = ""
 
 
-def aux_kernels() -> list[AuxKernel]:
-    return [AuxKernel(dtype, kernel, varlen) for dtype in DTYPE_TAGS
+def aux_kernels(dtypes=tuple(DTYPE_TAGS)) -> list[AuxKernel]:
+    """Every small backward kernel for `dtypes` (("float32",): float32 inputs', whatever their
+    precision)."""
+    return [AuxKernel(dtype, kernel, varlen) for dtype in dtypes
             for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel",
                            "flash_bwd_sinks_kernel")
             for varlen in (False, True)]

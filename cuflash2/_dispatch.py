@@ -405,6 +405,8 @@ def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False
     grid for every phase, keeps its accumulators in registers and fits one CTA per SM wins;
     above d=128 the dK/dV/dQ columns are split in two chunks (grid.x) when that is needed.
     """
+    if dtype in FLOAT32_TAGS:
+        return float32_bwd_config(dtype, head_dim, arch, deterministic)
     d = kernel_head_dim(head_dim)
     # 128-query steps where the accumulators allow it (d <= 64): half the steps, same atomics.
     shapes = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 2), (64, 64, 8, 1),
@@ -415,17 +417,78 @@ def bwd_config(dtype: str, head_dim: int, arch: int, deterministic: bool = False
     return config
 
 
-def _first_backward_tile(dtype: str, d: int, arch: int, deterministic: bool, shapes):
+#: The float32 backward's tiles (query rows, keys, warps, Q stages), preferred first, the first
+#: that fits (_first_backward_tile's rule) taken. Every tile, fragment and P / dS element takes
+#: twice the 16-bit kernel's space (TF32 parts: twice the fragment registers at precision
+#: highest), so the steps are half the 16-bit ones: 64 x 64 of 8 warps (32 x 16 / 16 x 32 warp
+#: tiles) where shared memory holds it (sm_80 and sm_90 up to d=128 with one Q stage), then
+#: 4-warp tiles down to 16 x 32 of 2 warps, the smallest whose P tile keeps 128-byte panels
+#: (F32KeyPairCursor), which the 100 KiB parts need above d=128. d=256 fits no tile on those
+#: (K, V, Q and dO alone take 96 KiB at 16 x 32). Compiled without spills (ptxas report;
+#: docs/FLOAT32.md); not yet timed on a GPU.
+FLOAT32_BWD_TILES = ((64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1), (32, 64, 4, 1),
+                     (32, 32, 4, 1), (16, 32, 2, 1))
+#: BWD_MAX_ACCUMULATORS for float32: a TF32 fragment at precision highest is twice the
+#: registers of a 16-bit one, so fewer are left to the accumulators (ptxas: 168-192 of them
+#: spilled at d=192-256).
+FLOAT32_BWD_MAX_ACCUMULATORS = 128
+
+
+def float32_bwd_config(element: str, head_dim: int, arch: int,
+                       deterministic: bool = False) -> BwdConfig:
+    """The mma.sync backward's tile for float32 inputs (`element`: "float32" or "tf32",
+    _configs.FLOAT32_TAGS): FLOAT32_BWD_TILES' first that fits the architecture (the atomic dQ
+    path's, without its dQ in deterministic mode); NotImplementedError where none fits (d > 192
+    on the 100 KiB parts)."""
+    # The smallest kernel head dim holding the call's with a tile (d=224's chunks of 112
+    # columns have no 16-column warp grid in these tiles: it runs on d=256's).
+    for d in KERNEL_HEAD_DIMS[KERNEL_HEAD_DIMS.index(kernel_head_dim(head_dim)):]:
+        config = _first_backward_tile(element, d, arch, False, FLOAT32_BWD_TILES,
+                                      FLOAT32_BWD_MAX_ACCUMULATORS)
+        if config is not None:
+            return dataclasses.replace(config, compute_dq=not deterministic)
+    raise NotImplementedError(
+        f"float32 backward at head dim {head_dim}: no tile fits the shared memory of "
+        f"sm_{arch} ({SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT)} KiB an SM); "
+        "float16 and bfloat16 inputs take it")
+
+
+#: The float32 deterministic dQ kernel's (keys a K/V tile, K/V stages, CTAs an SM) preferred
+#: first: its Q and dO tiles (64 rows) and K/V tiles are twice the 16-bit ones, so 32 keys a
+#: tile where they fit (16 above: the dQ accumulator of a whole row takes the registers).
+FLOAT32_BWD_DQ_TILES = ((32, 2, 2), (32, 1, 2), (32, 2, 1), (32, 1, 1), (16, 1, 1))
+
+
+def float32_bwd_dq_config(element: str, head_dim: int, arch: int) -> BwdDqConfig:
+    """The deterministic dQ kernel's tile for float32 inputs: the first of FLOAT32_BWD_DQ_TILES
+    that fits (NotImplementedError where none does: above d=128 on the 100 KiB parts, whose
+    64-row Q and dO tiles alone take 64 KiB at d=128)."""
+    d = kernel_head_dim(head_dim)
+    smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
+    for block_n, stages, ctas in FLOAT32_BWD_DQ_TILES:
+        if block_n > 16 and d > 128:
+            continue
+        config = BwdDqConfig(element, d, block_n, stages)
+        if ctas * (config.smem_bytes + 1024) <= smem_per_sm:
+            return config
+    raise NotImplementedError(
+        f"deterministic=True: float32 backward at head dim {head_dim}: the deterministic dQ "
+        f"kernel's tile does not fit the shared memory of sm_{arch}; pass deterministic=False")
+
+
+def _first_backward_tile(dtype: str, d: int, arch: int, deterministic: bool, shapes,
+                         max_accumulators: int = BWD_MAX_ACCUMULATORS):
     """The first (block_m, block_n, warps, Q stages) of `shapes` (each with the whole head dim
     d, then above d=128 with half of it a chunk) that has a warp grid for every phase, keeps its
-    accumulators in registers and fits one CTA per SM; None where none does."""
+    accumulators (at most `max_accumulators` registers) in registers and fits one CTA per SM;
+    None where none does."""
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     chunks = [d] if d <= 128 else [d, d // 2]
     for block_m, block_n, warps, stages in shapes:
         for d_chunk in chunks:
             config = BwdConfig(dtype, d, d_chunk, block_m, block_n, warps, stages,
                                not deterministic)
-            if (config.valid and config.accumulator_registers <= BWD_MAX_ACCUMULATORS
+            if (config.valid and config.accumulator_registers <= max_accumulators
                     and config.smem_bytes + 1024 <= smem_per_sm):
                 return config
     return None
@@ -464,6 +527,8 @@ def bwd_mods_config(dtype: str, head_dim: int, arch: int,
 @functools.lru_cache(maxsize=None)
 def bwd_dq_config(dtype: str, head_dim: int, arch: int) -> BwdDqConfig:
     """Tile shape of the deterministic dQ kernel: double-buffered K/V when two CTAs fit."""
+    if dtype in FLOAT32_TAGS:
+        return float32_bwd_dq_config(dtype, head_dim, arch)
     d = kernel_head_dim(head_dim)
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     for block_n, stages, ctas in ((64, 2, 2), (64, 1, 2), (64, 1, 1), (32, 1, 1)):
@@ -1006,12 +1071,13 @@ def hopper_backward_config(problem, features: int, arch: int, varlen=None,
                            deterministic: bool = False):
     """The Hopper backward's configuration for a checked call, or None where the call stays on
     the mma.sync backward: switched off (HOPPER_BACKWARD; varlen: HOPPER_BACKWARD_VARLEN), not
-    sm_90, dropout, a head dim beyond the Hopper kernels', an empty problem, or no driver
+    sm_90, float32 inputs (a 16-bit kernel), dropout, a head dim beyond the Hopper kernels', an empty problem, or no driver
     bindings to encode the maps (backward_kernels then asks the TMA to describe q, k, v and
     dout). Sinks (FEATURE_SINKS) take the kernel of the call without them
     (backward_features)."""
     p = problem
-    if not HOPPER_BACKWARD or arch != 90 or (varlen is not None and not HOPPER_BACKWARD_VARLEN):
+    if (not HOPPER_BACKWARD or arch != 90 or p.dtype not in DTYPE_TAGS
+            or (varlen is not None and not HOPPER_BACKWARD_VARLEN)):
         return None
     features = backward_features(features)
     if features & ~HOPPER_BACKWARD_FEATURES:
@@ -1127,15 +1193,31 @@ def all_fwd_configs(arch: int, features=(0,), elements=tuple(DTYPE_TAGS)) -> lis
             for dtype in elements for d in KERNEL_HEAD_DIMS]
 
 
-def all_bwd_configs(arch: int, features=(0,)) -> list:
+def all_bwd_configs(arch: int, features=(0,), elements=tuple(DTYPE_TAGS)) -> list:
     """Every backward specialisation the dispatcher can choose on `arch` (main kernel with and
     without dQ, deterministic dQ kernel), for each of `features` (as backward calls with them
-    run it: without the forward-only features; each once)."""
+    run it: without the forward-only features; each once), for the 16-bit dtypes, or
+    `elements` (FLOAT32_TAGS: float32 inputs' kernels, at every head dim a tile fits)."""
     features = dict.fromkeys(backward_features(f) for f in features)
-    return [with_features(cfg, f) for f in features for dtype in DTYPE_TAGS
-            for d in KERNEL_HEAD_DIMS
-            for cfg in (bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
-                        bwd_dq_config(dtype, d, arch))]
+    configs = []
+    for f in features:
+        for dtype in elements:
+            for d in KERNEL_HEAD_DIMS:
+                if dtype in FLOAT32_TAGS:
+                    for choose in (lambda: float32_bwd_config(dtype, d, arch),
+                                   lambda: float32_bwd_config(dtype, d, arch, True),
+                                   lambda: float32_bwd_dq_config(dtype, d, arch)):
+                        try:
+                            config = with_features(choose(), f)
+                        except NotImplementedError:  # no tile fits
+                            continue
+                        if config not in configs:
+                            configs.append(config)
+                    continue
+                configs += [with_features(cfg, f) for cfg in (
+                    bwd_config(dtype, d, arch), bwd_config(dtype, d, arch, True),
+                    bwd_dq_config(dtype, d, arch))]
+    return configs
 
 
 def all_decode_configs(arch: int, features=(0,), kv_cache_dtypes=(None,)) -> list:

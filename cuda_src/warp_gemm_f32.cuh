@@ -1,0 +1,171 @@
+// warp_gemm.cuh's tile products and accumulator stores for float32 elements (tf32_tag,
+// f32x3_tag: tf32_primitives.cuh) on m16n8k8 TF32 mma: the backward's three operand layouts.
+//
+// The tiles count 16-bit words (a float32 tile is a 16-bit tile twice as wide), so a chunk pair
+// of a row is 8 floats, one k8 step. Per layout (g = lane / 4, t = lane % 4; PTX ISA m16n8k8
+// .tf32 fragments: A (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4); B (k t, n g), (k t + 4, n g)):
+//   A B^T (S, dP): the 16-bit kernel's ldmatrix.x4 fragments are the TF32 ones (as the forward's
+//                  Q K^T): a rows_cursor gives A, a pairs_cursor the B of two n8 tiles.
+//   A^T B (dV, dK): both operands are transposed against ldmatrix, which transposes 16-bit
+//                  elements only: 32-bit shared loads (F32KeyPairCursor) with the k index
+//                  permuted alike in A and B (k column t is tile row 8s + 2t, t + 4 is 8s + 2t + 1;
+//                  the sum over k is the same), a pattern the 128-byte swizzle keeps free of bank
+//                  conflicts.
+//   A B (dQ):      A (dS rows) by ldmatrix.x4 in the natural k order (keys 8s + t, 8s + t + 4),
+//                  B (K [key][column]) by 32-bit loads of rows t and t + 4 (F32KeyHalvesCursor).
+//                  Rows t and t ^ 1 share the swizzle's pair of chunk positions, so these loads
+//                  are two-way bank conflicted (storing dS with its keys permuted would avoid it).
+// Each fragment is split into its TF32 parts once (Tf32Parts) and reused like the 16-bit one.
+#pragma once
+#include "mma_primitives.cuh"
+#include "smem_swizzle.cuh"
+#include "tf32_primitives.cuh"
+
+// Addresses of B fragments (k t + 4j, n g) of a swizzled [k][n] float32 tile read by 32-bit
+// shared loads: lane (g, t) reads element (row 8 * row_block8 + t + 4j, column 8 * col_block8 + g),
+// j = 0, 1. As F32KeyPairCursor, everything lane-dependent is folded into two registers a j.
+template <class Tile>
+struct F32KeyHalvesCursor {
+    static_assert(Tile::PANEL_CHUNKS == 8, "float32 tiles are 128-byte panels");
+    u32 row_base[2];   // tile base + row (t + 4j) * ROW_BYTES + 4 * (g % 4)
+    u32 chunk_xor[2];  // ((g / 4) ^ key(t + 4j)) << 4
+
+    CF2_DEVICE F32KeyHalvesCursor(u32 tile_base, int lane) {
+        const int t = lane % 4, g = lane / 4;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int row = t + 4 * j;
+            row_base[j] = tile_base + row * Tile::ROW_BYTES + 4 * (g % 4);
+            chunk_xor[j] = static_cast<u32>((g / 4) ^ Tile::swizzle_key(row)) << 4;
+        }
+    }
+
+    // Element (8 * row_block8 + t + 4j, 8 * col_block8 + g).
+    CF2_DEVICE u32 at(int row_block8, int col_block8, int j) const {
+        const int chunk0 = 2 * col_block8;  // the block's 8 floats are chunks chunk0, chunk0 + 1
+        return row_base[j] + (chunk0 / Tile::PANEL_CHUNKS) * Tile::PANEL_BYTES +
+               row_block8 * 8 * Tile::ROW_BYTES +
+               ((static_cast<u32>(chunk0 % Tile::PANEL_CHUNKS) << 4) ^ chunk_xor[j]);
+    }
+};
+
+// acc += A B^T, A [m][k] and B [n][k] row-major (S = Q K^T, dP = dO V^T): gemm_a_bt over K_STEPS
+// k8 steps. The k loop is unrolled by 2, as the forward's float32 Q K^T (a full unroll hoists
+// more fragments than the registers hold).
+template <typename Elem, int MT, int NT, int K_STEPS, class ATile, class BTile>
+CF2_DEVICE void gemm_a_bt_f32(float (&acc)[MT][NT][4], const LdmatrixCursor<ATile>& a,
+                              const LdmatrixCursor<BTile>& b) {
+    static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
+#pragma unroll 2
+    for (int ks = 0; ks < K_STEPS; ++ks) {
+        Tf32Parts<Elem, 4> af[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            u32 bits[4];
+            ldmatrix_x4(bits, a.at(2 * mt, ks));
+            af[mt] = Tf32Parts<Elem, 4>::from_bits(bits);
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            u32 bits[4];
+            ldmatrix_x4(bits, b.at(2 * np, ks));
+            const auto bf = Tf32Parts<Elem, 4>::from_bits(bits);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_m16n16k8_f32<Elem>(acc[mt][2 * np], acc[mt][2 * np + 1], af[mt], bf);
+        }
+    }
+}
+
+// acc += A^T B, A [k][m] and B [k][n] row-major (dV += P^T dO, dK += dS^T Q) over K_STEPS k8
+// steps of 8 rows: both fragments by 32-bit loads in the permuted k order (F32KeyPairCursor: j
+// picks row 2t or 2t + 1, A's k columns t and t + 4). The warp's m and n slices start at column
+// blocks of 8 m_block0 and n_block0.
+template <typename Elem, int MT, int NT, int K_STEPS, class ATile, class BTile>
+CF2_DEVICE void gemm_at_b_f32(float (&acc)[MT][NT][4], const F32KeyPairCursor<ATile>& a,
+                              int m_block0, const F32KeyPairCursor<BTile>& b, int n_block0) {
+    static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
+#pragma unroll 2
+    for (int ks = 0; ks < K_STEPS; ++ks) {
+        Tf32Parts<Elem, 4> af[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            // A (m g, k t) = tile (row 8ks + 2t, column g), (m g + 8, k t), (m g, k t + 4) =
+            // row 8ks + 2t + 1, (m g + 8, k t + 4).
+            const int block = m_block0 + 2 * mt;
+            const u32 bits[4] = {load_4B_shared(a.at(ks, block, 0)),
+                                 load_4B_shared(a.at(ks, block + 1, 0)),
+                                 load_4B_shared(a.at(ks, block, 1)),
+                                 load_4B_shared(a.at(ks, block + 1, 1))};
+            af[mt] = Tf32Parts<Elem, 4>::from_bits(bits);
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            // B (k t, n g), (k t + 4, n g) of the pair's two n8 tiles.
+            const int block = n_block0 + 2 * np;
+            const u32 bits[4] = {load_4B_shared(b.at(ks, block, 0)),
+                                 load_4B_shared(b.at(ks, block, 1)),
+                                 load_4B_shared(b.at(ks, block + 1, 0)),
+                                 load_4B_shared(b.at(ks, block + 1, 1))};
+            const auto bf = Tf32Parts<Elem, 4>::from_bits(bits);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_m16n16k8_f32<Elem>(acc[mt][2 * np], acc[mt][2 * np + 1], af[mt], bf);
+        }
+    }
+}
+
+// acc += A B, A [m][k] and B [k][n] row-major (dQ = dS K) over K_STEPS k8 steps: A a rows_cursor
+// at the warp's first row (ldmatrix.x4, keys t and t + 4 of the step), B by 32-bit loads of the
+// same keys (F32KeyHalvesCursor at row 0); the warp's n slice starts at column block n_block0.
+template <typename Elem, int MT, int NT, int K_STEPS, class ATile, class BTile>
+CF2_DEVICE void gemm_a_b_f32(float (&acc)[MT][NT][4], const LdmatrixCursor<ATile>& a,
+                             const F32KeyHalvesCursor<BTile>& b, int n_block0) {
+    static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
+#pragma unroll 2
+    for (int ks = 0; ks < K_STEPS; ++ks) {
+        Tf32Parts<Elem, 4> af[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            u32 bits[4];
+            ldmatrix_x4(bits, a.at(2 * mt, ks));
+            af[mt] = Tf32Parts<Elem, 4>::from_bits(bits);
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            const int block = n_block0 + 2 * np;
+            const u32 bits[4] = {load_4B_shared(b.at(ks, block, 0)),
+                                 load_4B_shared(b.at(ks, block, 1)),
+                                 load_4B_shared(b.at(ks, block + 1, 0)),
+                                 load_4B_shared(b.at(ks, block + 1, 1))};
+            const auto bf = Tf32Parts<Elem, 4>::from_bits(bits);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_m16n16k8_f32<Elem>(acc[mt][2 * np], acc[mt][2 * np + 1], af[mt], bf);
+        }
+    }
+}
+
+// Offset of accumulator pair (columns 8 * (chunk0 + nt) + 2t, + 1 of `row`) in a float32 tile:
+// 8 bytes of the n8 tile's two 16-byte chunks (columns count elements, chunks words).
+template <class Tile>
+CF2_DEVICE u32 f32_pair_offset(int row, int chunk8, int lane) {
+    return Tile::offset(row, 2 * chunk8 + (lane % 4) / 2) + 8 * (lane % 2);
+}
+
+// store_accumulator for float32 tiles: element [mt][nt][2*half+e] (times `scale`) goes to row
+// row0 + 16*mt + 8*half + lane/4, column 8*(chunk0 + nt) + 2*(lane%4) + e, kept fp32.
+template <class Tile, int MT, int NT>
+CF2_DEVICE void store_accumulator_f32(u32 tile_smem, const float (&acc)[MT][NT][4], int row0,
+                                      int chunk0, int lane, float scale = 1.f) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + 16 * mt + 8 * half + lane / 4;
+                store_8B_shared(tile_smem + f32_pair_offset<Tile>(row, chunk0 + nt, lane),
+                                acc[mt][nt][2 * half] * scale, acc[mt][nt][2 * half + 1] * scale);
+            }
+}
