@@ -289,16 +289,20 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     if sinks and views.get("dsinks") is None:
         output_fields.append(("dsinks", len(outputs), 0))
         outputs.append(((p.nheads,), "float32"))
+    # The kernels address dout, q, k, v, out and the gradients in 16-bit words (a float32
+    # element is two); the dQ accumulator (accum_dim) counts elements.
+    words = _configs.ELEMENT_WORDS[p.dtype]
     fields = {
-        **_stride_fields("q", element_strides(views["q"])),
-        **_stride_fields("k", element_strides(views["k"])),
-        **_stride_fields("v", element_strides(views["v"])),
-        **_stride_fields("o", element_strides(views["out"])),
-        **_stride_fields("do", element_strides(views["dout"])),
-        **{f: s for prefix, st in strides.items() for f, s in _stride_fields(prefix, st).items()},
+        **_stride_fields("q", element_strides(views["q"]), words),
+        **_stride_fields("k", element_strides(views["k"]), words),
+        **_stride_fields("v", element_strides(views["v"]), words),
+        **_stride_fields("o", element_strides(views["out"]), words),
+        **_stride_fields("do", element_strides(views["dout"]), words),
+        **{f: s for prefix, st in strides.items()
+           for f, s in _stride_fields(prefix, st, words).items()},
         "batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_q_padded": seqlen_q_padded,
         "seqlen_k": p.seqlen_k, "nheads": p.nheads, "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
-        "head_dim": p.head_dim, "accum_dim": config.head_dim,
+        "head_dim": p.head_dim * words, "accum_dim": config.head_dim,
         # The final dK / dQ scaling uses the softmax scale (d(scaled scores) / d(q.k)); P is
         # recomputed with the scale the softmax saw (softcap's, with softcap).
         "softmax_scale": p.softmax_scale, "scale_log2": mods.softmax_scale * LOG2E,
@@ -310,15 +314,18 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     # the Hopper kernel's chunk is the whole head dim.
     launches = []
     aux = "base" if hopper or mods.user_mods is not None else ""
+    # The small kernels read and write the arrays' dtype, whatever a float32 call's precision.
+    aux_dtype = "float32" if p.dtype in _configs.FLOAT32_TAGS else p.dtype
     num_kv_blocks = -(-p.seqlen_k // config.block_n)
     if p.batch and p.nheads:
         if max_rows_padded:
-            pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel", varlen is not None)
+            pre = _configs.AuxKernel(aux_dtype, "flash_bwd_preprocess_kernel",
+                                     varlen is not None)
             rows_per_cta = _configs.PREPROCESS_THREADS // 32 * _configs.PREPROCESS_ROWS_PER_WARP
             launches.append((_launch.kernel_launch(
                 pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch)), aux))
     if sinks and p.nheads:  # dsinks is written even where there is no row (a sum of none: 0)
-        sink_grad = _configs.AuxKernel(p.dtype, "flash_bwd_sinks_kernel", varlen is not None)
+        sink_grad = _configs.AuxKernel(aux_dtype, "flash_bwd_sinks_kernel", varlen is not None)
         launches.append((_launch.kernel_launch(sink_grad, device_id, (p.nheads, 1, 1)), aux))
     if p.batch and p.nheads:
         if p.seqlen_k:
@@ -331,9 +338,9 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
                 dq_config, device_id, (-(-p.seqlen_q // dq_config.block_m), p.nheads, p.batch)),
                 ""))
         elif p.seqlen_q:
-            convert = _configs.AuxKernel(p.dtype, "flash_bwd_convert_dq_kernel",
+            convert = _configs.AuxKernel(aux_dtype, "flash_bwd_convert_dq_kernel",
                                          varlen is not None)
-            chunks = p.seqlen_q * (p.head_dim // 8)
+            chunks = p.seqlen_q * (p.head_dim * words // 8)
             launches.append((_launch.kernel_launch(
                 convert, device_id, (-(-chunks // convert.threads), p.nheads, p.batch)), aux))
     inputs = _input_fields(views, sources)

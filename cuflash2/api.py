@@ -335,7 +335,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     default) splits every operand into two TF32 parts and sums three products (float32-level
     error), "high" or "tf32" rounds the operands and the probabilities to TF32 (10 mantissa
     bits; faster). Float32 calls take every option above but the programmable modifiers, the
-    bias and block masks; their backward is not built yet. 16-bit calls take precision=None.
+    bias and block masks; attention_backward takes the same precision. 16-bit calls take
+    precision=None.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, seed, offset, precision=precision)
@@ -414,10 +415,7 @@ def _plan_backward(layout, inputs, options, deterministic, varlen_args=None):
                                                            varlen_args[4], cupy)
     _validate.check_backward_inputs(checked, views["dout"], q, k, v, views["out"], views["lse"],
                                     dq=views["dq"], dk=views["dk"], dv=views["dv"])
-    if problem.dtype == "float32":
-        raise NotImplementedError(
-            "attention_backward: float32 inputs have no backward kernel yet (attention takes "
-            "them); q, k, v, out and dout must be float16 or bfloat16")
+    problem = _prepare.with_kernel_element(problem, options)
     window = _validate.check_window(options.window_size, options.causal, problem.seqlen_q,
                                     problem.seqlen_k)
     mods = _prepare.score_mods(problem, options)
@@ -455,7 +453,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                        dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
                        dk=None, dv=None, dsinks=None, mask_mod=None, score_mod=None,
-                       bias=None, bias_requires_grad=True, block_mask=None):
+                       bias=None, bias_requires_grad=True, block_mask=None, precision=None):
     """Gradients (dq, dk, dv) of `attention(q, k, v, causal=..., softmax_scale=..., ...)` for the
     output gradient `dout`, from the forward's `out` and `lse` (`return_lse=True`); pass the
     forward's causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed
@@ -481,9 +479,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     non-empty tiles of each key block's column and runs the mask modifier on the partial ones
     (the states' tiles must split into the backward's: those of `cuflash2.block_mask(...,
     head_dim=, dtype=)` for this call do, up to head dim 128).
+
+    float32 dout, q, k, v, out (lse float32 as always) give float32 gradients on the mma.sync
+    backward at `precision` (attention's: "highest", the default, or "high" / "tf32";
+    docs/FLOAT32.md), deterministic too (up to head dim 128 on the 100 KiB parts:
+    NotImplementedError above, before any launch); not with the options float32's forward does
+    not take.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     cupy = _cupy or _cupy_module()
     plan, inputs, accum = _attention_backward_plan(
         cupy, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks), options,
@@ -531,14 +535,14 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                      dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None, dk=None,
                      dv=None, dsinks=None, mask_mod=None, score_mod=None, block_mask=None,
-                     bias=None, bias_requires_grad=True) -> list[str]:
+                     bias=None, bias_requires_grad=True, precision=None) -> list[str]:
     """The kernels `attention_backward(dout, q, k, v, out, lse, ...)` with these arguments runs
     on the current device, in words, in launch order: the preprocess, the main kernel (on an
     H100/H200 the Hopper backward where it covers the call (unless CUFLASH2_HOPPER_BWD=0), the
     mma.sync backward otherwise), then the dQ conversion (the dQ kernel in deterministic mode).
     The call is checked and planned (the kernels compiled), nothing is launched."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     return _kernels(_attention_backward_plan(
         _cupy_module(), (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks),
         options, deterministic, mask_mod, score_mod, block_mask, bias, bias_requires_grad)[0])
@@ -547,7 +551,7 @@ def backward_kernels(dout, q, k, v, out, lse, *, causal=False, softmax_scale=Non
 def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
                   deterministic=False, mask_mod=None, score_mod=None, bias=None,
-                  bias_requires_grad=True, block_mask=None):
+                  bias_requires_grad=True, block_mask=None, precision=None):
     """`(out, vjp)` like `jax.vjp`: runs the forward and returns `vjp(dout) -> (dq, dk, dv)`
     (with sinks `(dq, dk, dv, dsinks)`, with a bias and bias_requires_grad dbias last), which
     keeps the forward's lse (and out) internally. `mask_mod` / `score_mod` / `bias` as in
@@ -571,7 +575,7 @@ def attention_vjp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
         seed = int.from_bytes(os.urandom(8), "little")
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
-                  seed=seed, offset=offset)
+                  seed=seed, offset=offset, precision=precision)
     if mask_mod is not None or score_mod is not None:
         kwargs.update(mask_mod=mask_mod, score_mod=score_mod)
     if block_mask is not None:
@@ -652,7 +656,7 @@ def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_s
                                  sinks=None, dropout_p=0.0, seed=None, offset=0,
                                  deterministic=False, dqkv=None, dsinks=None, mask_mod=None,
                                  score_mod=None, bias=None, bias_requires_grad=True,
-                                 block_mask=None):
+                                 block_mask=None, precision=None):
     """Gradient of `attention_qkvpacked`: dqkv shaped like qkv (written into `dqkv` if given);
     with sinks `(dqkv, dsinks)`; `mask_mod`, `score_mod`, `block_mask`, `bias` and
     `bias_requires_grad` as attention_backward's (dbias last)."""
@@ -660,7 +664,7 @@ def attention_qkvpacked_backward(dout, qkv, out, lse, *, causal=False, softmax_s
     _prepare.require_cupy_arrays({"qkv": qkv})
     dqkv = _packed_gradient("dqkv", dqkv, qkv)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     plan, inputs, accum = _modified_backward_plan(
         "attention_qkvpacked_backward", _QKVPACKED_BACKWARD, cupy,
         (dout, qkv, out, lse, dqkv, alibi_slopes, sinks, dsinks), lambda: _unpack("qkv", qkv, 3),
@@ -676,7 +680,7 @@ def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_
                                 sinks=None, dropout_p=0.0, seed=None, offset=0,
                                 deterministic=False, dq=None, dkv=None, dsinks=None,
                                 mask_mod=None, score_mod=None, bias=None,
-                                bias_requires_grad=True, block_mask=None):
+                                bias_requires_grad=True, block_mask=None, precision=None):
     """Gradient of `attention_kvpacked`: (dq, dkv), dkv shaped like kv; with sinks
     `(dq, dkv, dsinks)`; `mask_mod`, `score_mod`, `block_mask`, `bias` and
     `bias_requires_grad` as attention_backward's (dbias last)."""
@@ -684,7 +688,7 @@ def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_
     _prepare.require_cupy_arrays({"kv": kv})
     dkv = _packed_gradient("dkv", dkv, kv)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     plan, inputs, accum = _modified_backward_plan(
         "attention_kvpacked_backward", _KVPACKED_BACKWARD, cupy,
         (dout, q, kv, out, lse, dq, dkv, alibi_slopes, sinks, dsinks),
@@ -787,14 +791,15 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                               dropout_p=0.0, seed=None, offset=0, deterministic=False, dq=None,
                               dk=None, dv=None, dsinks=None, check_cu_seqlens=True,
-                              mask_mod=None, score_mod=None, bias=None, bias_requires_grad=True):
+                              mask_mod=None, score_mod=None, bias=None, bias_requires_grad=True,
+                              precision=None):
     """Gradients (dq, dk, dv), packed like q, k, v, of `attention_varlen` (same arguments) for
     the output gradient dout (total_q, nheads, headdim), from its out and lse (nheads, total_q).
     As `attention_backward` otherwise (with sinks: (dq, dk, dv, dsinks)); `mask_mod` /
     `score_mod` as in `attention_backward` (b the sequence's index); `bias` as in
     `attention_varlen`, dbias as in `attention_backward` (0 outside each sequence's lengths)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     inputs = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dsinks, cu_seqlens_q,
               cu_seqlens_k)
     cupy = _cupy or _cupy_module()

@@ -786,7 +786,8 @@ def _backward(dout, q, k, v, out, lse, options, compute_dtype, dropout_mask,
         # is 0 for them.
         dropped = probs if keep is None else probs * keep
         dv = xp.matmul(dropped.swapaxes(-1, -2), dout_part)
-        dprobs = prec.round(xp.matmul(dout_part, v_part.swapaxes(-1, -2)))
+        # dP is an accumulator like the scores (not rounded at TF32: no product takes it).
+        dprobs = prec.round_scores(xp.matmul(dout_part, v_part.swapaxes(-1, -2)))
         if keep is not None:
             dprobs = dprobs * keep  # gradient w.r.t. P (not P * Z)
         # Softmax backward: dS = P * (dP - rowsum(P * dP)); rowsum(P * dP) = rowsum(dO * O),

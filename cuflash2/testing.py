@@ -198,7 +198,7 @@ def check_forward(q, k, v, out, lse=None, *, atol=None, precision=None, **option
 
 
 def check_backward(dout, q, k, v, dq, dk, dv, *optional, atol=None, dsinks=None,
-                   dsinks_atol=None, dbias=None, dbias_atol=None, **options):
+                   dsinks_atol=None, dbias=None, dbias_atol=None, precision=None, **options):
     """Check an implementation's gradients against the reference backward.
 
     options go to ``reference.attention_backward`` as they are (those of check_forward, and
@@ -208,23 +208,24 @@ def check_backward(dout, q, k, v, dq, dk, dv, *optional, atol=None, dsinks=None,
     rule, with the absolute slack of ``dsinks_tolerance`` unless ``dsinks_atol`` is given;
     ``dbias`` (shaped like bias) with ``bias`` (unless bias_requires_grad=False), with the slack
     ``dbias_atol`` (default: the larger default_atol of q's and bias's dtypes); ``atol`` is dq's,
-    dk's and dv's.
+    dk's and dv's. `precision`: that of float32 inputs, as check_forward's (_references).
     Returns a list of CheckResult for "dq", "dk", "dv" (then "dsinks", "dbias").
     """
     dsinks, dbias = _optional_gradients(optional, dsinks, dbias, options)
     return _check_gradients(
         reference.attention_backward, reference.attention, (dout, q, k, v, None, None), (q, k, v),
-        (dq, dk, dv), dsinks, atol, dsinks_atol, options, dbias, dbias_atol,
+        (dq, dk, dv), dsinks, atol, dsinks_atol, options, dbias, dbias_atol, precision,
     )
 
 
 def check_varlen_backward(dout, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, *, atol=None, dsinks=None, dsinks_atol=None, dbias=None,
-                          dbias_atol=None, **options):
+                          dbias_atol=None, precision=None, **options):
     """check_backward for the gradients of ``attention_varlen`` (packed like q, k, v), against
     the reference varlen backward with the same cu_seqlens, maxima and options. With ``sinks``
     in options, ``dsinks=``, and with ``bias``, ``dbias=`` (keywords here: the positional
-    arguments after dv are the cu_seqlens) are required and checked as in check_backward.
+    arguments after dv are the cu_seqlens) are required and checked as in check_backward, as is
+    `precision`.
 
     Returns a list of CheckResult for "dq", "dk", "dv" (then "dsinks", "dbias").
     """
@@ -232,7 +233,7 @@ def check_varlen_backward(dout, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
     return _check_gradients(
         reference.attention_varlen_backward, reference.attention_varlen,
         (dout, q, k, v, None, None, *varlen), (q, k, v, *varlen), (dq, dk, dv), dsinks, atol,
-        dsinks_atol, options, dbias, dbias_atol,
+        dsinks_atol, options, dbias, dbias_atol, precision,
     )
 
 
@@ -297,9 +298,10 @@ def dsinks_tolerance(dtype, dout, out, lse, sinks):
 
 
 def _check_gradients(reference_backward, reference_forward, args, forward_args, grads, dsinks,
-                     atol, dsinks_atol, options, dbias=None, dbias_atol=None):
+                     atol, dsinks_atol, options, dbias=None, dbias_atol=None, precision=None):
     """The 2x rule for dq, dk, dv (and dsinks with sinks, dbias with bias): `reference_backward(
-    *args, **options)` in fp32 and in the input dtype (that of args[1], q); `reference_forward(
+    *args, **options)` in fp32 and in the input dtype (that of args[1], q; float32 inputs:
+    float64 and float32 or TF32 at `precision`, _references); `reference_forward(
     *forward_args, **options)` gives the out and lse of dsinks' slack."""
     sinks = options.get("sinks")
     if sinks is None and dsinks is not None:
@@ -321,8 +323,9 @@ def _check_gradients(reference_backward, reference_forward, args, forward_args, 
         # rounded to the bias's 16-bit dtype; the low-precision reference's is, like an
         # implementation's.
         hi_options = dict(options, bias=bias.astype(numpy.float32))
-    refs_hi = reference_backward(*args, compute_dtype=numpy.float32, **hi_options)
-    refs_lo = reference_backward(*args, compute_dtype=q.dtype, **options)
+    hi, lo = _references(q, precision)
+    refs_hi = reference_backward(*args, compute_dtype=hi, **hi_options)
+    refs_lo = reference_backward(*args, compute_dtype=lo, **options)
     results = [
         check_close(name, got, ref_hi, ref_lo, atol)
         for name, got, ref_hi, ref_lo in zip(("dq", "dk", "dv"), grads, refs_hi, refs_lo)

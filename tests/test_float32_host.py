@@ -2,6 +2,8 @@
 word strides of their parameters, and the reference's TF32 precision (tests/gpu/test_float32.py
 runs the kernels)."""
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -107,3 +109,205 @@ def test_reference_tf32_precision_sits_between_float16_and_float32():
     assert reference.attention(q, k, v, compute_dtype="tf32").dtype == np.float32
     assert errors["float32"] < 1e-5 < errors["tf32"] < 3e-3
     assert errors["tf32"] < 2 * errors["float16"]
+
+
+# --------------------------------------------------------------------------------------------
+# The backward
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+@pytest.mark.parametrize("element", list(_configs.FLOAT32_TAGS))
+@pytest.mark.parametrize("head_dim", range(8, 257, 8))
+def test_float32_backward_tiles_fit_and_stay_on_mma_sync(element, head_dim, arch):
+    """FLOAT32_BWD_TILES' choice: a warp grid for every phase, the accumulators within the
+    float32 budget, one CTA's shared memory (4 bytes an element of K, V, Q, dO, P and dS) on
+    the SM; none on the 100 KiB parts above d=192 (NotImplementedError naming the head dim);
+    the Hopper backward never (a 16-bit kernel)."""
+    smem = _dispatch.SMEM_PER_SM_KIB[arch] * 1024
+    if smem < 160 * 1024 and head_dim > 192:
+        with pytest.raises(NotImplementedError, match=rf"float32 backward at head dim "
+                                                      rf"{head_dim}: no tile fits .* sm_{arch}"):
+            _dispatch.bwd_config(element, head_dim, arch)
+        return
+    config = _dispatch.bwd_config(element, head_dim, arch)
+    assert config.dtype == element and config.head_dim >= head_dim and config.compute_dq
+    assert config.valid and _configs.BWD_ROW_PADDING % config.block_m == 0
+    assert config.accumulator_registers <= _dispatch.FLOAT32_BWD_MAX_ACCUMULATORS
+    assert config.block_n % 32 == 0  # the P tile's rows are whole 128-byte panels
+    assert config.smem_bytes + 1024 <= smem
+    stage = 4 * config.block_m * config.head_dim * 2 + 8 * config.block_m
+    assert config.smem_bytes == (8 * config.block_n * config.head_dim + config.q_stages * stage
+                                 + 8 * config.block_m * config.block_n)
+    assert config in _dispatch.all_bwd_configs(arch, elements=(element,))
+    problem = _prepare.with_kernel_element(
+        _problem(head_dim=head_dim),
+        AttentionOptions(precision="tf32" if element == "tf32" else None))
+    assert _dispatch.hopper_backward_config(problem, 0, arch) is None
+
+
+def test_float32_backward_names_its_element_and_words():
+    config = _dispatch.bwd_config("tf32", 64, 90)
+    assert config.name_expression.startswith("flash_bwd_kernel<tf32_tag, 64, 64, ")
+    assert config.probes.count(f", {config.q_stages}, 2>::") == 2  # BwdTraits' WORDS
+    plain = _dispatch.bwd_config("float16", 64, 90)
+    assert f", {plain.q_stages}>::" in plain.probes  # 16-bit: WORDS left at its default
+    aux = _configs.AuxKernel("float32", "flash_bwd_convert_dq_kernel")
+    assert aux.name_expression == "flash_bwd_convert_dq_kernel<f32x3_tag, false>"
+    assert {a.dtype for a in _configs.aux_kernels(("float32",))} == {"float32"}
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+@pytest.mark.parametrize("element", list(_configs.FLOAT32_TAGS))
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_float32_deterministic_backward_tiles(element, head_dim, arch):
+    """Deterministic mode: the main kernel's tile without its dQ, and the dQ kernel's
+    (FLOAT32_BWD_DQ_TILES) within the SM's shared memory; none above d=128 on the 100 KiB
+    parts (NotImplementedError naming deterministic=True)."""
+    smem = _dispatch.SMEM_PER_SM_KIB[arch] * 1024
+    if smem < 160 * 1024 and head_dim > 128:
+        with pytest.raises(NotImplementedError, match=rf"deterministic=True: float32 backward "
+                                                      rf"at head dim {head_dim}"):
+            _dispatch.bwd_dq_config(element, head_dim, arch)
+        return
+    main = _dispatch.bwd_config(element, head_dim, arch, deterministic=True)
+    assert not main.compute_dq
+    assert main == dataclasses.replace(_dispatch.bwd_config(element, head_dim, arch),
+                                       compute_dq=False)
+    dq = _dispatch.bwd_dq_config(element, head_dim, arch)
+    assert dq.dtype == element and dq.head_dim == head_dim and dq.block_n in (16, 32)
+    assert dq.smem_bytes == 4 * head_dim * (2 * dq.block_m + 2 * dq.kv_stages * dq.block_n)
+    assert dq.smem_bytes + 1024 <= smem
+    assert {main, dq} <= set(_dispatch.all_bwd_configs(arch, elements=(element,)))
+    assert dq.name_expression.startswith(f"flash_bwd_dq_kernel<{_configs.ELEMENT_TAGS[element]}")
+
+
+def test_reference_tf32_backward_sits_between_float16_and_float32():
+    """compute_dtype "tf32": the inputs, P and dS rounded to TF32 (the products' operands),
+    dP and the gradients not; its error against float64 between float32's and float16's."""
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal((1, 150, 2, 64), dtype=np.float32) for _ in range(4))
+    exact = reference.attention_backward(dout, q, k, v, None, None, causal=True,
+                                         compute_dtype=np.float64)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        errors = {}
+        for dtype in (np.float32, "tf32", np.float16):
+            got = reference.attention_backward(dout, q, k, v, None, None, causal=True,
+                                               compute_dtype=dtype)[i]
+            errors[str(dtype)] = np.abs(got.astype(np.float64) - exact[i]).max()
+            if dtype == "tf32":
+                assert got.dtype == np.float32
+                # not rounded to TF32 on the way out
+                assert (got.view(np.uint32) & 0x1FFF).any()
+        scale = np.abs(exact[i]).max()
+        assert errors[str(np.float32)] < 1e-5 * scale, name
+        assert 1e-5 * scale < errors["tf32"] < errors[str(np.float16)], name
+
+
+def test_check_backward_takes_the_precision_of_float32_inputs():
+    """testing.check_backward's rule for float32 inputs: ref_hi float64, ref_lo float32 or
+    the TF32 roundings; the TF32 reference's own gradients pass at precision tf32 and fail
+    at highest (its error is well above float32's)."""
+    from cuflash2 import testing
+
+    rng = np.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal((1, 90, 2, 32), dtype=np.float32) for _ in range(4))
+    grads = reference.attention_backward(dout, q, k, v, None, None, compute_dtype="tf32")
+    assert all(r.ok for r in testing.check_backward(dout, q, k, v, *grads, precision="tf32"))
+    assert not all(r.ok for r in testing.check_backward(dout, q, k, v, *grads))
+
+
+# The backward's plan on the host stand-in (test_plans_host): kernels and parameters.
+
+from test_plans_host import api_host, device_array, launches  # noqa: E402,F401  (fixtures)
+
+
+def _float32_backward(api_host, arch, precision=None, **options):
+    import cuflash2
+
+    api_host.set_arch(arch)
+    q = device_array((2, 100, 4, 96), np.float32)
+    k = device_array((2, 120, 2, 96), np.float32)
+    dout, out = device_array(q.shape, np.float32), device_array(q.shape, np.float32)
+    lse = device_array((2, 4, 100), np.float32)
+    del api_host.launches[:]
+    grads = cuflash2.attention_backward(dout, q, k, k, out, lse, precision=precision, **options)
+    return grads, list(api_host.launches)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("precision,element", [(None, "float32"), ("tf32", "tf32")])
+def test_float32_backward_plan_counts_words(api_host, arch, precision, element):
+    """The mma.sync backward (on sm_90 too) at the precision's element; the small kernels on
+    float32; strides and head dim in 16-bit words, the dQ accumulator's row in elements;
+    float32 gradients shaped like q, k, v; the conversion's grid over 16-byte chunks."""
+    grads, launched = _float32_backward(api_host, arch, precision, causal=True)
+    assert [g.dtype for g in grads] == [np.float32] * 3
+    assert [g.shape for g in grads] == [(2, 100, 4, 96), (2, 120, 2, 96), (2, 120, 2, 96)]
+    pre, main, convert = (launch for launch, _, _ in launched)
+    assert (pre.config.kernel, pre.config.dtype) == ("flash_bwd_preprocess_kernel", "float32")
+    assert (convert.config.kernel, convert.config.dtype) == ("flash_bwd_convert_dq_kernel",
+                                                             "float32")
+    assert type(main.config) is _configs.BwdConfig and main.config.dtype == element
+    assert main.config == _dispatch.bwd_config(element, 96, arch)
+    record = launched[1][2]
+    assert record["head_dim"] == 192 and record["accum_dim"] == main.config.head_dim
+    assert (record["q_row_stride"], record["q_head_stride"], record["q_batch_stride"]) == (
+        2 * 4 * 96, 2 * 96, 2 * 100 * 4 * 96)
+    assert (record["k_row_stride"], record["dk_row_stride"], record["do_row_stride"],
+            record["dq_row_stride"]) == (2 * 2 * 96, 2 * 2 * 96, 2 * 4 * 96, 2 * 4 * 96)
+    chunks = 100 * (2 * 96 // 8)
+    assert convert.grid[0] == -(-chunks // convert.config.threads)
+
+
+@pytest.mark.parametrize("precision,element", [(None, "float32"), ("high", "tf32")])
+def test_float32_deterministic_backward_plan(api_host, precision, element):
+    """deterministic=True: the preprocess, the main kernel without dQ (no dQ accumulator), the
+    deterministic dQ kernel at the precision's element over 64-row blocks."""
+    grads, launched = _float32_backward(api_host, 90, precision, deterministic=True)
+    assert [g.dtype for g in grads] == [np.float32] * 3
+    pre, main, dq = (launch for launch, _, _ in launched)
+    assert pre.config.dtype == "float32"
+    assert main.config.dtype == element and not main.config.compute_dq
+    assert type(dq.config) is _configs.BwdDqConfig and dq.config.dtype == element
+    assert dq.grid == (-(-100 // dq.config.block_m), 4, 2)
+    assert launched[2][2]["dq_accum"] == 0 and launched[2][2]["head_dim"] == 192
+
+
+def test_float32_backward_refusals_name_the_argument(api_host):
+    with pytest.raises(NotImplementedError, match=r"deterministic=True: float32 backward at "
+                                                  r"head dim 160"):
+        import cuflash2
+
+        api_host.set_arch(89)
+        q = device_array((1, 10, 1, 160), np.float32)
+        cuflash2.attention_backward(q, q, q, q, q, device_array((1, 1, 10), np.float32),
+                                    deterministic=True)
+    with pytest.raises(ValueError, match=r"precision must be one of"):
+        _float32_backward(api_host, 80, precision="fp32")
+    with pytest.raises(NotImplementedError, match=r"float32 backward at head dim 256"):
+        import cuflash2
+
+        api_host.set_arch(86)
+        q = device_array((1, 10, 1, 256), np.float32)
+        lse = device_array((1, 1, 10), np.float32)
+        cuflash2.attention_backward(q, q, q, q, q, lse)
+
+
+def test_float32_varlen_and_packed_backwards(api_host):
+    import cuflash2
+
+    cu = device_array((4,), np.int32)  # three sequences
+    q, k = device_array((200, 4, 64), np.float32), device_array((240, 2, 64), np.float32)
+    lse = device_array((4, 200), np.float32)
+    grads = cuflash2.attention_varlen_backward(q, q, k, k, q, lse, cu, cu, 100, 120,
+                                               precision="high", check_cu_seqlens=False)
+    assert [g.dtype for g in grads] == [np.float32] * 3
+    main = [launch.config for launch, _, _ in api_host.launches[-3:]][1]
+    assert main.dtype == "tf32" and main.features & _configs.FEATURE_VARLEN
+    qkv, dout = device_array((2, 50, 3, 2, 64), np.float32), device_array((2, 50, 2, 64),
+                                                                          np.float32)
+    dqkv = cuflash2.attention_qkvpacked_backward(dout, qkv, dout, device_array(
+        (2, 2, 50), np.float32))
+    assert dqkv.shape == qkv.shape and dqkv.dtype == np.float32
+    record = api_host.launches[-2][2]
+    assert record["q_row_stride"] == 2 * 3 * 2 * 64 and record["head_dim"] == 128

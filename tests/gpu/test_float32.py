@@ -1,4 +1,5 @@
-"""GPU tests of float32 inputs (cuflash2.attention at precision "highest" and "tf32").
+"""GPU tests of float32 inputs (cuflash2.attention and its backward at precision "highest" and
+"tf32").
 
 The rule is the 2x rule with the float64 reference as ref_hi: ref_lo is the reference computed
 the plain way in float32 (precision "highest") or with the TF32 roundings of the tensor-core
@@ -159,8 +160,6 @@ def test_highest_is_float32_accurate_and_tf32_is_not():
 
 def test_what_float32_does_not_take_yet():
     q, k, v = _qkv(1, 16, 16, 1, 1, 64)
-    with pytest.raises(NotImplementedError, match="attention_backward: float32"):
-        cuflash2.attention_backward(q, q, k, v, q, cupy.zeros((1, 1, 16), numpy.float32))
     with pytest.raises(NotImplementedError, match="mask_mod, score_mod, bias"):
         cuflash2.attention(q, k, v, mask_mod=cuflash2.mask_mod("kv_idx <= q_idx"))
     with pytest.raises(NotImplementedError, match="attention_with_kvcache: float32"):
@@ -169,3 +168,168 @@ def test_what_float32_does_not_take_yet():
         cuflash2.attention(q.astype(numpy.float16), k.astype(numpy.float16),
                            v.astype(numpy.float16), precision="tf32")
     assert math.isfinite(float(cuflash2.attention(q, k, v, precision="high").sum()))
+
+
+# --------------------------------------------------------------------------------------------
+# The backward (attention_backward, the packed and varlen backwards, attention_vjp): gradients
+# by the 2x rule with float64 as ref_hi (testing.check_backward's `precision`). The absolute
+# slack is 1e-5 of the largest gradient (at least 1e-5): ~170 float32 ulps, which a 3xTF32
+# product's split (2^-22 of each operand) and the atomic dQ sums' order stay within, and two
+# orders below a TF32 rounding (so "highest" is checked at float32 level).
+
+
+def _grad_atol(grads):
+    return 1e-5 * max([1.0] + [float(cupy.abs(g).max()) for g in grads if g.size])
+
+
+def _dout(q, seed_extra=""):
+    rng = numpy.random.default_rng(_seed(*q.shape, "dout" + seed_extra))
+    return cupy.asarray(rng.standard_normal(q.shape, dtype=numpy.float32))
+
+
+def _check_backward(q, k, v, precision, poisoned=True, **options):
+    """Forward, then backward into NaN-poisoned given gradients (or allocated ones), checked
+    against the reference."""
+    out, lse = cuflash2.attention(q, k, v, precision=precision, return_lse=True, **options)
+    dout = _dout(q)
+    given = {}
+    if poisoned:
+        given = {name: testing.poison_like(cupy, x.shape, numpy.float32)
+                 for name, x in (("dq", q), ("dk", k), ("dv", v))}
+        if options.get("sinks") is not None:
+            given["dsinks"] = testing.poison_like(cupy, options["sinks"].shape, numpy.float32)
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, precision=precision,
+                                        **given, **options)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), grads):
+        assert g.dtype == numpy.float32
+        if name in given:
+            assert g is given[name]
+    results = testing.check_backward(dout, q, k, v, *grads, atol=_grad_atol(grads[:3]),
+                                     precision=precision, **options)
+    print("; ".join(map(str, results)))
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_backward_head_dims(precision, headdim, causal):
+    """Every kernel head dim (where a tile fits the GPU: NotImplementedError above d=192 on
+    the 100 KiB parts), with GQA and odd lengths, seqlen_q != seqlen_k."""
+    q, k, v = _qkv(2, 97, 203, 4, 2, headdim, "bwd")
+    if headdim > 192 and int(cupy.cuda.Device().compute_capability) in (86, 89):
+        with pytest.raises(NotImplementedError, match="float32 backward at head dim"):
+            _check_backward(q, k, v, precision, causal=causal)
+        return
+    _check_backward(q, k, v, precision, causal=causal)
+
+
+@pytest.mark.parametrize("seqlens", [(1, 1), (1, 300), (300, 1), (128, 128), (255, 513),
+                                     (700, 400)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_backward_lengths(precision, seqlens):
+    q, k, v = _qkv(1, *seqlens, 2, 1, 64, "bwd")
+    _check_backward(q, k, v, precision, causal=True)
+    _check_backward(q, k, v, precision, poisoned=False)
+
+
+@pytest.mark.parametrize("headdim", [40, 72, 136])
+def test_backward_odd_head_dims(headdim):
+    q, k, v = _qkv(1, 77, 91, 2, 1, headdim, "bwd")
+    _check_backward(q, k, v, "highest", causal=True)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_backward_features(precision):
+    """Window, softcap, ALiBi and sinks (dsinks), each and together."""
+    q, k, v = _qkv(2, 150, 260, 4, 2, 64, "bwd")
+    slopes = cupy.asarray(numpy.linspace(0.05, 0.5, 4, dtype=numpy.float32))
+    sinks = cupy.asarray(numpy.linspace(-1.0, 2.0, 4, dtype=numpy.float32))
+    for options in ({"window_size": (40, 10)}, {"softcap": 5.0}, {"alibi_slopes": slopes},
+                    {"sinks": sinks},
+                    {"causal": True, "window_size": (64, 0), "softcap": 3.0,
+                     "alibi_slopes": slopes, "sinks": sinks}):
+        _check_backward(q, k, v, precision, **options)
+
+
+def test_backward_dropout_matches_its_mask():
+    q, k, v = _qkv(1, 130, 190, 2, 2, 64, "bwd")
+    mask = cuflash2.dropout_mask(1, 2, 130, 190, 0.2, 7)
+    out, lse = cuflash2.attention(q, k, v, dropout_p=0.2, seed=7, return_lse=True)
+    dout = _dout(q)
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, dropout_p=0.2, seed=7)
+    results = testing.check_backward(dout, q, k, v, *grads, atol=_grad_atol(grads),
+                                     dropout_p=0.2, dropout_mask=mask, precision="highest")
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_backward_varlen_packed_and_vjp(precision):
+    lengths = [1, 70, 129, 33]
+    cu = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)
+    total = int(cu[-1])
+    q, k, v = (x[0] for x in _qkv(1, total, total, 4, 2, 64, "bwd-varlen"))
+    cu_d = cupy.asarray(cu)
+    out, lse = cuflash2.attention_varlen(q, k, v, cu_d, cu_d, max(lengths), max(lengths),
+                                         causal=True, precision=precision, return_lse=True)
+    dout = _dout(q, "varlen")
+    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, cu_d, cu_d,
+                                               max(lengths), max(lengths), causal=True,
+                                               precision=precision)
+    results = testing.check_varlen_backward(dout, q, k, v, *grads, cu_d, cu_d, max(lengths),
+                                            max(lengths), atol=_grad_atol(grads), causal=True,
+                                            precision=precision)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+    qkv = cupy.stack(_qkv(2, 90, 90, 3, 3, 64, "bwd-packed"), axis=2)
+    out, lse = cuflash2.attention_qkvpacked(qkv, causal=True, precision=precision,
+                                            return_lse=True)
+    dout = _dout(out, "packed")
+    dqkv = cuflash2.attention_qkvpacked_backward(dout, qkv, out, lse, causal=True,
+                                                 precision=precision)
+    grads = [dqkv[:, :, i] for i in range(3)]
+    results = testing.check_backward(dout, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], *grads,
+                                     atol=_grad_atol(grads), causal=True, precision=precision)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+    q, k, v = _qkv(1, 64, 80, 2, 1, 64, "bwd-vjp")
+    out, vjp = cuflash2.attention_vjp(q, k, v, causal=True, precision=precision)
+    dout = _dout(q, "vjp")
+    grads = vjp(dout)
+    results = testing.check_backward(dout, q, k, v, *grads, atol=_grad_atol(grads),
+                                     causal=True, precision=precision)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+def test_backward_highest_is_float32_accurate_and_tf32_is_not():
+    q, k, v = _qkv(1, 256, 256, 2, 2, 128, "bwd-accuracy")
+    dout = _dout(q)
+    ref = cuflash2.reference.attention_backward(dout, q, k, v, None, None,
+                                                compute_dtype=numpy.float64)
+    errors = {}
+    for precision in PRECISIONS:
+        out, lse = cuflash2.attention(q, k, v, precision=precision, return_lse=True)
+        grads = cuflash2.attention_backward(dout, q, k, v, out, lse, precision=precision)
+        errors[precision] = max(float(cupy.abs(g - r).max()) for g, r in zip(grads, ref))
+    print(f"max gradient error against float64: {errors}")
+    assert errors["tf32"] > 30 * errors["highest"]
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_backward_deterministic(precision, headdim):
+    """deterministic=True (the dQ kernel): the same bits on a second run, GQA, causal, odd
+    lengths, checked as the atomic path."""
+    q, k, v = _qkv(2, 157, 211, 4, 2, headdim, "bwd-deterministic")
+    out, lse = cuflash2.attention(q, k, v, causal=True, precision=precision, return_lse=True)
+    dout = _dout(q)
+    first = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                        precision=precision, deterministic=True)
+    again = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                        precision=precision, deterministic=True,
+                                        dq=testing.poison_like(cupy, q.shape, numpy.float32))
+    for a, b in zip(first, again):
+        assert bool((a.view(numpy.uint32) == b.view(numpy.uint32)).all())
+    results = testing.check_backward(dout, q, k, v, *first, atol=_grad_atol(first),
+                                     causal=True, precision=precision)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
