@@ -17,7 +17,10 @@
 // sequences (varlen.cuh), grid z over the sequences. The parameters: BwdParams
 // (kernel_params.cuh), of which this kernel reads dout, out, lse and writes delta, lse_log2 and
 // dq_accum. dO and O are addressed in 16-bit words (head_dim and strides too): with float32
-// elements (Elem::IS_F32) a chunk is 4 floats and a row up to 64 chunks, two a lane.
+// elements (Elem::IS_F32) a chunk is 4 floats and a row up to 64 chunks, two a lane. At TF32
+// (tf32_tag) dO is rounded to TF32 as the main kernel's dP = dO V^T takes it, so that D is the
+// row sum of P o dP of the dO that dP saw: with D from the exact dO, dP - D would keep dO's
+// rounding error where it should cancel (a row that sees one key: dS = 0 exactly).
 template <typename Elem, bool VARLEN>
 __global__ void __launch_bounds__(PREPROCESS_THREADS)
 flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
@@ -52,8 +55,11 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
                     load_16B_global(a, dout_head + row * p.do_row_stride + chunk * 8);
                     load_16B_global(b, out_head + row * p.o_row_stride + chunk * 8);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        partial = fmaf(__uint_as_float(a[i]), __uint_as_float(b[i]), partial);
+                    for (int i = 0; i < 4; ++i) {
+                        const float d_out = __uint_as_float(
+                            Elem::SPLIT ? a[i] : to_tf32(__uint_as_float(a[i])));
+                        partial = fmaf(d_out, __uint_as_float(b[i]), partial);
+                    }
                 }
             }
         } else if (row < seqlen_q && lane * 8 < p.head_dim) {

@@ -314,13 +314,13 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
     # the Hopper kernel's chunk is the whole head dim.
     launches = []
     aux = "base" if hopper or mods.user_mods is not None else ""
-    # The small kernels read and write the arrays' dtype, whatever a float32 call's precision.
+    # The small kernels read and write the arrays' dtype, whatever a float32 call's precision,
+    # but for the preprocess, whose D takes dO as the products do (TF32-rounded at "tf32").
     aux_dtype = "float32" if p.dtype in _configs.FLOAT32_TAGS else p.dtype
     num_kv_blocks = -(-p.seqlen_k // config.block_n)
     if p.batch and p.nheads:
         if max_rows_padded:
-            pre = _configs.AuxKernel(aux_dtype, "flash_bwd_preprocess_kernel",
-                                     varlen is not None)
+            pre = _configs.AuxKernel(p.dtype, "flash_bwd_preprocess_kernel", varlen is not None)
             rows_per_cta = _configs.PREPROCESS_THREADS // 32 * _configs.PREPROCESS_ROWS_PER_WARP
             launches.append((_launch.kernel_launch(
                 pre, device_id, (-(-max_rows_padded // rows_per_cta), p.nheads, p.batch)), aux))

@@ -748,7 +748,9 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
 class AuxKernel:
     """A small kernel specialised on the dtype only (backward pre- and post-processing)."""
 
-    dtype: str  # "float16", "bfloat16" or "float32" (whatever the float32 call's precision)
+    # "float16", "bfloat16" or "float32" (whatever a float32 call's precision); the preprocess
+    # also "tf32" (its D takes dO rounded as the products do).
+    dtype: str
     #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
     #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only)
     kernel: str
@@ -808,11 +810,12 @@ class DropoutMaskKernel:
 
 
 def aux_kernels(dtypes=tuple(DTYPE_TAGS)) -> list[AuxKernel]:
-    """Every small backward kernel for `dtypes` (("float32",): float32 inputs', whatever their
-    precision)."""
+    """Every small backward kernel for `dtypes` (FLOAT32_TAGS: float32 inputs', the preprocess
+    at each precision, the others' "float32" whatever the precision)."""
     return [AuxKernel(dtype, kernel, varlen) for dtype in dtypes
             for kernel in ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel",
                            "flash_bwd_sinks_kernel")
+            if dtype != "tf32" or kernel == "flash_bwd_preprocess_kernel"
             for varlen in (False, True)]
 
 

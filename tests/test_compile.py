@@ -56,7 +56,7 @@ DECODE_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
                  for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES,
                                                          ("e4m3",))]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-             for cfg in _configs.aux_kernels((*_configs.DTYPE_TAGS, "float32"))]
+             for cfg in _configs.aux_kernels((*_configs.DTYPE_TAGS, *_configs.FLOAT32_TAGS))]
 
 # The default sample, as (arch, dtype, kernel head dim) points of every kernel family (forward;
 # backward main kernel with and without dQ; deterministic dQ; decode):

@@ -153,7 +153,9 @@ def test_float32_backward_names_its_element_and_words():
     assert f", {plain.q_stages}>::" in plain.probes  # 16-bit: WORDS left at its default
     aux = _configs.AuxKernel("float32", "flash_bwd_convert_dq_kernel")
     assert aux.name_expression == "flash_bwd_convert_dq_kernel<f32x3_tag, false>"
-    assert {a.dtype for a in _configs.aux_kernels(("float32",))} == {"float32"}
+    assert {(a.dtype, a.kernel) for a in _configs.aux_kernels(tuple(_configs.FLOAT32_TAGS))} == {
+        ("float32", "flash_bwd_preprocess_kernel"), ("float32", "flash_bwd_convert_dq_kernel"),
+        ("float32", "flash_bwd_sinks_kernel"), ("tf32", "flash_bwd_preprocess_kernel")}
 
 
 @pytest.mark.parametrize("arch", [80, 86, 89, 90])
@@ -237,14 +239,14 @@ def _float32_backward(api_host, arch, precision=None, **options):
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("precision,element", [(None, "float32"), ("tf32", "tf32")])
 def test_float32_backward_plan_counts_words(api_host, arch, precision, element):
-    """The mma.sync backward (on sm_90 too) at the precision's element; the small kernels on
-    float32; strides and head dim in 16-bit words, the dQ accumulator's row in elements;
+    """The mma.sync backward (on sm_90 too) and the preprocess at the precision's element; the
+    dQ conversion on float32; strides and head dim in 16-bit words, the dQ accumulator's row in elements;
     float32 gradients shaped like q, k, v; the conversion's grid over 16-byte chunks."""
     grads, launched = _float32_backward(api_host, arch, precision, causal=True)
     assert [g.dtype for g in grads] == [np.float32] * 3
     assert [g.shape for g in grads] == [(2, 100, 4, 96), (2, 120, 2, 96), (2, 120, 2, 96)]
     pre, main, convert = (launch for launch, _, _ in launched)
-    assert (pre.config.kernel, pre.config.dtype) == ("flash_bwd_preprocess_kernel", "float32")
+    assert (pre.config.kernel, pre.config.dtype) == ("flash_bwd_preprocess_kernel", element)
     assert (convert.config.kernel, convert.config.dtype) == ("flash_bwd_convert_dq_kernel",
                                                              "float32")
     assert type(main.config) is _configs.BwdConfig and main.config.dtype == element
@@ -266,7 +268,7 @@ def test_float32_deterministic_backward_plan(api_host, precision, element):
     grads, launched = _float32_backward(api_host, 90, precision, deterministic=True)
     assert [g.dtype for g in grads] == [np.float32] * 3
     pre, main, dq = (launch for launch, _, _ in launched)
-    assert pre.config.dtype == "float32"
+    assert pre.config.dtype == element
     assert main.config.dtype == element and not main.config.compute_dq
     assert type(dq.config) is _configs.BwdDqConfig and dq.config.dtype == element
     assert dq.grid == (-(-100 // dq.config.block_m), 4, 2)
