@@ -11,38 +11,44 @@
 //                  permuted alike in A and B (k column t is tile row 8s + 2t, t + 4 is 8s + 2t + 1;
 //                  the sum over k is the same), a pattern the 128-byte swizzle keeps free of bank
 //                  conflicts.
-//   A B (dQ):      A (dS rows) by ldmatrix.x4 in the natural k order (keys 8s + t, 8s + t + 4),
-//                  B (K [key][column]) by 32-bit loads of rows t and t + 4 (F32KeyHalvesCursor).
-//                  Rows t and t ^ 1 share the swizzle's pair of chunk positions, so these loads
-//                  are two-way bank conflicted (storing dS with its keys permuted would avoid it).
+//   A B (dQ):      A (dS rows) by ldmatrix.x4, B (K [key][column]) by 32-bit loads. ldmatrix
+//                  gives A's columns t, t + 4 from tile columns t, t + 4, which would make B's
+//                  rows t and t + 4: rows t and t ^ 1 share the swizzle's pair of chunk
+//                  positions, a two-way bank conflict. So dS is stored with the keys of each 8
+//                  permuted (store_permuted_keys_f32: key 2t at column t, 2t + 1 at t + 4):
+//                  A's columns t, t + 4 are then keys 2t, 2t + 1, and K's rows 2t + j are read
+//                  conflict-free (F32KeyPairCursor). dK's A^T operand reads dS in that order
+//                  (F32PermutedKeysCursor).
 // Each fragment is split into its TF32 parts once (Tf32Parts) and reused like the 16-bit one.
 #pragma once
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "tf32_primitives.cuh"
 
-// Addresses of B fragments (k t + 4j, n g) of a swizzled [k][n] float32 tile read by 32-bit
-// shared loads: lane (g, t) reads element (row 8 * row_block8 + t + 4j, column 8 * col_block8 + g),
-// j = 0, 1. As F32KeyPairCursor, everything lane-dependent is folded into two registers a j.
+// F32KeyPairCursor for a tile whose columns hold the keys of each 8 permuted (the dS tile,
+// store_permuted_keys_f32: key 2u at column u, key 2u + 1 at column u + 4): lane (g, t) reads
+// (row 8 * row_block8 + 2t + j, key 8 * col_block8 + g), at column g / 2 + 4 * (g % 2) of the
+// block. Each load still reads rows 2t + j and all eight columns of a block: conflict-free.
 template <class Tile>
-struct F32KeyHalvesCursor {
+struct F32PermutedKeysCursor {
     static_assert(Tile::PANEL_CHUNKS == 8, "float32 tiles are 128-byte panels");
-    u32 row_base[2];   // tile base + row (t + 4j) * ROW_BYTES + 4 * (g % 4)
-    u32 chunk_xor[2];  // ((g / 4) ^ key(t + 4j)) << 4
+    u32 row_base[2];   // tile base + row (2t + j) * ROW_BYTES + 4 * (column % 4)
+    u32 chunk_xor[2];  // ((column / 4) ^ key(2t + j)) << 4
 
-    CF2_DEVICE F32KeyHalvesCursor(u32 tile_base, int lane) {
+    CF2_DEVICE F32PermutedKeysCursor(u32 tile_base, int lane) {
         const int t = lane % 4, g = lane / 4;
+        const int column = g / 2 + 4 * (g % 2);  // of key g
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const int row = t + 4 * j;
-            row_base[j] = tile_base + row * Tile::ROW_BYTES + 4 * (g % 4);
-            chunk_xor[j] = static_cast<u32>((g / 4) ^ Tile::swizzle_key(row)) << 4;
+            const int row = 2 * t + j;
+            row_base[j] = tile_base + row * Tile::ROW_BYTES + 4 * (column % 4);
+            chunk_xor[j] = static_cast<u32>((column / 4) ^ Tile::swizzle_key(row)) << 4;
         }
     }
 
-    // Element (8 * row_block8 + t + 4j, 8 * col_block8 + g).
+    // Row 8 * row_block8 + 2t + j, key 8 * col_block8 + g.
     CF2_DEVICE u32 at(int row_block8, int col_block8, int j) const {
-        const int chunk0 = 2 * col_block8;  // the block's 8 floats are chunks chunk0, chunk0 + 1
+        const int chunk0 = 2 * col_block8;
         return row_base[j] + (chunk0 / Tile::PANEL_CHUNKS) * Tile::PANEL_BYTES +
                row_block8 * 8 * Tile::ROW_BYTES +
                ((static_cast<u32>(chunk0 % Tile::PANEL_CHUNKS) << 4) ^ chunk_xor[j]);
@@ -79,11 +85,11 @@ CF2_DEVICE void gemm_a_bt_f32(float (&acc)[MT][NT][4], const LdmatrixCursor<ATil
 
 // acc += A^T B, A [k][m] and B [k][n] row-major (dV += P^T dO, dK += dS^T Q) over K_STEPS k8
 // steps of 8 rows: both fragments by 32-bit loads in the permuted k order (F32KeyPairCursor: j
-// picks row 2t or 2t + 1, A's k columns t and t + 4). The warp's m and n slices start at column
-// blocks of 8 m_block0 and n_block0.
-template <typename Elem, int MT, int NT, int K_STEPS, class ATile, class BTile>
-CF2_DEVICE void gemm_at_b_f32(float (&acc)[MT][NT][4], const F32KeyPairCursor<ATile>& a,
-                              int m_block0, const F32KeyPairCursor<BTile>& b, int n_block0) {
+// picks row 2t or 2t + 1, A's k columns t and t + 4; A's cursor an F32PermutedKeysCursor for
+// dS). The warp's m and n slices start at column blocks of 8 m_block0 and n_block0.
+template <typename Elem, int MT, int NT, int K_STEPS, class ACursor, class BTile>
+CF2_DEVICE void gemm_at_b_f32(float (&acc)[MT][NT][4], const ACursor& a, int m_block0,
+                              const F32KeyPairCursor<BTile>& b, int n_block0) {
     static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
 #pragma unroll 2
     for (int ks = 0; ks < K_STEPS; ++ks) {
@@ -116,11 +122,12 @@ CF2_DEVICE void gemm_at_b_f32(float (&acc)[MT][NT][4], const F32KeyPairCursor<AT
 }
 
 // acc += A B, A [m][k] and B [k][n] row-major (dQ = dS K) over K_STEPS k8 steps: A a rows_cursor
-// at the warp's first row (ldmatrix.x4, keys t and t + 4 of the step), B by 32-bit loads of the
-// same keys (F32KeyHalvesCursor at row 0); the warp's n slice starts at column block n_block0.
+// at the warp's first row over the dS tile of permuted keys (ldmatrix.x4: columns t and t + 4 of
+// the step, keys 2t and 2t + 1), B by 32-bit loads of the same keys (F32KeyPairCursor at row 0);
+// the warp's n slice starts at column block n_block0.
 template <typename Elem, int MT, int NT, int K_STEPS, class ATile, class BTile>
 CF2_DEVICE void gemm_a_b_f32(float (&acc)[MT][NT][4], const LdmatrixCursor<ATile>& a,
-                             const F32KeyHalvesCursor<BTile>& b, int n_block0) {
+                             const F32KeyPairCursor<BTile>& b, int n_block0) {
     static_assert(NT % 2 == 0, "B fragments come in pairs of n8 tiles");
 #pragma unroll 2
     for (int ks = 0; ks < K_STEPS; ++ks) {
@@ -167,5 +174,26 @@ CF2_DEVICE void store_accumulator_f32(u32 tile_smem, const float (&acc)[MT][NT][
                 const int row = row0 + 16 * mt + 8 * half + lane / 4;
                 store_8B_shared(tile_smem + f32_pair_offset<Tile>(row, chunk0 + nt, lane),
                                 acc[mt][nt][2 * half] * scale, acc[mt][nt][2 * half + 1] * scale);
+            }
+}
+
+// store_accumulator_f32 with the keys (columns) of each 8 permuted, for the dS tile (see the
+// top): the pair of keys 8 * (chunk0 + nt) + 2t, + 1 goes to columns t and t + 4 of its block,
+// two 4-byte stores (each warp's store covers 8 rows x one chunk: conflict-free).
+template <class Tile, int MT, int NT>
+CF2_DEVICE void store_permuted_keys_f32(u32 tile_smem, const float (&acc)[MT][NT][4], int row0,
+                                        int chunk0, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + 16 * mt + 8 * half + lane / 4;
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    store_4B_shared(tile_smem + Tile::offset(row, 2 * (chunk0 + nt) + e) +
+                                        4 * (lane % 4),
+                                    __float_as_uint(acc[mt][nt][2 * half + e]));
             }
 }
