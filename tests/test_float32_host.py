@@ -216,6 +216,13 @@ def test_check_backward_takes_the_precision_of_float32_inputs():
     grads = reference.attention_backward(dout, q, k, v, None, None, compute_dtype="tf32")
     assert all(r.ok for r in testing.check_backward(dout, q, k, v, *grads, precision="tf32"))
     assert not all(r.ok for r in testing.check_backward(dout, q, k, v, *grads))
+    cu = np.array([0, 40, 90], np.int32)  # the same rows as two sequences
+    packed = [x[0] for x in (dout, q, k, v)]
+    grads = reference.attention_varlen_backward(*packed, None, None, cu, cu, 50, 50,
+                                                compute_dtype="tf32")
+    args = (*packed, *grads, cu, cu, 50, 50)
+    assert all(r.ok for r in testing.check_varlen_backward(*args, precision="high"))
+    assert not all(r.ok for r in testing.check_varlen_backward(*args))
 
 
 # The backward's plan on the host stand-in (test_plans_host): kernels and parameters.
