@@ -2,6 +2,10 @@
 benchmark run that follows finds them compiled (CuPy compiles one kernel at a time, in-process).
 
     CUPY_CACHE_DIR=/tmp/cc python benchmarks/dev/prewarm_cache.py [--jobs 16] [--features 0 1 2 3 4 7]
+        [--kernels fwd bwd decode float32 ...]
+
+`float32`: float32 inputs' forward and backward kernels (both precisions, every kernel head dim a
+tile fits, the backward's small kernels), which tests/gpu/test_float32.py runs.
 """
 
 import argparse
@@ -21,7 +25,8 @@ def main():
     ap.add_argument("--features", type=int, nargs="+", default=list(_configs.ALL_FEATURES))
     ap.add_argument("--arch", type=int, default=None, help="default: device 0's")
     ap.add_argument("--kernels", nargs="+",
-                    choices=("fwd", "bwd", "decode", "decode-e4m3", "sm90-dev", "det-smoke"),
+                    choices=("fwd", "bwd", "decode", "decode-e4m3", "sm90-dev", "det-smoke",
+                             "float32"),
                     default=["fwd", "bwd", "decode"])
     args = ap.parse_args()
     if args.arch is None:
@@ -35,6 +40,11 @@ def main():
     if "decode-e4m3" in args.kernels:  # the decode kernels of an FP8 e4m3 cache
         decode_features = [f for f in args.features if f in _configs.DECODE_FEATURES]
         configs += _dispatch.all_decode_configs(args.arch, decode_features, ("e4m3",))
+    if "float32" in args.kernels:  # float32 inputs' mma.sync kernels, both precisions
+        elements = tuple(_configs.FLOAT32_TAGS)
+        configs += _dispatch.all_fwd_configs(args.arch, args.features, elements)
+        configs += _dispatch.all_bwd_configs(args.arch, args.features, elements)
+        configs += _configs.aux_kernels(elements)
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
         configs += _dispatch.all_fwd_sm90_configs((0,), persistent=True)
         configs += [dataclasses.replace(c, watchdog=True)  # --schedule plain --watchdog
