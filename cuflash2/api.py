@@ -373,13 +373,13 @@ def _modified_forward_plan(kind, layout, cupy, inputs, qkv, options, mask_mod, s
 def forward_kernels(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
                     offset=0, out=None, mask_mod=None, score_mod=None, block_mask=None,
-                    bias=None) -> list[str]:
+                    bias=None, precision=None) -> list[str]:
     """The kernels `attention(q, k, v, ...)` with these arguments runs on the current device,
     in words: on an H100/H200 the Hopper forward (wgmma, TMA, warp specialisation) where it
     covers the call, the mma.sync forward otherwise. The call is checked and planned (the
     kernels compiled), nothing is launched."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset)
+                               dropout_p, seed, offset, precision=precision)
     return _kernels(_attention_plan(_cupy_module(), q, k, v, out, options, mask_mod, score_mod,
                                     block_mask, bias)[0])
 
@@ -777,12 +777,12 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 def varlen_forward_kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-                           out=None, check_cu_seqlens=True) -> list[str]:
+                           out=None, check_cu_seqlens=True, precision=None) -> list[str]:
     """`forward_kernels` for `attention_varlen` with these arguments: the kernels it runs on the
     current device, in words. The call is checked and planned, nothing is launched."""
     plan = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                         softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
-                        seed, offset, out, check_cu_seqlens)[0]
+                        seed, offset, out, check_cu_seqlens, precision=precision)[0]
     return _kernels(plan)
 
 

@@ -63,7 +63,9 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                     "that cache, CUPY_CACHE_DIR) then starts warm instead of compiling inside "
                     "its first calls.")
     pre.add_argument("--dtype", nargs="+", choices=tuple(precompile.DTYPES),
-                     default=list(precompile.DTYPES), help="input dtypes (default: both)")
+                     default=["fp16", "bf16"],
+                     help="input dtypes (default: fp16 bf16; fp32 is float32 at precision "
+                          "highest, tf32 float32 at precision tf32: the forward only)")
     pre.add_argument("--headdim", nargs="+", type=_positive_int,
                      default=list(precompile.DEFAULT_HEAD_DIMS),
                      help="head dims of your calls (default: "

@@ -25,7 +25,9 @@ FEATURE_NAMES = {"none": 0, "softcap": _configs.FEATURE_SOFTCAP,
                  "alibi": _configs.FEATURE_ALIBI, "sinks": _configs.FEATURE_SINKS,
                  "dropout": _configs.FEATURE_DROPOUT, "varlen": _configs.FEATURE_VARLEN}
 DIRECTIONS = ("fwd", "bwd", "decode")
-DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+#: --dtype names -> the kernels' elements: fp32 is float32 inputs at precision "highest", tf32
+#: at "tf32" (their forward only, so far).
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "tf32": "tf32"}
 #: The defaults: the head dims of most models, plain attention, both training directions.
 DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_FEATURES = ("none",)
@@ -49,7 +51,7 @@ def parse_features(names) -> list[int]:
 
 def plan(arch: int, dtypes, head_dims, features, directions) -> list:
     """Every specialisation the dispatcher can choose on sm_`arch` for calls of these dtypes
-    ("float16" / "bfloat16"), head dims (any the API takes), feature bit sets and directions
+    (the kernels' elements: "float16", "bfloat16", "float32", "tf32"), head dims (any the API takes), feature bit sets and directions
     ("fwd", "bwd": with the deterministic dQ kernel and the backward's pre- and
     post-processing; "decode": attention_with_kvcache), each once."""
     dtypes = set(dtypes)
@@ -65,7 +67,8 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
 
     configs = []
     if "fwd" in directions:
-        configs += named(_dispatch.all_fwd_configs(arch, features), dims)
+        configs += named(_dispatch.all_fwd_configs(arch, features, tuple(_configs.ELEMENT_TAGS)),
+                         dims)
         if hopper:
             taken = _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES
             configs += named(_dispatch.hopper_forward_configs(

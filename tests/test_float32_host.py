@@ -111,6 +111,15 @@ def test_reference_tf32_precision_sits_between_float16_and_float32():
     assert errors["tf32"] < 2 * errors["float16"]
 
 
+def test_precompile_names_the_float32_forward():
+    from cuflash2 import precompile
+
+    for name, element in (("fp32", "float32"), ("tf32", "tf32")):
+        configs = precompile.plan(90, [precompile.DTYPES[name]], [64, 100], [0], ["fwd", "bwd"])
+        assert configs == [_dispatch.fwd_config(element, 64, 90),
+                           _dispatch.fwd_config(element, 128, 90)]
+
+
 # --------------------------------------------------------------------------------------------
 # The backward
 

@@ -2,8 +2,8 @@
 compute-sanitizer by test_sanitizer.py.
 
 Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causal, a sliding
-window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes: the shapes
-where an out-of-bounds access or a race would show.
+window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes, and the
+float32 forward (`_float32`): the shapes where an out-of-bounds access or a race would show.
 Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
 and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
 both consumer schedules across the head dims, on the persistent grid for the short rows and on
@@ -153,6 +153,31 @@ def _claimed_tiles(dtype) -> None:
         api._forward_plans.plans.clear()
 
 
+def _float32(head_dims) -> None:
+    """Float32 inputs' forward (tf32_primitives.cuh: 32-bit loads of V, 8-byte output stores)
+    at both precisions: partial tiles, seqlen_q != seqlen_k both ways, GQA, causal, a window,
+    softcap + ALiBi + sinks, varlen."""
+    slopes = cupy.linspace(0.05, 0.5, 4, dtype=cupy.float32)
+    sinks = cupy.linspace(-1.0, 1.0, 4, dtype=cupy.float32)
+    for d in head_dims:
+        for precision in ("highest", "tf32"):
+            for batch, sq, sk, h, hk in ((1, 77, 45, 2, 1), (2, 45, 200, 4, 2)):
+                q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, d, numpy.float32,
+                                             seed=d + sq)
+                for options in ({}, {"causal": True}, {"window_size": (17, 3)},
+                                {"causal": True, "softcap": 3.0, "alibi_slopes": slopes[:h],
+                                 "sinks": sinks[:h]}):
+                    out = cuflash2.attention(q, k, v, precision=precision, **options)
+                    assert not bool(cupy.isnan(out).any())
+            lengths = (45, 0, 131, 1)
+            cu = cupy.asarray(numpy.cumsum((0,) + lengths).astype(numpy.int32))
+            q, k, v = testing.random_qkv(cupy, None, sum(lengths), sum(lengths), 4, 2, d,
+                                         numpy.float32, seed=d)
+            out = cuflash2.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths),
+                                            causal=True, precision=precision)
+            assert not bool(cupy.isnan(out).any())
+
+
 def main(quick: bool) -> None:
     head_dims = (64, 128) if quick else (32, 40, 64, 96, 128, 160, 192, 224, 256)
     dtypes = (numpy.float16,) if quick else (numpy.float16, ml_dtypes.bfloat16)
@@ -182,6 +207,7 @@ def main(quick: bool) -> None:
         _hopper_backward(dtype, (64, 128) if quick else (40, 64, 96, 128))
         if api.device_arch(cupy.cuda.Device().id) == 90:
             _claimed_tiles(dtype)
+    _float32((64, 128) if quick else (32, 64, 96, 128, 192, 256))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")
 

@@ -158,6 +158,13 @@ def test_highest_is_float32_accurate_and_tf32_is_not():
     assert tf32 > 30 * highest
 
 
+def test_kernels_named():
+    q, k, v = _qkv(1, 300, 300, 2, 2, 128)
+    for precision, tag in (("highest", "float32"), ("tf32", "tf32")):
+        kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision=precision)
+        assert kernels[0].startswith(f"mma.sync forward, {tag}, head dim 128"), kernels
+
+
 def test_what_float32_does_not_take_yet():
     q, k, v = _qkv(1, 16, 16, 1, 1, 64)
     with pytest.raises(NotImplementedError, match="mask_mod, score_mod, bias"):
