@@ -23,7 +23,7 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 #: Float32 inputs by their precision (cuda_src/tf32_primitives.cuh): "float32", precision
 #: "highest" (each operand as two TF32 parts, three products), and "tf32" (one TF32 product).
-#: The mma.sync forward only, so far.
+#: The mma.sync forward and backward (the Hopper kernels stay 16-bit).
 FLOAT32_TAGS = {"float32": "f32x3_tag", "tf32": "tf32_tag"}
 ELEMENT_TAGS = {**DTYPE_TAGS, **FLOAT32_TAGS}
 #: 16-bit words an element takes in memory (the tags' WORDS): the kernels address tiles,

@@ -26,7 +26,7 @@ FEATURE_NAMES = {"none": 0, "softcap": _configs.FEATURE_SOFTCAP,
                  "dropout": _configs.FEATURE_DROPOUT, "varlen": _configs.FEATURE_VARLEN}
 DIRECTIONS = ("fwd", "bwd", "decode")
 #: --dtype names -> the kernels' elements: fp32 is float32 inputs at precision "highest", tf32
-#: at "tf32" (their forward only, so far).
+#: at "tf32".
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "tf32": "tf32"}
 #: The defaults: the head dims of most models, plain attention, both training directions.
 DEFAULT_HEAD_DIMS = (64, 128)
@@ -76,9 +76,10 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
     if "bwd" in directions:
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))
+        configs += _float32_backward(arch, dtypes, head_dims, backward)
         varlen = any(f & _configs.FEATURE_VARLEN for f in features)
-        configs += [c for c in _configs.aux_kernels() if c.dtype in dtypes
-                    and (varlen or not c.varlen)
+        configs += [c for c in _configs.aux_kernels(tuple(_configs.ELEMENT_TAGS))
+                    if _aux_serves(c, dtypes) and (varlen or not c.varlen)
                     and (c.kernel != "flash_bwd_sinks_kernel"
                          or any(f & _configs.FEATURE_SINKS for f in features))]
         if hopper:
@@ -92,6 +93,33 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
         configs += named(_dispatch.all_decode_configs(
             arch, [f for f in features if f in _configs.DECODE_FEATURES]), dims)
     return list(dict.fromkeys(configs))
+
+
+def _float32_backward(arch: int, dtypes, head_dims, features) -> list:
+    """The float32 backward's main kernels (with and without dQ) and deterministic dQ kernels
+    for the float32 elements among `dtypes`: the tiles of each head dim (by head dim, not
+    kernel head dim: d=224's main kernel is d=256's), where one fits sm_`arch`."""
+    configs = []
+    for element in sorted(set(dtypes) & set(_configs.FLOAT32_TAGS)):
+        for d in head_dims:
+            for choose in (lambda: _dispatch.float32_bwd_config(element, d, arch),
+                           lambda: _dispatch.float32_bwd_config(element, d, arch, True),
+                           lambda: _dispatch.float32_bwd_dq_config(element, d, arch)):
+                try:
+                    config = choose()
+                except NotImplementedError:  # no tile on this architecture (the call refuses)
+                    continue
+                configs += [_configs.with_features(config, f) for f in features]
+    return configs
+
+
+def _aux_serves(config, dtypes) -> bool:
+    """Whether a small backward kernel serves calls of `dtypes`: its own dtype's, and for
+    float32 inputs at TF32 "float32"'s dQ conversion and sinks' gradient (their preprocess is
+    "tf32"'s own)."""
+    return config.dtype in dtypes or (
+        config.dtype == "float32" and "tf32" in dtypes
+        and config.kernel != "flash_bwd_preprocess_kernel")
 
 
 def progress_line(done: int, total: int, elapsed: float) -> str:

@@ -111,13 +111,27 @@ def test_reference_tf32_precision_sits_between_float16_and_float32():
     assert errors["tf32"] < 2 * errors["float16"]
 
 
-def test_precompile_names_the_float32_forward():
+def test_precompile_names_the_float32_forward_and_backward():
+    """precompile's plan for float32 inputs: the forward, the backward's main kernels (with and
+    without dQ) and deterministic dQ kernels of each head dim, its small kernels (the
+    preprocess at the precision's element, the dQ conversion on float32); none where no tile
+    fits."""
     from cuflash2 import precompile
 
     for name, element in (("fp32", "float32"), ("tf32", "tf32")):
         configs = precompile.plan(90, [precompile.DTYPES[name]], [64, 100], [0], ["fwd", "bwd"])
-        assert configs == [_dispatch.fwd_config(element, 64, 90),
-                           _dispatch.fwd_config(element, 128, 90)]
+        backward = [config for d in (64, 100) for config in (
+            _dispatch.bwd_config(element, d, 90), _dispatch.bwd_config(element, d, 90, True),
+            _dispatch.bwd_dq_config(element, d, 90))]
+        assert configs[:8] == [_dispatch.fwd_config(element, 64, 90),
+                               _dispatch.fwd_config(element, 128, 90), *backward]
+        assert set(configs[8:]) == {_configs.AuxKernel(element, "flash_bwd_preprocess_kernel"),
+                                    _configs.AuxKernel("float32", "flash_bwd_convert_dq_kernel")}
+    configs = precompile.plan(86, ["float32"], [256], [0], ["bwd"])
+    assert [c.kernel for c in configs] == ["flash_bwd_preprocess_kernel",
+                                           "flash_bwd_convert_dq_kernel"]
+    configs = precompile.plan(90, ["float32"], [224], [0], ["bwd"])
+    assert configs[0].head_dim == 256 and configs[2].head_dim == 224  # main, dQ kernel
 
 
 # --------------------------------------------------------------------------------------------
