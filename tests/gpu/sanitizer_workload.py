@@ -3,7 +3,8 @@ compute-sanitizer by test_sanitizer.py.
 
 Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causal, a sliding
 window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes, and the
-float32 forward (`_float32`): the shapes where an out-of-bounds access or a race would show.
+float32 forward and backward (`_float32`): the shapes where an out-of-bounds access or a race
+would show.
 Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
 and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
 both consumer schedules across the head dims, on the persistent grid for the short rows and on
@@ -153,10 +154,26 @@ def _claimed_tiles(dtype) -> None:
         api._forward_plans.plans.clear()
 
 
+def _float32_backward(dout, q, k, v, out, lse, precision, deterministic=(False,), varlen=(),
+                      **options) -> None:
+    """Float32 inputs' backward (warp_gemm_f32.cuh: 32-bit loads of P, dS, dO, Q and K, 8- and
+    4-byte stores of P and dS, fp32 dK / dV staging; the deterministic dQ kernel's), skipped
+    where no tile fits this GPU (NotImplementedError: above d=192, or d=128 deterministic, on
+    the 100 KiB parts)."""
+    backward = cuflash2.attention_varlen_backward if varlen else cuflash2.attention_backward
+    for mode in deterministic:
+        try:
+            grads = backward(dout, q, k, v, out, lse, *varlen, precision=precision,
+                             deterministic=mode, **options)
+        except NotImplementedError:
+            continue
+        assert not any(bool(cupy.isnan(g).any()) for g in grads)
+
+
 def _float32(head_dims) -> None:
     """Float32 inputs' forward (tf32_primitives.cuh: 32-bit loads of V, 8-byte output stores)
-    at both precisions: partial tiles, seqlen_q != seqlen_k both ways, GQA, causal, a window,
-    softcap + ALiBi + sinks, varlen."""
+    and backward (_float32_backward) at both precisions: partial tiles, seqlen_q != seqlen_k
+    both ways, GQA, causal, a window, softcap + ALiBi + sinks, varlen."""
     slopes = cupy.linspace(0.05, 0.5, 4, dtype=cupy.float32)
     sinks = cupy.linspace(-1.0, 1.0, 4, dtype=cupy.float32)
     for d in head_dims:
@@ -164,18 +181,29 @@ def _float32(head_dims) -> None:
             for batch, sq, sk, h, hk in ((1, 77, 45, 2, 1), (2, 45, 200, 4, 2)):
                 q, k, v = testing.random_qkv(cupy, batch, sq, sk, h, hk, d, numpy.float32,
                                              seed=d + sq)
+                dout = testing.random_qkv(cupy, batch, sq, sq, h, h, d, numpy.float32,
+                                          seed=d + 1)[0]
                 for options in ({}, {"causal": True}, {"window_size": (17, 3)},
                                 {"causal": True, "softcap": 3.0, "alibi_slopes": slopes[:h],
                                  "sinks": sinks[:h]}):
-                    out = cuflash2.attention(q, k, v, precision=precision, **options)
+                    out, lse = cuflash2.attention(q, k, v, precision=precision, return_lse=True,
+                                                  **options)
                     assert not bool(cupy.isnan(out).any())
+                    _float32_backward(dout, q, k, v, out, lse, precision,
+                                      (False, True) if options == {"causal": True} else (False,),
+                                      **options)
             lengths = (45, 0, 131, 1)
             cu = cupy.asarray(numpy.cumsum((0,) + lengths).astype(numpy.int32))
             q, k, v = testing.random_qkv(cupy, None, sum(lengths), sum(lengths), 4, 2, d,
                                          numpy.float32, seed=d)
-            out = cuflash2.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths),
-                                            causal=True, precision=precision)
+            out, lse = cuflash2.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                 causal=True, precision=precision,
+                                                 return_lse=True)
             assert not bool(cupy.isnan(out).any())
+            dout = testing.random_qkv(cupy, None, sum(lengths), sum(lengths), 4, 4, d,
+                                      numpy.float32, seed=d + 1)[0]
+            _float32_backward(dout, q, k, v, out, lse, precision, (False, True),
+                              (cu, cu, max(lengths), max(lengths)), causal=True)
 
 
 def main(quick: bool) -> None:
