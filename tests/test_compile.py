@@ -35,26 +35,29 @@ FWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in _dispatch.all_fwd_configs(arch, _configs.TESTED_FEATURES)]
 FWD_CASES += _all_combinations_sm90(_dispatch.all_fwd_configs(90, _configs.ALL_FEATURES),
                                     _configs.TESTED_FEATURES)
-# Float32 inputs' forward (both precisions): every head dim, plain and with the tested features.
+# Float32 inputs' forward (both precisions): every head dim, plain and with every tested feature
+# together (the features' code is the 16-bit kernels', compiled with each alone above; the
+# exhaustive step's time in CI is what limits these matrices).
 FWD_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-              for cfg in _dispatch.all_fwd_configs(arch, _configs.TESTED_FEATURES,
+              for cfg in _dispatch.all_fwd_configs(arch, (0, max(_configs.TESTED_FEATURES)),
                                                    tuple(_configs.FLOAT32_TAGS))]
 BWD_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in dict.fromkeys(_dispatch.all_bwd_configs(arch, _configs.TESTED_FEATURES))]
 BWD_CASES += _all_combinations_sm90(
     dict.fromkeys(_dispatch.all_bwd_configs(90, _configs.ALL_FEATURES)), BWD_TESTED_FEATURES)
 # Float32 inputs' backward main kernel (both precisions): every head dim a tile fits, plain and
-# with the tested features.
+# with every tested feature together (as the float32 forward's).
 BWD_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-              for cfg in _dispatch.all_bwd_configs(arch, _configs.TESTED_FEATURES,
+              for cfg in _dispatch.all_bwd_configs(arch, (0, max(_configs.TESTED_FEATURES)),
                                                    tuple(_configs.FLOAT32_TAGS))]
 AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
 DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
                 for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES)]
-# The e4m3 cache's decode kernels (kv_cache_e4m3.cuh), every one under --exhaustive.
+# The e4m3 cache's decode kernels (kv_cache_e4m3.cuh) under --exhaustive, plain and with every
+# decode feature together (each alone is the 16-bit kernels' code, above).
 DECODE_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-                 for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES,
-                                                         ("e4m3",))]
+                 for cfg in _dispatch.all_decode_configs(
+                     arch, (0, max(_configs.DECODE_FEATURES)), ("e4m3",))]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in _configs.aux_kernels((*_configs.DTYPE_TAGS, *_configs.FLOAT32_TAGS))]
 
