@@ -129,12 +129,7 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
                 for (int step = 0; step < 2; ++step) {
                     // Keys 16ks + 8step + 2t + j; columns 16dp + g (lo) and 16dp + 8 + g (hi).
                     u32 bits[4];
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-#pragma unroll
-                        for (int j = 0; j < 2; ++j)
-                            bits[2 * half + j] = load_4B_shared(
-                                v_frag.at(2 * ks + step, 2 * dp + half, j) + stage_offset);
+                    v_frag.load_b_pair(bits, 2 * ks + step, 2 * dp, stage_offset);
                     const auto b = Tf32Parts<Elem, 4>::from_bits(bits);
 #pragma unroll
                     for (int mt = 0; mt < T::M_TILES; ++mt)

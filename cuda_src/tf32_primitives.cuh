@@ -104,6 +104,12 @@ CF2_DEVICE void probabilities_as_a(Tf32Parts<Elem, 4> (&a)[2], const float (&p)[
     a[1] = Tf32Parts<Elem, 4>(step1);
 }
 
+CF2_DEVICE u32 load_4B_shared(u32 smem_addr) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr));
+    return v;
+}
+
 // Addresses of V's B fragments for O += P V with float32 elements: lane (g, t) reads elements
 // (key 2t + j, column g) of each 8 x 8 block of a swizzled [key][column] tile (SwizzledTile of
 // words, 128-byte panels), j = 0, 1 (the key order of probabilities_as_a). ldmatrix.trans
@@ -133,13 +139,20 @@ struct F32KeyPairCursor {
                row_block8 * 8 * Tile::ROW_BYTES +
                ((static_cast<u32>(chunk0 % Tile::PANEL_CHUNKS) << 4) ^ chunk_xor[j]);
     }
+
+    // The B fragments of the k8 step over rows 8 * row_block8 .. + 7 (in the key-pair order)
+    // for the two n8 tiles of columns 8 * col_block8 .. + 15, as an ldmatrix.x4 returns them
+    // ({b0, b1} of the first tile, then of the second); `offset` moves to another stage.
+    CF2_DEVICE void load_b_pair(u32 (&bits)[4], int row_block8, int col_block8,
+                                u32 offset = 0) const {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                bits[2 * half + j] = load_4B_shared(at(row_block8, col_block8 + half, j) + offset);
+    }
 };
 
-CF2_DEVICE u32 load_4B_shared(u32 smem_addr) {
-    u32 v;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr));
-    return v;
-}
 
 CF2_DEVICE void store_8B_shared(u32 smem_addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem_addr), "f"(a), "f"(b)

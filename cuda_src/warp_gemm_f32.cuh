@@ -108,11 +108,8 @@ CF2_DEVICE void gemm_at_b_f32(float (&acc)[MT][NT][4], const ACursor& a, int m_b
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             // B (k t, n g), (k t + 4, n g) of the pair's two n8 tiles.
-            const int block = n_block0 + 2 * np;
-            const u32 bits[4] = {load_4B_shared(b.at(ks, block, 0)),
-                                 load_4B_shared(b.at(ks, block, 1)),
-                                 load_4B_shared(b.at(ks, block + 1, 0)),
-                                 load_4B_shared(b.at(ks, block + 1, 1))};
+            u32 bits[4];
+            b.load_b_pair(bits, ks, n_block0 + 2 * np);
             const auto bf = Tf32Parts<Elem, 4>::from_bits(bits);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -140,11 +137,8 @@ CF2_DEVICE void gemm_a_b_f32(float (&acc)[MT][NT][4], const LdmatrixCursor<ATile
         }
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
-            const int block = n_block0 + 2 * np;
-            const u32 bits[4] = {load_4B_shared(b.at(ks, block, 0)),
-                                 load_4B_shared(b.at(ks, block, 1)),
-                                 load_4B_shared(b.at(ks, block + 1, 0)),
-                                 load_4B_shared(b.at(ks, block + 1, 1))};
+            u32 bits[4];
+            b.load_b_pair(bits, ks, n_block0 + 2 * np);
             const auto bf = Tf32Parts<Elem, 4>::from_bits(bits);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
