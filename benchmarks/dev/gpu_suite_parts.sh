@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one bounded device call: the kernels compiled into CuPy's disk cache
-# in parallel first (prewarm_cache.py, the 16-bit and e4m3 decode kernels too), then the test
+# in parallel first (prewarm_cache.py, the e4m3 decode and float32 kernels too), then the test
 # files in PARTS pytest processes side by side (their time is mostly each test's own NVRTC
 # compiles on one core; the GPU work is small), with the compute-sanitizer suite beside them.
 # Logs go to OUT: prewarm.txt, part-<i>.txt (each part's files and pytest summary),
@@ -19,7 +19,7 @@ left() { echo $((BUDGET - SECONDS)); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # (the feature sets of device_check.sh's prewarm: those the suite runs)
 timeout "$PREWARM_SECONDS" python3 benchmarks/dev/prewarm_cache.py \
-    --kernels fwd bwd decode decode-e4m3 \
+    --kernels fwd bwd decode decode-e4m3 float32 \
     --features ${FEATURES:-0 1 2 3 4 5 6 7 8 12 16 17 18 19 20 23 24} 2>&1 | tail -3 \
     > "$OUT/prewarm.txt"
 cat "$OUT/prewarm.txt"
