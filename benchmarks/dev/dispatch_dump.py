@@ -277,7 +277,7 @@ def decode_problem(dtype, d, seqlen_q, heads, capacity, paged, new, num_splits, 
     k = array((batch, new, hkv, d), dt) if new else None
     lengths = array((batch,), numpy.int32)
     return _kvcache._plan(q, cache, cache, k, k, lengths, None, block_table, options,
-                          num_splits, False, early)
+                          num_splits, False, early, (None, None, None))  # a 16-bit cache
 
 
 def main():
