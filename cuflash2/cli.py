@@ -45,8 +45,10 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                     "than queries, more queries than keys), and checks each result against "
                     "cuflash2.reference by the 2x rule (cuflash2.testing.check_forward); one "
                     "line a case, exit status 0 when all pass, 1 otherwise.")
-    check.add_argument("--dtype", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"],
-                       help="input dtypes to check (default: both)")
+    check.add_argument("--dtype", nargs="+", choices=("fp16", "bf16", "fp32", "tf32"),
+                       default=["fp16", "bf16"],
+                       help="input dtypes to check (default: fp16 bf16; fp32 and tf32: float32 "
+                            "inputs at precision highest and tf32)")
     check.add_argument("--headdim", nargs="+", type=_positive_int,
                        default=list(selfcheck.DEFAULT_HEADDIMS),
                        help="head dims to check, multiples of 8 up to 256 (default: "

@@ -49,6 +49,10 @@ SHAPES = (
 )
 
 
+#: `check --dtype` names: float32 is checked at both precisions (fp32: "highest", tf32).
+PRECISIONS = {"fp16": None, "bf16": None, "fp32": "highest", "tf32": "tf32"}
+
+
 def dtype_from_name(name: str):
     if name == "fp16":
         return numpy.dtype(numpy.float16)
@@ -56,7 +60,9 @@ def dtype_from_name(name: str):
         import ml_dtypes
 
         return numpy.dtype(ml_dtypes.bfloat16)
-    raise ValueError(f"dtype must be 'fp16' or 'bf16', got {name!r}")
+    if name in ("fp32", "tf32"):
+        return numpy.dtype(numpy.float32)
+    raise ValueError(f"dtype must be one of {', '.join(map(repr, PRECISIONS))}, got {name!r}")
 
 
 def grid(dtype_names=("fp16", "bf16"), headdims=DEFAULT_HEADDIMS) -> list[Case]:
@@ -79,14 +85,19 @@ def run_case(cupy, case: Case, seed: int) -> tuple[bool, str]:
             cupy, batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_kv,
             case.headdim, dtype_from_name(case.dtype_name), seed,
         )
-        out, lse = cuflash2.attention(q, k, v, causal=case.causal, return_lse=True)
-        results = testing.check_forward(q, k, v, out, lse, causal=case.causal)
+        precision = PRECISIONS[case.dtype_name]
+        out, lse = cuflash2.attention(q, k, v, causal=case.causal, return_lse=True,
+                                      precision=precision)
+        results = testing.check_forward(q, k, v, out, lse, causal=case.causal,
+                                        precision=precision)
         # The backward on the same problem: dq, dk, dv against the reference gradients.
         dout = testing.random_qkv(cupy, batch, case.seqlen_q, case.seqlen_q, case.nheads,
                                   case.nheads, case.headdim, dtype_from_name(case.dtype_name),
                                   seed + 1_000_000)[0]
-        dq, dk, dv = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=case.causal)
-        results += testing.check_backward(dout, q, k, v, dq, dk, dv, causal=case.causal)
+        dq, dk, dv = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=case.causal,
+                                                 precision=precision)
+        results += testing.check_backward(dout, q, k, v, dq, dk, dv, causal=case.causal,
+                                          precision=precision)
     except Exception as exc:  # report and go on with the other cases
         return False, f"FAIL {case.describe()}  error: {exc.__class__.__name__}: {exc}"
     passed = all(result.ok for result in results)

@@ -343,3 +343,14 @@ def test_float32_varlen_and_packed_backwards(api_host):
     assert dqkv.shape == qkv.shape and dqkv.dtype == np.float32
     record = api_host.launches[-2][2]
     assert record["q_row_stride"] == 2 * 3 * 2 * 64 and record["head_dim"] == 128
+
+
+def test_check_names_float32_at_both_precisions():
+    from cuflash2 import cli, selfcheck
+
+    assert selfcheck.dtype_from_name("fp32") == selfcheck.dtype_from_name("tf32") == np.float32
+    assert selfcheck.PRECISIONS["fp32"] == "highest" and selfcheck.PRECISIONS["tf32"] == "tf32"
+    with pytest.raises(ValueError, match=r"dtype must be one of 'fp16', 'bf16', 'fp32', 'tf32'"):
+        selfcheck.dtype_from_name("fp64")
+    args = cli.build_parser().parse_args(["check", "--dtype", "fp32", "tf32"])
+    assert args.dtype == ["fp32", "tf32"]
