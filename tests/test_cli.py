@@ -347,11 +347,17 @@ def test_check_grid_covers_dtypes_headdims_causal_and_shapes():
     assert any(c.unbatched for c in cases)
 
 
+def _exact(x):
+    # The reference's dtype that is exact for inputs like x (float64 for float32 inputs).
+    return numpy.float64 if x.dtype == numpy.float32 else numpy.float32
+
+
 def _attention_from_reference(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                              out=None):
+                              out=None, precision=None):
     # Stands in for the kernel: the exact reference rounded once to the input dtype.
     result, lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      return_lse=True)
+                                      return_lse=True, compute_dtype=_exact(q))
+    lse = lse.astype(numpy.float32)
     result = result.astype(q.dtype)
     return (result, lse) if return_lse else result
 
@@ -360,7 +366,7 @@ def _backward_from_reference(dout, q, k, v, out, lse, *, causal=False, softmax_s
                              **kwargs):
     # Stands in for the backward kernels: the exact reference gradients rounded once.
     grads = reference.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                         softmax_scale=softmax_scale)
+                                         softmax_scale=softmax_scale, compute_dtype=_exact(q))
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
@@ -373,6 +379,16 @@ def test_check_logic_passes_a_correct_implementation(monkeypatch, capsys):
     assert sum(line.startswith("PASS") for line in lines) == 2 * 2 * len(selfcheck.SHAPES)
     assert "out err" in lines[1] and "lse err" in lines[1]
     assert all(f"{name} err" in lines[1] for name in ("dq", "dk", "dv"))
+
+
+def test_check_logic_takes_float32_at_both_precisions(monkeypatch, capsys):
+    monkeypatch.setattr(cuflash2, "attention", _attention_from_reference)
+    monkeypatch.setattr(cuflash2, "attention_backward", _backward_from_reference)
+    monkeypatch.setattr(selfcheck, "SHAPES", selfcheck.SHAPES[:2])
+    assert selfcheck.run(numpy, ["fp32", "tf32"], [64]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("PASS fp32") for line in lines) == 2 * 2
+    assert sum(line.startswith("PASS tf32") for line in lines) == 2 * 2
 
 
 def test_check_logic_fails_a_wrong_implementation(monkeypatch, capsys):
