@@ -119,20 +119,25 @@ CF2_DEVICE u32 load_4B_shared(u32 smem_addr) {
 template <class Tile>
 struct F32KeyPairCursor {
     static_assert(Tile::PANEL_CHUNKS == 8, "float32 tiles are 128-byte panels");
-    u32 row_base[2];   // tile base + row (2t + j) * ROW_BYTES + 4 * (g % 4)
-    u32 chunk_xor[2];  // ((g / 4) ^ key(2t + j)) << 4
+    u32 row_base[2];   // tile base + row (2t + j) * ROW_BYTES + 4 * (column % 4)
+    u32 chunk_xor[2];  // ((column / 4) ^ key(2t + j)) << 4
 
-    CF2_DEVICE F32KeyPairCursor(u32 tile_base, int lane) {
-        const int t = lane % 4, g = lane / 4;
+    CF2_DEVICE F32KeyPairCursor(u32 tile_base, int lane)
+        : F32KeyPairCursor(tile_base, lane, lane / 4) {}
+
+    // `column`: the lane's column in each block of 8, g above, or for a tile whose columns hold
+    // the keys of each 8 permuted, where key g is (permuted_keys_cursor).
+    CF2_DEVICE F32KeyPairCursor(u32 tile_base, int lane, int column) {
+        const int t = lane % 4;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int row = 2 * t + j;
-            row_base[j] = tile_base + row * Tile::ROW_BYTES + 4 * (g % 4);
-            chunk_xor[j] = static_cast<u32>((g / 4) ^ Tile::swizzle_key(row)) << 4;
+            row_base[j] = tile_base + row * Tile::ROW_BYTES + 4 * (column % 4);
+            chunk_xor[j] = static_cast<u32>((column / 4) ^ Tile::swizzle_key(row)) << 4;
         }
     }
 
-    // Element (8 * row_block8 + 2t + j, 8 * col_block8 + g).
+    // Element (8 * row_block8 + 2t + j, 8 * col_block8 + g) (of column `column`, above).
     CF2_DEVICE u32 at(int row_block8, int col_block8, int j) const {
         const int chunk0 = 2 * col_block8;  // the block's 8 floats are chunks chunk0, chunk0 + 1
         return row_base[j] + (chunk0 / Tile::PANEL_CHUNKS) * Tile::PANEL_BYTES +

@@ -18,7 +18,7 @@
 //                  permuted (store_permuted_keys_f32: key 2t at column t, 2t + 1 at t + 4):
 //                  A's columns t, t + 4 are then keys 2t, 2t + 1, and K's rows 2t + j are read
 //                  conflict-free (F32KeyPairCursor). dK's A^T operand reads dS in that order
-//                  (F32PermutedKeysCursor).
+//                  (permuted_keys_cursor).
 // Each fragment is split into its TF32 parts once (Tf32Parts) and reused like the 16-bit one.
 #pragma once
 #include "mma_primitives.cuh"
@@ -30,30 +30,10 @@
 // (row 8 * row_block8 + 2t + j, key 8 * col_block8 + g), at column g / 2 + 4 * (g % 2) of the
 // block. Each load still reads rows 2t + j and all eight columns of a block: conflict-free.
 template <class Tile>
-struct F32PermutedKeysCursor {
-    static_assert(Tile::PANEL_CHUNKS == 8, "float32 tiles are 128-byte panels");
-    u32 row_base[2];   // tile base + row (2t + j) * ROW_BYTES + 4 * (column % 4)
-    u32 chunk_xor[2];  // ((column / 4) ^ key(2t + j)) << 4
-
-    CF2_DEVICE F32PermutedKeysCursor(u32 tile_base, int lane) {
-        const int t = lane % 4, g = lane / 4;
-        const int column = g / 2 + 4 * (g % 2);  // of key g
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int row = 2 * t + j;
-            row_base[j] = tile_base + row * Tile::ROW_BYTES + 4 * (column % 4);
-            chunk_xor[j] = static_cast<u32>((column / 4) ^ Tile::swizzle_key(row)) << 4;
-        }
-    }
-
-    // Row 8 * row_block8 + 2t + j, key 8 * col_block8 + g.
-    CF2_DEVICE u32 at(int row_block8, int col_block8, int j) const {
-        const int chunk0 = 2 * col_block8;
-        return row_base[j] + (chunk0 / Tile::PANEL_CHUNKS) * Tile::PANEL_BYTES +
-               row_block8 * 8 * Tile::ROW_BYTES +
-               ((static_cast<u32>(chunk0 % Tile::PANEL_CHUNKS) << 4) ^ chunk_xor[j]);
-    }
-};
+CF2_DEVICE F32KeyPairCursor<Tile> permuted_keys_cursor(u32 tile_base, int lane) {
+    const int g = lane / 4;
+    return F32KeyPairCursor<Tile>(tile_base, lane, g / 2 + 4 * (g % 2));
+}
 
 // acc += A B^T, A [m][k] and B [n][k] row-major (S = Q K^T, dP = dO V^T): gemm_a_bt over K_STEPS
 // k8 steps. The k loop is unrolled by 2, as the forward's float32 Q K^T (a full unroll hoists
@@ -85,7 +65,7 @@ CF2_DEVICE void gemm_a_bt_f32(float (&acc)[MT][NT][4], const LdmatrixCursor<ATil
 
 // acc += A^T B, A [k][m] and B [k][n] row-major (dV += P^T dO, dK += dS^T Q) over K_STEPS k8
 // steps of 8 rows: both fragments by 32-bit loads in the permuted k order (F32KeyPairCursor: j
-// picks row 2t or 2t + 1, A's k columns t and t + 4; A's cursor an F32PermutedKeysCursor for
+// picks row 2t or 2t + 1, A's k columns t and t + 4; A's cursor a permuted_keys_cursor for
 // dS). The warp's m and n slices start at column blocks of 8 m_block0 and n_block0.
 template <typename Elem, int MT, int NT, int K_STEPS, class ACursor, class BTile>
 CF2_DEVICE void gemm_at_b_f32(float (&acc)[MT][NT][4], const ACursor& a, int m_block0,
