@@ -77,17 +77,6 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
     }
 }
 
-// K's B fragments of dQ += dS K: the transposed operand by ldmatrix.trans (lanes 0-15 pick key
-// rows, bit 4 the d8 half), or with float32 elements by 32-bit loads in dS's key order
-// (F32KeyPairCursor), as the forward's V.
-template <typename Elem, class KVTile>
-CF2_DEVICE auto k_fragments(u32 k_smem, int lane) {
-    if constexpr (Elem::IS_F32)
-        return F32KeyPairCursor<KVTile>(k_smem, lane);
-    else
-        return LdmatrixCursor<KVTile>(k_smem, lane % 16, lane / 16);
-}
-
 // The kernel's body, shared by flash_bwd_dq_kernel and flash_bwd_dq_mods_kernel (below).
 // FEATURES: the attention variant's features (variant.cuh: softcap, ALiBi, the programmable
 // modifiers), varlen batches (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The
@@ -168,7 +157,8 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
 
     const LdmatrixCursor<QTile> rows_frag(q_smem, warp * 16 + lane % 16, lane / 16);  // Q, dO
     const LdmatrixCursor<KVTile> kv_rows_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const auto k_trans_frag = k_fragments<Elem, KVTile>(k_smem, lane);
+    // K as dQ += dS K's B operand, in dS's key order with float32 elements.
+    const auto k_trans_frag = key_rows_b_fragments<Elem, KVTile>(k_smem, lane);
     const int thread_row0 = row_first + warp * 16 + lane / 4;
     Variant variant(p.mods, seqlen_q, seqlen_k);
     variant.select_head(p.mods, batch, head);

@@ -99,7 +99,7 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::M_TILES][T::N_TILES][4],
 // With DROPOUT, each 16 x 16 block of P draws its keep bits (dropout.cuh); this warp's rows
 // start at q_warp0, the tile's keys at key0.
 // Float32 elements: P stays fp32 (split into TF32 parts), a k16 slice is two k8 steps, and V's
-// fragments are 32-bit loads in P's key order (v_fragments: F32KeyPairCursor).
+// fragments are 32-bit loads in P's key order (key_rows_b_fragments: F32KeyPairCursor).
 template <typename Elem, class T, bool DROPOUT = false, class VCursor>
 CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
                                 const float (&acc_s)[T::M_TILES][T::N_TILES][4],
@@ -161,16 +161,6 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
             }
         }
     }
-}
-
-// V's fragment addresses: the transposed B operand by ldmatrix.trans (lanes 0-15 pick key rows,
-// bit 4 the d8 half), or with float32 elements by 32-bit loads (F32KeyPairCursor).
-template <typename Elem, class KVTile>
-CF2_DEVICE auto v_fragments(u32 v_smem, int lane) {
-    if constexpr (Elem::IS_F32)
-        return F32KeyPairCursor<KVTile>(v_smem, lane);
-    else
-        return LdmatrixCursor<KVTile>(v_smem, lane % 16, lane / 16);
 }
 
 // The kernel's body, shared by flash_fwd_kernel and flash_fwd_mods_kernel (below). FEATURES: the
@@ -268,10 +258,10 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
 
     // Fragment addressing (see LdmatrixCursor): Q as the A operand (lanes 0-15 rows, 16-31 the
     // second k8 half), K as the non-transposed B operand (lanes 0-7 / 16-23 pick n rows, bit 3 the
-    // k8 half), V as the transposed B operand (v_fragments).
+    // k8 half), V as the transposed B operand (key_rows_b_fragments).
     const LdmatrixCursor<QTile> q_frag(q_smem, warp * T::ROWS_PER_WARP + lane % 16, lane / 16);
     const LdmatrixCursor<KVTile> k_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const auto v_frag = v_fragments<Elem, KVTile>(v_smem, lane);
+    const auto v_frag = key_rows_b_fragments<Elem, KVTile>(v_smem, lane);
 
     float acc_o[T::M_TILES][T::D_TILES][4];
 #pragma unroll

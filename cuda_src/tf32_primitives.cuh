@@ -10,6 +10,7 @@
 //              ("3xTF32", precision "highest").
 #pragma once
 #include "mma_primitives.cuh"
+#include "smem_swizzle.cuh"
 
 struct tf32_tag {
     static constexpr bool is_bf16 = false;
@@ -158,6 +159,18 @@ struct F32KeyPairCursor {
     }
 };
 
+
+// The B operand of a product over a [key][column] tile's keys (the forward's O += P V, the dQ
+// kernel's dQ += dS K): the transposed operand by ldmatrix.trans (lanes 0-15 pick key rows, bit
+// 4 the column half of 16), or with float32 elements by 32-bit loads in the key-pair order of
+// the A operand's accumulator layout (F32KeyPairCursor).
+template <typename Elem, class Tile>
+CF2_DEVICE auto key_rows_b_fragments(u32 tile_smem, int lane) {
+    if constexpr (Elem::IS_F32)
+        return F32KeyPairCursor<Tile>(tile_smem, lane);
+    else
+        return LdmatrixCursor<Tile>(tile_smem, lane % 16, lane / 16);
+}
 
 CF2_DEVICE void store_8B_shared(u32 smem_addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem_addr), "f"(a), "f"(b)
