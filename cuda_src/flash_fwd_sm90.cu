@@ -55,6 +55,12 @@
 //
 // Next steps: docs/HOPPER_FWD.md.
 //
+// Float32 at precision "tf32" (Elem = tf32_tag; docs/FLOAT32.md): TF32 wgmmas (k8), rows of Q and
+// K as 16-bit rows twice as long (FwdSm90Traits::WORDS), Q rounded to TF32 in shared memory by
+// its consumers, K rounded and V rounded with its keys innermost by the operand pass that runs
+// before this kernel (flash_fwd_tf32_operands.cu; TF32 wgmma has no transposed B), P rounded as
+// it is packed. One-tile-per-CTA grid, dense calls (the pass groups keys by 8 from 0).
+//
 // Varlen (FEATURE_VARLEN; docs/HOPPER_FWD.md, "Varlen"): the maps cover the packed
 // (total, heads, d) arrays as rank-4 maps with a batch extent of 1; the grid is (m blocks of the
 // longest sequence, heads, sequences) and a CTA past its sequence's end exits before any barrier.

@@ -314,12 +314,27 @@ CF2_DEVICE void pin_registers(u32 (&a)[N][4]) {
                  : CF2_ACCS_##G(d)                                                             \
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 
+// TF32 (float32 elements, Elem::IS_F32): k8 instead of k16, and no transpose operands: both
+// A and B must be K-major ("wgmma.mma_async": imm-trans-a / imm-trans-b exist for .f16 and
+// .bf16 only). A k8 step of float32 is 32 bytes of a row, as a k16 step of 16-bit elements, so
+// the descriptors and their per-step offsets are the same. The operands are float32 values
+// already rounded to TF32 (cvt.rna): the kernel rounds what it gives the tensor cores, as the
+// mma.sync kernels do (tf32_primitives.cuh), rather than leave them the low 13 bits to drop.
+#define CF2_WGMMA_SS_TF32(G, N)                                                                \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 2) ", 0;\n\t"              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32"                     \
+                 " {" CF2_DLIST_##G "}, " CF2_OP(G, 0) ", " CF2_OP(G, 1) ", p, 1, 1;\n\t}\n"      \
+                 : CF2_ACCS_##G(d)                                                             \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
 template <typename Elem, int N>
 CF2_DEVICE void wgmma_ss(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
     static_assert(N % 16 == 0 && N >= 16 && N <= 256, "wgmma_ss: N a multiple of 16 up to 256");
 #define CF2_CASE(G, NN)                                                                        \
     if constexpr (N == NN) {                                                                   \
-        if constexpr (Elem::is_bf16)                                                           \
+        if constexpr (Elem::IS_F32)                                                            \
+            CF2_WGMMA_SS_TF32(G, NN);                                                          \
+        else if constexpr (Elem::is_bf16)                                                      \
             CF2_WGMMA_SS(G, NN, "bf16");                                                       \
         else                                                                                   \
             CF2_WGMMA_SS(G, NN, "f16");                                                        \
@@ -378,9 +393,34 @@ CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 de
 #undef CF2_CASE
 }
 
+// RS with TF32 operands: A (this warp's 16 rows x 8 columns, 4 x b32: a[0] row g, column t;
+// a[1] row g + 8, column t; a[2] row g, column t + 4; a[3] row g + 8, column t + 4, the m16n8k8
+// TF32 A layout) from registers, B from a K-major descriptor. The P V of the float32 Hopper
+// forward, whose V is stored with its keys innermost (issue_pv, sm90/fwd_mainloop.cuh).
+#define CF2_WGMMA_RS_TF32(G, N)                                                                \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 5) ", 0;\n\t"              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32"                     \
+                 " {" CF2_DLIST_##G "}, {" CF2_OP(G, 0) ", " CF2_OP(G, 1) ", " CF2_OP(G, 2) ", " \
+                 CF2_OP(G, 3) "}, " CF2_OP(G, 4) ", p, 1, 1;\n\t}\n"                            \
+                 : CF2_ACCS_##G(d)                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+template <int N>
+CF2_DEVICE void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_b,
+                              int accumulate) {
+    static_assert(N % 16 == 0 && N >= 16 && N <= 256,
+                  "wgmma_rs_tf32: N a multiple of 16 up to 256");
+#define CF2_CASE(G, NN) \
+    if constexpr (N == NN) CF2_WGMMA_RS_TF32(G, NN);
+    CF2_FOR_EACH_N16(CF2_CASE)
+#undef CF2_CASE
+}
+
 // The generator tables (CF2_OPS_*, CF2_DLIST_*, CF2_ACCS_*, ...) stay defined: CF2_-prefixed and
 // used nowhere else.
 #undef CF2_WGMMA_SS
+#undef CF2_WGMMA_SS_TF32
+#undef CF2_WGMMA_RS_TF32
 #undef CF2_WGMMA_SS_TB
 #undef CF2_WGMMA_RS
 
@@ -417,15 +457,16 @@ struct Sm90CtaLayout {
 };
 
 // A tile of a (head dim, row, head, batch) tensor map into shared memory at `dst`: rows from
-// `row` of (`head`, `batch`), one 64-column box a panel, PANELS panels PANEL_BYTES apart, all
-// completing on the mbarrier `bar` (the caller has set the bytes it expects).
-template <int PANELS, int PANEL_BYTES>
+// `row` of (`head`, `batch`), one 128-byte-wide box a panel (PANEL_ELEMENTS columns: 64 16-bit
+// elements, 32 float32), PANELS panels PANEL_BYTES apart, all completing on the mbarrier `bar`
+// (the caller has set the bytes it expects).
+template <int PANELS, int PANEL_BYTES, int PANEL_ELEMENTS = Sm90CtaLayout::PANEL_COLS>
 CF2_DEVICE void tma_load_tile(u32 dst, const TensorMap& map, u32 bar, int row, int head,
                               int batch) {
 #pragma unroll
     for (int panel = 0; panel < PANELS; ++panel)
-        tma_load_4d(dst + panel * PANEL_BYTES, map, bar, Sm90CtaLayout::PANEL_COLS * panel, row,
-                    head, batch);
+        tma_load_4d(dst + panel * PANEL_BYTES, map, bar, PANEL_ELEMENTS * panel, row, head,
+                    batch);
 }
 
 // Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the

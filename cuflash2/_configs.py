@@ -23,7 +23,8 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 #: Float32 inputs by their precision (cuda_src/tf32_primitives.cuh): "float32", precision
 #: "highest" (each operand as two TF32 parts, three products), and "tf32" (one TF32 product).
-#: The mma.sync forward and backward (the Hopper kernels stay 16-bit).
+#: The mma.sync forward and backward; on sm_90 "tf32" forwards also run the Hopper forward
+#: (its TF32 wgmma specialisation, _dispatch.TF32_SM90_FWD_TILES).
 FLOAT32_TAGS = {"float32": "f32x3_tag", "tf32": "tf32_tag"}
 ELEMENT_TAGS = {**DTYPE_TAGS, **FLOAT32_TAGS}
 #: 16-bit words an element takes in memory (the tags' WORDS): the kernels address tiles,
@@ -121,6 +122,9 @@ PREPROCESS_ROWS_PER_WARP = 8
 CONVERT_THREADS = 256
 #: The sinks' gradient (flash_bwd_sinks.cu): threads of its one CTA a head.
 SINKS_THREADS = 256
+#: The float32 Hopper forward's operand pass (flash_fwd_tf32_operands.cu: K rounded to TF32, V
+#: rounded with its keys innermost): threads a CTA of 32 keys.
+TF32_OPERANDS_THREADS = 256
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
 #: The deterministic dQ kernel: 4 warps of 16 query rows.
@@ -164,7 +168,7 @@ CUDA_CONSTANTS = {
     "MAX_SPLITS": MAX_SPLITS, "MAX_CLUSTER_SPLITS": MAX_CLUSTER_SPLITS,
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
-    "SINKS_THREADS": SINKS_THREADS,
+    "SINKS_THREADS": SINKS_THREADS, "TF32_OPERANDS_THREADS": TF32_OPERANDS_THREADS,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
     "DECODE_MERGE_ROW_PAD_N8": DECODE_MERGE_ROW_PAD_N8, "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
@@ -340,9 +344,10 @@ class FwdSm90Config:
 
     @property
     def panels(self) -> int:
-        """64-column panels (128-byte rows) of a tile in shared memory: the head dim rounded up
-        to 64 (d=96: two, the second half zero-filled by the TMA; FwdSm90Traits::PANELS)."""
-        return -(-self.head_dim // 64)
+        """128-byte panels (64 16-bit columns, 32 float32) of a row of a tile in shared memory:
+        the head dim in 16-bit words rounded up to 64 (d=96: two, the second half zero-filled by
+        the TMA; FwdSm90Traits::PANELS)."""
+        return -(-self.head_dim * ELEMENT_WORDS[self.dtype] // 64)
 
     @property
     def smem_bytes(self) -> int:
@@ -366,7 +371,7 @@ class FwdSm90Config:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_fwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+        return (f"flash_fwd_sm90_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.block_m}, {self.block_n}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.overlap else 'false'}, {self.features}, "
@@ -375,7 +380,7 @@ class FwdSm90Config:
 
     @property
     def probes(self) -> str:
-        traits = (f"FwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
+        traits = (f"FwdSm90Traits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
                   f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}"
                   f"{', true' if self.bias_tile else ''}>")
         return _traits_probes(traits, self) + (
@@ -744,15 +749,22 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
                 f"{self.block_n}, {self.kv_stages}, {self.features}, {self.mods_hash:#010x}u>")
 
 
+#: The float32 Hopper forward's operand pass (AuxKernel("tf32", TF32_OPERANDS_KERNEL)).
+TF32_OPERANDS_KERNEL = "flash_fwd_tf32_operands_kernel"
+
+
 @dataclass(frozen=True)
 class AuxKernel:
-    """A small kernel specialised on the dtype only (backward pre- and post-processing)."""
+    """A small kernel specialised on the dtype only (backward pre- and post-processing, the
+    float32 Hopper forward's operand pass)."""
 
     # "float16", "bfloat16" or "float32" (whatever a float32 call's precision); the preprocess
-    # also "tf32" (its D takes dO rounded as the products do).
+    # also "tf32" (its D takes dO rounded as the products do), the operand pass "tf32" only.
     dtype: str
     #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
-    #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only)
+    #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only), or
+    #: "flash_fwd_tf32_operands_kernel" (TF32_OPERANDS_KERNEL: before the Hopper forward at
+    #: precision "tf32", grid (keys_padded / 32, kv heads, batch); FwdSm90Params)
     kernel: str
     varlen: bool = False  # packed variable-length sequences
     smem_bytes: int = 0
@@ -761,13 +773,15 @@ class AuxKernel:
     def threads(self) -> int:
         return {"flash_bwd_preprocess_kernel": PREPROCESS_THREADS,
                 "flash_bwd_convert_dq_kernel": CONVERT_THREADS,
-                "flash_bwd_sinks_kernel": SINKS_THREADS}[self.kernel]
+                "flash_bwd_sinks_kernel": SINKS_THREADS,
+                TF32_OPERANDS_KERNEL: TF32_OPERANDS_THREADS}[self.kernel]
 
     @property
     def source_file(self) -> str:
         return {"flash_bwd_preprocess_kernel": "flash_bwd_preprocess.cu",
                 "flash_bwd_convert_dq_kernel": "flash_bwd_convert_dq.cu",
-                "flash_bwd_sinks_kernel": "flash_bwd_sinks.cu"}[self.kernel]
+                "flash_bwd_sinks_kernel": "flash_bwd_sinks.cu",
+                TF32_OPERANDS_KERNEL: "flash_fwd_tf32_operands.cu"}[self.kernel]
 
     @property
     def name_expression(self) -> str:
@@ -934,7 +948,9 @@ def describe(config) -> str:
     if isinstance(config, AuxKernel):
         what = {"flash_bwd_preprocess_kernel": "backward preprocess (D, lse, dQ accumulator)",
                 "flash_bwd_convert_dq_kernel": "backward dQ conversion",
-                "flash_bwd_sinks_kernel": "backward sinks gradient"}.get(config.kernel,
+                "flash_bwd_sinks_kernel": "backward sinks gradient",
+                TF32_OPERANDS_KERNEL: "forward operand pass (K and V rounded to TF32, V keys "
+                                      "innermost)"}.get(config.kernel,
                                                                             config.kernel)
         return f"{what}, {dtype}{', varlen' if config.varlen else ''}"
     return config.name_expression

@@ -108,7 +108,8 @@ def reports(nvrtc_available, compile_jobs, request):
                 if item.originalname in ("test_hopper_forward_compiles_without_spills",
                                          "test_hopper_varlen_forward_compiles_without_spills",
                                          "test_hopper_three_consumer_forward_compiles_without_spills",
-                                         "test_hopper_sinks_forward_compiles_without_spills")
+                                         "test_hopper_sinks_forward_compiles_without_spills",
+                                         "test_tf32_hopper_forward_compiles_without_spills")
                 and hasattr(item, "callspec")]
     pool = ProcessPoolExecutor(compile_jobs, mp_context=multiprocessing.get_context("spawn"))
     futures = {config: pool.submit(_compile.compile_report, config, 90)
@@ -174,6 +175,31 @@ def test_hopper_varlen_forward_compiles_without_spills(config, reports):
     for c in SINKS_CONFIGS])
 def test_hopper_sinks_forward_compiles_without_spills(config, reports):
     """FEATURE_SINKS (the sink's logit in every row's softmax denominator): the same checks."""
+    test_hopper_forward_compiles_without_spills(config, reports)
+
+
+#: The TF32 Hopper forward (float32 at precision "tf32"; _dispatch.TF32_SM90_FWD_TILES) and its
+#: operand pass: every head dim plain by default (3 + 1 compiles), every feature set it takes
+#: under --exhaustive.
+TF32_CONFIGS = _dispatch.tf32_hopper_forward_configs(
+    (0,) + tuple(f for f in _configs.SM90_FWD_FEATURES if f))
+
+
+def _tf32_id(c) -> str:
+    return c.kernel if isinstance(c, _configs.AuxKernel) else _config_id(c)
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(c, id=_tf32_id(c),
+                 marks=() if not getattr(c, "features", 0) else pytest.mark.exhaustive)
+    for c in TF32_CONFIGS])
+def test_tf32_hopper_forward_compiles_without_spills(config, reports):
+    """The same checks as every other specialisation, and the operand pass without spills."""
+    if isinstance(config, _configs.AuxKernel):
+        report = reports(config)
+        assert report.cubin_bytes > 0 and report.spill_stores == 0, report.log
+        return
+    assert config.dtype == "tf32" and not config.persistent
     test_hopper_forward_compiles_without_spills(config, reports)
 
 

@@ -5,6 +5,7 @@
 // Both end in the forward kernels' shared stores (output_store.cuh).
 #pragma once
 #include "hopper_primitives.cuh"
+#include "tf32_primitives.cuh"
 #include "variant.cuh"
 #include "kernel_params.cuh"
 #include "output_store.cuh"
@@ -18,7 +19,7 @@ template <class T, int ROWS, int THREADS, int FEATURES>
 CF2_DEVICE void store_empty_tile_rows(const FwdParams& p, const FwdTileContext& c,
                                       int head_chunks, int row0, int tid) {
     using Variant = AttentionVariant<FEATURES>;
-    store_empty_rows<ROWS, T::DIM / 8, THREADS, Variant>(
+    store_empty_rows<ROWS, T::O_CHUNKS, THREADS, Variant>(
         p, c.o_block, c.lse_block, c.w.head, c.span.row_first,
         tile_seqlen_q<Variant::VARLEN>(p, c), head_chunks, row0, tid);
 }
@@ -56,16 +57,25 @@ CF2_DEVICE void store_tile(const FwdParams& p, const FwdTileContext& c,
         const int row = wg_row0 + 16 * warp + 8 * half + lane / 4;  // in the tile
 #pragma unroll
         for (int dt = 0; dt < T::D_TILES; ++dt) {
-            const u32 packed = pack_pair<Elem>(acc_o[0][dt][2 * half] * inv_sum[half],
-                                               acc_o[0][dt][2 * half + 1] * inv_sum[half]);
-            store_4B_shared(swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, dt) + 4 * (lane % 4),
-                            packed);
+            if constexpr (Elem::IS_F32) {
+                // columns 8 dt + 2t, + 1: words 16 dt + 4t .., chunk 2 dt + t / 2, byte 8 (t % 2)
+                const int t = lane % 4;
+                store_8B_shared(swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, 2 * dt + t / 2) +
+                                    8 * (t % 2),
+                                acc_o[0][dt][2 * half] * inv_sum[half],
+                                acc_o[0][dt][2 * half + 1] * inv_sum[half]);
+            } else {
+                const u32 packed = pack_pair<Elem>(acc_o[0][dt][2 * half] * inv_sum[half],
+                                                   acc_o[0][dt][2 * half + 1] * inv_sum[half]);
+                store_4B_shared(
+                    swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, dt) + 4 * (lane % 4), packed);
+            }
         }
         if (lane % 4 == 0 && row_first + row < tile_seqlen_q<VARLEN>(p, c))
             lse_block[row] = row_lse[half];
     }
     named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
-    store_staged_rows<T::ROWS_PER_WARPGROUP, T::DIM / 8, T::WARPGROUP_THREADS>(
+    store_staged_rows<T::ROWS_PER_WARPGROUP, T::O_CHUNKS, T::WARPGROUP_THREADS>(
         p, o_block,
         [&](int row, int chunk) { return swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, chunk); },
         row_first, tile_seqlen_q<VARLEN>(p, c), head_chunks, wg_row0,

@@ -7,6 +7,7 @@
 // OnlineSoftmax state to the epilogue (sm90/fwd_epilogue.cuh).
 #pragma once
 #include "hopper_primitives.cuh"
+#include "tf32_primitives.cuh"
 #include "variant.cuh"
 #include "kernel_params.cuh"
 #include "sm90/fwd_barriers.cuh"
@@ -38,13 +39,67 @@ CF2_DEVICE ScoreTile<N_TILES / 2>& left_half(ScoreTile<N_TILES>& s) {
 // panel), which CUTLASS's layout atoms would not express (it would pick the 64-byte swizzle for
 // an N of 96); the hardware walks 8 x 8 core matrices, so this is expected to work, and the first
 // d=96 run checks it. Issues the wgmmas only.
+// Float32 (T::KEYS_LAST_V): V's tile holds its keys innermost, 32-key panels of HEAD_DIM rows,
+// the K-major B operand of TF32 wgmmas (which have no transposed B); the k8 step ks (keys
+// 8 ks ..) lies in panel ks / 4, 32 * (ks % 4) bytes into its 128-byte rows, as a K-major step
+// of Q K^T does (issue_kmajor_ss).
 template <typename Elem, class T>
 CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
 #pragma unroll
     for (int ks = 0; ks < T::PV_STEPS; ++ks) {
-        const u64 b = smem_matrix_descriptor(v_tile + 16 * 128 * ks, T::KV_PANEL_BYTES, 1024);
-        wgmma_rs_trans_b<Elem, T::DIM>(acc_o, p[ks], b, 1);
+        if constexpr (T::KEYS_LAST_V) {
+            const u64 b = smem_matrix_descriptor(
+                v_tile + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16, 1024);
+            wgmma_rs_tf32<T::DIM>(acc_o, p[ks], b, 1);
+        } else {
+            const u64 b = smem_matrix_descriptor(v_tile + 16 * 128 * ks, T::KV_PANEL_BYTES, 1024);
+            wgmma_rs_trans_b<Elem, T::DIM>(acc_o, p[ks], b, 1);
+        }
     }
+}
+
+// The probabilities in the S registers (after exp_scores) as the A operand of P V, step by step.
+// 16-bit: k16 slices packed in pairs (OnlineSoftmax::pack_p). TF32: k8 steps, one n8 tile of the
+// accumulator each, rounded (cvt.rna, as every operand of the float32 kernels); the tile holds
+// keys 2t and 2t + 1 of row g (and g + 8) where the TF32 A fragment has columns t and t + 4, and
+// the keys-last V holds its keys in that order (flash_fwd_tf32_operands.cu), so each register
+// goes where it is.
+template <typename Elem, class T>
+CF2_DEVICE void pack_probabilities(u32 (&p)[T::PV_STEPS][4], const float (&s)[T::N_TILES][4]) {
+#pragma unroll
+    for (int ks = 0; ks < T::PV_STEPS; ++ks) {
+        if constexpr (Elem::IS_F32) {
+            p[ks][0] = to_tf32(s[ks][0]);  // row g,     key 2t     (column t)
+            p[ks][1] = to_tf32(s[ks][2]);  // row g + 8, key 2t
+            p[ks][2] = to_tf32(s[ks][1]);  // row g,     key 2t + 1 (column t + 4)
+            p[ks][3] = to_tf32(s[ks][3]);  // row g + 8, key 2t + 1
+        } else {
+            OnlineSoftmax<1>::template pack_p<Elem>(p[ks], s[2 * ks], s[2 * ks + 1]);
+        }
+    }
+}
+
+// Float32: this warpgroup's rows of Q, as the TMA landed them, rounded to TF32 in place (K and V
+// come rounded: flash_fwd_tf32_operands.cu), once a work tile, before the first S = Q K^T; then
+// handed to the async proxy (the wgmmas' reads) and the warpgroup's threads.
+template <class T>
+CF2_DEVICE void round_q_to_tf32(u32 q_rows, int consumer) {
+    const int tid = threadIdx.x % T::WARPGROUP_THREADS;
+#pragma unroll
+    for (int panel = 0; panel < T::PANELS; ++panel) {
+#pragma unroll
+        for (int i = tid; i < T::ROWS_PER_WARPGROUP * 8; i += T::WARPGROUP_THREADS) {
+            const u32 chunk = q_rows + panel * T::Q_PANEL_BYTES + 16 * i;
+            u32 v[4];
+            load_16B_shared(v, chunk);
+            store_16B_shared(chunk, __uint_as_float(to_tf32(__uint_as_float(v[0]))),
+                             __uint_as_float(to_tf32(__uint_as_float(v[1]))),
+                             __uint_as_float(to_tf32(__uint_as_float(v[2]))),
+                             __uint_as_float(to_tf32(__uint_as_float(v[3]))));
+        }
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
 }
 
 // S = Q K^T, complete on return.
@@ -281,13 +336,19 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
                             int tile) {
         score_step(acc_s, tile);
         softmax.update_max(acc_s, acc_o, p.scale_log2);
+        if constexpr (Elem::IS_F32) {
+            softmax.exp_scores(acc_s, p.scale_log2);
+            pack_probabilities<Elem, T>(p_frag, acc_s[0]);
+        } else {
 #pragma unroll
-        for (int ks = 0; ks < T::PV_STEPS; ++ks)
-            softmax.template exp_pack<Elem>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1], 0,
-                                            p.scale_log2);
+            for (int ks = 0; ks < T::PV_STEPS; ++ks)
+                softmax.template exp_pack<Elem>(p_frag[ks], acc_s[0][2 * ks],
+                                                acc_s[0][2 * ks + 1], 0, p.scale_log2);
+        }
     };
 
     mbarrier_wait(smem_address(&bars.q_full), q_round & 1);
+    if constexpr (Elem::IS_F32) round_q_to_tf32<T>(q_rows, consumer);
     if constexpr (OVERLAP) {
         // The overlap inside a warpgroup (FlashAttention-3's intra-warpgroup pipelining).
         // Iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two commit groups, in that
@@ -336,9 +397,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             pin_registers(acc_o[0]);
             pin_registers(p_frag);
             if (j > 0) release_v(j - 1);
-#pragma unroll
-            for (int ks = 0; ks < T::PV_STEPS; ++ks)
-                softmax.template pack_p<Elem>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1]);
+            pack_probabilities<Elem, T>(p_frag, acc_s[0]);
         };
         const int tiles = tile_end - tile_first;
 

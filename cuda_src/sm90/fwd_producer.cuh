@@ -40,8 +40,8 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
     auto load_q = [&]() {
         const u32 q_full = smem_address(&bars.q_full);
         mbarrier_arrive_expect_tx(q_full, T::Q_BYTES);
-        tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(q_smem, params.q_map, q_full,
-                                                   q_row0 + span.row_first, w.head, batch);
+        tma_load_tile<T::PANELS, T::Q_PANEL_BYTES, T::PANEL_ELEMENTS>(
+            q_smem, params.q_map, q_full, q_row0 + span.row_first, w.head, batch);
     };
     if constexpr (!PERSISTENT) load_q();
     for (int tile = span.tile_end - 1, j = 0; tile >= span.tile_first; --tile, ++j) {
@@ -56,9 +56,8 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         const u32 k_full = smem_address(&bars.k_full[stage]);
         const u32 v_full = smem_address(&bars.v_full[stage]);
         mbarrier_arrive_expect_tx(k_full, T::KV_TILE_BYTES);
-        tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_tile, params.k_map, k_full,
-                                                    k_row0 + tile * T::KEYS_PER_TILE, kv_head,
-                                                    batch);
+        tma_load_tile<T::PANELS, T::KV_PANEL_BYTES, T::PANEL_ELEMENTS>(
+            k_tile, params.k_map, k_full, k_row0 + tile * T::KEYS_PER_TILE, kv_head, batch);
         if constexpr (PERSISTENT) {
             if (j == 0) {
                 mbarrier_wait(smem_address(&bars.q_empty), (q_round & 1) ^ 1);
@@ -72,8 +71,18 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
         mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
-        tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
-                                                    k_row0 + tile * T::KEYS_PER_TILE, kv_head,
-                                                    batch);
+        if constexpr (T::KEYS_LAST_V) {
+            // V with its keys innermost (flash_fwd_tf32_operands.cu), mapped as (key, head-dim
+            // row, kv head, batch): 32-key panels of every head-dim row.
+#pragma unroll
+            for (int panel = 0; panel < T::VT_PANELS; ++panel)
+                tma_load_4d(v_tile + panel * T::VT_PANEL_BYTES, params.v_map, v_full,
+                            tile * T::KEYS_PER_TILE + T::PANEL_ELEMENTS * panel, 0, kv_head,
+                            batch);
+        } else {
+            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
+                                                        k_row0 + tile * T::KEYS_PER_TILE,
+                                                        kv_head, batch);
+        }
     }
 }

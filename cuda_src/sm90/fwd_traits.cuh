@@ -23,6 +23,12 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int EPILOGUE_BARRIER = 1;
     static constexpr int TURN_BARRIER = EPILOGUE_BARRIER + CONSUMER_WARPGROUPS;
 
+    // Float32 elements (Elem::IS_F32: tf32_tag, TF32 wgmma) take two 16-bit words: a Q or K row
+    // of HEAD_DIM floats is ROW_WORDS words, laid out as a 16-bit row twice as long (panels of 32
+    // floats), and V comes with its keys innermost (KEYS_LAST_V; flash_fwd_tf32_operands.cu).
+    static constexpr int WORDS = Elem::WORDS;
+    static constexpr int ROW_WORDS = HEAD_DIM * WORDS;
+    static constexpr bool KEYS_LAST_V = Elem::IS_F32;
     // Tiles in shared memory are panels of 64 columns (Sm90CtaLayout); a tile of R rows is PANELS
     // panels of R * 128 B.
     // A head dim that is not a multiple of 64 (96) ends in a partly used panel: its box is still
@@ -33,11 +39,16 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // and descriptor mode for it alone. With full panels one map, one layout and one descriptor
     // scheme serve every head dim. The GEMMs skip the padding: Q K^T takes HEAD_DIM / 16
     // k-steps and P V has N = HEAD_DIM, so the zero columns are never multiplied.
-    static constexpr int PANELS = (HEAD_DIM + PANEL_COLS - 1) / PANEL_COLS;
+    static constexpr int PANELS = (ROW_WORDS + PANEL_COLS - 1) / PANEL_COLS;
+    static constexpr int PANEL_ELEMENTS = PANEL_COLS / WORDS;  // a TMA box's columns
     static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
+    // KEYS_LAST_V: a V tile is BLOCK_N keys as panels of 32 keys (128-byte rows) by HEAD_DIM
+    // head-dim rows, the K-major B operand of P V; the same bytes as a K tile.
+    static constexpr int VT_PANELS = BLOCK_N * WORDS / PANEL_COLS;
+    static constexpr int VT_PANEL_BYTES = HEAD_DIM * ROW_BYTES;
     static constexpr int BIAS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int BIAS_PANELS = BIAS ? BLOCK_N / PANEL_COLS : 0;
     static constexpr int BIAS_TILE_BYTES = BIAS_PANELS * BIAS_PANEL_BYTES;
@@ -54,8 +65,10 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int KEYS_PER_TILE = BLOCK_N;
     static constexpr int N_TILES = BLOCK_N / 8;    // n8 column groups of S (accumulator layout)
     static constexpr int D_TILES = HEAD_DIM / 8;   // n8 column groups of O
-    static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of Q K^T (over the head dim)
-    static constexpr int PV_STEPS = BLOCK_N / 16;   // k16 steps of P V (over the keys)
+    // k-steps of 32 bytes a row: k16 (16-bit) or k8 (TF32) wgmmas
+    static constexpr int QK_STEPS = ROW_WORDS / 16;     // of Q K^T (over the head dim)
+    static constexpr int PV_STEPS = BLOCK_N * WORDS / 16;  // of P V (over the keys)
+    static constexpr int O_CHUNKS = ROW_WORDS / 8;      // 16-byte chunks of an O row
     // A warpgroup whose rows see only the left half of their first KV tile's keys (the diagonal
     // tile of a causal row block's upper half, a short sequence tail) runs the softmax of that
     // half alone (consume_kv_tiles in sm90/fwd_mainloop.cuh, the ping-pong + overlap schedule): whole k16 slices of P. Not
@@ -75,8 +88,13 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256,
                   "wgmma N of Q K^T (= BLOCK_N): a multiple of 16 up to 256");
     static_assert(KV_PANEL_BYTES % 1024 == 0 && Q_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
-    static_assert(ROWS_PER_WARPGROUP * (HEAD_DIM / 8) % WARPGROUP_THREADS == 0,
+    static_assert(ROWS_PER_WARPGROUP * O_CHUNKS % WARPGROUP_THREADS == 0,
                   "the epilogue's 16-byte chunks split evenly over a warpgroup");
+    static_assert(!KEYS_LAST_V || (BLOCK_N % 32 == 0 && VT_PANELS * VT_PANEL_BYTES == KV_TILE_BYTES
+                                   && VT_PANEL_BYTES % 1024 == 0),
+                  "keys-last V: whole 32-key panels, a K tile's bytes, whole swizzle atoms");
+    static_assert(!Elem::IS_F32 || (!PERSISTENT && !BIAS),
+                  "float32: the one-tile-per-CTA grid, no bias tiles");
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
