@@ -96,9 +96,22 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     output_fields.append(("lse", len(outputs), 0))
     outputs.append((tuple(lse_shape), "float32"))
     launches, counters = [], ()
+    scratch, scratch_bytes = [], 0
     if p.batch and p.seqlen_q and p.nheads:
         if choice.hopper and config.claims:
             counters = ("tile_counters",)
+        if choice.hopper and config.dtype == "tf32":
+            # K and V as the TF32 wgmmas take them, in the call's scratch, by the operand pass
+            # (flash_fwd_tf32_operands.cu); the forward's k_map and v_map read them.
+            shapes = _dispatch.tf32_operand_shapes(p, config)
+            offsets, scratch_bytes = _plans.carve(
+                [4 * math.prod(shape) for shape, *_ in shapes.values()])
+            for (name, _), off in zip(shapes.items(), offsets):
+                scratch += [(name, off), (f"{_dispatch.TF32_OPERAND_MAPS[name]}.v", off)]
+            keys = shapes["v_keys_last"][0][3]
+            operands = _configs.AuxKernel("tf32", _configs.TF32_OPERANDS_KERNEL)
+            launches.append(_launch.kernel_launch(operands, device_id,
+                                                  (-(-keys // 32), p.nheads_kv, p.batch)))
         launches.append(_launch.kernel_launch(config, device_id, choice.grid))
     inputs = _input_fields(views, sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
@@ -122,10 +135,11 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
                            output_fields, aligned=aligned, per_call=_dropout_slots(mods))
     # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`, then the
-    # persistent grid's fields.
+    # persistent grid's fields (and at "tf32" the scratch's).
     return _sm90_plan(device_id, "FwdSm90Params", fields, choice.maps, choice.map_fields,
-                      launches, inputs, outputs, output_fields, aligned=aligned,
-                      own_fields=choice.grid_fields, counters=counters)
+                      launches, inputs, outputs, output_fields, scratch_bytes, aligned=aligned,
+                      own_fields=choice.grid_fields, counters=counters,
+                      own_workspace_fields=scratch)
 
 
 def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_fields, aligned,
@@ -181,7 +195,7 @@ def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields
                launches, inputs, outputs, output_fields, workspace_bytes: int = 0,
                workspace_fields=(), aligned=(), launch_structs=(), own_fields=None,
                counters=(), prefix: str = "", extra_fields=None,
-               extra_inputs=()) -> _plans.Plan:
+               extra_inputs=(), own_workspace_fields=()) -> _plans.Plan:
     """The plan of an sm_90a kernel whose struct is tensor maps (`maps`: map field -> (view
     name, box rows); `map_fields`: their words, encoded once by the dispatch) followed by the
     sm_80 kernels' struct as `base`: `fields`, `inputs`, `output_fields` and `workspace_fields`
@@ -191,7 +205,10 @@ def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields
     of the struct. `counters`: own fields set to the stream's counters a call
     (_plans.stream_counters). `prefix`: where that sm_90a struct sits in `struct` ("sm90." in
     FwdSm90ModsParams), whose other fields are `extra_fields` (set once) and `extra_inputs`
-    ((field, input position, byte offset), per call: the modifiers' arrays)."""
+    ((field, input position, byte offset), per call: the modifiers' arrays).
+    `own_workspace_fields`: (field, byte offset) of the sm_90a struct's own set to the
+    workspace's address per call (the TF32 forward's scratch arrays and their maps' address
+    words)."""
     base = prefix + "base."
     # The inputs that patch each map's address word per call, from those of the arrays.
     map_inputs = [(f"{prefix}{field}.v", pos, off) for name, pos, off in inputs
@@ -204,7 +221,8 @@ def _sm90_plan(device_id: int, struct: str, fields: dict, maps: dict, map_fields
         launches, [(base + f, pos, off) for f, pos, off in inputs] + map_inputs
         + list(extra_inputs),
         outputs, [(base + f, i, off) for f, i, off in output_fields], workspace_bytes,
-        [(base + f, off) for f, off in workspace_fields], aligned,
+        [(base + f, off) for f, off in workspace_fields]
+        + [(prefix + f, off) for f, off in own_workspace_fields], aligned,
         batch_offset=base + "batch_offset", launch_structs=launch_structs,
         counters=tuple(prefix + f for f in counters))
 

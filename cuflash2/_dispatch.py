@@ -25,7 +25,8 @@ from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DT
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
-                       USER_MOD_FEATURES, FwdSm90Config, backward_features, with_features)
+                       USER_MOD_FEATURES, AuxKernel, FwdSm90Config, TF32_OPERANDS_KERNEL,
+                       backward_features, with_features)
 
 #: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
 FORCED: dict = {}
@@ -104,6 +105,13 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     if hopper is not None:
         maps = _hopper.forward_maps(hopper)
         map_fields = _hopper.readable_map_fields(views, maps)
+        if map_fields is not None and hopper.dtype == "tf32":
+            try:  # K and V as the operand pass writes them, in the call's scratch
+                map_fields.update(_hopper.scratch_map_fields(
+                    {TF32_OPERAND_MAPS[name]: (view, strides, rows) for name, (_, _, view,
+                     strides, rows) in tf32_operand_shapes(p, hopper).items()}))
+            except (ValueError, RuntimeError):
+                map_fields = None
     if map_fields is None:
         if config is None:
             config = FORCED.get("fwd") or fwd_config(p.dtype, p.head_dim, arch)
@@ -624,6 +632,18 @@ HOPPER_FORWARD_VARLEN = os.environ.get("CUFLASH2_HOPPER_VARLEN", "1") != "0"
 HOPPER_FORWARD_MODS = os.environ.get("CUFLASH2_HOPPER_MODS", "1") != "0"
 HOPPER_MODS_MAX_HEAD_DIM = 192
 HOPPER_BLOCK_MASK_MAX_HEAD_DIM = 128
+#: Float32 calls at precision "tf32" on the Hopper forward with TF32 wgmma (tf32_tag;
+#: docs/FLOAT32.md, "Hopper"), dense calls up to head dim 128 with the variant's features:
+#: CUFLASH2_HOPPER_TF32=0 keeps them on the mma.sync kernel. Precision "highest" stays there
+#: (three TF32 products a product: no faster on wgmma than the 2x of the 16-bit rate it would
+#: need to matter).
+HOPPER_FORWARD_TF32 = os.environ.get("CUFLASH2_HOPPER_TF32", "1") != "0"
+#: (block_n, stages) of the TF32 Hopper forward by kernel head dim, block_m 128, ping-pong with
+#: the overlap inside a warpgroup. A float32 row takes the shared memory of a 16-bit row of twice
+#: the head dim: d=64 as 16-bit d=128 (128 keys, 2 stages: 164,864 B), d=96 and 128 with 64 keys
+#: a tile (3 stages: 197,632 B; 2 stages: 197,632 B). Registers: O 64 + S 32 + P 32 at d=128
+#: (ptxas: 168 at entry, no spills). Not yet timed on a GPU.
+TF32_SM90_FWD_TILES = {64: (128, 2), 96: (64, 3), 128: (64, 2)}
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
@@ -748,7 +768,8 @@ THREE_CONSUMER_PERSISTENT_MAX_KEYS = NO_LIMIT
 
 def hopper_forward_config(problem, features: int, window, arch: int, varlen=None):
     """The Hopper forward's configuration for a checked call, or None where the call stays on
-    the mma.sync kernel: not sm_90, switched off, float32 inputs, dropout, varlen unless HOPPER_FORWARD_VARLEN,
+    the mma.sync kernel: not sm_90, switched off, float32 inputs (but for precision "tf32":
+    tf32_hopper_forward_config), dropout, varlen unless HOPPER_FORWARD_VARLEN,
     a head dim beyond the Hopper kernels', or an empty problem (forward_kernel then asks the
     TMA to describe q, k and v).
 
@@ -757,6 +778,8 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     extent of 1 (the dense maps' geometry, _hopper.as_batched), each CTA adds its sequence's
     first row to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
+    if HOPPER_FORWARD and arch == 90 and p.dtype == "tf32":
+        return tf32_hopper_forward_config(p, features, varlen)
     if (not HOPPER_FORWARD or arch != 90 or p.dtype not in DTYPE_TAGS
             or (varlen is not None and not HOPPER_FORWARD_VARLEN)):
         return None
@@ -788,6 +811,46 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     if config.persistent and claims:
         config = dataclasses.replace(config, claims=True)
     return config
+
+
+def tf32_hopper_forward_config(problem, features: int, varlen=None):
+    """The TF32 Hopper forward's configuration for a checked float32 call at precision "tf32"
+    (TF32_SM90_FWD_TILES), or None where it stays on the mma.sync kernel: switched off, varlen
+    (the keys-last V groups keys by 8 from each sequence's start), features beyond the
+    variant's, a head dim past 128, an empty problem."""
+    p = problem
+    dims = tuple(TF32_SM90_FWD_TILES)
+    if (not HOPPER_FORWARD_TF32 or varlen is not None
+            or features & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS)
+            or not plannable(p, dims)):
+        return None
+    kernel_dim = hopper_forward_head_dim(p.head_dim, dims)
+    block_n, stages = TF32_SM90_FWD_TILES[kernel_dim]
+    return FwdSm90Config("tf32", kernel_dim, block_n=block_n, stages=stages, pingpong=True,
+                         overlap=True, features=features)
+
+
+#: The TF32 Hopper forward's scratch arrays by FwdSm90Params field, and the map reading each.
+TF32_OPERAND_MAPS = {"k_tf32": "k_map", "v_keys_last": "v_map"}
+
+
+def tf32_operand_shapes(problem, config) -> dict:
+    """The TF32 Hopper forward's scratch arrays (flash_fwd_tf32_operands.cu), by FwdSm90Params
+    field: (shape, element strides, the (batch, rows, heads, columns) view its tensor map covers
+    and that view's element strides, box rows).
+    k_tf32: K rounded, (batch, seqlen_k, kv heads, head dim), boxes of block_n keys;
+    v_keys_last: V rounded with its keys innermost, (batch, kv heads, head dim, keys padded to
+    8), mapped as (batch, head dim, kv heads, keys) with boxes of 32 keys by the kernel head dim."""
+    p = problem
+    keys = -(-p.seqlen_k // 8) * 8
+    k_shape = (p.batch, p.seqlen_k, p.nheads_kv, p.head_dim)
+    k_strides = (p.seqlen_k * p.nheads_kv * p.head_dim, p.nheads_kv * p.head_dim, p.head_dim, 1)
+    v_shape = (p.batch, p.nheads_kv, p.head_dim, keys)
+    v_strides = (p.nheads_kv * p.head_dim * keys, p.head_dim * keys, keys, 1)
+    return {"k_tf32": (k_shape, k_strides, k_shape, k_strides, config.block_n),
+            "v_keys_last": (v_shape, v_strides,
+                            (p.batch, p.head_dim, p.nheads_kv, keys),
+                            (v_strides[0], v_strides[2], v_strides[1], 1), config.head_dim)}
 
 
 #: K/V bytes that the CTAs of the persistent grid running at one time should find in L2 where
@@ -1253,6 +1316,17 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
                for d in (SM90_PERSISTENT_TILES if grid else SM90_FWD_HEAD_DIMS)]
     return configs + [dataclasses.replace(c, claims=True) for c in configs
                       if c.persistent and c.pingpong and c.overlap]
+
+
+def tf32_hopper_forward_configs(features=(0,)) -> list:
+    """Every TF32 Hopper forward specialisation (tf32_hopper_forward_config's, for each of
+    `features` it takes) and the operand pass that runs before it."""
+    taken = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS
+    configs = [FwdSm90Config("tf32", d, block_n=block_n, stages=stages, pingpong=True,
+                             overlap=True, features=f)
+               for f in dict.fromkeys(features) if not f & ~taken
+               for d, (block_n, stages) in TF32_SM90_FWD_TILES.items()]
+    return configs + [AuxKernel("tf32", TF32_OPERANDS_KERNEL)] if configs else []
 
 
 def hopper_forward_configs(features=(0,)) -> list:

@@ -49,9 +49,9 @@ import ctypes
 
 import numpy
 
-#: Columns of a TMA box: 64 16-bit elements = 128 bytes, the span of CU_TENSOR_MAP_SWIZZLE_128B
-#: (FwdSm90Traits::PANEL_COLS).
-BOX_COLS = 64
+#: Bytes of a TMA box's row: the span of CU_TENSOR_MAP_SWIZZLE_128B, 64 16-bit elements or 32
+#: float32 (FwdSm90Traits::PANEL_COLS words, PANEL_ELEMENTS elements).
+BOX_BYTES = 128
 #: Largest row count of a TMA box.
 MAX_BOX_ROWS = 256
 #: The 64-bit word of a CUtensorMap that holds the global address (checked by `encode_map`).
@@ -85,20 +85,28 @@ def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
     dims = (dim, seqlen, heads, batch)
     if min(dims) < 1 or max(dims) > 1 << 32:
         raise ValueError(f"TMA needs every dimension in [1, 2^32]; got {shape}")
-    return list(dims), strides, [BOX_COLS, box_rows, 1, 1]
+    return list(dims), strides, [BOX_BYTES // itemsize, box_rows, 1, 1]
 
 
 def tensor_map_bytes(x, box_rows: int) -> bytes:
     """The 128 bytes of the CUtensorMap of the CuPy array `x` (batch, seqlen, heads, headdim),
-    fp16 or bf16, 128-byte swizzle, boxes of BOX_COLS x `box_rows`."""
+    fp16, bf16 or float32, 128-byte swizzle, boxes of BOX_BYTES x `box_rows`."""
+    return tensor_map_bytes_at(x.data.ptr, x.shape, x.strides, x.dtype.name, box_rows)
+
+
+def tensor_map_bytes_at(address: int, shape, strides_bytes, dtype: str, box_rows: int) -> bytes:
+    """tensor_map_bytes of an array given by its address, shape, byte strides and dtype name
+    (the float32 forward's scratch arrays, whose address a call patches in: the driver encodes
+    the map without reading the memory)."""
     from cuda.bindings import driver
 
-    dtype = {"float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[
-        x.dtype.name]
-    dims, strides, box = tensor_map_geometry(x.shape, x.strides, x.itemsize, box_rows)
+    types = driver.CUtensorMapDataType
+    data_type, itemsize = {"float16": (types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
+                           "bfloat16": (types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
+                           "float32": (types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4)}[dtype]
+    dims, strides, box = tensor_map_geometry(shape, strides_bytes, itemsize, box_rows)
     err, tensor_map = driver.cuTensorMapEncodeTiled(
-        dtype, 4, x.data.ptr,
+        data_type, 4, address,
         [driver.cuuint64_t(d) for d in dims],
         [driver.cuuint64_t(s) for s in strides],
         [driver.cuuint32_t(b) for b in box],
@@ -108,8 +116,8 @@ def tensor_map_bytes(x, box_rows: int) -> bytes:
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if int(err) != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err!r} (shape {x.shape}, "
-                           f"strides {x.strides})")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err!r} (shape {tuple(shape)}, "
+                           f"strides {tuple(strides_bytes)})")
     return ctypes.string_at(tensor_map.getPtr(), 128)
 
 
@@ -117,8 +125,12 @@ def encode_map(x, box_rows: int) -> numpy.ndarray:
     """The CUtensorMap of `x` as 16 64-bit words, its address in word ADDRESS_WORD. Raises
     RuntimeError if the driver put the address elsewhere (the map could then not be patched
     per call: the caller falls back to the mma.sync kernel)."""
-    words = numpy.frombuffer(tensor_map_bytes(x, box_rows), numpy.uint64).copy()
-    if int(words[ADDRESS_WORD]) != x.data.ptr:
+    return _checked_words(tensor_map_bytes(x, box_rows), x.data.ptr)
+
+
+def _checked_words(map_bytes: bytes, address: int) -> numpy.ndarray:
+    words = numpy.frombuffer(map_bytes, numpy.uint64).copy()
+    if int(words[ADDRESS_WORD]) != address:
         raise RuntimeError("this driver's CUtensorMap does not keep the global address in "
                            f"word {ADDRESS_WORD}")
     return words
@@ -134,9 +146,32 @@ def bindings_available() -> bool:
 
 
 def forward_maps(config) -> dict:
-    """The tensor maps of FwdSm90Params: map field -> (the array's view name, box rows)."""
+    """The tensor maps of FwdSm90Params over the call's arrays: map field -> (the array's view
+    name, box rows). At precision "tf32" k_map and v_map cover the call's scratch instead
+    (scratch_map_fields)."""
+    if config.dtype == "tf32":
+        return {"q_map": ("q", config.block_m)}
     return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n),
             "v_map": ("v", config.block_n)}
+
+
+#: Where the maps of scratch arrays are encoded before a call patches in its address: any
+#: 16-byte-aligned value (the driver encodes a map without reading the memory).
+SCRATCH_MAP_ADDRESS = 1 << 20
+
+
+def scratch_map_fields(maps: dict) -> dict:
+    """The words of maps over float32 scratch arrays (map field -> (view shape, element strides,
+    box rows), the view (batch, rows, heads, columns)), by struct path ("k_map.v"), encoded at
+    SCRATCH_MAP_ADDRESS: the plan sets each one's address word with the scratch's per call.
+    ValueError / RuntimeError as tensor_map_fields."""
+    fields = {}
+    for field, (shape, strides, rows) in maps.items():
+        strides_bytes = tuple(4 * s for s in strides)
+        fields[f"{field}.v"] = _checked_words(
+            tensor_map_bytes_at(SCRATCH_MAP_ADDRESS, shape, strides_bytes, "float32", rows),
+            SCRATCH_MAP_ADDRESS)
+    return fields
 
 
 def backward_maps(config) -> dict:

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash2 import _configs, _dispatch, _prepare, _validate, reference
+from cuflash2 import _configs, _dispatch, _hopper, _prepare, _validate, reference
 from cuflash2._attention_plans import _stride_fields
 from cuflash2._options import AttentionOptions
 
@@ -62,7 +62,9 @@ def test_float32_strides_are_whole_16_byte_units():
 @pytest.mark.parametrize("arch", [80, 86, 89, 90])
 @pytest.mark.parametrize("element", list(_configs.FLOAT32_TAGS))
 @pytest.mark.parametrize("head_dim", range(8, 257, 8))
-def test_float32_tiles_fit_and_stay_on_mma_sync(element, head_dim, arch):
+def test_float32_tiles_fit_and_tf32_takes_the_hopper_forward(element, head_dim, arch):
+    """The mma.sync tile of every float32 call fits; on sm_90 precision "tf32" up to head dim
+    128 runs the TF32 Hopper forward instead, "highest" stays on mma.sync."""
     config = _dispatch.fwd_config(element, head_dim, arch)
     assert config.dtype == element and config.head_dim >= head_dim
     assert config.block_m == 16 * config.num_warps  # 16 rows a warp
@@ -75,7 +77,11 @@ def test_float32_tiles_fit_and_stay_on_mma_sync(element, head_dim, arch):
     problem = _prepare.with_kernel_element(_problem(head_dim=head_dim),
                                            AttentionOptions(precision="tf32" if element == "tf32"
                                                             else None))
-    assert _dispatch.hopper_forward_config(problem, 0, (-1, -1), arch) is None
+    hopper = _dispatch.hopper_forward_config(problem, 0, (-1, -1), arch)
+    if element == "tf32" and arch == 90 and head_dim <= 128 and _hopper.bindings_available():
+        assert hopper.dtype == "tf32" and hopper.head_dim >= head_dim and not hopper.persistent
+    else:
+        assert hopper is None
 
 
 def test_parameters_count_16_bit_words():
@@ -123,10 +129,15 @@ def test_precompile_names_the_float32_forward_and_backward():
         backward = [config for d in (64, 100) for config in (
             _dispatch.bwd_config(element, d, 90), _dispatch.bwd_config(element, d, 90, True),
             _dispatch.bwd_dq_config(element, d, 90))]
-        assert configs[:8] == [_dispatch.fwd_config(element, 64, 90),
-                               _dispatch.fwd_config(element, 128, 90), *backward]
-        assert set(configs[8:]) == {_configs.AuxKernel(element, "flash_bwd_preprocess_kernel"),
-                                    _configs.AuxKernel("float32", "flash_bwd_convert_dq_kernel")}
+        # at "tf32" the TF32 Hopper forward (d=64 and 128 kernels) and its operand pass too
+        hopper = [c for c in _dispatch.tf32_hopper_forward_configs((0,))
+                  if getattr(c, "head_dim", 64) != 96] if element == "tf32" else []
+        assert configs[:8 + len(hopper)] == [_dispatch.fwd_config(element, 64, 90),
+                                             _dispatch.fwd_config(element, 128, 90), *hopper,
+                                             *backward]
+        assert set(configs[8 + len(hopper):]) == {
+            _configs.AuxKernel(element, "flash_bwd_preprocess_kernel"),
+            _configs.AuxKernel("float32", "flash_bwd_convert_dq_kernel")}
     configs = precompile.plan(86, ["float32"], [256], [0], ["bwd"])
     assert [c.kernel for c in configs] == ["flash_bwd_preprocess_kernel",
                                            "flash_bwd_convert_dq_kernel"]

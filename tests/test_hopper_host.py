@@ -24,7 +24,7 @@ def test_contiguous_array_maps_innermost_first():
     dims, strides, box = _hopper.tensor_map_geometry(shape, _strides(shape), 2, 128)
     assert dims == [128, 1000, 8, 2]
     assert strides == [8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2]  # row, head, batch (bytes)
-    assert box == [_hopper.BOX_COLS, 128, 1, 1]
+    assert box == [64, 128, 1, 1]
 
 
 def test_strided_views_keep_their_strides():
@@ -144,7 +144,7 @@ def test_prepared_forward_picks_the_kernel_and_its_box_rows(monkeypatch, head_di
     # the map geometry: 64-column boxes whatever the head dim
     _, _, box = _hopper.tensor_map_geometry((1, 500, 2, head_dim), (500 * 2 * head_dim * 2,
                                             2 * head_dim * 2, head_dim * 2, 2), 2, block_n)
-    assert box == [_hopper.BOX_COLS, block_n, 1, 1]
+    assert box == [64, block_n, 1, 1]
 
 
 def test_prepared_forward_refuses_head_dims_past_256(monkeypatch):
@@ -462,7 +462,7 @@ def test_varlen_maps_cover_the_packed_arrays():
     dims, strides, box = _hopper.tensor_map_geometry(x.shape, x.strides, 2, 128)
     assert dims == [96, 1234, 2, 1]
     assert strides == [2 * 96 * 2, 96 * 2, 1234 * 2 * 96 * 2]  # batch: the packed span
-    assert box == [_hopper.BOX_COLS, 128, 1, 1]
+    assert box == [64, 128, 1, 1]
 
 
 @pytest.fixture
@@ -530,3 +530,57 @@ def test_the_hopper_forward_covers_sinks_not_dropout(monkeypatch):
         assert "sinks" in _configs.describe(config)
     assert _dispatch.hopper_forward_config(problem, _configs.FEATURE_SINKS | _configs.FEATURE_DROPOUT,
                                            (-1, -1), 90) is None
+
+
+@pytest.mark.parametrize("head_dim,kernel_dim,block_n", [(64, 64, 128), (80, 96, 64),
+                                                         (128, 128, 64)])
+def test_a_tf32_forward_runs_the_operand_pass_then_the_tf32_hopper_kernel(
+        hopper_api, monkeypatch, head_dim, kernel_dim, block_n):
+    """attention(float32, precision="tf32") on sm_90: two launches on the stream, the operand
+    pass (K rounded, V with its keys innermost, into the call's scratch; a CTA a 32 keys of a
+    (batch, kv head)) and the TF32 Hopper forward, whose q_map covers q and whose k_map and
+    v_map cover the scratch (their address words and k_tf32 / v_keys_last set per call); the
+    "highest" precision and head dims past 128 stay on the mma.sync kernel."""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from cuflash2 import _configs, _dispatch
+    from test_plans_host import device_array
+
+    scratch_maps = []
+
+    def fake_scratch_map(address, shape, strides, dtype, rows):
+        scratch_maps.append((tuple(shape), tuple(strides), dtype, rows))
+        return numpy.array([address] + [rows] * 15, numpy.uint64).tobytes()
+
+    monkeypatch.setattr(_hopper, "tensor_map_bytes_at", fake_scratch_map)
+    q = device_array((2, 1000, 8, head_dim), numpy.float32)
+    k = device_array((2, 1000, 2, head_dim), numpy.float32)
+    cuflash2.attention(q, k, k, causal=True, precision="tf32")
+    (operands, _, first), (forward, _, record) = hopper_api.launches[-2:]
+    assert first == record  # one struct, filled once, for both launches
+    assert operands.config == _configs.AuxKernel("tf32", _configs.TF32_OPERANDS_KERNEL)
+    assert operands.grid == (32, 2, 2)  # 1000 keys (whole groups of 8) in CTAs of 32
+    config = forward.config
+    assert isinstance(config, _configs.FwdSm90Config) and config.dtype == "tf32"
+    assert (config.head_dim, config.block_n, config.pingpong, config.overlap) == (
+        kernel_dim, block_n, True, True)
+    assert not config.persistent and forward.grid == (-(-1000 // 128), 8, 2)
+    assert record["base"]["head_dim"] == 2 * head_dim  # 16-bit words
+    k_tf32, v_keys_last = record["k_tf32"], record["v_keys_last"]
+    assert v_keys_last - k_tf32 >= 4 * 2 * 1000 * 2 * head_dim
+    word0 = {name: int(record[name]["v"][0][0]) for name in ("q_map", "k_map", "v_map")}
+    assert word0 == {"q_map": q.data.ptr, "k_map": k_tf32, "v_map": v_keys_last}
+    assert scratch_maps[-2:] == [
+        ((2, 1000, 2, head_dim), (4 * 1000 * 2 * head_dim, 4 * 2 * head_dim, 4 * head_dim, 4),
+         "float32", block_n),
+        ((2, head_dim, 2, 1000), (4 * 2 * head_dim * 1000, 4 * 1000, 4 * head_dim * 1000, 4),
+         "float32", kernel_dim)]
+    count = len(hopper_api.launches)
+    cuflash2.attention(q, k, k, causal=True)  # "highest": mma.sync
+    assert len(hopper_api.launches) == count + 1
+    assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
+    wide = device_array((2, 1000, 2, 192), numpy.float32)
+    cuflash2.attention(wide, wide, wide, precision="tf32")
+    assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
+    assert _dispatch.tf32_hopper_forward_config(
+        _dense_problem(128, 1024), _configs.FEATURE_DROPOUT) is None

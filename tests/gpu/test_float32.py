@@ -119,18 +119,20 @@ def test_unbatched_and_strided_views():
     _check(q, wide[..., :64], wide[..., 8:], "tf32")
 
 
-def test_cuda_graph_replays_with_fresh_inputs():
-    """A captured call replayed as a serving loop replays it: new values in the same arrays."""
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cuda_graph_replays_with_fresh_inputs(precision):
+    """A captured call replayed as a serving loop replays it: new values in the same arrays
+    (at "tf32" on sm_90 two launches, the operand pass writing the call's scratch)."""
     from cuflash2.bench.decode_graph import CapturedGraph
 
     q, k, v = _qkv(2, 200, 300, 4, 2, 128)
     captured = {}
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        cuflash2.attention(q, k, v, causal=True)  # planned and compiled outside the capture
+    with stream:  # planned and compiled outside the capture
+        cuflash2.attention(q, k, v, causal=True, precision=precision)
     stream.synchronize()
     graph = CapturedGraph(cupy, stream, lambda: captured.update(
-        out=cuflash2.attention(q, k, v, causal=True)))
+        out=cuflash2.attention(q, k, v, causal=True, precision=precision)))
     rng = numpy.random.default_rng(11)
     for _ in range(3):
         for x in (q, k, v):
@@ -139,7 +141,7 @@ def test_cuda_graph_replays_with_fresh_inputs():
         graph.launch()
         stream.synchronize()
         results = testing.check_forward(q, k, v, captured["out"], causal=True,
-                                        precision="highest")
+                                        precision=precision)
         assert all(r.ok for r in results), "; ".join(map(str, results))
 
 
@@ -159,10 +161,35 @@ def test_highest_is_float32_accurate_and_tf32_is_not():
 
 
 def test_kernels_named():
+    """"highest" runs the mma.sync forward; "tf32" on sm_90 the operand pass and the TF32
+    Hopper forward, elsewhere the mma.sync forward."""
     q, k, v = _qkv(1, 300, 300, 2, 2, 128)
-    for precision, tag in (("highest", "float32"), ("tf32", "tf32")):
-        kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision=precision)
-        assert kernels[0].startswith(f"mma.sync forward, {tag}, head dim 128"), kernels
+    kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision="highest")
+    assert kernels[0].startswith("mma.sync forward, float32, head dim 128"), kernels
+    kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision="tf32")
+    if cupy.cuda.Device().compute_capability == "90":
+        assert kernels[0].startswith("forward operand pass"), kernels
+        assert kernels[1].startswith("Hopper forward (sm_90a: wgmma, TMA, warp-specialised), "
+                                     "tf32, head dim 128"), kernels
+    else:
+        assert kernels[0].startswith("mma.sync forward, tf32, head dim 128"), kernels
+
+
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+def test_tf32_forward_on_either_family(headdim):
+    """Precision "tf32" on sm_90 runs the TF32 Hopper forward, and with CUFLASH2_HOPPER_TF32=0
+    (`_dispatch.HOPPER_FORWARD_TF32`) the mma.sync forward: both within the rule, on a long
+    enough row for several KV tiles and a ring that wraps, GQA, seqlen_q != seqlen_k."""
+    from grids import switched
+
+    from cuflash2 import _dispatch, api
+
+    q, k, v = _qkv(2, 700, 1100, 4, 2, headdim, "either")
+    for hopper in (True, False):
+        with switched(_dispatch, {"HOPPER_FORWARD_TF32": hopper}, api._forward_plans):
+            for causal in (False, True):
+                out = testing.poison_like(cupy, q.shape, numpy.float32)
+                _check(q, k, v, "tf32", out=out, causal=causal)
 
 
 def test_what_float32_does_not_take_yet():
