@@ -32,6 +32,7 @@
 #include "warp_gemm.cuh"
 #include "kv_cache.cuh"
 #include "kv_cache_e4m3.cuh"
+#include "lse_merge.cuh"
 #include "split_merge.cuh"
 #include "output_store.cuh"
 #include "dependent_launch.cuh"
@@ -703,7 +704,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int w = 0; w < T::NUM_WARPS; ++w) {
             const float mw = merge_ml[(w * T::BLOCK_M + r) * 2];
-            weight[w] = (m == neg_inf() || mw == neg_inf()) ? 0.f : fast_exp2(mw - m);
+            weight[w] = merge_weight(mw, m);
             l = fmaf(weight[w], merge_ml[(w * T::BLOCK_M + r) * 2 + 1], l);
         }
         const bool seen = l > 0.f;

@@ -405,3 +405,41 @@ struct BlockMaskParams {
     UserParams user;
     int batch_offset;
 };
+
+// merge_states.cu (cuflash2.merge_states, merge_states_many): attention results to merge, each an
+// out (batch, seqlen, nheads, head_dim) in 16-bit words and an lse (batch, nheads, seqlen) in
+// floats; state s of a MergeStates at s state strides from the first (strides in words and
+// floats; batch strides 0 for unbatched or packed varlen rows).
+struct MergeStates {
+    const u16* out;
+    const float* lse;
+    i64 o_state_stride;
+    i64 o_batch_stride;
+    i64 o_row_stride;
+    i64 o_head_stride;
+    i64 lse_state_stride;
+    i64 lse_batch_stride;
+    i64 lse_head_stride;
+    i64 lse_row_stride;
+};
+
+// State 0 is `first`, states 1 .. num_states - 1 are `rest`'s 0 .. num_states - 2: two arrays of
+// their own (merge_states) or one stacked array (merge_states_many: `rest` starts a state
+// stride after `first`). The merged out and lse have the same layouts.
+struct MergeStatesParams {
+    MergeStates first;
+    MergeStates rest;
+    u16* out;
+    float* lse;
+    i64 o_batch_stride;
+    i64 o_row_stride;
+    i64 o_head_stride;
+    i64 lse_batch_stride;
+    i64 lse_head_stride;
+    i64 lse_row_stride;
+    int num_states;
+    int seqlen;
+    int nheads;
+    int head_dim;  // in 16-bit words
+    int batch_offset;
+};

@@ -6,6 +6,7 @@
 #pragma once
 #include "mma_primitives.cuh"
 #include "constants.cuh"
+#include "lse_merge.cuh"
 #include "mbarrier.cuh"
 
 // Adds `value` to *ptr with release semantics at GPU scope (what this thread wrote, and what it
@@ -155,7 +156,7 @@ CF2_DEVICE void merge_splits(const Partials& partials, int num_splits, int split
         float w[SLOTS];
 #pragma unroll
         for (int u = 0; u < SLOTS; ++u) {
-            w[u] = (m == neg_inf() || lse_s[u] == neg_inf()) ? 0.f : fast_exp2(lse_s[u] - m);
+            w[u] = merge_weight(lse_s[u], m);
             o_s[u] = make_float4(fmaf(w[u], o_s[u].x, 0.f), fmaf(w[u], o_s[u].y, 0.f),
                                  fmaf(w[u], o_s[u].z, 0.f), fmaf(w[u], o_s[u].w, 0.f));
         }

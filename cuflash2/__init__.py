@@ -17,6 +17,8 @@ from .api import (  # noqa: E402
     backward_kernels,
     dropout_mask,
     forward_kernels,
+    merge_states,
+    merge_states_many,
     varlen_forward_kernels,
 )
 from .block_masks import BlockMask, block_mask  # noqa: E402
@@ -34,6 +36,8 @@ __all__ = [
     "attention_varlen_backward",
     "attention_with_kvcache",
     "dropout_mask",
+    "merge_states",
+    "merge_states_many",
     "forward_kernels",
     "varlen_forward_kernels",
     "backward_kernels",

@@ -127,6 +127,11 @@ SINKS_THREADS = 256
 TF32_OPERANDS_THREADS = 256
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
+#: cuflash2.merge_states' kernel (merge_states.cu): threads a CTA, MergeStatesConfig.lanes of
+#: them a (row, head) item.
+MERGE_THREADS = 128
+#: States merge_states.cu reads at once (their loads in flight together).
+MERGE_GROUP = 4
 #: The deterministic dQ kernel: 4 warps of 16 query rows.
 BWD_DQ_WARPS = 4
 #: The decode kernel's packed query rows a CTA: an m16 tile of the mma, or at most
@@ -169,6 +174,7 @@ CUDA_CONSTANTS = {
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "SINKS_THREADS": SINKS_THREADS, "TF32_OPERANDS_THREADS": TF32_OPERANDS_THREADS,
+    "MERGE_THREADS": MERGE_THREADS, "MERGE_GROUP": MERGE_GROUP,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
     "DECODE_MERGE_ROW_PAD_N8": DECODE_MERGE_ROW_PAD_N8, "DQ_SEMAPHORE_ROWS": DQ_SEMAPHORE_ROWS,
@@ -823,6 +829,46 @@ class DropoutMaskKernel:
     probes: str = ""
 
 
+@dataclass(frozen=True)
+class MergeStatesConfig:
+    """cuflash2.merge_states' kernel (cuda_src/merge_states.cu) for results of `dtype`
+    ("float16", "bfloat16" or "float32") with `lanes` threads a (row, head) item, a 16-byte
+    chunk of the row each (merge_lanes). Grid (ceil(nheads * seqlen / items_per_cta), 1,
+    batch), MERGE_THREADS threads."""
+
+    dtype: str
+    lanes: int
+    threads: int = MERGE_THREADS
+    smem_bytes: int = 0
+    source_file: str = "merge_states.cu"
+    probes: str = ""
+
+    @property
+    def items_per_cta(self) -> int:
+        return MERGE_THREADS // self.lanes
+
+    @property
+    def name_expression(self) -> str:
+        return f"merge_states_kernel<{ELEMENT_TAGS[self.dtype]}, {self.lanes}>"
+
+
+#: The lanes a merged row may take: a warp at most, a power of two.
+MERGE_LANES = (1, 2, 4, 8, 16, 32)
+
+
+def merge_lanes(row_bytes: int) -> int:
+    """The lanes merge_states.cu gives a row of `row_bytes` (a multiple of 16): one a 16-byte
+    chunk, up to a warp (which then loops over the chunks)."""
+    chunks = row_bytes // 16
+    return next((lanes for lanes in MERGE_LANES if lanes >= chunks), MERGE_LANES[-1])
+
+
+def merge_configs() -> list[MergeStatesConfig]:
+    """Every specialisation of merge_states.cu."""
+    return [MergeStatesConfig(dtype, lanes) for dtype in ("float16", "bfloat16", "float32")
+            for lanes in MERGE_LANES]
+
+
 def aux_kernels(dtypes=tuple(DTYPE_TAGS)) -> list[AuxKernel]:
     """Every small backward kernel for `dtypes` (FLOAT32_TAGS: float32 inputs', the preprocess
     at each precision, the others' "float32" whatever the precision)."""
@@ -953,4 +999,6 @@ def describe(config) -> str:
                                       "innermost)"}.get(config.kernel,
                                                                             config.kernel)
         return f"{what}, {dtype}{', varlen' if config.varlen else ''}"
+    if isinstance(config, MergeStatesConfig):
+        return f"merge of attention states by their lse, {dtype}, {config.lanes} lanes a row"
     return config.name_expression

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from . import (_attention_plans, _bias, _configs, _dispatch, _kvcache, _launch, _params, _plans,
-               _prepare, _validate)
+from . import (_attention_plans, _bias, _configs, _dispatch, _kvcache, _launch, _merge, _params,
+               _plans, _prepare, _validate)
 from ._options import AttentionOptions
 from ._plans import value_key
 from ._prepare import device_arch  # noqa: F401  (part of the module's interface for tools)
@@ -855,6 +855,75 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
                                    (-(-blocks // config.blocks_per_cta), nheads, batch))
     _launch.run(launch, block, cupy.cuda.get_current_stream().ptr, block.slot("batch_offset"))
     return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging attention results over disjoint keys by their lse: cuflash2/_merge.py,
+# cuda_src/merge_states.cu (docs/MERGE_STATES.md).
+
+_MERGE_NAMES = ("out_a", "lse_a", "out_b", "lse_b", "out", "lse")
+_MERGE_MANY_NAMES = ("outs", "lses", "out", "lse")
+
+
+def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
+    """The attention result over the union of two disjoint sets of keys, from the results over
+    each (FlashInfer's `merge_state`): returns `(out, lse)` with
+
+        lse = log(exp(lse_a) + exp(lse_b)),
+        out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b,
+
+    exactly what one call over all of the keys gives (up to rounding): shared-prefix (cascade)
+    attention, a long key sequence split across calls or devices, a KV cache in pieces.
+
+    out_a, out_b: attention outputs of the same queries, (batch, seqlen, nheads, headdim), or
+    (seqlen, nheads, headdim) (unbatched, or varlen's (total_q, nheads, headdim)), of float16,
+    bfloat16 or float32, the same shape and dtype. lse_a, lse_b: their float32 log-sum-exps as
+    `attention(..., return_lse=True)`, attention_varlen and attention_with_kvcache return them:
+    (batch, nheads, seqlen), or (nheads, seqlen) for 3-dim outs. The states must use the same
+    softmax_scale (and softcap, ALiBi slopes) and keys apart from each other; give `sinks=` to
+    one of the calls only (each call counts its sink in its lse).
+
+    Computed in float32 from the stored values and rounded once to the states' dtype: the
+    result is out in that dtype and lse float32, laid out as attention returns them (new
+    contiguous arrays), or written into `out=` and `lse=` where given (shape and dtype as
+    those, any strides as below). Merging in place: `out=out_a, lse=lse_a` (or the b ones); an
+    output must be one of the states exactly (same address and strides) or memory apart from
+    every input, else ValueError.
+
+    A row that saw no key of a state (lse +inf, as attention writes it with out 0; -inf is
+    read the same) weighs 0 there and that state's out row is not read; a row that saw no key
+    of either gets out 0 and lse +inf, which attention_backward takes as attention's own.
+
+    Strided arrays are read as they are: the outs' last dim contiguous and their other strides
+    multiples of 16 bytes (any sign), their start 16-byte aligned; the lses any strides.
+    Nothing is cast. Checked before any launch (TypeError, ValueError naming the argument);
+    runs on the current CuPy stream, without host syncs.
+    """
+    return _merge.merge("merge_states", (out_a, lse_a, out_b, lse_b, out, lse), _MERGE_NAMES,
+                        _cupy or _cupy_module())
+
+
+def merge_states_many(outs, lses, *, out=None, lse=None):
+    """merge_states of any number of states (FlashInfer's `merge_states`), stacked on a new
+    leading dim: outs (num_states, batch, seqlen, nheads, headdim) or (num_states, seqlen,
+    nheads, headdim), lses (num_states, batch, nheads, seqlen) or (num_states, nheads, seqlen),
+    num_states >= 1. Returns `(out, lse)` of one state's shapes,
+
+        lse = log sum_s exp(lses[s]),   out = sum_s exp(lses[s] - lse) * outs[s],
+
+    with merge_states' rules (float32 arithmetic, rows without keys, `out=` / `lse=`, in place
+    as `out=outs[s], lse=lses[s]`, strides, checks, stream).
+
+    The states come first, each `outs[s]` an ordinary cuflash2 output: `attention(...,
+    out=outs[s])` writes straight into the stack (no copy), and a stack of any strides is read
+    as it is (a state stride is one more stride). FlashInfer's `merge_states` takes
+    (seqlen, num_states, nheads, headdim) because its attention writes token-major rows without
+    a batch dim; cuflash2's outputs are batched, so the state dim leads. The lses, which
+    attention returns as new arrays, are stacked with `cupy.stack(lses)` (seqlen x nheads
+    floats a state).
+    """
+    return _merge.merge("merge_states_many", (outs, lses, out, lse), _MERGE_MANY_NAMES,
+                        _cupy or _cupy_module())
 
 
 # ---------------------------------------------------------------------------------------------

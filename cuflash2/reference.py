@@ -106,6 +106,8 @@ __all__ = [
     "block_mask_states",
     "block_mask_ranges",
     "block_mask_columns",
+    "merge_states",
+    "merge_states_many",
 ]
 
 _LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
@@ -1182,6 +1184,58 @@ def attention_with_kvcache(
     lse = (xp.stack(lses) if lses
            else xp.zeros((problem.batch, problem.nheads, problem.seqlen_q), numpy.float32))
     return (out, lse) if return_lse else out
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Reference of ``cuflash2.merge_states``: the attention result over the union of two
+    disjoint sets of keys from the results over each, ``(out, lse)`` with
+    ``lse = log(exp(lse_a) + exp(lse_b))`` and
+    ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``.
+
+    out_a, out_b: (batch, seqlen, nheads, headdim) or (seqlen, nheads, headdim), any float dtype
+    (the same); lse_a, lse_b: (batch, nheads, seqlen) or (nheads, seqlen) (the same dtype).
+    Computed in float64; out is returned in the outs' dtype, lse in the lses' (float32 as
+    attention returns it, float64 for an exact check). A state's lse of +inf (a row that saw
+    no key, as attention returns it) or -inf weighs 0 and its out row is not read (nan there
+    stays out of the result); a row that saw no key of either gets out 0 and lse +inf.
+    """
+    xp = _array_module(out_a, lse_a, out_b, lse_b)
+    for name, x, like in (("out_b", out_b, out_a), ("lse_b", lse_b, lse_a)):
+        if tuple(x.shape) != tuple(like.shape):
+            raise ValueError(f"{name} must have the shape of {name[:-1]}a {tuple(like.shape)}; "
+                             f"got {tuple(x.shape)}")
+    return merge_states_many(xp.stack([xp.asarray(out_a), xp.asarray(out_b)]),
+                             xp.stack([xp.asarray(lse_a), xp.asarray(lse_b)]))
+
+
+def merge_states_many(outs, lses):
+    """Reference of ``cuflash2.merge_states_many``: merge_states of the states stacked on a
+    leading dim, outs (num_states, batch, seqlen, nheads, headdim) or (num_states, seqlen,
+    nheads, headdim), lses (num_states, batch, nheads, seqlen) or (num_states, nheads, seqlen),
+    num_states >= 1: ``lse = log sum_s exp(lses[s])``,
+    ``out = sum_s exp(lses[s] - lse) * outs[s]``, with merge_states' dtypes and rows without
+    keys."""
+    xp = _array_module(outs, lses)
+    outs, lses = xp.asarray(outs), xp.asarray(lses)
+    if outs.ndim not in (4, 5) or outs.shape[0] < 1:
+        raise ValueError(f"outs must be (num_states, batch, seqlen, nheads, headdim) or "
+                         f"(num_states, seqlen, nheads, headdim) with num_states >= 1; got "
+                         f"{tuple(outs.shape)}")
+    lse_shape = outs.shape[:-3] + (outs.shape[-2], outs.shape[-3])
+    if tuple(lses.shape) != lse_shape:
+        raise ValueError(f"lses must have shape {lse_shape} to go with outs' "
+                         f"{tuple(outs.shape)}; got {tuple(lses.shape)}")
+    lse = lses.astype(numpy.float64)
+    lse = xp.where(xp.isinf(lse), -math.inf, lse)  # no key: weight 0
+    top = lse.max(axis=0)
+    seen = top > -math.inf  # some state saw a key of the row
+    weights = xp.exp(lse - xp.where(seen, top, 0.0))  # exp(-inf) = 0
+    total = weights.sum(axis=0)
+    merged_lse = xp.where(seen, top + xp.log(xp.where(seen, total, 1.0)), math.inf)
+    # (states, [batch,] nheads, seqlen) -> (states, [batch,] seqlen, nheads, 1), out's layout
+    share = xp.swapaxes(weights / xp.where(seen, total, 1.0), -1, -2)[..., None]
+    terms = xp.where(share > 0, share * outs.astype(numpy.float64), 0.0)
+    return terms.sum(axis=0).astype(outs.dtype), merged_lse.astype(lses.dtype)
 
 
 def block_mask_states(dense_mask, block_m: int, block_n: int):

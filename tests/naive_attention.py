@@ -25,11 +25,13 @@ def sees(i, j, seqlen_q, seqlen_k, causal, window_size):
 
 def naive_attention(
     q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0,
-    slopes=None, keep=None, dropout_p=0.0,
+    slopes=None, keep=None, dropout_p=0.0, mask=None,
 ):
     """(out, lse) in float64 for batched q, k, v.
 
-    slopes: None or (batch, nheads); keep: None or a boolean (batch, nheads, seqlen_q, seqlen_k).
+    slopes: None or (batch, nheads); keep: None or a boolean (batch, nheads, seqlen_q, seqlen_k);
+    mask: None or a boolean (batch, nheads, seqlen_q, seqlen_k), True = the key is visible
+    (ANDed with causal and the window).
     """
     q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (q, k, v))
     batch, seqlen_q, nheads, headdim = q.shape
@@ -39,7 +41,8 @@ def naive_attention(
     lse = numpy.full((batch, nheads, seqlen_q), math.inf)
     for b, h, i in itertools.product(range(batch), range(nheads), range(seqlen_q)):
         kv_head = h // (nheads // nheads_kv)
-        keys = [j for j in range(seqlen_k) if sees(i, j, seqlen_q, seqlen_k, causal, window_size)]
+        keys = [j for j in range(seqlen_k) if sees(i, j, seqlen_q, seqlen_k, causal, window_size)
+                and (mask is None or mask[b, h, i, j])]
         if not keys:
             continue  # out 0, lse +inf
         scores = []

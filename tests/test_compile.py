@@ -51,6 +51,8 @@ BWD_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
               for cfg in _dispatch.all_bwd_configs(arch, (0, max(_configs.TESTED_FEATURES)),
                                                    tuple(_configs.FLOAT32_TAGS))]
 AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU_TEST_ARCHS]
+# cuflash2.merge_states' kernel: every element type and lane count (MERGE_SAMPLE by default).
+MERGE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.merge_configs()]
 DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
                 for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES)]
 # The e4m3 cache's decode kernels (kv_cache_e4m3.cuh) under --exhaustive, plain and with every
@@ -106,10 +108,17 @@ E4M3_DECODE_SAMPLE = {
      _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI | _configs.FEATURE_SINKS)}
 #: The small kernels (no head dim: their code does not depend on the tiles) on these.
 AUX_SAMPLE_ARCHS = (80, 90)
+#: merge_states.cu in the sample, as (arch, dtype, lanes): each element type once on sm_80 and
+#: sm_90, a lane count each (d=128 16-bit rows take 16 lanes, d=64 8, float32 d=128 32); one
+#: lane a row too (its lanes loop over the chunks).
+MERGE_SAMPLE = {(80, "float16", 16), (80, "float32", 32), (90, "bfloat16", 8),
+                (90, "float32", 1)}
 
 
 def _sampled(cfg, arch) -> bool:
     """Whether (cfg, arch) is compiled without --exhaustive."""
+    if isinstance(cfg, _configs.MergeStatesConfig):
+        return (arch, cfg.dtype, cfg.lanes) in MERGE_SAMPLE
     if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, sinks, dropout mask: every
         return arch in AUX_SAMPLE_ARCHS  # case on the sample's ends of the architectures
     point = (arch, cfg.dtype, cfg.head_dim)
@@ -284,6 +293,15 @@ def test_backward_main_configs_on_sm90():
 def test_dropout_mask_kernel_compiles(config, arch, compiled):
     report = compiled(config, arch)
     assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert not report.odd_descriptors, report.odd_descriptors
+
+
+@pytest.mark.parametrize("config,arch", _cases(
+    MERGE_CASES, [f"sm{a}-merge-{c.dtype}-lanes{c.lanes}" for c, a in MERGE_CASES]))
+def test_merge_states_kernel_compiles_without_spills(config, arch, compiled):
+    report = compiled(config, arch)
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert report.stack_bytes == 0 and report.registers <= 64, report.log
     assert not report.odd_descriptors, report.odd_descriptors
 
 

@@ -1,8 +1,9 @@
-"""The README's examples of programmable attention (the code blocks after a `<!-- README
-example: NAME -->` line), run as a user would paste them, on small inputs the test defines
-(q, k, v, dout, document_ids, table, nheads, seqlen); then checked against the reference where
-the example computes an output or gradients (the pair-bias example: its training loop's last
-gradients)."""
+"""The README's examples of programmable attention and of merging attention over split keys
+(the code blocks after a `<!-- README example: NAME -->` line), run as a user would paste them,
+on small inputs the test defines (q, k, v, dout, document_ids, table, nheads, seqlen); then
+checked against the reference where the example computes an output or gradients (the pair-bias
+example: its training loop's last gradients; the split keys' merge: its out and lse against
+attention over all of the keys)."""
 
 import re
 from pathlib import Path
@@ -25,8 +26,9 @@ def examples() -> dict:
     return {name: code for name, code in _EXAMPLE.findall(README.read_text())}
 
 
-def test_the_readme_has_the_four_examples():
-    assert set(examples()) == {"document mask", "prefix-LM", "relative position", "pair bias"}
+def test_the_readme_has_the_five_examples():
+    assert set(examples()) == {"document mask", "prefix-LM", "relative position", "pair bias",
+                               "split keys"}
 
 
 def _inputs(seed):
@@ -77,4 +79,12 @@ def test_pair_bias_example_trains_the_bias():
     before = bias + 0.1 * dbias
     results = testing.check_backward(scope["dout"], scope["q"], scope["k"], scope["v"],
                                      scope["dq"], scope["dk"], scope["dv"], dbias, bias=before)
+    assert all(r.ok for r in results), [str(r) for r in results]
+
+
+def test_split_keys_example_matches_one_call():
+    scope = _inputs(11)
+    exec(examples()["split keys"], scope)  # noqa: S102
+    q, k, v = scope["q"], scope["k"], scope["v"]
+    results = testing.check_forward(q, k, v, scope["out"], scope["lse"])
     assert all(r.ok for r in results), [str(r) for r in results]
