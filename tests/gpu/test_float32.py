@@ -135,9 +135,9 @@ def test_cuda_graph_replays_with_fresh_inputs(precision):
         out=cuflash2.attention(q, k, v, causal=True, precision=precision)))
     rng = numpy.random.default_rng(11)
     for _ in range(3):
-        for x in (q, k, v):
+        for x in (q, k, v):  # (on the current stream, which `stream` does not wait for)
             x[...] = cupy.asarray(rng.standard_normal(x.shape, dtype=numpy.float32))
-        stream.synchronize()
+        cupy.cuda.Device().synchronize()
         graph.launch()
         stream.synchronize()
         results = testing.check_forward(q, k, v, captured["out"], causal=True,
@@ -209,11 +209,16 @@ def test_what_float32_does_not_take_yet():
 # by the 2x rule with float64 as ref_hi (testing.check_backward's `precision`). The absolute
 # slack is 1e-5 of the largest gradient (at least 1e-5): ~170 float32 ulps, which a 3xTF32
 # product's split (2^-22 of each operand) and the atomic dQ sums' order stay within, and two
-# orders below a TF32 rounding (so "highest" is checked at float32 level).
+# orders below a TF32 rounding (so "highest" is checked at float32 level). Beyond 256 rows a
+# gradient's float32 sums (dK and dV over the query rows, dQ over the keys, added tile by tile
+# in the kernel where the reference's matrix products sum pairwise) round about sqrt(n) times
+# as often: the slack grows as sqrt(n / 256) (measured on an H100: dK of 700 query rows 1.5e-5
+# against the reference's 2x bound of 1.1e-5 at "highest").
 
 
-def _grad_atol(grads):
-    return 1e-5 * max([1.0] + [float(cupy.abs(g).max()) for g in grads if g.size])
+def _grad_atol(grads, rows: int = 256):
+    return 1e-5 * max(1.0, math.sqrt(rows / 256)) * max(
+        [1.0] + [float(cupy.abs(g).max()) for g in grads if g.size])
 
 
 def _dout(q, seed_extra=""):
@@ -238,7 +243,8 @@ def _check_backward(q, k, v, precision, poisoned=True, **options):
         assert g.dtype == numpy.float32
         if name in given:
             assert g is given[name]
-    results = testing.check_backward(dout, q, k, v, *grads, atol=_grad_atol(grads[:3]),
+    rows = max(q.shape[-3], k.shape[-3])  # the longest sum of a gradient
+    results = testing.check_backward(dout, q, k, v, *grads, atol=_grad_atol(grads[:3], rows),
                                      precision=precision, **options)
     print("; ".join(map(str, results)))
     assert all(r.ok for r in results), "; ".join(map(str, results))
