@@ -297,6 +297,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_len_all;
     const int seqlen_k = min(max(cache_len + p.seqlen_new, 0), p.capacity);
     const int head_chunks = p.head_dim / StagedTile::CHUNK_ELEMS;  // of a staged row
+    // Q's rows are 16-bit whatever the cache holds: 8 elements a chunk (an e4m3 stage's chunks
+    // hold 16; with those Q's last half went unread, zero-filled).
+    const int q_chunks = p.head_dim / QTile::CHUNK_ELEMS;
     // An e4m3 cache's values are e4m3 * descale (the sequence's and KV head's factors).
     float k_descale = 1.f, v_descale = 1.f;
     if constexpr (E4M3_CACHE) {
@@ -347,7 +350,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         for (int idx = tid; idx < T::BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
             const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
             const int packed = row_first + r;
-            const bool valid = packed < rows_total && chunk < head_chunks;
+            const bool valid = packed < rows_total && chunk < q_chunks;
             const u16* src = p.q + batch * p.q_batch_stride + (packed / group) * p.q_row_stride +
                              (kv_head * group + packed % group) * p.q_head_stride + chunk * 8;
             cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : p.q, valid);
