@@ -293,7 +293,7 @@ def with_features(config, features: int):
 SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 #: The features it takes: the score modifiers, without and with sinks (dropout stays on the
 #: mma.sync kernel).
-SM90_FWD_FEATURES = DECODE_FEATURES
+SM90_FWD_FEATURES = DECODE_MOD_FEATURES
 #: Its varlen specialisations: FEATURE_VARLEN with each of those sets, one-tile-per-CTA grid only
 #: (dispatched unless _dispatch.HOPPER_FORWARD_VARLEN is off: CUFLASH2_HOPPER_VARLEN=0).
 SM90_FWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SM90_FWD_FEATURES)
