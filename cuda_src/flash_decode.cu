@@ -111,15 +111,17 @@ struct CompileTimeBool {
 // (pages shorter than a tile, tiles of new tokens only, head dims above 128) locate each row once
 // for K and V.
 // An e4m3 cache (Stored = u8, Tile an E4M3Tile) is copied as bytes; its new tokens, 16-bit, are
-// quantised by k_descale / v_descale on the way (kv_cache_e4m3.cuh).
-template <class Tile, int THREADS, typename Elem, typename Stored>
+// quantised by k_descale / v_descale on the way (kv_cache_e4m3.cuh). With a RotaryTable
+// (rotary.cuh) the new tokens' keys are rotated at their positions (then quantised), stored into
+// the tile by the thread itself, as the append rotates them into the cache.
+template <class Tile, int THREADS, typename Elem, typename Stored, class Rotary>
 CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& index,
                                    const KVCacheRowsOf<Stored>& k_rows,
                                    const KVCacheRowsOf<Stored>& v_rows,
                                    const u16* k_new_rows, i64 kn_row_stride,
                                    const u16* v_new_rows, i64 vn_row_stride, int cache_len,
                                    int key0, int seqlen_k, int head_chunks, int tid,
-                                   float k_descale, float v_descale) {
+                                   float k_descale, float v_descale, const Rotary& rotary) {
     // The cache is read once a step: its lines go first from L2 (what a step reads again, the
     // code of its end and the splits' partial results, stays; in a CUDA graph 0.7 us a layer at
     // 64k tokens and 1.2 us at batch 8, 16k, H200).
@@ -131,7 +133,27 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
         int block, cache_row;
         if (key >= seqlen_k) {
         } else if (key >= cache_len) {
-            if constexpr (sizeof(Stored) == 1) {
+            if constexpr (Rotary::ENABLED) {
+                if (chunk < head_chunks) {  // (chunks past head_dim: zero-filled below)
+                    const u32 offset = Tile::offset(row, chunk);
+                    const u16* k_row = k_new_rows + (key - cache_len) * kn_row_stride;
+                    const u16* v_row = v_new_rows + (key - cache_len) * vn_row_stride;
+                    if constexpr (sizeof(Stored) == 1) {
+                        u32 k8[4];
+                        quantise_rotated_chunk<Elem>(k8, k_row, chunk, key, k_descale, rotary);
+                        store_16B_shared_words(k_smem + offset, k8);
+                        stage_new_chunk_e4m3<Elem>(v_smem + offset,
+                                                   v_row + chunk * Tile::CHUNK_ELEMS, v_descale);
+                    } else {
+                        u32 k_vals[4];
+                        rotary.template load_chunk<Elem>(k_vals, k_row, chunk, key);
+                        store_16B_shared_words(k_smem + offset, k_vals);
+                        cp_async_16_policy(v_smem + offset, v_row + chunk * Tile::CHUNK_ELEMS,
+                                           true, evict_first);
+                    }
+                    return;
+                }
+            } else if constexpr (sizeof(Stored) == 1) {
                 if (chunk < head_chunks) {
                     const i64 element = chunk * Tile::CHUNK_ELEMS;
                     stage_new_chunk_e4m3<Elem>(k_smem + Tile::offset(row, chunk),
@@ -246,8 +268,10 @@ __host__ __device__ constexpr int decode_min_ctas() {
     return HEAD_DIM > 128 || NUM_WARPS > 4 ? 1 : KEYS_PER_WARP > 16 ? 2 : 3;
 }
 
-// FEATURES: the attention variant's (variant.cuh): softcap, ALiBi, sinks. The parameters:
-// DecodeParams (kernel_params.cuh).
+// FEATURES: the attention variant's (variant.cuh): softcap, ALiBi, sinks; and the cache's own:
+// FEATURE_ROTARY (rotary.cuh: the new keys rotated as they are appended and read, q as it is
+// loaded) and FEATURE_LEFTPAD (cache_leftpad: each sequence's keys start at its own position,
+// the ones before are not attended). The parameters: DecodeParams (kernel_params.cuh).
 // EARLY_CACHE_READS: the caller promised that the previous kernel on the stream writes none of
 // the cache, its lengths, block table, batch index or descale factors (attention_with_kvcache's
 // early_cache_reads), so they may be read before the wait.
@@ -259,6 +283,9 @@ __global__ void
 __launch_bounds__(NUM_WARPS * 32, decode_min_ctas<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP>())
 flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     constexpr bool E4M3_CACHE = KV_CACHE_FORMAT == KV_CACHE_E4M3;
+    constexpr bool ROTARY = (FEATURES & FEATURE_ROTARY) != 0;
+    constexpr bool LEFTPAD = (FEATURES & FEATURE_LEFTPAD) != 0;
+    using Rotary = typename RotaryOf<ROTARY>::type;
     static_assert(E4M3_CACHE || KV_CACHE_FORMAT == KV_CACHE_AS_Q, "a known cache format");
     using T = DecodeTraits<HEAD_DIM, NUM_WARPS, KEYS_PER_WARP, KV_STAGES, BLOCK_M, E4M3_CACHE>;
     using QTile = typename T::QTile;
@@ -312,6 +339,24 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         Variant::visibility(p.seqlen_q, seqlen_k, p.window_left, p.window_right);
     int tile_first, tile_end;
     vis.tile_range(row_first / group, row_last / group, T::BLOCK_N, tile_first, tile_end);
+    // cache_leftpad: the sequence's keys start at leftpad (positions stay the cache's: causal
+    // masks, windows, ALiBi and rotary count them from 0, as flash-attn's do).
+    int leftpad = 0;
+    if constexpr (LEFTPAD) {
+        leftpad = p.cache_leftpad[batch];
+        tile_first = max(tile_first, leftpad / T::BLOCK_N);
+    }
+    // The first key a row at `position` sees.
+    auto first_key = [&](int position) {
+        if constexpr (LEFTPAD)
+            return max(vis.lo(position), leftpad);
+        else
+            return vis.lo(position);
+    };
+    Rotary rotary;
+    if constexpr (ROTARY)
+        rotary = RotaryTable{p.rotary_cos, p.rotary_sin, p.rotary_dim, p.seqlen_ro,
+                             p.rotary_interleaved != 0};
     tile_first = max(tile_first, split * p.tiles_per_split);
     tile_end = min(tile_end, (split + 1) * p.tiles_per_split);
 
@@ -337,20 +382,33 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                 append_new_rows_e4m3<Elem>(index, k_rows, v_rows, k_new_rows, p.kn_row_stride,
                                            v_new_rows, p.vn_row_stride, p.seqlen_new, cache_len,
                                            p.capacity, p.head_dim, k_descale, v_descale, tid,
-                                           T::THREADS);
+                                           T::THREADS, rotary);
             else
-                append_new_rows(index, k_rows, v_rows, k_new_rows, p.kn_row_stride, v_new_rows,
-                                p.vn_row_stride, p.seqlen_new, cache_len, p.capacity, p.head_dim,
-                                tid, T::THREADS);
+                append_new_rows<Elem>(index, k_rows, v_rows, k_new_rows, p.kn_row_stride,
+                                      v_new_rows, p.vn_row_stride, p.seqlen_new, cache_len,
+                                      p.capacity, p.head_dim, tid, T::THREADS, rotary);
         }
     };
     // Q: packed row r of this block is position p = (row_first + r) / group, head
-    // kv_head * group + (row_first + r) % group; rows past the end are zero-filled.
+    // kv_head * group + (row_first + r) % group; rows past the end are zero-filled. With rotary,
+    // rotated (by the thread itself) at cache_len + p where rotary_q_per_row (causal or a
+    // window), at cache_len otherwise (flash-attn's rule).
     auto load_q = [&]() {
         for (int idx = tid; idx < T::BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
             const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
             const int packed = row_first + r;
             const bool valid = packed < rows_total && chunk < q_chunks;
+            if constexpr (ROTARY) {
+                const u16* row = p.q + batch * p.q_batch_stride +
+                                 (packed / group) * p.q_row_stride +
+                                 (kv_head * group + packed % group) * p.q_head_stride;
+                u32 vals[4] = {0u, 0u, 0u, 0u};
+                if (valid)
+                    rotary.template load_chunk<Elem>(
+                        vals, row, chunk, cache_len + (p.rotary_q_per_row ? packed / group : 0));
+                store_16B_shared_words(q_smem + QTile::offset(r, chunk), vals);
+                continue;
+            }
             const u16* src = p.q + batch * p.q_batch_stride + (packed / group) * p.q_row_stride +
                              (kv_head * group + packed % group) * p.q_head_stride + chunk * 8;
             cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : p.q, valid);
@@ -365,7 +423,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         load_kv_tile_async<StagedTile, T::THREADS, Elem>(
             k_smem, k_smem + StagedTile::BYTES, index, k_rows, v_rows, k_new_rows,
             p.kn_row_stride, v_new_rows, p.vn_row_stride, cache_len, tile * T::BLOCK_N, seqlen_k,
-            head_chunks, thread_index_fresh(), k_descale, v_descale);
+            head_chunks, thread_index_fresh(), k_descale, v_descale, rotary);
     };
 
     // This thread's two rows (g and g + 8 of the m16 tile; on the n side 2t and 2t + 1, t =
@@ -515,7 +573,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             const int key_base = tile * T::BLOCK_N + warp_key0 + lane / 4;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int lo = vis.lo(row_position[half]), hi = vis.hi(row_position[half]);
+                const int lo = first_key(row_position[half]), hi = vis.hi(row_position[half]);
 #pragma unroll
                 for (int kt = 0; kt < T::KEY_TILES; ++kt)
 #pragma unroll
@@ -550,7 +608,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             const int key_base = tile * T::BLOCK_N + warp_key0 + 2 * (lane % 4);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int lo = vis.lo(row_position[half]), hi = vis.hi(row_position[half]);
+                const int lo = first_key(row_position[half]), hi = vis.hi(row_position[half]);
 #pragma unroll
                 for (int nt = 0; nt < T::N_TILES; ++nt)
 #pragma unroll

@@ -379,6 +379,17 @@ struct DecodeParams {
     i64 kd_head_stride;
     i64 vd_batch_stride;
     i64 vd_head_stride;
+    // FEATURE_ROTARY (rotary.cuh): cos and sin (seqlen_ro, rotary_dim / 2) in q's type, rows
+    // contiguous; rotary_interleaved: GPT-J pairs (else GPT-NeoX halves); rotary_q_per_row: q's
+    // rows at cache_len + their position (causal or a window), else all at cache_len.
+    const u16* rotary_cos;
+    const u16* rotary_sin;
+    int rotary_dim;
+    int seqlen_ro;
+    int rotary_interleaved;
+    int rotary_q_per_row;
+    // FEATURE_LEFTPAD: (batch,) the first position of each sequence's keys.
+    const int* cache_leftpad;
 };
 
 // dropout_mask.cu

@@ -8,6 +8,7 @@
 // row), so unchecked bad indices never reach memory outside the cache.
 #pragma once
 #include "mma_primitives.cuh"
+#include "rotary.cuh"
 
 struct KVCacheIndex {
     const int* block_table;  // paged: this sequence's row of block_table; nullptr if contiguous
@@ -78,12 +79,14 @@ CF2_DEVICE KVCacheRowsOf<Stored> kv_cache_rows(const Stored* cache, i64 batch_st
 // cache_len + i. Positions outside [0, capacity) and rows outside the cache are skipped, so
 // unchecked bad values never write out of bounds. The decode kernel calls this from one CTA per
 // (sequence, KV head) and reads the new tokens from k_new / v_new itself, so no CTA reads a cache
-// row that is being written.
+// row that is being written. With a RotaryTable (rotary.cuh) the new keys are rotated at their
+// positions on the way (Elem: q's 16-bit type); with NoRotary they are copied as they are.
+template <typename Elem, class Rotary>
 CF2_DEVICE void append_new_rows(const KVCacheIndex& index, const KVCacheRows& k_rows,
                                 const KVCacheRows& v_rows, const u16* k_new_rows,
                                 i64 kn_row_stride, const u16* v_new_rows, i64 vn_row_stride,
                                 int seqlen_new, int cache_len, int capacity, int head_dim,
-                                int tid, int threads) {
+                                int tid, int threads, const Rotary& rotary) {
     const int chunks = head_dim / 8;
     for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
         const int token = idx / chunks, chunk = idx % chunks;
@@ -91,7 +94,11 @@ CF2_DEVICE void append_new_rows(const KVCacheIndex& index, const KVCacheRows& k_
         int block, row;
         if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
         u32 k_vals[4], v_vals[4];  // both loads in flight, then both stores
-        load_16B_global_l2(k_vals, k_new_rows + token * kn_row_stride + chunk * 8);
+        if constexpr (Rotary::ENABLED)
+            rotary.template load_chunk<Elem>(k_vals, k_new_rows + token * kn_row_stride, chunk,
+                                             position);
+        else
+            load_16B_global_l2(k_vals, k_new_rows + token * kn_row_stride + chunk * 8);
         load_16B_global_l2(v_vals, v_new_rows + token * vn_row_stride + chunk * 8);
         store_16B_global(const_cast<u16*>(k_rows.at(block, row)) + chunk * 8, k_vals);
         store_16B_global(const_cast<u16*>(v_rows.at(block, row)) + chunk * 8, v_vals);

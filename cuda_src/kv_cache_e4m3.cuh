@@ -78,15 +78,29 @@ CF2_DEVICE void stage_new_chunk_e4m3(u32 smem, const u16* src, float descale) {
                  "r"(bytes[1]), "r"(bytes[2]), "r"(bytes[3]) : "memory");
 }
 
-// kv_cache.cuh's append_new_rows for an e4m3 cache: the new 16-bit tokens quantised by their
-// descale factors, 16 elements (16 bytes stored) an item.
+// Sixteen elements (chunk16, 16-element units) of a new key's row rotated at `position`
+// (rotary.cuh), then quantised by `descale`: rotated before quantised, as the 16-bit cache
+// would hold them.
 template <typename Elem>
+CF2_DEVICE void quantise_rotated_chunk(u32 (&out)[4], const u16* row, int chunk16, int position,
+                                       float descale, const RotaryTable& rotary) {
+    u32 first[4], second[4];
+    rotary.template load_chunk<Elem>(first, row, 2 * chunk16, position);
+    rotary.template load_chunk<Elem>(second, row, 2 * chunk16 + 1, position);
+    quantise_16_to_e4m3<Elem>(out, first, second, descale);
+}
+
+// kv_cache.cuh's append_new_rows for an e4m3 cache: the new 16-bit tokens quantised by their
+// descale factors, 16 elements (16 bytes stored) an item; the keys rotated first with a
+// RotaryTable.
+template <typename Elem, class Rotary>
 CF2_DEVICE void append_new_rows_e4m3(const KVCacheIndex& index, const KVCacheRowsOf<u8>& k_rows,
                                      const KVCacheRowsOf<u8>& v_rows, const u16* k_new_rows,
                                      i64 kn_row_stride, const u16* v_new_rows,
                                      i64 vn_row_stride, int seqlen_new, int cache_len,
                                      int capacity, int head_dim, float k_descale,
-                                     float v_descale, int tid, int threads) {
+                                     float v_descale, int tid, int threads,
+                                     const Rotary& rotary) {
     const int chunks = head_dim / 16;
     for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
         const int token = idx / chunks, chunk = idx % chunks;
@@ -94,7 +108,12 @@ CF2_DEVICE void append_new_rows_e4m3(const KVCacheIndex& index, const KVCacheRow
         int block, row;
         if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
         u32 k8[4], v8[4];
-        quantise_new_chunk<Elem>(k8, k_new_rows + token * kn_row_stride + chunk * 16, k_descale);
+        if constexpr (Rotary::ENABLED)
+            quantise_rotated_chunk<Elem>(k8, k_new_rows + token * kn_row_stride, chunk, position,
+                                         k_descale, rotary);
+        else
+            quantise_new_chunk<Elem>(k8, k_new_rows + token * kn_row_stride + chunk * 16,
+                                     k_descale);
         quantise_new_chunk<Elem>(v8, v_new_rows + token * vn_row_stride + chunk * 16, v_descale);
         store_16B_global(const_cast<u8*>(k_rows.at(block, row)) + chunk * 16, k8);
         store_16B_global(const_cast<u8*>(v_rows.at(block, row)) + chunk * 16, v8);

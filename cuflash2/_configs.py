@@ -63,6 +63,11 @@ FEATURE_BIAS_GRAD = 256
 #: scores from shared memory (sm90/bias_tile.cuh), instead of reading it score by score through
 #: the 4-D accessor. In FwdSm90ModsConfig and BwdSm90ModsConfig only.
 FEATURE_BIAS_TILE = 512
+#: The decode kernel's own (flash_decode.cu): rotary position embedding of the new keys as they
+#: are appended and of q as it is loaded (attention_with_kvcache's rotary_cos / rotary_sin,
+#: cuda_src/rotary.cuh), and cache_leftpad (each sequence's keys start at its own position).
+FEATURE_ROTARY = 1024
+FEATURE_LEFTPAD = 2048
 #: A block mask's tile states (int8): no visible key in the tile, some, every (query, key) of the
 #: tile inside the sequence visible.
 BLOCK_MASK_EMPTY, BLOCK_MASK_PARTIAL, BLOCK_MASK_FULL = 0, 1, 2
@@ -78,7 +83,13 @@ FORWARD_ONLY_FEATURES = FEATURE_SINKS
 SCORE_MOD_FEATURES = (0, FEATURE_SOFTCAP, FEATURE_ALIBI, FEATURE_SOFTCAP | FEATURE_ALIBI)
 #: The features the decode kernel takes: each score-modifier set, without and with sinks (no
 #: varlen, no dropout, no backward).
-DECODE_FEATURES = SCORE_MOD_FEATURES + tuple(FEATURE_SINKS | f for f in SCORE_MOD_FEATURES)
+DECODE_MOD_FEATURES = SCORE_MOD_FEATURES + tuple(FEATURE_SINKS | f for f in SCORE_MOD_FEATURES)
+#: The KV cache's own features of the decode kernel: rotary, cache_leftpad, both.
+DECODE_CACHE_FEATURES = (FEATURE_ROTARY, FEATURE_LEFTPAD, FEATURE_ROTARY | FEATURE_LEFTPAD)
+#: Every feature set the decode kernel takes: the modifiers' sets, alone and with each of the
+#: cache's own.
+DECODE_FEATURES = DECODE_MOD_FEATURES + tuple(c | f for c in DECODE_CACHE_FEATURES
+                                              for f in DECODE_MOD_FEATURES)
 #: The combinations the CPU compile tests build for every kernel, head dim and arch: none, each
 #: feature alone and all together (each feature is its own `if constexpr` branch, so these
 #: compile every line of every branch); sm_90 at d=64/128 builds ALL_FEATURES. The backward
@@ -167,6 +178,7 @@ CUDA_CONSTANTS = {
     "FEATURE_SINKS": FEATURE_SINKS, "FEATURE_MASK_MOD": FEATURE_MASK_MOD,
     "FEATURE_SCORE_MOD": FEATURE_SCORE_MOD, "FEATURE_BLOCK_MASK": FEATURE_BLOCK_MASK,
     "FEATURE_BIAS_GRAD": FEATURE_BIAS_GRAD, "FEATURE_BIAS_TILE": FEATURE_BIAS_TILE,
+    "FEATURE_ROTARY": FEATURE_ROTARY, "FEATURE_LEFTPAD": FEATURE_LEFTPAD,
     "BLOCK_MASK_EMPTY": BLOCK_MASK_EMPTY, "BLOCK_MASK_PARTIAL": BLOCK_MASK_PARTIAL,
     "BLOCK_MASK_FULL": BLOCK_MASK_FULL, "BLOCK_MASK_WARPS": BLOCK_MASK_WARPS,
     "BWD_ROW_PADDING": BWD_ROW_PADDING, "VARLEN_STATS_GAP": VARLEN_STATS_GAP,
@@ -281,7 +293,7 @@ def with_features(config, features: int):
 SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 #: The features it takes: the score modifiers, without and with sinks (dropout stays on the
 #: mma.sync kernel).
-SM90_FWD_FEATURES = DECODE_FEATURES
+SM90_FWD_FEATURES = DECODE_MOD_FEATURES
 #: Its varlen specialisations: FEATURE_VARLEN with each of those sets, one-tile-per-CTA grid only
 #: (dispatched unless _dispatch.HOPPER_FORWARD_VARLEN is off: CUFLASH2_HOPPER_VARLEN=0).
 SM90_FWD_VARLEN_FEATURES = tuple(FEATURE_VARLEN | f for f in SM90_FWD_FEATURES)
@@ -959,7 +971,9 @@ def describe(config) -> str:
                                    (FEATURE_SCORE_MOD, "score_mod"),
                                    (FEATURE_BLOCK_MASK, "block mask"),
                                    (FEATURE_BIAS_GRAD, "dbias"),
-                                   (FEATURE_BIAS_TILE, "bias tiles"))
+                                   (FEATURE_BIAS_TILE, "bias tiles"),
+                                   (FEATURE_ROTARY, "rotary"),
+                                   (FEATURE_LEFTPAD, "cache_leftpad"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
     if isinstance(config, FwdSm90Config):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from . import _dispatch, _launch, _plans, _prepare, _validate, fp8
+from . import _configs, _dispatch, _launch, _plans, _prepare, _validate, fp8
 from ._prepare import LOG2E, element_strides, output_strides
 
 
@@ -39,6 +39,25 @@ def split_counters(groups: int, device_id: int, stream_ptr: int, cupy) -> int:
     return _split_counters.get(device_id, stream_ptr, cupy, groups)
 
 
+class CacheOptions:
+    """attention_with_kvcache's rotary_cos, rotary_sin, rotary_interleaved and cache_leftpad, as
+    given (unchecked): one object a call, NO_CACHE_OPTIONS where none is given. The arrays'
+    signatures and rotary_interleaved enter the call's signature key; the arrays' addresses go
+    to the kernel per call."""
+
+    __slots__ = ("rotary_cos", "rotary_sin", "rotary_interleaved", "cache_leftpad")
+
+    def __init__(self, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                 cache_leftpad=None):
+        self.rotary_cos = rotary_cos
+        self.rotary_sin = rotary_sin
+        self.rotary_interleaved = rotary_interleaved
+        self.cache_leftpad = cache_leftpad
+
+
+NO_CACHE_OPTIONS = CacheOptions()
+
+
 @dataclasses.dataclass
 class KVCachePlan:
     """A checked attention_with_kvcache signature: its Plan, and what a call adds to it."""
@@ -52,7 +71,8 @@ class KVCachePlan:
 
 
 def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-         options, num_splits, early_cache_reads, fp8_args=(None, None, None)):
+         options, num_splits, early_cache_reads, fp8_args=(None, None, None),
+         cache_options=NO_CACHE_OPTIONS):
     """The signature of a call (as api._forward_key; `options`: its _options.AttentionOptions);
     None where it has none (checked in full then). An int cache_seqlens enters as "an int", its
     value going to the kernel per call."""
@@ -64,10 +84,12 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     elif cache_seqlens is not None and not _is_int(cache_seqlens):
         return None
     kv_cache_dtype, k_descale, v_descale = fp8_args
+    c = cache_options
     arrays = (q, k_cache, v_cache, k, v, cache_batch_idx, block_table, options.alibi_slopes,
-              options.sinks, k_descale, v_descale)
+              options.sinks, k_descale, v_descale, c.rotary_cos, c.rotary_sin, c.cache_leftpad)
     if not _plans.add_signature(key, ndarray, arrays, options.window_size):
         return None
+    key += (type(c.rotary_interleaved), c.rotary_interleaved)
     if kv_cache_dtype is not None and type(kv_cache_dtype) is not str:
         return None
     key.append(kv_cache_dtype)
@@ -81,10 +103,11 @@ def _key(cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                            block_table, options, num_splits, return_lse, check_cache,
-                           early_cache_reads, fp8_args=(None, None, None)):
+                           early_cache_reads, fp8_args=(None, None, None),
+                           cache_options=NO_CACHE_OPTIONS):
     """api.attention_with_kvcache, its options (causal, softmax_scale, window_size, softcap,
     alibi_slopes, sinks) as one _options.AttentionOptions; `fp8_args`: (kv_cache_dtype,
-    k_descale, v_descale)."""
+    k_descale, v_descale); `cache_options`: its rotary and cache_leftpad (CacheOptions)."""
     global _cupy
     if _cupy is None:  # the first call: NumPy arrays get their hint before CuPy is imported
         _prepare.require_cupy_arrays({"q": q, "k_cache": k_cache, "v_cache": v_cache},
@@ -93,11 +116,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     _cupy = cupy
     key = None if check_cache else _key(
         cupy, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, options,
-        num_splits, early_cache_reads, fp8_args)
+        num_splits, early_cache_reads, fp8_args, cache_options)
     planned = _plans_by_key.get(key)
     if planned is None:
         planned = _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                        options, num_splits, check_cache, early_cache_reads, fp8_args)
+                        options, num_splits, check_cache, early_cache_reads, fp8_args,
+                        cache_options)
         _plans_by_key.put(key, planned)
     # An int (or no) cache_seqlens goes to the kernel as one length for every sequence (the
     # signature holds its type, and its first call was checked in full).
@@ -117,20 +141,25 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     outputs = planned.plan.run((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                 block_table, options.alibi_slopes, options.sinks,
                                 unit if k_descale is None else k_descale,
-                                unit if v_descale is None else v_descale), cupy,
+                                unit if v_descale is None else v_descale,
+                                cache_options.rotary_cos, cache_options.rotary_sin,
+                                cache_options.cache_leftpad), cupy,
                                scalars, wrap=2 if return_lse else 1, stream=stream)
     return tuple(outputs) if return_lse else outputs[0]
 
 
 def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, options,
-          num_splits, check_cache, early_cache_reads, fp8_args) -> KVCachePlan:
+          num_splits, check_cache, early_cache_reads, fp8_args,
+          cache_options=NO_CACHE_OPTIONS) -> KVCachePlan:
     """Checks a call in full (values too with `check_cache`) and plans its launch."""
     kv_cache_dtype, k_descale, v_descale = fp8_args
+    c = cache_options
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in (("k", k), ("v", v), ("alibi_slopes", options.alibi_slopes),
                     ("sinks", options.sinks), ("cache_batch_idx", cache_batch_idx),
                     ("block_table", block_table), ("k_descale", k_descale),
-                    ("v_descale", v_descale)):
+                    ("v_descale", v_descale), ("rotary_cos", c.rotary_cos),
+                    ("rotary_sin", c.rotary_sin), ("cache_leftpad", c.cache_leftpad)):
         if x is not None:
             arrays[name] = x
     if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
@@ -166,9 +195,32 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     device_id = _prepare.check_device(tensors, others, cupy)
     window = _validate.check_window(options.window_size, options.causal, kv.seqlen_q,
                                     kv.capacity)
+    # Rotary and cache_leftpad (flash-attn's rules; docs/ROTARY.md): the kernel's own features.
+    rotary = _validate.check_rotary(c.rotary_cos, c.rotary_sin, q.dtype, kv.head_dim,
+                                    kv.capacity, k is not None)
+    _validate.check_cache_leftpad(c.cache_leftpad, kv.batch, kv.paged)
+    per_row = _validate.rotary_positions_per_row(options.causal, options.window_size,
+                                                 kv.capacity)
+    features = mods.features
+    if rotary is not None:
+        _prepare.check_flag("rotary_interleaved", c.rotary_interleaved)
+        for name in ("rotary_cos", "rotary_sin"):
+            x = arrays[name]
+            if x.shape[0] > 1 and x.strides != (x.shape[1] * x.itemsize, x.itemsize):
+                raise ValueError(f"{name} must be C-contiguous (rows of rotary_dim / 2 "
+                                 f"elements); got strides {x.strides}")
+        features |= _configs.FEATURE_ROTARY
+    if c.cache_leftpad is not None:
+        if kv.batch > 1 and c.cache_leftpad.strides != (4,):
+            raise ValueError(f"cache_leftpad must be contiguous; got strides "
+                             f"{c.cache_leftpad.strides}")
+        features |= _configs.FEATURE_LEFTPAD
+    if check_cache:
+        _validate.check_kvcache_extra_values(kv, cache_seqlens, c.cache_leftpad, rotary,
+                                             per_row, cupy.asnumpy)
     # The decode kernel (compiled here if need be) and its split count.
     arch = _prepare.device_arch(device_id)
-    choice = _dispatch.decode_kernel(kv, problem.dtype, mods.features, arch, device_id,
+    choice = _dispatch.decode_kernel(kv, problem.dtype, features, arch, device_id,
                                      num_splits, early_cache_reads, cache_format)
     config, splits, cluster = choice.config, choice.splits, choice.cluster
     m_blocks, groups = choice.m_blocks, choice.groups
@@ -196,7 +248,10 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "head_dim": kv.head_dim, "num_m_blocks": m_blocks, "num_splits": splits,
         "tiles_per_split": tiles_per_split, "split_cluster": int(cluster > 1),
         "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
-        "window_right": window[1], **mods.fields()}
+        "window_right": window[1], **mods.fields(),
+        "rotary_dim": rotary[0] if rotary else 0, "seqlen_ro": rotary[1] if rotary else 0,
+        "rotary_interleaved": int(bool(c.rotary_interleaved)) if rotary else 0,
+        "rotary_q_per_row": int(per_row) if rotary else 0}
     unit_descale = None
     if cache_format is not None:  # the factors' (batch, KV head) strides, 0 where shared
         unit_descale = cupy.ones((1,), cupy.float32)
@@ -212,7 +267,9 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
              "mods.sinks": 9 if options.sinks is not None else None,
              "k_new": 3 if new_tokens else None, "v_new": 4 if new_tokens else None,
              "k_descale": 10 if cache_format is not None else None,
-             "v_descale": 11 if cache_format is not None else None}
+             "v_descale": 11 if cache_format is not None else None,
+             "rotary_cos": 12 if rotary else None, "rotary_sin": 13 if rotary else None,
+             "cache_leftpad": 14 if c.cache_leftpad is not None else None}
     inputs = [("q", 0, 0), ("k_cache", 1, 0), ("v_cache", 2, 0)]
     inputs += [(field, pos, 0) for field, pos in given.items() if pos is not None]
     workspace_bytes, workspace_fields = 0, []
@@ -225,7 +282,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=barrier,
         programmatic=choice.programmatic, cluster=cluster)]
     aligned = [(pos, name) for name, pos in (("q", 0), ("k_cache", 1), ("v_cache", 2), ("k", 3),
-                                             ("v", 4)) if name in arrays]
+                                             ("v", 4), ("rotary_cos", 12), ("rotary_sin", 13))
+               if name in arrays]
     per_call = ("cache_len_all",) + (("split_counters",) if barrier else ())
     plan = _plans.Plan(device_id, "DecodeParams", fields, launches, inputs,
                        [(tuple(q.shape), q.dtype), ((kv.batch, kv.nheads, kv.seqlen_q), "float32")],

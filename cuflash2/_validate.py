@@ -495,6 +495,81 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None
     return problem
 
 
+def check_rotary(rotary_cos, rotary_sin, q_dtype, head_dim: int, capacity: int,
+                 new_tokens: bool):
+    """attention_with_kvcache's rotary_cos / rotary_sin (flash-attn's rules): None without them,
+    else (rotary_dim, seqlen_ro). Both (seqlen_ro, rotary_dim / 2) of q's dtype, rotary_dim a
+    positive multiple of 16 and at most the head dim, a row for every position of the cache
+    (seqlen_ro >= its capacity), and new tokens (k, v) to rotate."""
+    if rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if not new_tokens:
+        raise ValueError("rotary_cos / rotary_sin rotate the new keys as they are appended: pass "
+                         "k and v too (as flash-attn requires)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if len(x.shape) != 2:
+            raise ValueError(f"{name} must be 2-D, (seqlen_ro, rotary_dim / 2); got shape "
+                             f"{tuple(x.shape)}")
+        if x.dtype != q_dtype:
+            raise TypeError(f"{name} must have q's dtype {q_dtype}; got {x.dtype}")
+    if tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
+        raise ValueError(f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}; "
+                         f"got {tuple(rotary_sin.shape)}")
+    seqlen_ro, half = (int(n) for n in rotary_cos.shape)
+    rotary_dim = 2 * half
+    if rotary_dim == 0 or rotary_dim % 16 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_cos's rotary_dim (2 x its {half} columns = {rotary_dim}) must "
+                         f"be a positive multiple of 16 and at most the head dim {head_dim} "
+                         f"(flash-attn's rule)")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos and rotary_sin must have a row for every position of the "
+                         f"cache: their seqlen_ro ({seqlen_ro} rows) is less than its capacity "
+                         f"({capacity}) (flash-attn's rule)")
+    return rotary_dim, seqlen_ro
+
+
+def rotary_positions_per_row(causal: bool, window_size, capacity: int) -> bool:
+    """Whether rotary puts q's row i at position cache_seqlens[b] + i (causal or a window, as
+    flash-attn decides it: a window edge at or beyond the cache's capacity is no edge) rather
+    than every row at cache_seqlens[b]."""
+    return bool(causal) or any(0 <= int(side) < capacity for side in window_size)
+
+
+def check_cache_leftpad(cache_leftpad, batch: int, paged: bool) -> None:
+    """attention_with_kvcache's cache_leftpad: int32 (batch,), a contiguous cache only."""
+    if cache_leftpad is None:
+        return
+    if paged:
+        raise ValueError("cache_leftpad does not go with a paged cache (block_table); "
+                         "flash-attn does not support the two together either")
+    _int32_vector("cache_leftpad", cache_leftpad, batch, "the first position of each "
+                  "sequence's keys in the cache")
+
+
+def check_kvcache_extra_values(problem: KVCacheProblem, cache_seqlens, cache_leftpad, rotary,
+                               per_row: bool, to_host) -> None:
+    """The values of cache_leftpad (within [0, cache_seqlens[b]]) and, with rotary
+    ((rotary_dim, seqlen_ro) or None), q's positions within the table's rows."""
+    if not problem.batch:
+        return
+    lengths = kvcache_lengths(problem, cache_seqlens, to_host)
+    if cache_leftpad is not None:
+        pads = numpy.asarray(to_host(cache_leftpad)).astype(numpy.int64)
+        bad = (pads < 0) | (pads > lengths)
+        if bad.any():
+            b = int(numpy.argmax(bad))
+            raise ValueError(f"cache_leftpad[{b}] = {pads[b]} must be within [0, "
+                             f"cache_seqlens[{b}] = {lengths[b]}]")
+    if rotary is not None and problem.seqlen_q:
+        last = lengths + (problem.seqlen_q - 1 if per_row else 0)
+        if last.max() >= rotary[1]:
+            b = int(numpy.argmax(last))
+            raise ValueError(f"rotary: q's last row of sequence {b} is at position {last[b]}, "
+                             f"past rotary_cos's {rotary[1]} rows")
+
+
 def kvcache_lengths(problem: KVCacheProblem, cache_seqlens, to_host):
     """Host int64 (batch,) of the tokens cached before the call (default: full capacity)."""
     if cache_seqlens is None:

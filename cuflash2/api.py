@@ -935,7 +935,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            sinks=None, num_splits=0, return_lse=False, check_cache=False,
                            early_cache_reads=False, kv_cache_dtype=None, k_descale=None,
-                           v_descale=None):
+                           v_descale=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, cache_leftpad=None):
     """Attention of q against a KV cache, for inference (flash-attn's `flash_attn_with_kvcache`).
 
     q: (batch, seqlen_q, nheads, headdim). Contiguous cache: k_cache, v_cache (batch_cache,
@@ -974,12 +975,29 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     and KV head; broadcast views allowed), or () / (1,) for the whole cache (default: 1). q, k, v
     16-bit; the new tokens are stored as e4m3 bits of k / k_descale (nearest, saturated to
     +-448). The cache is read at one byte an element.
+
+    Rotary (flash-attn's rules; docs/ROTARY.md): `rotary_cos`, `rotary_sin` (seqlen_ro,
+    rotary_dim / 2) of q's dtype, C-contiguous, rotary_dim a multiple of 16 and <= headdim,
+    seqlen_ro >= the cache's capacity; k and v must be given. The new keys are rotated at
+    positions cache_seqlens[b] + i as they are appended (the cache holds them rotated; an FP8
+    cache rotated, then quantised), q's row i at cache_seqlens[b] + i if causal or a window
+    (an edge within the capacity), else every row at cache_seqlens[b]; in fp32, rounded to q's
+    dtype. `rotary_interleaved` (default True, as flash-attn's): GPT-J pairs (0, 1), (2, 3), ...;
+    False: GPT-NeoX halves (j with j + rotary_dim / 2). `cache_leftpad`: int32 (batch,), a
+    contiguous cache only: sequence b's keys start at position cache_leftpad[b] (those before
+    are not attended); cache_seqlens stays the end of its cached keys, and every position
+    (appends, rotary, causal and window alignment, ALiBi) stays the cache's, as in flash-attn.
+    (The promise of early_cache_reads covers cache_leftpad too.)
     """
+    cache_options = (_kvcache.NO_CACHE_OPTIONS if rotary_cos is None and rotary_sin is None
+                     and cache_leftpad is None and rotary_interleaved is True
+                     else _kvcache.CacheOptions(rotary_cos, rotary_sin, rotary_interleaved,
+                                                cache_leftpad))
     return _kvcache.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
         AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks),
         num_splits, return_lse, check_cache, early_cache_reads,
-        (kv_cache_dtype, k_descale, v_descale))
+        (kv_cache_dtype, k_descale, v_descale), cache_options)
 
 
 @contextlib.contextmanager

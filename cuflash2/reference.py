@@ -1096,6 +1096,10 @@ def attention_with_kvcache(
     kv_cache_dtype=None,
     k_descale=None,
     v_descale=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=True,
+    cache_leftpad=None,
 ):
     """Reference attention with a KV cache (flash-attn's ``flash_attn_with_kvcache``), for
     inference: a few query tokens against a long cache.
@@ -1118,6 +1122,17 @@ def attention_with_kvcache(
     (1,), or a float; default 1), new tokens stored as fp8.quantize_e4m3(k / k_descale); the
     attention runs on the dequantised values (in float64, then as compute_dtype loads them).
 
+    Rotary (flash-attn's rules; ``apply_rotary``): rotary_cos, rotary_sin (seqlen_ro,
+    rotary_dim / 2) of q's dtype, rotary_dim a multiple of 16 <= headdim, seqlen_ro >= the
+    capacity, k and v given. The new keys are rotated at positions cache_seqlens[b] + i before
+    they are appended (the cache holds them rotated); q's row i at cache_seqlens[b] + i if causal
+    or a window (an edge within the capacity), else every row at cache_seqlens[b].
+    ``rotary_interleaved`` (default True, as flash-attn's): GPT-J pairs (0, 1), (2, 3), ...;
+    False: GPT-NeoX halves. cache_leftpad: int32 (batch,), contiguous caches only: sequence b's
+    keys are positions cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 (those before are
+    not attended); positions (rotary, appends, causal / window alignment, ALiBi) stay the
+    cache's, so attention over keys [leftpad, end) is flash-attn's shifted sequence.
+
     Returns out (batch, seqlen_q, nheads, headdim) in compute_dtype, or (out, lse) with lse
     float32 (batch, nheads, seqlen_q).
     """
@@ -1127,6 +1142,17 @@ def attention_with_kvcache(
                                              cache_batch_idx, block_table, _to_host,
                                              kv_cache_dtype=cache_format)
     lengths = _validate.kvcache_lengths(problem, cache_seqlens, _to_host)
+    rotary = _validate.check_rotary(rotary_cos, rotary_sin, q.dtype, problem.head_dim,
+                                    problem.capacity, k is not None)
+    _validate.check_cache_leftpad(cache_leftpad, problem.batch, problem.paged)
+    _validate.check_window(window_size, causal, problem.seqlen_q, problem.capacity)
+    per_row = _validate.rotary_positions_per_row(causal, window_size, problem.capacity)
+    if rotary is not None and not isinstance(rotary_interleaved, (bool, numpy.bool_)):
+        raise TypeError(f"rotary_interleaved must be a bool; got {rotary_interleaved!r}")
+    _validate.check_kvcache_extra_values(problem, cache_seqlens, cache_leftpad, rotary, per_row,
+                                         _to_host)
+    pads = (numpy.zeros(problem.batch, numpy.int64) if cache_leftpad is None
+            else _to_host(cache_leftpad).astype(numpy.int64))
     rows = (numpy.arange(problem.batch) if cache_batch_idx is None
             else _to_host(cache_batch_idx).astype(numpy.int64))
     table = _to_host(block_table).astype(numpy.int64) if problem.paged else None
@@ -1168,12 +1194,22 @@ def attention_with_kvcache(
         cached, total = int(lengths[b]), int(lengths[b]) + problem.seqlen_new
         if k is not None:
             new = cache_index(b, numpy.arange(cached, total))
-            store["k"][new] = to_cache("k", b, k[b])
+            k_b = k[b]
+            if rotary is not None:  # rotated at their positions, in q's dtype, then stored
+                k_b = apply_rotary(k_b, rotary_cos, rotary_sin, numpy.arange(cached, total),
+                                   interleaved=bool(rotary_interleaved))
+            store["k"][new] = to_cache("k", b, k_b)
             store["v"][new] = to_cache("v", b, v[b])
-        everything = cache_index(b, numpy.arange(total))
+        everything = cache_index(b, numpy.arange(int(pads[b]), total))
         sequence_options = options.replace(alibi_slopes=None if slopes is None else slopes[b])
+        q_b = q[b]
+        if rotary is not None:
+            offsets = numpy.arange(problem.seqlen_q) if per_row else numpy.zeros(
+                problem.seqlen_q, numpy.int64)
+            q_b = apply_rotary(q_b, rotary_cos, rotary_sin, cached + offsets,
+                               interleaved=bool(rotary_interleaved))
         # (q exactly in float64 beside the dequantised cache: _forward takes one dtype)
-        q_b = q[b] if cache_format is None else q[b].astype(numpy.float64)
+        q_b = q_b if cache_format is None else q_b.astype(numpy.float64)
         out, lse = _forward(q_b, from_cache("k", b, store["k"][everything]),
                             from_cache("v", b, store["v"][everything]), sequence_options,
                             compute_dtype, None)
@@ -1184,6 +1220,45 @@ def attention_with_kvcache(
     lse = (xp.stack(lses) if lses
            else xp.zeros((problem.batch, problem.nheads, problem.seqlen_q), numpy.float32))
     return (out, lse) if return_lse else out
+
+
+def apply_rotary(x, cos, sin, positions, *, interleaved=False):
+    """Rotary position embedding (RoPE) of x's rows, as attention_with_kvcache applies it (and
+    flash-attn's apply_rotary_emb): x (..., seqlen, nheads, headdim), positions (..., seqlen)
+    ints (row i of x at positions[..., i]), cos and sin (seqlen_ro, rotary_dim / 2). The first
+    rotary_dim elements of each row are rotated by the angles of its position, the others kept:
+    GPT-NeoX halves (``interleaved=False``: element j < rotary_dim / 2 with j + rotary_dim / 2)
+    or GPT-J pairs (``interleaved=True``: 2i with 2i + 1),
+    x'_a = x_a cos - x_b sin, x'_b = x_b cos + x_a sin. In float32, each product and sum rounded
+    (the decode kernel's arithmetic, without fused multiply-adds), returned in x's dtype. NumPy
+    or CuPy."""
+    xp = _array_module(x, cos, sin)
+    x, cos, sin = xp.asarray(x), xp.asarray(cos), xp.asarray(sin)
+    positions = numpy.asarray(_to_host(positions)).astype(numpy.int64)
+    if cos.ndim != 2 or tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"cos and sin must be (seqlen_ro, rotary_dim / 2) alike; got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    half = int(cos.shape[1])
+    rotary_dim = 2 * half
+    if rotary_dim > x.shape[-1]:
+        raise ValueError(f"rotary_dim {rotary_dim} is larger than x's head dim {x.shape[-1]}")
+    if positions.size and (positions.min() < 0 or positions.max() >= cos.shape[0]):
+        raise ValueError(f"positions must be within [0, {cos.shape[0]}) (cos's rows); got "
+                         f"{int(positions.min())} .. {int(positions.max())}")
+    index = xp.asarray(positions)
+    c = cos[index].astype(numpy.float32)[..., None, :]  # (..., seqlen, 1, half)
+    s = sin[index].astype(numpy.float32)[..., None, :]
+    f = x.astype(numpy.float32)
+    out = f.copy()
+    if interleaved:
+        a, b = f[..., 0:rotary_dim:2], f[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = a * c - b * s
+        out[..., 1:rotary_dim:2] = b * c + a * s
+    else:
+        a, b = f[..., :half], f[..., half:rotary_dim]
+        out[..., :half] = a * c - b * s
+        out[..., half:rotary_dim] = b * c + a * s
+    return out.astype(x.dtype)
 
 
 def merge_states(out_a, lse_a, out_b, lse_b):

@@ -21,7 +21,8 @@ MAX_SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 # Every specialisation, plain and with the feature combinations of TESTED_FEATURES (each feature
 # alone and all together; the backward's without the forward-only sinks, which its main kernels
 # do not take); on sm_90, every combination at head dims 64 and 128. The decode kernel: every
-# feature set it takes (DECODE_FEATURES: the score modifiers, without and with sinks).
+# modifier set it takes (DECODE_MOD_FEATURES: the score modifiers, without and with sinks); its
+# cache's own features (rotary, cache_leftpad) in ROTARY_DECODE_CASES.
 BWD_TESTED_FEATURES = tuple(dict.fromkeys(_configs.backward_features(f)
                                           for f in _configs.TESTED_FEATURES))
 
@@ -54,12 +55,25 @@ AUX_CASES_EXTRA = [(_configs.DropoutMaskKernel(), arch) for arch in _configs.CPU
 # cuflash2.merge_states' kernel: every element type and lane count (MERGE_SAMPLE by default).
 MERGE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS for cfg in _configs.merge_configs()]
 DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
-                for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_FEATURES)]
+                for cfg in _dispatch.all_decode_configs(arch, _configs.DECODE_MOD_FEATURES)]
 # The e4m3 cache's decode kernels (kv_cache_e4m3.cuh) under --exhaustive, plain and with every
 # decode feature together (each alone is the 16-bit kernels' code, above).
 DECODE_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
                  for cfg in _dispatch.all_decode_configs(
-                     arch, (0, max(_configs.DECODE_FEATURES)), ("e4m3",))]
+                     arch, (0, max(_configs.DECODE_MOD_FEATURES)), ("e4m3",))]
+# The decode kernel with rotary and cache_leftpad (FEATURE_ROTARY | FEATURE_LEFTPAD) under
+# --exhaustive, ROTARY_DECODE_SAMPLE by default: with every modifier on every specialisation
+# (16-bit and e4m3 caches), alone at the main head dims 64 and 128 of the 16-bit cache. (Each of
+# the two alone is a part of that code: rotary in the append, the tiles' new rows and q's load;
+# cache_leftpad in the first tile and the mask.)
+_CACHE_FEATURES = _configs.FEATURE_ROTARY | _configs.FEATURE_LEFTPAD
+ROTARY_DECODE_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
+                       for cfg in _dispatch.all_decode_configs(arch, (_CACHE_FEATURES,))
+                       if cfg.head_dim in (64, 128)]
+ROTARY_DECODE_CASES += [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
+                        for cfg in _dispatch.all_decode_configs(
+                            arch, (_CACHE_FEATURES | max(_configs.DECODE_MOD_FEATURES),),
+                            (None, "e4m3"))]
 AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
              for cfg in _configs.aux_kernels((*_configs.DTYPE_TAGS, *_configs.FLOAT32_TAGS))]
 
@@ -106,6 +120,14 @@ E4M3_DECODE_SAMPLE = {
     (80, "float16", 128, _configs.DECODE_BLOCK_M, 16, 0),
     (90, "bfloat16", 128, _configs.DECODE_BLOCK_M_N8, 16,
      _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI | _configs.FEATURE_SINKS)}
+#: The decode kernel with rotary and cache_leftpad in the sample, as E4M3_DECODE_SAMPLE's
+#: points (and the cache's dtype): sm_80 fp16 d=64 on an m16 tile, sm_90 bf16 d=128 with every
+#: modifier too, its rows on the n side (two compiles; the e4m3 cache's and the rest under
+#: --exhaustive).
+ROTARY_DECODE_SAMPLE = {
+    (80, "float16", 64, _configs.DECODE_BLOCK_M, 16, _CACHE_FEATURES, None),
+    (90, "bfloat16", 128, _configs.DECODE_BLOCK_M_N8, 16,
+     _CACHE_FEATURES | max(_configs.DECODE_MOD_FEATURES), None)}
 #: The small kernels (no head dim: their code does not depend on the tiles) on these.
 AUX_SAMPLE_ARCHS = (80, 90)
 #: merge_states.cu in the sample, as (arch, dtype, lanes): each element type once on sm_80 and
@@ -122,6 +144,10 @@ def _sampled(cfg, arch) -> bool:
     if not hasattr(cfg, "head_dim"):  # preprocess, convert_dq, sinks, dropout mask: every
         return arch in AUX_SAMPLE_ARCHS  # case on the sample's ends of the architectures
     point = (arch, cfg.dtype, cfg.head_dim)
+    if isinstance(cfg, _configs.DecodeConfig) and cfg.features & _CACHE_FEATURES:
+        return not cfg.early_cache_reads and (*point, cfg.block_m, cfg.keys_per_warp,
+                                              cfg.features, cfg.kv_cache_dtype
+                                              ) in ROTARY_DECODE_SAMPLE
     if isinstance(cfg, _configs.DecodeConfig) and cfg.kv_cache_dtype is not None:
         return not cfg.early_cache_reads and (*point, cfg.block_m, cfg.keys_per_warp,
                                               cfg.features) in E4M3_DECODE_SAMPLE
@@ -319,6 +345,28 @@ def test_decode_kernel_compiles(config, arch, compiled):
         assert report.spill_stores <= BWD_SPILL_LIMIT, report.log
 
 
+@pytest.mark.parametrize("config,arch", _cases(
+    ROTARY_DECODE_CASES, [f"sm{a}-{c.name_expression}" for c, a in ROTARY_DECODE_CASES]))
+def test_rotary_leftpad_decode_kernel_compiles(config, arch, compiled):
+    """Rotary and cache_leftpad spill nothing on sm_80 and sm_90 (elsewhere the plain decode
+    kernels' bound)."""
+    report = _report(compiled, config, arch)
+    if arch in (80, 90):
+        assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    else:
+        assert report.spill_stores <= BWD_SPILL_LIMIT, report.log
+
+
+def test_rotary_decode_cases_cover_the_cache_features():
+    assert {cfg.features & _CACHE_FEATURES for cfg, _ in ROTARY_DECODE_CASES} == {
+        _CACHE_FEATURES}
+    assert {cfg.kv_cache_dtype for cfg, _ in ROTARY_DECODE_CASES} == {None, "e4m3"}
+    sample = {(arch, cfg.block_m) for cfg, arch in ROTARY_DECODE_CASES if _sampled(cfg, arch)}
+    assert sample == {(80, _configs.DECODE_BLOCK_M), (90, _configs.DECODE_BLOCK_M_N8)}
+    assert set(_configs.DECODE_FEATURES) == set(_configs.DECODE_MOD_FEATURES) | {
+        c | f for c in _configs.DECODE_CACHE_FEATURES for f in _configs.DECODE_MOD_FEATURES}
+
+
 def test_sample_covers_every_family_feature_architecture_and_main_head_dim():
     """The default sample keeps what the brief of the CPU suite asks for (tests/conftest.py)."""
     sample = [c for c in FWD_CASES + BWD_CASES + DECODE_CASES if _sampled(*c)]
@@ -361,7 +409,7 @@ def test_sinks_are_compiled_into_the_forward_kernels_only():
     assert not any(cfg.features & sinks for cfg, _ in BWD_CASES)
     assert {cfg.features for cfg, arch in FWD_CASES if arch == 90 and cfg.head_dim == 128} == set(
         _configs.ALL_FEATURES)
-    assert {cfg.features for cfg, _ in DECODE_CASES} == set(_configs.DECODE_FEATURES)
+    assert {cfg.features for cfg, _ in DECODE_CASES} == set(_configs.DECODE_MOD_FEATURES)
     assert len(DECODE_CASES) == 2 * len([c for c in DECODE_CASES if not c[0].features & sinks])
     assert {c.kernel for c in _configs.aux_kernels()} >= {"flash_bwd_sinks_kernel"}
     assert len(set(BWD_CASES)) == len(BWD_CASES) and len(set(FWD_CASES)) == len(FWD_CASES)

@@ -10,6 +10,12 @@ sources (an overlay folder, as benchmarks/dev/ab_sources.py). Prints us per laye
 
 --single (with --alt) times instead the single steps of `bench --decode`'s table (one call,
 event to event, L2 flushed before it) under both versions, alternating on the same arrays.
+
+--rotary times instead the cost of the rotary append (issue 47: at most 10% of a decode step
+at batch 1, 4k tokens): the in-graph step with and without rotary (rotary_dim = head dim,
+GPT-NeoX style) on the --rows (default 1x4096), alternating, the ratio of their medians.
+
+    PYTHONPATH=. python3 benchmarks/dev/decode_graph_sweep.py --rotary [--rows 1x4096 1x16384]
 """
 
 import argparse
@@ -37,6 +43,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=None, help="BATCHxCACHE, e.g. 1x16384")
     parser.add_argument("--alt", type=Path, default=None, help="overlay folder of cuda_src files")
     parser.add_argument("--single", action="store_true")
+    parser.add_argument("--rotary", action="store_true",
+                        help="the step with and without rotary (issue 47's 10%% target)")
     parser.add_argument("--cluster-tile", type=int, nargs="+", default=None,
                         metavar="WARPS STAGES [KEYS_PER_WARP]",
                         help="the clustered steps' tile instead of decode_cluster_config's")
@@ -54,6 +62,9 @@ def main() -> None:
         sources = Sources(args.alt)
     if args.single:
         single_steps(sources, args)
+        return
+    if args.rotary:
+        rotary_cost(args)
         return
     rows = decode.GRAPH_ROWS
     if args.rows:
@@ -95,6 +106,28 @@ def main() -> None:
                             del step
     _dispatch.CLUSTER_MERGE = True
     _launch.PROGRAMMATIC = True
+
+
+def rotary_cost(args) -> None:
+    """The in-graph step (batch, cache of --rows; decode.GRAPH_HEADS, d=128) without and with
+    rotary, three rounds alternating, each the median of --iters replays: us per layer and the
+    ratio (the issue's target: at most 1.10 at batch 1, 4k tokens)."""
+    rows = [tuple(int(x) for x in r.split("x")) for r in (args.rows or ["1x4096"])]
+    flush, backlog = l2_flush(cupy), Backlog(cupy)
+    nheads, nheads_kv = decode.GRAPH_HEADS
+    for batch, cache in rows:
+        steps = {name: decode_graph.DecodeStep(cupy, batch, cache, nheads, nheads_kv,
+                                               rotary_dim=128 if name == "rotary" else 0)
+                 for name in ("plain", "rotary")}
+        times = {name: [] for name in steps}
+        for _ in range(3):
+            for name, step in steps.items():
+                ms = decode_graph.time_step(cupy, step, args.warmup, args.iters, backlog, flush)
+                times[name].append(ms * 1e3 / decode_graph.LAYERS)
+        plain, rotary = (sorted(times[n])[1] for n in ("plain", "rotary"))
+        print(f"b={batch} cache={cache:6d}: plain {plain:7.2f} us/layer, rotary "
+              f"{rotary:7.2f} us/layer, rotary/plain {rotary / plain:.3f} (target <= 1.10)",
+              flush=True)
 
 
 def _override_tile(name: str, warps: int, stages: int, keys_per_warp: int = 16) -> None:

@@ -101,11 +101,13 @@ def _programmatic_edges(driver, graph) -> int:
 
 class DecodeStep:
     """LAYERS decoding layers of one model step: caches, q / k / v buffers and the step as a
-    CUDA graph. `run()` replays it on its stream."""
+    CUDA graph. `run()` replays it on its stream. `rotary_dim` > 0: each layer's call rotates
+    its new key and q (rotary_cos / rotary_sin of a standard RoPE over the cache's positions,
+    GPT-NeoX style; the cost of the rotary append, docs/ROTARY.md)."""
 
     def __init__(self, cupy, batch: int, cache_len: int, nheads: int, nheads_kv: int,
                  headdim: int = 128, dtype="float16", num_splits: int = 0,
-                 early_cache_reads: bool = True):
+                 early_cache_reads: bool = True, rotary_dim: int = 0):
         import cuflash2
 
         self.cupy = cupy
@@ -119,6 +121,13 @@ class DecodeStep:
                                      dtype=cupy.float32).astype(dtype)
         self.v = rng.standard_normal(self.k.shape, dtype=cupy.float32).astype(dtype)
         self.lengths = cupy.full((batch,), cache_len - 1, dtype=cupy.int32)
+        self.rotary = {}
+        if rotary_dim:
+            inv = 1.0 / 10000 ** (cupy.arange(0, rotary_dim, 2, dtype=cupy.float64) / rotary_dim)
+            angles = cupy.arange(cache_len, dtype=cupy.float64)[:, None] * inv[None, :]
+            self.rotary = dict(rotary_cos=cupy.cos(angles).astype(dtype),
+                               rotary_sin=cupy.sin(angles).astype(dtype),
+                               rotary_interleaved=False)
         self.num_splits = num_splits
         self.early_cache_reads = early_cache_reads
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -136,7 +145,7 @@ class DecodeStep:
             out = self._attention(self.q, k_cache, v_cache, k=self.k, v=self.v,
                                   cache_seqlens=self.lengths, causal=True,
                                   num_splits=self.num_splits,
-                                  early_cache_reads=self.early_cache_reads)
+                                  early_cache_reads=self.early_cache_reads, **self.rotary)
             launch_next_layer_inputs(self.cupy, out, self.q, self.k, self.v)
             outputs.append(out)
         if keep:
