@@ -60,6 +60,10 @@
 // its consumers, K rounded and V rounded with its keys innermost by the operand pass that runs
 // before this kernel (flash_fwd_tf32_operands.cu; TF32 wgmma has no transposed B), P rounded as
 // it is packed. One-tile-per-CTA grid, dense calls (the pass groups keys by 8 from 0).
+// At precision "highest" (Elem = f32x3_tag, FwdSm90Traits::SPLIT; 3xTF32) every operand comes in
+// two TF32 parts, big and small: Q split by its consumers into two shared buffers, K and V's
+// parts written by the operand pass and loaded into one stage (4 tiles), P split in registers;
+// S and each k8 step of P V are three wgmmas (small products first, then big x big).
 //
 // Varlen (FEATURE_VARLEN; docs/HOPPER_FWD.md, "Varlen"): the maps cover the packed
 // (total, heads, d) arrays as rank-4 maps with a batch extent of 1; the grid is (m blocks of the

@@ -12,6 +12,12 @@
 //    (sm90/fwd_mainloop.cuh, issue_pv). keys_padded is seqlen_k rounded up to 8 (whole groups),
 //    the padding zero: those keys meet P = 0, and must be finite.
 // Q is rounded in shared memory by the forward's consumers (round_q_to_tf32).
+// Precision "highest" (f32x3_tag, 3xTF32): each element also as its small part, the TF32
+// rounding of what the big part (the rounded value) leaves out, in the same arrays: a row of K
+// holds the head dim's big parts then its small ones, (batch, seqlen_k, kv heads, 2 x head dim);
+// V's keys-last block of a (batch, kv head) holds the head dim's big rows then its small rows,
+// (batch, kv heads, 2 x head dim, keys_padded). The forward's k_map / v_map cover them whole and
+// its producer loads the small parts from column (K) or row (V) head_dim on.
 //
 // Grid (keys_padded / 32, kv heads, batch), TF32_OPERANDS_THREADS threads: each CTA takes 32
 // keys of one (batch, kv head) and walks the head dim 32 columns at a time through a 32 x 33
@@ -56,12 +62,27 @@ flash_fwd_tf32_operands_kernel(const __grid_constant__ FwdSm90Params params) {
                                        head_dim;
     float* vt_out = params.v_keys_last +
                     (static_cast<i64>(batch) * kv_heads + kv_head) * head_dim * keys_padded;
+    if constexpr (Elem::SPLIT) {  // rows of both parts: twice as long (K), twice as many (V)
+        k_out = params.k_tf32 +
+                (static_cast<i64>(batch) * p.seqlen_k * kv_heads + kv_head) * 2 * head_dim;
+        vt_out = params.v_keys_last +
+                 (static_cast<i64>(batch) * kv_heads + kv_head) * 2 * head_dim * keys_padded;
+    }
     for (int col0 = 0; col0 < head_dim; col0 += 32) {
         const int col = col0 + lane;
         for (int r = warp; r < 32; r += ROWS_A_PASS) {
             const int key = key0 + r;
             float x = 0.f;
-            if (key < p.seqlen_k && col < head_dim) {
+            if constexpr (Elem::SPLIT) {  // x unrounded: split as it is written out
+                if (key < p.seqlen_k && col < head_dim) {
+                    x = v[key * v_row_stride + col];
+                    const float kx = k[key * k_row_stride + col];
+                    const float big = __uint_as_float(to_tf32(kx));
+                    float* k_row = k_out + static_cast<i64>(key) * kv_heads * 2 * head_dim;
+                    k_row[col] = big;
+                    k_row[head_dim + col] = __uint_as_float(to_tf32(kx - big));
+                }
+            } else if (key < p.seqlen_k && col < head_dim) {
                 x = __uint_as_float(to_tf32(v[key * v_row_stride + col]));
                 k_out[static_cast<i64>(key) * kv_heads * head_dim + col] =
                     __uint_as_float(to_tf32(k[key * k_row_stride + col]));
@@ -71,9 +92,18 @@ flash_fwd_tf32_operands_kernel(const __grid_constant__ FwdSm90Params params) {
         __syncthreads();
         const int pos = key0 + lane;
         for (int c = warp; c < 32; c += ROWS_A_PASS)
-            if (col0 + c < head_dim && pos < keys_padded)
-                vt_out[static_cast<i64>(col0 + c) * keys_padded + pos] =
-                    tile[key_at_position(lane)][c];
+            if (col0 + c < head_dim && pos < keys_padded) {
+                if constexpr (Elem::SPLIT) {
+                    const float x = tile[key_at_position(lane)][c];
+                    const float big = __uint_as_float(to_tf32(x));
+                    vt_out[static_cast<i64>(col0 + c) * keys_padded + pos] = big;
+                    vt_out[static_cast<i64>(head_dim + col0 + c) * keys_padded + pos] =
+                        __uint_as_float(to_tf32(x - big));
+                } else {
+                    vt_out[static_cast<i64>(col0 + c) * keys_padded + pos] =
+                        tile[key_at_position(lane)][c];
+                }
+            }
         __syncthreads();
     }
 }

@@ -480,14 +480,16 @@ CF2_DEVICE u32 swizzled_chunk(u32 tile, int row, int chunk) {
 // D = A B^T for one warpgroup over K = 16 * K_STEPS columns: A's 64 rows from `a_rows`, B's N
 // rows from `b_tile`, both K-major in 128-byte-swizzled panels (A_PANEL_BYTES, B_PANEL_BYTES
 // apart). The k16 step kk lies in panel kk / 4, 32 * (kk % 4) bytes into its 128-byte rows;
-// step 0 overwrites D. Issues the wgmmas only (inside a wgmma_fence ... commit_group bracket).
-template <typename Elem, int N, int K_STEPS, int A_PANEL_BYTES, int B_PANEL_BYTES>
+// step 0 overwrites D (adds to it with ACCUMULATE: the 3xTF32 forward's second and third
+// products). Issues the wgmmas only (inside a wgmma_fence ... commit_group bracket).
+template <typename Elem, int N, int K_STEPS, int A_PANEL_BYTES, int B_PANEL_BYTES,
+          bool ACCUMULATE = false>
 CF2_DEVICE void issue_kmajor_ss(float (&d)[N / 8][4], u32 a_rows, u32 b_tile) {
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) {
         const u32 step = 32 * (kk % 4);
         const u64 a = smem_matrix_descriptor(a_rows + (kk / 4) * A_PANEL_BYTES + step, 16, 1024);
         const u64 b = smem_matrix_descriptor(b_tile + (kk / 4) * B_PANEL_BYTES + step, 16, 1024);
-        wgmma_ss<Elem, N>(d, a, b, kk > 0);
+        wgmma_ss<Elem, N>(d, a, b, ACCUMULATE || kk > 0);
     }
 }

@@ -151,9 +151,10 @@ struct FwdSm90Params {
     // each launch (the last CTA resets them); read only by the CLAIMS specialisations
     // (flash_fwd_sm90.cu, WorkTileClaims), null for the others.
     int* tile_counters;
-    // Float32 at precision "tf32" (tf32_tag) only, else null: K rounded to TF32 and V rounded
-    // with its keys innermost, written by flash_fwd_tf32_operands.cu before the forward, whose
-    // k_map and v_map read them (scratch of the call).
+    // Float32 (tf32_tag, f32x3_tag) only, else null: K rounded to TF32 and V rounded with its
+    // keys innermost, written by flash_fwd_tf32_operands.cu before the forward, whose k_map and
+    // v_map read them (scratch of the call); with f32x3_tag each holds the small parts too (K's
+    // rows and V's blocks twice as long: flash_fwd_tf32_operands.cu).
     float* k_tf32;
     float* v_keys_last;
 };

@@ -16,11 +16,13 @@ typedef unsigned long long u64;
 struct fp16_tag {
     static constexpr bool is_bf16 = false;
     static constexpr bool IS_F32 = false;
+    static constexpr bool SPLIT = false;
     static constexpr int WORDS = 1;
 };
 struct bf16_tag {
     static constexpr bool is_bf16 = true;
     static constexpr bool IS_F32 = false;
+    static constexpr bool SPLIT = false;
     static constexpr int WORDS = 1;
 };
 

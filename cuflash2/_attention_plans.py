@@ -100,16 +100,17 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     if p.batch and p.seqlen_q and p.nheads:
         if choice.hopper and config.claims:
             counters = ("tile_counters",)
-        if choice.hopper and config.dtype == "tf32":
-            # K and V as the TF32 wgmmas take them, in the call's scratch, by the operand pass
-            # (flash_fwd_tf32_operands.cu); the forward's k_map and v_map read them.
+        if choice.hopper and config.dtype in _dispatch.FLOAT32_SM90_FWD_TILES:
+            # K and V as the TF32 wgmmas take them (at "highest" both TF32 parts), in the call's
+            # scratch, by the operand pass (flash_fwd_tf32_operands.cu); the forward's k_map and
+            # v_map read them.
             shapes = _dispatch.tf32_operand_shapes(p, config)
             offsets, scratch_bytes = _plans.carve(
                 [4 * math.prod(shape) for shape, *_ in shapes.values()])
             for (name, _), off in zip(shapes.items(), offsets):
                 scratch += [(name, off), (f"{_dispatch.TF32_OPERAND_MAPS[name]}.v", off)]
             keys = shapes["v_keys_last"][0][3]
-            operands = _configs.AuxKernel("tf32", _configs.TF32_OPERANDS_KERNEL)
+            operands = _configs.AuxKernel(config.dtype, _configs.TF32_OPERANDS_KERNEL)
             launches.append(_launch.kernel_launch(operands, device_id,
                                                   (-(-keys // 32), p.nheads_kv, p.batch)))
         launches.append(_launch.kernel_launch(config, device_id, choice.grid))
@@ -135,7 +136,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         return _plans.Plan(device_id, "FwdParams", fields, launches, inputs, outputs,
                            output_fields, aligned=aligned, per_call=_dropout_slots(mods))
     # FwdSm90Params: the tensor maps of q, k, v, then the FwdParams above as `base`, then the
-    # persistent grid's fields (and at "tf32" the scratch's).
+    # persistent grid's fields (and for float32 the scratch's).
     return _sm90_plan(device_id, "FwdSm90Params", fields, choice.maps, choice.map_fields,
                       launches, inputs, outputs, output_fields, scratch_bytes, aligned=aligned,
                       own_fields=choice.grid_fields, counters=counters,

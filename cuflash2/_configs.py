@@ -23,8 +23,9 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 #: Float32 inputs by their precision (cuda_src/tf32_primitives.cuh): "float32", precision
 #: "highest" (each operand as two TF32 parts, three products), and "tf32" (one TF32 product).
-#: The mma.sync forward and backward; on sm_90 "tf32" forwards also run the Hopper forward
-#: (its TF32 wgmma specialisation, _dispatch.TF32_SM90_FWD_TILES).
+#: The mma.sync forward and backward; on sm_90 the forwards also run the Hopper forward (its
+#: TF32 wgmma specialisations, _dispatch.FLOAT32_SM90_FWD_TILES: "tf32" up to head dim 128,
+#: "float32" up to 96).
 FLOAT32_TAGS = {"float32": "f32x3_tag", "tf32": "tf32_tag"}
 ELEMENT_TAGS = {**DTYPE_TAGS, **FLOAT32_TAGS}
 #: 16-bit words an element takes in memory (the tags' WORDS): the kernels address tiles,
@@ -373,10 +374,12 @@ class FwdSm90Config:
         # `panels` x 128 bytes, + 1 KiB to align the base to 1024 B by hand
         # (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
         # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
+        # Precision "highest" ("float32", 3xTF32) holds two parts of Q and of each K / V tile.
         o_rows = self.block_m if self.persistent else 0
         bias = 2 * self.block_m * self.block_n * self.stages if self.bias_tile else 0
-        return (128 * self.panels * (self.block_m + 2 * self.stages * self.block_n + o_rows)
-                + bias + 1024)
+        parts = 2 if self.dtype == "float32" else 1
+        return (128 * self.panels * (parts * (self.block_m + 2 * self.stages * self.block_n)
+                                     + o_rows) + bias + 1024)
 
     @property
     def bias_tile(self) -> bool:
@@ -767,7 +770,8 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
                 f"{self.block_n}, {self.kv_stages}, {self.features}, {self.mods_hash:#010x}u>")
 
 
-#: The float32 Hopper forward's operand pass (AuxKernel("tf32", TF32_OPERANDS_KERNEL)).
+#: The float32 Hopper forward's operand pass (AuxKernel("tf32" or "float32",
+#: TF32_OPERANDS_KERNEL)).
 TF32_OPERANDS_KERNEL = "flash_fwd_tf32_operands_kernel"
 
 
@@ -777,12 +781,13 @@ class AuxKernel:
     float32 Hopper forward's operand pass)."""
 
     # "float16", "bfloat16" or "float32" (whatever a float32 call's precision); the preprocess
-    # also "tf32" (its D takes dO rounded as the products do), the operand pass "tf32" only.
+    # also "tf32" (its D takes dO rounded as the products do), the operand pass "tf32" and
+    # "float32" (K and V's two TF32 parts, for precision "highest").
     dtype: str
     #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
     #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only), or
     #: "flash_fwd_tf32_operands_kernel" (TF32_OPERANDS_KERNEL: before the Hopper forward at
-    #: precision "tf32", grid (keys_padded / 32, kv heads, batch); FwdSm90Params)
+    #: precision "tf32" or "highest", grid (keys_padded / 32, kv heads, batch); FwdSm90Params)
     kernel: str
     varlen: bool = False  # packed variable-length sequences
     smem_bytes: int = 0

@@ -105,7 +105,7 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     if hopper is not None:
         maps = _hopper.forward_maps(hopper)
         map_fields = _hopper.readable_map_fields(views, maps)
-        if map_fields is not None and hopper.dtype == "tf32":
+        if map_fields is not None and hopper.dtype in FLOAT32_SM90_FWD_TILES:
             try:  # K and V as the operand pass writes them, in the call's scratch
                 map_fields.update(_hopper.scratch_map_fields(
                     {TF32_OPERAND_MAPS[name]: (view, strides, rows) for name, (_, _, view,
@@ -633,17 +633,28 @@ HOPPER_FORWARD_MODS = os.environ.get("CUFLASH2_HOPPER_MODS", "1") != "0"
 HOPPER_MODS_MAX_HEAD_DIM = 192
 HOPPER_BLOCK_MASK_MAX_HEAD_DIM = 128
 #: Float32 calls at precision "tf32" on the Hopper forward with TF32 wgmma (tf32_tag;
-#: docs/FLOAT32.md, "Hopper"), dense calls up to head dim 128 with the variant's features:
-#: CUFLASH2_HOPPER_TF32=0 keeps them on the mma.sync kernel. Precision "highest" stays there
-#: (three TF32 products a product: no faster on wgmma than the 2x of the 16-bit rate it would
-#: need to matter).
+#: docs/FLOAT32.md, "Hopper"), dense calls up to head dim 128 with the variant's features, and
+#: at precision "highest" (f32x3_tag, 3xTF32: F32X3_SM90_FWD_TILES) up to head dim 96:
+#: CUFLASH2_HOPPER_TF32=0 keeps both on the mma.sync kernel, CUFLASH2_HOPPER_F32X3=0 "highest"
+#: alone.
 HOPPER_FORWARD_TF32 = os.environ.get("CUFLASH2_HOPPER_TF32", "1") != "0"
+HOPPER_FORWARD_F32X3 = os.environ.get("CUFLASH2_HOPPER_F32X3", "1") != "0"
 #: (block_n, stages) of the TF32 Hopper forward by kernel head dim, block_m 128, ping-pong with
 #: the overlap inside a warpgroup. A float32 row takes the shared memory of a 16-bit row of twice
 #: the head dim: d=64 as 16-bit d=128 (128 keys, 2 stages: 164,864 B), d=96 and 128 with 64 keys
 #: a tile (3 stages: 197,632 B; 2 stages: 197,632 B). Registers: O 64 + S 32 + P 32 at d=128
 #: (ptxas: 168 at entry, no spills). Not yet timed on a GPU.
 TF32_SM90_FWD_TILES = {64: (128, 2), 96: (64, 3), 128: (64, 2)}
+#: (block_n, stages) of the 3xTF32 Hopper forward (precision "highest", "float32") by kernel head
+#: dim, block_m 128, ping-pong with the overlap inside a warpgroup. Q is held in two parts and a
+#: stage holds K and V's big and small parts (4 tiles): d=64 with 64 keys a tile (Q 64 KiB +
+#: 2 x 64 KiB), d=96 with 32 (Q 96 KiB + 2 x 48 KiB), both 197,632 B. d=128 does not fit: Q's
+#: two parts alone take 128 KiB, a 32-key stage 64 KiB (256 KiB with two stages), so it stays on
+#: mma.sync. Registers: O 48 + S 16 + P 2 x 16 at d=96, O 32 + S 32 + P 2 x 32 at d=64 (ptxas:
+#: 168 at entry, no spills). Not yet run on a GPU.
+F32X3_SM90_FWD_TILES = {64: (64, 2), 96: (32, 2)}
+#: The float32 Hopper forwards' tiles by element ("tf32", "float32").
+FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD_TILES}
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
@@ -778,7 +789,7 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     extent of 1 (the dense maps' geometry, _hopper.as_batched), each CTA adds its sequence's
     first row to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
-    if HOPPER_FORWARD and arch == 90 and p.dtype == "tf32":
+    if HOPPER_FORWARD and arch == 90 and p.dtype in FLOAT32_SM90_FWD_TILES:
         return tf32_hopper_forward_config(p, features, varlen)
     if (not HOPPER_FORWARD or arch != 90 or p.dtype not in DTYPE_TAGS
             or (varlen is not None and not HOPPER_FORWARD_VARLEN)):
@@ -814,19 +825,24 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
 
 
 def tf32_hopper_forward_config(problem, features: int, varlen=None):
-    """The TF32 Hopper forward's configuration for a checked float32 call at precision "tf32"
-    (TF32_SM90_FWD_TILES), or None where it stays on the mma.sync kernel: switched off, varlen
-    (the keys-last V groups keys by 8 from each sequence's start), features beyond the
-    variant's, a head dim past 128, an empty problem."""
+    """The float32 Hopper forward's configuration for a checked float32 call at precision "tf32"
+    (TF32_SM90_FWD_TILES) or "highest" (problem.dtype "float32", 3xTF32: F32X3_SM90_FWD_TILES),
+    or None where it stays on the mma.sync kernel: switched off (HOPPER_FORWARD_TF32, and for
+    "highest" HOPPER_FORWARD_F32X3), varlen (the keys-last V groups keys by 8 from each
+    sequence's start), features beyond the variant's, a head dim past the tiles' (128 at "tf32",
+    96 at "highest"), an empty problem."""
     p = problem
-    dims = tuple(TF32_SM90_FWD_TILES)
-    if (not HOPPER_FORWARD_TF32 or varlen is not None
+    element = "float32" if p.dtype == "float32" else "tf32"
+    tiles = FLOAT32_SM90_FWD_TILES[element]
+    dims = tuple(tiles)
+    if (not HOPPER_FORWARD_TF32 or (element == "float32" and not HOPPER_FORWARD_F32X3)
+            or varlen is not None
             or features & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS)
             or not plannable(p, dims)):
         return None
     kernel_dim = hopper_forward_head_dim(p.head_dim, dims)
-    block_n, stages = TF32_SM90_FWD_TILES[kernel_dim]
-    return FwdSm90Config("tf32", kernel_dim, block_n=block_n, stages=stages, pingpong=True,
+    block_n, stages = tiles[kernel_dim]
+    return FwdSm90Config(element, kernel_dim, block_n=block_n, stages=stages, pingpong=True,
                          overlap=True, features=features)
 
 
@@ -835,21 +851,25 @@ TF32_OPERAND_MAPS = {"k_tf32": "k_map", "v_keys_last": "v_map"}
 
 
 def tf32_operand_shapes(problem, config) -> dict:
-    """The TF32 Hopper forward's scratch arrays (flash_fwd_tf32_operands.cu), by FwdSm90Params
-    field: (shape, element strides, the (batch, rows, heads, columns) view its tensor map covers
-    and that view's element strides, box rows).
+    """The float32 Hopper forward's scratch arrays (flash_fwd_tf32_operands.cu), by
+    FwdSm90Params field: (shape, element strides, the (batch, rows, heads, columns) view its
+    tensor map covers and that view's element strides, box rows).
     k_tf32: K rounded, (batch, seqlen_k, kv heads, head dim), boxes of block_n keys;
     v_keys_last: V rounded with its keys innermost, (batch, kv heads, head dim, keys padded to
-    8), mapped as (batch, head dim, kv heads, keys) with boxes of 32 keys by the kernel head dim."""
+    8), mapped as (batch, head dim, kv heads, keys) with boxes of 32 keys by the kernel head dim.
+    At "highest" (config.dtype "float32", 3xTF32) each holds both TF32 parts: K's rows are
+    2 x head dim (the big parts, then the small ones), V's blocks 2 x head dim rows (the big
+    rows, then the small ones); the kernel loads the small parts from column / row head_dim on."""
     p = problem
+    width = (2 if config.dtype == "float32" else 1) * p.head_dim
     keys = -(-p.seqlen_k // 8) * 8
-    k_shape = (p.batch, p.seqlen_k, p.nheads_kv, p.head_dim)
-    k_strides = (p.seqlen_k * p.nheads_kv * p.head_dim, p.nheads_kv * p.head_dim, p.head_dim, 1)
-    v_shape = (p.batch, p.nheads_kv, p.head_dim, keys)
-    v_strides = (p.nheads_kv * p.head_dim * keys, p.head_dim * keys, keys, 1)
+    k_shape = (p.batch, p.seqlen_k, p.nheads_kv, width)
+    k_strides = (p.seqlen_k * p.nheads_kv * width, p.nheads_kv * width, width, 1)
+    v_shape = (p.batch, p.nheads_kv, width, keys)
+    v_strides = (p.nheads_kv * width * keys, width * keys, keys, 1)
     return {"k_tf32": (k_shape, k_strides, k_shape, k_strides, config.block_n),
             "v_keys_last": (v_shape, v_strides,
-                            (p.batch, p.head_dim, p.nheads_kv, keys),
+                            (p.batch, width, p.nheads_kv, keys),
                             (v_strides[0], v_strides[2], v_strides[1], 1), config.head_dim)}
 
 
@@ -1318,15 +1338,19 @@ def all_fwd_sm90_configs(features=(0,), overlap=(False, True),
                       if c.persistent and c.pingpong and c.overlap]
 
 
-def tf32_hopper_forward_configs(features=(0,)) -> list:
-    """Every TF32 Hopper forward specialisation (tf32_hopper_forward_config's, for each of
-    `features` it takes) and the operand pass that runs before it."""
+def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
+    """Every float32 Hopper forward specialisation of `elements` ("tf32", and "float32" for
+    precision "highest": tf32_hopper_forward_config's, for each of `features` it takes) and the
+    operand pass that runs before each element's."""
     taken = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS
-    configs = [FwdSm90Config("tf32", d, block_n=block_n, stages=stages, pingpong=True,
-                             overlap=True, features=f)
-               for f in dict.fromkeys(features) if not f & ~taken
-               for d, (block_n, stages) in TF32_SM90_FWD_TILES.items()]
-    return configs + [AuxKernel("tf32", TF32_OPERANDS_KERNEL)] if configs else []
+    out = []
+    for element in elements:
+        configs = [FwdSm90Config(element, d, block_n=block_n, stages=stages, pingpong=True,
+                                 overlap=True, features=f)
+                   for f in dict.fromkeys(features) if not f & ~taken
+                   for d, (block_n, stages) in FLOAT32_SM90_FWD_TILES[element].items()]
+        out += configs + [AuxKernel(element, TF32_OPERANDS_KERNEL)] if configs else []
+    return out
 
 
 def hopper_forward_configs(features=(0,)) -> list:

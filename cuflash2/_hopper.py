@@ -147,9 +147,9 @@ def bindings_available() -> bool:
 
 def forward_maps(config) -> dict:
     """The tensor maps of FwdSm90Params over the call's arrays: map field -> (the array's view
-    name, box rows). At precision "tf32" k_map and v_map cover the call's scratch instead
-    (scratch_map_fields)."""
-    if config.dtype == "tf32":
+    name, box rows). For float32 ("tf32", "float32") k_map and v_map cover the call's scratch
+    instead (scratch_map_fields)."""
+    if config.dtype in ("tf32", "float32"):
         return {"q_map": ("q", config.block_m)}
     return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n),
             "v_map": ("v", config.block_n)}

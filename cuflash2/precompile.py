@@ -73,13 +73,17 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
             taken = _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES
             configs += named(_dispatch.hopper_forward_configs(
                 [f for f in features if f in taken]), fwd_dims)
-            if "tf32" in dtypes:  # the TF32 Hopper forward and its operand pass
-                tf32_dims = {_dispatch.hopper_forward_head_dim(h, tuple(
-                    _dispatch.TF32_SM90_FWD_TILES)) for h in head_dims
-                    if h <= max(_dispatch.TF32_SM90_FWD_TILES)}
-                configs += [c for c in _dispatch.tf32_hopper_forward_configs(features)
-                            if getattr(c, "head_dim", None) in tf32_dims
-                            or (tf32_dims and isinstance(c, _configs.AuxKernel))]
+            # The float32 Hopper forwards ("tf32"; "float32": precision "highest", 3xTF32) and
+            # each one's operand pass.
+            for element, tiles in _dispatch.FLOAT32_SM90_FWD_TILES.items():
+                if element not in dtypes:
+                    continue
+                f32_dims = {_dispatch.hopper_forward_head_dim(h, tuple(tiles))
+                            for h in head_dims if h <= max(tiles)}
+                configs += [c for c in _dispatch.tf32_hopper_forward_configs(features,
+                                                                             (element,))
+                            if getattr(c, "head_dim", None) in f32_dims
+                            or (f32_dims and isinstance(c, _configs.AuxKernel))]
     if "bwd" in directions:
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))

@@ -178,15 +178,15 @@ def test_hopper_sinks_forward_compiles_without_spills(config, reports):
     test_hopper_forward_compiles_without_spills(config, reports)
 
 
-#: The TF32 Hopper forward (float32 at precision "tf32"; _dispatch.TF32_SM90_FWD_TILES) and its
-#: operand pass: every head dim plain by default (3 + 1 compiles), every feature set it takes
-#: under --exhaustive.
+#: The float32 Hopper forwards (precision "tf32", _dispatch.TF32_SM90_FWD_TILES; "highest",
+#: 3xTF32, F32X3_SM90_FWD_TILES) and each one's operand pass: every head dim plain by default
+#: (3 + 1 and 2 + 1 compiles), every feature set they take under --exhaustive.
 TF32_CONFIGS = _dispatch.tf32_hopper_forward_configs(
-    (0,) + tuple(f for f in _configs.SM90_FWD_FEATURES if f))
+    (0,) + tuple(f for f in _configs.SM90_FWD_FEATURES if f), ("tf32", "float32"))
 
 
 def _tf32_id(c) -> str:
-    return c.kernel if isinstance(c, _configs.AuxKernel) else _config_id(c)
+    return f"{c.dtype}-{c.kernel}" if isinstance(c, _configs.AuxKernel) else _config_id(c)
 
 
 @pytest.mark.parametrize("config", [
@@ -199,7 +199,7 @@ def test_tf32_hopper_forward_compiles_without_spills(config, reports):
         report = reports(config)
         assert report.cubin_bytes > 0 and report.spill_stores == 0, report.log
         return
-    assert config.dtype == "tf32" and not config.persistent
+    assert config.dtype in ("tf32", "float32") and not config.persistent
     test_hopper_forward_compiles_without_spills(config, reports)
 
 

@@ -62,9 +62,9 @@ def test_float32_strides_are_whole_16_byte_units():
 @pytest.mark.parametrize("arch", [80, 86, 89, 90])
 @pytest.mark.parametrize("element", list(_configs.FLOAT32_TAGS))
 @pytest.mark.parametrize("head_dim", range(8, 257, 8))
-def test_float32_tiles_fit_and_tf32_takes_the_hopper_forward(element, head_dim, arch):
+def test_float32_tiles_fit_and_take_the_hopper_forward(element, head_dim, arch):
     """The mma.sync tile of every float32 call fits; on sm_90 precision "tf32" up to head dim
-    128 runs the TF32 Hopper forward instead, "highest" stays on mma.sync."""
+    128 runs the TF32 Hopper forward instead, "highest" up to head dim 96 the 3xTF32 one."""
     config = _dispatch.fwd_config(element, head_dim, arch)
     assert config.dtype == element and config.head_dim >= head_dim
     assert config.block_m == 16 * config.num_warps  # 16 rows a warp
@@ -78,8 +78,10 @@ def test_float32_tiles_fit_and_tf32_takes_the_hopper_forward(element, head_dim, 
                                            AttentionOptions(precision="tf32" if element == "tf32"
                                                             else None))
     hopper = _dispatch.hopper_forward_config(problem, 0, (-1, -1), arch)
-    if element == "tf32" and arch == 90 and head_dim <= 128 and _hopper.bindings_available():
-        assert hopper.dtype == "tf32" and hopper.head_dim >= head_dim and not hopper.persistent
+    if (arch == 90 and head_dim <= max(_dispatch.FLOAT32_SM90_FWD_TILES[element])
+            and _hopper.bindings_available()):
+        assert hopper.dtype == element and hopper.head_dim >= head_dim and not hopper.persistent
+        assert hopper.smem_bytes <= 227 * 1024
     else:
         assert hopper is None
 
@@ -129,9 +131,10 @@ def test_precompile_names_the_float32_forward_and_backward():
         backward = [config for d in (64, 100) for config in (
             _dispatch.bwd_config(element, d, 90), _dispatch.bwd_config(element, d, 90, True),
             _dispatch.bwd_dq_config(element, d, 90))]
-        # at "tf32" the TF32 Hopper forward (d=64 and 128 kernels) and its operand pass too
-        hopper = [c for c in _dispatch.tf32_hopper_forward_configs((0,))
-                  if getattr(c, "head_dim", 64) != 96] if element == "tf32" else []
+        # the float32 Hopper forward and its operand pass too: at "tf32" the d=64 and 128
+        # kernels, at "highest" (3xTF32, up to d=96) the d=64 one
+        hopper = [c for c in _dispatch.tf32_hopper_forward_configs((0,), (element,))
+                  if getattr(c, "head_dim", 64) in (64, 128)]
         assert configs[:8 + len(hopper)] == [_dispatch.fwd_config(element, 64, 90),
                                              _dispatch.fwd_config(element, 128, 90), *hopper,
                                              *backward]

@@ -576,7 +576,8 @@ def test_a_tf32_forward_runs_the_operand_pass_then_the_tf32_hopper_kernel(
         ((2, head_dim, 2, 1000), (4 * 2 * head_dim * 1000, 4 * 1000, 4 * head_dim * 1000, 4),
          "float32", kernel_dim)]
     count = len(hopper_api.launches)
-    cuflash2.attention(q, k, k, causal=True)  # "highest": mma.sync
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_F32X3", False)
+    cuflash2.attention(q, k, k, causal=True)  # "highest", switched off: mma.sync
     assert len(hopper_api.launches) == count + 1
     assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
     wide = device_array((2, 1000, 2, 192), numpy.float32)
@@ -584,3 +585,76 @@ def test_a_tf32_forward_runs_the_operand_pass_then_the_tf32_hopper_kernel(
     assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
     assert _dispatch.tf32_hopper_forward_config(
         _dense_problem(128, 1024), _configs.FEATURE_DROPOUT) is None
+
+
+@pytest.mark.parametrize("head_dim,kernel_dim,block_n", [(64, 64, 64), (80, 96, 32)])
+def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
+        hopper_api, monkeypatch, head_dim, kernel_dim, block_n):
+    """attention(float32) at precision "highest" (the default) on sm_90: the operand pass of
+    f32x3_tag (K and V's big and small TF32 parts into the call's scratch, K's rows and V's
+    blocks twice as long) then the 3xTF32 Hopper forward (F32X3_SM90_FWD_TILES), its k_map and
+    v_map over the scratch's arrays whole; head dims past 96, CUFLASH2_HOPPER_F32X3=0 and
+    CUFLASH2_HOPPER_TF32=0 stay on the mma.sync kernel."""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from cuflash2 import _configs, _dispatch
+    from test_plans_host import device_array
+
+    scratch_maps = []
+
+    def fake_scratch_map(address, shape, strides, dtype, rows):
+        scratch_maps.append((tuple(shape), tuple(strides), dtype, rows))
+        return numpy.array([address] + [rows] * 15, numpy.uint64).tobytes()
+
+    monkeypatch.setattr(_hopper, "tensor_map_bytes_at", fake_scratch_map)
+    q = device_array((2, 1000, 8, head_dim), numpy.float32)
+    k = device_array((2, 1000, 2, head_dim), numpy.float32)
+    cuflash2.attention(q, k, k, causal=True)
+    (operands, _, first), (forward, _, record) = hopper_api.launches[-2:]
+    assert first == record
+    assert operands.config == _configs.AuxKernel("float32", _configs.TF32_OPERANDS_KERNEL)
+    assert "f32x3_tag" in operands.config.name_expression
+    assert operands.grid == (32, 2, 2)
+    config = forward.config
+    assert isinstance(config, _configs.FwdSm90Config) and config.dtype == "float32"
+    assert (config.head_dim, config.block_n, config.stages, config.pingpong, config.overlap) == (
+        kernel_dim, block_n, 2, True, True)
+    assert config.smem_bytes == 197632 and "f32x3_tag" in config.name_expression
+    assert not config.persistent and forward.grid == (-(-1000 // 128), 8, 2)
+    assert record["base"]["head_dim"] == 2 * head_dim  # 16-bit words
+    k_tf32, v_keys_last = record["k_tf32"], record["v_keys_last"]
+    assert v_keys_last - k_tf32 >= 4 * 2 * 1000 * 2 * 2 * head_dim  # both parts of K
+    word0 = {name: int(record[name]["v"][0][0]) for name in ("q_map", "k_map", "v_map")}
+    assert word0 == {"q_map": q.data.ptr, "k_map": k_tf32, "v_map": v_keys_last}
+    w = 2 * head_dim  # a row of K's parts, V's rows of a (batch, kv head)
+    assert scratch_maps[-2:] == [
+        ((2, 1000, 2, w), (4 * 1000 * 2 * w, 4 * 2 * w, 4 * w, 4), "float32", block_n),
+        ((2, w, 2, 1000), (4 * 2 * w * 1000, 4 * 1000, 4 * w * 1000, 4), "float32",
+         kernel_dim)]
+    count = len(hopper_api.launches)
+    for flag, seqlen in (("HOPPER_FORWARD_F32X3", 900), ("HOPPER_FORWARD_TF32", 800)):
+        with monkeypatch.context() as m:  # (new shapes: plans are cached by their call)
+            m.setattr(_dispatch, flag, False)
+            short = device_array((2, seqlen, 2, head_dim), numpy.float32)
+            cuflash2.attention(short, short, short, causal=True)
+        assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
+    assert len(hopper_api.launches) == count + 2
+    wide = device_array((2, 1000, 2, 128), numpy.float32)
+    cuflash2.attention(wide, wide, wide)
+    assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
+
+
+def test_the_float32_hopper_forward_configs_name_both_elements():
+    """tf32_hopper_forward_configs: each element's tiles and its own operand pass; "highest"
+    at head dims 64 and 96 (d=128's Q and stages do not fit 227 KiB)."""
+    from cuflash2 import _configs, _dispatch
+
+    configs = _dispatch.tf32_hopper_forward_configs((0,), ("tf32", "float32"))
+    assert [(c.dtype, c.head_dim) for c in configs if isinstance(c, _configs.FwdSm90Config)] == [
+        ("tf32", 64), ("tf32", 96), ("tf32", 128), ("float32", 64), ("float32", 96)]
+    assert [c.dtype for c in configs if isinstance(c, _configs.AuxKernel)] == ["tf32", "float32"]
+    assert all(c.smem_bytes <= 227 * 1024 for c in configs
+               if isinstance(c, _configs.FwdSm90Config))
+    too_big = _configs.FwdSm90Config("float32", 128, block_n=32, stages=2, pingpong=True,
+                                     overlap=True)
+    assert too_big.smem_bytes > 227 * 1024

@@ -45,8 +45,8 @@ def main():
         configs += _dispatch.all_fwd_configs(args.arch, args.features, elements)
         configs += _dispatch.all_bwd_configs(args.arch, args.features, elements)
         configs += _configs.aux_kernels(elements)
-        if args.arch == 90:  # precision "tf32": the TF32 Hopper forward
-            configs += _dispatch.tf32_hopper_forward_configs(args.features)
+        if args.arch == 90:  # the float32 Hopper forwards ("tf32", "highest") and their passes
+            configs += _dispatch.tf32_hopper_forward_configs(args.features, elements)
     if "sm90-dev" in args.kernels:  # what hopper_fwd_check / hopper_bwd_check build (features 0)
         configs += _dispatch.all_fwd_sm90_configs((0,), persistent=True)
         configs += [dataclasses.replace(c, watchdog=True)  # --schedule plain --watchdog

@@ -16,7 +16,7 @@ versions whose parameter structs differ in size; --skip-features leaves out the 
 of features the base does not have.
 
 Sets: fwd, bwd, dq, aux, decode (sm_80 and sm_90 builds of the mma.sync families), fwd90,
-bwd90 (sm_90a). Without --all each set is a sample (head dims 64 and 128, every feature set the
+bwd90 (sm_90a), fwd90f32 (the TF32 Hopper forward at precision "tf32" and its operand pass). Without --all each set is a sample (head dims 64 and 128, every feature set the
 dispatcher builds for the family); --all takes every specialisation of the set. Prints one line
 a specialisation that differs (registers, spills, differing instruction lines) and a summary;
 exit status 1 if any differs.
@@ -68,6 +68,11 @@ def _configs_of(name: str, all_: bool) -> list[tuple]:
         if not all_:
             cs = [c for c in cs if c.head_dim in dims and c.dtype == "float16"]
         out = [(c, 90) for c in cs]
+    elif name == "fwd90f32":
+        # The TF32 Hopper forward (precision "tf32") and its operand pass, every head dim, plain
+        # (with --all every feature set it takes).
+        features = (0,) + tuple(f for f in _configs.SM90_FWD_FEATURES if f) if all_ else (0,)
+        out = [(c, 90) for c in _dispatch.tf32_hopper_forward_configs(features)]
     elif name == "bwd90":
         feats = _configs.SM90_BWD_FEATURES + _configs.SM90_BWD_VARLEN_FEATURES
         cs = [_dispatch.bwd_sm90_config(dtype, d, det, f) for f in feats

@@ -16,10 +16,22 @@
 
 // S = Q K^T for this warpgroup's 64 rows over the head dim (hopper_primitives.cuh's K-major
 // product: Q's rows and K's tile in 128-byte-swizzled panels). Issues the wgmmas only.
+// SPLIT (3xTF32): three products into S, the small ones first (as mma_m16n16k8_f32 orders
+// them, tf32_primitives.cuh): Qs Kb, then Qb Ks, then Qb Kb; Q's small part is Q_BYTES after its
+// big part, K's SMALL_OFFSET after its.
 template <typename Elem, class T>
 CF2_DEVICE void issue_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
-    issue_kmajor_ss<Elem, T::KEYS_PER_TILE, T::QK_STEPS, T::Q_PANEL_BYTES, T::KV_PANEL_BYTES>(
-        acc_s, q_rows, k_tile);
+    if constexpr (T::SPLIT) {
+        issue_kmajor_ss<Elem, T::KEYS_PER_TILE, T::QK_STEPS, T::Q_PANEL_BYTES, T::KV_PANEL_BYTES>(
+            acc_s, q_rows + T::Q_BYTES, k_tile);
+        issue_kmajor_ss<Elem, T::KEYS_PER_TILE, T::QK_STEPS, T::Q_PANEL_BYTES, T::KV_PANEL_BYTES,
+                        true>(acc_s, q_rows, k_tile + T::SMALL_OFFSET);
+        issue_kmajor_ss<Elem, T::KEYS_PER_TILE, T::QK_STEPS, T::Q_PANEL_BYTES, T::KV_PANEL_BYTES,
+                        true>(acc_s, q_rows, k_tile);
+    } else {
+        issue_kmajor_ss<Elem, T::KEYS_PER_TILE, T::QK_STEPS, T::Q_PANEL_BYTES, T::KV_PANEL_BYTES>(
+            acc_s, q_rows, k_tile);
+    }
 }
 
 // The left half of S (keys 0 .. BLOCK_N / 2 - 1 of the tile): in the accumulator layout d[nt]
@@ -43,11 +55,22 @@ CF2_DEVICE ScoreTile<N_TILES / 2>& left_half(ScoreTile<N_TILES>& s) {
 // the K-major B operand of TF32 wgmmas (which have no transposed B); the k8 step ks (keys
 // 8 ks ..) lies in panel ks / 4, 32 * (ks % 4) bytes into its 128-byte rows, as a K-major step
 // of Q K^T does (issue_kmajor_ss).
+// SPLIT (3xTF32): p[PV_STEPS + ks] holds P's small part; three products a step, the small ones
+// first: Ps Vb, Pb Vs (V's small part SMALL_OFFSET after its big part), Pb Vb.
 template <typename Elem, class T>
-CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
+CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::P_FRAGS][4], u32 v_tile) {
 #pragma unroll
     for (int ks = 0; ks < T::PV_STEPS; ++ks) {
-        if constexpr (T::KEYS_LAST_V) {
+        if constexpr (T::SPLIT) {
+            const u64 b = smem_matrix_descriptor(
+                v_tile + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16, 1024);
+            const u64 b_small = smem_matrix_descriptor(
+                v_tile + T::SMALL_OFFSET + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16,
+                1024);
+            wgmma_rs_tf32<T::DIM>(acc_o, p[T::PV_STEPS + ks], b, 1);
+            wgmma_rs_tf32<T::DIM>(acc_o, p[ks], b_small, 1);
+            wgmma_rs_tf32<T::DIM>(acc_o, p[ks], b, 1);
+        } else if constexpr (T::KEYS_LAST_V) {
             const u64 b = smem_matrix_descriptor(
                 v_tile + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16, 1024);
             wgmma_rs_tf32<T::DIM>(acc_o, p[ks], b, 1);
@@ -63,12 +86,21 @@ CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4]
 // accumulator each, rounded (cvt.rna, as every operand of the float32 kernels); the tile holds
 // keys 2t and 2t + 1 of row g (and g + 8) where the TF32 A fragment has columns t and t + 4, and
 // the keys-last V holds its keys in that order (flash_fwd_tf32_operands.cu), so each register
-// goes where it is.
+// goes where it is. SPLIT (3xTF32): each probability also as the TF32 rounding of what its
+// big part leaves out, into p[PV_STEPS + ks].
 template <typename Elem, class T>
-CF2_DEVICE void pack_probabilities(u32 (&p)[T::PV_STEPS][4], const float (&s)[T::N_TILES][4]) {
+CF2_DEVICE void pack_probabilities(u32 (&p)[T::P_FRAGS][4], const float (&s)[T::N_TILES][4]) {
 #pragma unroll
     for (int ks = 0; ks < T::PV_STEPS; ++ks) {
-        if constexpr (Elem::IS_F32) {
+        if constexpr (Elem::SPLIT) {
+            // the registers in the order below (row g, g + 8 of key 2t, then of key 2t + 1)
+            const float x[4] = {s[ks][0], s[ks][2], s[ks][1], s[ks][3]};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                p[ks][r] = to_tf32(x[r]);
+                p[T::PV_STEPS + ks][r] = to_tf32(x[r] - __uint_as_float(p[ks][r]));
+            }
+        } else if constexpr (Elem::IS_F32) {
             p[ks][0] = to_tf32(s[ks][0]);  // row g,     key 2t     (column t)
             p[ks][1] = to_tf32(s[ks][2]);  // row g + 8, key 2t
             p[ks][2] = to_tf32(s[ks][1]);  // row g,     key 2t + 1 (column t + 4)
@@ -82,6 +114,8 @@ CF2_DEVICE void pack_probabilities(u32 (&p)[T::PV_STEPS][4], const float (&s)[T:
 // Float32: this warpgroup's rows of Q, as the TMA landed them, rounded to TF32 in place (K and V
 // come rounded: flash_fwd_tf32_operands.cu), once a work tile, before the first S = Q K^T; then
 // handed to the async proxy (the wgmmas' reads) and the warpgroup's threads.
+// SPLIT (3xTF32): the big parts in place, the small ones (the TF32 rounding of what the big part
+// leaves out) into the second Q buffer, Q_BYTES further.
 template <class T>
 CF2_DEVICE void round_q_to_tf32(u32 q_rows, int consumer) {
     const int tid = threadIdx.x % T::WARPGROUP_THREADS;
@@ -92,10 +126,24 @@ CF2_DEVICE void round_q_to_tf32(u32 q_rows, int consumer) {
             const u32 chunk = q_rows + panel * T::Q_PANEL_BYTES + 16 * i;
             u32 v[4];
             load_16B_shared(v, chunk);
-            store_16B_shared(chunk, __uint_as_float(to_tf32(__uint_as_float(v[0]))),
-                             __uint_as_float(to_tf32(__uint_as_float(v[1]))),
-                             __uint_as_float(to_tf32(__uint_as_float(v[2]))),
-                             __uint_as_float(to_tf32(__uint_as_float(v[3]))));
+            if constexpr (T::SPLIT) {
+                u32 big[4];
+                float small[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    big[e] = to_tf32(__uint_as_float(v[e]));
+                    small[e] = __uint_as_float(
+                        to_tf32(__uint_as_float(v[e]) - __uint_as_float(big[e])));
+                }
+                store_16B_shared(chunk, __uint_as_float(big[0]), __uint_as_float(big[1]),
+                                 __uint_as_float(big[2]), __uint_as_float(big[3]));
+                store_16B_shared(chunk + T::Q_BYTES, small[0], small[1], small[2], small[3]);
+            } else {
+                store_16B_shared(chunk, __uint_as_float(to_tf32(__uint_as_float(v[0]))),
+                                 __uint_as_float(to_tf32(__uint_as_float(v[1]))),
+                                 __uint_as_float(to_tf32(__uint_as_float(v[2]))),
+                                 __uint_as_float(to_tf32(__uint_as_float(v[3]))));
+            }
         }
     }
     fence_proxy_async_shared();
@@ -115,7 +163,7 @@ CF2_DEVICE void gemm_qk(float (&acc_s)[T::N_TILES][4], u32 q_rows, u32 k_tile) {
 
 // O += P V, complete on return.
 template <typename Elem, class T>
-CF2_DEVICE void gemm_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4], u32 v_tile) {
+CF2_DEVICE void gemm_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::P_FRAGS][4], u32 v_tile) {
     pin_registers(acc_o);
     pin_registers(p);
     wgmma_fence();  // P and the rescaled O were written by ordinary instructions
@@ -132,7 +180,7 @@ CF2_DEVICE void gemm_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::PV_STEPS][4],
 // number of turns; the softmax of one then runs while the other's GEMMs run.
 template <bool QK, bool PV, typename Elem, class T>
 CF2_DEVICE void gemm_turn(float (&acc_s)[T::N_TILES][4], float (&acc_o)[T::D_TILES][4],
-                          u32 (&p)[T::PV_STEPS][4], u32 q_rows, u32 k_tile, u32 v_tile,
+                          u32 (&p)[T::P_FRAGS][4], u32 q_rows, u32 k_tile, u32 v_tile,
                           int my_turn, int other_turn, bool hand_over) {
     named_barrier_sync(my_turn, T::CONSUMER_THREADS);
     pin_registers(acc_s);
@@ -305,7 +353,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     // (ring0 + j) % STAGES, whose barriers are in their ((ring0 + j) / STAGES)-th phase.
     auto ring_of = [&](int j) { return ring0 + j; };
     auto k_tile_of = [&](int j) { return kv_smem + (ring_of(j) % STAGES) * T::STAGE_BYTES; };
-    auto v_tile_of = [&](int j) { return k_tile_of(j) + T::KV_TILE_BYTES; };
+    auto v_tile_of = [&](int j) { return k_tile_of(j) + T::V_OFFSET; };
     auto bias_tile_of = [&](int j) { return v_tile_of(j) + T::KV_TILE_BYTES; };
     auto wait_k = [&](int j) {
         mbarrier_wait(smem_address(&bars.k_full[ring_of(j) % STAGES]), (ring_of(j) / STAGES) & 1);
@@ -332,7 +380,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     // S_j -> P_j: score_step, online softmax (new running max; O and l rescaled where it moved),
     // then P = exp2(S * scale_log2 - m) packed to 16 bits as the A operand of P V, one k16 slice
     // at a time.
-    auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::PV_STEPS][4],
+    auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::P_FRAGS][4],
                             int tile) {
         score_step(acc_s, tile);
         softmax.update_max(acc_s, acc_o, p.scale_log2);
@@ -387,7 +435,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         if constexpr (PINGPONG)
             if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
         float acc_s[1][T::N_TILES][4];
-        u32 p_frag[T::PV_STEPS][4];
+        u32 p_frag[T::P_FRAGS][4];
         float correction[2];   // O's factors for the running max of the last softmax
         bool rescale = false;  // whether any row of the warp needs them (O = 0 at first)
         // Waits for P_{j-1} V_{j-1} (every wgmma of this warpgroup), gives V_{j-1} back and packs
@@ -482,7 +530,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         // V_j landed; the stage goes back to the producer.
         for (int tile = tile_end - 1, j = 0; tile >= tile_first; --tile, ++j) {
             float acc_s[1][T::N_TILES][4];
-            u32 p_frag[T::PV_STEPS][4];
+            u32 p_frag[T::P_FRAGS][4];
             wait_k(j);
             gemm_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
             if (tile == tile_first) release_q();
@@ -503,7 +551,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         const int other_turn = T::TURN_BARRIER + (1 - consumer);
         if (consumer == 1) named_barrier_arrive(other_turn, T::CONSUMER_THREADS);
         float acc_s[1][T::N_TILES][4];
-        u32 p_frag[T::PV_STEPS][4];
+        u32 p_frag[T::P_FRAGS][4];
         const int tiles = tile_end - tile_first;
         wait_k(0);
         gemm_turn<true, false, Elem, T>(acc_s[0], acc_o[0], p_frag, q_rows, k_tile_of(0), 0,

@@ -52,12 +52,21 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         // the first pass over the ring waits for parity 1 of fresh barriers: it passes at once).
         mbarrier_wait(smem_address(&bars.kv_empty[stage]), phase ^ 1);
         const u32 k_tile = kv_smem + stage * T::STAGE_BYTES;
-        const u32 v_tile = k_tile + T::KV_TILE_BYTES;
+        const u32 v_tile = k_tile + T::V_OFFSET;
         const u32 k_full = smem_address(&bars.k_full[stage]);
         const u32 v_full = smem_address(&bars.v_full[stage]);
-        mbarrier_arrive_expect_tx(k_full, T::KV_TILE_BYTES);
+        mbarrier_arrive_expect_tx(k_full, T::PARTS * T::KV_TILE_BYTES);
         tma_load_tile<T::PANELS, T::KV_PANEL_BYTES, T::PANEL_ELEMENTS>(
             k_tile, params.k_map, k_full, k_row0 + tile * T::KEYS_PER_TILE, kv_head, batch);
+        if constexpr (T::SPLIT) {
+            // K's small parts: the same rows of the operand pass's array, from column head_dim
+            // on (each row holds the head dim's big parts, then its small ones).
+#pragma unroll
+            for (int panel = 0; panel < T::PANELS; ++panel)
+                tma_load_4d(k_tile + T::SMALL_OFFSET + panel * T::KV_PANEL_BYTES, params.k_map,
+                            k_full, params.base.head_dim / 2 + T::PANEL_ELEMENTS * panel,
+                            tile * T::KEYS_PER_TILE, kv_head, batch);
+        }
         if constexpr (PERSISTENT) {
             if (j == 0) {
                 mbarrier_wait(smem_address(&bars.q_empty), (q_round & 1) ^ 1);
@@ -70,7 +79,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
             w.batch);
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
-        mbarrier_arrive_expect_tx(v_full, T::KV_TILE_BYTES);
+        mbarrier_arrive_expect_tx(v_full, T::PARTS * T::KV_TILE_BYTES);
         if constexpr (T::KEYS_LAST_V) {
             // V with its keys innermost (flash_fwd_tf32_operands.cu), mapped as (key, head-dim
             // row, kv head, batch): 32-key panels of every head-dim row.
@@ -79,6 +88,15 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
                 tma_load_4d(v_tile + panel * T::VT_PANEL_BYTES, params.v_map, v_full,
                             tile * T::KEYS_PER_TILE + T::PANEL_ELEMENTS * panel, 0, kv_head,
                             batch);
+            // SPLIT: V's small parts, the head-dim rows from head_dim on of the same array.
+            if constexpr (T::SPLIT) {
+#pragma unroll
+                for (int panel = 0; panel < T::VT_PANELS; ++panel)
+                    tma_load_4d(v_tile + T::SMALL_OFFSET + panel * T::VT_PANEL_BYTES,
+                                params.v_map, v_full,
+                                tile * T::KEYS_PER_TILE + T::PANEL_ELEMENTS * panel,
+                                params.base.head_dim / 2, kv_head, batch);
+            }
         } else {
             tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
                                                         k_row0 + tile * T::KEYS_PER_TILE,

@@ -29,6 +29,13 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int WORDS = Elem::WORDS;
     static constexpr int ROW_WORDS = HEAD_DIM * WORDS;
     static constexpr bool KEYS_LAST_V = Elem::IS_F32;
+    // 3xTF32 (Elem::SPLIT: f32x3_tag, precision "highest"): every operand in two TF32 parts, big
+    // and small. Q's region holds two Q buffers (the TMA lands Q in the first; its consumers
+    // split it, big in place, small in the second), a stage holds K big, K small, V big, V small
+    // (the operand pass writes both parts: flash_fwd_tf32_operands.cu), and P is two register
+    // sets (P_FRAGS: big, then small).
+    static constexpr bool SPLIT = Elem::SPLIT;
+    static constexpr int PARTS = SPLIT ? 2 : 1;
     // Tiles in shared memory are panels of 64 columns (Sm90CtaLayout); a tile of R rows is PANELS
     // panels of R * 128 B.
     // A head dim that is not a multiple of 64 (96) ends in a partly used panel: its box is still
@@ -45,6 +52,9 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
+    static constexpr int Q_REGION_BYTES = PARTS * Q_BYTES;  // Q (and with SPLIT its small part)
+    static constexpr int V_OFFSET = PARTS * KV_TILE_BYTES;  // V's tile(s) after K's in a stage
+    static constexpr int SMALL_OFFSET = KV_TILE_BYTES;      // SPLIT: a small part after its big
     // KEYS_LAST_V: a V tile is BLOCK_N keys as panels of 32 keys (128-byte rows) by HEAD_DIM
     // head-dim rows, the K-major B operand of P V; the same bytes as a K tile.
     static constexpr int VT_PANELS = BLOCK_N * WORDS / PANEL_COLS;
@@ -52,14 +62,14 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int BIAS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int BIAS_PANELS = BIAS ? BLOCK_N / PANEL_COLS : 0;
     static constexpr int BIAS_TILE_BYTES = BIAS_PANELS * BIAS_PANEL_BYTES;
-    // K tile, then V tile (then the bias's tile)
-    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES + BIAS_TILE_BYTES;
+    // K tile, then V tile (then the bias's tile); SPLIT: K big, K small, V big, V small
+    static constexpr int STAGE_BYTES = 2 * PARTS * KV_TILE_BYTES + BIAS_TILE_BYTES;
     static constexpr int KV_STAGES = STAGES;
     // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and layout),
     // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
     // staged in the Q buffer.
     static constexpr int O_BYTES = PERSISTENT ? Q_BYTES : 0;
-    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
+    static constexpr int SMEM_BYTES = Q_REGION_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
     static constexpr int KEYS_PER_TILE = BLOCK_N;
@@ -68,6 +78,7 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // k-steps of 32 bytes a row: k16 (16-bit) or k8 (TF32) wgmmas
     static constexpr int QK_STEPS = ROW_WORDS / 16;     // of Q K^T (over the head dim)
     static constexpr int PV_STEPS = BLOCK_N * WORDS / 16;  // of P V (over the keys)
+    static constexpr int P_FRAGS = PARTS * PV_STEPS;  // P's A fragments (SPLIT: big, small)
     static constexpr int O_CHUNKS = ROW_WORDS / 8;      // 16-byte chunks of an O row
     // A warpgroup whose rows see only the left half of their first KV tile's keys (the diagonal
     // tile of a causal row block's upper half, a short sequence tail) runs the softmax of that

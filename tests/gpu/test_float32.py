@@ -145,10 +145,12 @@ def test_cuda_graph_replays_with_fresh_inputs(precision):
         assert all(r.ok for r in results), "; ".join(map(str, results))
 
 
-def test_highest_is_float32_accurate_and_tf32_is_not():
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_highest_is_float32_accurate_and_tf32_is_not(headdim):
     """"highest" stays within float32-level error of the float64 reference (a few times the
-    plain float32 reference's), where "tf32" is about a thousand times further."""
-    q, k, v = _qkv(1, 512, 512, 2, 2, 128)
+    plain float32 reference's), where "tf32" is about a thousand times further (d=64: the
+    3xTF32 Hopper forward on sm_90; d=128: the mma.sync one)."""
+    q, k, v = _qkv(1, 512, 512, 2, 2, headdim)
     ref = cuflash2.reference.attention(q, k, v, compute_dtype=numpy.float64)
     plain = cuflash2.reference.attention(q, k, v, compute_dtype=numpy.float32)
     plain_err = float(cupy.abs(plain - ref).max())
@@ -161,11 +163,20 @@ def test_highest_is_float32_accurate_and_tf32_is_not():
 
 
 def test_kernels_named():
-    """"highest" runs the mma.sync forward; "tf32" on sm_90 the operand pass and the TF32
-    Hopper forward, elsewhere the mma.sync forward."""
+    """"highest" runs the mma.sync forward at d=128, on sm_90 the operand pass and the 3xTF32
+    Hopper forward at d=64; "tf32" on sm_90 the operand pass and the TF32 Hopper forward,
+    elsewhere the mma.sync forward."""
     q, k, v = _qkv(1, 300, 300, 2, 2, 128)
     kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision="highest")
     assert kernels[0].startswith("mma.sync forward, float32, head dim 128"), kernels
+    small = [x[..., :64].copy() for x in (q, k, v)]
+    kernels = cuflash2.forward_kernels(*small, causal=True, precision="highest")
+    if cupy.cuda.Device().compute_capability == "90":
+        assert kernels[0].startswith("forward operand pass"), kernels
+        assert kernels[1].startswith("Hopper forward (sm_90a: wgmma, TMA, warp-specialised), "
+                                     "float32, head dim 64"), kernels
+    else:
+        assert kernels[0].startswith("mma.sync forward, float32, head dim 64"), kernels
     kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision="tf32")
     if cupy.cuda.Device().compute_capability == "90":
         assert kernels[0].startswith("forward operand pass"), kernels
@@ -190,6 +201,24 @@ def test_tf32_forward_on_either_family(headdim):
             for causal in (False, True):
                 out = testing.poison_like(cupy, q.shape, numpy.float32)
                 _check(q, k, v, "tf32", out=out, causal=causal)
+
+
+@pytest.mark.parametrize("headdim", [64, 80, 96])
+def test_highest_forward_on_either_family(headdim):
+    """Precision "highest" on sm_90 runs the 3xTF32 Hopper forward up to head dim 96 (d=80 on
+    the d=96 kernel), and with CUFLASH2_HOPPER_F32X3=0 (`_dispatch.HOPPER_FORWARD_F32X3`) the
+    mma.sync forward: both within the rule at float32 level, several KV tiles and a ring that
+    wraps, GQA, seqlen_q != seqlen_k."""
+    from grids import switched
+
+    from cuflash2 import _dispatch, api
+
+    q, k, v = _qkv(2, 700, 1100, 4, 2, headdim, "either")
+    for hopper in (True, False):
+        with switched(_dispatch, {"HOPPER_FORWARD_F32X3": hopper}, api._forward_plans):
+            for causal in (False, True):
+                out = testing.poison_like(cupy, q.shape, numpy.float32)
+                _check(q, k, v, "highest", out=out, causal=causal)
 
 
 def test_what_float32_does_not_take_yet():
