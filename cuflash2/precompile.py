@@ -76,8 +76,9 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
             # The float32 Hopper forwards ("tf32"; "float32": precision "highest", 3xTF32) and
             # each one's operand pass.
             for element, tiles in _dispatch.FLOAT32_SM90_FWD_TILES.items():
-                if element not in dtypes:
-                    continue
+                if element not in dtypes or (element == "float32"
+                                             and not _dispatch.HOPPER_FORWARD_F32X3):
+                    continue  # ("highest" on Hopper is opt-in for now)
                 f32_dims = {_dispatch.hopper_forward_head_dim(h, tuple(tiles))
                             for h in head_dims if h <= max(tiles)}
                 configs += [c for c in _dispatch.tf32_hopper_forward_configs(features,

@@ -607,6 +607,7 @@ def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
         return numpy.array([address] + [rows] * 15, numpy.uint64).tobytes()
 
     monkeypatch.setattr(_hopper, "tensor_map_bytes_at", fake_scratch_map)
+    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_F32X3", True)  # (opt-in for now)
     q = device_array((2, 1000, 8, head_dim), numpy.float32)
     k = device_array((2, 1000, 2, head_dim), numpy.float32)
     cuflash2.attention(q, k, k, causal=True)
