@@ -114,14 +114,19 @@ struct CompileTimeBool {
 // quantised by k_descale / v_descale on the way (kv_cache_e4m3.cuh). With a RotaryTable
 // (rotary.cuh) the new tokens' keys are rotated at their positions (then quantised), stored into
 // the tile by the thread itself, as the append rotates them into the cache.
-template <class Tile, int THREADS, typename Elem, typename Stored, class Rotary>
+// LEFTPAD (cache_leftpad): keys before `key_lo`, the sequence's first, are zero-filled without
+// being read, as past seqlen_k: a left-padded region may hold anything (NaN or Inf in V would
+// reach O through 0 * NaN where the mask gave P = 0), and flash-attn never reads it either.
+template <class Tile, int THREADS, typename Elem, typename Stored, class Rotary,
+          bool LEFTPAD = false>
 CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& index,
                                    const KVCacheRowsOf<Stored>& k_rows,
                                    const KVCacheRowsOf<Stored>& v_rows,
                                    const u16* k_new_rows, i64 kn_row_stride,
                                    const u16* v_new_rows, i64 vn_row_stride, int cache_len,
                                    int key0, int seqlen_k, int head_chunks, int tid,
-                                   float k_descale, float v_descale, const Rotary& rotary) {
+                                   float k_descale, float v_descale, const Rotary& rotary,
+                                   int key_lo = 0) {
     // The cache is read once a step: its lines go first from L2 (what a step reads again, the
     // code of its end and the splits' partial results, stays; in a CUDA graph 0.7 us a layer at
     // 64k tokens and 1.2 us at batch 8, 16k, H200).
@@ -131,7 +136,7 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
         const Stored* k_src = nullptr;
         const Stored* v_src = nullptr;
         int block, cache_row;
-        if (key >= seqlen_k) {
+        if (key >= seqlen_k || (LEFTPAD && key < key_lo)) {
         } else if (key >= cache_len) {
             if constexpr (Rotary::ENABLED) {
                 if (chunk < head_chunks) {  // (chunks past head_dim: zero-filled below)
@@ -189,7 +194,7 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
         // The tile's rows of cached positions (all of them but in the last tile).
         const int cached_rows = min(min(seqlen_k, cache_len) - key0, Tile::ROWS);
         // (Above d=128 the accumulators leave no registers for the stepped addresses.)
-        if (Tile::COLS <= 128 && cached_rows > 0 &&
+        if (Tile::COLS <= 128 && cached_rows > 0 && (!LEFTPAD || key0 >= key_lo) &&
             (index.block_table == nullptr || index.page_size % Tile::ROWS == 0) &&
             index.locate(key0, block, cache_row)) {
             const bool valid = chunk < head_chunks;
@@ -420,10 +425,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
     auto load_tile = [&](int tile, int stage) {
         const u32 k_smem = stage0 + stage * T::STAGE_BYTES;
-        load_kv_tile_async<StagedTile, T::THREADS, Elem>(
+        load_kv_tile_async<StagedTile, T::THREADS, Elem, Stored, Rotary, LEFTPAD>(
             k_smem, k_smem + StagedTile::BYTES, index, k_rows, v_rows, k_new_rows,
             p.kn_row_stride, v_new_rows, p.vn_row_stride, cache_len, tile * T::BLOCK_N, seqlen_k,
-            head_chunks, thread_index_fresh(), k_descale, v_descale, rotary);
+            head_chunks, thread_index_fresh(), k_descale, v_descale, rotary, leftpad);
     };
 
     // This thread's two rows (g and g + 8 of the m16 tile; on the n side 2t and 2t + 1, t =

@@ -206,7 +206,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         _prepare.check_flag("rotary_interleaved", c.rotary_interleaved)
         for name in ("rotary_cos", "rotary_sin"):
             x = arrays[name]
-            if x.shape[0] > 1 and x.strides != (x.shape[1] * x.itemsize, x.itemsize):
+            if x.strides[1] != x.itemsize or (x.shape[0] > 1
+                                               and x.strides[0] != x.shape[1] * x.itemsize):
                 raise ValueError(f"{name} must be C-contiguous (rows of rotary_dim / 2 "
                                  f"elements); got strides {x.strides}")
         features |= _configs.FEATURE_ROTARY

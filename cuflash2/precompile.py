@@ -23,7 +23,10 @@ from . import _configs, _dispatch
 #: --features names -> feature bits (combine with "+": "softcap+alibi"; "none": plain).
 FEATURE_NAMES = {"none": 0, "softcap": _configs.FEATURE_SOFTCAP,
                  "alibi": _configs.FEATURE_ALIBI, "sinks": _configs.FEATURE_SINKS,
-                 "dropout": _configs.FEATURE_DROPOUT, "varlen": _configs.FEATURE_VARLEN}
+                 "dropout": _configs.FEATURE_DROPOUT, "varlen": _configs.FEATURE_VARLEN,
+                 "rotary": _configs.FEATURE_ROTARY, "cache_leftpad": _configs.FEATURE_LEFTPAD}
+#: The features of attention_with_kvcache alone (the decode direction's).
+DECODE_ONLY_FEATURES = _configs.FEATURE_ROTARY | _configs.FEATURE_LEFTPAD
 DIRECTIONS = ("fwd", "bwd", "decode")
 #: --dtype names -> the kernels' elements: fp32 is float32 inputs at precision "highest", tf32
 #: at "tf32".
@@ -65,6 +68,8 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
     def named(configs, kernel_dims):
         return [c for c in configs if c.dtype in dtypes and c.head_dim in kernel_dims]
 
+    decode_features = [f for f in features if f in _configs.DECODE_FEATURES]
+    features = list(dict.fromkeys(f & ~DECODE_ONLY_FEATURES for f in features))
     configs = []
     if "fwd" in directions:
         configs += named(_dispatch.all_fwd_configs(arch, features, tuple(_configs.ELEMENT_TAGS)),
@@ -102,8 +107,7 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
             configs += sm90 + [_dispatch.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
                                for c in sm90]
     if "decode" in directions:
-        configs += named(_dispatch.all_decode_configs(
-            arch, [f for f in features if f in _configs.DECODE_FEATURES]), dims)
+        configs += named(_dispatch.all_decode_configs(arch, decode_features), dims)
     return list(dict.fromkeys(configs))
 
 

@@ -30,7 +30,7 @@ def _tables(seqlen_ro, rotary_dim, dtype):
 
 def _host(kwargs):
     return {n: cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else x
-            for n, x in kwargs.items() if n != "return_lse"}
+            for n, x in kwargs.items() if n not in ("return_lse", "early_cache_reads")}
 
 
 def _reference(q, k_cache, v_cache, kwargs):
@@ -120,8 +120,9 @@ def test_rotary_paged_equals_contiguous(interleaved, page_size):
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 def test_cache_leftpad_against_reference(dtype, mask, rotary):
-    """Keys before cache_leftpad[b] are not attended (poisoned with large values, the result
-    does not move); positions stay the cache's."""
+    """Keys before cache_leftpad[b] are neither attended nor read (NaN there, as a left-padded
+    region may hold anything: a masked key that is read would bring it into O through 0 * NaN);
+    positions stay the cache's."""
     batch, capacity, h, hk, d = 4, 900, 8, 2, 128
     rng = numpy.random.default_rng(seed_of("leftpad", str(dtype), mask, rotary))
     q = _randn(rng, (batch, 2, h, d), dtype)
@@ -130,8 +131,8 @@ def test_cache_leftpad_against_reference(dtype, mask, rotary):
     lengths = numpy.array([800, 70, 5, 300], numpy.int32)
     pads = numpy.array([0, 65, 5, 130], numpy.int32)  # the third: only the new tokens remain
     for b in range(batch):
-        k_cache[b, :int(pads[b])] = 100
-        v_cache[b, :int(pads[b])] = -100
+        k_cache[b, :int(pads[b])] = numpy.nan
+        v_cache[b, :int(pads[b])] = numpy.nan
     kwargs = dict(k=_randn(rng, (batch, 2, hk, d), dtype), v=_randn(rng, (batch, 2, hk, d), dtype),
                   cache_seqlens=cupy.asarray(lengths), cache_leftpad=cupy.asarray(pads),
                   causal=mask == "causal", window_size=(100, 0) if mask == "window" else (-1, -1))
@@ -146,11 +147,13 @@ def test_cache_leftpad_against_reference(dtype, mask, rotary):
         assert _same_bits(k_run, k_want) and _same_bits(v_run, v_want)
 
 
-def test_rotary_fp8_cache_rotates_before_quantising():
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_rotary_fp8_cache_rotates_before_quantising(interleaved):
     """An e4m3 cache: the new keys rotated, then quantised (the reference's order), the
-    attention within the 2x rule of the reference on the dequantised cache."""
+    attention within the 2x rule of the reference on the dequantised cache; both rotary styles
+    (NeoX's partner lies in another 16-element chunk of the stage)."""
     dtype = numpy.dtype(numpy.float16)
-    rng = numpy.random.default_rng(seed_of("rotary-fp8"))
+    rng = numpy.random.default_rng(seed_of("rotary-fp8", interleaved))
     batch, capacity, h, hk, d = 2, 600, 8, 2, 128
     q = _randn(rng, (batch, 3, h, d), dtype)
     k16 = rng.standard_normal((batch, capacity, hk, d)).astype(numpy.float32)
@@ -159,7 +162,8 @@ def test_rotary_fp8_cache_rotates_before_quantising():
     cos, sin = _tables(capacity, 64, dtype)
     kwargs = dict(k=_randn(rng, (batch, 3, hk, d), dtype), v=_randn(rng, (batch, 3, hk, d), dtype),
                   cache_seqlens=cupy.asarray(numpy.array([590, 44], numpy.int32)),
-                  rotary_cos=cos, rotary_sin=sin, causal=True, kv_cache_dtype="e4m3")
+                  rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+                  causal=True, kv_cache_dtype="e4m3")
     hi, lo, k_want, v_want = _reference(q, k_cache, v_cache, kwargs)
     for splits in (1, 3):
         k_run, v_run = k_cache.copy(), v_cache.copy()
@@ -169,10 +173,13 @@ def test_rotary_fp8_cache_rotates_before_quantising():
         assert _same_bits(k_run, k_want) and _same_bits(v_run, v_want)
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["", "early-cache-reads"])
 @pytest.mark.parametrize("leftpad", [False, True], ids=["rotary", "rotary-leftpad"])
-def test_cuda_graph_replays_with_fresh_inputs(leftpad):
+def test_cuda_graph_replays_with_fresh_inputs(leftpad, early):
     """A captured rotary decode step replayed as a serving loop replays it: new q, k, v, cache
-    lengths (and pads) in the same arrays each step, the cache growing by the appended token."""
+    lengths (and pads) in the same arrays each step, the cache growing by the appended token;
+    also with early_cache_reads (the cache read before the wait for the previous kernel, the
+    rotated q after it)."""
     from cuflash2.bench.decode_graph import CapturedGraph
 
     dtype = numpy.dtype(numpy.float16)
@@ -185,9 +192,11 @@ def test_cuda_graph_replays_with_fresh_inputs(leftpad):
     cos, sin = _tables(capacity, 128, dtype)
     lengths = cupy.asarray(numpy.array([500, 37], numpy.int32))
     kwargs = dict(k=k, v=v, cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin,
-                  rotary_interleaved=False, causal=True, return_lse=True)
+                  rotary_interleaved=False, causal=True, return_lse=True,
+                  early_cache_reads=early)
+    pads = cupy.asarray(numpy.array([3, 30], numpy.int32))
     if leftpad:
-        kwargs["cache_leftpad"] = cupy.asarray(numpy.array([3, 30], numpy.int32))
+        kwargs["cache_leftpad"] = pads
     stream = cupy.cuda.Stream(non_blocking=True)
     captured = {}
     with stream:  # planned and compiled outside the capture
@@ -199,6 +208,7 @@ def test_cuda_graph_replays_with_fresh_inputs(leftpad):
         for x in (q, k, v):  # (on the current stream, which `stream` does not wait for)
             x[...] = cupy.asarray(rng.standard_normal(x.shape).astype(dtype))
         lengths[...] = cupy.asarray(numpy.array([500 + step, 37 + 5 * step], numpy.int32))
+        pads[...] = cupy.asarray(numpy.array([3 + step, 30 - step], numpy.int32))
         cupy.cuda.Device().synchronize()
         hi, lo, k_want, v_want = _reference(q, k_cache, v_cache, kwargs)
         graph.launch()
