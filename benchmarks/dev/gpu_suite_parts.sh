@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder for logs}
 BUDGET=${BUDGET:-585}
 PARTS=${PARTS:-6}
-PREWARM_SECONDS=${PREWARM_SECONDS:-170}
+PREWARM_SECONDS=${PREWARM_SECONDS:-240}
 
 left() { echo $((BUDGET - SECONDS)); }
 LOGS=$(mktemp -d)  # the sanitizer's log, kept out of OUT until the summary takes it
@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/set
 # (the feature sets of device_check.sh's prewarm: those the suite runs)
 timeout "$PREWARM_SECONDS" python3 benchmarks/dev/prewarm_cache.py \
     --kernels fwd bwd decode decode-e4m3 float32 \
-    --features ${FEATURES:-0 1 2 3 4 5 6 7 8 12 16 17 18 19 20 23 24} 2>&1 | tail -c 400 \
+    --features ${FEATURES:-0 1 2 3 4 5 6 7 8 12 16 17 18 19 20 23 24 1024 2048 3072 3091} 2>&1 | tail -c 400 \
     >> "$OUT/setup.txt"
 tail -c 200 "$OUT/setup.txt"
 (timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider \
