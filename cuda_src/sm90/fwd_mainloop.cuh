@@ -354,7 +354,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     auto ring_of = [&](int j) { return ring0 + j; };
     auto k_tile_of = [&](int j) { return kv_smem + (ring_of(j) % STAGES) * T::STAGE_BYTES; };
     auto v_tile_of = [&](int j) { return k_tile_of(j) + T::V_OFFSET; };
-    auto bias_tile_of = [&](int j) { return v_tile_of(j) + T::KV_TILE_BYTES; };
+    auto bias_tile_of = [&](int j) { return k_tile_of(j) + T::BIAS_OFFSET; };
     auto wait_k = [&](int j) {
         mbarrier_wait(smem_address(&bars.k_full[ring_of(j) % STAGES]), (ring_of(j) / STAGES) & 1);
     };

@@ -65,7 +65,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
             for (int panel = 0; panel < T::PANELS; ++panel)
                 tma_load_4d(k_tile + T::SMALL_OFFSET + panel * T::KV_PANEL_BYTES, params.k_map,
                             k_full, params.base.head_dim / 2 + T::PANEL_ELEMENTS * panel,
-                            tile * T::KEYS_PER_TILE, kv_head, batch);
+                            k_row0 + tile * T::KEYS_PER_TILE, kv_head, batch);
         }
         if constexpr (PERSISTENT) {
             if (j == 0) {
@@ -75,7 +75,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         }
         // The bias's block (needed at the tile's softmax, before V) once its stage is read.
         bias.template produce<T::BIAS_PANELS, T::BIAS_TILE_BYTES>(
-            v_tile + T::KV_TILE_BYTES, ring, span.row_first, tile * T::KEYS_PER_TILE, w.head,
+            k_tile + T::BIAS_OFFSET, ring, span.row_first, tile * T::KEYS_PER_TILE, w.head,
             w.batch);
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);

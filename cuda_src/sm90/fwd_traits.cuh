@@ -55,6 +55,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int Q_REGION_BYTES = PARTS * Q_BYTES;  // Q (and with SPLIT its small part)
     static constexpr int V_OFFSET = PARTS * KV_TILE_BYTES;  // V's tile(s) after K's in a stage
     static constexpr int SMALL_OFFSET = KV_TILE_BYTES;      // SPLIT: a small part after its big
+    // The bias's tile after V's (and with SPLIT its small part) in a stage.
+    static constexpr int BIAS_OFFSET = V_OFFSET + PARTS * KV_TILE_BYTES;
     // KEYS_LAST_V: a V tile is BLOCK_N keys as panels of 32 keys (128-byte rows) by HEAD_DIM
     // head-dim rows, the K-major B operand of P V; the same bytes as a K tile.
     static constexpr int VT_PANELS = BLOCK_N * WORDS / PANEL_COLS;

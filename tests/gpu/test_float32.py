@@ -23,6 +23,19 @@ pytestmark = pytest.mark.gpu
 PRECISIONS = ("highest", "tf32")
 
 
+@pytest.fixture(autouse=True)
+def _hopper_highest_on():
+    """The 3xTF32 Hopper forward (opt-in, CUFLASH2_HOPPER_F32X3=1, until these tests have run
+    it) switched on for every test here: on sm_90 "highest" up to head dim 96 runs it, the
+    mma.sync kernel the rest (and test_highest_forward_on_either_family both)."""
+    from grids import switched
+
+    from cuflash2 import _dispatch, api
+
+    with switched(_dispatch, {"HOPPER_FORWARD_F32X3": True}, api._forward_plans):
+        yield
+
+
 def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, seed_extra=""):
     seed = _seed(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, "float32" + seed_extra)
     return testing.random_qkv(cupy, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim,
@@ -109,14 +122,15 @@ def test_varlen_and_packed(precision):
     assert all(r.ok for r in results), "; ".join(map(str, results))
 
 
-def test_unbatched_and_strided_views():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_unbatched_and_strided_views(precision):
     q, k, v = _qkv(1, 64, 96, 2, 2, 64)
-    _check(q[0], k[0], v[0], "highest", causal=True)
+    _check(q[0], k[0], v[0], precision, causal=True)
     # A view with a head stride of 4 float32 elements... of a wider array: every stride a
     # multiple of 16 bytes.
     wide = cupy.asarray(numpy.random.default_rng(3).standard_normal((1, 96, 2, 72),
                                                                     dtype=numpy.float32))
-    _check(q, wide[..., :64], wide[..., 8:], "tf32")
+    _check(q, wide[..., :64], wide[..., 8:], precision)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
