@@ -532,10 +532,25 @@ def test_the_hopper_forward_covers_sinks_not_dropout(monkeypatch):
                                            (-1, -1), 90) is None
 
 
+@pytest.fixture
+def scratch_maps(monkeypatch):
+    """The float32 Hopper forward's scratch maps as encoded (shape, byte strides, dtype, box
+    rows), by a stand-in whose word 0 is the address, as the driver's."""
+    numpy = pytest.importorskip("numpy")
+    encoded = []
+
+    def fake_scratch_map(address, shape, strides, dtype, rows):
+        encoded.append((tuple(shape), tuple(strides), dtype, rows))
+        return numpy.array([address] + [rows] * 15, numpy.uint64).tobytes()
+
+    monkeypatch.setattr(_hopper, "tensor_map_bytes_at", fake_scratch_map)
+    return encoded
+
+
 @pytest.mark.parametrize("head_dim,kernel_dim,block_n", [(64, 64, 128), (80, 96, 64),
                                                          (128, 128, 64)])
 def test_a_tf32_forward_runs_the_operand_pass_then_the_tf32_hopper_kernel(
-        hopper_api, monkeypatch, head_dim, kernel_dim, block_n):
+        hopper_api, monkeypatch, scratch_maps, head_dim, kernel_dim, block_n):
     """attention(float32, precision="tf32") on sm_90: two launches on the stream, the operand
     pass (K rounded, V with its keys innermost, into the call's scratch; a CTA a 32 keys of a
     (batch, kv head)) and the TF32 Hopper forward, whose q_map covers q and whose k_map and
@@ -546,13 +561,6 @@ def test_a_tf32_forward_runs_the_operand_pass_then_the_tf32_hopper_kernel(
     from cuflash2 import _configs, _dispatch
     from test_plans_host import device_array
 
-    scratch_maps = []
-
-    def fake_scratch_map(address, shape, strides, dtype, rows):
-        scratch_maps.append((tuple(shape), tuple(strides), dtype, rows))
-        return numpy.array([address] + [rows] * 15, numpy.uint64).tobytes()
-
-    monkeypatch.setattr(_hopper, "tensor_map_bytes_at", fake_scratch_map)
     q = device_array((2, 1000, 8, head_dim), numpy.float32)
     k = device_array((2, 1000, 2, head_dim), numpy.float32)
     cuflash2.attention(q, k, k, causal=True, precision="tf32")
@@ -589,7 +597,7 @@ def test_a_tf32_forward_runs_the_operand_pass_then_the_tf32_hopper_kernel(
 
 @pytest.mark.parametrize("head_dim,kernel_dim,block_n", [(64, 64, 64), (80, 96, 32)])
 def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
-        hopper_api, monkeypatch, head_dim, kernel_dim, block_n):
+        hopper_api, monkeypatch, scratch_maps, head_dim, kernel_dim, block_n):
     """attention(float32) at precision "highest" (the default) on sm_90: the operand pass of
     f32x3_tag (K and V's big and small TF32 parts into the call's scratch, K's rows and V's
     blocks twice as long) then the 3xTF32 Hopper forward (F32X3_SM90_FWD_TILES), its k_map and
@@ -600,13 +608,6 @@ def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
     from cuflash2 import _configs, _dispatch
     from test_plans_host import device_array
 
-    scratch_maps = []
-
-    def fake_scratch_map(address, shape, strides, dtype, rows):
-        scratch_maps.append((tuple(shape), tuple(strides), dtype, rows))
-        return numpy.array([address] + [rows] * 15, numpy.uint64).tobytes()
-
-    monkeypatch.setattr(_hopper, "tensor_map_bytes_at", fake_scratch_map)
     monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_F32X3", True)  # (opt-in for now)
     q = device_array((2, 1000, 8, head_dim), numpy.float32)
     k = device_array((2, 1000, 2, head_dim), numpy.float32)

@@ -27,7 +27,7 @@ PRECISIONS = ("highest", "tf32")
 def _hopper_highest_on():
     """The 3xTF32 Hopper forward (opt-in, CUFLASH2_HOPPER_F32X3=1, until these tests have run
     it) switched on for every test here: on sm_90 "highest" up to head dim 96 runs it, the
-    mma.sync kernel the rest (and test_highest_forward_on_either_family both)."""
+    mma.sync kernel the rest (and test_forward_on_either_family both)."""
     from grids import switched
 
     from cuflash2 import _dispatch, api
@@ -190,54 +190,41 @@ def test_kernels_named():
 
     with switched(_dispatch, {"HOPPER_FORWARD_F32X3": True}, api._forward_plans):
         kernels = cuflash2.forward_kernels(*small, causal=True, precision="highest")
+    _assert_float32_forward(kernels, "float32", 64)
+    _assert_float32_forward(cuflash2.forward_kernels(q, k, v, causal=True, precision="tf32"),
+                            "tf32", 128)
+
+
+def _assert_float32_forward(kernels, tag: str, head_dim: int):
+    """On sm_90 the operand pass and the Hopper forward of `tag`, elsewhere the mma.sync one."""
     if cupy.cuda.Device().compute_capability == "90":
         assert kernels[0].startswith("forward operand pass"), kernels
         assert kernels[1].startswith("Hopper forward (sm_90a: wgmma, TMA, warp-specialised), "
-                                     "float32, head dim 64"), kernels
+                                     f"{tag}, head dim {head_dim}"), kernels
     else:
-        assert kernels[0].startswith("mma.sync forward, float32, head dim 64"), kernels
-    kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision="tf32")
-    if cupy.cuda.Device().compute_capability == "90":
-        assert kernels[0].startswith("forward operand pass"), kernels
-        assert kernels[1].startswith("Hopper forward (sm_90a: wgmma, TMA, warp-specialised), "
-                                     "tf32, head dim 128"), kernels
-    else:
-        assert kernels[0].startswith("mma.sync forward, tf32, head dim 128"), kernels
+        assert kernels[0].startswith(f"mma.sync forward, {tag}, head dim {head_dim}"), kernels
 
 
-@pytest.mark.parametrize("headdim", [64, 96, 128])
-def test_tf32_forward_on_either_family(headdim):
-    """Precision "tf32" on sm_90 runs the TF32 Hopper forward, and with CUFLASH2_HOPPER_TF32=0
-    (`_dispatch.HOPPER_FORWARD_TF32`) the mma.sync forward: both within the rule, on a long
-    enough row for several KV tiles and a ring that wraps, GQA, seqlen_q != seqlen_k."""
+@pytest.mark.parametrize("precision,headdim,flag", [
+    ("tf32", 64, "HOPPER_FORWARD_TF32"), ("tf32", 96, "HOPPER_FORWARD_TF32"),
+    ("tf32", 128, "HOPPER_FORWARD_TF32"), ("highest", 64, "HOPPER_FORWARD_F32X3"),
+    ("highest", 80, "HOPPER_FORWARD_F32X3"), ("highest", 96, "HOPPER_FORWARD_F32X3")])
+def test_forward_on_either_family(precision, headdim, flag):
+    """On sm_90 precision "tf32" runs the TF32 Hopper forward (up to head dim 128) and
+    "highest" the 3xTF32 one (up to 96; d=80 on the d=96 kernel), and with their switch off
+    (CUFLASH2_HOPPER_TF32=0, CUFLASH2_HOPPER_F32X3 unset: `_dispatch.HOPPER_FORWARD_TF32`,
+    `HOPPER_FORWARD_F32X3`) the mma.sync forward: both within the rule, on a long enough row for
+    several KV tiles and a ring that wraps, GQA, seqlen_q != seqlen_k."""
     from grids import switched
 
     from cuflash2 import _dispatch, api
 
     q, k, v = _qkv(2, 700, 1100, 4, 2, headdim, "either")
     for hopper in (True, False):
-        with switched(_dispatch, {"HOPPER_FORWARD_TF32": hopper}, api._forward_plans):
+        with switched(_dispatch, {flag: hopper}, api._forward_plans):
             for causal in (False, True):
                 out = testing.poison_like(cupy, q.shape, numpy.float32)
-                _check(q, k, v, "tf32", out=out, causal=causal)
-
-
-@pytest.mark.parametrize("headdim", [64, 80, 96])
-def test_highest_forward_on_either_family(headdim):
-    """Precision "highest" on sm_90 runs the 3xTF32 Hopper forward up to head dim 96 (d=80 on
-    the d=96 kernel), and with CUFLASH2_HOPPER_F32X3=0 (`_dispatch.HOPPER_FORWARD_F32X3`) the
-    mma.sync forward: both within the rule at float32 level, several KV tiles and a ring that
-    wraps, GQA, seqlen_q != seqlen_k."""
-    from grids import switched
-
-    from cuflash2 import _dispatch, api
-
-    q, k, v = _qkv(2, 700, 1100, 4, 2, headdim, "either")
-    for hopper in (True, False):
-        with switched(_dispatch, {"HOPPER_FORWARD_F32X3": hopper}, api._forward_plans):
-            for causal in (False, True):
-                out = testing.poison_like(cupy, q.shape, numpy.float32)
-                _check(q, k, v, "highest", out=out, causal=causal)
+                _check(q, k, v, precision, out=out, causal=causal)
 
 
 def test_what_float32_does_not_take_yet():

@@ -56,6 +56,19 @@ def _same_bits(got, want):
     return bool((got.view(numpy.uint8) == numpy.asarray(want).view(numpy.uint8)).all())
 
 
+def _check_splits(q, k_cache, v_cache, kwargs, splits):
+    """The call on copies of the cache at each split count against the reference (on host
+    copies of the cache before the call): out and lse by the 2x rule, and the append wrote
+    exactly the new rows, rotated as apply_rotary rotates them."""
+    hi, lo, k_want, v_want = _reference(q, k_cache, v_cache, kwargs)
+    for s in splits:
+        k_run, v_run = k_cache.copy(), v_cache.copy()
+        out, lse = cuflash2.attention_with_kvcache(q, k_run, v_run, num_splits=s,
+                                                   return_lse=True, **kwargs)
+        _check(out, lse, hi, lo)
+        assert _same_bits(k_run, k_want) and _same_bits(v_run, v_want), s
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("headdim,rotary_dim", [(64, 64), (128, 64), (128, 128)])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
@@ -77,14 +90,7 @@ def test_rotary_against_reference(dtype, headdim, rotary_dim, interleaved, seqle
                   cache_seqlens=cupy.asarray(numpy.array([500, 70, 0], numpy.int32)),
                   rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
                   causal=mask == "causal", window_size=(40, 0) if mask == "window" else (-1, -1))
-    hi, lo, k_want, v_want = _reference(q, k_cache, v_cache, kwargs)
-    for splits in (0, 1, 5):
-        k_run, v_run = k_cache.copy(), v_cache.copy()
-        out, lse = cuflash2.attention_with_kvcache(q, k_run, v_run, num_splits=splits,
-                                                   return_lse=True, **kwargs)
-        _check(out, lse, hi, lo)
-        # The append wrote exactly the new keys, rotated as apply_rotary rotates them.
-        assert _same_bits(k_run, k_want) and _same_bits(v_run, v_want)
+    _check_splits(q, k_cache, v_cache, kwargs, (0, 1, 5))
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
@@ -138,13 +144,7 @@ def test_cache_leftpad_against_reference(dtype, mask, rotary):
                   causal=mask == "causal", window_size=(100, 0) if mask == "window" else (-1, -1))
     if rotary:
         kwargs["rotary_cos"], kwargs["rotary_sin"] = _tables(capacity, 128, dtype)
-    hi, lo, k_want, v_want = _reference(q, k_cache, v_cache, kwargs)
-    for splits in (0, 1, 7):
-        k_run, v_run = k_cache.copy(), v_cache.copy()
-        out, lse = cuflash2.attention_with_kvcache(q, k_run, v_run, num_splits=splits,
-                                                   return_lse=True, **kwargs)
-        _check(out, lse, hi, lo)
-        assert _same_bits(k_run, k_want) and _same_bits(v_run, v_want)
+    _check_splits(q, k_cache, v_cache, kwargs, (0, 1, 7))
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
@@ -164,13 +164,7 @@ def test_rotary_fp8_cache_rotates_before_quantising(interleaved):
                   cache_seqlens=cupy.asarray(numpy.array([590, 44], numpy.int32)),
                   rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
                   causal=True, kv_cache_dtype="e4m3")
-    hi, lo, k_want, v_want = _reference(q, k_cache, v_cache, kwargs)
-    for splits in (1, 3):
-        k_run, v_run = k_cache.copy(), v_cache.copy()
-        out, lse = cuflash2.attention_with_kvcache(q, k_run, v_run, num_splits=splits,
-                                                   return_lse=True, **kwargs)
-        _check(out, lse, hi, lo)
-        assert _same_bits(k_run, k_want) and _same_bits(v_run, v_want)
+    _check_splits(q, k_cache, v_cache, kwargs, (1, 3))
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["", "early-cache-reads"])
