@@ -140,6 +140,11 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> Attentio
         raise ValueError(
             f"q, k and v must have the same batch size; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k_shape[3] == head_dim and v_shape[3] != head_dim and v_shape[:3] == k_shape[:3]:
+        raise NotImplementedError(
+            f"v's head dim ({v_shape[3]}) apart from q's and k's ({head_dim}) is not supported "
+            f"by the kernels yet (cuflash2.reference.attention takes it); got v "
+            f"{tuple(v.shape)}")
     if k_shape[3] != head_dim or v_shape[3] != head_dim:
         raise ValueError(
             f"k and v must have the same headdim as q ({head_dim}); got k {tuple(k.shape)}, "

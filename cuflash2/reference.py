@@ -191,8 +191,9 @@ def _check_shapes(q, k, v):
             "q, k, v must all be (batch, seqlen, nheads, headdim) or all "
             f"(seqlen, nheads, headdim); got shapes {q.shape}, {k.shape}, {v.shape}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[:-1] != v.shape[:-1] or v.shape[-1] < 1:
+        raise ValueError(f"k and v must have the same shape but for their head dims (v's, d_v, "
+                         f"may differ from q's and k's, d_qk), got {k.shape} and {v.shape}")
     if q.ndim == 4 and q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k have different batch sizes: {q.shape[0]} and {k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:

@@ -82,6 +82,9 @@ def test_mismatched_batch_headdim_seqlen_k():
         check(q, k2, v2)
     with pytest.raises(ValueError, match=r"v must have the same shape as k"):
         check(q, k, v[:, :3])
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(32\) apart from q's and "
+                                                  r"k's \(64\) is not supported"):
+        check(q, k, v2)
 
 
 def test_heads_not_divisible():
