@@ -102,21 +102,30 @@ CF2_DEVICE void gemm_a_b(float (&acc)[MT][NT][4], const LdmatrixCursor<ATile>& a
     }
 }
 
+// Visits this lane's pairs of an accumulator tile (the m16n8 layout): pair(row, nt, pair) for
+// elements [mt][nt][2*half], [2*half+1] (`pair` points at the first), which lie in row
+// row0 + 16*mt + 8*half + lane/4, columns 8*nt + 2*(lane%4), + 1. Every store of an accumulator
+// tile to shared memory walks it so.
+template <int MT, int NT, class Pair>
+CF2_DEVICE void for_each_accumulator_pair(const float (&acc)[MT][NT][4], int row0, int lane,
+                                          Pair&& pair) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                pair(row0 + 16 * mt + 8 * half + lane / 4, nt, &acc[mt][nt][2 * half]);
+}
+
 // Stores an accumulator tile as 16-bit pairs into a swizzled tile: element [mt][nt][2*half+e] goes
 // to row row0 + 16*mt + 8*half + lane/4, column 8*(chunk0 + nt) + 2*(lane%4) + e. Each group of 8
 // rows x 4 lanes hits 8 different swizzled 16-byte slots: no bank conflicts.
 template <typename Elem, class Tile, int MT, int NT>
 CF2_DEVICE void store_accumulator(u32 tile_smem, const float (&acc)[MT][NT][4], int row0,
                                   int chunk0, int lane, float scale = 1.f) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = row0 + 16 * mt + 8 * half + lane / 4;
-                store_4B_shared(tile_smem + Tile::offset(row, chunk0 + nt) + 4 * (lane % 4),
-                                pack_pair<Elem>(acc[mt][nt][2 * half] * scale,
-                                                acc[mt][nt][2 * half + 1] * scale));
-            }
+    for_each_accumulator_pair(acc, row0, lane, [&](int row, int nt, const float* pair) {
+        store_4B_shared(tile_smem + Tile::offset(row, chunk0 + nt) + 4 * (lane % 4),
+                        pack_pair<Elem>(pair[0] * scale, pair[1] * scale));
+    });
 }

@@ -24,6 +24,7 @@
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "tf32_primitives.cuh"
+#include "warp_gemm.cuh"
 
 // F32KeyPairCursor for a tile whose columns hold the keys of each 8 permuted (the dS tile,
 // store_permuted_keys_f32: key 2u at column u, key 2u + 1 at column u + 4): lane (g, t) reads
@@ -139,16 +140,10 @@ CF2_DEVICE u32 f32_pair_offset(int row, int chunk8, int lane) {
 template <class Tile, int MT, int NT>
 CF2_DEVICE void store_accumulator_f32(u32 tile_smem, const float (&acc)[MT][NT][4], int row0,
                                       int chunk0, int lane, float scale = 1.f) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = row0 + 16 * mt + 8 * half + lane / 4;
-                store_8B_shared(tile_smem + f32_pair_offset<Tile>(row, chunk0 + nt, lane),
-                                acc[mt][nt][2 * half] * scale, acc[mt][nt][2 * half + 1] * scale);
-            }
+    for_each_accumulator_pair(acc, row0, lane, [&](int row, int nt, const float* pair) {
+        store_8B_shared(tile_smem + f32_pair_offset<Tile>(row, chunk0 + nt, lane),
+                        pair[0] * scale, pair[1] * scale);
+    });
 }
 
 // store_accumulator_f32 with the keys (columns) of each 8 permuted, for the dS tile (see the
@@ -157,17 +152,10 @@ CF2_DEVICE void store_accumulator_f32(u32 tile_smem, const float (&acc)[MT][NT][
 template <class Tile, int MT, int NT>
 CF2_DEVICE void store_permuted_keys_f32(u32 tile_smem, const float (&acc)[MT][NT][4], int row0,
                                         int chunk0, int lane) {
+    for_each_accumulator_pair(acc, row0, lane, [&](int row, int nt, const float* pair) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = row0 + 16 * mt + 8 * half + lane / 4;
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    store_4B_shared(tile_smem + Tile::offset(row, 2 * (chunk0 + nt) + e) +
-                                        4 * (lane % 4),
-                                    __float_as_uint(acc[mt][nt][2 * half + e]));
-            }
+        for (int e = 0; e < 2; ++e)
+            store_4B_shared(tile_smem + Tile::offset(row, 2 * (chunk0 + nt) + e) + 4 * (lane % 4),
+                            __float_as_uint(pair[e]));
+    });
 }
