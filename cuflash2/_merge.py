@@ -236,13 +236,8 @@ def _key(cupy, kind: str, arrays) -> tuple | None:
     if cupy is None:
         return None
     key = [kind]
-    for x in arrays:
-        if x is None:
-            key.append(None)
-        elif type(x) is cupy.ndarray:
-            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
-        else:
-            return None
+    if not _plans.add_signature(key, cupy.ndarray, arrays):
+        return None
     key.append(cupy.cuda.runtime.getDevice())
     return tuple(key)
 

@@ -26,11 +26,12 @@ MAX_PLANS = 256
 _ALLOCATION_ALIGNMENT = 256
 
 
-def add_signature(key: list, ndarray, arrays, window_size) -> bool:
+def add_signature(key: list, ndarray, arrays, window_size=None) -> bool:
     """Appends to `key` each array's shape, strides, dtype and device (None for an absent one)
-    and the two ends of `window_size` with their types; False where the call has no signature
-    (an array that is not a CuPy `ndarray`, a window that is not a pair: the full check then says
-    what is wrong). The entry points add their other arguments (api._forward_key, _kvcache._key)."""
+    and, unless `window_size` is None (a call without one: merge_states), the two ends of
+    `window_size` with their types; False where the call has no signature (an array that is not
+    a CuPy `ndarray`, a window that is not a pair: the full check then says what is wrong). The
+    entry points add their other arguments (api._forward_key, _kvcache._key, _merge._key)."""
     for x in arrays:
         if x is None:
             key.append(None)
@@ -38,6 +39,8 @@ def add_signature(key: list, ndarray, arrays, window_size) -> bool:
             key.append((x.shape, x.strides, x.dtype, x.data.device_id))
         else:
             return False
+    if window_size is None:
+        return True
     try:
         left, right = window_size
     except (TypeError, ValueError):
