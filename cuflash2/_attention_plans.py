@@ -100,11 +100,11 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     if p.batch and p.seqlen_q and p.nheads:
         if choice.hopper and config.claims:
             counters = ("tile_counters",)
-        if choice.hopper and config.dtype in _dispatch.FLOAT32_SM90_FWD_TILES:
+        if choice.scratch is not None:
             # K and V as the TF32 wgmmas take them (at "highest" both TF32 parts), in the call's
             # scratch, by the operand pass (flash_fwd_tf32_operands.cu); the forward's k_map and
             # v_map read them.
-            shapes = _dispatch.tf32_operand_shapes(p, config)
+            shapes = choice.scratch
             offsets, scratch_bytes = _plans.carve(
                 [4 * math.prod(shape) for shape, *_ in shapes.values()])
             for (name, _), off in zip(shapes.items(), offsets):

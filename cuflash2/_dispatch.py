@@ -51,6 +51,9 @@ class ForwardChoice:
     map_fields: dict | None = None
     #: FEATURE_BIAS_TILE: the bias's map words ("bias_map.v") and extents (FwdSm90ModsParams).
     bias_fields: dict | None = None
+    #: The float32 Hopper forward: its operand pass's scratch arrays (tf32_operand_shapes), whose
+    #: maps map_fields holds.
+    scratch: dict | None = None
 
 
 def forward_kernel(problem, features: int, window, arch: int, views: dict, varlen, device_id: int,
@@ -99,17 +102,18 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
         config = mods.forward_config(with_features(config, features & ~USER_MOD_FEATURES),
                                      *user_mods, block_mask=block_mask)
         return ForwardChoice(config, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch))
-    hopper = map_fields = None
+    hopper = map_fields = scratch = None
     if config is None and "fwd" not in FORCED:
         hopper = hopper_forward_config(p, features, window, arch, varlen)
     if hopper is not None:
         maps = _hopper.forward_maps(hopper)
         map_fields = _hopper.readable_map_fields(views, maps)
         if map_fields is not None and hopper.dtype in FLOAT32_SM90_FWD_TILES:
+            scratch = tf32_operand_shapes(p, hopper)
             try:  # K and V as the operand pass writes them, in the call's scratch
                 map_fields.update(_hopper.scratch_map_fields(
-                    {TF32_OPERAND_MAPS[name]: (view, strides, rows) for name, (_, _, view,
-                     strides, rows) in tf32_operand_shapes(p, hopper).items()}))
+                    {TF32_OPERAND_MAPS[name]: (view, strides, rows)
+                     for name, (_, _, view, strides, rows) in scratch.items()}))
             except (ValueError, RuntimeError):
                 map_fields = None
     if map_fields is None:
@@ -120,7 +124,7 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     grid, grid_fields = forward_grid(hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
                                      device_id)
-    return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+    return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields, scratch=scratch)
 
 
 def scheduling_window(window, block_mask: bool):
