@@ -28,7 +28,9 @@
 //
 // Head dims 64, 96, 128, 192 and 256, each its own specialisation (tiles in
 // _dispatch.fwd_sm90_config); a head dim that is not a multiple of 64 ends in a partly used,
-// zero-filled 64-column panel (FwdSm90Traits).
+// zero-filled 64-column panel (FwdSm90Traits). V (and O) may have a head dim of its own,
+// HEAD_DIM_V, no larger than Q's and K's (192 / 128, 128 / 64: _configs.SM90_FWD_HEAD_DIM_PAIRS):
+// V's tiles, P V's N and the epilogue take it, Q K^T takes HEAD_DIM.
 // Verified on an H200: every head dim, both dtypes and both schedules against the reference
 // (benchmarks/dev/hopper_fwd_check.py, tests/gpu/test_hopper_forward.py and the forward tests
 // of the GPU suite, which it runs on sm_90), compute-sanitizer memcheck, racecheck, synccheck.
@@ -135,10 +137,10 @@ CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
 // (m blocks, heads, batch).
 // CLAIMS (with PERSISTENT): the CTAs claim their work tiles one by one (WorkTileClaims) instead
 // of taking every gridDim.x-th.
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
-          bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int STAGES,
+          bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS>
 __global__ void __launch_bounds__(
-    FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
+    FwdSm90Traits<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params params) {
     const NoUserInputs user{};
     const NoNarrow narrow{};
@@ -163,10 +165,11 @@ CF2_DEVICE auto block_mask_narrow(const FwdSm90ModsParams& m) {
 // FwdScoreStep). With a block mask (FEATURE_BLOCK_MASK) each work tile's KV range is narrowed
 // to its visited tiles and the user's mask skips its run of full tiles (BlockMaskNarrow,
 // block_mask.cuh, from the block mask's row ranges).
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool PINGPONG,
-          bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS, unsigned MODS_HASH>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int STAGES,
+          bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT, bool CLAIMS,
+          unsigned MODS_HASH>
 __global__ void __launch_bounds__(
-    FwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
+    FwdSm90Traits<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, PERSISTENT>::THREADS, 1)
 flash_fwd_sm90_mods_kernel(const __grid_constant__ FwdSm90ModsParams mods_params) {
     static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
     static_assert(!((FEATURES & FEATURE_BLOCK_MASK) && (FEATURES & FEATURE_VARLEN)),

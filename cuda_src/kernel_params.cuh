@@ -70,6 +70,7 @@ struct FwdParams {
     int nheads;
     int heads_per_kv_head;
     int head_dim;
+    int head_dim_v;       // v's and out's (head_dim but for d_v != d_qk), in words as head_dim
     float softmax_scale;  // the scale the softmax sees (softcap's, with softcap): lse units
     float scale_log2;     // softmax_scale * log2(e): scores -> exp2 arguments
     int window_left;      // -1: unbounded

@@ -86,7 +86,8 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
                          else output_strides(out_shape), words),
         "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "nheads": p.nheads,
         "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
-        "head_dim": p.head_dim * words, "softmax_scale": mods.softmax_scale,
+        "head_dim": p.head_dim * words, "head_dim_v": p.head_dim_v * words,
+        "softmax_scale": mods.softmax_scale,
         "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
         "window_right": window[1], **mods.fields(), **_varlen_fields(varlen)}
     outputs, output_fields = [], []
@@ -568,7 +569,8 @@ def prepare_forward_sm90(q, k, v, *, causal: bool = False, softmax_scale: float 
     fields = {"q": q4.data.ptr, "k": k4.data.ptr, "v": v4.data.ptr, "out": out4.data.ptr,
               "lse": lse.data.ptr, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
               "nheads": nheads, "heads_per_kv_head": nheads // nheads_kv, "head_dim": head_dim,
-              "softmax_scale": scale, "scale_log2": scale * LOG2E, "window_left": left,
+              "head_dim_v": head_dim, "softmax_scale": scale, "scale_log2": scale * LOG2E,
+              "window_left": left,
               "window_right": right}
     for prefix, x in (("q", q4), ("k", k4), ("v", v4)):
         for axis, stride in zip(("batch", "row", "head"), element_strides(x)):

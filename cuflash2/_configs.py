@@ -292,6 +292,9 @@ def with_features(config, features: int):
 
 #: Head dims of the Hopper forward, each its own specialisation (_dispatch.fwd_sm90_config's tiles).
 SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
+#: (Q's and K's, V's) kernel head dims where V's differs: DeepSeek's prefill (192 / 128) and
+#: (128, 64). V's at most Q's: O is staged in Q's buffer (FwdSm90Traits).
+SM90_FWD_HEAD_DIM_PAIRS = ((192, 128), (128, 64))
 #: The features it takes: the score modifiers, without and with sinks (dropout stays on the
 #: mma.sync kernel).
 SM90_FWD_FEATURES = DECODE_MOD_FEATURES
@@ -330,8 +333,16 @@ class FwdSm90Config:
     #: stream (flash_fwd_sm90.cu, WorkTileClaims; FwdSm90Params.tile_counters) instead of taking
     #: every gridDim.x-th (_dispatch.DYNAMIC_SCHEDULE_KEYS).
     claims: bool = False
+    #: V's and O's head dim where it differs from Q's and K's (SM90_FWD_HEAD_DIM_PAIRS); 0:
+    #: head_dim.
+    head_dim_v: int = 0
 
     def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v > self.head_dim:
+            raise ValueError(f"the Hopper forward stages O in Q's buffer: V's head dim "
+                             f"({self.head_dim_v}) at most Q's ({self.head_dim})")
         if self.block_m not in (128, 192) or (self.pingpong and self.block_m != 128):
             raise ValueError(f"the Hopper forward has two consumer warpgroups (block_m 128, "
                              f"either schedule) or three (block_m 192, no ping-pong), not "
@@ -369,17 +380,23 @@ class FwdSm90Config:
         return -(-self.head_dim * ELEMENT_WORDS[self.dtype] // 64)
 
     @property
+    def v_panels(self) -> int:
+        """`panels` of a V (and O) row: of head_dim_v (FwdSm90Traits::V_PANELS)."""
+        return -(-self.head_dim_v * ELEMENT_WORDS[self.dtype] // 64)
+
+    @property
     def smem_bytes(self) -> int:
-        # Q tile + stages x (K tile + V tile) (+ an O tile of Q's size when persistent), rows of
-        # `panels` x 128 bytes, + 1 KiB to align the base to 1024 B by hand
+        # Q tile + stages x (K tile + V tile) (+ an O tile when persistent), rows of `panels`
+        # (V and O: `v_panels`) x 128 bytes, + 1 KiB to align the base to 1024 B by hand
         # (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
         # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
         # Precision "highest" ("float32", 3xTF32) holds two parts of Q and of each K / V tile.
         o_rows = self.block_m if self.persistent else 0
         bias = 2 * self.block_m * self.block_n * self.stages if self.bias_tile else 0
         parts = 2 if self.dtype == "float32" else 1
-        return (128 * self.panels * (parts * (self.block_m + 2 * self.stages * self.block_n)
-                                     + o_rows) + bias + 1024)
+        rows = self.panels * (self.block_m + self.stages * self.block_n) + self.v_panels * (
+            self.stages * self.block_n)
+        return 128 * (parts * rows + self.v_panels * o_rows) + bias + 1024
 
     @property
     def bias_tile(self) -> bool:
@@ -393,7 +410,7 @@ class FwdSm90Config:
     @property
     def name_expression(self) -> str:
         return (f"flash_fwd_sm90_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.block_m}, {self.block_n}, {self.stages}, "
+                f"{self.head_dim_v}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.overlap else 'false'}, {self.features}, "
                 f"{'true' if self.persistent else 'false'}, "
@@ -401,7 +418,8 @@ class FwdSm90Config:
 
     @property
     def probes(self) -> str:
-        traits = (f"FwdSm90Traits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
+        traits = (f"FwdSm90Traits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, "
+                  f"{self.head_dim_v}, {self.block_m}, "
                   f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}"
                   f"{', true' if self.bias_tile else ''}>")
         return _traits_probes(traits, self) + (
@@ -988,8 +1006,9 @@ def describe(config) -> str:
         grid = ((", persistent grid" + (" (tiles claimed one by one)" if config.claims else ""))
                 if config.persistent else "")
         three = " (three warpgroups)" if config.block_m == 192 else ""
+        v_dim = f" (v {config.head_dim_v})" if config.head_dim_v != config.head_dim else ""
         return (f"Hopper forward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
-                f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
+                f"{config.head_dim}{v_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
                 f"K/V stages, {schedule} consumers{three}{grid}{extra}")
     if isinstance(config, FwdConfig):
         return (f"mma.sync forward, {dtype}, head dim {config.head_dim}, {config.block_m}x"

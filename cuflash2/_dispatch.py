@@ -24,6 +24,7 @@ from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DT
                        FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
+                       SM90_FWD_HEAD_DIM_PAIRS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
                        USER_MOD_FEATURES, AuxKernel, FwdSm90Config, TF32_OPERANDS_KERNEL,
                        backward_features, with_features)
@@ -70,6 +71,9 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     the bias alone, the bias's elements as _bias.tile_array gives them: on sm_90 the Hopper
     forward takes it as tiles where it can (hopper_bias_tile_choice)."""
     p = problem
+    if p.head_dim_v != p.head_dim:
+        return split_head_dims_forward(p, features, window, arch, views, varlen, device_id,
+                                       config, user_mods)
     if user_mods is not None:
         from . import mods
 
@@ -125,6 +129,37 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
                                      device_id)
     return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields, scratch=scratch)
+
+
+def split_head_dims_forward(problem, features: int, window, arch: int, views: dict, varlen,
+                            device_id: int, config=None, user_mods=None) -> ForwardChoice:
+    """forward_kernel for a call whose v has a head dim of its own (d_v != d_qk): the Hopper
+    kernel's (hopper_forward_config: its SM90_FWD_HEAD_DIM_PAIRS, 16-bit, the variant's features
+    and varlen), or NotImplementedError naming v's head dim where it does not run the call (the
+    mma.sync kernels have one head dim)."""
+    p = problem
+    if not (p.batch and p.seqlen_q and p.nheads):  # nothing to launch (forward_plan)
+        return ForwardChoice(None, (0, 0, 0))
+    hopper = None
+    if config is None and "fwd" not in FORCED and user_mods is None:
+        hopper = hopper_forward_config(p, features, window, arch, varlen)
+    maps = map_fields = None
+    if hopper is not None:
+        maps = _hopper.forward_maps(hopper)
+        map_fields = _hopper.readable_map_fields(views, maps)
+    if map_fields is None:
+        pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
+        raise NotImplementedError(
+            f"v's head dim ({p.head_dim_v}) apart from q's and k's ({p.head_dim}) runs on the "
+            f"Hopper forward (sm_90) only: q/k and v head dims up to {pairs}, float16 or "
+            f"bfloat16, at least one key, without dropout or mask_mod / score_mod / bias, q, k "
+            f"and v readable by the TMA (16-byte aligned strides); this call has "
+            f"{'sm_%d' % arch if arch != 90 else 'another combination'} "
+            f"(cuflash2.reference.attention takes any)")
+    grid, grid_fields = forward_grid(hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
+                                     p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
+                                     device_id)
+    return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
 
 
 def scheduling_window(window, block_mask: bool):
@@ -228,8 +263,14 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
     hopper_backward_mods_choice takes it (`bias_tile`: as forward_kernel's), the others on the
     mma.sync kernels (bwd_mods_config's tile, or a forced BwdConfig's; a BwdModsConfig, and in
     deterministic mode a BwdDqModsConfig; mods.check_backward's ValueError for a score modifier
-    without a derivative)."""
+    without a derivative). NotImplementedError for v with a head dim of its own (d_v != d_qk:
+    its backward kernels are not built yet)."""
     p = problem
+    if p.head_dim_v != p.head_dim:
+        raise NotImplementedError(
+            f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
+            f"({p.head_dim}) is not built yet (the forward runs on sm_90; "
+            f"cuflash2.reference.attention_backward takes any)")
     forced = config if config is not None else FORCED.get("bwd")
     if user_mods is not None:
         from . import mods
@@ -683,6 +724,18 @@ FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD
 SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 
+#: (block_n, stages) of the Hopper forward with V's head dim apart from Q's and K's, by (d_qk,
+#: d_v) of SM90_FWD_HEAD_DIM_PAIRS, block_m 128. V's smaller tiles leave room for 128 keys:
+#:  - (192, 128): Q 48 KiB + 2 x (K 48 + V 32 KiB) = 209 KiB (d=192's own 128 keys: 241 KiB).
+#:    FlashAttention-3 (hopper/tile_size.h) takes 128 x 128 for it under causal masking with
+#:    the overlap, 112 keys otherwise. Registers: O 64 + S 64 + P 32, d=128's.
+#:  - (128, 64): Q 32 KiB + 2 x (K 32 + V 16 KiB) = 129 KiB; with the persistent grid's O
+#:    buffer (16 KiB) 145 KiB. Registers: O 32 + S 64 + P 32.
+#: The schedule is Q's head dim's (SCHEDULES).
+SM90_SPLIT_HEAD_DIM_TILES = {(192, 128): (128, 2), (128, 64): (128, 2)}
+assert set(SM90_SPLIT_HEAD_DIM_TILES) == set(SM90_FWD_HEAD_DIM_PAIRS)
+
+
 #: (block_n, stages) of the persistent Hopper forward, for the head dims where its O buffer (Q's
 #: size) fits beside Q and the ring: d=64 99,328 B and d=128 197,632 B with their usual tiles;
 #: d=96 drops to 2 stages (197,632 B; 3 would need 263,168 B); d=192 (271,360 B) and d=256
@@ -697,12 +750,22 @@ SM90_THREE_CONSUMER_TILES = {64: (128, 2)}
 
 
 def fwd_sm90_config(dtype: str, head_dim: int, persistent: bool = False,
-                    consumers: int = 2) -> FwdSm90Config:
+                    consumers: int = 2, head_dim_v: int = 0) -> FwdSm90Config:
     """The Hopper forward's tile for `head_dim` (one of SM90_FWD_HEAD_DIMS): SM90_FWD_TILES, or
     SM90_PERSISTENT_TILES for the persistent grid; with three `consumers` (warpgroups of 64 query
-    rows) SM90_THREE_CONSUMER_TILES (either grid). ValueError for a head dim it does not have."""
+    rows) SM90_THREE_CONSUMER_TILES (either grid). With V's own `head_dim_v` (the pair one of
+    SM90_FWD_HEAD_DIM_PAIRS) SM90_SPLIT_HEAD_DIM_TILES, two consumers, either grid where the O
+    buffer fits. ValueError for a head dim it does not have."""
     if head_dim not in SM90_FWD_HEAD_DIMS:
         raise ValueError(f"the Hopper forward has head dims {SM90_FWD_HEAD_DIMS}, not {head_dim}")
+    if head_dim_v and head_dim_v != head_dim:
+        if (head_dim, head_dim_v) not in SM90_SPLIT_HEAD_DIM_TILES or consumers != 2:
+            raise ValueError(f"the Hopper forward has (Q's, V's) head dims "
+                             f"{SM90_FWD_HEAD_DIM_PAIRS} with two consumer warpgroups, not "
+                             f"({head_dim}, {head_dim_v}) with {consumers}")
+        block_n, stages = SM90_SPLIT_HEAD_DIM_TILES[head_dim, head_dim_v]
+        return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages,
+                             persistent=persistent, head_dim_v=head_dim_v)
     if persistent and head_dim not in SM90_PERSISTENT_TILES:
         raise ValueError(f"the persistent Hopper forward has head dims "
                          f"{tuple(SM90_PERSISTENT_TILES)} (its O buffer must fit shared memory), "
@@ -807,12 +870,19 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     if not plannable(p, SM90_FWD_HEAD_DIMS):
         return None
     kernel_dim = hopper_forward_head_dim(p.head_dim)
-    if kernel_dim <= MMA_SYNC_MAX_DIM and p.seqlen_k <= MMA_SYNC_MAX_KEYS:
+    # V's own head dim (d_v != d_qk): its kernel dim pairs with Q's (SM90_SPLIT_HEAD_DIM_TILES),
+    # and the mma.sync kernel has no such specialisation to leave short calls to.
+    kernel_dim_v = hopper_forward_head_dim(p.head_dim_v)
+    split = kernel_dim_v != kernel_dim
+    if split and (kernel_dim, kernel_dim_v) not in SM90_SPLIT_HEAD_DIM_TILES:
+        return None
+    if (p.head_dim_v == p.head_dim and kernel_dim <= MMA_SYNC_MAX_DIM
+            and p.seqlen_k <= MMA_SYNC_MAX_KEYS):
         return None
     causal = window[1] == 0 and window[0] < 0
     unwindowed = window[0] < 0 and (window[1] < 0 or causal)
     claims = varlen is None and dynamic_schedule(kernel_dim, p.seqlen_q, p.seqlen_k, window[1])
-    if (varlen is None and unwindowed
+    if (varlen is None and unwindowed and not split
             and p.seqlen_k >= THREE_CONSUMER_MIN_KEYS.get((kernel_dim, causal), NO_LIMIT)):
         persistent = p.seqlen_k <= THREE_CONSUMER_PERSISTENT_MAX_KEYS
         config = with_features(
@@ -820,7 +890,8 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     else:
         persistent = varlen is None and (
             p.seqlen_k <= PERSISTENT_MAX_KEYS.get((kernel_dim, causal), 0) or causal and claims)
-        config = fwd_sm90_config(p.dtype, kernel_dim, persistent)
+        config = fwd_sm90_config(p.dtype, kernel_dim, persistent,
+                                 head_dim_v=kernel_dim_v if split else 0)
         pingpong, overlap = SCHEDULES[kernel_dim, causal]
         config = dataclasses.replace(with_features(config, features),
                                      pingpong=pingpong, overlap=overlap)
@@ -841,7 +912,7 @@ def tf32_hopper_forward_config(problem, features: int, varlen=None):
     tiles = FLOAT32_SM90_FWD_TILES[element]
     dims = tuple(tiles)
     if (not HOPPER_FORWARD_TF32 or (element == "float32" and not HOPPER_FORWARD_F32X3)
-            or varlen is not None
+            or varlen is not None or p.head_dim_v != p.head_dim
             or features & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS)
             or not plannable(p, dims)):
         return None
@@ -1382,6 +1453,20 @@ def hopper_forward_configs(features=(0,)) -> list:
                         fwd_sm90_config(dtype, dim, persistent), f)
                     configs.append(dataclasses.replace(config, pingpong=pingpong,
                                                        overlap=overlap))
+    # V's own head dim (SM90_SPLIT_HEAD_DIM_TILES): Q's head dim's schedules and grids.
+    for (dim, dim_v) in SM90_FWD_HEAD_DIM_PAIRS:
+        for causal in (False, True):
+            pingpong, overlap = SCHEDULES[dim, causal]
+            for dtype in DTYPE_TAGS:
+                for f in features:
+                    grids = [False]
+                    if (dim, causal) in PERSISTENT_MAX_KEYS and not f & FEATURE_VARLEN:
+                        grids.append(True)
+                    for persistent in grids:
+                        config = fwd_sm90_config(dtype, dim, persistent, head_dim_v=dim_v)
+                        if config.smem_bytes <= SM90_MAX_SMEM:
+                            configs.append(dataclasses.replace(
+                                with_features(config, f), pingpong=pingpong, overlap=overlap))
     # Persistent calls under a key limit claim their tiles at the head dims of
     # DYNAMIC_SCHEDULE_KEYS.
     configs += [dataclasses.replace(c, claims=True) for c in configs

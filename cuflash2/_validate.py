@@ -42,6 +42,12 @@ class AttentionProblem:
     dtype: str  # "float16", "bfloat16" or "float32" (the kernels' element: kernel_element)
     batched: bool  # False for (seqlen, nheads, headdim) inputs
     softmax_scale: float
+    #: v's and out's head dim (d_v), where it differs from q's and k's (d_qk); 0: head_dim.
+    head_dim_v: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
 
 def _layout_hint(batched: bool) -> str:
@@ -140,22 +146,20 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> Attentio
         raise ValueError(
             f"q, k and v must have the same batch size; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k_shape[3] == head_dim and v_shape[3] != head_dim and v_shape[:3] == k_shape[:3]:
-        raise NotImplementedError(
-            f"v's head dim ({v_shape[3]}) apart from q's and k's ({head_dim}) is not supported "
-            f"by the kernels yet (cuflash2.reference.attention takes it); got v "
+    if k_shape[3] != head_dim:
+        raise ValueError(
+            f"k must have the same headdim as q ({head_dim}); got k {tuple(k.shape)}")
+    # v may have a head dim of its own (d_v; out takes it), as DeepSeek's 192 / 128.
+    head_dim_v = v_shape[3]
+    if v_shape[:3] != k_shape[:3]:
+        raise ValueError(
+            f"v must have the shape of k {tuple(k.shape)} {layout} but for its head dim; got "
             f"{tuple(v.shape)}")
-    if k_shape[3] != head_dim or v_shape[3] != head_dim:
-        raise ValueError(
-            f"k and v must have the same headdim as q ({head_dim}); got k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}")
-    if v_shape != k_shape:
-        raise ValueError(
-            f"v must have the same shape as k {tuple(k.shape)} {layout}; got {tuple(v.shape)}")
-    if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"headdim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}; got {head_dim} "
-            f"(q shape {tuple(q.shape)})")
+    for name, dim, shape in (("q", head_dim, q.shape), ("v", head_dim_v, v.shape)):
+        if dim % 8 != 0 or not 0 < dim <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"headdim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}; got {dim} "
+                f"({name} shape {tuple(shape)})")
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(
             f"the number of query heads ({nheads}) must be a multiple of the number of key/value "
@@ -165,13 +169,21 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> Attentio
     scale = check_softmax_scale(softmax_scale, head_dim)
 
     if out is not None:
-        if tuple(out.shape) != tuple(q.shape):
-            raise ValueError(f"out must have the shape of q {tuple(q.shape)}; got {tuple(out.shape)}")
+        out_shape = output_shape(q.shape, head_dim_v)
+        if tuple(out.shape) != out_shape:
+            like = "q" if head_dim_v == head_dim else "q with v's head dim"
+            raise ValueError(f"out must have the shape of {like} {out_shape}; got "
+                             f"{tuple(out.shape)}")
         _check_dtype("out", out, dtype)
         check_strides("out", out)
 
     return AttentionProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype,
-                            batched, scale)
+                            batched, scale, head_dim_v)
+
+
+def output_shape(q_shape, head_dim_v: int) -> tuple:
+    """The shape of out (and dout): q's, with v's head dim."""
+    return (*tuple(q_shape)[:-1], head_dim_v)
 
 
 def _check_like(name: str, x, like_name: str, like, dtype: str) -> None:
@@ -185,10 +197,18 @@ def _check_like(name: str, x, like_name: str, like, dtype: str) -> None:
 def check_backward_inputs(problem: AttentionProblem, dout, q, k, v, out, lse, *, dq=None,
                           dk=None, dv=None) -> None:
     """Checks the backward's extra arguments against the forward problem `problem` (from
-    check_attention_inputs): dout and out like q, lse float32 (batch, nheads, seqlen_q) as the
-    forward returned it, and the optional dq / dk / dv outputs like q / k / v."""
-    _check_like("dout", dout, "q", q, problem.dtype)
-    _check_like("out", out, "q", q, problem.dtype)
+    check_attention_inputs): dout and out like q (with v's head dim), lse float32 (batch, nheads,
+    seqlen_q) as the forward returned it, and the optional dq / dk / dv outputs like q / k / v."""
+    for name, x in (("dout", dout), ("out", out)):
+        if problem.head_dim_v == problem.head_dim:
+            _check_like(name, x, "q", q, problem.dtype)
+            continue
+        shape = output_shape(q.shape, problem.head_dim_v)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have the shape of q with v's head dim {shape}; got "
+                             f"{tuple(x.shape)}")
+        _check_dtype(name, x, problem.dtype)
+        check_strides(name, x)
     lse_shape = ((problem.batch,) if problem.batched else ()) + (problem.nheads, problem.seqlen_q)
     if tuple(lse.shape) != lse_shape:
         raise ValueError(

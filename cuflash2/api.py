@@ -150,7 +150,9 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
     window = _validate.check_window(options.window_size, options.causal, problem.seqlen_q,
                                     problem.seqlen_k)
     return _attention_plans.forward_plan(views, sources, problem, mods, window, device_id,
-                                         device_arch(device_id), q.shape, lse_shape, varlen,
+                                         device_arch(device_id),
+                                         _validate.output_shape(q.shape, problem.head_dim_v),
+                                         lse_shape, varlen,
                                          user_inputs=user_inputs, block_input=block_input)
 
 

@@ -72,8 +72,8 @@ def test_block_mask_is_its_own_specialisation():
 
 
 def test_dispatch_passes_the_bit():
-    problem = type("P", (), {"dtype": "bfloat16", "head_dim": 128, "seqlen_q": 1000,
-                             "nheads": 4, "batch": 2})()
+    problem = type("P", (), {"dtype": "bfloat16", "head_dim": 128, "head_dim_v": 128,
+                             "seqlen_q": 1000, "nheads": 4, "batch": 2})()
     features = _configs.FEATURE_MASK_MOD | _configs.FEATURE_BLOCK_MASK
     # (the mma.sync forward's; on sm_90 the Hopper one takes it: test_programmable_compile.py)
     choice = _dispatch.forward_kernel(problem, features, (-1, -1), 80, {}, None, 0,

@@ -44,7 +44,17 @@ DISPATCHED = set(_dispatch.hopper_forward_configs(_configs.SCORE_MOD_FEATURES))
 THREE_CONSUMER_CONFIGS = sorted((c for c in DISPATCHED if c.block_m == 192), key=repr)
 
 
+#: V's own head dim (SM90_FWD_HEAD_DIM_PAIRS): the dispatcher's specialisations (every
+#: schedule and grid it takes for the pair, every dtype and feature set, dense and varlen: 64),
+#: plain fp16 dense by default (4).
+SPLIT_CONFIGS = sorted((c for c in _dispatch.hopper_forward_configs(
+    _configs.SCORE_MOD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES)
+    if c.head_dim_v != c.head_dim), key=repr)
+
+
 def _sampled(config) -> bool:
+    if config.head_dim_v != config.head_dim:
+        return (config.dtype, config.features) == ("float16", 0)
     if config in DISPATCHED:
         return ((config.dtype, config.features) in SAMPLE_PAIRS
                 or config.head_dim == SAMPLE_HEAD_DIM)
@@ -52,7 +62,8 @@ def _sampled(config) -> bool:
 
 
 def _config_id(c) -> str:
-    return (f"{c.dtype}-d{c.head_dim}-f{c.features}{'-pingpong' if c.pingpong else ''}"
+    dims = f"d{c.head_dim}" + (f"v{c.head_dim_v}" if c.head_dim_v != c.head_dim else "")
+    return (f"{c.dtype}-{dims}-f{c.features}{'-pingpong' if c.pingpong else ''}"
             f"{'-overlap' if c.overlap else ''}{'-persistent' if c.persistent else ''}"
             f"{'-claims' if c.claims else ''}")
 
@@ -70,7 +81,7 @@ VARLEN_DISPATCHED = set(_dispatch.hopper_forward_configs(VARLEN_SCORE_MOD_FEATUR
 #: Sinks (FEATURE_SINKS: the Hopper forward's feature sets of SM90_FWD_FEATURES and
 #: SM90_FWD_VARLEN_FEATURES beyond the score modifiers): the dispatcher's choices only (each head
 #: dim's schedule on its grids, three consumers at d=64, varlen), every dtype and score-modifier
-#: set under --exhaustive (144); by default those at SAMPLE_HEAD_DIM for sinks alone in fp16 and
+#: set under --exhaustive (144, and 48 with V's own head dim); by default those at SAMPLE_HEAD_DIM for sinks alone in fp16 and
 #: with both score modifiers in bf16, dense and varlen (8).
 SINKS_FEATURES = tuple(f for f in _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES
                        if f & _configs.FEATURE_SINKS)
@@ -81,7 +92,7 @@ SINKS_SAMPLE_PAIRS = {("float16", _configs.FEATURE_SINKS),
 
 
 def _sinks_sampled(config) -> bool:
-    return config.head_dim == SAMPLE_HEAD_DIM and (
+    return config.head_dim == config.head_dim_v == SAMPLE_HEAD_DIM and (
         config.dtype, config.features & ~_configs.FEATURE_VARLEN) in SINKS_SAMPLE_PAIRS
 
 
@@ -109,6 +120,7 @@ def reports(nvrtc_available, compile_jobs, request):
                                          "test_hopper_varlen_forward_compiles_without_spills",
                                          "test_hopper_three_consumer_forward_compiles_without_spills",
                                          "test_hopper_sinks_forward_compiles_without_spills",
+                                         "test_hopper_split_forward_compiles_without_spills",
                                          "test_tf32_hopper_forward_compiles_without_spills")
                 and hasattr(item, "callspec")]
     pool = ProcessPoolExecutor(compile_jobs, mp_context=multiprocessing.get_context("spawn"))
@@ -162,6 +174,15 @@ def test_hopper_three_consumer_forward_compiles_without_spills(config, reports):
 
 
 @pytest.mark.parametrize("config", [
+    pytest.param(c, id=_config_id(c), marks=() if _sampled(c) else pytest.mark.exhaustive)
+    for c in SPLIT_CONFIGS])
+def test_hopper_split_forward_compiles_without_spills(config, reports):
+    """V's own head dim (O, P V's N and V's tiles of head_dim_v): the same checks."""
+    assert config.head_dim_v < config.head_dim
+    test_hopper_forward_compiles_without_spills(config, reports)
+
+
+@pytest.mark.parametrize("config", [
     pytest.param(c, id=_config_id(c), marks=() if _varlen_sampled(c) else pytest.mark.exhaustive)
     for c in VARLEN_CONFIGS])
 def test_hopper_varlen_forward_compiles_without_spills(config, reports):
@@ -210,7 +231,8 @@ def test_hopper_sinks_configs():
     assert set(SINKS_CONFIGS) == {
         dataclasses.replace(c, features=c.features | sinks)
         for c in DISPATCHED | VARLEN_DISPATCHED}
-    assert len(SINKS_CONFIGS) == len(set(SINKS_CONFIGS)) == 144
+    # 144 of one head dim, 48 with V's own (SM90_FWD_HEAD_DIM_PAIRS)
+    assert len(SINKS_CONFIGS) == len(set(SINKS_CONFIGS)) == 144 + 48
     sample = [c for c in SINKS_CONFIGS if _sinks_sampled(c)]
     assert len(sample) == 8
     assert {(c.persistent, c.claims, bool(c.features & _configs.FEATURE_VARLEN))
@@ -315,9 +337,11 @@ def test_default_sample_covers_the_dispatch_table():
     SAMPLE_HEAD_DIM."""
     sample = [c for c in CONFIGS if _sampled(c)]
     assert len(sample) == 44
-    assert DISPATCHED - set(THREE_CONSUMER_CONFIGS) <= set(CONFIGS)
+    own_tests = set(THREE_CONSUMER_CONFIGS) | set(SPLIT_CONFIGS)  # their own tests' samples
+    assert DISPATCHED - own_tests <= set(CONFIGS)
     assert len(THREE_CONSUMER_CONFIGS) == 24
-    for config in DISPATCHED - set(THREE_CONSUMER_CONFIGS):  # those: their own test's sample
+    assert len(SPLIT_CONFIGS) == 64 and sum(map(_sampled, SPLIT_CONFIGS)) == 4
+    for config in DISPATCHED - own_tests:
         if (config.dtype, config.features) in SAMPLE_PAIRS or config.head_dim == SAMPLE_HEAD_DIM:
             assert config in sample
     assert {c.head_dim for c in sample} == set(EXPECTED_TILES)
@@ -365,16 +389,35 @@ def test_persistent_configs_add_an_o_buffer_where_it_fits():
 
 
 def test_template_arguments_in_order():
-    """<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, OVERLAP, FEATURES, PERSISTENT,
-    CLAIMS>: the flags of the variants, the grid's last."""
+    """<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, PINGPONG, OVERLAP, FEATURES,
+    PERSISTENT, CLAIMS>: the flags of the variants, the grid's last."""
     config = _dispatch.fwd_sm90_config("bfloat16", 128)
     assert config.name_expression == (
-        "flash_fwd_sm90_kernel<bf16_tag, 128, 128, 128, 2, false, false, 0, false, false>")
+        "flash_fwd_sm90_kernel<bf16_tag, 128, 128, 128, 128, 2, false, false, 0, false, false>")
     both = dataclasses.replace(_dispatch.fwd_sm90_config("float16", 96, persistent=True),
                                pingpong=True, overlap=True, features=3, claims=True)
     assert both.name_expression == (
-        "flash_fwd_sm90_kernel<fp16_tag, 96, 128, 128, 2, true, true, 3, true, true>")
-    assert "FwdSm90Traits<fp16_tag, 96, 128, 128, 2, true>::SMEM_BYTES" in both.probes
+        "flash_fwd_sm90_kernel<fp16_tag, 96, 96, 128, 128, 2, true, true, 3, true, true>")
+    assert "FwdSm90Traits<fp16_tag, 96, 96, 128, 128, 2, true>::SMEM_BYTES" in both.probes
+    split = _dispatch.fwd_sm90_config("bfloat16", 192, head_dim_v=128)
+    assert split.name_expression == (
+        "flash_fwd_sm90_kernel<bf16_tag, 192, 128, 128, 128, 2, false, false, 0, false, false>")
+
+
+def test_split_head_dim_tiles():
+    """V's own head dim: SM90_SPLIT_HEAD_DIM_TILES for each pair (V's panels in the stages and
+    the persistent grid's O buffer), refused beyond the pairs and above Q's head dim."""
+    split = _dispatch.fwd_sm90_config("float16", 192, head_dim_v=128)
+    assert (split.block_n, split.stages, split.panels, split.v_panels) == (128, 2, 3, 2)
+    assert split.smem_bytes == 128 * (3 * (128 + 2 * 128) + 2 * 2 * 128) + 1024 <= MAX_SMEM_SM90
+    small = _dispatch.fwd_sm90_config("float16", 128, persistent=True, head_dim_v=64)
+    assert small.smem_bytes == 128 * (2 * (128 + 2 * 128) + 1 * 2 * 128 + 128) + 1024
+    with pytest.raises(ValueError, match=r"\(Q's, V's\) head dims"):
+        _dispatch.fwd_sm90_config("float16", 256, head_dim_v=128)
+    with pytest.raises(ValueError, match="at most Q's"):
+        _configs.FwdSm90Config("float16", 64, head_dim_v=128)
+    dispatched = {(c.head_dim, c.head_dim_v) for c in DISPATCHED if c.head_dim_v != c.head_dim}
+    assert dispatched == set(_configs.SM90_FWD_HEAD_DIM_PAIRS)
 
 
 def test_hopper_source_uses_the_hopper_instructions():

@@ -239,8 +239,8 @@ def test_d64_calls_take_three_consumers_from_their_key_bound(monkeypatch, causal
 
 def _dense_problem(head_dim, seqlen_k, dtype="float16"):
     return types.SimpleNamespace(batch=2, seqlen_q=seqlen_k, seqlen_k=seqlen_k, nheads=4,
-                                 nheads_kv=4, head_dim=head_dim, dtype=dtype,
-                                 softmax_scale=0.125)
+                                 nheads_kv=4, head_dim=head_dim, head_dim_v=head_dim,
+                                 dtype=dtype, softmax_scale=0.125)
 
 
 @pytest.mark.parametrize("head_dim,kernel_dim", [(40, 64), (64, 64), (96, 96), (128, 128),
@@ -418,7 +418,8 @@ def test_the_dispatchers_plan_launches_the_persistent_grid_on_short_rows(monkeyp
 def _varlen_problem(head_dim=128, seqlen_k=700):
     # what _prepare.varlen_problem gives the planner: sequences as batch, the max lengths
     return types.SimpleNamespace(batch=3, seqlen_q=300, seqlen_k=seqlen_k, nheads=4,
-                                 nheads_kv=2, head_dim=head_dim, dtype="bfloat16",
+                                 nheads_kv=2, head_dim=head_dim, head_dim_v=head_dim,
+                                 dtype="bfloat16",
                                  softmax_scale=0.125)
 
 
@@ -660,3 +661,60 @@ def test_the_float32_hopper_forward_configs_name_both_elements():
     too_big = _configs.FwdSm90Config("float32", 128, block_n=32, stages=2, pingpong=True,
                                      overlap=True)
     assert too_big.smem_bytes > 227 * 1024
+
+
+@pytest.mark.parametrize("d_qk,d_v,seqlen", [(192, 128, 4096), (128, 64, 200), (176, 120, 1000)])
+def test_v_with_its_own_head_dim_runs_the_hopper_forward(hopper_api, d_qk, d_v, seqlen):
+    """attention with v's head dim apart from q's and k's (d_v != d_qk): the Hopper forward of
+    the pair of kernel dims (SM90_SPLIT_HEAD_DIM_TILES, even where a short call of equal dims
+    would take the mma.sync kernel), out shaped (..., d_v), head_dim_v in the kernel's words;
+    dense and varlen."""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from cuflash2 import _configs
+    from test_plans_host import device_array
+
+    q, k = device_array((2, seqlen, 8, d_qk)), device_array((2, seqlen, 2, d_qk))
+    v = device_array((2, seqlen, 2, d_v))
+    out = cuflash2.attention(q, k, v, causal=True)
+    launch, _, record = hopper_api.launches[-1]
+    config = launch.config
+    assert isinstance(config, _configs.FwdSm90Config)
+    assert (config.head_dim, config.head_dim_v) in _configs.SM90_FWD_HEAD_DIM_PAIRS
+    assert config in _dispatch.hopper_forward_configs()
+    assert out.shape == (2, seqlen, 8, d_v)
+    assert (record["base"]["head_dim"], record["base"]["head_dim_v"]) == (d_qk, d_v)
+    cu = device_array((3,), numpy.int32)
+    packed = [device_array((2 * seqlen, h, d)) for h, d in ((8, d_qk), (2, d_qk), (2, d_v))]
+    out = cuflash2.attention_varlen(*packed, cu, cu, seqlen, seqlen, check_cu_seqlens=False)
+    launch, _, record = hopper_api.launches[-1]
+    assert launch.config.head_dim_v == config.head_dim_v and out.shape == (2 * seqlen, 8, d_v)
+    assert launch.config.features == _configs.FEATURE_VARLEN
+
+
+def test_v_with_its_own_head_dim_elsewhere_is_refused_before_launch(hopper_api):
+    """What the kernels leave out of d_v != d_qk raises NotImplementedError naming v's head dim,
+    before any launch: the mma.sync kernels (sm_80), pairs past the Hopper kernel's, dropout,
+    score modifiers, the backward."""
+    import cuflash2
+    from test_plans_host import device_array
+
+    q, k = device_array((1, 300, 4, 192)), device_array((1, 300, 4, 192))
+    v = device_array((1, 300, 4, 128))
+    before = len(hopper_api.launches)
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) apart from q's"):
+        cuflash2.attention(q, k, v, dropout_p=0.1, seed=1)
+    problem = types.SimpleNamespace(batch=1, seqlen_q=300, seqlen_k=300, nheads=4, nheads_kv=4,
+                                    head_dim=192, head_dim_v=128, dtype="float16")
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) .* mask_mod"):
+        _dispatch.forward_kernel(problem, 0, (-1, -1), 90, {}, None, 0,
+                                 user_mods=("mask source", None))
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(32\)"):  # 192/32: no pair
+        cuflash2.attention(q, k, device_array((1, 300, 4, 32)))
+    out = cuflash2.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
+        cuflash2.attention_backward(out, q, k, v, out, device_array((1, 4, 300), "float32"))
+    hopper_api.set_arch(80)  # (a signature of its own: plans are cached by it)
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) .* sm_80"):
+        cuflash2.attention(q[:, :299], k, v)
+    assert len(hopper_api.launches) == before + 1  # the one sm_90 forward

@@ -47,7 +47,7 @@ CF2_DEVICE ScoreTile<N_TILES / 2>& left_half(ScoreTile<N_TILES>& s) {
 // O += P V: PV_STEPS wgmmas, P (this warp's 16 rows x 16 keys per step) from registers, V from
 // its descriptor as the MN-major B operand: the k16 step ks (keys 16 ks ..) starts 16 * 128 B
 // further, SBO = 1024 B between groups of 8 keys, LBO = one panel between groups of 64 columns.
-// N = HEAD_DIM: at d=96 the last 64-column group is read half (columns 64 .. 95 of the second
+// N = HEAD_DIM_V (V's head dim, the traits' DIM_V): at d=96 the last 64-column group is read half (columns 64 .. 95 of the second
 // panel), which CUTLASS's layout atoms would not express (it would pick the 64-byte swizzle for
 // an N of 96); the hardware walks 8 x 8 core matrices, so this is expected to work, and the first
 // d=96 run checks it. Issues the wgmmas only.
@@ -67,16 +67,16 @@ CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::P_FRAGS][4],
             const u64 b_small = smem_matrix_descriptor(
                 v_tile + T::SMALL_OFFSET + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16,
                 1024);
-            wgmma_rs_tf32<T::DIM>(acc_o, p[T::PV_STEPS + ks], b, 1);
-            wgmma_rs_tf32<T::DIM>(acc_o, p[ks], b_small, 1);
-            wgmma_rs_tf32<T::DIM>(acc_o, p[ks], b, 1);
+            wgmma_rs_tf32<T::DIM_V>(acc_o, p[T::PV_STEPS + ks], b, 1);
+            wgmma_rs_tf32<T::DIM_V>(acc_o, p[ks], b_small, 1);
+            wgmma_rs_tf32<T::DIM_V>(acc_o, p[ks], b, 1);
         } else if constexpr (T::KEYS_LAST_V) {
             const u64 b = smem_matrix_descriptor(
                 v_tile + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16, 1024);
-            wgmma_rs_tf32<T::DIM>(acc_o, p[ks], b, 1);
+            wgmma_rs_tf32<T::DIM_V>(acc_o, p[ks], b, 1);
         } else {
             const u64 b = smem_matrix_descriptor(v_tile + 16 * 128 * ks, T::KV_PANEL_BYTES, 1024);
-            wgmma_rs_trans_b<Elem, T::DIM>(acc_o, p[ks], b, 1);
+            wgmma_rs_trans_b<Elem, T::DIM_V>(acc_o, p[ks], b, 1);
         }
     }
 }

@@ -79,7 +79,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
             w.batch);
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
-        mbarrier_arrive_expect_tx(v_full, T::PARTS * T::KV_TILE_BYTES);
+        mbarrier_arrive_expect_tx(v_full, T::PARTS * T::V_TILE_BYTES);
         if constexpr (T::KEYS_LAST_V) {
             // V with its keys innermost (flash_fwd_tf32_operands.cu), mapped as (key, head-dim
             // row, kv head, batch): 32-key panels of every head-dim row.
@@ -98,7 +98,7 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
                                 params.base.head_dim / 2, kv_head, batch);
             }
         } else {
-            tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
+            tma_load_tile<T::V_PANELS, T::KV_PANEL_BYTES>(v_tile, params.v_map, v_full,
                                                         k_row0 + tile * T::KEYS_PER_TILE,
                                                         kv_head, batch);
         }

@@ -8,7 +8,9 @@
 
 // BIAS (FEATURE_BIAS_TILE): each stage of the ring holds the bias's BLOCK_M x BLOCK_N tile of
 // its KV tile after V (sm90/bias_tile.cuh), in 64-key panels of BLOCK_M 128-byte rows.
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES,
+// HEAD_DIM is Q's and K's head dim, HEAD_DIM_V V's and O's (DeepSeek's 192 / 128): V's tiles,
+// P V's N and the epilogue take HEAD_DIM_V, Q K^T HEAD_DIM.
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int STAGES,
           bool PERSISTENT = false, bool BIAS = false>
 struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int ROWS_PER_WARPGROUP = 64;  // the M of wgmma
@@ -47,16 +49,20 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // scheme serve every head dim. The GEMMs skip the padding: Q K^T takes HEAD_DIM / 16
     // k-steps and P V has N = HEAD_DIM, so the zero columns are never multiplied.
     static constexpr int PANELS = (ROW_WORDS + PANEL_COLS - 1) / PANEL_COLS;
+    // V's and O's rows: V_PANELS panels (PANELS but for a V head dim of its own).
+    static constexpr int V_ROW_WORDS = HEAD_DIM_V * WORDS;
+    static constexpr int V_PANELS = (V_ROW_WORDS + PANEL_COLS - 1) / PANEL_COLS;
     static constexpr int PANEL_ELEMENTS = PANEL_COLS / WORDS;  // a TMA box's columns
     static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
-    static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
+    static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;  // a K tile
+    static constexpr int V_TILE_BYTES = V_PANELS * KV_PANEL_BYTES;
     static constexpr int Q_REGION_BYTES = PARTS * Q_BYTES;  // Q (and with SPLIT its small part)
     static constexpr int V_OFFSET = PARTS * KV_TILE_BYTES;  // V's tile(s) after K's in a stage
     static constexpr int SMALL_OFFSET = KV_TILE_BYTES;      // SPLIT: a small part after its big
     // The bias's tile after V's (and with SPLIT its small part) in a stage.
-    static constexpr int BIAS_OFFSET = V_OFFSET + PARTS * KV_TILE_BYTES;
+    static constexpr int BIAS_OFFSET = V_OFFSET + PARTS * V_TILE_BYTES;
     // KEYS_LAST_V: a V tile is BLOCK_N keys as panels of 32 keys (128-byte rows) by HEAD_DIM
     // head-dim rows, the K-major B operand of P V; the same bytes as a K tile.
     static constexpr int VT_PANELS = BLOCK_N * WORDS / PANEL_COLS;
@@ -65,23 +71,24 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int BIAS_PANELS = BIAS ? BLOCK_N / PANEL_COLS : 0;
     static constexpr int BIAS_TILE_BYTES = BIAS_PANELS * BIAS_PANEL_BYTES;
     // K tile, then V tile (then the bias's tile); SPLIT: K big, K small, V big, V small
-    static constexpr int STAGE_BYTES = 2 * PARTS * KV_TILE_BYTES + BIAS_TILE_BYTES;
+    static constexpr int STAGE_BYTES = PARTS * (KV_TILE_BYTES + V_TILE_BYTES) + BIAS_TILE_BYTES;
     static constexpr int KV_STAGES = STAGES;
     // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and layout),
     // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
-    // staged in the Q buffer.
-    static constexpr int O_BYTES = PERSISTENT ? Q_BYTES : 0;
+    // staged in the Q buffer (V_PANELS <= PANELS: an O row fits a Q row's panels).
+    static constexpr int O_BYTES = PERSISTENT ? V_PANELS * Q_PANEL_BYTES : 0;
     static constexpr int SMEM_BYTES = Q_REGION_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
+    static constexpr int DIM_V = HEAD_DIM_V;  // P V's N
     static constexpr int KEYS_PER_TILE = BLOCK_N;
     static constexpr int N_TILES = BLOCK_N / 8;    // n8 column groups of S (accumulator layout)
-    static constexpr int D_TILES = HEAD_DIM / 8;   // n8 column groups of O
+    static constexpr int D_TILES = HEAD_DIM_V / 8;  // n8 column groups of O
     // k-steps of 32 bytes a row: k16 (16-bit) or k8 (TF32) wgmmas
     static constexpr int QK_STEPS = ROW_WORDS / 16;     // of Q K^T (over the head dim)
     static constexpr int PV_STEPS = BLOCK_N * WORDS / 16;  // of P V (over the keys)
     static constexpr int P_FRAGS = PARTS * PV_STEPS;  // P's A fragments (SPLIT: big, small)
-    static constexpr int O_CHUNKS = ROW_WORDS / 8;      // 16-byte chunks of an O row
+    static constexpr int O_CHUNKS = V_ROW_WORDS / 8;    // 16-byte chunks of an O row
     // A warpgroup whose rows see only the left half of their first KV tile's keys (the diagonal
     // tile of a causal row block's upper half, a short sequence tail) runs the softmax of that
     // half alone (consume_kv_tiles in sm90/fwd_mainloop.cuh, the ping-pong + overlap schedule): whole k16 slices of P. Not
@@ -97,7 +104,12 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // is then a whole number of 1024-byte swizzle atoms (8 rows x 128 B), which the descriptors'
     // base offset 0 and the V descriptor's LBO (one panel) need.
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 16 && HEAD_DIM <= 256,
-                  "wgmma N of P V (= HEAD_DIM): a multiple of 16 up to 256");
+                  "k16 steps of Q K^T over HEAD_DIM, a panel count within the TMA's box");
+    static_assert(HEAD_DIM_V % 16 == 0 && HEAD_DIM_V >= 16 && HEAD_DIM_V <= 256,
+                  "wgmma N of P V (= HEAD_DIM_V): a multiple of 16 up to 256");
+    static_assert(V_PANELS <= PANELS, "O is staged in Q's buffer (rows of Q's panels)");
+    static_assert(!Elem::IS_F32 || HEAD_DIM_V == HEAD_DIM,
+                  "float32: one head dim (the operand pass's layouts)");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256,
                   "wgmma N of Q K^T (= BLOCK_N): a multiple of 16 up to 256");
     static_assert(KV_PANEL_BYTES % 1024 == 0 && Q_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");

@@ -77,7 +77,7 @@ def test_calls_the_hopper_kernel_does_not_cover_run_on_mma_sync(case):
 
 class _Problem:
     batch = seqlen_q = seqlen_k = nheads = 1
-    head_dim = 64
+    head_dim = head_dim_v = 64
     dtype = "float16"
 
 

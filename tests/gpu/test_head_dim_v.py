@@ -1,0 +1,126 @@
+"""GPU tests of v with a head dim of its own (d_v != d_qk: DeepSeek's 192 / 128, and 128 / 64),
+which the Hopper forward runs (_configs.SM90_FWD_HEAD_DIM_PAIRS): against the reference by the
+2x rule, out and lse, dense and varlen, causal and not, GQA, odd lengths, seqlen_q != seqlen_k,
+the variant's features, poisoned outputs, a CUDA graph replayed with fresh inputs; elsewhere
+(sm_80 and newer without the Hopper kernel) a NotImplementedError naming v's head dim."""
+
+import numpy
+import pytest
+from grids import BF16, FP16, is_hopper, needs_hopper
+from grids import seed_of as _seed
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import reference, testing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+PAIRS = [(192, 128), (128, 64), (176, 120)]  # 176 / 120: the (192, 128) kernel, partial panels
+
+
+def _qkv(batch, sq, sk, h, hkv, d_qk, d_v, dtype, seed):
+    rng = numpy.random.default_rng(seed)
+    lead = () if batch is None else (batch,)
+    shapes = (lead + (sq, h, d_qk), lead + (sk, hkv, d_qk), lead + (sk, hkv, d_v))
+    return tuple(cupy.asarray(rng.standard_normal(s, dtype=numpy.float32).astype(dtype))
+                 for s in shapes)
+
+
+def _check(q, k, v, **options):
+    out = testing.poison_like(cupy, q.shape[:-1] + (v.shape[-1],), q.dtype)
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, out=out, **options)
+    results = testing.check_forward(q, k, v, out, lse, **options)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+    return out, lse
+
+
+@needs_hopper
+@pytest.mark.parametrize("d_qk,d_v", PAIRS)
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 77, 1000, 4, 4), (1, 1000, 333, 6, 2),
+                                   (3, 2048, 2048, 2, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_the_reference(d_qk, d_v, dtype, causal, shape):
+    batch, sq, sk, h, hkv = shape
+    q, k, v = _qkv(batch, sq, sk, h, hkv, d_qk, d_v, dtype, _seed(d_qk, d_v, *shape, causal))
+    (kernel,) = cuflash2.forward_kernels(q, k, v, causal=causal)
+    assert kernel.startswith("Hopper forward") and f"(v " in kernel, kernel
+    out, lse = _check(q, k, v, causal=causal)
+    assert out.shape == (batch, sq, h, d_v) and lse.shape == (batch, h, sq)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d_qk,d_v", PAIRS[:2])
+@pytest.mark.parametrize("option", ["softcap", "alibi", "sinks", "window", "unbatched"])
+def test_forward_features(d_qk, d_v, option):
+    seed = _seed(d_qk, d_v, option)
+    rng = numpy.random.default_rng(seed)
+    batch = None if option == "unbatched" else 2
+    q, k, v = _qkv(batch, 500, 700, 4, 2, d_qk, d_v, BF16, seed)
+    options = {"causal": option != "window"}
+    if option == "softcap":
+        options["softcap"] = 20.0
+    elif option == "alibi":
+        options["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4).astype(numpy.float32))
+    elif option == "sinks":
+        options["sinks"] = cupy.asarray(rng.standard_normal(4).astype(numpy.float32))
+    elif option == "window":
+        options["window_size"] = (100, 30)
+    _check(q, k, v, **options)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d_qk,d_v", PAIRS[:2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_forward_matches_the_reference(d_qk, d_v, causal):
+    seed = _seed("varlen", d_qk, d_v, causal)
+    lengths_q, lengths_k = [1, 300, 77, 1024], [5, 300, 900, 1024]
+    q, k, v = _qkv(None, sum(lengths_q), sum(lengths_k), 4, 2, d_qk, d_v, FP16, seed)
+    cu_q = cupy.asarray(numpy.cumsum([0] + lengths_q).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.cumsum([0] + lengths_k).astype(numpy.int32))
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    out = testing.poison_like(cupy, q.shape[:-1] + (d_v,), q.dtype)
+    out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=causal, out=out, return_lse=True)
+    ref_hi, ref_lse = reference.attention_varlen(q, k, v, *args, causal=causal, return_lse=True,
+                                                 compute_dtype=numpy.float32)
+    ref_lo = reference.attention_varlen(q, k, v, *args, causal=causal, compute_dtype=q.dtype)
+    result = testing.check_close("out", out, ref_hi, ref_lo)
+    assert result.ok, str(result)
+    assert testing.lse_close(lse, ref_lse).ok
+
+
+@needs_hopper
+def test_cuda_graph_replays_with_fresh_inputs():
+    """A serving loop's replay: the graph captured once, new q, k, v copied in before each
+    replay, each result checked."""
+    shape = (2, 600, 4, 2)
+    q, k, v = _qkv(shape[0], shape[1], shape[1], shape[2], shape[3], 192, 128, BF16, 5)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash2.attention(q, k, v, causal=True)  # planned and compiled outside the capture
+        stream.begin_capture()
+        out = cuflash2.attention(q, k, v, causal=True)
+        graph = stream.end_capture()
+    for round_ in range(3):
+        fresh = _qkv(shape[0], shape[1], shape[1], shape[2], shape[3], 192, 128, BF16,
+                     100 + round_)
+        with stream:
+            for dst, src in zip((q, k, v), fresh):
+                dst[...] = src
+            graph.launch(stream)
+        stream.synchronize()
+        results = testing.check_forward(*fresh, out, causal=True)
+        assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+def test_elsewhere_it_is_refused_naming_v():
+    """Without the Hopper forward (not sm_90, or a pair it lacks) the call raises before any
+    launch."""
+    q, k, v = _qkv(1, 64, 64, 2, 2, 192, 32, FP16, 1)  # 192 / 32: no kernel pair
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(32\)"):
+        cuflash2.attention(q, k, v)
+    if not is_hopper():
+        q, k, v = _qkv(1, 64, 64, 2, 2, 192, 128, FP16, 1)
+        with pytest.raises(NotImplementedError, match=r"v's head dim \(128\)"):
+            cuflash2.attention(q, k, v)
