@@ -16,8 +16,9 @@
 // per warp; then the CTA zeroes its rows of dq_accum, 16 bytes a thread. VARLEN: packed
 // sequences (varlen.cuh), grid z over the sequences. The parameters: BwdParams
 // (kernel_params.cuh), of which this kernel reads dout, out, lse and writes delta, lse_log2 and
-// dq_accum. dO and O are addressed in 16-bit words (head_dim and strides too): with float32
-// elements (Elem::IS_F32) a chunk is 4 floats and a row up to 64 chunks, two a lane. At TF32
+// dq_accum. dO and O are addressed in 16-bit words (head_dim_v, their head dim, and strides
+// too): with float32 elements (Elem::IS_F32) a chunk is 4 floats and a row up to 64 chunks, two
+// a lane. At TF32
 // (tf32_tag) dO is rounded to TF32 as the main kernel's dP = dO V^T takes it, so that D is the
 // row sum of P o dP of the dO that dP saw: with D from the exact dO, dP - D would keep dO's
 // rounding error where it should cancel (a row that sees one key: dS = 0 exactly).
@@ -50,7 +51,7 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         float partial = 0.f;
         if constexpr (Elem::IS_F32) {
             if (row < seqlen_q) {
-                for (int chunk = lane; chunk * 8 < p.head_dim; chunk += 32) {
+                for (int chunk = lane; chunk * 8 < p.head_dim_v; chunk += 32) {
                     u32 a[4], b[4];
                     load_16B_global(a, dout_head + row * p.do_row_stride + chunk * 8);
                     load_16B_global(b, out_head + row * p.o_row_stride + chunk * 8);
@@ -62,7 +63,7 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
                     }
                 }
             }
-        } else if (row < seqlen_q && lane * 8 < p.head_dim) {
+        } else if (row < seqlen_q && lane * 8 < p.head_dim_v) {
             u32 a[4], b[4];
             load_16B_global(a, dout_head + row * p.do_row_stride + lane * 8);
             load_16B_global(b, out_head + row * p.o_row_stride + lane * 8);

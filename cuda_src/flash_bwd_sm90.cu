@@ -104,11 +104,14 @@
 // coming from the lse), or 0; DQ_BUFFERS: dQ through
 // that many shared-memory tiles and bulk reductions (0: vector reductions); DETERMINISTIC: those
 // in key-block order (above). The parameters: BwdSm90Params (kernel_params.cuh); grid (key
-// blocks, KV heads, batch), as flash_bwd.cu's.
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
-          int DQ_BUFFERS, bool DETERMINISTIC>
+// blocks, KV heads, batch), as flash_bwd.cu's. HEAD_DIM_V: V's, dO's and dV's head dim where it
+// differs from Q's and K's (d_v != d_qk, BwdSm90Traits): dP^T = V dO^T runs over it, dV has
+// its columns, all in the first head-dim chunk (d_qk 192: the second chunk's CTAs recompute
+// them and store none).
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int STAGES,
+          int FEATURES, int DQ_BUFFERS, bool DETERMINISTIC>
 __global__ void __launch_bounds__(
-    BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>::THREADS, 1)
+    BwdSm90Traits<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>::THREADS, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params params) {
     const NoUserInputs user{};
     const NoColumnRange column_range{};
@@ -150,10 +153,10 @@ CF2_DEVICE auto mods_bias_grad(const BwdSm90ModsParams& m) {
 // softcap with a bias on the mma.sync backward: dS's 1 - t^2 needs t without the bias); with
 // dbias (FEATURE_BIAS_GRAD) each step's dS tile is copied into its accumulator too
 // (sm90/bwd_bias_grad.cuh).
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int FEATURES,
-          int DQ_BUFFERS, bool DETERMINISTIC, unsigned MODS_HASH>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int STAGES,
+          int FEATURES, int DQ_BUFFERS, bool DETERMINISTIC, unsigned MODS_HASH>
 __global__ void __launch_bounds__(
-    BwdSm90Traits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>::THREADS, 1)
+    BwdSm90Traits<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, DQ_BUFFERS>::THREADS, 1)
 flash_bwd_sm90_mods_kernel(const __grid_constant__ BwdSm90ModsParams mods_params) {
     static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
     static_assert((FEATURES & FEATURE_SCORE_MOD) == 0, "score modifiers: the mma.sync backward");

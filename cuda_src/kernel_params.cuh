@@ -227,6 +227,7 @@ struct BwdParams {
     int nheads;
     int heads_per_kv_head;
     int head_dim;
+    int head_dim_v;       // v's, dout's and out's (head_dim but for d_v != d_qk)
     int accum_dim;        // columns of dq_accum: the kernel head dim
     float softmax_scale;  // d(scaled scores) / d(q.k): the final dQ, dK scaling
     float scale_log2;     // the scale the softmax saw (softcap's, with softcap) times log2(e)

@@ -322,7 +322,8 @@ def backward_plan(views: dict, sources: dict, problem, mods, window, determinist
            for f, s in _stride_fields(prefix, st, words).items()},
         "batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_q_padded": seqlen_q_padded,
         "seqlen_k": p.seqlen_k, "nheads": p.nheads, "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
-        "head_dim": p.head_dim * words, "accum_dim": config.head_dim,
+        "head_dim": p.head_dim * words, "head_dim_v": p.head_dim_v * words,
+        "accum_dim": config.head_dim,
         # The final dK / dQ scaling uses the softmax scale (d(scaled scores) / d(q.k)); P is
         # recomputed with the scale the softmax saw (softcap's, with softcap).
         "softmax_scale": p.softmax_scale, "scale_log2": mods.softmax_scale * LOG2E,

@@ -510,11 +510,21 @@ class BwdSm90Config:
     #: the consumers' vector reductions), behind a semaphore per query block and head-dim chunk
     #: (flash_bwd_sm90.cu, DETERMINISTIC).
     deterministic: bool = False
+    #: V's and dO's head dim where it differs from Q's and K's (SM90_FWD_HEAD_DIM_PAIRS, whose
+    #: dV columns lie in the first chunk: BwdSm90Traits); 0: head_dim.
+    head_dim_v: int = 0
 
     arch_suffix = "a"
     arch = 90
 
     def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v != self.head_dim and not (
+                self.head_dim_v < self.head_dim and self.head_dim_v <= SM90_BWD_CHUNK_COLS):
+            raise ValueError(f"the Hopper backward takes V's own head dim below Q's and within "
+                             f"its first chunk ({SM90_BWD_CHUNK_COLS} columns); not "
+                             f"{self.head_dim_v} with {self.head_dim}")
         if self.features & FEATURE_DROPOUT:
             raise ValueError("the Hopper backward has no dropout")
         if self.block_m not in (64, 128) or (self.block_m == 128 and self.head_dim > 64):
@@ -549,6 +559,11 @@ class BwdSm90Config:
         return -(-self.head_dim // 64)
 
     @property
+    def v_panels(self) -> int:
+        """`panels` of a V and dO row: of head_dim_v (BwdSm90Traits::V_PANELS)."""
+        return -(-self.head_dim_v // 64)
+
+    @property
     def num_chunks(self) -> int:
         """Head-dim chunks a key block is split into across CTAs (BwdConfig.num_chunks; grid.x =
         key block x chunk): one up to d=128, two above (chunks of SM90_BWD_CHUNK_COLS columns,
@@ -559,9 +574,9 @@ class BwdSm90Config:
     def smem_bytes(self) -> int:
         # K + V, stages x (Q + dO), two dS tiles (block_m x block_n), stages x (lse + D) rows,
         # dq_buffers fp32 dQ tiles, + 1 KiB to align the base by hand
-        # (BwdSm90Traits::SMEM_BYTES).
-        kv = 2 * 128 * self.panels * self.block_n
-        stage = 2 * 128 * self.panels * self.block_m + 2 * 4 * self.block_m
+        # (BwdSm90Traits::SMEM_BYTES). V and dO: v_panels.
+        kv = 128 * (self.panels + self.v_panels) * self.block_n
+        stage = 128 * (self.panels + self.v_panels) * self.block_m + 2 * 4 * self.block_m
         # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
         if self.features & FEATURE_BIAS_TILE:
             stage += 2 * self.block_m * self.block_n
@@ -576,13 +591,15 @@ class BwdSm90Config:
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.block_m}, {self.block_n}, {self.stages}, {self.features}, "
+                f"{self.head_dim_v}, {self.block_m}, {self.block_n}, {self.stages}, "
+                f"{self.features}, "
                 f"{self.dq_buffers}, {'true' if self.deterministic else 'false'}>")
 
     @property
     def probes(self) -> str:
         bias = ", true" if self.features & FEATURE_BIAS_TILE else ""
-        traits = (f"BwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
+        traits = (f"BwdSm90Traits<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
+                  f"{self.head_dim_v}, {self.block_m}, "
                   f"{self.block_n}, {self.stages}, {self.dq_buffers}{bias}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == {SM90_CONSUMER_REGISTERS}, "
@@ -1017,8 +1034,10 @@ def describe(config) -> str:
     if isinstance(config, BwdSm90Config):
         chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
         dq = ", dQ added in key-block order (deterministic)" if config.deterministic else ""
+        v_dim = f" (v {config.head_dim_v})" if config.head_dim_v != config.head_dim else ""
         return (f"Hopper backward (sm_90a: wgmma, TMA, warp-specialised), {dtype}, head dim "
-                f"{config.head_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
+                f"{config.head_dim}{v_dim}, {config.block_m}x{config.block_n} tiles, "
+                f"{config.stages} "
                 f"Q/dO stage{'s' if config.stages > 1 else ''}{chunks}{dq}{extra}")
     if isinstance(config, BwdConfig):
         dq = "dQ by atomics" if config.compute_dq else "no dQ (deterministic)"

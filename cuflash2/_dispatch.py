@@ -263,14 +263,12 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
     hopper_backward_mods_choice takes it (`bias_tile`: as forward_kernel's), the others on the
     mma.sync kernels (bwd_mods_config's tile, or a forced BwdConfig's; a BwdModsConfig, and in
     deterministic mode a BwdDqModsConfig; mods.check_backward's ValueError for a score modifier
-    without a derivative). NotImplementedError for v with a head dim of its own (d_v != d_qk:
-    its backward kernels are not built yet)."""
+    without a derivative). V with a head dim of its own (d_v != d_qk): the Hopper kernel
+    (split_head_dims_backward)."""
     p = problem
     if p.head_dim_v != p.head_dim:
-        raise NotImplementedError(
-            f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
-            f"({p.head_dim}) is not built yet (the forward runs on sm_90; "
-            f"cuflash2.reference.attention_backward takes any)")
+        return split_head_dims_backward(p, features, deterministic, arch, views, varlen, window,
+                                        config, user_mods)
     forced = config if config is not None else FORCED.get("bwd")
     if user_mods is not None:
         from . import mods
@@ -311,6 +309,36 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
         if deterministic:
             dq_config = with_features(bwd_dq_config(p.dtype, p.head_dim, arch), features)
         return BackwardChoice(with_features(forced, features), dq_config=dq_config)
+    key_blocks = -(-p.seqlen_k // hopper.block_n)
+    group_pairs = dispatch_group_pairs(key_blocks, hopper.num_chunks, window, deterministic)
+    return BackwardChoice(hopper, True, group_pairs=group_pairs, maps=maps,
+                          map_fields=map_fields)
+
+
+def split_head_dims_backward(problem, features: int, deterministic: bool, arch: int,
+                             views: dict, varlen, window, config=None,
+                             user_mods=None) -> BackwardChoice:
+    """backward_kernels for a call whose v has a head dim of its own (d_v != d_qk): the Hopper
+    kernel's (hopper_backward_config: the forward's pairs, 16-bit, softcap, ALiBi, varlen,
+    deterministic mode), or NotImplementedError naming v's head dim (the mma.sync kernels have
+    one head dim)."""
+    p = problem
+    hopper = map_fields = None
+    if config is None and "bwd" not in FORCED and user_mods is None:
+        hopper = hopper_backward_config(p, features, arch, varlen, deterministic)
+    if hopper is not None:
+        maps = _hopper.backward_maps(hopper)
+        map_fields = _hopper.readable_map_fields(views, maps)
+    if map_fields is None:
+        pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
+        raise NotImplementedError(
+            f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
+            f"({p.head_dim}) runs on the Hopper backward (sm_90) only: q/k and v head dims up to "
+            f"{pairs}, float16 or bfloat16, at least one query and key, without dropout or "
+            f"mask_mod / score_mod / bias, arrays the TMA reads (16-byte aligned strides); this "
+            f"call has "
+            f"{'sm_%d' % arch if arch != 90 else 'another combination'} "
+            f"(cuflash2.reference.attention_backward takes any)")
     key_blocks = -(-p.seqlen_k // hopper.block_n)
     group_pairs = dispatch_group_pairs(key_blocks, hopper.num_chunks, window, deterministic)
     return BackwardChoice(hopper, True, group_pairs=group_pairs, maps=maps,
@@ -1085,11 +1113,16 @@ SM90_BWD_64_ROW_TILES = {64: (64, 128, 2, 2)}
 
 
 def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
-                    features: int = 0) -> BwdSm90Config:
+                    features: int = 0, head_dim_v: int = 0) -> BwdSm90Config:
     """The Hopper backward's specialisation for `head_dim` (one of SM90_BWD_HEAD_DIMS) and
     `features` (score modifiers), in deterministic mode with `deterministic`: the tile of
     SM90_BWD_TILES, or of SM90_BWD_64_ROW_TILES for ALiBi with softcap or in deterministic mode,
-    and for varlen."""
+    and for varlen. With V's own `head_dim_v` (a pair of SM90_FWD_HEAD_DIM_PAIRS) Q's head dim's
+    tile: V's and dO's narrower tiles take less shared memory."""
+    if head_dim_v and head_dim_v != head_dim and (head_dim, head_dim_v) not in \
+            SM90_FWD_HEAD_DIM_PAIRS:
+        raise ValueError(f"the Hopper backward has (Q's, V's) head dims {SM90_FWD_HEAD_DIM_PAIRS},"
+                         f" not ({head_dim}, {head_dim_v})")
     if head_dim not in SM90_BWD_HEAD_DIMS:
         raise ValueError(f"the Hopper backward has head dims {SM90_BWD_HEAD_DIMS}, not {head_dim}")
     both_mods = FEATURE_SOFTCAP | FEATURE_ALIBI
@@ -1099,7 +1132,8 @@ def bwd_sm90_config(dtype: str, head_dim: int, deterministic: bool = False,
         tiles = {**tiles, **SM90_BWD_64_ROW_TILES}
     block_m, block_n, stages, dq_buffers = tiles[head_dim]
     return BwdSm90Config(dtype, head_dim, block_m=block_m, block_n=block_n, stages=stages,
-                         features=features, dq_buffers=dq_buffers, deterministic=deterministic)
+                         features=features, dq_buffers=dq_buffers, deterministic=deterministic,
+                         head_dim_v=head_dim_v)
 
 
 #: A bias alone (with or without dbias) runs on the Hopper backward as tiles (FEATURE_BIAS_TILE,
@@ -1244,7 +1278,11 @@ def hopper_backward_config(problem, features: int, arch: int, varlen=None,
     if not plannable(p, SM90_BWD_HEAD_DIMS):
         return None
     kernel_dim = hopper_backward_head_dim(p.head_dim)
-    return bwd_sm90_config(p.dtype, kernel_dim, deterministic, features)
+    kernel_dim_v = hopper_backward_head_dim(p.head_dim_v)  # V's own (the forward's pairs)
+    if kernel_dim_v != kernel_dim and (kernel_dim, kernel_dim_v) not in SM90_FWD_HEAD_DIM_PAIRS:
+        return None
+    return bwd_sm90_config(p.dtype, kernel_dim, deterministic, features,
+                           kernel_dim_v if kernel_dim_v != kernel_dim else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1474,7 +1512,11 @@ def hopper_forward_configs(features=(0,)) -> list:
     return list(dict.fromkeys(configs))
 
 
-def all_bwd_sm90_configs(features=(0,)) -> list[BwdSm90Config]:
-    """Every Hopper backward specialisation (for each of `features`)."""
-    return [bwd_sm90_config(dtype, d, features=f) for f in features
-            for dtype in DTYPE_TAGS for d in SM90_BWD_HEAD_DIMS]
+def all_bwd_sm90_configs(features=(0,), head_dim_pairs=False) -> list[BwdSm90Config]:
+    """Every Hopper backward specialisation (for each of `features`); with `head_dim_pairs`
+    those of V's own head dim (SM90_FWD_HEAD_DIM_PAIRS) too."""
+    pairs = [(d, 0) for d in SM90_BWD_HEAD_DIMS]
+    if head_dim_pairs:
+        pairs += list(SM90_FWD_HEAD_DIM_PAIRS)
+    return [bwd_sm90_config(dtype, d, features=f, head_dim_v=v) for f in features
+            for dtype in DTYPE_TAGS for d, v in pairs]

@@ -72,6 +72,9 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                      default=list(precompile.DEFAULT_HEAD_DIMS),
                      help="head dims of your calls (default: "
                           f"{' '.join(map(str, precompile.DEFAULT_HEAD_DIMS))})")
+    pre.add_argument("--headdim-v", nargs="+", type=_positive_int, default=[],
+                     help="v's head dims where they differ from q's (d_v != d_qk: DeepSeek's "
+                          "--headdim 192 --headdim-v 128; default: none)")
     pre.add_argument("--features", nargs="+", default=list(precompile.DEFAULT_FEATURES),
                      metavar="NAME[+NAME]",
                      help="the features of your calls, each a set of "
@@ -183,7 +186,7 @@ def _precompile(args) -> int:
         return EXIT_NO_GPU
     arch = int(cupy.cuda.Device().compute_capability)
     configs = precompile.plan(arch, [precompile.DTYPES[d] for d in args.dtype], args.headdim,
-                              features, args.directions)
+                              features, args.directions, args.headdim_v)
     if args.list:
         print("\n".join(c.name_expression for c in configs))
         return 0

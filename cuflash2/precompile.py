@@ -52,12 +52,16 @@ def parse_features(names) -> list[int]:
     return list(dict.fromkeys(sets))
 
 
-def plan(arch: int, dtypes, head_dims, features, directions) -> list:
+def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> list:
     """Every specialisation the dispatcher can choose on sm_`arch` for calls of these dtypes
-    (the kernels' elements: "float16", "bfloat16", "float32", "tf32"), head dims (any the API takes), feature bit sets and directions
-    ("fwd", "bwd": with the deterministic dQ kernel and the backward's pre- and
-    post-processing; "decode": attention_with_kvcache), each once."""
+    (the kernels' elements: "float16", "bfloat16", "float32", "tf32"), head dims (any the API
+    takes), feature bit sets and directions ("fwd", "bwd": with the deterministic dQ kernel and
+    the backward's pre- and post-processing; "decode": attention_with_kvcache), each once.
+    `head_dims_v`: v's head dims where they differ from q's (d_v != d_qk: the Hopper kernels'
+    pairs of a head dim of `head_dims` and one of these)."""
     dtypes = set(dtypes)
+    v_dims = {_dispatch.hopper_forward_head_dim(h)
+              for h in head_dims_v if h <= max(_configs.SM90_FWD_HEAD_DIMS)}
     dims = {_dispatch.kernel_head_dim(d) for d in head_dims}
     hopper = arch == 90
     fwd_dims = {_dispatch.hopper_forward_head_dim(h)
@@ -66,7 +70,8 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
                 for h in head_dims if h <= max(_configs.SM90_BWD_HEAD_DIMS)}
 
     def named(configs, kernel_dims):
-        return [c for c in configs if c.dtype in dtypes and c.head_dim in kernel_dims]
+        return [c for c in configs if c.dtype in dtypes and c.head_dim in kernel_dims
+                and getattr(c, "head_dim_v", c.head_dim) in v_dims | {c.head_dim}]
 
     decode_features = [f for f in features if f in _configs.DECODE_FEATURES]
     features = list(dict.fromkeys(f & ~DECODE_ONLY_FEATURES for f in features))
@@ -102,9 +107,10 @@ def plan(arch: int, dtypes, head_dims, features, directions) -> list:
         if hopper:
             sm90 = named(_dispatch.all_bwd_sm90_configs(
                 [f for f in backward
-                 if f in _configs.SM90_BWD_FEATURES + _configs.SM90_BWD_VARLEN_FEATURES]),
-                bwd_dims)
-            configs += sm90 + [_dispatch.bwd_sm90_config(c.dtype, c.head_dim, True, c.features)
+                 if f in _configs.SM90_BWD_FEATURES + _configs.SM90_BWD_VARLEN_FEATURES],
+                head_dim_pairs=True), bwd_dims)
+            configs += sm90 + [_dispatch.bwd_sm90_config(c.dtype, c.head_dim, True, c.features,
+                                                         c.head_dim_v)
                                for c in sm90]
     if "decode" in directions:
         configs += named(_dispatch.all_decode_configs(arch, decode_features), dims)

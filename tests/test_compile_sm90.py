@@ -490,6 +490,40 @@ def test_hopper_backward_compiles_without_spills(config, nvrtc_available):
     assert config.smem_bytes <= MAX_SMEM_SM90
 
 
+#: V's own head dim (SM90_FWD_HEAD_DIM_PAIRS): every dtype and feature set, dense and varlen, in
+#: both modes under --exhaustive (64); plain fp16 of each pair and one deterministic by default.
+BWD_SPLIT = [c for c in _dispatch.all_bwd_sm90_configs(
+    _configs.SM90_BWD_FEATURES + _configs.SM90_BWD_VARLEN_FEATURES, head_dim_pairs=True)
+    if c.head_dim_v != c.head_dim]
+BWD_SPLIT += [_dispatch.bwd_sm90_config(c.dtype, c.head_dim, True, c.features, c.head_dim_v)
+              for c in BWD_SPLIT]
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(c, id=f"{c.dtype}-d{c.head_dim}v{c.head_dim_v}-f{c.features}"
+                 + ("-det" if c.deterministic else ""),
+                 marks=() if (c.dtype, c.features) == ("float16", 0)
+                 and (not c.deterministic or c.head_dim == 192) else pytest.mark.exhaustive)
+    for c in BWD_SPLIT])
+def test_hopper_split_backward_compiles_without_spills(config, nvrtc_available):
+    """dP^T over V's head dim, dV of its columns in the first chunk: the same checks."""
+    assert config.head_dim_v < config.head_dim
+    test_hopper_backward_compiles_without_spills(config, nvrtc_available)
+
+
+def test_hopper_split_backward_configs():
+    assert len(BWD_SPLIT) == len(set(BWD_SPLIT)) == 64
+    split = _dispatch.bwd_sm90_config("bfloat16", 192, head_dim_v=128)
+    assert split.name_expression == (
+        "flash_bwd_sm90_kernel<bf16_tag, 192, 128, 64, 128, 2, 0, 0, false>")
+    # K 48 + V 32 KiB, 2 x (Q 24 + dO 16 KiB + 512 B of lse / D), 2 dS tiles of 16 KiB, 1 KiB
+    assert split.smem_bytes == 80 * 1024 + 2 * (40 * 1024 + 512) + 32 * 1024 + 1024
+    with pytest.raises(ValueError, match=r"\(Q's, V's\) head dims"):
+        _dispatch.bwd_sm90_config("bfloat16", 256, head_dim_v=128)
+    with pytest.raises(ValueError, match="first chunk"):
+        _configs.BwdSm90Config("bfloat16", 256, head_dim_v=192)
+
+
 def test_hopper_backward_config_shapes():
     assert _configs.SM90_BWD_HEAD_DIMS == (64, 96, 128, 192, 256)
     both_mods = _configs.FEATURE_SOFTCAP | _configs.FEATURE_ALIBI

@@ -711,10 +711,49 @@ def test_v_with_its_own_head_dim_elsewhere_is_refused_before_launch(hopper_api):
                                  user_mods=("mask source", None))
     with pytest.raises(NotImplementedError, match=r"v's head dim \(32\)"):  # 192/32: no pair
         cuflash2.attention(q, k, device_array((1, 300, 4, 32)))
-    out = cuflash2.attention(q, k, v)
     with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
-        cuflash2.attention_backward(out, q, k, v, out, device_array((1, 4, 300), "float32"))
-    hopper_api.set_arch(80)  # (a signature of its own: plans are cached by it)
+        cuflash2.attention_backward(device_array((1, 300, 4, 128)), q, k, v,
+                                    device_array((1, 300, 4, 128)),
+                                    device_array((1, 4, 300), "float32"), dropout_p=0.1, seed=1)
+    hopper_api.set_arch(80)  # (signatures of their own: plans are cached by them)
     with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) .* sm_80"):
         cuflash2.attention(q[:, :299], k, v)
-    assert len(hopper_api.launches) == before + 1  # the one sm_90 forward
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\) .* sm_80"):
+        cuflash2.attention_backward(device_array((1, 299, 4, 128)), q[:, :299], k, v,
+                                    device_array((1, 299, 4, 128)),
+                                    device_array((1, 4, 299), "float32"))
+    assert len(hopper_api.launches) == before  # nothing launched
+
+
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (128, 64)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_v_with_its_own_head_dim_runs_the_hopper_backward(hopper_api, d_qk, d_v, deterministic):
+    """attention_backward with v's own head dim: the Hopper backward of the pair (Q's head dim's
+    tile), dq and dk shaped like q and k, dv like v, head_dim_v in BwdParams (the preprocess's D
+    runs over it); dense and varlen."""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from cuflash2 import _configs
+    from test_plans_host import device_array
+
+    q, k = device_array((2, 700, 8, d_qk)), device_array((2, 700, 2, d_qk))
+    v, out = device_array((2, 700, 2, d_v)), device_array((2, 700, 8, d_v))
+    lse = device_array((2, 8, 700), numpy.float32)
+    dq, dk, dv = cuflash2.attention_backward(out, q, k, v, out, lse, causal=True,
+                                             deterministic=deterministic)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    main, _, record = [launch for launch in hopper_api.launches
+                       if isinstance(getattr(launch[0], "config", None),
+                                     _configs.BwdSm90Config)][-1]
+    assert (main.config.head_dim, main.config.head_dim_v) == (d_qk, d_v)
+    assert main.config.deterministic == deterministic
+    assert main.config == _dispatch.bwd_sm90_config("float16", d_qk, deterministic,
+                                                    head_dim_v=d_v)
+    assert (record["base"]["head_dim"], record["base"]["head_dim_v"]) == (d_qk, d_v)
+    cu = device_array((3,), numpy.int32)
+    packed = [device_array((1400, h, d)) for h, d in ((8, d_qk), (2, d_qk), (2, d_v))]
+    out = device_array((1400, 8, d_v))
+    grads = cuflash2.attention_varlen_backward(out, *packed, out,
+                                               device_array((8, 1400), numpy.float32), cu, cu,
+                                               700, 700, check_cu_seqlens=False)
+    assert [g.shape for g in grads] == [x.shape for x in packed]

@@ -7,14 +7,26 @@
 #include "sm90/bwd_traits.cuh"
 
 // No query sees the block's keys: dK = dV = 0 for its rows below seqlen_k and this CTA's columns
-// (below the head dim's `head_chunks` 16-byte chunks), by every thread of the CTA (`tid`: its
-// index).
+// (below the head dim's `head_chunks` 16-byte chunks, dV's `v_head_chunks`), by every thread of
+// the CTA (`tid`: its index).
 template <class T>
 CF2_DEVICE void store_zero_dkdv(const BwdParams& p, u16* dk_block, u16* dv_block, int key_first,
-                                int seqlen_k, int head_chunks, int col0, int tid) {
+                                int seqlen_k, int head_chunks, int v_head_chunks, int col0,
+                                int tid) {
     constexpr int HEAD_DIM = T::DIM, BLOCK_N = T::KEYS_PER_WARPGROUP * T::CONSUMER_WARPGROUPS;
     const u32 zeros[4] = {0u, 0u, 0u, 0u};
-    if constexpr (T::NUM_CHUNKS == 1) {
+    if constexpr (!T::SAME_DIMS) {
+        // V's own head dim: this CTA's dK columns, and dV's (the first chunk's CTAs).
+        constexpr int CHUNKS = T::CHUNK_COLS / 8;
+        for (int idx = tid; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
+            const int row = idx / CHUNKS, c = idx % CHUNKS;
+            if (key_first + row >= seqlen_k) continue;
+            if (col0 / 8 + c < head_chunks)
+                store_16B_global(dk_block + row * p.dk_row_stride + col0 + c * 8, zeros);
+            if (col0 == 0 && c < v_head_chunks)
+                store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
+        }
+    } else if constexpr (T::NUM_CHUNKS == 1) {
         for (int idx = tid; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
             const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
             if (key_first + row < seqlen_k && chunk < head_chunks) {
@@ -39,10 +51,11 @@ CF2_DEVICE void store_zero_dkdv(const BwdParams& p, u16* dk_block, u16* dv_block
 // (its 64 keys from `key0`; same swizzled layout: conflict-free 4-byte stores), once both
 // consumers are done reading K and V. The row's sum is grouped as the compiler grouped it when
 // the loop was the kernel's own (ungrouped here, its order changed and with it the SASS).
+// V's own head dim: dV's DV_TILES groups (fewer than dK's) into V's tile.
 template <typename Elem, class T>
 CF2_DEVICE void stage_dkdv(const BwdParams& p, const float (&acc_dk)[T::D_TILES][4],
-                           const float (&acc_dv)[T::D_TILES][4], u32 k_smem, u32 v_smem, int key0,
-                           int warp, int lane) {
+                           const float (&acc_dv)[T::DV_TILES][4], u32 k_smem, u32 v_smem,
+                           int key0, int warp, int lane) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = key0 + (16 * warp + lane / 4) + 8 * half;  // in the block
@@ -52,20 +65,41 @@ CF2_DEVICE void stage_dkdv(const BwdParams& p, const float (&acc_dk)[T::D_TILES]
             store_4B_shared(k_smem + offset,
                             pack_pair<Elem>(acc_dk[dt][2 * half] * p.softmax_scale,
                                             acc_dk[dt][2 * half + 1] * p.softmax_scale));
-            store_4B_shared(v_smem + offset,
-                            pack_pair<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]));
+            if (dt < T::DV_TILES)
+                store_4B_shared(v_smem + offset,
+                                pack_pair<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]));
         }
     }
 }
 
 // A consumer's staged dK and dV (its 64 keys from `key0`, in the K and V tiles) to global
 // memory: 16-byte row chunks of this CTA's columns (from `col0`) with row and head-dim guards.
-// `tid`: the thread's index in its warpgroup.
+// `tid`: the thread's index in its warpgroup. V's own head dim: dV's chunks (`v_head_chunks`)
+// by the first chunk's CTAs.
 template <class T>
 CF2_DEVICE void store_dkdv(const BwdParams& p, u32 k_smem, u32 v_smem, u16* dk_block,
-                           u16* dv_block, int key_first, int seqlen_k, int head_chunks, int col0,
-                           int key0, int tid) {
+                           u16* dv_block, int key_first, int seqlen_k, int head_chunks,
+                           int v_head_chunks, int col0, int key0, int tid) {
     constexpr int CHUNKS = T::CHUNK_COLS / 8;  // 16-byte chunks of this CTA's row (widest)
+    if constexpr (!T::SAME_DIMS) {
+#pragma unroll
+        for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
+            const int idx = tid + T::WARPGROUP_THREADS * i;
+            const int row = key0 + idx / CHUNKS;
+            const int chunk = idx % CHUNKS;
+            if (key_first + row >= seqlen_k) continue;
+            u32 vals[4];
+            if (chunk < head_chunks - col0 / 8) {
+                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
+                store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
+            }
+            if (col0 == 0 && chunk < T::DV_COLS / 8 && chunk < v_head_chunks) {
+                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
+                store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, vals);
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
         const int idx = tid + T::WARPGROUP_THREADS * i;

@@ -9,10 +9,11 @@
 // X^T = A_c B^T for one consumer (S^T = K_c Q_i^T or dP^T = V_c dO_i^T): M = its 64 keys, N =
 // BLOCK_M queries, QK_STEPS k16 steps over the head dim; both operands K-major descriptors (the
 // forward's Q and K of S = Q K^T). `a_rows`: this consumer's first key row of K or V (a whole
-// number of swizzle atoms into each panel). Issues the wgmmas only.
-template <typename Elem, class T>
+// number of swizzle atoms into each panel). STEPS: dP^T's are V_STEPS (V's own head dim).
+// Issues the wgmmas only.
+template <typename Elem, class T, int STEPS = T::QK_STEPS>
 CF2_DEVICE void issue_transposed_scores(float (&acc)[T::S_TILES][4], u32 a_rows, u32 b_tile) {
-    issue_kmajor_ss<Elem, T::QUERIES, T::QK_STEPS, T::KV_PANEL_BYTES, T::Q_PANEL_BYTES>(
+    issue_kmajor_ss<Elem, T::QUERIES, STEPS, T::KV_PANEL_BYTES, T::Q_PANEL_BYTES>(
         acc, a_rows, b_tile);
 }
 

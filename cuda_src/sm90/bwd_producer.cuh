@@ -25,11 +25,11 @@ CF2_DEVICE void load_kv_and_steps(const BwdSm90Params& params, const BwdParams& 
                                   int map_batch, int m_first, int m_count, int steps,
                                   const Bias& bias) {
     static_assert(Bias::ON == (T::BIAS_TILE_BYTES > 0), "the traits' stage holds the bias");
-    mbarrier_arrive_expect_tx(kv_full, 2 * T::KV_TILE_BYTES);
+    mbarrier_arrive_expect_tx(kv_full, T::KV_TILE_BYTES + T::V_TILE_BYTES);
     tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(k_smem, params.k_map, kv_full, key_row, kv_head,
                                                 map_batch);
-    tma_load_tile<T::PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full, key_row, kv_head,
-                                                map_batch);
+    tma_load_tile<T::V_PANELS, T::KV_PANEL_BYTES>(v_smem, params.v_map, kv_full, key_row,
+                                                  kv_head, map_batch);
     QueryBlockWalk<DETERMINISTIC> walk(kv_head * p.heads_per_kv_head, p.heads_per_kv_head,
                                        m_first, m_count);
     for (int j = 0; j < steps; ++j) {
@@ -48,10 +48,10 @@ CF2_DEVICE void load_kv_and_steps(const BwdSm90Params& params, const BwdParams& 
                                                    walk.head, map_batch);
         bulk_load(lse_s, p.lse_log2 + stat0, T::STAT_BYTES, q_full);
         if constexpr (Bias::ON)  // not varlen: the bias's rows are the queries' own
-            bias.template load<T::BLOCK_N_PANELS>(q_tile + 2 * T::Q_TILE_BYTES, q_full, row0,
+            bias.template load<T::BLOCK_N_PANELS>(q_tile + T::BIAS_OFFSET, q_full, row0,
                                                   key_row, walk.head, map_batch);
-        mbarrier_arrive_expect_tx(do_full, T::Q_TILE_BYTES + T::STAT_BYTES);
-        tma_load_tile<T::PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full,
+        mbarrier_arrive_expect_tx(do_full, T::DO_TILE_BYTES + T::STAT_BYTES);
+        tma_load_tile<T::V_PANELS, T::Q_PANEL_BYTES>(do_tile, params.do_map, do_full,
                                                    q_row0 + row0, walk.head, map_batch);
         bulk_load(lse_s + T::STAT_BYTES, p.delta + stat0, T::STAT_BYTES, do_full);
         walk.advance();

@@ -8,8 +8,10 @@
 
 // BIAS (FEATURE_BIAS_TILE): each stage of the ring holds the bias's BLOCK_M x BLOCK_N block of
 // its step after dO_i (sm90/bias_tile.cuh), in the dS tile's layout.
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int DQ_TILES,
-          bool BIAS = false>
+// HEAD_DIM is Q's and K's head dim, HEAD_DIM_V V's and dO's (DeepSeek's 192 / 128): S^T, dK and
+// dQ take HEAD_DIM; dP^T = V dO^T and dV HEAD_DIM_V, whose columns lie in the first chunk.
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int STAGES,
+          int DQ_TILES, bool BIAS = false>
 struct BwdSm90Traits : Sm90CtaLayout {
     // dQ through shared memory (the kernel's note) in DQ_BUFFERS fp32 tiles, or (0) by vector
     // reductions from the registers.
@@ -33,22 +35,30 @@ struct BwdSm90Traits : Sm90CtaLayout {
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;
     static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;  // Q_i and dO_i
     static constexpr int Q_TILE_BYTES = PANELS * Q_PANEL_BYTES;
+    // V and dO_i: V_PANELS panels of HEAD_DIM_V (PANELS but for V's own head dim).
+    static constexpr bool SAME_DIMS = HEAD_DIM_V == HEAD_DIM;
+    static constexpr int V_PANELS = (HEAD_DIM_V + PANEL_COLS - 1) / PANEL_COLS;
+    static constexpr int V_TILE_BYTES = V_PANELS * KV_PANEL_BYTES;
+    static constexpr int DO_TILE_BYTES = V_PANELS * Q_PANEL_BYTES;
     static constexpr int STAT_BYTES = BLOCK_M * 4;       // lse_log2 or D of the stage's rows
     // dS [BLOCK_M queries x BLOCK_N keys]: panels of 64 keys, the layout of a K-major A operand.
     static constexpr int DS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int BLOCK_N_PANELS = BLOCK_N / PANEL_COLS;  // of the dS and bias tiles
     static constexpr int DS_BYTES = BLOCK_N_PANELS * DS_PANEL_BYTES;
     static constexpr int BIAS_TILE_BYTES = BIAS ? DS_BYTES : 0;
-    static constexpr int STAGE_BYTES = 2 * Q_TILE_BYTES + BIAS_TILE_BYTES;  // Q_i, dO_i, bias
+    static constexpr int BIAS_OFFSET = Q_TILE_BYTES + DO_TILE_BYTES;  // in a stage
+    static constexpr int STAGE_BYTES = BIAS_OFFSET + BIAS_TILE_BYTES;  // Q_i, dO_i, bias
     // dQ_i of a step in fp32, as its BLOCK_M rows of dq_accum (DQ_BUFFERS of them).
     static constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4;
     // K | V | STAGES x (Q | dO | bias) | 2 x dS | STAGES x (lse | D) | DQ_BUFFERS x dQ, + the
     // slack to align the base.
-    static constexpr int SMEM_BYTES = 2 * KV_TILE_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES +
+    static constexpr int SMEM_BYTES = KV_TILE_BYTES + V_TILE_BYTES + STAGES * STAGE_BYTES +
+                                      2 * DS_BYTES +
                                       STAGES * 2 * STAT_BYTES + DQ_BUFFERS * DQ_TILE_BYTES +
                                       SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
+    static constexpr int DIM_V = HEAD_DIM_V;
     static constexpr int QUERIES = BLOCK_M;         // the N of S^T and dP^T
     static constexpr int S_TILES = BLOCK_M / 8;     // n8 column groups of S^T, dP^T (queries)
     // Head dims above 128: the key block's dK, dV and dQ columns are split over NUM_CHUNKS CTAs
@@ -63,7 +73,16 @@ struct BwdSm90Traits : Sm90CtaLayout {
     static constexpr int CHUNK_Q_BYTES = (CHUNK_COLS / PANEL_COLS) * Q_PANEL_BYTES;
     static constexpr int CHUNK_KV_BYTES = (CHUNK_COLS / PANEL_COLS) * KV_PANEL_BYTES;
     static constexpr int D_TILES = CHUNK_COLS / 8;  // n8 column groups of dK, dV (widest chunk)
-    static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of S^T, dP^T (head dim)
+    static constexpr int QK_STEPS = HEAD_DIM / 16;  // k16 steps of S^T (head dim)
+    static constexpr int V_STEPS = HEAD_DIM_V / 16;  // k16 steps of dP^T (V's head dim)
+    // dV's columns: V's head dim, in the first chunk (a second chunk's CTAs recompute them from
+    // dO_i's first columns and store none: DV_COL0).
+    static constexpr int DV_COLS = SAME_DIMS ? CHUNK_COLS : HEAD_DIM_V;
+    static constexpr int DV_TILES = DV_COLS / 8;  // n8 column groups of dV
+    // dO_i's bytes from column 0 to chunk `chunk`'s dV columns.
+    __host__ __device__ static constexpr int dv_chunk_bytes(int chunk) {
+        return SAME_DIMS ? chunk * CHUNK_Q_BYTES : 0;
+    }
     static constexpr int M_STEPS = BLOCK_M / 16;    // k16 steps of dV, dK (queries)
     static constexpr int N_STEPS = BLOCK_N / 16;    // k16 steps of dQ (keys)
     // dQ's head-dim columns of consumer 0 and 1. The start of consumer 1's columns is where the
@@ -96,6 +115,9 @@ struct BwdSm90Traits : Sm90CtaLayout {
 
     static_assert(BLOCK_N == 2 * KEYS_PER_WARPGROUP, "two consumer warpgroups of 64 keys");
     static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64 && HEAD_DIM <= 256, "head dim");
+    static_assert(SAME_DIMS || (HEAD_DIM_V % 16 == 0 && HEAD_DIM_V >= 16 &&
+                                HEAD_DIM_V <= CHUNK_COLS && HEAD_DIM_V < HEAD_DIM),
+                  "V's own head dim: smaller than Q's, within the first chunk");
     static_assert(BLOCK_M % 16 == 0 && BLOCK_M >= 16 && BLOCK_M <= 256,
                   "wgmma N of S^T (= BLOCK_M): a multiple of 16 up to 256");
     static_assert(DQ_COLS_0 % 16 == 0 && DQ_COLS_1 % 16 == 0 && DQ_COLS_1 > 0 &&

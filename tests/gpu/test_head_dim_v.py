@@ -1,8 +1,9 @@
 """GPU tests of v with a head dim of its own (d_v != d_qk: DeepSeek's 192 / 128, and 128 / 64),
-which the Hopper forward runs (_configs.SM90_FWD_HEAD_DIM_PAIRS): against the reference by the
-2x rule, out and lse, dense and varlen, causal and not, GQA, odd lengths, seqlen_q != seqlen_k,
-the variant's features, poisoned outputs, a CUDA graph replayed with fresh inputs; elsewhere
-(sm_80 and newer without the Hopper kernel) a NotImplementedError naming v's head dim."""
+which the Hopper kernels run (_configs.SM90_FWD_HEAD_DIM_PAIRS): against the reference by the
+2x rule, forward (out, lse) and backward (dq, dk like q and k, dv like v), dense and varlen,
+causal and not, GQA, odd lengths, seqlen_q != seqlen_k, the variant's features, deterministic
+mode, poisoned outputs, a CUDA graph replayed with fresh inputs; elsewhere (sm_80 and newer
+without the Hopper kernels) a NotImplementedError naming v's head dim."""
 
 import numpy
 import pytest
@@ -114,6 +115,98 @@ def test_cuda_graph_replays_with_fresh_inputs():
         assert all(r.ok for r in results), "; ".join(map(str, results))
 
 
+def _dout(q, v, seed):
+    rng = numpy.random.default_rng(seed)
+    shape = q.shape[:-1] + (v.shape[-1],)
+    return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(q.dtype))
+
+
+def _check_backward(q, k, v, deterministic=False, **options):
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+    dout = _dout(q, v, q.shape[1] + 3)
+    (kernel,) = [k_ for k_ in cuflash2.backward_kernels(dout, q, k, v, out, lse,
+                                                         deterministic=deterministic, **options)
+                 if k_.startswith("Hopper backward")]
+    dq, dk, dv = (testing.poison_like(cupy, x.shape, x.dtype) for x in (q, k, v))
+    grads = cuflash2.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
+                                        deterministic=deterministic, **options)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    results = testing.check_backward(dout, q, k, v, *grads, **options)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+    return grads
+
+
+@needs_hopper
+@pytest.mark.parametrize("d_qk,d_v", PAIRS)
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 77, 1000, 4, 4), (1, 1000, 333, 6, 2),
+                                   (2, 1024, 1024, 2, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_backward_matches_the_reference(d_qk, d_v, dtype, causal, shape):
+    batch, sq, sk, h, hkv = shape
+    q, k, v = _qkv(batch, sq, sk, h, hkv, d_qk, d_v, dtype, _seed("bwd", d_qk, d_v, *shape,
+                                                                    causal))
+    _check_backward(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d_qk,d_v", PAIRS[:2])
+@pytest.mark.parametrize("option", ["deterministic", "softcap", "alibi", "sinks", "window"])
+def test_backward_features(d_qk, d_v, option):
+    seed = _seed("bwd", d_qk, d_v, option)
+    rng = numpy.random.default_rng(seed)
+    q, k, v = _qkv(2, 500, 700, 4, 2, d_qk, d_v, BF16, seed)
+    options = {"causal": option != "window"}
+    if option == "softcap":
+        options["softcap"] = 20.0
+    elif option == "alibi":
+        options["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4).astype(numpy.float32))
+    elif option == "window":
+        options["window_size"] = (100, 30)
+    if option == "sinks":
+        sinks = cupy.asarray(rng.standard_normal(4).astype(numpy.float32))
+        out, lse = cuflash2.attention(q, k, v, return_lse=True, sinks=sinks, causal=True)
+        dout = _dout(q, v, seed)
+        dq, dk, dv, dsinks = cuflash2.attention_backward(dout, q, k, v, out, lse, sinks=sinks,
+                                                         causal=True)
+        results = testing.check_backward(dout, q, k, v, dq, dk, dv, dsinks, sinks=sinks,
+                                         causal=True)
+        assert all(r.ok for r in results), "; ".join(map(str, results))
+        return
+    grads = _check_backward(q, k, v, deterministic=option == "deterministic", **options)
+    if option == "deterministic":  # the same bits again
+        again = _check_backward(q, k, v, deterministic=True, **options)
+        for a, b in zip(grads, again):
+            assert bool((a.view(numpy.uint16) == b.view(numpy.uint16)).all())
+
+
+@needs_hopper
+@pytest.mark.parametrize("d_qk,d_v", PAIRS[:2])
+def test_varlen_backward_matches_the_reference(d_qk, d_v):
+    seed = _seed("varlen-bwd", d_qk, d_v)
+    lengths_q, lengths_k = [1, 300, 77, 700], [5, 300, 900, 700]
+    q, k, v = _qkv(None, sum(lengths_q), sum(lengths_k), 4, 2, d_qk, d_v, FP16, seed)
+    cu_q = cupy.asarray(numpy.cumsum([0] + lengths_q).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.cumsum([0] + lengths_k).astype(numpy.int32))
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+    dout = _dout(q, v, seed)
+    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+@needs_hopper
+def test_vjp_gives_the_backward():
+    q, k, v = _qkv(2, 333, 333, 4, 2, 192, 128, BF16, 9)
+    out, vjp = cuflash2.attention_vjp(q, k, v, causal=True)
+    assert out.shape == (2, 333, 4, 128)
+    dout = _dout(q, v, 10)
+    results = testing.check_backward(dout, q, k, v, *vjp(dout), causal=True)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
 def test_elsewhere_it_is_refused_naming_v():
     """Without the Hopper forward (not sm_90, or a pair it lacks) the call raises before any
     launch."""
@@ -124,3 +217,7 @@ def test_elsewhere_it_is_refused_naming_v():
         q, k, v = _qkv(1, 64, 64, 2, 2, 192, 128, FP16, 1)
         with pytest.raises(NotImplementedError, match=r"v's head dim \(128\)"):
             cuflash2.attention(q, k, v)
+        out = cupy.zeros((1, 64, 2, 128), FP16)
+        lse = cupy.zeros((1, 2, 64), numpy.float32)
+        with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
+            cuflash2.attention_backward(out, q, k, v, out, lse)
