@@ -132,6 +132,11 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                                 "default rows d=128 at 16k tokens")
     bench_cmd.add_argument("--warmup", type=int, default=3)
     bench_cmd.add_argument("--iters", type=_positive_int, default=25)
+    bench_cmd.add_argument("--repeats", type=_positive_int, default=1,
+                           help="rounds of each grid row, its contenders (cuflash2, and with "
+                                "--compare torch SDPA-flash and cuDNN) interleaved, the order "
+                                "turning; each keeps the median (default 1; 3 or 5 for "
+                                "ratios that hold between runs)")
     bench_cmd.add_argument("--tokens", type=_positive_int, default=PAPER_TOKENS,
                            help="tokens per batch: batch = tokens // seqlen")
     bench_cmd.add_argument("--hidden", type=_positive_int, default=PAPER_HIDDEN,

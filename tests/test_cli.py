@@ -227,6 +227,36 @@ def test_markdown_table_has_one_line_per_row():
     assert "boom" in table[3]
 
 
+def test_markdown_table_names_the_cudnn_version():
+    table = paper_grid.markdown_table([_row(512, 200.0, 100.0, cudnn=400.0)], compare=True,
+                                      cudnn_version=91900).splitlines()
+    assert "| cuDNN 91900 TFLOP/s |" in table[0]
+    assert "| cuDNN TFLOP/s |" in paper_grid.markdown_table([_row(512, 200.0, 100.0)], True)
+
+
+def test_repeat_rounds_interleave_the_contenders_and_keep_medians():
+    """Rounds 2..n of a row: every contender again, the order turning round by round; each
+    time the median of its rounds, TFLOP/s from it, every round in row.rounds."""
+    row = _row(512, 200.0, 100.0, cudnn=400.0)
+    first = {"cuflash2": row.ms, "SDPA-flash": row.torch_ms, "cuDNN": row.cudnn_ms}
+    calls, later = [], {"cuflash2": [1.0, 9.0], "SDPA-flash": [2.0, 2.0], "cuDNN": [0.5, 8.0]}
+
+    def timer(name):
+        def time_once(warmup, iters, backlog):
+            calls.append(name)
+            return later[name][sum(c == name for c in calls) - 1]
+        return time_once
+    timers = {name: timer(name) for name in first}
+    paper_grid.repeat_rounds(row, timers, 3, 1, 5, None)
+    assert calls == ["SDPA-flash", "cuDNN", "cuflash2", "cuDNN", "cuflash2", "SDPA-flash"]
+    assert row.rounds == {name: [first[name]] + later[name] for name in first}
+    for name, (ms_field, tflops_field) in paper_grid.ROUND_FIELDS.items():
+        median = sorted(row.rounds[name])[1]
+        assert getattr(row, ms_field) == median
+        assert getattr(row, tflops_field) == pytest.approx(row.config.flops / median / 1e9)
+    assert "rounds" in row.to_json()
+
+
 def test_row_json_has_config_flops_and_ratio():
     data = _row(512, 200.0, 100.0).to_json()
     assert data["seqlen"] == 512 and data["ratio"] == 2.0

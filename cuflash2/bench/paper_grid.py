@@ -76,6 +76,9 @@ class Row:
     cudnn_tflops: float | None = None
     cudnn_max_abs_diff: float | None = None  # cuflash2 vs cuDNN output (forward)
     cudnn_error: str | None = None
+    #: With repeats: each contender's time (ms) of every round ("cuflash2", "SDPA-flash",
+    #: "cuDNN"); the row's times are their medians.
+    rounds: dict = field(default_factory=dict)
 
     @property
     def ratio(self) -> float | None:
@@ -183,14 +186,16 @@ def format_cell(value, spec: str, missing: str = "–") -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown_table(rows: list[Row], compare: bool) -> str:
-    """One line per row; with `compare`, SDPA-flash's and cuDNN's TFLOP/s, cuflash2's ratio to
-    each and the max abs difference of the forward outputs (cuflash2 vs each); "n/a" where
-    cuDNN refused the configuration (cudnn_notes gives the reasons)."""
+def markdown_table(rows: list[Row], compare: bool, cudnn_version=None) -> str:
+    """One line per row; with `compare`, SDPA-flash's and cuDNN's TFLOP/s (`cudnn_version`, as
+    torch reports it, in the column's name), cuflash2's ratio to each and the max abs difference
+    of the forward outputs (cuflash2 vs each); "n/a" where cuDNN refused the configuration
+    (cudnn_notes gives the reasons)."""
     header = ["dir", "dtype", "d", "causal", "seqlen", "batch×heads", "cuflash2 ms",
               "cuflash2 TFLOP/s"]
     if compare:
-        header += ["SDPA-flash TFLOP/s", "cuDNN TFLOP/s", "cuflash2 / SDPA-flash",
+        cudnn = f"cuDNN {cudnn_version} TFLOP/s" if cudnn_version else "cuDNN TFLOP/s"
+        header += ["SDPA-flash TFLOP/s", cudnn, "cuflash2 / SDPA-flash",
                    "cuflash2 / cuDNN", "max abs diff (SDPA-flash)", "max abs diff (cuDNN)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -266,10 +271,15 @@ def random_inputs(cupy, config: Config, dtype, seed: int):
     return tuple(rng.standard_normal(shape, dtype=cupy.float32).astype(dtype) for _ in range(3))
 
 
-def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progress=sys.stderr):
+def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progress=sys.stderr,
+            repeats: int = 1):
     """Time every configuration; inputs are made once per (dtype, headdim, seqlen) and shared by
     the causal modes, the directions and torch. With torch, each row also times SDPA-flash (a
-    failure there is the row's error) and then cuDNN (a refusal there is only cudnn_error)."""
+    failure there is the row's error) and then cuDNN (a refusal there is only cudnn_error).
+    `repeats` > 1: each row's contenders are timed that many rounds, interleaved, the order
+    turning round by round, and the row keeps each one's median (Row.rounds holds them all): a
+    ratio between contenders then compares times taken in the same power state, which a long
+    run's rows before leave to each row differently (about 5% between runs)."""
     import cuflash2
     from ..selfcheck import dtype_from_name
 
@@ -290,11 +300,14 @@ def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progres
         for config in group:
             row = rows[config]
             ours_out = None
+            timers = {}  # contender -> timer(warmup, iters, backlog), for the later rounds
             try:
                 if config.direction == "fwd":
-                    ours_out = _measure_forward(cupy, row, q, k, v, warmup, iters, backlog)
+                    ours_out, timers["cuflash2"] = _measure_forward(cupy, row, q, k, v, warmup,
+                                                                    iters, backlog)
                 elif has_backward:
-                    _measure_backward(cupy, row, q, k, v, dout, warmup, iters, backlog)
+                    timers["cuflash2"] = _measure_backward(cupy, row, q, k, v, dout, warmup,
+                                                           iters, backlog)
                 else:
                     row.errors.append("backward not available yet")
                 if torch is not None and row.ms is not None:
@@ -303,16 +316,49 @@ def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progres
                         cupy, torch, flash, config, q, k, v, dout, ours_out, warmup, iters,
                         backlog)
                     row.torch_tflops = config.flops / row.torch_ms / 1e9
+                    if repeats > 1:
+                        timers["SDPA-flash"] = torch_peers.torch_timer(torch, flash, config, q,
+                                                                       k, v, dout)
             except Exception as exc:  # keep going; the row shows what failed
                 row.errors.append(f"{exc.__class__.__name__}: {exc}")
             if torch is not None and row.ms is not None:
                 torch_peers.measure_cudnn(cupy, torch, row, q, k, v, dout, ours_out, warmup,
                                           iters, backlog)
+                if repeats > 1 and row.cudnn_ms is not None:
+                    timers["cuDNN"] = torch_peers.torch_timer(
+                        torch, torch_peers.TorchSdpaCudnn(torch, cupy, dtype_name), config, q,
+                        k, v, dout)
+            if repeats > 1 and not row.errors:
+                try:
+                    repeat_rounds(row, timers, repeats, warmup, iters, backlog)
+                except Exception as exc:
+                    row.errors.append(f"{exc.__class__.__name__}: {exc}")
             print(_progress_line(row), file=progress, flush=True)
             del ours_out
         del q, k, v, dout
         cupy.get_default_memory_pool().free_all_blocks()
     return [rows[config] for config in configs]
+
+
+#: The Row fields of each contender's time.
+ROUND_FIELDS = {"cuflash2": ("ms", "tflops"), "SDPA-flash": ("torch_ms", "torch_tflops"),
+                "cuDNN": ("cudnn_ms", "cudnn_tflops")}
+
+
+def repeat_rounds(row: Row, timers: dict, repeats: int, warmup: int, iters: int, backlog) -> None:
+    """Rounds 2 .. `repeats` of a row whose first round is in it: each contender of `timers`
+    (name -> timer(warmup, iters, backlog) -> ms) timed again, round r starting at the r-th
+    contender; then each time the median of its rounds (all of them in row.rounds)."""
+    names = list(timers)
+    rounds = {name: [getattr(row, ROUND_FIELDS[name][0])] for name in names}
+    for r in range(1, repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rounds[name].append(timers[name](warmup, iters, backlog))
+    row.rounds = rounds
+    for name, times in rounds.items():
+        ms_field, tflops_field = ROUND_FIELDS[name]
+        setattr(row, ms_field, statistics.median(times))
+        setattr(row, tflops_field, row.config.flops / getattr(row, ms_field) / 1e9)
 
 
 def _progress_line(row: Row) -> str:
@@ -329,15 +375,19 @@ def _progress_line(row: Row) -> str:
 
 
 def _measure_forward(cupy, row, q, k, v, warmup, iters, backlog):
-    """cuflash2's forward time into `row`; returns its output (for the comparison with torch)."""
+    """cuflash2's forward time into `row`; returns its output (for the comparison with torch)
+    and its timer (timer(warmup, iters, backlog) -> ms, for repeat_rounds)."""
     import cuflash2
 
     options = row.config.options().keywords()
     out = cupy.empty_like(q)
-    row.ms = timing.time_cupy(cupy, lambda: cuflash2.attention(q, k, v, out=out, **options),
-                              warmup, iters, backlog)
+
+    def timer(warmup, iters, backlog):
+        return timing.time_cupy(cupy, lambda: cuflash2.attention(q, k, v, out=out, **options),
+                                warmup, iters, backlog)
+    row.ms = timer(warmup, iters, backlog)
     row.tflops = row.config.flops / row.ms / 1e9
-    return out
+    return out, timer
 
 
 def _measure_backward(cupy, row, q, k, v, dout, warmup, iters, backlog):
@@ -346,7 +396,11 @@ def _measure_backward(cupy, row, q, k, v, dout, warmup, iters, backlog):
     # Assumed signature, mirroring flash-attn's: attention_backward(dout, q, k, v, out, lse, ...).
     options = row.config.options().keywords()
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
-    row.ms = timing.time_cupy(
-        cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse, **options),
-        warmup, iters, backlog)
+
+    def timer(warmup, iters, backlog):
+        return timing.time_cupy(
+            cupy, lambda: cuflash2.attention_backward(dout, q, k, v, out, lse, **options),
+            warmup, iters, backlog)
+    row.ms = timer(warmup, iters, backlog)
     row.tflops = row.config.flops / row.ms / 1e9
+    return timer

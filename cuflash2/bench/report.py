@@ -43,7 +43,8 @@ def run(cupy, args) -> int:
     if torch is not None:
         env["torch_cudnn"] = cudnn_version(torch)
 
-    rows = measure(cupy, torch, configs, args.warmup, args.iters)
+    repeats = getattr(args, "repeats", 1)
+    rows = measure(cupy, torch, configs, args.warmup, args.iters, repeats=repeats)
     summary = summarize(rows)
     windows = []
     if getattr(args, "windows", None):
@@ -60,14 +61,17 @@ def run(cupy, args) -> int:
                                 args.hidden, args.warmup, args.iters)
 
     print(f"\n{environment_header(env)}\n")
-    print(f"Median of {args.iters} calls after {args.warmup} warm-up calls, CUDA events; "
+    rounds = (f"; each row's contenders timed {repeats} rounds interleaved, the order turning, "
+              f"the median of the rounds" if repeats > 1 else "")
+    print(f"Median of {args.iters} calls after {args.warmup} warm-up calls, CUDA events{rounds}; "
           f"FLOPs 4·b·h·s²·d (causal /2, backward ×{BACKWARD_FLOP_FACTOR}).\n")
     if torch is not None:
         print(f"torch SDPA on the same arrays, restricted to its FlashAttention-2 backend "
               f"(SDPA-flash) and to its cuDNN backend (cuDNN {env['torch_cudnn'] or '?'}); "
               f"ratios are cuflash2 TFLOP/s over theirs; max abs diff: forward outputs against "
               f"cuflash2's.\n")
-    print(markdown_table(rows, compare=torch is not None))
+    print(markdown_table(rows, compare=torch is not None,
+                         cudnn_version=env.get("torch_cudnn")))
     notes = cudnn_notes(rows)
     if notes:
         print()

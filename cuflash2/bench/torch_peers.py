@@ -122,6 +122,21 @@ def measure_torch(cupy, torch, reference: TorchSdpa, config, q, k, v, dout, ours
     return ms, diff
 
 
+def torch_timer(torch, reference: TorchSdpa, config, q, k, v, dout):
+    """timer(warmup, iters, backlog) -> ms of torch SDPA under `reference`'s backend on these
+    arrays, as measure_torch times it (the backward on a graph built here, once): the later
+    rounds of a row (paper_grid.measure's `repeats`)."""
+    if config.direction == "fwd":
+        run = reference.forward(q, k, v, config.causal)
+    else:
+        run = reference.backward(q, k, v, dout, config.causal)
+
+    def timer(warmup, iters, backlog):
+        with reference.only():
+            return time_torch(torch, run, warmup, iters, backlog)
+    return timer
+
+
 def measure_cudnn(cupy, torch, row, q, k, v, dout, ours_out, warmup, iters, backlog):
     """SDPA's cuDNN backend into `row` (a paper_grid.Row), timed as SDPA-flash is. A configuration it
     refuses (or a torch without that backend) leaves the time empty and the reason in
