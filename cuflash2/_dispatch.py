@@ -323,6 +323,8 @@ def split_head_dims_backward(problem, features: int, deterministic: bool, arch: 
     deterministic mode), or NotImplementedError naming v's head dim (the mma.sync kernels have
     one head dim)."""
     p = problem
+    if not (p.batch and p.nheads):  # nothing to launch (backward_plan); its sizes only
+        return BackwardChoice(bwd_config(p.dtype, p.head_dim, arch, deterministic))
     hopper = map_fields = None
     if config is None and "bwd" not in FORCED and user_mods is None:
         hopper = hopper_backward_config(p, features, arch, varlen, deterministic)

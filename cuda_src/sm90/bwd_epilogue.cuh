@@ -27,11 +27,14 @@ CF2_DEVICE void store_zero_dkdv(const BwdParams& p, u16* dk_block, u16* dv_block
                 store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
         }
     } else if constexpr (T::NUM_CHUNKS == 1) {
+        // (v_head_chunks: a d_v of the same kernel head dim as d_qk, 128 / 112 say)
         for (int idx = tid; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
             const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
-            if (key_first + row < seqlen_k && chunk < head_chunks) {
-                store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
-                store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
+            if (key_first + row < seqlen_k) {
+                if (chunk < head_chunks)
+                    store_16B_global(dk_block + row * p.dk_row_stride + chunk * 8, zeros);
+                if (chunk < v_head_chunks)
+                    store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, zeros);
             }
         }
     } else {
@@ -39,9 +42,11 @@ CF2_DEVICE void store_zero_dkdv(const BwdParams& p, u16* dk_block, u16* dv_block
         constexpr int CHUNKS = T::CHUNK_COLS / 8;
         for (int idx = tid; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
             const int row = idx / CHUNKS, c = col0 / 8 + idx % CHUNKS;
-            if (key_first + row < seqlen_k && c < head_chunks) {
-                store_16B_global(dk_block + row * p.dk_row_stride + c * 8, zeros);
-                store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
+            if (key_first + row < seqlen_k) {
+                if (c < head_chunks)
+                    store_16B_global(dk_block + row * p.dk_row_stride + c * 8, zeros);
+                if (c < v_head_chunks)
+                    store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
             }
         }
     }
@@ -100,15 +105,19 @@ CF2_DEVICE void store_dkdv(const BwdParams& p, u32 k_smem, u32 v_smem, u16* dk_b
         }
         return;
     }
+    // (dK's and dV's guards apart: a d_v of the same kernel head dim as d_qk, 128 / 112 say)
 #pragma unroll
     for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
         const int idx = tid + T::WARPGROUP_THREADS * i;
         const int row = key0 + idx / CHUNKS;
         const int chunk = idx % CHUNKS;
-        if (key_first + row < seqlen_k && chunk < head_chunks - col0 / 8) {
-            u32 vals[4];
+        if (key_first + row >= seqlen_k) continue;
+        u32 vals[4];
+        if (chunk < head_chunks - col0 / 8) {
             load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
             store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
+        }
+        if (chunk < v_head_chunks - col0 / 8) {
             load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
             store_16B_global(dv_block + row * p.dv_row_stride + col0 + chunk * 8, vals);
         }
