@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import platform
 import sys
 from importlib import metadata
@@ -54,13 +55,30 @@ def cupy_cache_dir() -> str:
     return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
 
 
-def cached_modules(cache_dir: str) -> int:
+def cached_modules(cache_dir: str, own: bool = False) -> int:
     """Compiled modules in CuPy's kernel cache `cache_dir` (its .cubin files: cuflash2's and any
-    other CuPy user's); 0 where the directory does not exist."""
+    other CuPy user's, CuPy's own elementwise and reduction kernels among them); with `own`
+    cuflash2's alone (OWN_KERNEL_NAME in the module's symbols); 0 where the directory does not
+    exist."""
     try:
-        return sum(1 for entry in os.scandir(cache_dir) if entry.name.endswith(".cubin"))
+        entries = [entry for entry in os.scandir(cache_dir) if entry.name.endswith(".cubin")]
     except OSError:
         return 0
+    if not own:
+        return len(entries)
+    count = 0
+    for entry in entries:
+        try:
+            with open(entry.path, "rb") as handle:
+                count += OWN_KERNEL_NAME.search(handle.read()) is not None
+        except OSError:
+            continue
+    return count
+
+
+#: What every cuflash2 kernel's (mangled) name holds: the families' flash_*_kernel and
+#: merge_states_kernel (cuda_src/), as a compiled module's symbol table spells them.
+OWN_KERNEL_NAME = re.compile(rb"flash_[a-z0-9_]*kernel|merge_states_kernel")
 
 
 def find_gpu():
@@ -132,6 +150,7 @@ def collect() -> dict:
         "cupy_cache_dir": cupy_cache_dir(),
     }
     env["cupy_cache_modules"] = cached_modules(env["cupy_cache_dir"])
+    env["cupy_cache_own_modules"] = cached_modules(env["cupy_cache_dir"], own=True)
     cupy, reason = find_gpu()
     if cupy is None:
         env["gpu_error"] = reason
@@ -194,6 +213,6 @@ def format_info(env: dict) -> list[str]:
     else:
         lines.append(f"GPU            none: {env['gpu_error'] or 'device query failed'}")
     lines.append(f"kernel cache   {env['cupy_cache_dir']} ({env.get('cupy_cache_modules', 0)} "
-                 f"compiled modules; CuPy's: set CUPY_CACHE_DIR to move it, fill it with "
-                 f"`cuflash2 precompile`)")
+                 f"compiled modules, {env.get('cupy_cache_own_modules', 0)} of them cuflash2's; "
+                 f"CuPy's: set CUPY_CACHE_DIR to move it, fill it with `cuflash2 precompile`)")
     return lines

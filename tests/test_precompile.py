@@ -86,8 +86,12 @@ def test_precompile_without_a_gpu_says_what_it_needs(capsys, monkeypatch):
 
 
 def test_info_counts_the_cached_modules(tmp_path, capsys, monkeypatch):
-    for name in ("a.cubin", "b.cubin", "notes.txt"):
-        (tmp_path / name).write_text("")
+    """Every compiled module of the cache, and cuflash2's apart (its kernels' names in the
+    module, as a cubin's symbol table holds them; CuPy's own kernels land in the same cache)."""
+    (tmp_path / "a.cubin").write_bytes(b"\x7fELF..._Z21flash_fwd_sm90_kernelI8bf16_tag...")
+    (tmp_path / "b.cubin").write_bytes(b"\x7fELF...cupy_multiply__float_float_float...")
+    (tmp_path / "c.cubin").write_bytes(b"\x7fELF...merge_states_kernelI...")
+    (tmp_path / "notes.txt").write_text("flash_fwd_kernel")
     status, out, err = _cli(capsys, monkeypatch, "info", CUPY_CACHE_DIR=str(tmp_path))
     assert status == 0, err
-    assert f"{tmp_path} (2 compiled modules" in out
+    assert f"{tmp_path} (3 compiled modules, 2 of them cuflash2's" in out

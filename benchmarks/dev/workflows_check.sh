@@ -47,7 +47,11 @@ bounded() {
 }
 # The first lines of a log: the commit and the command.
 header() { printf '# commit %s\n# %s\n' "$COMMIT" "$*"; }
+# Compiled modules of the cache: every one (CuPy's own kernels land there too), cuflash2's
 cached() { python3 -c "from cuflash2 import _environment as e; print(e.cached_modules('$CACHE'))"; }
+cached_own() {
+    python3 -c "from cuflash2 import _environment as e; print(e.cached_modules('$CACHE', own=True))"
+}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
     --format=csv | tee "$OUT/gpu.txt"
@@ -72,14 +76,16 @@ fi
 if want check; then
     log=$OUT/check.txt
     header "python -m cuflash2 check  (fresh process, CUPY_CACHE_DIR=$CACHE)" > "$log"
-    before=$(cached)
+    before=$(cached); own_before=$(cached_own)
     python3 -m cuflash2 info >> "$log" 2>&1
     start=$SECONDS
     bounded 120 python3 -m cuflash2 check >> "$log" 2>&1
     status=$?
-    after=$(cached)
+    after=$(cached); own_after=$(cached_own)
     echo "exit status $status, $((SECONDS - start)) s; cached modules before $before, after" \
-         "$after: $((after - before)) compiled during check" >> "$log"
+         "$after: $((after - before)) compiled during check, $((own_after - own_before)) of" \
+         "them cuflash2's ($own_before before, $own_after after; the rest CuPy's own kernels" \
+         "of the reference maths)" >> "$log"
     tail -3 "$log"
 fi
 
