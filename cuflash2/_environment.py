@@ -39,9 +39,9 @@ def backward_kernel_family(compute_capability: str) -> str:
     if not _dispatch.HOPPER_BACKWARD:
         return "mma.sync kernels (the Hopper backward is switched off: CUFLASH2_HOPPER_BWD=0)"
     dims = "/".join(str(d) for d in _configs.SM90_BWD_HEAD_DIMS)
-    return (f"Hopper kernel (wgmma, TMA; head dims {dims}) except "
-            f"dropout, varlen, deterministic and d > {max(_configs.SM90_BWD_HEAD_DIMS)}, which "
-            f"run mma.sync ({names})")
+    varlen = "" if _dispatch.HOPPER_BACKWARD_VARLEN else ", varlen (CUFLASH2_HOPPER_BWD_VARLEN=0)"
+    return (f"Hopper kernel (wgmma, TMA; head dims {dims}) except dropout, float32 and score "
+            f"modifiers other than a bias{varlen}, which run mma.sync ({names})")
 
 
 #: How to install CuPy, for the messages that find it missing: the wheel for the CUDA version,
