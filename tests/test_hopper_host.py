@@ -757,3 +757,33 @@ def test_v_with_its_own_head_dim_runs_the_hopper_backward(hopper_api, d_qk, d_v,
                                                device_array((8, 1400), numpy.float32), cu, cu,
                                                700, 700, check_cu_seqlens=False)
     assert [g.shape for g in grads] == [x.shape for x in packed]
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_precompile_plans_every_kernel_check_launches(hopper_api, arch):
+    """`cuflash2 precompile --headdim <check's>` then `cuflash2 check` in a fresh process
+    compiles nothing of cuflash2's: every kernel check's calls launch (its grid of shapes, both
+    dtypes, causal or not, forward and backward) is one precompile plans for those head dims.
+    (check's reference maths compiles CuPy's own kernels into the same cache: those it cannot.)"""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from cuflash2 import _configs, precompile, selfcheck
+    from test_plans_host import device_array
+
+    hopper_api.set_arch(arch)
+    for case in selfcheck.grid(("fp16", "bf16"), selfcheck.DEFAULT_HEADDIMS):
+        dtype = selfcheck.dtype_from_name(case.dtype_name)
+        lead = () if case.unbatched else (case.batch,)
+        q = device_array(lead + (case.seqlen_q, case.nheads, case.headdim), dtype)
+        k = device_array(lead + (case.seqlen_k, case.nheads_kv, case.headdim), dtype)
+        cuflash2.attention(q, k, k, causal=case.causal)
+        out = device_array(q.shape, dtype)  # (the stand-in's own outputs hold no host array)
+        lse = device_array(lead + (case.nheads, case.seqlen_q), numpy.float32)
+        cuflash2.attention_backward(out, q, k, k, out, lse, causal=case.causal)
+    launched = {launch.config for launch, _, _ in hopper_api.launches}
+    assert len(launched) >= 12  # (forward, preprocess, main, conversion kernels of each dtype)
+    planned = set(precompile.plan(arch, ["float16", "bfloat16"], selfcheck.DEFAULT_HEADDIMS,
+                                  [0], ["fwd", "bwd"]))
+    missing = sorted(_configs.describe(c) if hasattr(c, "head_dim") else repr(c)
+                     for c in launched - planned)
+    assert not missing, missing
