@@ -130,6 +130,10 @@ class DecodeStep:
                                rotary_interleaved=False)
         self.num_splits = num_splits
         self.early_cache_reads = early_cache_reads
+        # The arrays above are filled on the current stream, which a non-blocking stream does
+        # not wait for: without this the step could read caches, q, k, v and lengths before they
+        # are written (uninitialised pool memory, NaN where it held other bits).
+        cupy.cuda.get_current_stream().synchronize()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.outputs = []
         self._attention = cuflash2.attention_with_kvcache
