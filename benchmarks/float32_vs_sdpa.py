@@ -15,7 +15,6 @@ the forward's (five products instead of two).
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -144,23 +143,10 @@ def main() -> int:
                 calls = forward_calls(q, k, v, q16, k16, v16, args.causal)
             if torch is not None:
                 calls.update(torch_calls(torch, q, k, v, dout, args.causal, args.backward))
-            times = {name: [] for name in calls}
-            order = list(calls)
-            for r in range(args.rounds):
-                for name in order[r % len(order):] + order[:r % len(order)]:
-                    fn = calls[name]
-                    try:
-                        if name.startswith("sdpa"):
-                            times[name].append(timing.time_torch(torch, fn, 2, args.iters,
-                                                                 backlog))
-                        else:
-                            times[name].append(timing.time_cupy(cupy, fn, 2, args.iters,
-                                                                backlog))
-                    except Exception as exc:  # a backend that refuses (memory, shape)
-                        print(f"# {name} d={d} n={n}: {type(exc).__name__}: {exc}"[:200],
-                              file=sys.stderr)
-                        times[name].append(float("nan"))
-            med = {name: statistics.median(t) for name, t in times.items()}
+            med = timing.median_of_rounds(
+                cupy, torch, calls, args.rounds, 2, args.iters, backlog,
+                on_error=lambda name, exc, d=d, n=n: print(
+                    f"# {name} d={d} n={n}: {type(exc).__name__}: {exc}"[:200], file=sys.stderr))
             fl = flops(args.batch, args.heads, n, d, args.causal, args.backward)
             cells = [f"{med[x]:.3f} ({fl / med[x] / 1e9:.0f})" if x in med else "-"
                      for x in names]

@@ -15,7 +15,6 @@ out's, or with --backward the largest of dq's, dk's and dv's.
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -133,16 +132,8 @@ def main() -> int:
                             q, k, v_wide, dout_wide, causal, args.backward)
                     if torch is not None:
                         calls.update(torch_calls(torch, q, k, v, dout, causal, args.backward))
-                    times = {name: [] for name in calls}
-                    order = list(calls)
-                    for r in range(args.rounds):
-                        for name in order[r % len(order):] + order[:r % len(order)]:
-                            if name.startswith("sdpa"):
-                                t = timing.time_torch(torch, calls[name], 2, args.iters, backlog)
-                            else:
-                                t = timing.time_cupy(cupy, calls[name], 2, args.iters, backlog)
-                            times[name].append(t)
-                    med = {name: statistics.median(t) for name, t in times.items()}
+                    med = timing.median_of_rounds(cupy, torch, calls, args.rounds, 2,
+                                                  args.iters, backlog)
                     fl = {name: flops(batch, args.heads, n, d_qk,
                                       d_qk if "v 192" in name else d_v, causal, args.backward)
                           for name in med}

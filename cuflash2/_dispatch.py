@@ -143,23 +143,35 @@ def split_head_dims_forward(problem, features: int, window, arch: int, views: di
     hopper = None
     if config is None and "fwd" not in FORCED and user_mods is None:
         hopper = hopper_forward_config(p, features, window, arch, varlen)
-    maps = map_fields = None
-    if hopper is not None:
-        maps = _hopper.forward_maps(hopper)
-        map_fields = _hopper.readable_map_fields(views, maps)
-    if map_fields is None:
-        pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
-        raise NotImplementedError(
-            f"v's head dim ({p.head_dim_v}) apart from q's and k's ({p.head_dim}) runs on the "
-            f"Hopper forward (sm_90) only: q/k and v head dims up to {pairs}, float16 or "
-            f"bfloat16, at least one key, without dropout or mask_mod / score_mod / bias, q, k "
-            f"and v readable by the TMA (16-byte aligned strides); this call has "
-            f"{'sm_%d' % arch if arch != 90 else 'another combination'} "
-            f"(cuflash2.reference.attention takes any)")
+    maps = None if hopper is None else _hopper.forward_maps(hopper)
+    map_fields = split_head_dims_map_fields(p, "forward", hopper, maps, views, arch)
     grid, grid_fields = forward_grid(hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
                                      device_id)
     return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+
+
+def split_head_dims_map_fields(problem, direction: str, hopper, maps, views: dict,
+                               arch: int) -> dict:
+    """The tensor maps' words of the Hopper kernel `hopper` (its `maps`) for a call whose v has
+    a head dim of its own, or NotImplementedError naming v's head dim where no kernel runs it
+    (`hopper` None, or the TMA cannot read its arrays): the mma.sync kernels have one head dim.
+    `direction`: "forward" or "backward"."""
+    map_fields = None if hopper is None else _hopper.readable_map_fields(views, maps)
+    if map_fields is not None:
+        return map_fields
+    p = problem
+    pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
+    what, rows, function = (("", "at least one key", "attention") if direction == "forward"
+                            else ("the backward of ", "at least one query and key",
+                                  "attention_backward"))
+    raise NotImplementedError(
+        f"{what}v's head dim ({p.head_dim_v}) apart from q's and k's ({p.head_dim}) runs on the "
+        f"Hopper {direction} (sm_90) only: q/k and v head dims up to {pairs}, float16 or "
+        f"bfloat16, {rows}, without dropout or mask_mod / score_mod / bias, arrays the TMA reads "
+        f"(16-byte aligned strides); this call has "
+        f"{'sm_%d' % arch if arch != 90 else 'another combination'} "
+        f"(cuflash2.reference.{function} takes any)")
 
 
 def scheduling_window(window, block_mask: bool):
@@ -325,22 +337,11 @@ def split_head_dims_backward(problem, features: int, deterministic: bool, arch: 
     p = problem
     if not (p.batch and p.nheads):  # nothing to launch (backward_plan); its sizes only
         return BackwardChoice(bwd_config(p.dtype, p.head_dim, arch, deterministic))
-    hopper = map_fields = None
+    hopper = None
     if config is None and "bwd" not in FORCED and user_mods is None:
         hopper = hopper_backward_config(p, features, arch, varlen, deterministic)
-    if hopper is not None:
-        maps = _hopper.backward_maps(hopper)
-        map_fields = _hopper.readable_map_fields(views, maps)
-    if map_fields is None:
-        pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
-        raise NotImplementedError(
-            f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
-            f"({p.head_dim}) runs on the Hopper backward (sm_90) only: q/k and v head dims up to "
-            f"{pairs}, float16 or bfloat16, at least one query and key, without dropout or "
-            f"mask_mod / score_mod / bias, arrays the TMA reads (16-byte aligned strides); this "
-            f"call has "
-            f"{'sm_%d' % arch if arch != 90 else 'another combination'} "
-            f"(cuflash2.reference.attention_backward takes any)")
+    maps = None if hopper is None else _hopper.backward_maps(hopper)
+    map_fields = split_head_dims_map_fields(p, "backward", hopper, maps, views, arch)
     key_blocks = -(-p.seqlen_k // hopper.block_n)
     group_pairs = dispatch_group_pairs(key_blocks, hopper.num_chunks, window, deterministic)
     return BackwardChoice(hopper, True, group_pairs=group_pairs, maps=maps,
@@ -1482,7 +1483,12 @@ def hopper_forward_configs(features=(0,)) -> list:
                 for persistent in (False, True):
                     configs.append(with_features(
                         fwd_sm90_config(dtype, dim, persistent, consumers=3), f))
-    for (dim, causal), (pingpong, overlap) in SCHEDULES.items():
+    # Each head dim's schedules and grids; V's own head dims (SM90_SPLIT_HEAD_DIM_TILES, dim_v)
+    # take Q's head dim's.
+    dims = [(dim, 0, causal) for dim, causal in SCHEDULES] + [
+        (dim, dim_v, causal) for dim, dim_v in SM90_FWD_HEAD_DIM_PAIRS for causal in (False, True)]
+    for dim, dim_v, causal in dims:
+        pingpong, overlap = SCHEDULES[dim, causal]
         for dtype in DTYPE_TAGS:
             for f in features:
                 grids = [False]
@@ -1490,23 +1496,9 @@ def hopper_forward_configs(features=(0,)) -> list:
                     grids.append(True)
                 for persistent in grids:
                     config = with_features(
-                        fwd_sm90_config(dtype, dim, persistent), f)
+                        fwd_sm90_config(dtype, dim, persistent, head_dim_v=dim_v), f)
                     configs.append(dataclasses.replace(config, pingpong=pingpong,
                                                        overlap=overlap))
-    # V's own head dim (SM90_SPLIT_HEAD_DIM_TILES): Q's head dim's schedules and grids.
-    for (dim, dim_v) in SM90_FWD_HEAD_DIM_PAIRS:
-        for causal in (False, True):
-            pingpong, overlap = SCHEDULES[dim, causal]
-            for dtype in DTYPE_TAGS:
-                for f in features:
-                    grids = [False]
-                    if (dim, causal) in PERSISTENT_MAX_KEYS and not f & FEATURE_VARLEN:
-                        grids.append(True)
-                    for persistent in grids:
-                        config = fwd_sm90_config(dtype, dim, persistent, head_dim_v=dim_v)
-                        if config.smem_bytes <= SM90_MAX_SMEM:
-                            configs.append(dataclasses.replace(
-                                with_features(config, f), pingpong=pingpong, overlap=overlap))
     # Persistent calls under a key limit claim their tiles at the head dims of
     # DYNAMIC_SCHEDULE_KEYS.
     configs += [dataclasses.replace(c, claims=True) for c in configs

@@ -22,16 +22,7 @@ HDV_ARGS=${HDV_ARGS:---seqlens 1024 4096 16384 --dtypes bf16 --rounds 3 --iters 
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 
-left() { echo $((BUDGET - SECONDS)); }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-bounded() {
-    local cap=$1; shift
-    local t=$(( $(left) - 5 ))
-    (( t > cap )) && t=$cap
-    if (( t < 20 )); then echo "skipped for want of time: $*"; return 0; fi
-    timeout "$t" "$@"
-}
-header() { printf '# commit %s\n# %s\n' "$COMMIT" "$*"; }
+source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw \
     --format=csv | tee "$OUT/followup-gpu.txt"

@@ -34,19 +34,7 @@ mkdir -p "$OUT" "$CACHE"
 export CUPY_CACHE_DIR=$CACHE
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
-left() { echo $((BUDGET - SECONDS)); }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-# Runs "$@" for at most $1 seconds and never past the budget (less 5 s for the last lines);
-# skips it, saying so, when fewer than 20 seconds would be left for it.
-bounded() {
-    local cap=$1; shift
-    local t=$(( $(left) - 5 ))
-    (( t > cap )) && t=$cap
-    if (( t < 20 )); then echo "skipped for want of time: $*"; return 0; fi
-    timeout "$t" "$@"
-}
-# The first lines of a log: the commit and the command.
-header() { printf '# commit %s\n# %s\n' "$COMMIT" "$*"; }
+source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
 # Compiled modules of the cache: every one (CuPy's own kernels land there too), cuflash2's
 cached() { python3 -c "from cuflash2 import _environment as e; print(e.cached_modules('$CACHE'))"; }
 cached_own() {

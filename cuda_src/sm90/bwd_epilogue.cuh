@@ -15,19 +15,9 @@ CF2_DEVICE void store_zero_dkdv(const BwdParams& p, u16* dk_block, u16* dv_block
                                 int tid) {
     constexpr int HEAD_DIM = T::DIM, BLOCK_N = T::KEYS_PER_WARPGROUP * T::CONSUMER_WARPGROUPS;
     const u32 zeros[4] = {0u, 0u, 0u, 0u};
-    if constexpr (!T::SAME_DIMS) {
-        // V's own head dim: this CTA's dK columns, and dV's (the first chunk's CTAs).
-        constexpr int CHUNKS = T::CHUNK_COLS / 8;
-        for (int idx = tid; idx < BLOCK_N * CHUNKS; idx += T::THREADS) {
-            const int row = idx / CHUNKS, c = idx % CHUNKS;
-            if (key_first + row >= seqlen_k) continue;
-            if (col0 / 8 + c < head_chunks)
-                store_16B_global(dk_block + row * p.dk_row_stride + col0 + c * 8, zeros);
-            if (col0 == 0 && c < v_head_chunks)
-                store_16B_global(dv_block + row * p.dv_row_stride + c * 8, zeros);
-        }
-    } else if constexpr (T::NUM_CHUNKS == 1) {
-        // (v_head_chunks: a d_v of the same kernel head dim as d_qk, 128 / 112 say)
+    // dK's and dV's guards apart: V's own head dim (below a chunk's columns: the second chunk's
+    // CTAs store none of dV), or the same kernel head dim as d_qk (128 / 112 say).
+    if constexpr (T::NUM_CHUNKS == 1) {
         for (int idx = tid; idx < BLOCK_N * (HEAD_DIM / 8); idx += T::THREADS) {
             const int row = idx / (HEAD_DIM / 8), chunk = idx % (HEAD_DIM / 8);
             if (key_first + row < seqlen_k) {
@@ -86,26 +76,8 @@ CF2_DEVICE void store_dkdv(const BwdParams& p, u32 k_smem, u32 v_smem, u16* dk_b
                            u16* dv_block, int key_first, int seqlen_k, int head_chunks,
                            int v_head_chunks, int col0, int key0, int tid) {
     constexpr int CHUNKS = T::CHUNK_COLS / 8;  // 16-byte chunks of this CTA's row (widest)
-    if constexpr (!T::SAME_DIMS) {
-#pragma unroll
-        for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
-            const int idx = tid + T::WARPGROUP_THREADS * i;
-            const int row = key0 + idx / CHUNKS;
-            const int chunk = idx % CHUNKS;
-            if (key_first + row >= seqlen_k) continue;
-            u32 vals[4];
-            if (chunk < head_chunks - col0 / 8) {
-                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
-                store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
-            }
-            if (col0 == 0 && chunk < T::DV_COLS / 8 && chunk < v_head_chunks) {
-                load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
-                store_16B_global(dv_block + row * p.dv_row_stride + chunk * 8, vals);
-            }
-        }
-        return;
-    }
-    // (dK's and dV's guards apart: a d_v of the same kernel head dim as d_qk, 128 / 112 say)
+    // dK's and dV's guards apart: V's own head dim (a kernel's of its own, whose dV columns
+    // only the first chunk's CTAs store, or the same kernel head dim as d_qk: 128 / 112 say).
 #pragma unroll
     for (int i = 0; i < T::KEYS_PER_WARPGROUP * CHUNKS / T::WARPGROUP_THREADS; ++i) {
         const int idx = tid + T::WARPGROUP_THREADS * i;
@@ -117,7 +89,8 @@ CF2_DEVICE void store_dkdv(const BwdParams& p, u32 k_smem, u32 v_smem, u16* dk_b
             load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(k_smem, row, chunk));
             store_16B_global(dk_block + row * p.dk_row_stride + col0 + chunk * 8, vals);
         }
-        if (chunk < v_head_chunks - col0 / 8) {
+        if ((T::SAME_DIMS || col0 == 0) && chunk < T::DV_COLS / 8 &&
+            chunk < v_head_chunks - col0 / 8) {
             load_16B_shared(vals, swizzled_chunk<T::KV_PANEL_BYTES>(v_smem, row, chunk));
             store_16B_global(dv_block + row * p.dv_row_stride + col0 + chunk * 8, vals);
         }

@@ -82,6 +82,29 @@ def time_torch(torch, fn, warmup: int, iters: int, backlog: Backlog) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def median_of_rounds(cupy, torch, calls: dict, rounds: int, warmup: int, iters: int,
+                     backlog: Backlog, is_torch=lambda name: name.startswith("sdpa"),
+                     on_error=None) -> dict:
+    """Each of `calls` (name -> fn) timed `rounds` times (time_cupy, or time_torch for the
+    names `is_torch` picks), the order turning round by round (round r starts at the r-th
+    call), so that every contender meets each power state the others leave; the median of each
+    one's rounds, in ms. A call that raises times nan in that round, after on_error(name, exc)."""
+    times = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            try:
+                if is_torch(name):
+                    times[name].append(time_torch(torch, calls[name], warmup, iters, backlog))
+                else:
+                    times[name].append(time_cupy(cupy, calls[name], warmup, iters, backlog))
+            except Exception as exc:  # a backend that refuses (memory, shape)
+                if on_error is not None:
+                    on_error(name, exc)
+                times[name].append(float("nan"))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def copy_ceiling(cupy, nbytes=1 << 30, iters=10) -> float:
     """Device copy bandwidth (bytes read + written per second) of a large buffer."""
     src = cupy.empty(nbytes // 2, dtype=cupy.uint8)
