@@ -343,10 +343,11 @@ class FwdSm90Config:
         if self.head_dim_v > self.head_dim:
             raise ValueError(f"the Hopper forward stages O in Q's buffer: V's head dim "
                              f"({self.head_dim_v}) at most Q's ({self.head_dim})")
-        if self.block_m not in (128, 192) or (self.pingpong and self.block_m != 128):
-            raise ValueError(f"the Hopper forward has two consumer warpgroups (block_m 128, "
-                             f"either schedule) or three (block_m 192, no ping-pong), not "
-                             f"block_m {self.block_m}{' with ping-pong' if self.pingpong else ''}")
+        if self.block_m not in (64, 128, 192) or (self.pingpong and self.block_m != 128):
+            raise ValueError(f"the Hopper forward has one consumer warpgroup (block_m 64, no "
+                             f"ping-pong), two (block_m 128, either schedule) or three (block_m "
+                             f"192, no ping-pong), not block_m {self.block_m}"
+                             f"{' with ping-pong' if self.pingpong else ''}")
         if self.claims and not self.persistent:
             raise ValueError("work tiles are claimed on the persistent grid only")
         if self.persistent and self.features & FEATURE_VARLEN:

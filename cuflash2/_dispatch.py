@@ -710,7 +710,7 @@ HOPPER_MODS_MAX_HEAD_DIM = 192
 HOPPER_BLOCK_MASK_MAX_HEAD_DIM = 128
 #: Float32 calls at precision "tf32" on the Hopper forward with TF32 wgmma (tf32_tag;
 #: docs/FLOAT32.md, "Hopper"), dense calls up to head dim 128 with the variant's features, and
-#: at precision "highest" (f32x3_tag, 3xTF32: F32X3_SM90_FWD_TILES) up to head dim 96:
+#: at precision "highest" (f32x3_tag, 3xTF32: F32X3_SM90_FWD_TILES) too:
 #: CUFLASH2_HOPPER_TF32=0 keeps both on the mma.sync kernel. The 3xTF32 one is opt-in
 #: (CUFLASH2_HOPPER_F32X3=1) until it has run on a GPU: "highest" is float32's default, and its
 #: mma.sync kernel passed the GPU tests (H100, 2026-12-07); the GPU tests switch it on.
@@ -725,11 +725,16 @@ TF32_SM90_FWD_TILES = {64: (128, 2), 96: (64, 3), 128: (64, 2)}
 #: (block_n, stages) of the 3xTF32 Hopper forward (precision "highest", "float32") by kernel head
 #: dim, block_m 128, ping-pong with the overlap inside a warpgroup. Q is held in two parts and a
 #: stage holds K and V's big and small parts (4 tiles): d=64 with 64 keys a tile (Q 64 KiB +
-#: 2 x 64 KiB), d=96 with 32 (Q 96 KiB + 2 x 48 KiB), both 197,632 B. d=128 does not fit: Q's
-#: two parts alone take 128 KiB, a 32-key stage 64 KiB (256 KiB with two stages), so it stays on
-#: mma.sync. Registers: O 48 + S 16 + P 2 x 16 at d=96, O 32 + S 32 + P 2 x 32 at d=64 (ptxas:
-#: 168 at entry, no spills). Not yet run on a GPU.
-F32X3_SM90_FWD_TILES = {64: (64, 2), 96: (32, 2)}
+#: 2 x 64 KiB), d=96 with 32 (Q 96 KiB + 2 x 48 KiB), both 197,632 B. Registers: O 48 + S 16 +
+#: P 2 x 16 at d=96, O 32 + S 32 + P 2 x 32 at d=64 (ptxas: 168 at entry, no spills). Passed
+#: the GPU tests (H100, 2026-12-07), not yet timed.
+#: d=128 takes 64 query rows a CTA (F32X3_SM90_FWD_BLOCK_M: one consumer warpgroup, the in-order
+#: schedule with the overlap): at 128 rows Q's two parts alone take 128 KiB and two 32-key
+#: stages 128 KiB more; at 64, Q 64 KiB + 2 x 64 KiB = 197,632 B. Registers: O 64 + S 16 + P
+#: 2 x 16 (ptxas: no spills). Not yet run on a GPU.
+F32X3_SM90_FWD_TILES = {64: (64, 2), 96: (32, 2), 128: (32, 2)}
+#: block_m of the 3xTF32 Hopper forward where it is not 128 (one consumer warpgroup).
+F32X3_SM90_FWD_BLOCK_M = {128: 64}
 #: The float32 Hopper forwards' tiles by element ("tf32", "float32").
 FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD_TILES}
 
@@ -936,8 +941,8 @@ def tf32_hopper_forward_config(problem, features: int, varlen=None):
     (TF32_SM90_FWD_TILES) or "highest" (problem.dtype "float32", 3xTF32: F32X3_SM90_FWD_TILES),
     or None where it stays on the mma.sync kernel: switched off (HOPPER_FORWARD_TF32, and for
     "highest" HOPPER_FORWARD_F32X3), varlen (the keys-last V groups keys by 8 from each
-    sequence's start), features beyond the variant's, a head dim past the tiles' (128 at "tf32",
-    96 at "highest"), an empty problem."""
+    sequence's start), features beyond the variant's, a head dim past the tiles' (128), an empty
+    problem."""
     p = problem
     element = "float32" if p.dtype == "float32" else "tf32"
     tiles = FLOAT32_SM90_FWD_TILES[element]
@@ -947,10 +952,17 @@ def tf32_hopper_forward_config(problem, features: int, varlen=None):
             or features & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS)
             or not plannable(p, dims)):
         return None
-    kernel_dim = hopper_forward_head_dim(p.head_dim, dims)
-    block_n, stages = tiles[kernel_dim]
-    return FwdSm90Config(element, kernel_dim, block_n=block_n, stages=stages, pingpong=True,
-                         overlap=True, features=features)
+    return float32_sm90_config(element, hopper_forward_head_dim(p.head_dim, dims), features)
+
+
+def float32_sm90_config(element: str, kernel_dim: int, features: int = 0) -> FwdSm90Config:
+    """The float32 Hopper forward of `element` ("tf32", or "float32": 3xTF32) at `kernel_dim`:
+    FLOAT32_SM90_FWD_TILES' tile, ping-pong with the overlap inside a warpgroup; with one
+    consumer warpgroup (F32X3_SM90_FWD_BLOCK_M) the in-order schedule with the overlap."""
+    block_n, stages = FLOAT32_SM90_FWD_TILES[element][kernel_dim]
+    block_m = (F32X3_SM90_FWD_BLOCK_M.get(kernel_dim, 128) if element == "float32" else 128)
+    return FwdSm90Config(element, kernel_dim, block_m=block_m, block_n=block_n, stages=stages,
+                         pingpong=block_m == 128, overlap=True, features=features)
 
 
 #: The TF32 Hopper forward's scratch arrays by FwdSm90Params field, and the map reading each.
@@ -1462,10 +1474,9 @@ def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
     taken = FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINKS
     out = []
     for element in elements:
-        configs = [FwdSm90Config(element, d, block_n=block_n, stages=stages, pingpong=True,
-                                 overlap=True, features=f)
+        configs = [float32_sm90_config(element, d, f)
                    for f in dict.fromkeys(features) if not f & ~taken
-                   for d, (block_n, stages) in FLOAT32_SM90_FWD_TILES[element].items()]
+                   for d in FLOAT32_SM90_FWD_TILES[element]]
         out += configs + [AuxKernel(element, TF32_OPERANDS_KERNEL)] if configs else []
     return out
 

@@ -596,14 +596,16 @@ def test_a_tf32_forward_runs_the_operand_pass_then_the_tf32_hopper_kernel(
         _dense_problem(128, 1024), _configs.FEATURE_DROPOUT) is None
 
 
-@pytest.mark.parametrize("head_dim,kernel_dim,block_n", [(64, 64, 64), (80, 96, 32)])
+@pytest.mark.parametrize("head_dim,kernel_dim,block_n,block_m", [
+    (64, 64, 64, 128), (80, 96, 32, 128), (128, 128, 32, 64)])
 def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
-        hopper_api, monkeypatch, scratch_maps, head_dim, kernel_dim, block_n):
+        hopper_api, monkeypatch, scratch_maps, head_dim, kernel_dim, block_n, block_m):
     """attention(float32) at precision "highest" (the default) on sm_90: the operand pass of
     f32x3_tag (K and V's big and small TF32 parts into the call's scratch, K's rows and V's
-    blocks twice as long) then the 3xTF32 Hopper forward (F32X3_SM90_FWD_TILES), its k_map and
-    v_map over the scratch's arrays whole; head dims past 96, CUFLASH2_HOPPER_F32X3=0 and
-    CUFLASH2_HOPPER_TF32=0 stay on the mma.sync kernel."""
+    blocks twice as long) then the 3xTF32 Hopper forward (F32X3_SM90_FWD_TILES; d=128 with one
+    consumer warpgroup of 64 rows, in order), its k_map and v_map over the scratch's arrays
+    whole; head dims past 128, CUFLASH2_HOPPER_F32X3=0 and CUFLASH2_HOPPER_TF32=0 stay on the
+    mma.sync kernel."""
     numpy = pytest.importorskip("numpy")
     import cuflash2
     from cuflash2 import _configs, _dispatch
@@ -620,10 +622,10 @@ def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
     assert operands.grid == (32, 2, 2)
     config = forward.config
     assert isinstance(config, _configs.FwdSm90Config) and config.dtype == "float32"
-    assert (config.head_dim, config.block_n, config.stages, config.pingpong, config.overlap) == (
-        kernel_dim, block_n, 2, True, True)
+    assert (config.head_dim, config.block_m, config.block_n, config.stages, config.pingpong,
+            config.overlap) == (kernel_dim, block_m, block_n, 2, block_m == 128, True)
     assert config.smem_bytes == 197632 and "f32x3_tag" in config.name_expression
-    assert not config.persistent and forward.grid == (-(-1000 // 128), 8, 2)
+    assert not config.persistent and forward.grid == (-(-1000 // block_m), 8, 2)
     assert record["base"]["head_dim"] == 2 * head_dim  # 16-bit words
     k_tf32, v_keys_last = record["k_tf32"], record["v_keys_last"]
     assert v_keys_last - k_tf32 >= 4 * 2 * 1000 * 2 * 2 * head_dim  # both parts of K
@@ -642,19 +644,20 @@ def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
             cuflash2.attention(short, short, short, causal=True)
         assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
     assert len(hopper_api.launches) == count + 2
-    wide = device_array((2, 1000, 2, 128), numpy.float32)
+    wide = device_array((2, 1000, 2, 160), numpy.float32)
     cuflash2.attention(wide, wide, wide)
     assert isinstance(hopper_api.launches[-1][0].config, _configs.FwdConfig)
 
 
 def test_the_float32_hopper_forward_configs_name_both_elements():
     """tf32_hopper_forward_configs: each element's tiles and its own operand pass; "highest"
-    at head dims 64 and 96 (d=128's Q and stages do not fit 227 KiB)."""
+    at d=128 with one consumer warpgroup (two would not fit 227 KiB)."""
     from cuflash2 import _configs, _dispatch
 
     configs = _dispatch.tf32_hopper_forward_configs((0,), ("tf32", "float32"))
     assert [(c.dtype, c.head_dim) for c in configs if isinstance(c, _configs.FwdSm90Config)] == [
-        ("tf32", 64), ("tf32", 96), ("tf32", 128), ("float32", 64), ("float32", 96)]
+        ("tf32", 64), ("tf32", 96), ("tf32", 128), ("float32", 64), ("float32", 96),
+        ("float32", 128)]
     assert [c.dtype for c in configs if isinstance(c, _configs.AuxKernel)] == ["tf32", "float32"]
     assert all(c.smem_bytes <= 227 * 1024 for c in configs
                if isinstance(c, _configs.FwdSm90Config))
