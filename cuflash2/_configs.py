@@ -24,8 +24,7 @@ DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 #: Float32 inputs by their precision (cuda_src/tf32_primitives.cuh): "float32", precision
 #: "highest" (each operand as two TF32 parts, three products), and "tf32" (one TF32 product).
 #: The mma.sync forward and backward; on sm_90 the forwards also run the Hopper forward (its
-#: TF32 wgmma specialisations, _dispatch.FLOAT32_SM90_FWD_TILES: "tf32" up to head dim 128,
-#: "float32" up to 96).
+#: TF32 wgmma specialisations, _dispatch.FLOAT32_SM90_FWD_TILES: both up to head dim 128).
 FLOAT32_TAGS = {"float32": "f32x3_tag", "tf32": "tf32_tag"}
 ELEMENT_TAGS = {**DTYPE_TAGS, **FLOAT32_TAGS}
 #: 16-bit words an element takes in memory (the tags' WORDS): the kernels address tiles,
