@@ -38,12 +38,23 @@ def _check(q, k, v, **options):
     return out, lse
 
 
-@needs_hopper
-@pytest.mark.parametrize("d_qk,d_v", PAIRS)
-@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 77, 1000, 4, 4), (1, 1000, 333, 6, 2),
-                                   (3, 2048, 2048, 2, 1)], ids=lambda s: "x".join(map(str, s)))
+def _grid(longest):
+    """The grid of a forward or backward test: every pair, dtype and causal mode on shapes
+    (batch, seqlen_q, seqlen_k, heads, kv heads) with odd lengths, seqlen_q != seqlen_k and GQA,
+    and `longest`, a long square one."""
+    def decorate(test):
+        for mark in (pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 77, 1000, 4, 4),
+                                                       (1, 1000, 333, 6, 2), longest],
+                                             ids=lambda s: "x".join(map(str, s))),
+                     pytest.mark.parametrize("causal", [False, True]),
+                     pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"]),
+                     pytest.mark.parametrize("d_qk,d_v", PAIRS), needs_hopper):
+            test = mark(test)
+        return test
+    return decorate
+
+
+@_grid((3, 2048, 2048, 2, 1))
 def test_forward_matches_the_reference(d_qk, d_v, dtype, causal, shape):
     batch, sq, sk, h, hkv = shape
     q, k, v = _qkv(batch, sq, sk, h, hkv, d_qk, d_v, dtype, _seed(d_qk, d_v, *shape, causal))
@@ -53,14 +64,9 @@ def test_forward_matches_the_reference(d_qk, d_v, dtype, causal, shape):
     assert out.shape == (batch, sq, h, d_v) and lse.shape == (batch, h, sq)
 
 
-@needs_hopper
-@pytest.mark.parametrize("d_qk,d_v", PAIRS[:2])
-@pytest.mark.parametrize("option", ["softcap", "alibi", "sinks", "window", "unbatched"])
-def test_forward_features(d_qk, d_v, option):
-    seed = _seed(d_qk, d_v, option)
-    rng = numpy.random.default_rng(seed)
-    batch = None if option == "unbatched" else 2
-    q, k, v = _qkv(batch, 500, 700, 4, 2, d_qk, d_v, BF16, seed)
+def _feature_options(option: str, rng) -> dict:
+    """The call's options for one feature of the features tests (4 query heads), causal but
+    for the window."""
     options = {"causal": option != "window"}
     if option == "softcap":
         options["softcap"] = 20.0
@@ -70,7 +76,17 @@ def test_forward_features(d_qk, d_v, option):
         options["sinks"] = cupy.asarray(rng.standard_normal(4).astype(numpy.float32))
     elif option == "window":
         options["window_size"] = (100, 30)
-    _check(q, k, v, **options)
+    return options
+
+
+@needs_hopper
+@pytest.mark.parametrize("d_qk,d_v", PAIRS[:2])
+@pytest.mark.parametrize("option", ["softcap", "alibi", "sinks", "window", "unbatched"])
+def test_forward_features(d_qk, d_v, option):
+    seed = _seed(d_qk, d_v, option)
+    batch = None if option == "unbatched" else 2
+    q, k, v = _qkv(batch, 500, 700, 4, 2, d_qk, d_v, BF16, seed)
+    _check(q, k, v, **_feature_options(option, numpy.random.default_rng(seed)))
 
 
 @needs_hopper
@@ -138,12 +154,7 @@ def _check_backward(q, k, v, deterministic=False, **options):
     return grads
 
 
-@needs_hopper
-@pytest.mark.parametrize("d_qk,d_v", PAIRS)
-@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(2, 300, 300, 4, 2), (1, 77, 1000, 4, 4), (1, 1000, 333, 6, 2),
-                                   (2, 1024, 1024, 2, 1)], ids=lambda s: "x".join(map(str, s)))
+@_grid((2, 1024, 1024, 2, 1))
 def test_backward_matches_the_reference(d_qk, d_v, dtype, causal, shape):
     batch, sq, sk, h, hkv = shape
     q, k, v = _qkv(batch, sq, sk, h, hkv, d_qk, d_v, dtype, _seed("bwd", d_qk, d_v, *shape,
@@ -156,23 +167,13 @@ def test_backward_matches_the_reference(d_qk, d_v, dtype, causal, shape):
 @pytest.mark.parametrize("option", ["deterministic", "softcap", "alibi", "sinks", "window"])
 def test_backward_features(d_qk, d_v, option):
     seed = _seed("bwd", d_qk, d_v, option)
-    rng = numpy.random.default_rng(seed)
     q, k, v = _qkv(2, 500, 700, 4, 2, d_qk, d_v, BF16, seed)
-    options = {"causal": option != "window"}
-    if option == "softcap":
-        options["softcap"] = 20.0
-    elif option == "alibi":
-        options["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4).astype(numpy.float32))
-    elif option == "window":
-        options["window_size"] = (100, 30)
+    options = _feature_options(option, numpy.random.default_rng(seed))
     if option == "sinks":
-        sinks = cupy.asarray(rng.standard_normal(4).astype(numpy.float32))
-        out, lse = cuflash2.attention(q, k, v, return_lse=True, sinks=sinks, causal=True)
+        out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
         dout = _dout(q, v, seed)
-        dq, dk, dv, dsinks = cuflash2.attention_backward(dout, q, k, v, out, lse, sinks=sinks,
-                                                         causal=True)
-        results = testing.check_backward(dout, q, k, v, dq, dk, dv, dsinks, sinks=sinks,
-                                         causal=True)
+        dq, dk, dv, dsinks = cuflash2.attention_backward(dout, q, k, v, out, lse, **options)
+        results = testing.check_backward(dout, q, k, v, dq, dk, dv, dsinks, **options)
         assert all(r.ok for r in results), "; ".join(map(str, results))
         return
     grads = _check_backward(q, k, v, deterministic=option == "deterministic", **options)
