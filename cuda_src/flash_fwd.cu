@@ -25,24 +25,31 @@
 #include "output_store.cuh"
 #include "kernel_params.cuh"
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES>
+// HEAD_DIM is Q's and K's head dim, HEAD_DIM_V V's and O's (d_v != d_qk, DeepSeek's 192 / 128):
+// V's tile and O's accumulators take HEAD_DIM_V, no larger than HEAD_DIM (O is staged in Q's
+// tile).
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
+          int KV_STAGES>
 struct FwdTraits {
     static constexpr int THREADS = NUM_WARPS * 32;
     static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
     static constexpr int M_TILES = ROWS_PER_WARP / 16;  // m16 tiles per warp, sharing K/V frags
     static constexpr int N_TILES = BLOCK_N / 8;         // n8 tiles of the score tile S
-    static constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of the output O
+    static constexpr int D_TILES = HEAD_DIM_V / 8;      // n8 tiles of the output O
     // k steps of Q K^T (over head dim): 16 words each, k16 of 16-bit elements, k8 of float32.
     static constexpr int QK_STEPS = HEAD_DIM * Elem::WORDS / 16;
     static constexpr int PV_STEPS = BLOCK_N / 16;       // k16 slices of P V (over keys)
     using QTile = SwizzledTile<BLOCK_M, HEAD_DIM * Elem::WORDS>;
-    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * Elem::WORDS>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * Elem::WORDS>;  // K's (and V's: one head dim)
+    using VTile = SwizzledTile<BLOCK_N, HEAD_DIM_V * Elem::WORDS>;
     // Shared memory: the Q tile, then KV_STAGES stages of (K tile, V tile).
-    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
+    static constexpr int STAGE_BYTES = KVTile::BYTES + VTile::BYTES;
     static constexpr int SMEM_BYTES = QTile::BYTES + KV_STAGES * STAGE_BYTES;
     static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
     static_assert(KV_STAGES == 1 || KV_STAGES == 2, "single or double-buffered K/V");
     static_assert(N_TILES % 2 == 0 && D_TILES % 2 == 0, "fragments are loaded in pairs");
+    static_assert(HEAD_DIM_V <= HEAD_DIM && (HEAD_DIM_V == HEAD_DIM || !Elem::IS_F32),
+                  "O staged in Q's tile; float32: one head dim");
 };
 
 // S = Q K^T for this warp's rows: per k16 step one ldmatrix.x4 per m-tile of Q and one per pair
@@ -170,12 +177,13 @@ CF2_DEVICE void softmax_gemm_pv(float (&acc_o)[T::M_TILES][T::D_TILES][4],
 // FwdModsParams (their inputs `user`, a block mask's states `blocks`; an unused NoUserInputs
 // otherwise, user_inputs.cuh).
 
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
-          int FEATURES, class Extra>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
+          int KV_STAGES, int FEATURES, class Extra>
 CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
-    using T = FwdTraits<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
+    using T = FwdTraits<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES>;
     using QTile = typename T::QTile;
     using KVTile = typename T::KVTile;
+    using VTile = typename T::VTile;
     using Variant = AttentionVariant<FEATURES>;
 
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -204,6 +212,7 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
     if (VARLEN && row_first >= seqlen_q) return;
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
     const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in each row
+    const int v_head_chunks = p.head_dim_v / 8;  // of V's and O's rows
 
     // 64-bit offsets: batch * seqlen * heads * dim can pass 2^31 elements.
     const u16* q_block = p.q + batch * p.q_batch_stride + head * p.q_head_stride +
@@ -232,8 +241,8 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
 
     if (tile_end <= tile_first) {
         // No row of this block sees any key: output 0, lse +inf (the sink with sinks).
-        store_empty_rows<BLOCK_M, QTile::CHUNKS, T::THREADS, Variant>(
-            p, o_block, lse_block, head, row_first, seqlen_q, head_chunks, 0, tid);
+        store_empty_rows<BLOCK_M, VTile::CHUNKS, T::THREADS, Variant>(
+            p, o_block, lse_block, head, row_first, seqlen_q, v_head_chunks, 0, tid);
         return;
     }
 
@@ -245,9 +254,9 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
     };
     auto load_v = [&](int tile, u32 stage_offset) {
         const int key0 = tile * BLOCK_N;
-        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset,
-                                             v_head + key0 * p.v_row_stride, p.v_row_stride,
-                                             seqlen_k - key0, head_chunks, thread_index_fresh());
+        load_tile_async<VTile, T::THREADS>(v_smem + stage_offset,
+                                            v_head + key0 * p.v_row_stride, p.v_row_stride,
+                                            seqlen_k - key0, v_head_chunks, thread_index_fresh());
     };
 
     load_tile_async<QTile, T::THREADS>(q_smem, q_block, p.q_row_stride, seqlen_q - row_first,
@@ -261,7 +270,7 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
     // k8 half), V as the transposed B operand (key_rows_b_fragments).
     const LdmatrixCursor<QTile> q_frag(q_smem, warp * T::ROWS_PER_WARP + lane % 16, lane / 16);
     const LdmatrixCursor<KVTile> k_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const auto v_frag = key_rows_b_fragments<Elem, KVTile>(v_smem, lane);
+    const auto v_frag = key_rows_b_fragments<Elem, VTile>(v_smem, lane);
 
     float acc_o[T::M_TILES][T::D_TILES][4];
 #pragma unroll
@@ -404,17 +413,17 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
         }
     }
     __syncwarp();
-    store_staged_rows<T::ROWS_PER_WARP, QTile::CHUNKS, 32>(
+    store_staged_rows<T::ROWS_PER_WARP, VTile::CHUNKS, 32>(
         p, o_block, [&](int row, int chunk) { return q_smem + QTile::offset(row, chunk); },
-        row_first, seqlen_q, head_chunks, warp_row0, lane);
+        row_first, seqlen_q, v_head_chunks, warp_row0, lane);
 }
 
 // FwdParams (kernel_params.cuh): every specialisation but those with programmable modifiers.
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
-          int FEATURES>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
+          int KV_STAGES, int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
-    flash_fwd_body<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(
+    flash_fwd_body<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(
         p, NoUserInputs{});
 }
 
@@ -422,10 +431,11 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 // block mask's states in p.blocks): FwdModsParams, the
 // modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the kernel
 // (cuflash2/mods.py: one specialisation per expressions and inputs' types).
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int KV_STAGES,
-          int FEATURES, unsigned MODS_HASH>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
+          int KV_STAGES, int FEATURES, unsigned MODS_HASH>
 __global__ void __launch_bounds__(NUM_WARPS * 32, NUM_WARPS <= 4 ? 2 : 1)
 flash_fwd_mods_kernel(const __grid_constant__ FwdModsParams p) {
     static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
-    flash_fwd_body<Elem, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(p.base, p);
+    flash_fwd_body<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_WARPS, KV_STAGES, FEATURES>(
+        p.base, p);
 }

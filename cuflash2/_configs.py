@@ -213,6 +213,17 @@ class FwdConfig:
     num_warps: int
     kv_stages: int = 2  # 2: double-buffered K/V tiles; 1: FA2's single-buffered schedule
     features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
+    #: V's and O's kernel head dim where it differs from Q's and K's (at most head_dim: O is
+    #: staged in Q's tile; 16-bit); 0: head_dim.
+    head_dim_v: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
+                                               and self.dtype in FLOAT32_TAGS):
+            raise ValueError(f"the mma.sync forward takes V's own head dim below Q's, 16-bit: "
+                             f"not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
 
     @property
     def threads(self) -> int:
@@ -221,8 +232,9 @@ class FwdConfig:
     @property
     def smem_bytes(self) -> int:
         # Q tile + kv_stages x (K tile + V tile), 2 bytes a word (FwdTraits::SMEM_BYTES).
-        return (2 * ELEMENT_WORDS[self.dtype] * self.head_dim
-                * (self.block_m + 2 * self.kv_stages * self.block_n))
+        return (2 * ELEMENT_WORDS[self.dtype]
+                * (self.head_dim * (self.block_m + self.kv_stages * self.block_n)
+                   + self.head_dim_v * self.kv_stages * self.block_n))
 
     @property
     def source_file(self) -> str:
@@ -231,14 +243,14 @@ class FwdConfig:
     @property
     def name_expression(self) -> str:
         tag = ELEMENT_TAGS[self.dtype]
-        return (f"flash_fwd_kernel<{tag}, {self.head_dim}, {self.block_m}, "
+        return (f"flash_fwd_kernel<{tag}, {self.head_dim}, {self.head_dim_v}, {self.block_m}, "
                 f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
-            f"FwdTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.num_warps}, {self.kv_stages}>", self)
+            f"FwdTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
+            f"{self.block_m}, {self.block_n}, {self.num_warps}, {self.kv_stages}>", self)
 
 
 class _UserModsHeader:
@@ -264,8 +276,9 @@ class FwdModsConfig(FwdConfig, _UserModsHeader):
     @property
     def name_expression(self) -> str:
         tag = DTYPE_TAGS[self.dtype]
-        return (f"flash_fwd_mods_kernel<{tag}, {self.head_dim}, {self.block_m}, "
-                f"{self.block_n}, {self.num_warps}, {self.kv_stages}, {self.features}, "
+        return (f"flash_fwd_mods_kernel<{tag}, {self.head_dim}, {self.head_dim_v}, "
+                f"{self.block_m}, {self.block_n}, {self.num_warps}, {self.kv_stages}, "
+                f"{self.features}, "
                 f"{self.mods_hash:#010x}u>")
 
 
@@ -1028,7 +1041,8 @@ def describe(config) -> str:
                 f"{config.head_dim}{v_dim}, {config.block_m}x{config.block_n} tiles, {config.stages} "
                 f"K/V stages, {schedule} consumers{three}{grid}{extra}")
     if isinstance(config, FwdConfig):
-        return (f"mma.sync forward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
+        v_dim = f" (v {config.head_dim_v})" if config.head_dim_v != config.head_dim else ""
+        return (f"mma.sync forward, {dtype}, head dim {config.head_dim}{v_dim}, {config.block_m}x"
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.kv_stages} K/V "
                 f"stages{extra}")
     if isinstance(config, BwdSm90Config):

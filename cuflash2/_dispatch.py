@@ -135,43 +135,46 @@ def split_head_dims_forward(problem, features: int, window, arch: int, views: di
                             device_id: int, config=None, user_mods=None) -> ForwardChoice:
     """forward_kernel for a call whose v has a head dim of its own (d_v != d_qk): the Hopper
     kernel's (hopper_forward_config: its SM90_FWD_HEAD_DIM_PAIRS, 16-bit, the variant's features
-    and varlen), or NotImplementedError naming v's head dim where it does not run the call (the
-    mma.sync kernels have one head dim)."""
+    and varlen) where it takes the call and the TMA reads its arrays, else the mma.sync kernel's
+    (fwd_config with V's kernel head dim, at most Q's: 16-bit, every feature but the programmable
+    modifiers), else NotImplementedError naming v's head dim."""
     p = problem
     if not (p.batch and p.seqlen_q and p.nheads):  # nothing to launch (forward_plan)
         return ForwardChoice(None, (0, 0, 0))
-    hopper = None
-    if config is None and "fwd" not in FORCED and user_mods is None:
-        hopper = hopper_forward_config(p, features, window, arch, varlen)
-    maps = None if hopper is None else _hopper.forward_maps(hopper)
-    map_fields = split_head_dims_map_fields(p, "forward", hopper, maps, views, arch)
-    grid, grid_fields = forward_grid(hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
-                                     p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
-                                     device_id)
-    return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+    chosen = config is not None or "fwd" in FORCED or user_mods is not None
+    hopper = None if chosen else hopper_forward_config(p, features, window, arch, varlen)
+    if hopper is not None:
+        maps = _hopper.forward_maps(hopper)
+        map_fields = _hopper.readable_map_fields(views, maps)
+        if map_fields is not None:
+            grid, grid_fields = forward_grid(hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
+                                             p.seqlen_k, p.head_dim, views["q"].itemsize,
+                                             window[1], device_id)
+            return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+    if (not chosen and p.dtype in DTYPE_TAGS
+            and kernel_head_dim(p.head_dim_v) <= kernel_head_dim(p.head_dim)):
+        mma = with_features(fwd_config(p.dtype, p.head_dim, arch, p.head_dim_v), features)
+        return ForwardChoice(mma, (-(-p.seqlen_q // mma.block_m), p.nheads, p.batch))
+    raise NotImplementedError(split_head_dims_refusal(p, "forward", arch))
 
 
-def split_head_dims_map_fields(problem, direction: str, hopper, maps, views: dict,
-                               arch: int) -> dict:
-    """The tensor maps' words of the Hopper kernel `hopper` (its `maps`) for a call whose v has
-    a head dim of its own, or NotImplementedError naming v's head dim where no kernel runs it
-    (`hopper` None, or the TMA cannot read its arrays): the mma.sync kernels have one head dim.
-    `direction`: "forward" or "backward"."""
-    map_fields = None if hopper is None else _hopper.readable_map_fields(views, maps)
-    if map_fields is not None:
-        return map_fields
+def split_head_dims_refusal(problem, direction: str, arch: int) -> str:
+    """Why a call whose v has a head dim of its own runs on no kernel (`direction`: "forward"
+    or "backward"): what each family takes."""
     p = problem
     pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
-    what, rows, function = (("", "at least one key", "attention") if direction == "forward"
-                            else ("the backward of ", "at least one query and key",
-                                  "attention_backward"))
-    raise NotImplementedError(
-        f"{what}v's head dim ({p.head_dim_v}) apart from q's and k's ({p.head_dim}) runs on the "
-        f"Hopper {direction} (sm_90) only: q/k and v head dims up to {pairs}, float16 or "
-        f"bfloat16, {rows}, without dropout or mask_mod / score_mod / bias, arrays the TMA reads "
-        f"(16-byte aligned strides); this call has "
-        f"{'sm_%d' % arch if arch != 90 else 'another combination'} "
-        f"(cuflash2.reference.{function} takes any)")
+    if direction == "forward":
+        return (f"v's head dim ({p.head_dim_v}) apart from q's and k's ({p.head_dim}) takes "
+                f"float16 or bfloat16 inputs, v's head dim at most q's (the kernel head dims "
+                f"{', '.join(map(str, KERNEL_HEAD_DIMS))} of each; on sm_90 the Hopper forward's "
+                f"pairs {pairs}), and no mask_mod / score_mod / bias; this call has another "
+                f"combination on sm_{arch} (cuflash2.reference.attention takes any)")
+    return (f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
+            f"({p.head_dim}) runs on the Hopper backward (sm_90) only: q/k and v head dims up to "
+            f"{pairs}, float16 or bfloat16, at least one query and key, without dropout or "
+            f"mask_mod / score_mod / bias, arrays the TMA reads (16-byte aligned strides); this "
+            f"call has {'sm_%d' % arch if arch != 90 else 'another combination'} "
+            f"(cuflash2.reference.attention_backward takes any)")
 
 
 def scheduling_window(window, block_mask: bool):
@@ -341,7 +344,9 @@ def split_head_dims_backward(problem, features: int, deterministic: bool, arch: 
     if config is None and "bwd" not in FORCED and user_mods is None:
         hopper = hopper_backward_config(p, features, arch, varlen, deterministic)
     maps = None if hopper is None else _hopper.backward_maps(hopper)
-    map_fields = split_head_dims_map_fields(p, "backward", hopper, maps, views, arch)
+    map_fields = None if hopper is None else _hopper.readable_map_fields(views, maps)
+    if map_fields is None:
+        raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
     key_blocks = -(-p.seqlen_k // hopper.block_n)
     group_pairs = dispatch_group_pairs(key_blocks, hopper.num_chunks, window, deterministic)
     return BackwardChoice(hopper, True, group_pairs=group_pairs, maps=maps,
@@ -407,8 +412,10 @@ SMEM_PER_SM_KIB_DEFAULT = 100
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
-    """Tile shape for the forward kernel, measured on an H200 (docs/PERF_NOTES.md).
+def fwd_config(dtype: str, head_dim: int, arch: int, head_dim_v: int = 0) -> FwdConfig:
+    """Tile shape for the forward kernel, measured on an H200 (docs/PERF_NOTES.md). With V's own
+    `head_dim_v` (its kernel head dim at most Q's) the tile of Q's head dim, which its smaller V
+    tiles fit as well.
 
     Up to d=128, 4 warps own 32 query rows each: two m16 tiles share every K/V fragment, which
     halves shared-memory reads per FLOP against 16 rows a warp (8-warp tiles measured 0.6-0.75x of
@@ -419,11 +426,16 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
     if dtype in FLOAT32_TAGS:
         return float32_fwd_config(dtype, head_dim, arch)
     d = kernel_head_dim(head_dim)
+    # V's kernel head dim: whole 64-column panels where Q's has them (a 32-column V tile, the
+    # other swizzle, spilled at 64 / 32: the loads zero-fill the columns past d_v).
+    d_v = max(kernel_head_dim(head_dim_v), min(64, d)) if head_dim_v else d
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     if d > 128:
-        config = FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=8, kv_stages=1)
+        config = FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=8, kv_stages=1,
+                           head_dim_v=d_v)
         if config.smem_bytes + 1024 > smem_per_sm:  # 100 KiB parts: a 64-row Q tile
-            config = FwdConfig(dtype, d, block_m=64, block_n=64, num_warps=4, kv_stages=1)
+            config = FwdConfig(dtype, d, block_m=64, block_n=64, num_warps=4, kv_stages=1,
+                               head_dim_v=d_v)
         return config
     # Preferred first; the first that fits two CTAs per SM wins (1 KiB a CTA is reserved).
     if d <= 64:
@@ -431,7 +443,8 @@ def fwd_config(dtype: str, head_dim: int, arch: int) -> FwdConfig:
     else:
         shapes = [(128, 64, 2), (128, 64, 1)]
     for block_m, block_n, stages in shapes:
-        config = FwdConfig(dtype, d, block_m, block_n, num_warps=4, kv_stages=stages)
+        config = FwdConfig(dtype, d, block_m, block_n, num_warps=4, kv_stages=stages,
+                           head_dim_v=d_v)
         if 2 * (config.smem_bytes + 1024) <= smem_per_sm:
             return config
     return config

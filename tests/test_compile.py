@@ -256,6 +256,29 @@ def test_forward_kernel_compiles_without_spills(config, arch, compiled):
         assert report.spill_stores <= BWD_SPILL_LIMIT, report.log
 
 
+#: The mma.sync forward with V's own kernel head dim (d_v != d_qk): the pairs it takes, fp16 and
+#: bf16 on every tested architecture, with dropout too; 192 / 128 and 128 / 64 plain fp16 on
+#: sm_80 by default.
+SPLIT_FWD_CASES = [
+    (_configs.with_features(_dispatch.fwd_config(t, d, arch, d_v), f), arch)
+    for arch in _configs.CPU_TEST_ARCHS for t in ("float16", "bfloat16")
+    for d, d_v in ((192, 128), (128, 64), (96, 64), (64, 32), (256, 128))
+    for f in (0, _configs.FEATURE_DROPOUT)]
+
+
+@pytest.mark.parametrize("config,arch", [
+    pytest.param(c, a, id=f"sm{a}-{c.dtype}-d{c.head_dim}v{c.head_dim_v}-f{c.features}",
+                 marks=() if (a, c.dtype, c.features, c.head_dim) in {
+                     (80, "float16", 0, 192), (80, "float16", 0, 128)} else pytest.mark.exhaustive)
+    for c, a in SPLIT_FWD_CASES])
+def test_split_head_dim_forward_compiles_without_spills(config, arch, compiled):
+    """V's tile and O's accumulators of V's kernel head dim, Q's and K's of Q's: the checks of
+    test_forward_kernel_compiles_without_spills (64 / 32 runs on the d=64 kernel, whose dropout
+    specialisation spills as ever)."""
+    assert config.head_dim_v <= config.head_dim
+    test_forward_kernel_compiles_without_spills(config, arch, compiled)
+
+
 @pytest.mark.parametrize("config,arch", _cases(BWD_CASES, [_case_id(c, a) for c, a in BWD_CASES]))
 def test_backward_kernel_compiles(config, arch, compiled):
     report = _report(compiled, config, arch)

@@ -697,35 +697,44 @@ def test_v_with_its_own_head_dim_runs_the_hopper_forward(hopper_api, d_qk, d_v, 
 
 def test_v_with_its_own_head_dim_elsewhere_is_refused_before_launch(hopper_api):
     """What the kernels leave out of d_v != d_qk raises NotImplementedError naming v's head dim,
-    before any launch: the mma.sync kernels (sm_80), pairs past the Hopper kernel's, dropout,
-    score modifiers, the backward."""
+    before any launch: a v wider than q's kernel head dim, score modifiers, the backward off the
+    Hopper kernel (sm_80, dropout). What the Hopper forward leaves out (dropout, pairs past its
+    own, sm_80) runs on the mma.sync forward with V's own kernel head dim."""
     import cuflash2
+    from cuflash2 import _configs
     from test_plans_host import device_array
 
     q, k = device_array((1, 300, 4, 192)), device_array((1, 300, 4, 192))
     v = device_array((1, 300, 4, 128))
     before = len(hopper_api.launches)
-    with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) apart from q's"):
-        cuflash2.attention(q, k, v, dropout_p=0.1, seed=1)
     problem = types.SimpleNamespace(batch=1, seqlen_q=300, seqlen_k=300, nheads=4, nheads_kv=4,
                                     head_dim=192, head_dim_v=128, dtype="float16")
     with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) .* mask_mod"):
         _dispatch.forward_kernel(problem, 0, (-1, -1), 90, {}, None, 0,
                                  user_mods=("mask source", None))
-    with pytest.raises(NotImplementedError, match=r"v's head dim \(32\)"):  # 192/32: no pair
-        cuflash2.attention(q, k, device_array((1, 300, 4, 32)))
+    narrow = device_array((1, 300, 4, 64))
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) .* at most q's"):
+        cuflash2.attention(narrow, narrow, v)
     with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
         cuflash2.attention_backward(device_array((1, 300, 4, 128)), q, k, v,
                                     device_array((1, 300, 4, 128)),
                                     device_array((1, 4, 300), "float32"), dropout_p=0.1, seed=1)
+    assert len(hopper_api.launches) == before  # nothing launched
+    for call, d_v in ((dict(dropout_p=0.1, seed=1), 128), ({}, 32)):  # 192 / 32: no Hopper pair
+        out = cuflash2.attention(q, k, device_array((1, 300, 4, d_v)), **call)
+        config = hopper_api.launches[-1][0].config
+        assert isinstance(config, _configs.FwdConfig) and out.shape == (1, 300, 4, d_v)
+        assert (config.head_dim, config.head_dim_v) == (192, max(d_v, 64))
+        assert hopper_api.launches[-1][2]["head_dim_v"] == d_v
     hopper_api.set_arch(80)  # (signatures of their own: plans are cached by them)
-    with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) .* sm_80"):
-        cuflash2.attention(q[:, :299], k, v)
+    cuflash2.attention(q[:, :299], k, v)
+    assert hopper_api.launches[-1][0].config == _dispatch.fwd_config("float16", 192, 80, 128)
+    before = len(hopper_api.launches)
     with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\) .* sm_80"):
         cuflash2.attention_backward(device_array((1, 299, 4, 128)), q[:, :299], k, v,
                                     device_array((1, 299, 4, 128)),
                                     device_array((1, 4, 299), "float32"))
-    assert len(hopper_api.launches) == before  # nothing launched
+    assert len(hopper_api.launches) == before
 
 
 @pytest.mark.parametrize("d_qk,d_v", [(192, 128), (128, 64)])

@@ -7,13 +7,13 @@ without the Hopper kernels) a NotImplementedError naming v's head dim."""
 
 import numpy
 import pytest
-from grids import BF16, FP16, is_hopper, needs_hopper
+from grids import BF16, FP16, is_hopper, needs_hopper, switched
 from grids import seed_of as _seed
 
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import reference, testing  # noqa: E402
+from cuflash2 import _dispatch, api, reference, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -220,17 +220,40 @@ def test_vjp_gives_the_backward():
     assert all(r.ok for r in results), "; ".join(map(str, results))
 
 
+def _mma_sync_forward():
+    """Plans made inside take the mma.sync forward (on sm_90 the Hopper forward switched off)."""
+    return switched(_dispatch, {"HOPPER_FORWARD": False}, api._forward_plans)
+
+
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (128, 64), (64, 32), (256, 128), (96, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mma_sync_forward_matches_the_reference(d_qk, d_v, causal):
+    """The mma.sync forward with V's own kernel head dim (A100s, and what the Hopper forward
+    leaves out): out and lse against the reference, odd lengths, GQA."""
+    q, k, v = _qkv(2, 301, 555, 4, 2, d_qk, d_v, FP16, _seed("mma", d_qk, d_v, causal))
+    with _mma_sync_forward():
+        (kernel,) = cuflash2.forward_kernels(q, k, v, causal=causal)
+        assert kernel.startswith("mma.sync forward"), kernel
+        _check(q, k, v, causal=causal)
+
+
+def test_mma_sync_forward_with_dropout_matches_its_mask():
+    """Dropout, which the Hopper forward leaves to the mma.sync one (on sm_90 too)."""
+    q, k, v = _qkv(1, 130, 190, 2, 2, 192, 128, BF16, 11)
+    out, lse = cuflash2.attention(q, k, v, dropout_p=0.2, seed=7, return_lse=True)
+    mask = cuflash2.dropout_mask(1, 2, 130, 190, 0.2, 7)
+    results = testing.check_forward(q, k, v, out, lse, dropout_p=0.2, dropout_mask=mask)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
 def test_elsewhere_it_is_refused_naming_v():
-    """Without the Hopper forward (not sm_90, or a pair it lacks) the call raises before any
-    launch."""
-    q, k, v = _qkv(1, 64, 64, 2, 2, 192, 32, FP16, 1)  # 192 / 32: no kernel pair
-    with pytest.raises(NotImplementedError, match=r"v's head dim \(32\)"):
+    """What no kernel takes raises before any launch: a v wider than q's kernel head dim; off
+    sm_90 the backward."""
+    q, k, v = _qkv(1, 64, 64, 2, 2, 64, 128, FP16, 1)  # 64 / 128: v wider than q
+    with pytest.raises(NotImplementedError, match=r"v's head dim \(128\)"):
         cuflash2.attention(q, k, v)
     if not is_hopper():
         q, k, v = _qkv(1, 64, 64, 2, 2, 192, 128, FP16, 1)
-        with pytest.raises(NotImplementedError, match=r"v's head dim \(128\)"):
-            cuflash2.attention(q, k, v)
-        out = cupy.zeros((1, 64, 2, 128), FP16)
-        lse = cupy.zeros((1, 2, 64), numpy.float32)
+        out, lse = cuflash2.attention(q, k, v, return_lse=True)  # the mma.sync forward
         with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
             cuflash2.attention_backward(out, q, k, v, out, lse)
