@@ -212,7 +212,10 @@ CF2_DEVICE void flash_fwd_body(const FwdParams& p, const Extra& extra) {
     if (VARLEN && row_first >= seqlen_q) return;
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
     const int head_chunks = p.head_dim / 8;  // 16-byte chunks actually present in each row
-    const int v_head_chunks = p.head_dim_v / 8;  // of V's and O's rows
+    // Of V's and O's rows: V's own where its kernel head dim is (the dispatcher keeps a d_v of
+    // Q's kernel head dim, 128 / 112 say, off this kernel: its one-head-dim specialisations keep
+    // their code).
+    const int v_head_chunks = HEAD_DIM_V == HEAD_DIM ? head_chunks : p.head_dim_v / 8;
 
     // 64-bit offsets: batch * seqlen * heads * dim can pass 2^31 elements.
     const u16* q_block = p.q + batch * p.q_batch_stride + head * p.q_head_stride +

@@ -151,8 +151,9 @@ def split_head_dims_forward(problem, features: int, window, arch: int, views: di
                                              p.seqlen_k, p.head_dim, views["q"].itemsize,
                                              window[1], device_id)
             return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
+    # V's kernel head dim below Q's: the one-head-dim kernels bound V's columns by Q's
     if (not chosen and p.dtype in DTYPE_TAGS
-            and kernel_head_dim(p.head_dim_v) <= kernel_head_dim(p.head_dim)):
+            and v_kernel_head_dim(p.head_dim_v, p.head_dim) < kernel_head_dim(p.head_dim)):
         mma = with_features(fwd_config(p.dtype, p.head_dim, arch, p.head_dim_v), features)
         return ForwardChoice(mma, (-(-p.seqlen_q // mma.block_m), p.nheads, p.batch))
     raise NotImplementedError(split_head_dims_refusal(p, "forward", arch))
@@ -165,10 +166,11 @@ def split_head_dims_refusal(problem, direction: str, arch: int) -> str:
     pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
     if direction == "forward":
         return (f"v's head dim ({p.head_dim_v}) apart from q's and k's ({p.head_dim}) takes "
-                f"float16 or bfloat16 inputs, v's head dim at most q's (the kernel head dims "
-                f"{', '.join(map(str, KERNEL_HEAD_DIMS))} of each; on sm_90 the Hopper forward's "
-                f"pairs {pairs}), and no mask_mod / score_mod / bias; this call has another "
-                f"combination on sm_{arch} (cuflash2.reference.attention takes any)")
+                f"float16 or bfloat16 inputs, v's kernel head dim below q's (of "
+                f"{', '.join(map(str, KERNEL_HEAD_DIMS))}: the mma.sync forward; on sm_90 the "
+                f"Hopper forward's pairs {pairs} and any d_v of q's kernel head dim), and no "
+                f"mask_mod / score_mod / bias; this call has another combination on sm_{arch} "
+                f"(cuflash2.reference.attention takes any)")
     return (f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
             f"({p.head_dim}) runs on the Hopper backward (sm_90) only: q/k and v head dims up to "
             f"{pairs}, float16 or bfloat16, at least one query and key, without dropout or "
@@ -406,6 +408,13 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"head dim {head_dim} is larger than {KERNEL_HEAD_DIMS[-1]}")
 
 
+def v_kernel_head_dim(head_dim_v: int, head_dim: int) -> int:
+    """The mma.sync forward's kernel head dim of V beside Q's `head_dim`: whole 64-column panels
+    where Q's has them (a 32-column V tile, the other swizzle, spilled at 64 / 32; the loads
+    zero-fill the columns past d_v)."""
+    return max(kernel_head_dim(head_dim_v), min(64, kernel_head_dim(head_dim)))
+
+
 #: Shared memory per SM (KiB) by compute capability; unknown newer archs get the small figure.
 SMEM_PER_SM_KIB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228}
 SMEM_PER_SM_KIB_DEFAULT = 100
@@ -426,9 +435,7 @@ def fwd_config(dtype: str, head_dim: int, arch: int, head_dim_v: int = 0) -> Fwd
     if dtype in FLOAT32_TAGS:
         return float32_fwd_config(dtype, head_dim, arch)
     d = kernel_head_dim(head_dim)
-    # V's kernel head dim: whole 64-column panels where Q's has them (a 32-column V tile, the
-    # other swizzle, spilled at 64 / 32: the loads zero-fill the columns past d_v).
-    d_v = max(kernel_head_dim(head_dim_v), min(64, d)) if head_dim_v else d
+    d_v = v_kernel_head_dim(head_dim_v, head_dim) if head_dim_v else d
     smem_per_sm = SMEM_PER_SM_KIB.get(arch, SMEM_PER_SM_KIB_DEFAULT) * 1024
     if d > 128:
         config = FwdConfig(dtype, d, block_m=128, block_n=64, num_warps=8, kv_stages=1,

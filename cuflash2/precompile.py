@@ -82,8 +82,8 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
         # V's own head dims on the mma.sync forward (its V kernel head dim at most Q's)
         configs += [_configs.with_features(_dispatch.fwd_config(t, d, arch, d_v), f)
                     for t in dtypes if t in _configs.DTYPE_TAGS for d in head_dims
-                    for d_v in head_dims_v if d_v != d
-                    and _dispatch.kernel_head_dim(d_v) <= _dispatch.kernel_head_dim(d)
+                    for d_v in head_dims_v
+                    if _dispatch.v_kernel_head_dim(d_v, d) < _dispatch.kernel_head_dim(d)
                     for f in features]
         if hopper:
             taken = _configs.SM90_FWD_FEATURES + _configs.SM90_FWD_VARLEN_FEATURES

@@ -225,7 +225,7 @@ def _mma_sync_forward():
     return switched(_dispatch, {"HOPPER_FORWARD": False}, api._forward_plans)
 
 
-@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (128, 64), (64, 32), (256, 128), (96, 64)])
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (128, 64), (128, 96), (256, 128), (96, 64)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_mma_sync_forward_matches_the_reference(d_qk, d_v, causal):
     """The mma.sync forward with V's own kernel head dim (A100s, and what the Hopper forward
@@ -248,11 +248,15 @@ def test_mma_sync_forward_with_dropout_matches_its_mask():
 
 def test_elsewhere_it_is_refused_naming_v():
     """What no kernel takes raises before any launch: a v wider than q's kernel head dim; off
-    sm_90 the backward."""
+    sm_90 a d_v of q's kernel head dim (the mma.sync forward's one-head-dim kernels) and the
+    backward."""
     q, k, v = _qkv(1, 64, 64, 2, 2, 64, 128, FP16, 1)  # 64 / 128: v wider than q
     with pytest.raises(NotImplementedError, match=r"v's head dim \(128\)"):
         cuflash2.attention(q, k, v)
     if not is_hopper():
+        q, k, v = _qkv(1, 64, 64, 2, 2, 128, 112, FP16, 1)
+        with pytest.raises(NotImplementedError, match=r"v's head dim \(112\)"):
+            cuflash2.attention(q, k, v)
         q, k, v = _qkv(1, 64, 64, 2, 2, 192, 128, FP16, 1)
         out, lse = cuflash2.attention(q, k, v, return_lse=True)  # the mma.sync forward
         with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
