@@ -820,8 +820,13 @@ def fwd_sm90_config(dtype: str, head_dim: int, persistent: bool = False,
                              f"{SM90_FWD_HEAD_DIM_PAIRS} with two consumer warpgroups, not "
                              f"({head_dim}, {head_dim_v}) with {consumers}")
         block_n, stages = SM90_SPLIT_HEAD_DIM_TILES[head_dim, head_dim_v]
-        return FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages,
-                             persistent=persistent, head_dim_v=head_dim_v)
+        config = FwdSm90Config(dtype, head_dim, block_n=block_n, stages=stages,
+                               persistent=persistent, head_dim_v=head_dim_v)
+        if config.smem_bytes > SM90_MAX_SMEM:  # (a tile of the table that does not fit)
+            raise ValueError(f"the Hopper forward's ({head_dim}, {head_dim_v}) tile needs "
+                             f"{config.smem_bytes} bytes of shared memory, more than "
+                             f"{SM90_MAX_SMEM}")
+        return config
     if persistent and head_dim not in SM90_PERSISTENT_TILES:
         raise ValueError(f"the persistent Hopper forward has head dims "
                          f"{tuple(SM90_PERSISTENT_TILES)} (its O buffer must fit shared memory), "
