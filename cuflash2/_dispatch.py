@@ -166,10 +166,11 @@ def split_head_dims_refusal(problem, direction: str, arch: int) -> str:
     pairs = ", ".join(f"{a}/{b}" for a, b in SM90_FWD_HEAD_DIM_PAIRS)
     if direction == "forward":
         return (f"v's head dim ({p.head_dim_v}) apart from q's and k's ({p.head_dim}) takes "
-                f"float16 or bfloat16 inputs, v's kernel head dim below q's (of "
-                f"{', '.join(map(str, KERNEL_HEAD_DIMS))}: the mma.sync forward; on sm_90 the "
-                f"Hopper forward's pairs {pairs} and any d_v of q's kernel head dim), and no "
-                f"mask_mod / score_mod / bias; this call has another combination on sm_{arch} "
+                f"float16 or bfloat16 inputs and no mask_mod / score_mod / bias, and on sm_90 "
+                f"without dropout the Hopper forward's pairs {pairs} or a d_v of q's kernel head "
+                f"dim; elsewhere (the mma.sync forward) v's kernel head dim, of "
+                f"{', '.join(map(str, KERNEL_HEAD_DIMS))} and at least 64 where q's is, below "
+                f"q's; this call has another combination on sm_{arch} "
                 f"(cuflash2.reference.attention takes any)")
     return (f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
             f"({p.head_dim}) runs on the Hopper backward (sm_90) only: q/k and v head dims up to "
