@@ -304,9 +304,6 @@ def with_features(config, features: int):
 
 #: Head dims of the Hopper forward, each its own specialisation (_dispatch.fwd_sm90_config's tiles).
 SM90_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-#: (Q's and K's, V's) kernel head dims where V's differs: DeepSeek's prefill (192 / 128) and
-#: (128, 64). V's at most Q's: O is staged in Q's buffer (FwdSm90Traits).
-SM90_FWD_HEAD_DIM_PAIRS = ((192, 128), (128, 64))
 #: The features it takes: the score modifiers, without and with sinks (dropout stays on the
 #: mma.sync kernel).
 SM90_FWD_FEATURES = DECODE_MOD_FEATURES
@@ -345,8 +342,8 @@ class FwdSm90Config:
     #: stream (flash_fwd_sm90.cu, WorkTileClaims; FwdSm90Params.tile_counters) instead of taking
     #: every gridDim.x-th (_dispatch.DYNAMIC_SCHEDULE_KEYS).
     claims: bool = False
-    #: V's and O's head dim where it differs from Q's and K's (SM90_FWD_HEAD_DIM_PAIRS); 0:
-    #: head_dim.
+    #: V's and O's head dim where it differs from Q's and K's
+    #: (_dispatch.SM90_FWD_HEAD_DIM_PAIRS); 0: head_dim.
     head_dim_v: int = 0
 
     def __post_init__(self):
@@ -523,8 +520,9 @@ class BwdSm90Config:
     #: the consumers' vector reductions), behind a semaphore per query block and head-dim chunk
     #: (flash_bwd_sm90.cu, DETERMINISTIC).
     deterministic: bool = False
-    #: V's and dO's head dim where it differs from Q's and K's (SM90_FWD_HEAD_DIM_PAIRS, whose
-    #: dV columns lie in the first chunk: BwdSm90Traits); 0: head_dim.
+    #: V's and dO's head dim where it differs from Q's and K's
+    #: (_dispatch.SM90_FWD_HEAD_DIM_PAIRS, whose dV columns lie in the first chunk:
+    #: BwdSm90Traits); 0: head_dim.
     head_dim_v: int = 0
 
     arch_suffix = "a"

@@ -24,7 +24,6 @@ from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DT
                        FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
-                       SM90_FWD_HEAD_DIM_PAIRS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
                        USER_MOD_FEATURES, AuxKernel, FwdSm90Config, TF32_OPERANDS_KERNEL,
                        backward_features, with_features)
@@ -69,11 +68,18 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     HOPPER_BLOCK_MASK_MAX_HEAD_DIM, scheduled as a causal call), the others on the mma.sync
     kernel (fwd_mods_config's tile; a FwdModsConfig). `bias_tile`: where the score modifier is
     the bias alone, the bias's elements as _bias.tile_array gives them: on sm_90 the Hopper
-    forward takes it as tiles where it can (hopper_bias_tile_choice)."""
+    forward takes it as tiles where it can (hopper_bias_tile_choice). V with a head dim of its
+    own (d_v != d_qk): the Hopper kernel where hopper_forward_config takes it (its
+    SM90_FWD_HEAD_DIM_PAIRS, 16-bit, the variant's features and varlen), else the mma.sync
+    kernel where V's kernel head dim is below Q's (fwd_config; every feature but the
+    programmable modifiers), else NotImplementedError naming v's head dim
+    (split_head_dims_refusal)."""
     p = problem
-    if p.head_dim_v != p.head_dim:
-        return split_head_dims_forward(p, features, window, arch, views, varlen, device_id,
-                                       config, user_mods)
+    split = p.head_dim_v != p.head_dim
+    if split and not (p.batch and p.seqlen_q and p.nheads):
+        return ForwardChoice(None, (0, 0, 0))  # nothing to launch (forward_plan)
+    if split and (config is not None or "fwd" in FORCED or user_mods is not None):
+        raise NotImplementedError(split_head_dims_refusal(p, "forward", arch))
     if user_mods is not None:
         from . import mods
 
@@ -121,7 +127,13 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
             except (ValueError, RuntimeError):
                 map_fields = None
     if map_fields is None:
-        if config is None:
+        if split:
+            # V's kernel head dim below Q's: the one-head-dim kernels bound V's columns by Q's
+            if (p.dtype not in DTYPE_TAGS
+                    or v_kernel_head_dim(p.head_dim_v, p.head_dim) >= kernel_head_dim(p.head_dim)):
+                raise NotImplementedError(split_head_dims_refusal(p, "forward", arch))
+            config = fwd_config(p.dtype, p.head_dim, arch, p.head_dim_v)
+        elif config is None:
             config = FORCED.get("fwd") or fwd_config(p.dtype, p.head_dim, arch)
         config = with_features(config, features)
         return ForwardChoice(config, (-(-p.seqlen_q // config.block_m), p.nheads, p.batch))
@@ -129,34 +141,6 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
                                      p.seqlen_k, p.head_dim, views["q"].itemsize, window[1],
                                      device_id)
     return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields, scratch=scratch)
-
-
-def split_head_dims_forward(problem, features: int, window, arch: int, views: dict, varlen,
-                            device_id: int, config=None, user_mods=None) -> ForwardChoice:
-    """forward_kernel for a call whose v has a head dim of its own (d_v != d_qk): the Hopper
-    kernel's (hopper_forward_config: its SM90_FWD_HEAD_DIM_PAIRS, 16-bit, the variant's features
-    and varlen) where it takes the call and the TMA reads its arrays, else the mma.sync kernel's
-    (fwd_config with V's kernel head dim, at most Q's: 16-bit, every feature but the programmable
-    modifiers), else NotImplementedError naming v's head dim."""
-    p = problem
-    if not (p.batch and p.seqlen_q and p.nheads):  # nothing to launch (forward_plan)
-        return ForwardChoice(None, (0, 0, 0))
-    chosen = config is not None or "fwd" in FORCED or user_mods is not None
-    hopper = None if chosen else hopper_forward_config(p, features, window, arch, varlen)
-    if hopper is not None:
-        maps = _hopper.forward_maps(hopper)
-        map_fields = _hopper.readable_map_fields(views, maps)
-        if map_fields is not None:
-            grid, grid_fields = forward_grid(hopper, p.batch, p.nheads, p.nheads_kv, p.seqlen_q,
-                                             p.seqlen_k, p.head_dim, views["q"].itemsize,
-                                             window[1], device_id)
-            return ForwardChoice(hopper, grid, True, grid_fields, maps, map_fields)
-    # V's kernel head dim below Q's: the one-head-dim kernels bound V's columns by Q's
-    if (not chosen and p.dtype in DTYPE_TAGS
-            and v_kernel_head_dim(p.head_dim_v, p.head_dim) < kernel_head_dim(p.head_dim)):
-        mma = with_features(fwd_config(p.dtype, p.head_dim, arch, p.head_dim_v), features)
-        return ForwardChoice(mma, (-(-p.seqlen_q // mma.block_m), p.nheads, p.batch))
-    raise NotImplementedError(split_head_dims_refusal(p, "forward", arch))
 
 
 def split_head_dims_refusal(problem, direction: str, arch: int) -> str:
@@ -281,13 +265,17 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
     hopper_backward_mods_choice takes it (`bias_tile`: as forward_kernel's), the others on the
     mma.sync kernels (bwd_mods_config's tile, or a forced BwdConfig's; a BwdModsConfig, and in
     deterministic mode a BwdDqModsConfig; mods.check_backward's ValueError for a score modifier
-    without a derivative). V with a head dim of its own (d_v != d_qk): the Hopper kernel
-    (split_head_dims_backward)."""
+    without a derivative). V with a head dim of its own (d_v != d_qk): the Hopper kernel where
+    hopper_backward_config takes it (the forward's pairs, 16-bit, softcap, ALiBi, varlen,
+    deterministic mode), else NotImplementedError naming v's head dim (the mma.sync kernels have
+    one head dim: split_head_dims_refusal)."""
     p = problem
-    if p.head_dim_v != p.head_dim:
-        return split_head_dims_backward(p, features, deterministic, arch, views, varlen, window,
-                                        config, user_mods)
+    split = p.head_dim_v != p.head_dim
+    if split and not (p.batch and p.nheads):  # nothing to launch (backward_plan); its sizes only
+        return BackwardChoice(bwd_config(p.dtype, p.head_dim, arch, deterministic))
     forced = config if config is not None else FORCED.get("bwd")
+    if split and (forced is not None or user_mods is not None):
+        raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
     if user_mods is not None:
         from . import mods
 
@@ -321,35 +309,14 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
             maps = _hopper.backward_maps(hopper)
             map_fields = _hopper.readable_map_fields(views, maps)
     if map_fields is None:
+        if split:
+            raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
         if forced is None:
             forced = bwd_config(p.dtype, p.head_dim, arch, deterministic)
         dq_config = None
         if deterministic:
             dq_config = with_features(bwd_dq_config(p.dtype, p.head_dim, arch), features)
         return BackwardChoice(with_features(forced, features), dq_config=dq_config)
-    key_blocks = -(-p.seqlen_k // hopper.block_n)
-    group_pairs = dispatch_group_pairs(key_blocks, hopper.num_chunks, window, deterministic)
-    return BackwardChoice(hopper, True, group_pairs=group_pairs, maps=maps,
-                          map_fields=map_fields)
-
-
-def split_head_dims_backward(problem, features: int, deterministic: bool, arch: int,
-                             views: dict, varlen, window, config=None,
-                             user_mods=None) -> BackwardChoice:
-    """backward_kernels for a call whose v has a head dim of its own (d_v != d_qk): the Hopper
-    kernel's (hopper_backward_config: the forward's pairs, 16-bit, softcap, ALiBi, varlen,
-    deterministic mode), or NotImplementedError naming v's head dim (the mma.sync kernels have
-    one head dim)."""
-    p = problem
-    if not (p.batch and p.nheads):  # nothing to launch (backward_plan); its sizes only
-        return BackwardChoice(bwd_config(p.dtype, p.head_dim, arch, deterministic))
-    hopper = None
-    if config is None and "bwd" not in FORCED and user_mods is None:
-        hopper = hopper_backward_config(p, features, arch, varlen, deterministic)
-    maps = None if hopper is None else _hopper.backward_maps(hopper)
-    map_fields = None if hopper is None else _hopper.readable_map_fields(views, maps)
-    if map_fields is None:
-        raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
     key_blocks = -(-p.seqlen_k // hopper.block_n)
     group_pairs = dispatch_group_pairs(key_blocks, hopper.num_chunks, window, deterministic)
     return BackwardChoice(hopper, True, group_pairs=group_pairs, maps=maps,
@@ -790,7 +757,10 @@ SM90_FWD_TILES = {64: (128, 2), 96: (128, 3), 128: (128, 2), 192: (112, 2), 256:
 #:    buffer (16 KiB) 145 KiB. Registers: O 32 + S 64 + P 32.
 #: The schedule is Q's head dim's (SCHEDULES).
 SM90_SPLIT_HEAD_DIM_TILES = {(192, 128): (128, 2), (128, 64): (128, 2)}
-assert set(SM90_SPLIT_HEAD_DIM_TILES) == set(SM90_FWD_HEAD_DIM_PAIRS)
+#: The (Q's and K's, V's) kernel head dims where V's differs that the Hopper kernels take:
+#: DeepSeek's prefill (192 / 128) and (128, 64). V's at most Q's: the forward stages O in Q's
+#: buffer (FwdSm90Traits), the backward's dV lies in the first head-dim chunk (BwdSm90Traits).
+SM90_FWD_HEAD_DIM_PAIRS = tuple(SM90_SPLIT_HEAD_DIM_TILES)
 
 
 #: (block_n, stages) of the persistent Hopper forward, for the head dims where its O buffer (Q's

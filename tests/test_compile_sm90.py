@@ -417,7 +417,7 @@ def test_split_head_dim_tiles():
     with pytest.raises(ValueError, match="at most Q's"):
         _configs.FwdSm90Config("float16", 64, head_dim_v=128)
     dispatched = {(c.head_dim, c.head_dim_v) for c in DISPATCHED if c.head_dim_v != c.head_dim}
-    assert dispatched == set(_configs.SM90_FWD_HEAD_DIM_PAIRS)
+    assert dispatched == set(_dispatch.SM90_FWD_HEAD_DIM_PAIRS)
 
 
 def test_hopper_source_uses_the_hopper_instructions():

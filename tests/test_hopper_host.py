@@ -683,7 +683,7 @@ def test_v_with_its_own_head_dim_runs_the_hopper_forward(hopper_api, d_qk, d_v, 
     launch, _, record = hopper_api.launches[-1]
     config = launch.config
     assert isinstance(config, _configs.FwdSm90Config)
-    assert (config.head_dim, config.head_dim_v) in _configs.SM90_FWD_HEAD_DIM_PAIRS
+    assert (config.head_dim, config.head_dim_v) in _dispatch.SM90_FWD_HEAD_DIM_PAIRS
     assert config in _dispatch.hopper_forward_configs()
     assert out.shape == (2, seqlen, 8, d_v)
     assert (record["base"]["head_dim"], record["base"]["head_dim_v"]) == (d_qk, d_v)

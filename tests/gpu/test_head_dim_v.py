@@ -1,5 +1,5 @@
 """GPU tests of v with a head dim of its own (d_v != d_qk: DeepSeek's 192 / 128, and 128 / 64),
-which the Hopper kernels run (_configs.SM90_FWD_HEAD_DIM_PAIRS): against the reference by the
+which the Hopper kernels run (_dispatch.SM90_FWD_HEAD_DIM_PAIRS): against the reference by the
 2x rule, forward (out, lse) and backward (dq, dk like q and k, dv like v), dense and varlen,
 causal and not, GQA, odd lengths, seqlen_q != seqlen_k, the variant's features, deterministic
 mode, poisoned outputs, a CUDA graph replayed with fresh inputs; elsewhere (sm_80 and newer
