@@ -169,13 +169,8 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> Attentio
     scale = check_softmax_scale(softmax_scale, head_dim)
 
     if out is not None:
-        out_shape = output_shape(q.shape, head_dim_v)
-        if tuple(out.shape) != out_shape:
-            like = "q" if head_dim_v == head_dim else "q with v's head dim"
-            raise ValueError(f"out must have the shape of {like} {out_shape}; got "
-                             f"{tuple(out.shape)}")
-        _check_dtype("out", out, dtype)
-        check_strides("out", out)
+        _check_like("out", out, "q" if head_dim_v == head_dim else "q with v's head dim",
+                    output_shape(q.shape, head_dim_v), dtype)
 
     return AttentionProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype,
                             batched, scale, head_dim_v)
@@ -186,10 +181,12 @@ def output_shape(q_shape, head_dim_v: int) -> tuple:
     return (*tuple(q_shape)[:-1], head_dim_v)
 
 
-def _check_like(name: str, x, like_name: str, like, dtype: str) -> None:
-    if tuple(x.shape) != tuple(like.shape):
+def _check_like(name: str, x, like_name: str, shape, dtype: str) -> None:
+    """`x` of this shape (that of what `like_name` names) and dtype, with strides the kernels
+    take."""
+    if tuple(x.shape) != tuple(shape):
         raise ValueError(
-            f"{name} must have the shape of {like_name} {tuple(like.shape)}; got {tuple(x.shape)}")
+            f"{name} must have the shape of {like_name} {tuple(shape)}; got {tuple(x.shape)}")
     _check_dtype(name, x, dtype)
     check_strides(name, x)
 
@@ -199,16 +196,9 @@ def check_backward_inputs(problem: AttentionProblem, dout, q, k, v, out, lse, *,
     """Checks the backward's extra arguments against the forward problem `problem` (from
     check_attention_inputs): dout and out like q (with v's head dim), lse float32 (batch, nheads,
     seqlen_q) as the forward returned it, and the optional dq / dk / dv outputs like q / k / v."""
+    like = "q" if problem.head_dim_v == problem.head_dim else "q with v's head dim"
     for name, x in (("dout", dout), ("out", out)):
-        if problem.head_dim_v == problem.head_dim:
-            _check_like(name, x, "q", q, problem.dtype)
-            continue
-        shape = output_shape(q.shape, problem.head_dim_v)
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have the shape of q with v's head dim {shape}; got "
-                             f"{tuple(x.shape)}")
-        _check_dtype(name, x, problem.dtype)
-        check_strides(name, x)
+        _check_like(name, x, like, output_shape(q.shape, problem.head_dim_v), problem.dtype)
     lse_shape = ((problem.batch,) if problem.batched else ()) + (problem.nheads, problem.seqlen_q)
     if tuple(lse.shape) != lse_shape:
         raise ValueError(
@@ -227,7 +217,7 @@ def check_backward_inputs(problem: AttentionProblem, dout, q, k, v, out, lse, *,
                          f"Use cupy.ascontiguousarray(lse)")
     for name, x, like_name, like in (("dq", dq, "q", q), ("dk", dk, "k", k), ("dv", dv, "v", v)):
         if x is not None:
-            _check_like(name, x, like_name, like, problem.dtype)
+            _check_like(name, x, like_name, like.shape, problem.dtype)
 
 
 def check_window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
