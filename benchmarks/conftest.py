@@ -113,7 +113,7 @@ def sdpa_peers(cupy, torch, backlog):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    ms, diff = torch_peers.measure_torch(
+                    ms, diff, _ = torch_peers.measure_torch(
                         cupy, torch, backend(torch, cupy, config.dtype), config, q, k, v, dout,
                         ours_out, PEER_WARMUP, PEER_ITERS, backlog)
                 except Exception as exc:  # a backend that refuses the shape: say why, go on

@@ -350,7 +350,7 @@ def test_measure_cudnn_fills_the_row_or_says_why_not(monkeypatch):
             pass
 
     monkeypatch.setattr(torch_peers, "TorchSdpaCudnn", FakeCudnn)
-    monkeypatch.setattr(torch_peers, "measure_torch", lambda *args: (2.0, 1e-3))
+    monkeypatch.setattr(torch_peers, "measure_torch", lambda *args: (2.0, 1e-3, None))
     row = _row(4096, 300.0, 250.0)
     torch_peers.measure_cudnn(None, None, row, None, None, None, None, None, 1, 5, None)
     assert (row.cudnn_ms, row.cudnn_max_abs_diff, row.cudnn_error) == (2.0, 1e-3, None)
@@ -535,7 +535,7 @@ def test_measure_times_flash_and_cudnn_on_every_row(monkeypatch):
 
     def ours_forward(cupy, row, q, k, v, warmup, iters, backlog):
         row.ms, row.tflops = 1.0, row.config.flops / 1e9
-        return q
+        return q, None  # (its output, its timer)
 
     def ours_backward(cupy, row, q, k, v, dout, warmup, iters, backlog):
         assert dout is not None and dout.shape == q.shape
@@ -548,7 +548,7 @@ def test_measure_times_flash_and_cudnn_on_every_row(monkeypatch):
             raise RuntimeError("No available kernel. Aborting execution.")
         if reference.LABEL == "SDPA-flash" and config.causal:
             raise RuntimeError("flash broke")
-        return 2.0, (1e-3 if ours_out is not None else None)
+        return 2.0, (1e-3 if ours_out is not None else None), None
 
     monkeypatch.setattr(timing, "Backlog", lambda cupy: None)
     monkeypatch.setattr(torch_peers, "TorchSdpaFlash", Flash)

@@ -312,22 +312,17 @@ def measure(cupy, torch, configs: list[Config], warmup: int, iters: int, progres
                     row.errors.append("backward not available yet")
                 if torch is not None and row.ms is not None:
                     flash = torch_peers.TorchSdpaFlash(torch, cupy, dtype_name)
-                    row.torch_ms, row.max_abs_diff = torch_peers.measure_torch(
-                        cupy, torch, flash, config, q, k, v, dout, ours_out, warmup, iters,
-                        backlog)
+                    row.torch_ms, row.max_abs_diff, timers["SDPA-flash"] = (
+                        torch_peers.measure_torch(cupy, torch, flash, config, q, k, v, dout,
+                                                  ours_out, warmup, iters, backlog))
                     row.torch_tflops = config.flops / row.torch_ms / 1e9
-                    if repeats > 1:
-                        timers["SDPA-flash"] = torch_peers.torch_timer(torch, flash, config, q,
-                                                                       k, v, dout)
             except Exception as exc:  # keep going; the row shows what failed
                 row.errors.append(f"{exc.__class__.__name__}: {exc}")
             if torch is not None and row.ms is not None:
-                torch_peers.measure_cudnn(cupy, torch, row, q, k, v, dout, ours_out, warmup,
-                                          iters, backlog)
-                if repeats > 1 and row.cudnn_ms is not None:
-                    timers["cuDNN"] = torch_peers.torch_timer(
-                        torch, torch_peers.TorchSdpaCudnn(torch, cupy, dtype_name), config, q,
-                        k, v, dout)
+                cudnn_timer = torch_peers.measure_cudnn(cupy, torch, row, q, k, v, dout,
+                                                        ours_out, warmup, iters, backlog)
+                if cudnn_timer is not None:
+                    timers["cuDNN"] = cudnn_timer
             if repeats > 1 and not row.errors:
                 try:
                     repeat_rounds(row, timers, repeats, warmup, iters, backlog)
@@ -352,7 +347,7 @@ def repeat_rounds(row: Row, timers: dict, repeats: int, warmup: int, iters: int,
     names = list(timers)
     rounds = {name: [getattr(row, ROUND_FIELDS[name][0])] for name in names}
     for r in range(1, repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in timing.turning_order(names, r):
             rounds[name].append(timers[name](warmup, iters, backlog))
     row.rounds = rounds
     for name, times in rounds.items():

@@ -82,6 +82,12 @@ def time_torch(torch, fn, warmup: int, iters: int, backlog: Backlog) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def turning_order(names: list, r: int) -> list:
+    """The contenders `names` in round r's order: from the r-th on, round the list, so that
+    over the rounds each one follows each other (and meets the power state it leaves)."""
+    return names[r % len(names):] + names[:r % len(names)]
+
+
 def median_of_rounds(cupy, torch, calls: dict, rounds: int, warmup: int, iters: int,
                      backlog: Backlog, is_torch=lambda name: name.startswith("sdpa"),
                      on_error=None) -> dict:
@@ -90,9 +96,8 @@ def median_of_rounds(cupy, torch, calls: dict, rounds: int, warmup: int, iters: 
     call), so that every contender meets each power state the others leave; the median of each
     one's rounds, in ms. A call that raises times nan in that round, after on_error(name, exc)."""
     times = {name: [] for name in calls}
-    order = list(calls)
     for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in turning_order(list(calls), r):
             try:
                 if is_torch(name):
                     times[name].append(time_torch(torch, calls[name], warmup, iters, backlog))

@@ -109,23 +109,11 @@ def max_abs_diff(cupy, torch, ours, torch_out_bhsd) -> float:
 
 def measure_torch(cupy, torch, reference: TorchSdpa, config, q, k, v, dout, ours_out, warmup,
                    iters, backlog):
-    """(ms, max abs diff) of torch SDPA under `reference`'s backend on the same arrays: the
-    forward, or the backward through autograd on a retained graph (its forward run under the
-    backend too). The diff compares the forward's output with `ours_out`; None for backward."""
-    if config.direction == "fwd":
-        run = reference.forward(q, k, v, config.causal)
-    else:
-        run = reference.backward(q, k, v, dout, config.causal)
-    with reference.only():
-        ms = time_torch(torch, run, warmup, iters, backlog)
-        diff = max_abs_diff(cupy, torch, ours_out, run()) if ours_out is not None else None
-    return ms, diff
-
-
-def torch_timer(torch, reference: TorchSdpa, config, q, k, v, dout):
-    """timer(warmup, iters, backlog) -> ms of torch SDPA under `reference`'s backend on these
-    arrays, as measure_torch times it (the backward on a graph built here, once): the later
-    rounds of a row (paper_grid.measure's `repeats`)."""
+    """(ms, max abs diff, timer) of torch SDPA under `reference`'s backend on the same arrays:
+    the forward, or the backward through autograd on a retained graph (its forward run under
+    the backend too). The diff compares the forward's output with `ours_out`; None for
+    backward. timer(warmup, iters, backlog) -> ms times the same call again (the later rounds
+    of a row: paper_grid.measure's `repeats`)."""
     if config.direction == "fwd":
         run = reference.forward(q, k, v, config.causal)
     else:
@@ -134,24 +122,30 @@ def torch_timer(torch, reference: TorchSdpa, config, q, k, v, dout):
     def timer(warmup, iters, backlog):
         with reference.only():
             return time_torch(torch, run, warmup, iters, backlog)
-    return timer
+    ms = timer(warmup, iters, backlog)
+    with reference.only():
+        diff = max_abs_diff(cupy, torch, ours_out, run()) if ours_out is not None else None
+    return ms, diff, timer
 
 
 def measure_cudnn(cupy, torch, row, q, k, v, dout, ours_out, warmup, iters, backlog):
-    """SDPA's cuDNN backend into `row` (a paper_grid.Row), timed as SDPA-flash is. A configuration it
-    refuses (or a torch without that backend) leaves the time empty and the reason in
-    row.cudnn_error; the row is not failed for it."""
+    """SDPA's cuDNN backend into `row` (a paper_grid.Row), timed as SDPA-flash is; returns
+    measure_torch's timer. A configuration it refuses (or a torch without that backend) leaves
+    the time empty and the reason in row.cudnn_error, and returns None; the row is not failed
+    for it."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             reference = TorchSdpaCudnn(torch, cupy, row.config.dtype)
-            row.cudnn_ms, row.cudnn_max_abs_diff = measure_torch(
+            row.cudnn_ms, row.cudnn_max_abs_diff, timer = measure_torch(
                 cupy, torch, reference, row.config, q, k, v, dout, ours_out, warmup, iters,
                 backlog)
             row.cudnn_tflops = row.config.flops / row.cudnn_ms / 1e9
+            return timer
         except Exception as exc:
             row.cudnn_ms = row.cudnn_max_abs_diff = row.cudnn_tflops = None
             row.cudnn_error = refusal_reason(exc, [str(w.message) for w in caught])
+            return None
 
 
 def refusal_reason(exc: BaseException, warning_messages=()) -> str:
