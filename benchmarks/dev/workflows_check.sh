@@ -35,10 +35,11 @@ export CUPY_CACHE_DIR=$CACHE
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
-# Compiled modules of the cache: every one (CuPy's own kernels land there too), cuflash2's
-cached() { python3 -c "from cuflash2 import _environment as e; print(e.cached_modules('$CACHE'))"; }
-cached_own() {
-    python3 -c "from cuflash2 import _environment as e; print(e.cached_modules('$CACHE', own=True))"
+# Compiled modules of the cache: every one (CuPy's own kernels land there too), or with `own`
+# cuflash2's alone.
+cached() {
+    python3 -c "from cuflash2 import _environment as e
+print(e.cached_modules('$CACHE', own=bool('${1:-}')))"
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
@@ -64,12 +65,12 @@ fi
 if want check; then
     log=$OUT/check.txt
     header "python -m cuflash2 check  (fresh process, CUPY_CACHE_DIR=$CACHE)" > "$log"
-    before=$(cached); own_before=$(cached_own)
+    before=$(cached); own_before=$(cached own)
     python3 -m cuflash2 info >> "$log" 2>&1
     start=$SECONDS
     bounded 120 python3 -m cuflash2 check >> "$log" 2>&1
     status=$?
-    after=$(cached); own_after=$(cached_own)
+    after=$(cached); own_after=$(cached own)
     echo "exit status $status, $((SECONDS - start)) s; cached modules before $before, after" \
          "$after: $((after - before)) compiled during check, $((own_after - own_before)) of" \
          "them cuflash2's ($own_before before, $own_after after; the rest CuPy's own kernels" \
