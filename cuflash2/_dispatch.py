@@ -699,27 +699,29 @@ HOPPER_BLOCK_MASK_MAX_HEAD_DIM = 128
 #: Float32 calls at precision "tf32" on the Hopper forward with TF32 wgmma (tf32_tag;
 #: docs/FLOAT32.md, "Hopper"), dense calls up to head dim 128 with the variant's features, and
 #: at precision "highest" (f32x3_tag, 3xTF32: F32X3_SM90_FWD_TILES) too:
-#: CUFLASH2_HOPPER_TF32=0 keeps both on the mma.sync kernel. The 3xTF32 one is opt-in
-#: (CUFLASH2_HOPPER_F32X3=1) until it has run on a GPU: "highest" is float32's default, and its
-#: mma.sync kernel passed the GPU tests (H100, 2026-12-07); the GPU tests switch it on.
+#: CUFLASH2_HOPPER_TF32=0 keeps both on the mma.sync kernel, CUFLASH2_HOPPER_F32X3=0 "highest"
+#: alone. The 3xTF32 Hopper forward passed the GPU tests up to d=128 and runs in about half the
+#: mma.sync 3xTF32 kernel's time (H100, 4k tokens: 1.41 against 2.98 ms at d=64, 3.52 against
+#: 6.65 at d=128; benchmarks/results/2026-12-07-h100-float32-3xtf32-hopper-66450ef.md).
 HOPPER_FORWARD_TF32 = os.environ.get("CUFLASH2_HOPPER_TF32", "1") != "0"
-HOPPER_FORWARD_F32X3 = os.environ.get("CUFLASH2_HOPPER_F32X3", "0") == "1"
+HOPPER_FORWARD_F32X3 = os.environ.get("CUFLASH2_HOPPER_F32X3", "1") != "0"
 #: (block_n, stages) of the TF32 Hopper forward by kernel head dim, block_m 128, ping-pong with
 #: the overlap inside a warpgroup. A float32 row takes the shared memory of a 16-bit row of twice
 #: the head dim: d=64 as 16-bit d=128 (128 keys, 2 stages: 164,864 B), d=96 and 128 with 64 keys
 #: a tile (3 stages: 197,632 B; 2 stages: 197,632 B). Registers: O 64 + S 32 + P 32 at d=128
-#: (ptxas: 168 at entry, no spills). Not yet timed on a GPU.
+#: (ptxas: 168 at entry, no spills). H100, 4k tokens: 244 TFLOP/s at d=64, 303 at d=128 (the
+#: operand pass included).
 TF32_SM90_FWD_TILES = {64: (128, 2), 96: (64, 3), 128: (64, 2)}
 #: (block_n, stages) of the 3xTF32 Hopper forward (precision "highest", "float32") by kernel head
 #: dim, block_m 128, ping-pong with the overlap inside a warpgroup. Q is held in two parts and a
 #: stage holds K and V's big and small parts (4 tiles): d=64 with 64 keys a tile (Q 64 KiB +
 #: 2 x 64 KiB), d=96 with 32 (Q 96 KiB + 2 x 48 KiB), both 197,632 B. Registers: O 48 + S 16 +
 #: P 2 x 16 at d=96, O 32 + S 32 + P 2 x 32 at d=64 (ptxas: 168 at entry, no spills). Passed
-#: the GPU tests (H100, 2026-12-07), not yet timed.
+#: the GPU tests (H100, 2026-12-07): 98 TFLOP/s at d=64, 4k tokens.
 #: d=128 takes 64 query rows a CTA (F32X3_SM90_FWD_BLOCK_M: one consumer warpgroup, the in-order
 #: schedule with the overlap): at 128 rows Q's two parts alone take 128 KiB and two 32-key
 #: stages 128 KiB more; at 64, Q 64 KiB + 2 x 64 KiB = 197,632 B. Registers: O 64 + S 16 + P
-#: 2 x 16 (ptxas: no spills). Not yet run on a GPU.
+#: 2 x 16 (ptxas: no spills). Passed the GPU tests (H100): 78 TFLOP/s at 4k tokens.
 F32X3_SM90_FWD_TILES = {64: (64, 2), 96: (32, 2), 128: (32, 2)}
 #: block_m of the 3xTF32 Hopper forward where it is not 128 (one consumer warpgroup).
 F32X3_SM90_FWD_BLOCK_M = {128: 64}

@@ -94,7 +94,7 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
             for element, tiles in _dispatch.FLOAT32_SM90_FWD_TILES.items():
                 if element not in dtypes or (element == "float32"
                                              and not _dispatch.HOPPER_FORWARD_F32X3):
-                    continue  # ("highest" on Hopper is opt-in for now)
+                    continue  # (CUFLASH2_HOPPER_F32X3=0: "highest" stays on mma.sync)
                 f32_dims = {_dispatch.hopper_forward_head_dim(h, tuple(tiles))
                             for h in head_dims if h <= max(tiles)}
                 configs += [c for c in _dispatch.tf32_hopper_forward_configs(features,

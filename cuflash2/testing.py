@@ -166,13 +166,22 @@ def poison_like(xp, shape, dtype):
     return xp.full(shape, math.nan, dtype=numpy.float32).astype(dtype)
 
 
+#: One unit in the last place at 1.0 of TF32 (10 mantissa bits).
+_TF32_UNIT = 2.0**-10
+
+
+def _tf32_products(dtype, precision) -> bool:
+    """Whether float32 inputs at `precision` take one TF32 product ("tf32", "high")."""
+    return numpy.dtype(dtype) == numpy.float32 and precision in ("tf32", "high")
+
+
 def _references(q, precision):
     """(ref_hi's, ref_lo's compute_dtype) of the rule for inputs like q: float32 and q's dtype
     for 16-bit inputs; for float32 inputs float64 and, at `precision`, float32 ("highest",
     None) or the TF32 roundings ("tf32", "high": reference compute_dtype "tf32")."""
     if numpy.dtype(q.dtype) != numpy.float32:
         return numpy.float32, q.dtype
-    return numpy.float64, ("tf32" if precision in ("tf32", "high") else numpy.float32)
+    return numpy.float64, ("tf32" if _tf32_products(q.dtype, precision) else numpy.float32)
 
 
 def check_forward(q, k, v, out, lse=None, *, atol=None, precision=None, **options):
@@ -263,8 +272,9 @@ def _wants_dbias(options):
     return options.get("bias") is not None and options.get("bias_requires_grad", True)
 
 
-def dsinks_tolerance(dtype, dout, out, lse, sinks):
-    """The absolute slack of the 2x rule for dsinks, for inputs of this dtype.
+def dsinks_tolerance(dtype, dout, out, lse, sinks, precision=None):
+    """The absolute slack of the 2x rule for dsinks, for inputs of this dtype (float32 ones at
+    `precision`).
 
     dsinks is float32 and is not rounded to the input dtype, but it is a sum over every row i
     of a head (all batch entries, all sequences) of ``-exp(sink - lse_i) * D_i`` with
@@ -283,12 +293,17 @@ def dsinks_tolerance(dtype, dout, out, lse, sinks):
     P rounded: more error than a kernel's) stayed below 0.78 of the bound
     (2 |ref_lo - ref_hi| + this), while a dsinks of 0 or of twice the value failed every one.
 
+    Float32 inputs at precision "tf32" ("high") take TF32's unit, 2**-10 (10 mantissa bits, as
+    fp16): there D_i is read from dO rounded to TF32 (the dO that dP = dO V^T takes, so that
+    dP - D cancels) and O from products of TF32 operands, so each product dO_ic * O_ic carries
+    a TF32 rounding, not a float32 one.
+
     dout, out (the float32 reference's): (..., nheads, headdim) rows; lse (float32 reference's,
     counting the sink): their (nheads, rows) layout, i.e. ``(batch, nheads, seqlen_q)``,
     ``(nheads, seqlen_q)`` or varlen ``(nheads, total_q)``; sinks (nheads,).
     """
     xp = _array_module(dout, out, lse, sinks)
-    eps = default_atol(dtype)
+    eps = _TF32_UNIT if _tf32_products(dtype, precision) else default_atol(dtype)
     nheads = int(sinks.shape[0])
     products = _as_float64(xp, dout) * _as_float64(xp, out)
     per_row = (products * products).sum(axis=-1).swapaxes(-1, -2)  # lse's layout
@@ -335,7 +350,7 @@ def _check_gradients(reference_backward, reference_forward, args, forward_args, 
             forward_options = {name: value for name, value in options.items()
                                if name != "bias_requires_grad"}
             out, lse = reference_forward(*forward_args, return_lse=True, **forward_options)
-            dsinks_atol = dsinks_tolerance(q.dtype, args[0], out, lse, sinks)
+            dsinks_atol = dsinks_tolerance(q.dtype, args[0], out, lse, sinks, precision)
         results.append(check_close("dsinks", dsinks, refs_hi[3], refs_lo[3], dsinks_atol))
     if wants_dbias:
         if dbias_atol is None:

@@ -62,11 +62,10 @@ def test_float32_strides_are_whole_16_byte_units():
 @pytest.mark.parametrize("arch", [80, 86, 89, 90])
 @pytest.mark.parametrize("element", list(_configs.FLOAT32_TAGS))
 @pytest.mark.parametrize("head_dim", range(8, 257, 8))
-def test_float32_tiles_fit_and_take_the_hopper_forward(element, head_dim, arch, monkeypatch):
+def test_float32_tiles_fit_and_take_the_hopper_forward(element, head_dim, arch):
     """The mma.sync tile of every float32 call fits; on sm_90 precision "tf32" up to head dim
-    128 runs the TF32 Hopper forward instead, "highest" up to head dim 96 the 3xTF32 one where
-    switched on (HOPPER_FORWARD_F32X3; off by default for now)."""
-    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_F32X3", True)
+    128 runs the TF32 Hopper forward instead, "highest" up to head dim 128 the 3xTF32 one where
+    switched on (HOPPER_FORWARD_F32X3, the default)."""
     config = _dispatch.fwd_config(element, head_dim, arch)
     assert config.dtype == element and config.head_dim >= head_dim
     assert config.block_m == 16 * config.num_warps  # 16 rows a warp
@@ -121,14 +120,13 @@ def test_reference_tf32_precision_sits_between_float16_and_float32():
     assert errors["tf32"] < 2 * errors["float16"]
 
 
-def test_precompile_names_the_float32_forward_and_backward(monkeypatch):
+def test_precompile_names_the_float32_forward_and_backward():
     """precompile's plan for float32 inputs: the forward, the backward's main kernels (with and
     without dQ) and deterministic dQ kernels of each head dim, its small kernels (the
     preprocess at the precision's element, the dQ conversion on float32); none where no tile
-    fits. (The 3xTF32 Hopper forward where it is switched on, as the dispatcher takes it.)"""
+    fits. (The 3xTF32 Hopper forward, as the dispatcher takes it.)"""
     from cuflash2 import precompile
 
-    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_F32X3", True)
 
     for name, element in (("fp32", "float32"), ("tf32", "tf32")):
         configs = precompile.plan(90, [precompile.DTYPES[name]], [64, 100], [0], ["fwd", "bwd"])

@@ -611,7 +611,6 @@ def test_a_highest_forward_runs_the_operand_pass_then_the_3xtf32_hopper_kernel(
     from cuflash2 import _configs, _dispatch
     from test_plans_host import device_array
 
-    monkeypatch.setattr(_dispatch, "HOPPER_FORWARD_F32X3", True)  # (opt-in for now)
     q = device_array((2, 1000, 8, head_dim), numpy.float32)
     k = device_array((2, 1000, 2, head_dim), numpy.float32)
     cuflash2.attention(q, k, k, causal=True)

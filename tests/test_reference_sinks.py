@@ -548,3 +548,22 @@ def test_dsinks_tolerance_layouts_agree():
     none = numpy.full(4, -numpy.inf, numpy.float32)
     _, lse_none = reference.attention(q, k, v, causal=True, sinks=none, return_lse=True)
     assert testing.dsinks_tolerance(FP16, dout, out, lse_none, none) == 0
+
+
+def test_dsinks_tolerance_takes_tf32s_unit_at_precision_tf32():
+    # Float32 inputs at "tf32" read D from dO rounded to TF32: the slack of a TF32 rounding
+    # (2**-10, as fp16's), not float32's; "highest" keeps float32's.
+    q, k, v = _inputs(1, 6, 7, 4, 2, 8, seed=42)
+    dout = _inputs(1, 6, 6, 4, 4, 8, seed=43)[0]
+    sinks = _sinks(4, seed=44, dtype=numpy.float32)
+    q, k, v, dout = (x.astype(numpy.float32) for x in (q, k, v, dout))
+    out, lse = reference.attention(q, k, v, sinks=sinks, return_lse=True,
+                                   compute_dtype=numpy.float64)
+    fp32 = numpy.dtype(numpy.float32)
+    highest = testing.dsinks_tolerance(fp32, dout, out, lse, sinks)
+    assert testing.dsinks_tolerance(fp32, dout, out, lse, sinks, "highest") == highest
+    for precision in ("tf32", "high"):
+        assert testing.dsinks_tolerance(fp32, dout, out, lse, sinks, precision) == (
+            pytest.approx(highest * 2.0**-10 / testing.default_atol(fp32)))
+    assert testing.dsinks_tolerance(fp32, dout, out, lse, sinks, "tf32") == pytest.approx(
+        testing.dsinks_tolerance(FP16, dout, out, lse, sinks))

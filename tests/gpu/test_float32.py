@@ -25,9 +25,10 @@ PRECISIONS = ("highest", "tf32")
 
 @pytest.fixture(autouse=True)
 def _hopper_highest_on():
-    """The 3xTF32 Hopper forward (opt-in, CUFLASH2_HOPPER_F32X3=1, until these tests have run
-    it) switched on for every test here: on sm_90 "highest" up to head dim 96 runs it, the
-    mma.sync kernel the rest (and test_forward_on_either_family both)."""
+    """The 3xTF32 Hopper forward switched on for every test here (the default; so that
+    CUFLASH2_HOPPER_F32X3=0 in the environment does not leave it untested): on sm_90 "highest"
+    up to head dim 128 runs it, the mma.sync kernel the rest (and test_forward_on_either_family
+    both)."""
     from grids import switched
 
     from cuflash2 import _dispatch, api
@@ -177,22 +178,20 @@ def test_highest_is_float32_accurate_and_tf32_is_not(headdim):
 
 
 def test_kernels_named():
-    """"highest" runs the mma.sync forward at d=128, on sm_90 the operand pass and the 3xTF32
-    Hopper forward at d=64; "tf32" on sm_90 the operand pass and the TF32 Hopper forward,
-    elsewhere the mma.sync forward."""
+    """On sm_90 "highest" runs the operand pass and the 3xTF32 Hopper forward up to d=128 and
+    the mma.sync forward above; "tf32" the operand pass and the TF32 Hopper forward; elsewhere
+    the mma.sync forward."""
     q, k, v = _qkv(1, 300, 300, 2, 2, 128)
-    kernels = cuflash2.forward_kernels(q, k, v, causal=True, precision="highest")
-    assert kernels[0].startswith("mma.sync forward, float32, head dim 128"), kernels
+    _assert_float32_forward(cuflash2.forward_kernels(q, k, v, causal=True, precision="highest"),
+                            "float32", 128)
     small = [x[..., :64].copy() for x in (q, k, v)]
-    from grids import switched
-
-    from cuflash2 import _dispatch, api
-
-    with switched(_dispatch, {"HOPPER_FORWARD_F32X3": True}, api._forward_plans):
-        kernels = cuflash2.forward_kernels(*small, causal=True, precision="highest")
-    _assert_float32_forward(kernels, "float32", 64)
+    _assert_float32_forward(cuflash2.forward_kernels(*small, causal=True, precision="highest"),
+                            "float32", 64)
     _assert_float32_forward(cuflash2.forward_kernels(q, k, v, causal=True, precision="tf32"),
                             "tf32", 128)
+    wide = _qkv(1, 300, 300, 2, 2, 160)
+    kernels = cuflash2.forward_kernels(*wide, causal=True, precision="highest")
+    assert kernels[0].startswith("mma.sync forward, float32"), kernels
 
 
 def _assert_float32_forward(kernels, tag: str, head_dim: int):
@@ -208,11 +207,12 @@ def _assert_float32_forward(kernels, tag: str, head_dim: int):
 @pytest.mark.parametrize("precision,headdim,flag", [
     ("tf32", 64, "HOPPER_FORWARD_TF32"), ("tf32", 96, "HOPPER_FORWARD_TF32"),
     ("tf32", 128, "HOPPER_FORWARD_TF32"), ("highest", 64, "HOPPER_FORWARD_F32X3"),
-    ("highest", 80, "HOPPER_FORWARD_F32X3"), ("highest", 96, "HOPPER_FORWARD_F32X3")])
+    ("highest", 80, "HOPPER_FORWARD_F32X3"), ("highest", 96, "HOPPER_FORWARD_F32X3"),
+    ("highest", 128, "HOPPER_FORWARD_F32X3")])
 def test_forward_on_either_family(precision, headdim, flag):
     """On sm_90 precision "tf32" runs the TF32 Hopper forward (up to head dim 128) and
-    "highest" the 3xTF32 one (up to 96; d=80 on the d=96 kernel), and with their switch off
-    (CUFLASH2_HOPPER_TF32=0, CUFLASH2_HOPPER_F32X3 unset: `_dispatch.HOPPER_FORWARD_TF32`,
+    "highest" the 3xTF32 one (up to 128; d=80 on the d=96 kernel), and with their switch off
+    (CUFLASH2_HOPPER_TF32=0, CUFLASH2_HOPPER_F32X3=0: `_dispatch.HOPPER_FORWARD_TF32`,
     `HOPPER_FORWARD_F32X3`) the mma.sync forward: both within the rule, on a long enough row for
     several KV tiles and a ring that wraps, GQA, seqlen_q != seqlen_k."""
     from grids import switched
