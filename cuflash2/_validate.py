@@ -67,10 +67,22 @@ def _check_ndim(name: str, x, ndim: int | None) -> int:
     return len(shape)
 
 
+#: What an array of e4m3 values may come as: uint8 bits (CuPy has no FP8 dtype) or ml_dtypes'
+#: float8_e4m3fn (cuflash2.fp8).
+_FP8_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
+
+
 def _check_dtype(name: str, x, expected: str | None) -> str:
     dtype = _DTYPE_NAMES.get(x.dtype)
     if dtype is None:
         dtype = str(x.dtype)
+        if dtype in _FP8_DTYPE_NAMES:
+            # A cast would read e4m3 bits as integers: say what exists instead.
+            raise TypeError(
+                f"{name} is {dtype}: FP8 (e4m3) q, k and v are not supported by attention yet "
+                f"(an e4m3 KV cache is: attention_with_kvcache(..., kv_cache_dtype='e4m3')). To "
+                f"attend over the values e4m3 bits hold, dequantise them first: "
+                f"cuflash2.fp8.dequantize_e4m3({name}, descale).astype(ml_dtypes.bfloat16)")
         raise TypeError(
             f"{name} must be float16, bfloat16 (ml_dtypes.bfloat16) or float32; got {dtype}. "
             f"Cast explicitly, e.g. {name}.astype(cupy.float32)")

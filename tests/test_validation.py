@@ -57,6 +57,20 @@ def test_unsupported_dtype(bad, pattern):
         check(q.astype(bad), k, v)
 
 
+@pytest.mark.parametrize("fp8", [np.uint8, ml_dtypes.float8_e4m3fn])
+def test_fp8_inputs_say_what_exists_rather_than_suggest_a_cast(fp8):
+    # A cast of e4m3 bits to float would read them as integers: the message points at the FP8
+    # cache and at dequantising instead.
+    q, k, v = arrays()
+    for name, args in (("q", (q.astype(fp8), k, v)), ("k", (q, k.astype(fp8), v))):
+        with pytest.raises(TypeError) as raised:
+            check(*args)
+        message = str(raised.value)
+        assert message.startswith(f"{name} is {np.dtype(fp8)}: FP8 (e4m3)"), message
+        assert "kv_cache_dtype='e4m3'" in message and "dequantize_e4m3" in message
+        assert "Cast explicitly" not in message
+
+
 def test_mixed_dtypes():
     q, k, v = arrays()
     with pytest.raises(TypeError, match=r"k must have the same dtype as q \(float16\); got bfloat16"):
