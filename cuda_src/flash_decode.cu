@@ -252,6 +252,16 @@ CF2_DEVICE void scale_scores(float (&acc_s)[1][TILES][4], float k_descale) {
         for (int e = 0; e < 4; ++e) acc_s[0][t][e] *= k_descale;
 }
 
+// The same with a factor per row, the rows on the n side (element e of a tile: row 2t + e % 2):
+// F16_MMA's k_descale over each row's power of two.
+template <int TILES>
+CF2_DEVICE void scale_score_rows(float (&acc_s)[1][TILES][4], const float (&row_factor)[2]) {
+#pragma unroll
+    for (int t = 0; t < TILES; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[0][t][e] *= row_factor[e % 2];
+}
+
 // The next kernel on the stream may start (programmatic launch, up to its own wait) once every
 // CTA is this many KV tiles before its last (or at its first). In a loop of layers, the launches
 // of the kernel between layers and of the next decoding step, and that step's first cache reads
@@ -297,6 +307,14 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     using KVTile = typename T::KVTile;
     using StagedTile = typename T::StagedTile;
     using Stored = typename StagedTileOf<E4M3_CACHE, T::BLOCK_N, HEAD_DIM>::Stored;
+    // The mma's element: q's, but f16 with an e4m3 cache and the rows on the n side where the
+    // hardware converts e4m3 pairs to f16 (sm_89 on, fp8_convert.cuh): one instruction a pair
+    // for K and V where bf16 takes about nine, which bounded such a step (per tile, four times
+    // the 16-bit cache's instructions; H100: the e4m3 cache no faster than bf16's). A bf16 q
+    // joins as f16 rescaled per row (q_fragments_bf16_to_f16), P is packed as f16 (finer than
+    // bf16 on [0, 256]); O accumulates in fp32 and is stored in q's type as before.
+    constexpr bool F16_MMA = E4M3_CACHE && T::ROWS_ON_N && CF2_E4M3_CVT;
+    using MmaElem = typename TypeIf<F16_MMA, fp16_tag, Elem>::type;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 q_smem = smem_address(smem);
@@ -463,6 +481,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     zero_fill(acc_ot);
     OnlineSoftmaxN8 softmax_n8;
     u32 q_frag[T::D_STEPS][2];
+    // F16_MMA: the factors of this lane's score rows (2t, 2t + 1 of the n side): k_descale times
+    // the inverse of the row's power of two (q_fragments_bf16_to_f16), set with Q's fragments.
+    float row_score_factor[2] = {k_descale, k_descale};
     const int warp_key0 = warp * KEYS_PER_WARP;  // within the tile
     // Score s of this thread's row `half` at key `key`: ALiBi's bias, then the row's visible
     // keys [lo, hi) (causal, window, the sequence's end; vis.lo / vis.hi of the row, computed
@@ -535,7 +556,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         auto convert_rows = [&](u32 staged) {
             if constexpr (E4M3_CACHE) {
                 __syncwarp();  // (V's: every lane's K fragments are read)
-                convert_rows_e4m3<Elem, StagedTile, KVTile, KEYS_PER_WARP>(converted0, staged,
+                convert_rows_e4m3<MmaElem, StagedTile, KVTile, KEYS_PER_WARP>(converted0, staged,
                                                                           warp_key0, lane);
                 __syncwarp();
             }
@@ -553,6 +574,11 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                     q_frag[2 * kq + 1][0] = r4[2];
                     q_frag[2 * kq + 1][1] = r4[3];
                 }
+                if constexpr (F16_MMA && Elem::is_bf16) {
+                    q_fragments_bf16_to_f16(q_frag, row_score_factor, lane);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) row_score_factor[j] *= k_descale;
+                }
             }
             // S^T = K_w Q^T: the warp's keys on m, the rows on n. The head dim's k16 steps
             // alternate between two accumulators (half the dependent chain), added after.
@@ -566,13 +592,17 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                 for (int kt = 0; kt < T::KEY_TILES; ++kt) {
                     u32 a[4];
                     ldmatrix_x4(a, k_frag.at(2 * kt, ks));
-                    mma_m16n8k16<Elem>(ks % 2 == 0 ? acc_s[0][kt] : acc_odd[0][kt], a, q_frag[ks]);
+                    mma_m16n8k16<MmaElem>(ks % 2 == 0 ? acc_s[0][kt] : acc_odd[0][kt], a,
+                                          q_frag[ks]);
                 }
 #pragma unroll
             for (int kt = 0; kt < T::KEY_TILES; ++kt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[0][kt][e] += acc_odd[0][kt][e];
-            if constexpr (E4M3_CACHE) scale_scores(acc_s, k_descale);
+            if constexpr (F16_MMA)
+                scale_score_rows(acc_s, row_score_factor);
+            else if constexpr (E4M3_CACHE)
+                scale_scores(acc_s, k_descale);
             softcap.apply_softcap(acc_s);
             // Element e of key tile kt: key 16 kt + lane / 4 + 8 (e / 2), row 2 (lane % 4) + e % 2.
             const int key_base = tile * T::BLOCK_N + warp_key0 + lane / 4;
@@ -593,12 +623,12 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int kt = 0; kt < T::KEY_TILES; ++kt) {
                 u32 b[2];
-                softmax_n8.template exp_pack<Elem>(b, acc_s[0][kt], p.scale_log2);
+                softmax_n8.template exp_pack<MmaElem>(b, acc_s[0][kt], p.scale_log2);
 #pragma unroll
                 for (int dt = 0; dt < T::D_TILES16; ++dt) {
                     u32 a[4];
                     ldmatrix_x4_trans(a, v_frag.at(2 * kt, dt));
-                    mma_m16n8k16<Elem>(acc_ot[0][dt], a, b);
+                    mma_m16n8k16<MmaElem>(acc_ot[0][dt], a, b);
                 }
             }
         } else {

@@ -2,13 +2,14 @@
 // = S.1111.111, largest finite 448) to and from the kernels' 16-bit types, on every architecture
 // the package runs on (sm_80 up).
 //
-// One code path everywhere: sm_80/86 have no FP8 conversion instructions (cvt's e4m3x2 forms
-// begin at sm_89), and a single path is one that the GPU tests verify for every architecture.
 // - Decoding (e4m3 -> f16 / bf16) is exact: every e4m3 value is a 16-bit value of either type.
-//   The bits move into place with a byte permute, a shift and masks, which makes them the value
-//   times 2^-(bias difference) (e4m3 subnormals land on subnormals of the 16-bit type, which the
-//   packed multiply below handles); one packed multiply by 2^(bias difference) rebiases both
-//   halves. The NaN pattern would come out as 480 and is set to NaN.
+//   To f16 on sm_89 and newer: the hardware's pair conversion (cvt.rn.f16x2.e4m3x2), one
+//   instruction a pair, NaN to NaN (CF2_E4M3_CVT). To bf16, and on sm_80/86, which have no FP8
+//   conversion instructions: the bits move into place with a byte permute, a shift and masks,
+//   which makes them the value times 2^-(bias difference) (e4m3 subnormals land on subnormals
+//   of the 16-bit type, which the packed multiply below handles); one packed multiply by
+//   2^(bias difference) rebiases both halves. The NaN pattern would come out as 480 and is set
+//   to NaN: about nine instructions a pair (tests/test_fp8_cache.py replays it for every byte).
 // - Encoding (fp32 -> e4m3) rounds to nearest even and saturates to +-448 (infinities too), as
 //   cvt.rn.satfinite.e4m3x2.f32 and vLLM's / FlashAttention-3's cache quantisation do; NaN stays
 //   NaN. cuflash2/fp8.py holds the same rules in NumPy (the reference and its tests).
@@ -23,6 +24,13 @@ static_assert(E4M3_MAX == 448, "E4M3_MAX_FLOAT_BITS is 448.0f");
 // (tests/test_fp8_cache.py reads them from here).
 constexpr u32 TWO_POW_8_F16X2 = 0x5c005c00u;
 constexpr u32 TWO_POW_120_BF16X2 = 0x7b807b80u;
+
+// 1 where the hardware converts e4m3 pairs to f16 (sm_89 on).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define CF2_E4M3_CVT 1
+#else
+#define CF2_E4M3_CVT 0
+#endif
 
 // Two e4m3 values, each in the high byte of a 16-bit half (bits 8-15 and 24-31, zeros below),
 // as two elements of Elem packed in a u32.
@@ -52,6 +60,18 @@ CF2_DEVICE u32 e4m3_pair_to_16bit(u32 spread) {
 // and 1 in `lo` (0 in its low half), 2 and 3 in `hi`.
 template <typename Elem>
 CF2_DEVICE void e4m3x4_to_16bit(u32 packed, u32& lo, u32& hi) {
+#if CF2_E4M3_CVT
+    if constexpr (!Elem::is_bf16) {
+        // (the pair's low byte to the low half: element 0 first, as below)
+        asm("{\n\t.reg .b16 pair_lo, pair_hi;\n\t"
+            "mov.b32 {pair_lo, pair_hi}, %2;\n\t"
+            "cvt.rn.f16x2.e4m3x2 %0, pair_lo;\n\t"
+            "cvt.rn.f16x2.e4m3x2 %1, pair_hi;\n\t}\n"
+            : "=r"(lo), "=r"(hi)
+            : "r"(packed));
+        return;
+    }
+#endif
     lo = e4m3_pair_to_16bit<Elem>(__byte_perm(packed, 0u, 0x1404));  // bytes 0, 1 -> bits 8, 24
     hi = e4m3_pair_to_16bit<Elem>(__byte_perm(packed, 0u, 0x3424));  // bytes 2, 3 -> bits 8, 24
 }

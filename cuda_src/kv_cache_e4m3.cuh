@@ -59,6 +59,44 @@ CF2_DEVICE void convert_rows_e4m3(u32 dst, u32 src, int row0, int lane) {
     }
 }
 
+// Q's B fragments of the decode kernel with its rows on the mma's n side (flash_decode.cu:
+// lane l holds row g = l / 4, columns 2t, 2t + 1 (q[ks][0]) and 2t + 8, 2t + 9 (q[ks][1]) of
+// each k16 step ks, t = l % 4; the quad of lanes 4g .. 4g + 3 holds the whole row), bf16, as f16
+// for the f16 mma of an e4m3 cache (fp8_convert.cuh: CF2_E4M3_CVT). Each row is multiplied by
+// the power of two that puts its largest magnitude in [2^14, 2^15): within f16's range (largest
+// finite 65504), where bf16 reaches 3.4e38, and exact for every element down to 2^-28 of that
+// largest (f16's normals span 2^30 from there, and a bf16 value has 8 significant bits); those
+// below become f16 subnormals, off by less than 2^-39 of it. NaN elements stay NaN (fmaxf
+// passes over them), infinities infinite. Returns in row_factor[j] the inverse power of two of
+// row 2t + j, the row of this lane's scores of element parity j, to multiply them back with.
+template <int STEPS>
+CF2_DEVICE void q_fragments_bf16_to_f16(u32 (&q)[STEPS][2], float (&row_factor)[2], int lane) {
+    float largest = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < STEPS; ++ks)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            largest = fmaxf(largest, fmaxf(fabsf(__uint_as_float(q[ks][r] << 16)),
+                                           fabsf(__uint_as_float(q[ks][r] & 0xffff0000u))));
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+    // 2^(14 - E) for largest in [2^E, 2^(E + 1)); a row below 2^-113 (zeros: padding rows) takes
+    // 2^127, which keeps it below 2^14.
+    const int exponent = max(static_cast<int>(__float_as_uint(largest) >> 23), 14);  // biased
+    const float scale = __uint_as_float(static_cast<u32>(268 - exponent) << 23);
+#pragma unroll
+    for (int ks = 0; ks < STEPS; ++ks)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            q[ks][r] = pack_pair<fp16_tag>(__uint_as_float(q[ks][r] << 16) * scale,
+                                           __uint_as_float(q[ks][r] & 0xffff0000u) * scale);
+    const float inverse = 1.f / scale;  // a power of two: exact
+    const int t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+        row_factor[j] = __shfl_sync(0xffffffffu, inverse, 4 * (2 * t + j));
+}
+
 // Sixteen 16-bit elements at `src` (a new token's, in global memory), quantised by `descale`.
 template <typename Elem>
 CF2_DEVICE void quantise_new_chunk(u32 (&out)[4], const u16* src, float descale) {

@@ -26,6 +26,16 @@ struct bf16_tag {
     static constexpr int WORDS = 1;
 };
 
+// A or B by a compile-time condition (NVRTC has no <type_traits>).
+template <bool CONDITION, class A, class B>
+struct TypeIf {
+    using type = A;
+};
+template <class A, class B>
+struct TypeIf<false, A, B> {
+    using type = B;
+};
+
 #define CF2_DEVICE __device__ __forceinline__
 
 // Address of a shared-memory object in the .shared window, as ldmatrix / cp.async expect it.
