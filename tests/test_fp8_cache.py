@@ -91,6 +91,46 @@ def test_the_kernels_bitwise_decoding_is_exact(dtype):
     numpy.testing.assert_array_equal(bits.view(dtype), want)  # (NaN == NaN positions here)
 
 
+def test_bf16_query_rows_rescaled_into_f16_exactly():
+    """kv_cache_e4m3.cuh's q_fragments_bf16_to_f16, replayed: each row times 2^(14 - E) (its
+    largest magnitude in [2^E, 2^(E + 1)), E clamped from below) lands in [2^14, 2^15), within
+    f16's range, and every element down to 2^-28 of the row's largest is exact in f16, the rest
+    within 2^-39 of it; the factor's inverse is exact. Rows of bf16's extremes, zeros, and an
+    infinity, which stays infinite."""
+    source = (_compile.cuda_src_dir() / "kv_cache_e4m3.cuh").read_text()
+    body = source[source.index("q_fragments_bf16_to_f16(u32"):]
+    clamp = int(re.search(r"__float_as_uint\(largest\) >> 23\), (\d+)\)", body).group(1))
+    bias = int(re.search(r"static_cast<u32>\((\d+) - exponent\) << 23", body).group(1))
+    assert (clamp, bias) == (14, 268)
+    bf16 = ml_dtypes.bfloat16
+    rows = [RNG.standard_normal(128) * 10.0 ** e for e in (-35, -8, 0, 4, 30, 38)]
+    rows += [numpy.zeros(128), numpy.r_[numpy.zeros(127), 3e38],
+             numpy.r_[RNG.standard_normal(127), numpy.inf]]
+    for row in rows:
+        x = row.astype(bf16).astype(numpy.float32)
+        largest = numpy.abs(x).max()
+        exponent = max(int(numpy.float32(largest).view(numpy.uint32) >> 23), clamp)
+        scale = numpy.uint32((bias - exponent) << 23).view(numpy.float32)
+        scaled = x * scale  # a power of two: exact in float32
+        f16 = scaled.astype(numpy.float16)
+        finite = numpy.isfinite(x)
+        if numpy.isfinite(largest) and largest > 0:
+            top = abs(scaled).max()
+            if exponent > clamp:
+                assert 2.0 ** 14 <= top < 2.0 ** 15
+            else:  # a row below 2^-113: times 2^127, still below 2^14
+                assert top < 2.0 ** 14
+            # f16's normals (from 2^-14, 2^-28 of the top or less) exact, its subnormals within
+            # half their step, 2^-25 (2^-39 of the top or less)
+            normal = numpy.abs(scaled) >= 2.0 ** -14
+            assert numpy.array_equal(f16[normal].astype(numpy.float32), scaled[normal])
+            assert numpy.all(numpy.abs(f16[~normal].astype(numpy.float64) - scaled[~normal])
+                             <= 2.0 ** -25)
+        assert numpy.all(numpy.isinf(f16[~finite]))
+        assert numpy.all(numpy.isfinite(f16[finite]))
+        assert numpy.float32(1) / scale * scale == 1  # the inverse is exact
+
+
 def test_quantize_and_dequantize_round_trip_within_half_an_e4m3_step():
     x = RNG.standard_normal((4, 3, 2, 16)).astype(numpy.float32)
     descale = (numpy.abs(x).max(axis=(0, 1, 3)) / 448).astype(numpy.float32)[:, None]
