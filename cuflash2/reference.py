@@ -152,6 +152,16 @@ class _Precision:
 
     def __init__(self, compute_dtype):
         self.scores_rounded = True
+        self.weights_to_e4m3 = False
+        if isinstance(compute_dtype, str) and compute_dtype == "e4m3":
+            # The FP8 forward's (docs/FP8_FORWARD.md): e4m3 products are exact in float32
+            # accumulators, so the inputs (dequantised) and the scores are not rounded; the
+            # unnormalised probabilities exp(s - max) are, to e4m3, as the A operand of P V.
+            self.acc = self.result = numpy.dtype(numpy.float32)
+            self.round_to = None
+            self.scores_rounded = False
+            self.weights_to_e4m3 = True
+            return
         if isinstance(compute_dtype, str) and compute_dtype == "tf32":
             self.acc = self.result = numpy.dtype(numpy.float32)
             self.round_to = "tf32"
@@ -164,7 +174,8 @@ class _Precision:
             self.acc, self.round_to = numpy.dtype(numpy.float32), dtype
         else:
             raise ValueError(
-                f"compute_dtype must be float16, bfloat16, float32, float64 or 'tf32', got {dtype}"
+                f"compute_dtype must be float16, bfloat16, float32, float64, 'tf32' or 'e4m3', "
+                f"got {dtype}"
             )
         self.result = dtype
 
@@ -174,6 +185,12 @@ class _Precision:
         if self.round_to == "tf32":
             return _round_tf32(x)
         return x.astype(self.round_to).astype(self.acc)
+
+    def round_weights(self, x):
+        """The unnormalised probabilities exp(s - max) as P V takes them (e4m3 for "e4m3")."""
+        if not self.weights_to_e4m3:
+            return x
+        return fp8.e4m3_to_float(fp8.float_to_e4m3(x))
 
     def round_scores(self, x):
         """The scores (and sinks) as the implementation holds them."""
@@ -185,7 +202,15 @@ class _Precision:
         return self.round(x.astype(self.acc))
 
 
-def _check_shapes(q, k, v):
+def _check_shapes(q, k, v, fp8_ok=False):
+    """q, k, v's shapes; FP8 arrays (uint8, float8_e4m3fn) only where `fp8_ok` (attention's
+    FP8 inputs, before their dequantisation): elsewhere their bits would be read as numbers."""
+    if not fp8_ok:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if numpy.dtype(x.dtype) in (numpy.dtype(numpy.uint8), fp8.FLOAT8_E4M3FN):
+                raise TypeError(f"{name} is {x.dtype}: FP8 inputs are taken by "
+                                f"reference.attention (qkv_dtype='e4m3') only, not by its "
+                                f"backward or varlen forms")
     if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(
             "q, k, v must all be (batch, seqlen, nheads, headdim) or all "
@@ -568,7 +593,7 @@ def _probabilities(xp, q, k, scale, visible, group, prec, softcap=0.0, bias=(), 
         sink_weights = xp.exp(sinks - row_max)  # a sink of -inf adds exactly 0
         row_sum = row_sum + sink_weights
     row_sum = xp.where(has_mass, row_sum, 1)
-    probs = prec.round(weights / row_sum)
+    probs = prec.round(prec.round_weights(weights) / row_sum)
     lse = xp.where(has_mass, row_max + xp.log(row_sum), math.inf)
     sink_probs = None
     if sinks is not None:
@@ -608,6 +633,11 @@ def attention(
     mask=None,
     score_mod=None,
     score_mod_grad=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    qkv_dtype=None,
+    out_dtype=None,
 ):
     """Reference attention forward.
 
@@ -637,17 +667,75 @@ def attention(
     index), h (query head), q_idx, kv_idx integer arrays broadcastable against it.
     score_mod_grad: its derivative (``attention_backward``), accepted and unused here so that
     one set of options serves the forward and the backward.
+
+    FP8 inputs (docs/FP8_FORWARD.md; the kernels do not take them yet): q, k, v uint8 arrays of
+    e4m3 bits with ``qkv_dtype="e4m3"``, or float8_e4m3fn arrays; an element's value is
+    ``e4m3 * descale``, ``q_descale`` / ``k_descale`` / ``v_descale`` float32 ``(batch,
+    nheads_kv)`` (a query head takes its KV head's; unbatched inputs ``(1, nheads_kv)``), ``()``
+    / ``(1,)`` or a float, default 1. The values are dequantised in float64 and attended as
+    any; compute_dtype ``"e4m3"`` is the FP8 forward's low-precision reference: float32 maths
+    with the unnormalised probabilities ``exp(s - max)`` rounded to e4m3 (the e4m3 products
+    themselves are exact in float32), its output in ``out_dtype`` (bfloat16 by default, or
+    float16), which other compute dtypes ignore.
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, bias=bias)
     mods = _Modifiers(mask, score_mod, score_mod_grad)
-    out, lse = _forward(q, k, v, options, compute_dtype, dropout_mask, mods)
+    q, k, v = _fp8_dequantised(q, k, v, qkv_dtype, (q_descale, k_descale, v_descale),
+                               compute_dtype)
+    out, lse = _forward(q, k, v, options, compute_dtype, dropout_mask, mods,
+                        out_dtype if _is_e4m3_compute(compute_dtype) else None)
     return (out, lse) if return_lse else out
 
 
-def _forward(q, k, v, options, compute_dtype, dropout_mask, mods=_NO_MODIFIERS):
+def _is_e4m3_compute(compute_dtype) -> bool:
+    return isinstance(compute_dtype, str) and compute_dtype == "e4m3"
+
+
+def _fp8_dequantised(q, k, v, qkv_dtype, descales, compute_dtype):
+    """q, k, v as they are, or for FP8 inputs (uint8 e4m3 bits with qkv_dtype "e4m3", or
+    float8_e4m3fn) their values e4m3 * descale in float64; the FP8 arguments checked."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if qkv_dtype is not None and qkv_dtype != "e4m3":
+        raise ValueError(f"qkv_dtype must be None or 'e4m3' (FP8 bits in uint8 arrays); got "
+                         f"{qkv_dtype!r}")
+    e4m3_dtypes = [numpy.dtype(numpy.uint8)] + ([fp8.FLOAT8_E4M3FN] if fp8.FLOAT8_E4M3FN else [])
+    is_e4m3 = [numpy.dtype(x.dtype) in e4m3_dtypes for x in (q, k, v)]
+    if not any(is_e4m3):
+        if qkv_dtype is not None:
+            raise TypeError(f"qkv_dtype={qkv_dtype!r} needs q, k and v of uint8 (e4m3 bits) or "
+                            f"float8_e4m3fn; got {q.dtype}, {k.dtype} and {v.dtype}")
+        for name, descale in zip(names, descales):
+            if descale is not None:
+                raise ValueError(f"{name} is for FP8 inputs (qkv_dtype='e4m3'); q is {q.dtype}")
+        if _is_e4m3_compute(compute_dtype):
+            raise ValueError(f"compute_dtype 'e4m3' is the FP8 inputs' reference; q is {q.dtype}")
+        return q, k, v
+    if not all(is_e4m3) or len({numpy.dtype(x.dtype) for x in (q, k, v)}) != 1:
+        raise TypeError(f"q, k and v must all be FP8 (one dtype: uint8 e4m3 bits or "
+                        f"float8_e4m3fn) or none; got {q.dtype}, {k.dtype} and {v.dtype}")
+    if numpy.dtype(q.dtype) == numpy.uint8 and qkv_dtype is None:
+        raise TypeError("q, k and v are uint8: pass qkv_dtype='e4m3' if they hold e4m3 bits "
+                        "(uint8 is read no other way)")
+    xp = _array_module(q, k, v)
+    _check_shapes(q, k, v, fp8_ok=True)
+    batch, nheads_kv = (k.shape[0], k.shape[2]) if k.ndim == 4 else (1, k.shape[1])
+    group = q.shape[-2] // nheads_kv
+    values = []
+    for x, name, descale in zip((q, k, v), names, descales):
+        factors = fp8.descale_values(name, descale, batch, nheads_kv, xp)
+        fp8.check_descale_values(name, _to_host(factors))
+        if x is q:
+            factors = xp.repeat(factors, group, axis=1)  # a query head takes its KV head's
+        factors = factors[:, None, :, None] if x.ndim == 4 else factors[0][None, :, None]
+        values.append(fp8.dequantize_e4m3(x, factors, numpy.float64))
+    return tuple(values)
+
+
+def _forward(q, k, v, options, compute_dtype, dropout_mask, mods=_NO_MODIFIERS,
+             out_dtype=None):
     """attention's (out, lse) for the options of one call (an AttentionOptions) and its
-    _Modifiers."""
+    _Modifiers; compute_dtype "e4m3": the output in out_dtype (bfloat16 by default)."""
     xp = _array_module(q, k, v, options.alibi_slopes, options.sinks, dropout_mask, options.bias,
                        mods.mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
@@ -656,6 +744,10 @@ def _forward(q, k, v, options, compute_dtype, dropout_mask, mods=_NO_MODIFIERS):
     if unbatched:
         q, k, v = q[None], k[None], v[None]
     prec = _Precision(compute_dtype)
+    if _is_e4m3_compute(compute_dtype):
+        prec.result = numpy.dtype(ml_dtypes.bfloat16 if out_dtype is None else out_dtype)
+        if prec.result not in (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16)):
+            raise ValueError(f"out_dtype must be bfloat16 or float16; got {prec.result}")
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
