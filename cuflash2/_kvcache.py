@@ -180,6 +180,11 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
             raise ValueError(error)
         if check_cache and descale is not None:
             fp8.check_descale_values(name, cupy.asnumpy(descale))
+    if kv.head_dim_v != kv.head_dim:
+        raise NotImplementedError(
+            f"attention_with_kvcache: v_cache's head dim ({kv.head_dim_v}) apart from k_cache's "
+            f"({kv.head_dim}) (MLA's latent cache) has no decoding kernel yet "
+            f"(docs/MLA_DECODE.md); cuflash2.reference.attention_with_kvcache takes it")
     # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
     problem = _validate.check_attention_inputs(q, q, q, softmax_scale=options.softmax_scale)
     if problem.dtype == "float32":

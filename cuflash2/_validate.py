@@ -447,6 +447,7 @@ class KVCacheProblem:
     nheads: int
     nheads_kv: int
     head_dim: int
+    head_dim_v: int  # v_cache's (MLA's latent cache: K's first columns, d_v < d)
     seqlen_new: int  # tokens appended (0 without k, v)
     paged: bool
     page_size: int  # paged: rows per block; contiguous: the cache length
@@ -471,10 +472,12 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D; got shape {tuple(x.shape)}")
     batch, seqlen_q, nheads, head_dim = q.shape
-    if tuple(k_cache.shape) != tuple(v_cache.shape):
-        raise ValueError(f"k_cache and v_cache must have the same shape; got "
+    if tuple(k_cache.shape[:-1]) != tuple(v_cache.shape[:-1]) or v_cache.shape[-1] < 1:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for their head dims "
+                         f"(v's, d_v, may differ: MLA's latent cache); got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     rows, cache_len, nheads_kv, cache_dim = k_cache.shape
+    head_dim_v = int(v_cache.shape[-1])
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if kv_cache_dtype is None and x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
@@ -488,10 +491,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None
     seqlen_new = 0
     if k is not None:
         seqlen_new = k.shape[1] if len(k.shape) == 4 else -1
-        for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != (batch, seqlen_new, nheads_kv, head_dim):
+        for name, x, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
+            if tuple(x.shape) != (batch, seqlen_new, nheads_kv, dim):
                 raise ValueError(f"{name} must have shape (batch, seqlen_new, nheads_kv, headdim) "
-                                 f"= ({batch}, {seqlen_new}, {nheads_kv}, {head_dim}); got "
+                                 f"= ({batch}, {seqlen_new}, {nheads_kv}, {dim}); got "
                                  f"{tuple(x.shape)}")
             if x.dtype != q.dtype:
                 raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
@@ -515,8 +518,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None
         capacity = cache_len
     if cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral):
         _int32_vector("cache_seqlens", cache_seqlens, batch, "tokens already cached per sequence")
-    problem = KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_new, paged,
-                             cache_len, capacity, rows)
+    problem = KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v,
+                             seqlen_new, paged, cache_len, capacity, rows)
     if to_host is not None:
         _check_kvcache_values(problem, cache_seqlens, cache_batch_idx, block_table, to_host)
     return problem

@@ -1201,7 +1201,10 @@ def attention_with_kvcache(
     (batch_cache, seqlen_cache, nheads_kv, headdim) with sequence b in cache row
     ``cache_batch_idx[b]`` (default b), or paged, (num_blocks, page_size, nheads_kv, headdim)
     with ``block_table`` int32 (batch, max_blocks): logical position p of sequence b is row
-    ``p % page_size`` of block ``block_table[b, p // page_size]``.
+    ``p % page_size`` of block ``block_table[b, p // page_size]``. v_cache may have a head dim of
+    its own, d_v (and v then (..., d_v), the output (..., d_v)): MLA's latent cache is
+    ``k_cache`` with ``v_cache = k_cache[..., :d_v]``, a view, so that appending k writes V's
+    columns too (pass ``v = k[..., :d_v]``). The kernels do not take d_v != headdim here yet.
     cache_seqlens: int or int32 (batch,), the tokens already cached per sequence (default: the
     whole capacity, less the new tokens). k, v: optional new tokens (batch, seqlen_new,
     nheads_kv, headdim), written **into the cache arrays in place** at positions
@@ -1308,7 +1311,7 @@ def attention_with_kvcache(
                             compute_dtype, None)
         outs.append(out)
         lses.append(lse)
-    shape = (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim)
+    shape = (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim_v)
     out = xp.stack(outs) if outs else xp.zeros(shape, dtype=_Precision(compute_dtype).result)
     lse = (xp.stack(lses) if lses
            else xp.zeros((problem.batch, problem.nheads, problem.seqlen_q), numpy.float32))

@@ -502,6 +502,21 @@ def test_a_sinks_decode_step_compiles_them_in(api_host, monkeypatch, arch):
     assert api_host.launches[-1][0].config.features == 0
 
 
+def test_a_latent_cache_is_refused_before_any_launch(api_host):
+    """attention_with_kvcache with v_cache of a head dim of its own (MLA's latent cache, V the
+    first d_v columns of K's rows): NotImplementedError naming both head dims and the
+    reference, which takes it, before anything launches."""
+    import cuflash2
+
+    q = device_array((1, 1, 16, 576))
+    latent = device_array((1, 64, 1, 576))
+    count = len(api_host.launches)
+    with pytest.raises(NotImplementedError, match=r"v_cache's head dim \(512\) apart from "
+                                                  r"k_cache's \(576\).*reference"):
+        cuflash2.attention_with_kvcache(q, latent, latent[..., :512], cache_seqlens=10)
+    assert len(api_host.launches) == count
+
+
 def test_packed_entry_points_take_the_programmable_modifiers(api_host):
     # qkvpacked / kvpacked forward and backward with a mask modifier run the kernels of the
     # unpacked call (the generated kernel, its configuration), reading q, k, v from the packed

@@ -124,3 +124,41 @@ def test_unused_block_table_entries_are_not_checked():
     got = reference.attention_with_kvcache(q, k_paged, v_paged, cache_seqlens=4, block_table=table)
     want, _ = direct(q, k_paged[2:3], v_paged[2:3], [4])
     numpy.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_latent_cache_with_v_its_first_columns(paged):
+    """MLA's decode form (docs/MLA_DECODE.md): one KV head whose cache rows are K, V their first
+    d_v columns (a view), the new rows appended once through k (and v = k[..., :d_v]); the
+    output has d_v columns and equals attention over the gathered K and V."""
+    batch, capacity, h, d, d_v = 2, 48, 16, 80, 64
+    q = randn(batch, 1, h, d)
+    k_new = randn(batch, 1, 1, d)
+    cached = numpy.array([20, 35], numpy.int32)
+    if paged:
+        latent = randn(7, 16, 1, d)
+        table = numpy.array([[3, 0, 5], [6, 1, 2]], numpy.int32)
+        gather = lambda b: latent[table[b]].reshape(capacity, 1, d)  # noqa: E731
+        extra = dict(block_table=table)
+    else:
+        latent = randn(batch, capacity, 1, d)
+        gather = lambda b: latent[b]  # noqa: E731
+        extra = {}
+    before = latent.copy()
+    out, lse = reference.attention_with_kvcache(
+        q, latent, latent[..., :d_v], k=k_new, v=k_new[..., :d_v], cache_seqlens=cached,
+        causal=True, return_lse=True, **extra)
+    assert out.shape == (batch, 1, h, d_v)
+    for b in range(batch):
+        rows = gather(b)
+        numpy.testing.assert_array_equal(rows[cached[b]], k_new[b, 0])  # the appended row
+        want, want_lse = reference.attention(q[b], rows[:cached[b] + 1], rows[:cached[b] + 1,
+                                                                               :, :d_v],
+                                             causal=True, return_lse=True)
+        numpy.testing.assert_allclose(out[b], want, rtol=1e-6, atol=1e-6)
+        numpy.testing.assert_allclose(lse[b], want_lse, rtol=1e-6, atol=1e-6)
+    changed = numpy.argwhere((latent != before).any(axis=-1))
+    assert len(changed) == batch  # one row a sequence, nothing else
+    with pytest.raises(ValueError, match=r"v must have shape .* = \(2, 1, 1, 64\)"):
+        reference.attention_with_kvcache(q, latent, latent[..., :d_v], k=k_new, v=k_new,
+                                         cache_seqlens=cached, **extra)
