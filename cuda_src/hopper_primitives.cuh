@@ -416,6 +416,76 @@ CF2_DEVICE void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_
 #undef CF2_CASE
 }
 
+// FP8 e4m3 operands (the FP8 forward, docs/FP8_FORWARD.md; not yet used by a kernel): k32, 32
+// one-byte elements, the same 32 bytes of a row as a 16-bit k16 step, so the descriptors and
+// their per-step offsets are those of issue_kmajor_ss; K-major operands only (no transpose
+// operands, as TF32), fp32 accumulate. RS: A (this warp's 16 rows x 32 columns, 4 x b32 of four
+// bytes each) from registers (pack_probabilities_e4m3), B from a K-major descriptor.
+#define CF2_WGMMA_SS_E4M3(G, N)                                                                \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 2) ", 0;\n\t"              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3"                    \
+                 " {" CF2_DLIST_##G "}, " CF2_OP(G, 0) ", " CF2_OP(G, 1) ", p, 1, 1;\n\t}\n"      \
+                 : CF2_ACCS_##G(d)                                                             \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+#define CF2_WGMMA_RS_E4M3(G, N)                                                                \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 5) ", 0;\n\t"              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3"                    \
+                 " {" CF2_DLIST_##G "}, {" CF2_OP(G, 0) ", " CF2_OP(G, 1) ", " CF2_OP(G, 2) ", " \
+                 CF2_OP(G, 3) "}, " CF2_OP(G, 4) ", p, 1, 1;\n\t}\n"                            \
+                 : CF2_ACCS_##G(d)                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+template <int N>
+CF2_DEVICE void wgmma_ss_e4m3(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
+    static_assert(N % 16 == 0 && N >= 16 && N <= 256,
+                  "wgmma_ss_e4m3: N a multiple of 16 up to 256");
+#define CF2_CASE(G, NN) \
+    if constexpr (N == NN) CF2_WGMMA_SS_E4M3(G, NN);
+    CF2_FOR_EACH_N16(CF2_CASE)
+#undef CF2_CASE
+}
+
+template <int N>
+CF2_DEVICE void wgmma_rs_e4m3(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_b,
+                              int accumulate) {
+    static_assert(N % 16 == 0 && N >= 16 && N <= 256,
+                  "wgmma_rs_e4m3: N a multiple of 16 up to 256");
+#define CF2_CASE(G, NN) \
+    if constexpr (N == NN) CF2_WGMMA_RS_E4M3(G, NN);
+    CF2_FOR_EACH_N16(CF2_CASE)
+#undef CF2_CASE
+}
+
+// Four floats as e4m3 bytes (byte 0 first): nearest, saturated to +-448 (cvt's satfinite; the
+// converted `a` operand of cvt goes to the upper byte of each pair).
+CF2_DEVICE u32 pack_e4m3x4(float b0, float b1, float b2, float b3) {
+    u32 packed;
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}\n"
+        : "=r"(packed)
+        : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+    return packed;
+}
+
+// P's A fragment of one k32 step of P V from the S accumulator's four n8 tiles of the step
+// (s[j]: keys 8j + 2t, 8j + 2t + 1 of row g in [0], [1], of row g + 8 in [2], [3]; g = lane /
+// 4 in the warp's 16 rows, t = lane % 4), as e4m3, without shuffles: the e4m3 A fragment holds
+// columns 4t .. 4t + 3 of row g in register 0 (of row g + 8 in 1) and 16 + 4t .. 16 + 4t + 3
+// in register 2 (3), and column 4t + b takes key 2t + (b & 1) + 8 (b >> 1) (+16 in registers
+// 2, 3): the order in which the FP8 forward's keys-last V holds each group of 32 keys
+// (docs/FP8_FORWARD.md; the A layout is mma.m16n8k32's, to be checked on the first GPU run).
+CF2_DEVICE void pack_probabilities_e4m3(u32 (&a)[4], const float (&s)[4][4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // keys 0-15, 16-31 of the step
+        const float (&lo)[4] = s[2 * half];
+        const float (&hi)[4] = s[2 * half + 1];
+        a[2 * half] = pack_e4m3x4(lo[0], lo[1], hi[0], hi[1]);      // row g
+        a[2 * half + 1] = pack_e4m3x4(lo[2], lo[3], hi[2], hi[3]);  // row g + 8
+    }
+}
+
 // The generator tables (CF2_OPS_*, CF2_DLIST_*, CF2_ACCS_*, ...) stay defined: CF2_-prefixed and
 // used nowhere else.
 #undef CF2_WGMMA_SS
@@ -423,6 +493,8 @@ CF2_DEVICE void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_
 #undef CF2_WGMMA_RS_TF32
 #undef CF2_WGMMA_SS_TB
 #undef CF2_WGMMA_RS
+#undef CF2_WGMMA_SS_E4M3
+#undef CF2_WGMMA_RS_E4M3
 
 // The CTA of both Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu): warpgroup 0 is the
 // producer, which gives most of its registers away (setmaxnreg.dec) and issues the TMA loads;

@@ -211,15 +211,18 @@ def compile_report(config, arch: int) -> CompileReport:
                          int(cubin_size), log, odd_descriptors)
 
 
-def compile_probe(source: str, arch: int = 80) -> None:
-    """Compiles `source` (no kernels needed: static_assert probes) to PTX for compute_`arch`;
-    raises RuntimeError with NVRTC's log if it does not compile."""
+def compile_probe(source: str, arch: int | str = 80, sass: bool = False) -> None:
+    """Compiles `source` (no kernels needed: static_assert probes) to PTX for compute_`arch`,
+    or with `sass` through ptxas for sm_`arch` (`arch` "90a": the architecture-specific target;
+    inline PTX is then checked by the assembler too); raises RuntimeError with NVRTC's log if
+    it does not compile."""
     from cuda.bindings import nvrtc
 
     (prog,) = _nvrtc_check(nvrtc.nvrtcCreateProgram(source.encode(), b"probe.cu", 0, [], []),
                            "create")
     try:
-        options = [o.encode() for o in NVRTC_OPTIONS] + [f"-arch=compute_{arch}".encode()]
+        target = f"sm_{arch}" if sass else f"compute_{arch}"
+        options = [o.encode() for o in NVRTC_OPTIONS] + [f"-arch={target}".encode()]
         _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog,
                      nvrtc)
     finally:

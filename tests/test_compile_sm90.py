@@ -599,3 +599,35 @@ def test_hopper_backward_source_uses_the_hopper_instructions():
                    "red.global.add.v4.f32", "setmaxnreg.dec.sync.aligned.u32",
                    "struct BwdSm90Params", "struct KeyVisibility", "dq_accum_position"):
         assert marker in source
+
+
+def test_the_fp8_forwards_e4m3_primitives_assemble():
+    """hopper_primitives.cuh's e4m3 wgmma (SS and RS, m64n128k32) and P's e4m3 A fragment
+    (pack_probabilities_e4m3, cvt.rn.satfinite.e4m3x2.f32) through NVRTC and ptxas for sm_90a:
+    the FP8 forward's instructions (docs/FP8_FORWARD.md) as the assembler takes them, before a
+    kernel uses them."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="install the test extra: pip install '.[test]'")
+    probe = """
+#include "hopper_primitives.cuh"
+extern "C" __global__ void __launch_bounds__(128) e4m3_probe(float* out, const float* s_in,
+                                                              u64 desc_a, u64 desc_b) {
+    float s[4][4], acc[16][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = s_in[16 * threadIdx.x + 4 * j + e];
+    u32 p[4];
+    pack_probabilities_e4m3(p, s);
+    wgmma_fence();
+    wgmma_ss_e4m3<128>(acc, desc_a, desc_b, 0);
+    wgmma_rs_e4m3<128>(acc, p, desc_b, 1);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[64 * threadIdx.x + 4 * n + e] = acc[n][e];
+}
+"""
+    source = _compile.kernel_source("e4m3_probe.cu", (("e4m3_probe.cu", probe),))
+    _compile.compile_probe(source, "90a", sass=True)
