@@ -320,9 +320,12 @@ CF2_DEVICE void pin_registers(u32 (&a)[N][4]) {
 // the descriptors and their per-step offsets are the same. The operands are float32 values
 // already rounded to TF32 (cvt.rna): the kernel rounds what it gives the tensor cores, as the
 // mma.sync kernels do (tf32_primitives.cuh), rather than leave them the low 13 bits to drop.
-#define CF2_WGMMA_SS_TF32(G, N)                                                                \
+// The K-major forms take the instruction's shape and types after its N (SHAPE: CF2_TF32_SHAPE,
+// CF2_E4M3_SHAPE): every type without transpose operands.
+#define CF2_TF32_SHAPE "k8.f32.tf32.tf32"
+#define CF2_WGMMA_SS_KMAJOR(G, N, SHAPE)                                                       \
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 2) ", 0;\n\t"              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32"                     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N SHAPE                                  \
                  " {" CF2_DLIST_##G "}, " CF2_OP(G, 0) ", " CF2_OP(G, 1) ", p, 1, 1;\n\t}\n"      \
                  : CF2_ACCS_##G(d)                                                             \
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate))
@@ -333,7 +336,7 @@ CF2_DEVICE void wgmma_ss(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accum
 #define CF2_CASE(G, NN)                                                                        \
     if constexpr (N == NN) {                                                                   \
         if constexpr (Elem::IS_F32)                                                            \
-            CF2_WGMMA_SS_TF32(G, NN);                                                          \
+            CF2_WGMMA_SS_KMAJOR(G, NN, CF2_TF32_SHAPE);                                        \
         else if constexpr (Elem::is_bf16)                                                      \
             CF2_WGMMA_SS(G, NN, "bf16");                                                       \
         else                                                                                   \
@@ -397,9 +400,9 @@ CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 de
 // a[1] row g + 8, column t; a[2] row g, column t + 4; a[3] row g + 8, column t + 4, the m16n8k8
 // TF32 A layout) from registers, B from a K-major descriptor. The P V of the float32 Hopper
 // forward, whose V is stored with its keys innermost (issue_pv, sm90/fwd_mainloop.cuh).
-#define CF2_WGMMA_RS_TF32(G, N)                                                                \
+#define CF2_WGMMA_RS_KMAJOR(G, N, SHAPE)                                                       \
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 5) ", 0;\n\t"              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32"                     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N SHAPE                                  \
                  " {" CF2_DLIST_##G "}, {" CF2_OP(G, 0) ", " CF2_OP(G, 1) ", " CF2_OP(G, 2) ", " \
                  CF2_OP(G, 3) "}, " CF2_OP(G, 4) ", p, 1, 1;\n\t}\n"                            \
                  : CF2_ACCS_##G(d)                                                             \
@@ -411,7 +414,7 @@ CF2_DEVICE void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_
     static_assert(N % 16 == 0 && N >= 16 && N <= 256,
                   "wgmma_rs_tf32: N a multiple of 16 up to 256");
 #define CF2_CASE(G, NN) \
-    if constexpr (N == NN) CF2_WGMMA_RS_TF32(G, NN);
+    if constexpr (N == NN) CF2_WGMMA_RS_KMAJOR(G, NN, CF2_TF32_SHAPE);
     CF2_FOR_EACH_N16(CF2_CASE)
 #undef CF2_CASE
 }
@@ -421,26 +424,14 @@ CF2_DEVICE void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_
 // their per-step offsets are those of issue_kmajor_ss; K-major operands only (no transpose
 // operands, as TF32), fp32 accumulate. RS: A (this warp's 16 rows x 32 columns, 4 x b32 of four
 // bytes each) from registers (pack_probabilities_e4m3), B from a K-major descriptor.
-#define CF2_WGMMA_SS_E4M3(G, N)                                                                \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 2) ", 0;\n\t"              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3"                    \
-                 " {" CF2_DLIST_##G "}, " CF2_OP(G, 0) ", " CF2_OP(G, 1) ", p, 1, 1;\n\t}\n"      \
-                 : CF2_ACCS_##G(d)                                                             \
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-#define CF2_WGMMA_RS_E4M3(G, N)                                                                \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 5) ", 0;\n\t"              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3"                    \
-                 " {" CF2_DLIST_##G "}, {" CF2_OP(G, 0) ", " CF2_OP(G, 1) ", " CF2_OP(G, 2) ", " \
-                 CF2_OP(G, 3) "}, " CF2_OP(G, 4) ", p, 1, 1;\n\t}\n"                            \
-                 : CF2_ACCS_##G(d)                                                             \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+#define CF2_E4M3_SHAPE "k32.f32.e4m3.e4m3"
 
 template <int N>
 CF2_DEVICE void wgmma_ss_e4m3(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
     static_assert(N % 16 == 0 && N >= 16 && N <= 256,
                   "wgmma_ss_e4m3: N a multiple of 16 up to 256");
 #define CF2_CASE(G, NN) \
-    if constexpr (N == NN) CF2_WGMMA_SS_E4M3(G, NN);
+    if constexpr (N == NN) CF2_WGMMA_SS_KMAJOR(G, NN, CF2_E4M3_SHAPE);
     CF2_FOR_EACH_N16(CF2_CASE)
 #undef CF2_CASE
 }
@@ -451,7 +442,7 @@ CF2_DEVICE void wgmma_rs_e4m3(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_
     static_assert(N % 16 == 0 && N >= 16 && N <= 256,
                   "wgmma_rs_e4m3: N a multiple of 16 up to 256");
 #define CF2_CASE(G, NN) \
-    if constexpr (N == NN) CF2_WGMMA_RS_E4M3(G, NN);
+    if constexpr (N == NN) CF2_WGMMA_RS_KMAJOR(G, NN, CF2_E4M3_SHAPE);
     CF2_FOR_EACH_N16(CF2_CASE)
 #undef CF2_CASE
 }
@@ -489,12 +480,12 @@ CF2_DEVICE void pack_probabilities_e4m3(u32 (&a)[4], const float (&s)[4][4]) {
 // The generator tables (CF2_OPS_*, CF2_DLIST_*, CF2_ACCS_*, ...) stay defined: CF2_-prefixed and
 // used nowhere else.
 #undef CF2_WGMMA_SS
-#undef CF2_WGMMA_SS_TF32
-#undef CF2_WGMMA_RS_TF32
+#undef CF2_WGMMA_SS_KMAJOR
+#undef CF2_WGMMA_RS_KMAJOR
+#undef CF2_TF32_SHAPE
+#undef CF2_E4M3_SHAPE
 #undef CF2_WGMMA_SS_TB
 #undef CF2_WGMMA_RS
-#undef CF2_WGMMA_SS_E4M3
-#undef CF2_WGMMA_RS_E4M3
 
 // The CTA of both Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu): warpgroup 0 is the
 // producer, which gives most of its registers away (setmaxnreg.dec) and issues the TMA loads;
