@@ -253,7 +253,7 @@ CF2_DEVICE void scale_scores(float (&acc_s)[1][TILES][4], float k_descale) {
 }
 
 // The same with a factor per row, the rows on the n side (element e of a tile: row 2t + e % 2):
-// F16_MMA's k_descale over each row's power of two.
+// k_descale, over each row's power of two where F16_MMA rescaled a bf16 q.
 template <int TILES>
 CF2_DEVICE void scale_score_rows(float (&acc_s)[1][TILES][4], const float (&row_factor)[2]) {
 #pragma unroll
@@ -481,8 +481,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     zero_fill(acc_ot);
     OnlineSoftmaxN8 softmax_n8;
     u32 q_frag[T::D_STEPS][2];
-    // F16_MMA: the factors of this lane's score rows (2t, 2t + 1 of the n side): k_descale times
-    // the inverse of the row's power of two (q_fragments_bf16_to_f16), set with Q's fragments.
+    // The factors of this lane's score rows with the rows on the n side (2t, 2t + 1) and an e4m3
+    // cache: k_descale, times the inverse of the row's power of two where F16_MMA rescales a
+    // bf16 q (q_fragments_bf16_to_f16, with Q's fragments).
     float row_score_factor[2] = {k_descale, k_descale};
     const int warp_key0 = warp * KEYS_PER_WARP;  // within the tile
     // Score s of this thread's row `half` at key `key`: ALiBi's bias, then the row's visible
@@ -599,10 +600,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             for (int kt = 0; kt < T::KEY_TILES; ++kt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[0][kt][e] += acc_odd[0][kt][e];
-            if constexpr (F16_MMA)
-                scale_score_rows(acc_s, row_score_factor);
-            else if constexpr (E4M3_CACHE)
-                scale_scores(acc_s, k_descale);
+            if constexpr (E4M3_CACHE) scale_score_rows(acc_s, row_score_factor);
             softcap.apply_softcap(acc_s);
             // Element e of key tile kt: key 16 kt + lane / 4 + 8 (e / 2), row 2 (lane % 4) + e % 2.
             const int key_base = tile * T::BLOCK_N + warp_key0 + lane / 4;
