@@ -15,6 +15,8 @@ import ml_dtypes
 import numpy
 from dataclasses import dataclass
 
+from . import fp8
+
 # dtype -> name by hash lookup: str(dtype) costs microseconds, and this runs on every call.
 _DTYPE_NAMES = {numpy.dtype(numpy.float16): "float16", numpy.dtype(ml_dtypes.bfloat16): "bfloat16",
                 numpy.dtype(numpy.float32): "float32"}
@@ -67,16 +69,11 @@ def _check_ndim(name: str, x, ndim: int | None) -> int:
     return len(shape)
 
 
-#: What an array of e4m3 values may come as: uint8 bits (CuPy has no FP8 dtype) or ml_dtypes'
-#: float8_e4m3fn (cuflash2.fp8).
-_FP8_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
-
-
 def _check_dtype(name: str, x, expected: str | None) -> str:
     dtype = _DTYPE_NAMES.get(x.dtype)
     if dtype is None:
         dtype = str(x.dtype)
-        if dtype in _FP8_DTYPE_NAMES:
+        if numpy.dtype(x.dtype) in fp8.E4M3_DTYPES:
             # A cast would read e4m3 bits as integers: say what exists instead.
             raise TypeError(
                 f"{name} is {dtype}: FP8 (e4m3) q, k and v are not supported by attention yet "

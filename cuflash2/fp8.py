@@ -32,6 +32,8 @@ try:
     FLOAT8_E4M3FN = numpy.dtype(ml_dtypes.float8_e4m3fn)
 except ImportError:  # pragma: no cover (ml_dtypes comes with the package)
     FLOAT8_E4M3FN = None
+#: The dtypes an array of e4m3 values comes as: uint8 bits, or ml_dtypes' float8_e4m3fn.
+E4M3_DTYPES = (numpy.dtype(numpy.uint8),) + ((FLOAT8_E4M3FN,) if FLOAT8_E4M3FN else ())
 
 __all__ = ["E4M3_MAX", "E4M3_VALUES", "dequantize_e4m3", "e4m3_to_float", "float_to_e4m3",
            "quantize_e4m3"]
@@ -122,8 +124,7 @@ def cache_format(q, k_cache, v_cache, k, kv_cache_dtype, k_descale, v_descale):
                          f"{kv_cache_dtype!r}")
     dtypes = {name: numpy.dtype(x.dtype) for name, x in (("k_cache", k_cache),
                                                           ("v_cache", v_cache))}
-    e4m3_dtypes = [numpy.dtype(numpy.uint8)] + ([FLOAT8_E4M3FN] if FLOAT8_E4M3FN else [])
-    e4m3 = {name: dtype in e4m3_dtypes for name, dtype in dtypes.items()}
+    e4m3 = {name: dtype in E4M3_DTYPES for name, dtype in dtypes.items()}
     if not any(e4m3.values()):
         if kv_cache_dtype is not None:
             raise TypeError(f"kv_cache_dtype={kv_cache_dtype!r} needs k_cache and v_cache of "

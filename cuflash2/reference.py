@@ -148,16 +148,21 @@ class _Precision:
 
     compute_dtype "tf32" is the low-precision reference of float32 inputs at precision "tf32":
     float32 maths with the inputs and the probabilities rounded to TF32 (the operands of the
-    tensor-core products), the scores not (they are float32 accumulators)."""
+    tensor-core products), the scores not (they are float32 accumulators). compute_dtype "e4m3"
+    is the FP8 forward's, its result in `out_dtype` (bfloat16 by default, or float16; other
+    compute dtypes ignore it)."""
 
-    def __init__(self, compute_dtype):
+    def __init__(self, compute_dtype, out_dtype=None):
         self.scores_rounded = True
         self.weights_to_e4m3 = False
-        if isinstance(compute_dtype, str) and compute_dtype == "e4m3":
+        if _is_e4m3_compute(compute_dtype):
             # The FP8 forward's (docs/FP8_FORWARD.md): e4m3 products are exact in float32
             # accumulators, so the inputs (dequantised) and the scores are not rounded; the
             # unnormalised probabilities exp(s - max) are, to e4m3, as the A operand of P V.
-            self.acc = self.result = numpy.dtype(numpy.float32)
+            self.acc = numpy.dtype(numpy.float32)
+            self.result = numpy.dtype(ml_dtypes.bfloat16 if out_dtype is None else out_dtype)
+            if self.result not in (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16)):
+                raise ValueError(f"out_dtype must be bfloat16 or float16; got {self.result}")
             self.round_to = None
             self.scores_rounded = False
             self.weights_to_e4m3 = True
@@ -207,7 +212,7 @@ def _check_shapes(q, k, v, fp8_ok=False):
     FP8 inputs, before their dequantisation): elsewhere their bits would be read as numbers."""
     if not fp8_ok:
         for name, x in (("q", q), ("k", k), ("v", v)):
-            if numpy.dtype(x.dtype) in (numpy.dtype(numpy.uint8), fp8.FLOAT8_E4M3FN):
+            if numpy.dtype(x.dtype) in fp8.E4M3_DTYPES:
                 raise TypeError(f"{name} is {x.dtype}: FP8 inputs are taken by "
                                 f"reference.attention (qkv_dtype='e4m3') only, not by its "
                                 f"backward or varlen forms")
@@ -683,8 +688,7 @@ def attention(
     mods = _Modifiers(mask, score_mod, score_mod_grad)
     q, k, v = _fp8_dequantised(q, k, v, qkv_dtype, (q_descale, k_descale, v_descale),
                                compute_dtype)
-    out, lse = _forward(q, k, v, options, compute_dtype, dropout_mask, mods,
-                        out_dtype if _is_e4m3_compute(compute_dtype) else None)
+    out, lse = _forward(q, k, v, options, compute_dtype, dropout_mask, mods, out_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -699,8 +703,7 @@ def _fp8_dequantised(q, k, v, qkv_dtype, descales, compute_dtype):
     if qkv_dtype is not None and qkv_dtype != "e4m3":
         raise ValueError(f"qkv_dtype must be None or 'e4m3' (FP8 bits in uint8 arrays); got "
                          f"{qkv_dtype!r}")
-    e4m3_dtypes = [numpy.dtype(numpy.uint8)] + ([fp8.FLOAT8_E4M3FN] if fp8.FLOAT8_E4M3FN else [])
-    is_e4m3 = [numpy.dtype(x.dtype) in e4m3_dtypes for x in (q, k, v)]
+    is_e4m3 = [numpy.dtype(x.dtype) in fp8.E4M3_DTYPES for x in (q, k, v)]
     if not any(is_e4m3):
         if qkv_dtype is not None:
             raise TypeError(f"qkv_dtype={qkv_dtype!r} needs q, k and v of uint8 (e4m3 bits) or "
@@ -735,7 +738,7 @@ def _fp8_dequantised(q, k, v, qkv_dtype, descales, compute_dtype):
 def _forward(q, k, v, options, compute_dtype, dropout_mask, mods=_NO_MODIFIERS,
              out_dtype=None):
     """attention's (out, lse) for the options of one call (an AttentionOptions) and its
-    _Modifiers; compute_dtype "e4m3": the output in out_dtype (bfloat16 by default)."""
+    _Modifiers; compute_dtype "e4m3": the output in out_dtype (_Precision)."""
     xp = _array_module(q, k, v, options.alibi_slopes, options.sinks, dropout_mask, options.bias,
                        mods.mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
@@ -743,11 +746,7 @@ def _forward(q, k, v, options, compute_dtype, dropout_mask, mods=_NO_MODIFIERS,
     unbatched = q.ndim == 3
     if unbatched:
         q, k, v = q[None], k[None], v[None]
-    prec = _Precision(compute_dtype)
-    if _is_e4m3_compute(compute_dtype):
-        prec.result = numpy.dtype(ml_dtypes.bfloat16 if out_dtype is None else out_dtype)
-        if prec.result not in (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16)):
-            raise ValueError(f"out_dtype must be bfloat16 or float16; got {prec.result}")
+    prec = _Precision(compute_dtype, out_dtype)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
