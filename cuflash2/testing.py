@@ -27,7 +27,7 @@ import math
 import ml_dtypes
 import numpy
 
-from cuflash2 import reference
+from cuflash2 import _validate, reference
 from cuflash2.reference import _array_module
 
 __all__ = [
@@ -171,8 +171,9 @@ _TF32_UNIT = 2.0**-10
 
 
 def _tf32_products(dtype, precision) -> bool:
-    """Whether float32 inputs at `precision` take one TF32 product ("tf32", "high")."""
-    return numpy.dtype(dtype) == numpy.float32 and precision in ("tf32", "high")
+    """Whether float32 inputs at `precision` take one TF32 product ("tf32", "high":
+    _validate.PRECISIONS)."""
+    return numpy.dtype(dtype) == numpy.float32 and _validate.PRECISIONS.get(precision) == "tf32"
 
 
 def _references(q, precision):
