@@ -104,20 +104,23 @@
 // `user`: the programmable modifiers' inputs (UserParams, the mods kernel's) or NoUserInputs.
 // `narrow`: the block mask's view (BlockMaskNarrow) or NoNarrow, for the score step.
 // `bias`: the bias's tiles (BiasTile, FEATURE_BIAS_TILE) or NoBiasTile (sm90/bias_tile.cuh).
+// `descales`: e4m3 inputs' factors (FwdSm90Params::descales; unread for other elements).
 template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, bool PERSISTENT,
           class User, class Narrow, class Bias>
-CF2_DEVICE void consume_tile(const FwdParams& p, const KeyVisibility& vis,
+CF2_DEVICE void consume_tile(const FwdParams& p, const E4m3Descales& descales,
+                             const KeyVisibility& vis,
                              const FwdTileContext& c, int head_chunks, int ring0, int q_round,
                              int consumer, u32 q_smem, u32 kv_smem, u32 o_smem,
                              FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
                              const User& user, const Narrow& narrow, const Bias& bias) {
     constexpr bool VARLEN = (FEATURES & FEATURE_VARLEN) != 0;
+    const TileDescales tile_factors = tile_descales<Elem>(descales, c.w.batch, c.kv_head);
     consume_kv_tiles<Elem, T, PINGPONG, OVERLAP, FEATURES, PERSISTENT>(
-        p, vis, c, ring0, q_round, consumer, q_smem, kv_smem, bars,
+        p, vis, c, tile_factors, ring0, q_round, consumer, q_smem, kv_smem, bars,
         [&](float (&acc_o)[1][T::D_TILES][4], OnlineSoftmax<1>& softmax, float (&inv_sum)[2],
             float (&row_lse)[2]) {
-            store_tile<Elem, T, PERSISTENT, VARLEN>(p, c, acc_o, softmax, inv_sum, row_lse,
-                                                    head_chunks, consumer, o_smem);
+            store_tile<Elem, T, PERSISTENT, VARLEN>(p, c, tile_factors, acc_o, softmax, inv_sum,
+                                                    row_lse, head_chunks, consumer, o_smem);
         },
         user, narrow, bias);
 }

@@ -60,12 +60,13 @@ flash_fwd_tf32_operands_kernel(const __grid_constant__ FwdSm90Params params) {
     const i64 k_row_stride = p.k_row_stride / 2, v_row_stride = p.v_row_stride / 2;
     float* k_out = params.k_tf32 + (static_cast<i64>(batch) * p.seqlen_k * kv_heads + kv_head) *
                                        head_dim;
-    float* vt_out = params.v_keys_last +
+    float* const v_keys_last = static_cast<float*>(params.v_keys_last);
+    float* vt_out = v_keys_last +
                     (static_cast<i64>(batch) * kv_heads + kv_head) * head_dim * keys_padded;
     if constexpr (Elem::SPLIT) {  // rows of both parts: twice as long (K), twice as many (V)
         k_out = params.k_tf32 +
                 (static_cast<i64>(batch) * p.seqlen_k * kv_heads + kv_head) * 2 * head_dim;
-        vt_out = params.v_keys_last +
+        vt_out = v_keys_last +
                  (static_cast<i64>(batch) * kv_heads + kv_head) * 2 * head_dim * keys_padded;
     }
     for (int col0 = 0; col0 < head_dim; col0 += 32) {

@@ -323,6 +323,10 @@ CF2_DEVICE void pin_registers(u32 (&a)[N][4]) {
 // The K-major forms take the instruction's shape and types after its N (SHAPE: CF2_TF32_SHAPE,
 // CF2_E4M3_SHAPE): every type without transpose operands.
 #define CF2_TF32_SHAPE "k8.f32.tf32.tf32"
+// FP8 e4m3 operands (the FP8 forward, e4m3_tag; docs/FP8_FORWARD.md): k32, 32 one-byte
+// elements, the same 32 bytes of a row as a 16-bit k16 step, so the descriptors and their
+// per-step offsets are again those of issue_kmajor_ss; K-major only, fp32 accumulate.
+#define CF2_E4M3_SHAPE "k32.f32.e4m3.e4m3"
 #define CF2_WGMMA_SS_KMAJOR(G, N, SHAPE)                                                       \
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 2) ", 0;\n\t"              \
                  "wgmma.mma_async.sync.aligned.m64n" #N SHAPE                                  \
@@ -337,6 +341,8 @@ CF2_DEVICE void wgmma_ss(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accum
     if constexpr (N == NN) {                                                                   \
         if constexpr (Elem::IS_F32)                                                            \
             CF2_WGMMA_SS_KMAJOR(G, NN, CF2_TF32_SHAPE);                                        \
+        else if constexpr (Elem::IS_E4M3)                                                      \
+            CF2_WGMMA_SS_KMAJOR(G, NN, CF2_E4M3_SHAPE);                                        \
         else if constexpr (Elem::is_bf16)                                                      \
             CF2_WGMMA_SS(G, NN, "bf16");                                                       \
         else                                                                                   \
@@ -396,10 +402,13 @@ CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 de
 #undef CF2_CASE
 }
 
-// RS with TF32 operands: A (this warp's 16 rows x 8 columns, 4 x b32: a[0] row g, column t;
-// a[1] row g + 8, column t; a[2] row g, column t + 4; a[3] row g + 8, column t + 4, the m16n8k8
-// TF32 A layout) from registers, B from a K-major descriptor. The P V of the float32 Hopper
-// forward, whose V is stored with its keys innermost (issue_pv, sm90/fwd_mainloop.cuh).
+// RS with K-major B (TF32 or e4m3 operands, which have no transpose operands): A from
+// registers, B from a K-major descriptor; the P V of the float32 and FP8 Hopper forwards, whose
+// V is stored with its keys innermost (issue_pv, sm90/fwd_mainloop.cuh). A is this warp's 16 rows
+// in 4 x b32, the mma.sync A layout of the k-step: TF32 (m16n8k8) a[0] row g, column t; a[1] row
+// g + 8, column t; a[2] row g, column t + 4; a[3] row g + 8, column t + 4. e4m3 (m16n8k32) four
+// bytes a register: a[0] row g, columns 4t .. 4t + 3; a[1] row g + 8, the same; a[2], a[3]
+// columns 16 + 4t .. of rows g, g + 8 (pack_probabilities_e4m3).
 #define CF2_WGMMA_RS_KMAJOR(G, N, SHAPE)                                                       \
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, " CF2_OP(G, 5) ", 0;\n\t"              \
                  "wgmma.mma_async.sync.aligned.m64n" #N SHAPE                                  \
@@ -408,41 +417,19 @@ CF2_DEVICE void wgmma_rs_trans_b(float (&d)[N / 8][4], const u32 (&a)[4], u64 de
                  : CF2_ACCS_##G(d)                                                             \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 
-template <int N>
-CF2_DEVICE void wgmma_rs_tf32(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_b,
-                              int accumulate) {
+template <typename Elem, int N>
+CF2_DEVICE void wgmma_rs_kmajor(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_b,
+                                int accumulate) {
     static_assert(N % 16 == 0 && N >= 16 && N <= 256,
-                  "wgmma_rs_tf32: N a multiple of 16 up to 256");
-#define CF2_CASE(G, NN) \
-    if constexpr (N == NN) CF2_WGMMA_RS_KMAJOR(G, NN, CF2_TF32_SHAPE);
-    CF2_FOR_EACH_N16(CF2_CASE)
-#undef CF2_CASE
-}
-
-// FP8 e4m3 operands (the FP8 forward, docs/FP8_FORWARD.md; not yet used by a kernel): k32, 32
-// one-byte elements, the same 32 bytes of a row as a 16-bit k16 step, so the descriptors and
-// their per-step offsets are those of issue_kmajor_ss; K-major operands only (no transpose
-// operands, as TF32), fp32 accumulate. RS: A (this warp's 16 rows x 32 columns, 4 x b32 of four
-// bytes each) from registers (pack_probabilities_e4m3), B from a K-major descriptor.
-#define CF2_E4M3_SHAPE "k32.f32.e4m3.e4m3"
-
-template <int N>
-CF2_DEVICE void wgmma_ss_e4m3(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {
-    static_assert(N % 16 == 0 && N >= 16 && N <= 256,
-                  "wgmma_ss_e4m3: N a multiple of 16 up to 256");
-#define CF2_CASE(G, NN) \
-    if constexpr (N == NN) CF2_WGMMA_SS_KMAJOR(G, NN, CF2_E4M3_SHAPE);
-    CF2_FOR_EACH_N16(CF2_CASE)
-#undef CF2_CASE
-}
-
-template <int N>
-CF2_DEVICE void wgmma_rs_e4m3(float (&d)[N / 8][4], const u32 (&a)[4], u64 desc_b,
-                              int accumulate) {
-    static_assert(N % 16 == 0 && N >= 16 && N <= 256,
-                  "wgmma_rs_e4m3: N a multiple of 16 up to 256");
-#define CF2_CASE(G, NN) \
-    if constexpr (N == NN) CF2_WGMMA_RS_KMAJOR(G, NN, CF2_E4M3_SHAPE);
+                  "wgmma_rs_kmajor: N a multiple of 16 up to 256");
+    static_assert(Elem::IS_F32 || Elem::IS_E4M3, "K-major B: TF32 or e4m3 operands");
+#define CF2_CASE(G, NN)                                                                        \
+    if constexpr (N == NN) {                                                                   \
+        if constexpr (Elem::IS_E4M3)                                                           \
+            CF2_WGMMA_RS_KMAJOR(G, NN, CF2_E4M3_SHAPE);                                        \
+        else                                                                                   \
+            CF2_WGMMA_RS_KMAJOR(G, NN, CF2_TF32_SHAPE);                                        \
+    }
     CF2_FOR_EACH_N16(CF2_CASE)
 #undef CF2_CASE
 }

@@ -136,11 +136,28 @@ struct FwdModsParams {
     BlockMaskStates blocks;  // FEATURE_BLOCK_MASK only (block_mask.cuh); unused otherwise
 };
 
+// The FP8 forward's descale factors (e4m3_tag; docs/FP8_FORWARD.md): the value of an element of
+// q, k or v is its e4m3 value times its factor, a float32 read at (batch, kv head) with these
+// strides in elements (0 along an axis the factor is shared on; a query head takes its KV
+// head's factor, as FlashAttention-3's). Null for the other elements.
+struct E4m3Descales {
+    const float* q;
+    const float* k;
+    const float* v;
+    i64 q_batch_stride;
+    i64 q_head_stride;
+    i64 k_batch_stride;
+    i64 k_head_stride;
+    i64 v_batch_stride;
+    i64 v_head_stride;
+};
+
 // flash_fwd_sm90.cu: the forward's parameters plus the TMA descriptors of q, k and v, each over
 // the whole (batch, seqlen, heads, headdim) array as (head dim, row, head, batch) with 128-byte
 // swizzle (cuflash2/_hopper.py builds them). The maps come first: at offsets 0, 128 and 256 they
 // keep their 64-byte alignment whatever FwdParams holds. The persistent grid (one 1-D grid over
-// every batch) reads its work from the last three fields; the one-CTA-per-tile grid ignores them.
+// every batch) reads its work from batch, section_pairs and tile_counters; the one-CTA-per-tile
+// grid ignores them.
 struct FwdSm90Params {
     TensorMap q_map;
     TensorMap k_map;
@@ -156,8 +173,12 @@ struct FwdSm90Params {
     // keys innermost, written by flash_fwd_tf32_operands.cu before the forward, whose k_map and
     // v_map read them (scratch of the call); with f32x3_tag each holds the small parts too (K's
     // rows and V's blocks twice as long: flash_fwd_tf32_operands.cu).
+    // e4m3 (e4m3_tag): v_keys_last alone, V's bytes with their keys innermost in P's register
+    // order (flash_fwd_e4m3_operands.cu); the forward reads K in place.
     float* k_tf32;
-    float* v_keys_last;
+    void* v_keys_last;
+    // e4m3 only: the factors of q, k and v (docs/FP8_FORWARD.md).
+    E4m3Descales descales;
 };
 
 // flash_fwd_sm90.cu's kernel with programmable modifiers (flash_fwd_sm90_mods_kernel): the

@@ -4,7 +4,10 @@
 // not always installed next to NVRTC): 16-bit elements are plain 16-bit words and pairs of them
 // live in one 32-bit register, so the same code serves fp16 and bf16. The element type is a tag.
 // Memory is addressed in 16-bit words: a tag's WORDS is the words an element takes (float32
-// elements, tf32_primitives.cuh: two), so tiles, strides and 16-byte chunks count words.
+// elements, tf32_primitives.cuh: two), so tiles, strides and 16-byte chunks count words. BYTES
+// is the same in bytes, for the Hopper forward, whose e4m3 elements (hopper_primitives.cuh,
+// e4m3_tag) take half a word; Out is the tag of the output a kernel on these inputs writes
+// (e4m3_tag's: a 16-bit one), IS_E4M3 whether the inputs are e4m3.
 #pragma once
 
 typedef unsigned int u32;
@@ -16,14 +19,34 @@ typedef unsigned long long u64;
 struct fp16_tag {
     static constexpr bool is_bf16 = false;
     static constexpr bool IS_F32 = false;
+    static constexpr bool IS_E4M3 = false;
     static constexpr bool SPLIT = false;
     static constexpr int WORDS = 1;
+    static constexpr int BYTES = 2;
+    using Out = fp16_tag;
 };
 struct bf16_tag {
     static constexpr bool is_bf16 = true;
     static constexpr bool IS_F32 = false;
+    static constexpr bool IS_E4M3 = false;
     static constexpr bool SPLIT = false;
     static constexpr int WORDS = 1;
+    static constexpr int BYTES = 2;
+    using Out = bf16_tag;
+};
+
+// The FP8 forward's elements (docs/FP8_FORWARD.md): e4m3 q, k and v, one byte each (e4m3fn:
+// 4 exponent bits, 3 mantissa bits, no infinities, largest finite 448), and O in OUT (fp16_tag
+// or bf16_tag). No WORDS: only the Hopper forward (hopper_primitives.cuh's e4m3 wgmma), which
+// counts bytes (FwdSm90Traits), takes it.
+template <class OUT>
+struct e4m3_tag {
+    static constexpr bool is_bf16 = false;  // (the operands: wgmma's e4m3 forms)
+    static constexpr bool IS_F32 = false;
+    static constexpr bool IS_E4M3 = true;
+    static constexpr bool SPLIT = false;
+    static constexpr int BYTES = 1;
+    using Out = OUT;
 };
 
 // A or B by a compile-time condition (NVRTC has no <type_traits>).

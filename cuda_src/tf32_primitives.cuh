@@ -15,14 +15,20 @@
 struct tf32_tag {
     static constexpr bool is_bf16 = false;
     static constexpr bool IS_F32 = true;
+    static constexpr bool IS_E4M3 = false;
     static constexpr bool SPLIT = false;
     static constexpr int WORDS = 2;
+    static constexpr int BYTES = 4;
+    using Out = tf32_tag;
 };
 struct f32x3_tag {
     static constexpr bool is_bf16 = false;
     static constexpr bool IS_F32 = true;
+    static constexpr bool IS_E4M3 = false;
     static constexpr bool SPLIT = true;
     static constexpr int WORDS = 2;
+    static constexpr int BYTES = 4;
+    using Out = f32x3_tag;
 };
 
 // x rounded to the nearest TF32 value (ties away from zero), as a 32-bit pattern.

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 
 import numpy
 
-from . import _bias, _configs, _dispatch, _hopper, _launch, _params, _plans
+from . import _bias, _configs, _dispatch, _hopper, _launch, _params, _plans, _validate
 from ._prepare import LOG2E, element_strides, output_strides
 
 
@@ -30,11 +31,13 @@ def _input_fields(views: dict, sources: dict) -> list:
     return fields
 
 
-def _stride_fields(prefix: str, strides, words: int = 1) -> dict:
+def _stride_fields(prefix: str, strides, words=1) -> dict:
     """The struct's (batch, row, head) strides of an array, from its element strides, in
-    units of `words` 16-bit words an element."""
-    return {f"{prefix}_batch_stride": strides[0] * words, f"{prefix}_row_stride": strides[1] * words,
-            f"{prefix}_head_stride": strides[2] * words}
+    units of `words` 16-bit words an element (a Fraction for e4m3's half word; its strides are
+    whole 16-byte units)."""
+    return {f"{prefix}_batch_stride": int(strides[0] * words),
+            f"{prefix}_row_stride": int(strides[1] * words),
+            f"{prefix}_head_stride": int(strides[2] * words)}
 
 
 def _varlen_fields(varlen) -> dict:
@@ -76,23 +79,29 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
             block_mask.check_for_call(block_input[1], config.block_m, config.block_n, p.batch,
                                       p.nheads, p.seqlen_q, p.seqlen_k, device_id)
     q, k, v, out = views["q"], views["k"], views["v"], views["out"]
-    # The kernels address q, k, v and out in 16-bit words (a float32 element is two).
-    words = _configs.ELEMENT_WORDS[p.dtype]
+    # The kernels address q, k, v and out in 16-bit words (a float32 element is two, an e4m3
+    # element half of one: its strides are whole 16-byte units, _validate.check_strides, and
+    # its head dims multiples of 32). out's words are those of its own dtype (e4m3: 16-bit),
+    # and so is head_dim_v, which the kernels read for O's row.
+    words = Fraction(_configs.ELEMENT_BYTES[p.dtype], 2)
+    out_dtype = _configs.OUTPUT_DTYPES[p.dtype]
+    out_words = Fraction(_configs.ELEMENT_BYTES[out_dtype], 2)
     fields = {
         **_stride_fields("q", element_strides(q), words),
         **_stride_fields("k", element_strides(k), words),
         **_stride_fields("v", element_strides(v), words),
         **_stride_fields("o", element_strides(out) if out is not None
-                         else output_strides(out_shape), words),
+                         else output_strides(out_shape), out_words),
         "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "nheads": p.nheads,
         "heads_per_kv_head": p.nheads // p.nheads_kv if p.nheads_kv else 1,
-        "head_dim": p.head_dim * words, "head_dim_v": p.head_dim_v * words,
+        "head_dim": int(p.head_dim * words), "head_dim_v": int(p.head_dim_v * out_words),
         "softmax_scale": mods.softmax_scale,
         "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
         "window_right": window[1], **mods.fields(), **_varlen_fields(varlen)}
     outputs, output_fields = [], []
     if out is None:
-        outputs.append((tuple(out_shape), q.dtype))
+        outputs.append((tuple(out_shape), q.dtype if out_dtype == p.dtype
+                        else _validate.numpy_dtype(out_dtype)))
         output_fields.append(("out", 0, 0))
     output_fields.append(("lse", len(outputs), 0))
     outputs.append((tuple(lse_shape), "float32"))
@@ -102,20 +111,22 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
         if choice.hopper and config.claims:
             counters = ("tile_counters",)
         if choice.scratch is not None:
-            # K and V as the TF32 wgmmas take them (at "highest" both TF32 parts), in the call's
-            # scratch, by the operand pass (flash_fwd_tf32_operands.cu); the forward's k_map and
+            # K and V as the TF32 wgmmas take them (at "highest" both TF32 parts), or V as the
+            # e4m3 wgmmas do, in the call's scratch, by the operand pass
+            # (flash_fwd_tf32_operands.cu, flash_fwd_e4m3_operands.cu); the forward's k_map and
             # v_map read them.
             shapes = choice.scratch
+            itemsize = numpy.dtype(_dispatch.SCRATCH_DTYPES[config.dtype]).itemsize
             offsets, scratch_bytes = _plans.carve(
-                [4 * math.prod(shape) for shape, *_ in shapes.values()])
+                [itemsize * math.prod(shape) for shape, *_ in shapes.values()])
             for (name, _), off in zip(shapes.items(), offsets):
                 scratch += [(name, off), (f"{_dispatch.TF32_OPERAND_MAPS[name]}.v", off)]
-            keys = shapes["v_keys_last"][0][3]
-            operands = _configs.AuxKernel(config.dtype, _configs.TF32_OPERANDS_KERNEL)
-            launches.append(_launch.kernel_launch(operands, device_id,
-                                                  (-(-keys // 32), p.nheads_kv, p.batch)))
+            operands, grid = _dispatch.operand_pass(p, config)
+            launches.append(_launch.kernel_launch(operands, device_id, grid))
         launches.append(_launch.kernel_launch(config, device_id, choice.grid))
-    inputs = _input_fields(views, sources)
+    descale_inputs, descale_fields = _descale_fields(views, sources)
+    inputs = _input_fields({n: x for n, x in views.items() if not n.startswith("descales.")},
+                           sources)
     aligned = [(sources[n][0], n) for n in ("q", "k", "v", "out") if views[n] is not None]
     if mods.user_mods is not None and choice.hopper:
         # FwdSm90ModsParams: FwdSm90Params as `sm90`, then the modifiers' inputs.
@@ -141,7 +152,27 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     return _sm90_plan(device_id, "FwdSm90Params", fields, choice.maps, choice.map_fields,
                       launches, inputs, outputs, output_fields, scratch_bytes, aligned=aligned,
                       own_fields=choice.grid_fields, counters=counters,
-                      own_workspace_fields=scratch)
+                      own_workspace_fields=scratch, extra_fields=descale_fields,
+                      extra_inputs=descale_inputs)
+
+
+def _descale_fields(views: dict, sources: dict):
+    """(per-call inputs, fields set once) of the FP8 forward's descale factors (views
+    "descales.q", "descales.k", "descales.v": float32 arrays of shape (), (1,) or (batch,
+    nheads_kv), checked; FwdSm90Params.descales): each one's address per call, its (batch, KV
+    head) strides once (0 along a shared axis: fp8.descale_strides). ([], {}) without them."""
+    from . import fp8
+
+    inputs, fields = [], {}
+    for name in ("q", "k", "v"):
+        x = views.get(f"descales.{name}")
+        if x is None:
+            continue
+        inputs.append((f"descales.{name}", sources[f"descales.{name}"][0], 0))
+        batch_stride, head_stride = fp8.descale_strides(x)
+        fields[f"descales.{name}_batch_stride"] = batch_stride
+        fields[f"descales.{name}_head_stride"] = head_stride
+    return inputs, fields
 
 
 def _mods_plan(device_id: int, fields: dict, launches, inputs, outputs, output_fields, aligned,

@@ -27,9 +27,22 @@ DTYPE_TAGS = {"float16": "fp16_tag", "bfloat16": "bf16_tag"}
 #: TF32 wgmma specialisations, _dispatch.FLOAT32_SM90_FWD_TILES: both up to head dim 128).
 FLOAT32_TAGS = {"float32": "f32x3_tag", "tf32": "tf32_tag"}
 ELEMENT_TAGS = {**DTYPE_TAGS, **FLOAT32_TAGS}
+#: FP8 e4m3 inputs (the FP8 forward: the Hopper forward only, docs/FP8_FORWARD.md) by the
+#: output dtype they are computed into: e4m3_tag<the output's tag> (hopper_primitives.cuh).
+E4M3_ELEMENTS = {"bfloat16": "e4m3_bf16", "float16": "e4m3_fp16"}
+E4M3_TAGS = {"e4m3_bf16": "e4m3_tag<bf16_tag>", "e4m3_fp16": "e4m3_tag<fp16_tag>"}
+#: The Hopper forward's elements: every kernel element and e4m3.
+HOPPER_FORWARD_TAGS = {**ELEMENT_TAGS, **E4M3_TAGS}
 #: 16-bit words an element takes in memory (the tags' WORDS): the kernels address tiles,
 #: strides and head dims in words.
 ELEMENT_WORDS = {"float16": 1, "bfloat16": 1, "float32": 2, "tf32": 2}
+#: Bytes an element takes (the tags' BYTES): the Hopper forward's traits count bytes, since an
+#: e4m3 element is half a word.
+ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "tf32": 4, "e4m3_bf16": 1,
+                 "e4m3_fp16": 1}
+#: The output dtype of each element (e4m3: the 16-bit output it is computed into).
+OUTPUT_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                 "tf32": "float32", "e4m3_bf16": "bfloat16", "e4m3_fp16": "float16"}
 
 #: Optional features (template bits of the kernels: score modifiers in cuda_src/score_mods.cuh,
 #: varlen in cuda_src/varlen.cuh). Specialisations are per combination, so plain attention
@@ -136,6 +149,10 @@ SINKS_THREADS = 256
 #: The float32 Hopper forward's operand pass (flash_fwd_tf32_operands.cu: K rounded to TF32, V
 #: rounded with its keys innermost): threads a CTA of 32 keys.
 TF32_OPERANDS_THREADS = 256
+#: The FP8 forward's operand pass (flash_fwd_e4m3_operands.cu: V with its keys innermost in P's
+#: order): threads a CTA, and keys a CTA (whole groups of 32).
+E4M3_OPERANDS_THREADS = 256
+E4M3_OPERANDS_KEYS = 128
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
 #: cuflash2.merge_states' kernel (merge_states.cu): threads a CTA, MergeStatesConfig.lanes of
@@ -186,6 +203,7 @@ CUDA_CONSTANTS = {
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "SINKS_THREADS": SINKS_THREADS, "TF32_OPERANDS_THREADS": TF32_OPERANDS_THREADS,
+    "E4M3_OPERANDS_THREADS": E4M3_OPERANDS_THREADS, "E4M3_OPERANDS_KEYS": E4M3_OPERANDS_KEYS,
     "MERGE_THREADS": MERGE_THREADS, "MERGE_GROUP": MERGE_GROUP,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
@@ -384,29 +402,44 @@ class FwdSm90Config:
 
     @property
     def panels(self) -> int:
-        """128-byte panels (64 16-bit columns, 32 float32) of a row of a tile in shared memory:
-        the head dim in 16-bit words rounded up to 64 (d=96: two, the second half zero-filled by
-        the TMA; FwdSm90Traits::PANELS)."""
-        return -(-self.head_dim * ELEMENT_WORDS[self.dtype] // 64)
+        """128-byte panels (64 16-bit columns, 32 float32, 128 e4m3) of a row of a tile in
+        shared memory: the head dim's bytes rounded up to 128 (d=96: two, the second half
+        zero-filled by the TMA; FwdSm90Traits::PANELS)."""
+        return -(-self.head_dim * ELEMENT_BYTES[self.dtype] // 128)
 
     @property
     def v_panels(self) -> int:
-        """`panels` of a V (and O) row: of head_dim_v (FwdSm90Traits::V_PANELS)."""
-        return -(-self.head_dim_v * ELEMENT_WORDS[self.dtype] // 64)
+        """`panels` of a V row: of head_dim_v (FwdSm90Traits::V_PANELS)."""
+        return -(-self.head_dim_v * ELEMENT_BYTES[self.dtype] // 128)
+
+    @property
+    def o_panels(self) -> int:
+        """`panels` of an O row, in the output's dtype (FwdSm90Traits::O_PANELS)."""
+        return -(-self.head_dim_v * ELEMENT_BYTES[OUTPUT_DTYPES[self.dtype]] // 128)
+
+    @property
+    def keys_last_v(self) -> bool:
+        """Whether V comes with its keys innermost from an operand pass (float32, e4m3:
+        FwdSm90Traits::KEYS_LAST_V)."""
+        return self.dtype not in DTYPE_TAGS
 
     @property
     def smem_bytes(self) -> int:
-        # Q tile + stages x (K tile + V tile) (+ an O tile when persistent), rows of `panels`
-        # (V and O: `v_panels`) x 128 bytes, + 1 KiB to align the base to 1024 B by hand
-        # (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
+        # The Q region (Q, or O staged there where larger: e4m3 inputs, a 16-bit O) + stages x
+        # (K tile + V tile) (+ an O tile when persistent), rows of 128 bytes, + 1 KiB to align
+        # the base to 1024 B by hand (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
         # With FEATURE_BIAS_TILE each stage holds the bias's block_m x block_n tile too.
         # Precision "highest" ("float32", 3xTF32) holds two parts of Q and of each K / V tile.
-        o_rows = self.block_m if self.persistent else 0
-        bias = 2 * self.block_m * self.block_n * self.stages if self.bias_tile else 0
         parts = 2 if self.dtype == "float32" else 1
-        rows = self.panels * (self.block_m + self.stages * self.block_n) + self.v_panels * (
-            self.stages * self.block_n)
-        return 128 * (parts * rows + self.v_panels * o_rows) + bias + 1024
+        q_tile = 128 * self.panels * self.block_m
+        o_tile = 128 * self.o_panels * self.block_m
+        q_region = max(parts * q_tile, 0 if self.persistent else o_tile)
+        k_tile = 128 * self.panels * self.block_n
+        v_tile = (self.block_n * ELEMENT_BYTES[self.dtype] * self.head_dim_v if self.keys_last_v
+                  else 128 * self.v_panels * self.block_n)
+        bias = 2 * self.block_m * self.block_n if self.bias_tile else 0
+        stage = parts * (k_tile + v_tile) + bias
+        return (q_region + self.stages * stage + (o_tile if self.persistent else 0) + 1024)
 
     @property
     def bias_tile(self) -> bool:
@@ -419,7 +452,7 @@ class FwdSm90Config:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_fwd_sm90_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, "
+        return (f"flash_fwd_sm90_kernel<{HOPPER_FORWARD_TAGS[self.dtype]}, {self.head_dim}, "
                 f"{self.head_dim_v}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.overlap else 'false'}, {self.features}, "
@@ -428,7 +461,7 @@ class FwdSm90Config:
 
     @property
     def probes(self) -> str:
-        traits = (f"FwdSm90Traits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, "
+        traits = (f"FwdSm90Traits<{HOPPER_FORWARD_TAGS[self.dtype]}, {self.head_dim}, "
                   f"{self.head_dim_v}, {self.block_m}, "
                   f"{self.block_n}, {self.stages}, {'true' if self.persistent else 'false'}"
                   f"{', true' if self.bias_tile else ''}>")
@@ -819,6 +852,7 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
 #: The float32 Hopper forward's operand pass (AuxKernel("tf32" or "float32",
 #: TF32_OPERANDS_KERNEL)).
 TF32_OPERANDS_KERNEL = "flash_fwd_tf32_operands_kernel"
+E4M3_OPERANDS_KERNEL = "flash_fwd_e4m3_operands_kernel"
 
 
 @dataclass(frozen=True)
@@ -833,7 +867,9 @@ class AuxKernel:
     #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
     #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only), or
     #: "flash_fwd_tf32_operands_kernel" (TF32_OPERANDS_KERNEL: before the Hopper forward at
-    #: precision "tf32" or "highest", grid (keys_padded / 32, kv heads, batch); FwdSm90Params)
+    #: precision "tf32" or "highest", grid (keys_padded / 32, kv heads, batch); FwdSm90Params),
+    #: or "flash_fwd_e4m3_operands_kernel" (E4M3_OPERANDS_KERNEL: before the FP8 forward, grid
+    #: (keys_padded / E4M3_OPERANDS_KEYS, kv heads, batch); FwdSm90Params)
     kernel: str
     varlen: bool = False  # packed variable-length sequences
     smem_bytes: int = 0
@@ -843,18 +879,21 @@ class AuxKernel:
         return {"flash_bwd_preprocess_kernel": PREPROCESS_THREADS,
                 "flash_bwd_convert_dq_kernel": CONVERT_THREADS,
                 "flash_bwd_sinks_kernel": SINKS_THREADS,
-                TF32_OPERANDS_KERNEL: TF32_OPERANDS_THREADS}[self.kernel]
+                TF32_OPERANDS_KERNEL: TF32_OPERANDS_THREADS,
+                E4M3_OPERANDS_KERNEL: E4M3_OPERANDS_THREADS}[self.kernel]
 
     @property
     def source_file(self) -> str:
         return {"flash_bwd_preprocess_kernel": "flash_bwd_preprocess.cu",
                 "flash_bwd_convert_dq_kernel": "flash_bwd_convert_dq.cu",
                 "flash_bwd_sinks_kernel": "flash_bwd_sinks.cu",
-                TF32_OPERANDS_KERNEL: "flash_fwd_tf32_operands.cu"}[self.kernel]
+                TF32_OPERANDS_KERNEL: "flash_fwd_tf32_operands.cu",
+                E4M3_OPERANDS_KERNEL: "flash_fwd_e4m3_operands.cu"}[self.kernel]
 
     @property
     def name_expression(self) -> str:
-        return f"{self.kernel}<{ELEMENT_TAGS[self.dtype]}, {'true' if self.varlen else 'false'}>"
+        return (f"{self.kernel}<{HOPPER_FORWARD_TAGS[self.dtype]}, "
+                f"{'true' if self.varlen else 'false'}>")
 
     probes = ""
 
@@ -1015,7 +1054,8 @@ class DecodeConfig:
 
 def describe(config) -> str:
     """A kernel configuration in words (cuflash2.forward_kernels, cuflash2.backward_kernels)."""
-    dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(config.dtype, config.dtype)
+    dtype = {"float16": "fp16", "bfloat16": "bf16", "e4m3_bf16": "e4m3 (out bf16)",
+             "e4m3_fp16": "e4m3 (out fp16)"}.get(config.dtype, config.dtype)
     mods = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "ALiBi"),
                                    (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout"),
                                    (FEATURE_VARLEN, "varlen"), (FEATURE_MASK_MOD, "mask_mod"),
@@ -1065,8 +1105,9 @@ def describe(config) -> str:
                 "flash_bwd_convert_dq_kernel": "backward dQ conversion",
                 "flash_bwd_sinks_kernel": "backward sinks gradient",
                 TF32_OPERANDS_KERNEL: "forward operand pass (K and V rounded to TF32, V keys "
-                                      "innermost)"}.get(config.kernel,
-                                                                            config.kernel)
+                                      "innermost)",
+                E4M3_OPERANDS_KERNEL: "forward operand pass (e4m3 V, keys innermost)",
+                }.get(config.kernel, config.kernel)
         return f"{what}, {dtype}{', varlen' if config.varlen else ''}"
     if isinstance(config, MergeStatesConfig):
         return f"merge of attention states by their lse, {dtype}, {config.lanes} lanes a row"

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 
 from . import _hopper, _launch
 from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+                       FEATURE_DROPOUT,
                        FLOAT32_TAGS,
                        FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
                        FEATURE_SINKS, FEATURE_SOFTCAP, FEATURE_VARLEN, KERNEL_HEAD_DIMS,
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
                        USER_MOD_FEATURES, AuxKernel, FwdSm90Config, TF32_OPERANDS_KERNEL,
-                       backward_features, with_features)
+                       E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS, E4M3_TAGS, backward_features,
+                       with_features)
 
 #: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
 FORCED: dict = {}
@@ -76,8 +78,17 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     (split_head_dims_refusal)."""
     p = problem
     split = p.head_dim_v != p.head_dim
-    if split and not (p.batch and p.seqlen_q and p.nheads):
+    if (split or p.dtype in E4M3_TAGS) and not (p.batch and p.seqlen_q and p.nheads):
         return ForwardChoice(None, (0, 0, 0))  # nothing to launch (forward_plan)
+    if p.dtype in E4M3_TAGS and (config is not None or "fwd" in FORCED
+                                 or user_mods is not None):
+        if user_mods is not None:
+            raise NotImplementedError("FP8 (e4m3) inputs: not with mask_mod, score_mod, bias "
+                                      "or block_mask")
+        config = config or FORCED["fwd"]
+        if config.dtype != p.dtype:
+            raise ValueError(f"the forced configuration is for {config.dtype}, the call "
+                             f"{p.dtype}")
     if split and (config is not None or "fwd" in FORCED or user_mods is not None):
         raise NotImplementedError(split_head_dims_refusal(p, "forward", arch))
     if user_mods is not None:
@@ -115,17 +126,27 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     hopper = map_fields = scratch = None
     if config is None and "fwd" not in FORCED:
         hopper = hopper_forward_config(p, features, window, arch, varlen)
+    elif p.dtype in E4M3_TAGS:  # a forced FP8 forward (tuning, tests): no other kernel runs it
+        hopper_forward_config(p, features, window, arch, varlen)  # (its refusals)
+        hopper = config
     if hopper is not None:
         maps = _hopper.forward_maps(hopper)
         map_fields = _hopper.readable_map_fields(views, maps)
-        if map_fields is not None and hopper.dtype in FLOAT32_SM90_FWD_TILES:
-            scratch = tf32_operand_shapes(p, hopper)
+        if map_fields is not None and hopper.keys_last_v:
+            scratch = (e4m3_operand_shapes(p, hopper) if hopper.dtype in E4M3_TAGS
+                       else tf32_operand_shapes(p, hopper))
             try:  # K and V as the operand pass writes them, in the call's scratch
                 map_fields.update(_hopper.scratch_map_fields(
                     {TF32_OPERAND_MAPS[name]: (view, strides, rows)
-                     for name, (_, _, view, strides, rows) in scratch.items()}))
+                     for name, (_, _, view, strides, rows) in scratch.items()},
+                    SCRATCH_DTYPES[hopper.dtype]))
             except (ValueError, RuntimeError):
                 map_fields = None
+    if map_fields is None and p.dtype in E4M3_TAGS:
+        raise NotImplementedError(
+            "FP8 (e4m3) inputs run on the Hopper forward, whose TMA reads q, k and v: each "
+            "contiguous in its head dim with its other strides multiples of 16 bytes, 16-byte "
+            "aligned (cupy.ascontiguousarray gives such arrays)")
     if map_fields is None:
         if split:
             # V's kernel head dim below Q's: the one-head-dim kernels bound V's columns by Q's
@@ -728,6 +749,16 @@ F32X3_SM90_FWD_BLOCK_M = {128: 64}
 #: The float32 Hopper forwards' tiles by element ("tf32", "float32").
 FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD_TILES}
 
+#: The FP8 forward (e4m3 q, k, v: E4M3_TAGS; docs/FP8_FORWARD.md): (block_n, stages, overlap) by
+#: kernel head dim, block_m 128, ping-pong. An e4m3 row is half a 16-bit row (d=128: one
+#: 128-byte panel), V comes keys-last in panels of 128 keys (block_n a multiple of 128), and O,
+#: 16-bit, is staged in a Q region twice Q's bytes. Registers (ptxas, no spills): S block_n / 2,
+#: P block_n / 8, O head_dim / 2; at d=128 with 256 keys and at d=256 with the overlap inside a
+#: warpgroup ptxas spills, so d=128 takes 128 keys and d=256 the plain ping-pong.
+#: Shared memory: d=64 256 keys x 3 stages, d=128 128 keys x 4 stages (164,864 B each), d=256
+#: 128 keys x 2 stages (197,632 B).
+E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, False)}
+
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
 #: 64 rows) throughout. Two limits decide: shared memory, Q + stages x (K + V) of 64-column
@@ -891,6 +922,8 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     extent of 1 (the dense maps' geometry, _hopper.as_batched), each CTA adds its sequence's
     first row to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
+    if p.dtype in E4M3_TAGS:
+        return e4m3_hopper_forward_config(p, features, arch, varlen)
     if HOPPER_FORWARD and arch == 90 and p.dtype in FLOAT32_SM90_FWD_TILES:
         return tf32_hopper_forward_config(p, features, varlen)
     if (not HOPPER_FORWARD or arch != 90 or p.dtype not in DTYPE_TAGS
@@ -963,8 +996,83 @@ def float32_sm90_config(element: str, kernel_dim: int, features: int = 0) -> Fwd
                          pingpong=block_m == 128, overlap=True, features=features)
 
 
+def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None):
+    """The FP8 forward's configuration (E4M3_SM90_FWD_TILES) for a checked e4m3 call, or
+    NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), dense
+    calls (the keys-last V's groups: varlen later), head dims of E4M3_SM90_FWD_TILES (q's, k's
+    and v's alike), causal masks and windows but no other feature. Empty problems plan no
+    launch (None)."""
+    p = problem
+    dims = tuple(E4M3_SM90_FWD_TILES)
+    if arch != 90:
+        raise NotImplementedError(
+            f"FP8 (e4m3) inputs run on the Hopper forward: sm_90 (H100, H200) only; this device "
+            f"is sm_{arch} (cuflash2.fp8.dequantize_e4m3 gives 16-bit inputs for the others)")
+    if varlen is not None:
+        raise NotImplementedError("FP8 (e4m3) inputs: not with varlen batches yet (dense "
+                                  "attention calls)")
+    named = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "alibi_slopes"),
+                                    (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout_p"))
+             if features & bit]
+    if features:
+        raise NotImplementedError(
+            f"{', '.join(named) or 'these options'}: not with FP8 (e4m3) inputs yet (they take "
+            f"causal masks, windows and GQA)")
+    if p.head_dim_v != p.head_dim or p.head_dim not in dims:
+        raise NotImplementedError(
+            f"FP8 (e4m3) inputs: head dims {', '.join(map(str, dims))} (q's, k's and v's the "
+            f"same); got q's {p.head_dim} and v's {p.head_dim_v}")
+    if not _hopper.bindings_available():
+        raise NotImplementedError("FP8 (e4m3) inputs need the CUDA driver bindings "
+                                  "(cuda-bindings, which encode the Hopper forward's TMA "
+                                  "descriptors): pip install cuda-bindings")
+    if p.seqlen_k == 0:
+        raise NotImplementedError("FP8 (e4m3) inputs: not with an empty key sequence "
+                                  "(seqlen_k 0) yet")
+    return e4m3_sm90_config(p.dtype, p.head_dim)
+
+
+def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
+    """The FP8 forward of `element` (E4M3_TAGS) at `kernel_dim`: E4M3_SM90_FWD_TILES' tile."""
+    block_n, stages, overlap = E4M3_SM90_FWD_TILES[kernel_dim]
+    return FwdSm90Config(element, kernel_dim, block_m=128, block_n=block_n, stages=stages,
+                         pingpong=True, overlap=overlap)
+
+
 #: The TF32 Hopper forward's scratch arrays by FwdSm90Params field, and the map reading each.
 TF32_OPERAND_MAPS = {"k_tf32": "k_map", "v_keys_last": "v_map"}
+
+
+def e4m3_operand_shapes(problem, config) -> dict:
+    """The FP8 forward's scratch array (flash_fwd_e4m3_operands.cu), as tf32_operand_shapes
+    gives its own: v_keys_last, V's bytes with their keys innermost, (batch, kv heads, head dim,
+    keys padded to 32), mapped as (batch, head dim, kv heads, keys) with boxes of 128 keys (one
+    128-byte panel) by the head dim."""
+    p = problem
+    keys = -(-p.seqlen_k // 32) * 32
+    shape = (p.batch, p.nheads_kv, p.head_dim, keys)
+    strides = (p.nheads_kv * p.head_dim * keys, p.head_dim * keys, keys, 1)
+    return {"v_keys_last": (shape, strides, (p.batch, p.head_dim, p.nheads_kv, keys),
+                            (strides[0], strides[2], strides[1], 1), config.head_dim)}
+
+
+def operand_pass(problem, config):
+    """The operand pass that runs before a Hopper forward whose V comes keys-last, and its
+    grid: (AuxKernel, grid) for float32 and e4m3 elements, else None."""
+    p = problem
+    if config.dtype in E4M3_TAGS:
+        keys = -(-p.seqlen_k // 32) * 32
+        return (AuxKernel(config.dtype, E4M3_OPERANDS_KERNEL),
+                (-(-keys // E4M3_OPERANDS_KEYS), p.nheads_kv, p.batch))
+    if config.dtype in FLOAT32_SM90_FWD_TILES:
+        keys = -(-p.seqlen_k // 8) * 8
+        return AuxKernel(config.dtype, TF32_OPERANDS_KERNEL), (-(-keys // 32), p.nheads_kv, p.batch)
+    return None
+
+
+#: The element type of the scratch arrays an operand pass writes, by kernel element.
+SCRATCH_DTYPES = {"tf32": "float32", "float32": "float32", "e4m3_bf16": "uint8",
+                  "e4m3_fp16": "uint8"}
 
 
 def tf32_operand_shapes(problem, config) -> dict:
@@ -1477,6 +1585,14 @@ def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
                    for d in FLOAT32_SM90_FWD_TILES[element]]
         out += configs + [AuxKernel(element, TF32_OPERANDS_KERNEL)] if configs else []
     return out
+
+
+def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS)) -> list:
+    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype), one
+    per head dim of E4M3_SM90_FWD_TILES, and the operand pass that runs before each element's."""
+    return [config for element in elements
+            for config in [e4m3_sm90_config(element, d) for d in E4M3_SM90_FWD_TILES]
+            + [AuxKernel(element, E4M3_OPERANDS_KERNEL)]]
 
 
 def hopper_forward_configs(features=(0,)) -> list:

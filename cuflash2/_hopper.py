@@ -90,7 +90,8 @@ def tensor_map_geometry(shape, strides_bytes, itemsize: int, box_rows: int):
 
 def tensor_map_bytes(x, box_rows: int) -> bytes:
     """The 128 bytes of the CUtensorMap of the CuPy array `x` (batch, seqlen, heads, headdim),
-    fp16, bf16 or float32, 128-byte swizzle, boxes of BOX_BYTES x `box_rows`."""
+    fp16, bf16, float32 or uint8 (e4m3 bits), 128-byte swizzle, boxes of BOX_BYTES x
+    `box_rows`."""
     return tensor_map_bytes_at(x.data.ptr, x.shape, x.strides, x.dtype.name, box_rows)
 
 
@@ -103,7 +104,9 @@ def tensor_map_bytes_at(address: int, shape, strides_bytes, dtype: str, box_rows
     types = driver.CUtensorMapDataType
     data_type, itemsize = {"float16": (types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
                            "bfloat16": (types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
-                           "float32": (types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4)}[dtype]
+                           "float32": (types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
+                           # e4m3 bits (the FP8 forward): bytes, the TMA copies them as they are
+                           "uint8": (types.CU_TENSOR_MAP_DATA_TYPE_UINT8, 1)}[dtype]
     dims, strides, box = tensor_map_geometry(shape, strides_bytes, itemsize, box_rows)
     err, tensor_map = driver.cuTensorMapEncodeTiled(
         data_type, 4, address,
@@ -148,9 +151,11 @@ def bindings_available() -> bool:
 def forward_maps(config) -> dict:
     """The tensor maps of FwdSm90Params over the call's arrays: map field -> (the array's view
     name, box rows). For float32 ("tf32", "float32") k_map and v_map cover the call's scratch
-    instead (scratch_map_fields)."""
+    instead, for e4m3 v_map (scratch_map_fields)."""
     if config.dtype in ("tf32", "float32"):
         return {"q_map": ("q", config.block_m)}
+    if config.keys_last_v:  # e4m3: K read in place
+        return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n)}
     return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n),
             "v_map": ("v", config.block_n)}
 
@@ -160,16 +165,18 @@ def forward_maps(config) -> dict:
 SCRATCH_MAP_ADDRESS = 1 << 20
 
 
-def scratch_map_fields(maps: dict) -> dict:
-    """The words of maps over float32 scratch arrays (map field -> (view shape, element strides,
-    box rows), the view (batch, rows, heads, columns)), by struct path ("k_map.v"), encoded at
+def scratch_map_fields(maps: dict, dtype: str = "float32") -> dict:
+    """The words of maps over scratch arrays of `dtype` ("float32", or "uint8": the FP8
+    forward's keys-last V) (map field -> (view shape, element strides, box rows), the view
+    (batch, rows, heads, columns)), by struct path ("k_map.v"), encoded at
     SCRATCH_MAP_ADDRESS: the plan sets each one's address word with the scratch's per call.
     ValueError / RuntimeError as tensor_map_fields."""
+    itemsize = numpy.dtype(dtype).itemsize
     fields = {}
     for field, (shape, strides, rows) in maps.items():
-        strides_bytes = tuple(4 * s for s in strides)
+        strides_bytes = tuple(itemsize * s for s in strides)
         fields[f"{field}.v"] = _checked_words(
-            tensor_map_bytes_at(SCRATCH_MAP_ADDRESS, shape, strides_bytes, "float32", rows),
+            tensor_map_bytes_at(SCRATCH_MAP_ADDRESS, shape, strides_bytes, dtype, rows),
             SCRATCH_MAP_ADDRESS)
     return fields
 

@@ -5,7 +5,8 @@ alibi_slopes, sinks, dropout_p, seed, offset; `bias`, issue 44's additive bias (
 functions read it here; the kernels' calls take it as a score modifier, cuflash2._bias);
 `mask_mod`, `score_mod`, `block_mask`, issue 44's programmable modifiers (cuflash2.mods),
 `bias_requires_grad`, whether a backward call returns dbias, and `precision`, float32's (None,
-"highest", "high", "tf32": cuflash2._validate.kernel_element): the last slots, so that
+"highest", "high", "tf32": cuflash2._validate.kernel_element), and `qkv_dtype` and `out_dtype`,
+the FP8 forward's (docs/FP8_FORWARD.md): the last slots, so that
 positional constructions stay valid); each builds
 one `AttentionOptions` from its keyword arguments per call, and the signature key
 (`api._forward_key`, `_kvcache._key`: the window, the arrays' signatures, causal, softmax_scale,
@@ -28,12 +29,12 @@ class AttentionOptions:
 
     __slots__ = ("causal", "softmax_scale", "window_size", "softcap", "alibi_slopes", "sinks",
                  "dropout_p", "seed", "offset", "bias", "mask_mod", "score_mod", "block_mask",
-                 "bias_requires_grad", "precision")
+                 "bias_requires_grad", "precision", "qkv_dtype", "out_dtype")
 
     def __init__(self, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0, bias=None,
                  mask_mod=None, score_mod=None, block_mask=None, bias_requires_grad=False,
-                 precision=None):
+                 precision=None, qkv_dtype=None, out_dtype=None):
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.window_size = window_size
@@ -51,6 +52,10 @@ class AttentionOptions:
         # call's last array; cuflash2._bias).
         self.bias_requires_grad = bias_requires_grad
         self.precision = precision  # float32 inputs' (None: "highest")
+        # FP8 inputs (the forward): the format of q, k and v's bits ("e4m3"; None: their own
+        # dtype's values) and out's dtype (None: bfloat16).
+        self.qkv_dtype = qkv_dtype
+        self.out_dtype = out_dtype
 
     def replace(self, **changes) -> "AttentionOptions":
         """A copy with the given options changed (the reference's per-sequence options: a

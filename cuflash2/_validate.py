@@ -15,12 +15,16 @@ import ml_dtypes
 import numpy
 from dataclasses import dataclass
 
-from . import fp8
+from . import _configs, fp8
 
 # dtype -> name by hash lookup: str(dtype) costs microseconds, and this runs on every call.
 _DTYPE_NAMES = {numpy.dtype(numpy.float16): "float16", numpy.dtype(ml_dtypes.bfloat16): "bfloat16",
                 numpy.dtype(numpy.float32): "float32"}
+#: The dtype of each name (numpy dtypes: CuPy allocates with them).
+_NAMED_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 MAX_HEAD_DIM = 256
+#: The FP8 formats `attention` reads e4m3 inputs as (qkv_dtype).
+QKV_FORMATS = ("e4m3",)
 #: Rows are copied in 16-byte chunks, so every stride but the last must be a multiple of 16
 #: bytes (8 16-bit elements, 4 float32 ones), as it always is for slices of a contiguous
 #: (..., headdim) array.
@@ -41,7 +45,9 @@ class AttentionProblem:
     nheads: int
     nheads_kv: int
     head_dim: int
-    dtype: str  # "float16", "bfloat16" or "float32" (the kernels' element: kernel_element)
+    # "float16", "bfloat16" or "float32" (the kernels' element: kernel_element), or for e4m3
+    # inputs "e4m3_bf16" / "e4m3_fp16" by the output's dtype (_configs.E4M3_ELEMENTS)
+    dtype: str
     batched: bool  # False for (seqlen, nheads, headdim) inputs
     softmax_scale: float
     #: v's and out's head dim (d_v), where it differs from q's and k's (d_qk); 0: head_dim.
@@ -76,10 +82,12 @@ def _check_dtype(name: str, x, expected: str | None) -> str:
         if numpy.dtype(x.dtype) in fp8.E4M3_DTYPES:
             # A cast would read e4m3 bits as integers: say what exists instead.
             raise TypeError(
-                f"{name} is {dtype}: FP8 (e4m3) q, k and v are not supported by attention yet "
-                f"(an e4m3 KV cache is: attention_with_kvcache(..., kv_cache_dtype='e4m3')). To "
-                f"attend over the values e4m3 bits hold, dequantise them first: "
-                f"cuflash2.fp8.dequantize_e4m3({name}, descale).astype(ml_dtypes.bfloat16)")
+                f"{name} is {dtype}: FP8 (e4m3) bits are read by the forward alone, "
+                f"attention(q, k, v, qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=) "
+                f"(dense calls on sm_90), and by attention_with_kvcache(..., "
+                f"kv_cache_dtype='e4m3') for a cache; the backward, the packed and varlen forms "
+                f"take float16, bfloat16 or float32, and uint8 is read no other way. Dequantise "
+                f"first: cuflash2.fp8.dequantize_e4m3({name}, descale).astype(ml_dtypes.bfloat16)")
         raise TypeError(
             f"{name} must be float16, bfloat16 (ml_dtypes.bfloat16) or float32; got {dtype}. "
             f"Cast explicitly, e.g. {name}.astype(cupy.float32)")
@@ -134,14 +142,57 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
-def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> AttentionProblem:
-    """Checks q, k, v (and `out`) of `cuflash2.attention`; returns the problem sizes."""
+def numpy_dtype(name: str) -> numpy.dtype:
+    """The numpy dtype of a dtype name ("float16", "bfloat16", "float32")."""
+    return _NAMED_DTYPES[name]
+
+
+def _check_e4m3_dtypes(q, k, v, qkv_dtype, out_dtype) -> tuple[str, str]:
+    """(the kernels' element, out's dtype name) of an FP8 call (`qkv_dtype` given): q, k and v
+    of one e4m3 dtype (uint8 bits or float8_e4m3fn), out_dtype float16 or bfloat16 (None:
+    bfloat16, as FlashAttention-3)."""
+    if qkv_dtype not in QKV_FORMATS:
+        raise ValueError(f"qkv_dtype must be None (q, k and v hold their own dtype's values) or "
+                         f"one of {list(QKV_FORMATS)} (FP8 bits in uint8 arrays); got "
+                         f"{qkv_dtype!r}")
+    dtypes = {name: numpy.dtype(x.dtype) for name, x in (("q", q), ("k", k), ("v", v))}
+    for name, dtype in dtypes.items():
+        if dtype not in fp8.E4M3_DTYPES:
+            raise TypeError(f"qkv_dtype={qkv_dtype!r} needs q, k and v of uint8 (e4m3 bits) or "
+                            f"float8_e4m3fn; got {name} {dtype}")
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"q, k and v must have the same dtype; got q {dtypes['q']}, k "
+                        f"{dtypes['k']}, v {dtypes['v']}")
+    out_name = "bfloat16" if out_dtype is None else _DTYPE_NAMES.get(_as_dtype(out_dtype))
+    if out_name not in _configs.E4M3_ELEMENTS:
+        raise TypeError(f"out_dtype of FP8 (e4m3) inputs must be float16 or bfloat16 "
+                        f"(ml_dtypes.bfloat16; None: bfloat16); got {out_dtype!r}")
+    return _configs.E4M3_ELEMENTS[out_name], out_name
+
+
+def _as_dtype(dtype):
+    try:
+        return numpy.dtype(dtype)
+    except TypeError:
+        return None
+
+
+def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None, qkv_dtype=None,
+                           out_dtype=None) -> AttentionProblem:
+    """Checks q, k, v (and `out`) of `cuflash2.attention`; returns the problem sizes.
+    `qkv_dtype` ("e4m3"): q, k and v hold FP8 bits, out is `out_dtype` (None: bfloat16)."""
     ndim = _check_ndim("q", q, None)
     _check_ndim("k", k, ndim)
     _check_ndim("v", v, ndim)
-    dtype = _check_dtype("q", q, None)
-    _check_dtype("k", k, dtype)
-    _check_dtype("v", v, dtype)
+    if qkv_dtype is not None:
+        dtype, out_name = _check_e4m3_dtypes(q, k, v, qkv_dtype, out_dtype)
+    else:
+        if out_dtype is not None:
+            raise ValueError(f"out_dtype is for FP8 inputs (qkv_dtype='e4m3'); out takes q's "
+                             f"dtype here (leave it None); got {out_dtype!r}")
+        dtype = out_name = _check_dtype("q", q, None)
+        _check_dtype("k", k, dtype)
+        _check_dtype("v", v, dtype)
 
     batched = ndim == 4
     q_shape = tuple(q.shape) if batched else (1, *q.shape)
@@ -178,8 +229,11 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None) -> Attentio
     scale = check_softmax_scale(softmax_scale, head_dim)
 
     if out is not None:
+        if qkv_dtype is not None and _DTYPE_NAMES.get(out.dtype) != out_name:
+            raise TypeError(f"out must be {out_name} (out_dtype of FP8 inputs; None: bfloat16); "
+                            f"got {out.dtype}")
         _check_like("out", out, "q" if head_dim_v == head_dim else "q with v's head dim",
-                    output_shape(q.shape, head_dim_v), dtype)
+                    output_shape(q.shape, head_dim_v), out_name)
 
     return AttentionProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype,
                             batched, scale, head_dim_v)

@@ -11,7 +11,7 @@ import contextlib
 import os
 
 from . import (_attention_plans, _bias, _configs, _dispatch, _kvcache, _launch, _merge, _params,
-               _plans, _prepare, _validate)
+               _plans, _prepare, _validate, fp8)
 from ._options import AttentionOptions
 from ._plans import value_key
 from ._prepare import device_arch  # noqa: F401  (part of the module's interface for tools)
@@ -42,7 +42,8 @@ def _cupy_module():
 
 #: The struct fields of the arguments not named like their field.
 _FIELDS = {"alibi_slopes": "mods.alibi_slopes", "sinks": "mods.sinks",
-           "cu_seqlens_q": "varlen.cu_seqlens_q", "cu_seqlens_k": "varlen.cu_seqlens_k"}
+           "cu_seqlens_q": "varlen.cu_seqlens_q", "cu_seqlens_k": "varlen.cu_seqlens_k",
+           **fp8.FORWARD_DESCALES}
 
 
 class _Layout:
@@ -70,6 +71,8 @@ class _Layout:
 
 
 _ATTENTION = _Layout("q", "k", "v", "out", "alibi_slopes", "sinks")
+#: attention with FP8 inputs: their descale factors after the others.
+_FP8_ATTENTION = _Layout(*_ATTENTION.names, *fp8.FORWARD_DESCALES)
 _QKVPACKED = _Layout("qkv", "out", "alibi_slopes", "sinks", qkv=("q", "k", "v"))
 _KVPACKED = _Layout("q", "kv", "out", "alibi_slopes", "sinks", kv=("k", "v"))
 _VARLEN = _Layout(*_ATTENTION.names, "cu_seqlens_q", "cu_seqlens_k")
@@ -118,7 +121,7 @@ def _forward_key(kind, cupy, arrays, options, extra=()):
     o = options  # its scalar options with their types (seed and offset: per call)
     key += (cupy.cuda.runtime.getDevice(), type(o.causal), o.causal, type(o.softmax_scale),
             o.softmax_scale, type(o.softcap), o.softcap, type(o.dropout_p), o.dropout_p,
-            o.precision, *extra)
+            o.precision, o.qkv_dtype, o.out_dtype, *extra)
     return tuple(key)
 
 
@@ -134,7 +137,10 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
     varlen = None
     if varlen_args is None:
         problem = _validate.check_attention_inputs(q, k, v, softmax_scale=options.softmax_scale,
-                                                   out=out)
+                                                   out=out, qkv_dtype=options.qkv_dtype,
+                                                   out_dtype=options.out_dtype)
+        fp8.check_forward_descales({n: names.get(n) for n in fp8.FORWARD_DESCALES},
+                                   options.qkv_dtype, problem.batch, problem.nheads_kv)
         lse_shape = ((problem.batch,) if problem.batched else ()) + (problem.nheads,
                                                                      problem.seqlen_q)
     else:
@@ -287,7 +293,8 @@ def _forward_result(plan, inputs, options, out, return_lse, cupy):
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
               return_lse=False, out=None, mask_mod=None, score_mod=None, block_mask=None,
-              bias=None, precision=None):
+              bias=None, precision=None, qkv_dtype=None, q_descale=None, k_descale=None,
+              v_descale=None, out_dtype=None):
     """Exact attention softmax(q k^T * scale) v with FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim), or
@@ -339,21 +346,67 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     bits; faster). Float32 calls take every option above but the programmable modifiers, the
     bias and block masks; attention_backward takes the same precision. 16-bit calls take
     precision=None.
+
+    FP8 inputs (docs/FP8_FORWARD.md; sm_90, the Hopper forward): `qkv_dtype="e4m3"` reads q, k
+    and v as e4m3 bits, uint8 arrays (or ml_dtypes.float8_e4m3fn ones where CuPy holds them;
+    cuflash2.fp8.quantize_e4m3 makes them). `q_descale`, `k_descale`, `v_descale` (None: 1):
+    float32 CuPy arrays (batch, nheads_kv) or () / (1,), the value of an element being
+    e4m3 * descale (FlashAttention-3's convention: a query head takes its KV head's factor).
+    `out_dtype`: float16 or bfloat16 (None: bfloat16); lse is that of the dequantised scores.
+    Head dims 64, 128 and 256 (v's the same), causal masks, windows, GQA; no backward, softcap,
+    ALiBi, sinks, dropout, bias or programmable modifiers (NotImplementedError naming them).
+    The probabilities are rounded to e4m3 before P V, as FlashAttention-3's: the error is that
+    of cuflash2.reference.attention(..., compute_dtype="e4m3").
     """
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset, precision=precision)
+                               dropout_p, seed, offset, precision=precision,
+                               qkv_dtype=qkv_dtype, out_dtype=out_dtype)
     cupy = _cupy or _cupy_module()
     plan, inputs = _attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask,
-                                   bias)
+                                   bias, (q_descale, k_descale, v_descale))
     return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
-def _attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask, bias):
-    """(plan, inputs) of an `attention` call (forward_kernels' too)."""
+def _attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask, bias,
+                    descales=(None, None, None)):
+    """(plan, inputs) of an `attention` call (forward_kernels' too); `descales`: q_descale,
+    k_descale, v_descale (FP8 inputs)."""
+    if options.qkv_dtype is not None or any(d is not None for d in descales):
+        return _fp8_attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod,
+                                   block_mask, bias, descales)
     return _modified_forward_plan("attention", _ATTENTION, cupy,
                                   (q, k, v, out, options.alibi_slopes, options.sinks),
                                   lambda: (q, k, v), options, mask_mod, score_mod, block_mask,
                                   bias)
+
+
+def _fp8_attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_mask, bias,
+                        descales):
+    """(plan, inputs) of an `attention` call with FP8 arguments: the descale factors after the
+    other arrays (_FP8_ATTENTION), a factor not given a device array of 1 (one per device,
+    _unit_descale) where qkv_dtype is; descales without qkv_dtype are refused by the check."""
+    for name, given in (("mask_mod", mask_mod), ("score_mod", score_mod),
+                        ("block_mask", block_mask), ("bias", bias)):
+        if given is not None and options.qkv_dtype is not None:
+            raise NotImplementedError(f"{name}: not with FP8 (e4m3) inputs (causal masks and "
+                                      f"windows are)")
+    if options.qkv_dtype is not None and cupy is not None:
+        descales = tuple(_unit_descale(cupy) if d is None else d for d in descales)
+    inputs = (q, k, v, out, options.alibi_slopes, options.sinks, *descales)
+    return _forward_plan("attention", _FP8_ATTENTION, cupy, inputs, options)[0], inputs
+
+
+_unit_descales: dict = {}
+
+
+def _unit_descale(cupy):
+    """A float32 1 of shape (1,) on the current device: the factor of an FP8 call's array whose
+    descale is not given (the kernel reads every factor)."""
+    device = cupy.cuda.runtime.getDevice()
+    unit = _unit_descales.get(device)
+    if unit is None:
+        unit = _unit_descales[device] = cupy.ones((1,), cupy.float32)
+    return unit
 
 
 def _modified_forward_plan(kind, layout, cupy, inputs, qkv, options, mask_mod, score_mod,
@@ -375,15 +428,17 @@ def _modified_forward_plan(kind, layout, cupy, inputs, qkv, options, mask_mod, s
 def forward_kernels(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None,
                     offset=0, out=None, mask_mod=None, score_mod=None, block_mask=None,
-                    bias=None, precision=None) -> list[str]:
+                    bias=None, precision=None, qkv_dtype=None, q_descale=None, k_descale=None,
+                    v_descale=None, out_dtype=None) -> list[str]:
     """The kernels `attention(q, k, v, ...)` with these arguments runs on the current device,
     in words: on an H100/H200 the Hopper forward (wgmma, TMA, warp specialisation) where it
     covers the call, the mma.sync forward otherwise. The call is checked and planned (the
     kernels compiled), nothing is launched."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset, precision=precision)
+                               dropout_p, seed, offset, precision=precision,
+                               qkv_dtype=qkv_dtype, out_dtype=out_dtype)
     return _kernels(_attention_plan(_cupy_module(), q, k, v, out, options, mask_mod, score_mod,
-                                    block_mask, bias)[0])
+                                    block_mask, bias, (q_descale, k_descale, v_descale))[0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
     pre.add_argument("--dtype", nargs="+", choices=tuple(precompile.DTYPES),
                      default=["fp16", "bf16"],
                      help="input dtypes (default: fp16 bf16; fp32 is float32 at precision "
-                          "highest, tf32 float32 at precision tf32)")
+                          "highest, tf32 float32 at precision tf32; e4m3 FP8 inputs with a "
+                          "bf16 output, e4m3-fp16 with an fp16 one: the Hopper forward)")
     pre.add_argument("--headdim", nargs="+", type=_positive_int,
                      default=list(precompile.DEFAULT_HEAD_DIMS),
                      help="head dims of your calls (default: "

@@ -172,7 +172,7 @@ def descale_shape_error(name, descale, batch, nheads_kv):
                 else type(descale).__name__)
         return (f"{name} must be a float32 array of shape (batch, nheads_kv) = ({batch}, "
                 f"{nheads_kv}) (a factor per sequence and KV head, as FlashAttention-3's), or () "
-                f"/ (1,) (one for the whole cache); got {what}")
+                f"/ (1,) (one for the whole array); got {what}")
     return None
 
 
@@ -205,3 +205,27 @@ def descale_values(name, descale, batch, nheads_kv, xp):
     values = xp.asarray(descale).astype(numpy.float64)
     return xp.broadcast_to(values.reshape(-1)[0] if values.ndim < 2 else values,
                            (batch, nheads_kv))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention's FP8 inputs (the FP8 forward, docs/FP8_FORWARD.md)
+
+#: The descale arguments of an FP8 attention call by the view name its plan reads them under.
+FORWARD_DESCALES = {"q_descale": "descales.q", "k_descale": "descales.k",
+                    "v_descale": "descales.v"}
+
+
+def check_forward_descales(descales: dict, qkv_dtype, batch: int, nheads_kv: int) -> None:
+    """The descale arguments of an attention call (`descales`: argument name -> array or
+    None): only with FP8 inputs (`qkv_dtype` given), each a float32 array of shape (), (1,) or
+    (batch, nheads_kv) (descale_shape_error)."""
+    for name, descale in descales.items():
+        if descale is None:
+            continue
+        if qkv_dtype is None:
+            raise ValueError(f"{name} is for FP8 inputs (qkv_dtype='e4m3'); leave it None for "
+                             f"q, k and v of 16-bit or float32 values")
+        error = descale_shape_error(name, descale, batch, nheads_kv)
+        if error:
+            raise ValueError(error)
+

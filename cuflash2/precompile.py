@@ -29,8 +29,10 @@ FEATURE_NAMES = {"none": 0, "softcap": _configs.FEATURE_SOFTCAP,
 DECODE_ONLY_FEATURES = _configs.FEATURE_ROTARY | _configs.FEATURE_LEFTPAD
 DIRECTIONS = ("fwd", "bwd", "decode")
 #: --dtype names -> the kernels' elements: fp32 is float32 inputs at precision "highest", tf32
-#: at "tf32".
-DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "tf32": "tf32"}
+#: at "tf32"; e4m3 FP8 inputs (the Hopper forward alone) with a bfloat16 output, e4m3-fp16 with a
+#: float16 one.
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "tf32": "tf32",
+          "e4m3": "e4m3_bf16", "e4m3-fp16": "e4m3_fp16"}
 #: The defaults: the head dims of most models, plain attention, both training directions.
 DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_FEATURES = ("none",)
@@ -101,6 +103,14 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
                                                                              (element,))
                             if getattr(c, "head_dim", None) in f32_dims
                             or (f32_dims and isinstance(c, _configs.AuxKernel))]
+            # The FP8 forward (e4m3 inputs; plain calls: it takes no feature bit) and its
+            # operand pass.
+            e4m3 = tuple(t for t in _configs.E4M3_TAGS if t in dtypes)
+            e4m3_dims = {h for h in head_dims if h in _dispatch.E4M3_SM90_FWD_TILES}
+            if e4m3 and e4m3_dims and 0 in features:
+                configs += [c for c in _dispatch.e4m3_hopper_forward_configs(e4m3)
+                            if getattr(c, "head_dim", None) in e4m3_dims
+                            or isinstance(c, _configs.AuxKernel)]
     if "bwd" in directions:
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))

@@ -27,7 +27,7 @@ import math
 import ml_dtypes
 import numpy
 
-from cuflash2 import _validate, reference
+from cuflash2 import _validate, fp8, reference
 from cuflash2.reference import _array_module
 
 __all__ = [
@@ -176,10 +176,18 @@ def _tf32_products(dtype, precision) -> bool:
     return numpy.dtype(dtype) == numpy.float32 and _validate.PRECISIONS.get(precision) == "tf32"
 
 
-def _references(q, precision):
+def _references(q, precision, qkv_dtype=None):
     """(ref_hi's, ref_lo's compute_dtype) of the rule for inputs like q: float32 and q's dtype
     for 16-bit inputs; for float32 inputs float64 and, at `precision`, float32 ("highest",
-    None) or the TF32 roundings ("tf32", "high": reference compute_dtype "tf32")."""
+    None) or the TF32 roundings ("tf32", "high": reference compute_dtype "tf32"); for FP8
+    inputs (`qkv_dtype` "e4m3") float64 and the e4m3 roundings of the FP8 forward
+    (docs/FP8_FORWARD.md, "Accuracy"). FP8 bits without qkv_dtype are refused: a uint8 q would
+    otherwise be read as integers."""
+    if qkv_dtype is not None:
+        return numpy.float64, qkv_dtype
+    if numpy.dtype(q.dtype) in fp8.E4M3_DTYPES:
+        raise TypeError(f"q is {numpy.dtype(q.dtype)}: FP8 inputs are checked with "
+                        f"qkv_dtype='e4m3' (and their descale factors)")
     if numpy.dtype(q.dtype) != numpy.float32:
         return numpy.float32, q.dtype
     return numpy.float64, ("tf32" if _tf32_products(q.dtype, precision) else numpy.float32)
@@ -194,11 +202,12 @@ def check_forward(q, k, v, out, lse=None, *, atol=None, precision=None, **option
     is ignored here). With sinks the reference's lse counts the
     sink, and a row that sees no key has lse = sink (finite).
     Returns a list of CheckResult: "out", then "lse" when lse is not None. `precision`: that
-    of float32 inputs (_references).
+    of float32 inputs (_references). FP8 inputs: qkv_dtype="e4m3" with their q_descale,
+    k_descale, v_descale and out_dtype among the options (host arrays or CuPy ones).
     """
     # bias_requires_grad is a backward option: dropped, so one options dict serves both checks.
     options = {name: value for name, value in options.items() if name != "bias_requires_grad"}
-    hi, lo = _references(q, precision)
+    hi, lo = _references(q, precision, options.get("qkv_dtype"))
     ref_hi, ref_lse = reference.attention(q, k, v, return_lse=True, compute_dtype=hi, **options)
     ref_lo = reference.attention(q, k, v, compute_dtype=lo, **options)
     results = [check_close("out", out, ref_hi, ref_lo, atol)]

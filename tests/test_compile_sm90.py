@@ -224,6 +224,41 @@ def test_tf32_hopper_forward_compiles_without_spills(config, reports):
     test_hopper_forward_compiles_without_spills(config, reports)
 
 
+#: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES) and each
+#: one's operand pass: d=128 with a bfloat16 output and its pass by default, the rest under
+#: --exhaustive.
+E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs()
+
+
+def _e4m3_sampled(c) -> bool:
+    return c.dtype == "e4m3_bf16" and getattr(c, "head_dim", 128) == 128
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(c, id=_tf32_id(c), marks=() if _e4m3_sampled(c) else pytest.mark.exhaustive)
+    for c in E4M3_CONFIGS])
+def test_e4m3_hopper_forward_compiles_without_spills(config, reports):
+    """The same checks as every other specialisation, and the operand pass without spills."""
+    if isinstance(config, _configs.AuxKernel):
+        report = reports(config)
+        assert report.cubin_bytes > 0 and report.spill_stores == 0, report.log
+        return
+    assert config.keys_last_v and config.pingpong and not config.persistent
+    test_hopper_forward_compiles_without_spills(config, reports)
+
+
+def test_e4m3_forward_configs():
+    """Every element (a bfloat16 and a float16 output) at every head dim of its tiles, with its
+    operand pass; V keys-last in whole 128-key panels, O staged in a Q region of O's bytes."""
+    forwards = [c for c in E4M3_CONFIGS if isinstance(c, _configs.FwdSm90Config)]
+    assert {(c.dtype, c.head_dim) for c in forwards} == {
+        (e, d) for e in _configs.E4M3_TAGS for d in _dispatch.E4M3_SM90_FWD_TILES}
+    assert sum(isinstance(c, _configs.AuxKernel) for c in E4M3_CONFIGS) == 2
+    for c in forwards:
+        assert c.block_n % 128 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
+        assert c.smem_bytes <= MAX_SMEM_SM90
+
+
 def test_hopper_sinks_configs():
     """The dispatcher's sinks specialisations: those without sinks, the bit added (dense and
     varlen, every dtype, head dim and score-modifier set); the sample's 8 at SAMPLE_HEAD_DIM."""
@@ -619,8 +654,8 @@ extern "C" __global__ void __launch_bounds__(128) e4m3_probe(float* out, const f
     u32 p[4];
     pack_probabilities_e4m3(p, s);
     wgmma_fence();
-    wgmma_ss_e4m3<128>(acc, desc_a, desc_b, 0);
-    wgmma_rs_e4m3<128>(acc, p, desc_b, 1);
+    wgmma_ss<e4m3_tag<bf16_tag>, 128>(acc, desc_a, desc_b, 0);
+    wgmma_rs_kmajor<e4m3_tag<bf16_tag>, 128>(acc, p, desc_b, 1);
     wgmma_commit_group();
     wgmma_wait_group<0>();
 #pragma unroll

@@ -10,6 +10,7 @@
 #include "kernel_params.cuh"
 #include "output_store.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
+#include "sm90/fwd_descales.cuh"
 
 // Rows row0 .. row0 + ROWS - 1 of a work tile whose rows see no key: O = 0 and lse = +inf (the
 // log of an empty sum; the sink with sinks: AttentionVariant::empty_row_lse), written by THREADS
@@ -28,9 +29,11 @@ CF2_DEVICE void store_empty_tile_rows(const FwdParams& p, const FwdTileContext& 
 // 64 consumer .. + 63 of it): acc_o and softmax as the mainloop (consume_kv_tiles) left them;
 // inv_sum and row_lse take what finalize gives this thread's two rows (registers of the
 // mainloop's, see there). head_chunks: the 16-byte chunks actually present in an O row.
-// o_smem: the O buffer (the Q buffer, or PERSISTENT's own).
+// o_smem: the O buffer (the Q buffer, or PERSISTENT's own). `descales`: e4m3 inputs' factors
+// (S in units of q_descale * k_descale, P V of v_descale: sm90/fwd_descales.cuh).
 template <typename Elem, class T, bool PERSISTENT, bool VARLEN>
 CF2_DEVICE void store_tile(const FwdParams& p, const FwdTileContext& c,
+                           const TileDescales& descales,
                            float (&acc_o)[1][T::D_TILES][4], OnlineSoftmax<1>& softmax,
                            float (&inv_sum)[2], float (&row_lse)[2], int head_chunks,
                            int consumer, u32 o_smem) {
@@ -46,7 +49,11 @@ CF2_DEVICE void store_tile(const FwdParams& p, const FwdTileContext& c,
     // own (the next work tile's Q may be landing in Q's), reused tile after tile.
     u16* o_block = c.o_block;
     float* lse_block = c.lse_block;
-    softmax.finalize(p.softmax_scale, inv_sum, row_lse);
+    softmax.finalize(Elem::IS_E4M3 ? p.softmax_scale * descales.qk : p.softmax_scale, inv_sum,
+                     row_lse);
+    if constexpr (Elem::IS_E4M3)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) inv_sum[half] *= descales.v;
     if constexpr (PERSISTENT)
         // Every warp of the warpgroup has read the previous work tile's O out of the buffer.
         named_barrier_sync(T::EPILOGUE_BARRIER + consumer, T::WARPGROUP_THREADS);
@@ -65,8 +72,9 @@ CF2_DEVICE void store_tile(const FwdParams& p, const FwdTileContext& c,
                                 acc_o[0][dt][2 * half] * inv_sum[half],
                                 acc_o[0][dt][2 * half + 1] * inv_sum[half]);
             } else {
-                const u32 packed = pack_pair<Elem>(acc_o[0][dt][2 * half] * inv_sum[half],
-                                                   acc_o[0][dt][2 * half + 1] * inv_sum[half]);
+                const u32 packed =
+                    pack_pair<typename Elem::Out>(acc_o[0][dt][2 * half] * inv_sum[half],
+                                                  acc_o[0][dt][2 * half + 1] * inv_sum[half]);
                 store_4B_shared(
                     swizzled_chunk<T::Q_PANEL_BYTES>(o_smem, row, dt) + 4 * (lane % 4), packed);
             }

@@ -13,6 +13,7 @@
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
 #include "sm90/bias_tile.cuh"
+#include "sm90/fwd_descales.cuh"
 
 // S = Q K^T for this warpgroup's 64 rows over the head dim (hopper_primitives.cuh's K-major
 // product: Q's rows and K's tile in 128-byte-swizzled panels). Issues the wgmmas only.
@@ -51,10 +52,11 @@ CF2_DEVICE ScoreTile<N_TILES / 2>& left_half(ScoreTile<N_TILES>& s) {
 // panel), which CUTLASS's layout atoms would not express (it would pick the 64-byte swizzle for
 // an N of 96); the hardware walks 8 x 8 core matrices, so this is expected to work, and the first
 // d=96 run checks it. Issues the wgmmas only.
-// Float32 (T::KEYS_LAST_V): V's tile holds its keys innermost, 32-key panels of HEAD_DIM rows,
-// the K-major B operand of TF32 wgmmas (which have no transposed B); the k8 step ks (keys
-// 8 ks ..) lies in panel ks / 4, 32 * (ks % 4) bytes into its 128-byte rows, as a K-major step
-// of Q K^T does (issue_kmajor_ss).
+// Float32 and e4m3 (T::KEYS_LAST_V): V's tile holds its keys innermost, panels of 128-byte rows
+// (32 float32 keys, 128 e4m3 keys) by HEAD_DIM_V rows, the K-major B operand of TF32 and e4m3
+// wgmmas (which have no transposed B); the step ks (32 bytes of keys: k8 float32, k32 e4m3)
+// lies in panel ks / 4, 32 * (ks % 4) bytes into its 128-byte rows, as a K-major step of
+// Q K^T does (issue_kmajor_ss).
 // SPLIT (3xTF32): p[PV_STEPS + ks] holds P's small part; three products a step, the small ones
 // first: Ps Vb, Pb Vs (V's small part SMALL_OFFSET after its big part), Pb Vb.
 template <typename Elem, class T>
@@ -67,13 +69,13 @@ CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::P_FRAGS][4],
             const u64 b_small = smem_matrix_descriptor(
                 v_tile + T::SMALL_OFFSET + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16,
                 1024);
-            wgmma_rs_tf32<T::DIM_V>(acc_o, p[T::PV_STEPS + ks], b, 1);
-            wgmma_rs_tf32<T::DIM_V>(acc_o, p[ks], b_small, 1);
-            wgmma_rs_tf32<T::DIM_V>(acc_o, p[ks], b, 1);
+            wgmma_rs_kmajor<Elem, T::DIM_V>(acc_o, p[T::PV_STEPS + ks], b, 1);
+            wgmma_rs_kmajor<Elem, T::DIM_V>(acc_o, p[ks], b_small, 1);
+            wgmma_rs_kmajor<Elem, T::DIM_V>(acc_o, p[ks], b, 1);
         } else if constexpr (T::KEYS_LAST_V) {
             const u64 b = smem_matrix_descriptor(
                 v_tile + (ks / 4) * T::VT_PANEL_BYTES + 32 * (ks % 4), 16, 1024);
-            wgmma_rs_tf32<T::DIM_V>(acc_o, p[ks], b, 1);
+            wgmma_rs_kmajor<Elem, T::DIM_V>(acc_o, p[ks], b, 1);
         } else {
             const u64 b = smem_matrix_descriptor(v_tile + 16 * 128 * ks, T::KV_PANEL_BYTES, 1024);
             wgmma_rs_trans_b<Elem, T::DIM_V>(acc_o, p[ks], b, 1);
@@ -82,6 +84,9 @@ CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::P_FRAGS][4],
 }
 
 // The probabilities in the S registers (after exp_scores) as the A operand of P V, step by step.
+// e4m3: k32 steps of four n8 tiles, rounded to e4m3 (the unnormalised probabilities lie in
+// [0, 256], the lazy rescale's bound (online_softmax.cuh), inside e4m3's 448), in the order the
+// keys-last V holds its keys (pack_probabilities_e4m3, hopper_primitives.cuh).
 // 16-bit: k16 slices packed in pairs (OnlineSoftmax::pack_p). TF32: k8 steps, one n8 tile of the
 // accumulator each, rounded (cvt.rna, as every operand of the float32 kernels); the tile holds
 // keys 2t and 2t + 1 of row g (and g + 8) where the TF32 A fragment has columns t and t + 4, and
@@ -105,6 +110,9 @@ CF2_DEVICE void pack_probabilities(u32 (&p)[T::P_FRAGS][4], const float (&s)[T::
             p[ks][1] = to_tf32(s[ks][2]);  // row g + 8, key 2t
             p[ks][2] = to_tf32(s[ks][1]);  // row g,     key 2t + 1 (column t + 4)
             p[ks][3] = to_tf32(s[ks][3]);  // row g + 8, key 2t + 1
+        } else if constexpr (Elem::IS_E4M3) {
+            // the k32 step's four n8 tiles, in the keys-last V's order of 32 keys
+            pack_probabilities_e4m3(p[ks], reinterpret_cast<const float(&)[4][4]>(s[4 * ks]));
         } else {
             OnlineSoftmax<1>::template pack_p<Elem>(p[ks], s[2 * ks], s[2 * ks + 1]);
         }
@@ -296,7 +304,8 @@ template <typename Elem, class T, bool PINGPONG, bool OVERLAP, int FEATURES, boo
           class Epilogue, class User = NoUserInputs, class Narrow = NoNarrow,
           class Bias = NoBiasTile>
 CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
-                                 const FwdTileContext& c, int ring0, int q_round, int consumer,
+                                 const FwdTileContext& c, const TileDescales& descales,
+                                 int ring0, int q_round, int consumer,
                                  u32 q_smem, u32 kv_smem,
                                  FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
                                  Epilogue&& epilogue, const User& user = User{},
@@ -312,6 +321,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     const int wg_row0 = T::ROWS_PER_WARPGROUP * consumer;  // in the tile
     // This warpgroup's rows in every panel of Q (A operand of S = Q K^T).
     const u32 q_rows = q_smem + wg_row0 * T::ROW_BYTES;
+    // The scale of exp2: e4m3 scores are in units of q_descale * k_descale (fwd_descales.cuh).
+    const float scale_log2 = Elem::IS_E4M3 ? p.scale_log2 * descales.qk : p.scale_log2;
 
     // The unnormalised output, as one m16 tile a warp (the layout online_softmax.cuh takes).
     float acc_o[1][T::D_TILES][4];
@@ -383,15 +394,15 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::P_FRAGS][4],
                             int tile) {
         score_step(acc_s, tile);
-        softmax.update_max(acc_s, acc_o, p.scale_log2);
-        if constexpr (Elem::IS_F32) {
-            softmax.exp_scores(acc_s, p.scale_log2);
+        softmax.update_max(acc_s, acc_o, scale_log2);
+        if constexpr (T::KEYS_LAST_V) {  // float32, e4m3: packed in the keys-last V's order
+            softmax.exp_scores(acc_s, scale_log2);
             pack_probabilities<Elem, T>(p_frag, acc_s[0]);
         } else {
 #pragma unroll
             for (int ks = 0; ks < T::PV_STEPS; ++ks)
                 softmax.template exp_pack<Elem>(p_frag[ks], acc_s[0][2 * ks],
-                                                acc_s[0][2 * ks + 1], 0, p.scale_log2);
+                                                acc_s[0][2 * ks + 1], 0, scale_log2);
         }
     };
 
@@ -466,8 +477,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         auto first_softmax = [&](auto& s) {
             score_step(s, tile_end - 1, bias_tile_of(0));
             bias.release(ring_of(0));
-            softmax.fold_max(s, p.scale_log2, correction);  // O is 0: no rescale
-            softmax.exp_scores(s, p.scale_log2);
+            softmax.fold_max(s, scale_log2, correction);  // O is 0: no rescale
+            softmax.exp_scores(s, scale_log2);
         };
         if constexpr (HALF_TILES) {
             if (half_tile) {
@@ -507,8 +518,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             bias.wait(ring_of(j));
             score_step(acc_s, tile_end - 1 - j, bias_tile_of(j));
             bias.release(ring_of(j));
-            rescale = softmax.fold_max(acc_s, p.scale_log2, correction);
-            softmax.exp_scores(acc_s, p.scale_log2);
+            rescale = softmax.fold_max(acc_s, scale_log2, correction);
+            softmax.exp_scores(acc_s, scale_log2);
         }
         // The last P V, after the rescale for the last tile's max.
         finish_pv_pack(tiles - 1);

@@ -81,8 +81,9 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
         mbarrier_arrive_expect_tx(v_full, T::PARTS * T::V_TILE_BYTES);
         if constexpr (T::KEYS_LAST_V) {
-            // V with its keys innermost (flash_fwd_tf32_operands.cu), mapped as (key, head-dim
-            // row, kv head, batch): 32-key panels of every head-dim row.
+            // V with its keys innermost (flash_fwd_tf32_operands.cu, flash_fwd_e4m3_operands.cu),
+            // mapped as (key, head-dim row, kv head, batch): panels of 128 bytes of keys (32
+            // float32, 128 e4m3) of every head-dim row.
 #pragma unroll
             for (int panel = 0; panel < T::VT_PANELS; ++panel)
                 tma_load_4d(v_tile + panel * T::VT_PANEL_BYTES, params.v_map, v_full,

@@ -25,12 +25,17 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int EPILOGUE_BARRIER = 1;
     static constexpr int TURN_BARRIER = EPILOGUE_BARRIER + CONSUMER_WARPGROUPS;
 
-    // Float32 elements (Elem::IS_F32: tf32_tag, TF32 wgmma) take two 16-bit words: a Q or K row
-    // of HEAD_DIM floats is ROW_WORDS words, laid out as a 16-bit row twice as long (panels of 32
-    // floats), and V comes with its keys innermost (KEYS_LAST_V; flash_fwd_tf32_operands.cu).
-    static constexpr int WORDS = Elem::WORDS;
-    static constexpr int ROW_WORDS = HEAD_DIM * WORDS;
-    static constexpr bool KEYS_LAST_V = Elem::IS_F32;
+    // Elements are counted in bytes (Elem::BYTES): 2 for fp16 / bf16, 4 for float32 (tf32_tag,
+    // f32x3_tag: TF32 wgmma), 1 for e4m3 (e4m3_tag: the FP8 forward). A Q or K row of HEAD_DIM
+    // elements is ROW_WORDS 16-bit words, laid out as a 16-bit row of that length (panels of
+    // 128 bytes: 64 16-bit elements, 32 float32, 128 e4m3). Float32 and e4m3 wgmmas take K-major
+    // operands only, so V comes with its keys innermost (KEYS_LAST_V; written by an operand pass
+    // before the kernel: flash_fwd_tf32_operands.cu, flash_fwd_e4m3_operands.cu).
+    static constexpr int BYTES = Elem::BYTES;
+    static constexpr int ROW_WORDS = HEAD_DIM * BYTES / 2;
+    static constexpr bool KEYS_LAST_V = Elem::IS_F32 || Elem::IS_E4M3;
+    // O's element: Elem's own, or for e4m3 inputs the 16-bit Elem::Out.
+    static constexpr int OUT_BYTES = Elem::Out::BYTES;
     // 3xTF32 (Elem::SPLIT: f32x3_tag, precision "highest"): every operand in two TF32 parts, big
     // and small. Q's region holds two Q buffers (the TMA lands Q in the first; its consumers
     // split it, big in place, small in the second), a stage holds K big, K small, V big, V small
@@ -50,23 +55,32 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // k-steps and P V has N = HEAD_DIM, so the zero columns are never multiplied.
     static constexpr int PANELS = (ROW_WORDS + PANEL_COLS - 1) / PANEL_COLS;
     // V's and O's rows: V_PANELS panels (PANELS but for a V head dim of its own).
-    static constexpr int V_ROW_WORDS = HEAD_DIM_V * WORDS;
+    static constexpr int V_ROW_WORDS = HEAD_DIM_V * BYTES / 2;
     static constexpr int V_PANELS = (V_ROW_WORDS + PANEL_COLS - 1) / PANEL_COLS;
-    static constexpr int PANEL_ELEMENTS = PANEL_COLS / WORDS;  // a TMA box's columns
+    // O's rows (OUT_BYTES an element): O_PANELS panels of O_CHUNKS 16-byte chunks.
+    static constexpr int O_ROW_WORDS = HEAD_DIM_V * OUT_BYTES / 2;
+    static constexpr int O_PANELS = (O_ROW_WORDS + PANEL_COLS - 1) / PANEL_COLS;
+    static constexpr int PANEL_ELEMENTS = ROW_BYTES / BYTES;  // a TMA box's columns
     static constexpr int Q_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int KV_PANEL_BYTES = BLOCK_N * ROW_BYTES;
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;  // a K tile
-    static constexpr int V_TILE_BYTES = V_PANELS * KV_PANEL_BYTES;
-    static constexpr int Q_REGION_BYTES = PARTS * Q_BYTES;  // Q (and with SPLIT its small part)
+    // KEYS_LAST_V: a V tile is BLOCK_N keys as VT_PANELS panels of 128-byte rows (32 float32
+    // keys, 128 e4m3 keys) by HEAD_DIM_V head-dim rows, the K-major B operand of P V.
+    static constexpr int VT_PANELS = BLOCK_N * BYTES / ROW_BYTES;
+    static constexpr int VT_PANEL_BYTES = HEAD_DIM_V * ROW_BYTES;
+    static constexpr int V_TILE_BYTES =
+        KEYS_LAST_V ? VT_PANELS * VT_PANEL_BYTES : V_PANELS * KV_PANEL_BYTES;
+    // O staged in Q's buffer (one-tile-per-CTA grid): O_PANELS panels of Q's rows, more than Q's
+    // own where O's element is wider than Q's (e4m3 inputs, a 16-bit O).
+    static constexpr int O_STAGE_BYTES = PERSISTENT ? 0 : O_PANELS * Q_PANEL_BYTES;
+    // Q (and with SPLIT its small part), or O where that is larger.
+    static constexpr int Q_REGION_BYTES =
+        PARTS * Q_BYTES > O_STAGE_BYTES ? PARTS * Q_BYTES : O_STAGE_BYTES;
     static constexpr int V_OFFSET = PARTS * KV_TILE_BYTES;  // V's tile(s) after K's in a stage
     static constexpr int SMALL_OFFSET = KV_TILE_BYTES;      // SPLIT: a small part after its big
     // The bias's tile after V's (and with SPLIT its small part) in a stage.
     static constexpr int BIAS_OFFSET = V_OFFSET + PARTS * V_TILE_BYTES;
-    // KEYS_LAST_V: a V tile is BLOCK_N keys as panels of 32 keys (128-byte rows) by HEAD_DIM
-    // head-dim rows, the K-major B operand of P V; the same bytes as a K tile.
-    static constexpr int VT_PANELS = BLOCK_N * WORDS / PANEL_COLS;
-    static constexpr int VT_PANEL_BYTES = HEAD_DIM * ROW_BYTES;
     static constexpr int BIAS_PANEL_BYTES = BLOCK_M * ROW_BYTES;
     static constexpr int BIAS_PANELS = BIAS ? BLOCK_N / PANEL_COLS : 0;
     static constexpr int BIAS_TILE_BYTES = BIAS_PANELS * BIAS_PANEL_BYTES;
@@ -75,8 +89,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int KV_STAGES = STAGES;
     // The persistent grid stages O in a buffer of its own, after the ring (Q's shape and layout),
     // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
-    // staged in the Q buffer (V_PANELS <= PANELS: an O row fits a Q row's panels).
-    static constexpr int O_BYTES = PERSISTENT ? V_PANELS * Q_PANEL_BYTES : 0;
+    // staged in the Q buffer (Q_REGION_BYTES holds its O_PANELS panels).
+    static constexpr int O_BYTES = PERSISTENT ? O_PANELS * Q_PANEL_BYTES : 0;
     static constexpr int SMEM_BYTES = Q_REGION_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
 
     static constexpr int DIM = HEAD_DIM;
@@ -84,11 +98,11 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int KEYS_PER_TILE = BLOCK_N;
     static constexpr int N_TILES = BLOCK_N / 8;    // n8 column groups of S (accumulator layout)
     static constexpr int D_TILES = HEAD_DIM_V / 8;  // n8 column groups of O
-    // k-steps of 32 bytes a row: k16 (16-bit) or k8 (TF32) wgmmas
+    // k-steps of 32 bytes a row: k16 (16-bit), k8 (TF32) or k32 (e4m3) wgmmas
     static constexpr int QK_STEPS = ROW_WORDS / 16;     // of Q K^T (over the head dim)
-    static constexpr int PV_STEPS = BLOCK_N * WORDS / 16;  // of P V (over the keys)
+    static constexpr int PV_STEPS = BLOCK_N * BYTES / 32;  // of P V (over the keys)
     static constexpr int P_FRAGS = PARTS * PV_STEPS;  // P's A fragments (SPLIT: big, small)
-    static constexpr int O_CHUNKS = V_ROW_WORDS / 8;    // 16-byte chunks of an O row
+    static constexpr int O_CHUNKS = O_ROW_WORDS / 8;    // 16-byte chunks of an O row
     // A warpgroup whose rows see only the left half of their first KV tile's keys (the diagonal
     // tile of a causal row block's upper half, a short sequence tail) runs the softmax of that
     // half alone (consume_kv_tiles in sm90/fwd_mainloop.cuh, the ping-pong + overlap schedule): whole k16 slices of P. Not
@@ -96,7 +110,7 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // (d=96 and 128 on the persistent grid).
     template <int FEATURES>
     static constexpr bool HALF_TILES =
-        BLOCK_N % 32 == 0 &&
+        BLOCK_N % 32 == 0 && BLOCK_N * BYTES % 64 == 0 &&  // whole P steps a half
         (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS_TILE)) == 0;
 
     // wgmma N (dense f16 / bf16) is a multiple of 8 up to 256; the k16 steps over the head dim
@@ -107,19 +121,19 @@ struct FwdSm90Traits : Sm90CtaLayout {
                   "k16 steps of Q K^T over HEAD_DIM, a panel count within the TMA's box");
     static_assert(HEAD_DIM_V % 16 == 0 && HEAD_DIM_V >= 16 && HEAD_DIM_V <= 256,
                   "wgmma N of P V (= HEAD_DIM_V): a multiple of 16 up to 256");
-    static_assert(V_PANELS <= PANELS, "O is staged in Q's buffer (rows of Q's panels)");
-    static_assert(!Elem::IS_F32 || HEAD_DIM_V == HEAD_DIM,
-                  "float32: one head dim (the operand pass's layouts)");
+    static_assert(HEAD_DIM_V <= HEAD_DIM, "V's head dim at most Q's");
+    static_assert(ROW_WORDS % 16 == 0, "whole 32-byte k-steps of Q K^T (e4m3: HEAD_DIM % 32)");
+    static_assert(!KEYS_LAST_V || HEAD_DIM_V == HEAD_DIM,
+                  "float32, e4m3: one head dim (the operand pass's layouts)");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256,
                   "wgmma N of Q K^T (= BLOCK_N): a multiple of 16 up to 256");
     static_assert(KV_PANEL_BYTES % 1024 == 0 && Q_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
     static_assert(ROWS_PER_WARPGROUP * O_CHUNKS % WARPGROUP_THREADS == 0,
                   "the epilogue's 16-byte chunks split evenly over a warpgroup");
-    static_assert(!KEYS_LAST_V || (BLOCK_N % 32 == 0 && VT_PANELS * VT_PANEL_BYTES == KV_TILE_BYTES
-                                   && VT_PANEL_BYTES % 1024 == 0),
-                  "keys-last V: whole 32-key panels, a K tile's bytes, whole swizzle atoms");
-    static_assert(!Elem::IS_F32 || (!PERSISTENT && !BIAS),
-                  "float32: the one-tile-per-CTA grid, no bias tiles");
+    static_assert(!KEYS_LAST_V || (BLOCK_N * BYTES % ROW_BYTES == 0 && VT_PANEL_BYTES % 1024 == 0),
+                  "keys-last V: whole panels of keys, whole swizzle atoms");
+    static_assert(!KEYS_LAST_V || (!PERSISTENT && !BIAS),
+                  "float32, e4m3: the one-tile-per-CTA grid, no bias tiles");
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
