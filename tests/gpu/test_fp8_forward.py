@@ -1,0 +1,215 @@
+"""GPU tests of the FP8 (e4m3) forward: cuflash2.attention(q, k, v, qkv_dtype="e4m3",
+q_descale=, k_descale=, v_descale=, out_dtype=) on the Hopper kernel (docs/FP8_FORWARD.md).
+
+q, k and v are uint8 arrays of e4m3 bits: fresh standard-normal draws per test (seeds from
+grids.seed_of) times a factor per (batch, KV head) in [0.5, 2] (or per tensor, or none),
+quantised with fp8.quantize_e4m3 so that the bits span e4m3's range (fp8_forward_checks.fp8_qkv).
+The rule is flash-attn's 2x rule (fp8_forward_checks.check_forward_fp8): ref_hi the float64
+reference on the dequantised inputs, ref_lo the reference with the unnormalised probabilities
+rounded to e4m3 and the output to out_dtype; the lse against the float64 reference's
+(testing.lse_close). Outputs are written into memory poisoned with NaN (the pool's freed blocks,
+or a given `out=` filled with NaN).
+
+Covered: head dims 64, 128 and 256, causal and not, seqlen_q != seqlen_k and odd lengths (1 to
+2081), GQA (8:2), MQA (8:1) and MHA, windows, a softmax_scale, unbatched inputs, per-tensor and
+per-(batch, KV head) descales and none, out_dtype bfloat16 and float16, out= given and returned
+as is, descales read at every call (new arrays and new values in the same arrays) and shared
+along an axis (broadcast views), k and v as strided views, the kernel
+`forward_kernels` names, and the refusals (uint8 without qkv_dtype, the features the FP8
+forward does not take, GPUs other than sm_90). The host-side checks that need no GPU are in
+tests/test_fp8_forward_host.py.
+"""
+
+import inspect
+
+import numpy
+import pytest
+from fp8_forward_checks import check_forward_fp8, describe, fp8_qkv  # tests/gpu helper
+from grids import BF16, FP16, is_hopper, needs_hopper, seed_of
+
+cupy = pytest.importorskip("cupy")
+
+import cuflash2  # noqa: E402
+from cuflash2 import testing  # noqa: E402
+
+#: Until the FP8 forward's API lands (attention(..., qkv_dtype="e4m3")), every test here is an
+#: expected failure; from then on the condition is false and they run as any test.
+FP8_API = "qkv_dtype" in inspect.signature(cuflash2.attention).parameters
+needs_fp8_api = pytest.mark.xfail(not FP8_API, reason="the FP8 forward's API (attention(..., "
+                                  "qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=, "
+                                  "out_dtype=)) has not landed yet", strict=False)
+
+pytestmark = [pytest.mark.gpu, needs_fp8_api]
+
+OUT_DTYPES = [pytest.param(None, id="default"), pytest.param(BF16, id="bf16"),
+              pytest.param(FP16, id="fp16")]
+
+
+def _poison():
+    """NaN in the memory the next allocations get (CuPy's pool hands freed blocks back)."""
+    block = cupy.full((1 << 22,), numpy.nan, numpy.float32)
+    del block
+
+
+def _inputs(tag, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, descale="head"):
+    seed = seed_of("fp8-forward", tag, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim,
+                   descale)
+    return fp8_qkv(cupy, seed, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, descale)
+
+
+def _check(q, k, v, descales, *, out_dtype=None, out=None, **options):
+    """One call (out and lse), its outputs' dtypes and shapes, and the rule."""
+    given = out
+    if out is None:
+        _poison()
+    dtype_option = {} if out_dtype is None else {"out_dtype": out_dtype}
+    got, lse = cuflash2.attention(q, k, v, qkv_dtype="e4m3", return_lse=True, out=out,
+                                  **descales, **dtype_option, **options)
+    assert got.dtype == numpy.dtype(BF16 if out_dtype is None else out_dtype)
+    assert got.shape == q.shape
+    if given is not None:
+        assert got is given
+    heads_first = (q.shape[-2], q.shape[-3])
+    assert lse.dtype == numpy.float32 and lse.shape == q.shape[:-3] + heads_first
+    results = check_forward_fp8(q, k, v, got, lse, out_dtype=out_dtype, **descales, **options)
+    print(describe(results))
+    assert all(r.ok for r in results), describe(results)
+    return got, lse
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_head_dims(headdim, causal):
+    """Each head dim, GQA 8:2 with a descale per (batch, KV head), odd lengths, seqlen_q <
+    seqlen_k (causal: aligned bottom-right)."""
+    q, k, v, descales = _inputs("d", 2, 113, 257, 8, 2, headdim)
+    _check(q, k, v, descales, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("seqlens", [(1, 1), (1, 1000), (17, 113), (113, 17), (257, 257),
+                                     (1000, 2081), (2048 + 33, 2048 + 33)])
+def test_lengths(seqlens):
+    """Lengths from 1 to 2081 (several K/V tiles, partial last tiles), seqlen_q > seqlen_k (the
+    first rows of a causal call see no key: out 0, lse +inf), per-tensor descales."""
+    q, k, v, descales = _inputs("len", 1, *seqlens, 4, 2, 128, "tensor")
+    _check(q, k, v, descales, causal=True)
+    _check(q, k, v, descales)
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout", [(2, 97, 255, 8, 2), (1, 255, 97, 8, 1),
+                                    (2, 113, 113, 4, 4)], ids=["gqa", "mqa", "mha"])
+def test_gqa_and_mqa(layout):
+    """Query heads read their KV head's K, V and descales (q's too): GQA, MQA (8:1) and MHA at
+    d=64, with short key rows (the 16-bit d=64 calls of <= 256 keys run on mma.sync, the FP8
+    ones on the Hopper kernel)."""
+    q, k, v, descales = _inputs("heads", *layout, 64)
+    _check(q, k, v, descales, causal=True)
+    _check(q, k, v, descales)
+
+
+@needs_hopper
+@pytest.mark.parametrize("window,causal", [((64, 0), False), ((40, 10), False),
+                                           ((-1, 32), False), ((100, -1), False),
+                                           ((128, -1), True)])
+def test_windows(window, causal):
+    """Sliding windows (left, right; -1 unbounded), alone and with causal."""
+    q, k, v, descales = _inputs("window", 2, 300, 700, 4, 2, 128)
+    _check(q, k, v, descales, window_size=window, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("descale", ["none", "tensor", "head"])
+def test_descales_and_out_dtypes(descale, out_dtype):
+    """No descales (factor 1), one a tensor (q's of shape (), k's and v's (1,)), and one per
+    (batch, KV head); the output in bfloat16 (the default) or float16, written into a given
+    `out` (poisoned with NaN) and returned as is."""
+    q, k, v, descales = _inputs("descale", 2, 200, 333, 8, 2, 128, descale)
+    out = testing.poison_like(cupy, q.shape, BF16 if out_dtype is None else out_dtype)
+    _check(q, k, v, descales, out_dtype=out_dtype, out=out, causal=True)
+
+
+@needs_hopper
+def test_softmax_scale_and_unbatched_inputs():
+    """A softmax_scale other than 1/sqrt(d) (sharper: scores of up to tens), on unbatched
+    (seqlen, heads, d) arrays with (1, nheads_kv) descales, at d=256."""
+    q, k, v, descales = _inputs("unbatched", None, 150, 390, 4, 2, 256)
+    _check(q, k, v, descales, softmax_scale=0.3, causal=True)
+    _check(q, k, v, descales, softmax_scale=0.3)
+
+
+@needs_hopper
+def test_descales_are_read_at_every_call():
+    """The descales' values are read on the device at each call, not kept by the plan: new
+    arrays of the same signature, and new values written into the same arrays, both change the
+    result as the reference says (v_descale twice: the output twice; q_descale otherwise: another
+    softmax)."""
+    q, k, v, descales = _inputs("per-call", 2, 180, 260, 8, 2, 128)
+    first, _ = _check(q, k, v, descales, causal=True)
+    doubled = dict(descales, v_descale=descales["v_descale"] * 2)
+    twice, _ = _check(q, k, v, doubled, causal=True)
+    numpy.testing.assert_allclose(twice.astype(numpy.float32).get(),
+                                  2 * first.astype(numpy.float32).get(), rtol=1e-2, atol=1e-2)
+    rng = numpy.random.default_rng(seed_of("fp8-forward-per-call-values"))
+    for name in ("q_descale", "k_descale", "v_descale"):  # in place: same pointers
+        descales[name][...] = cupy.asarray(
+            rng.uniform(0.5, 2.0, descales[name].shape).astype(numpy.float32)
+            * descales[name].get())
+    _check(q, k, v, descales, causal=True)
+
+
+@needs_hopper
+def test_shared_descales_and_strided_views():
+    """Descales shared along an axis (cupy.broadcast_to views, stride 0: one factor a KV head
+    for every sequence, one a sequence for every KV head), and k, v as views of wider arrays
+    (row strides of 16-byte multiples, not their head dim)."""
+    q, k, v, descales = _inputs("views", 2, 160, 300, 8, 2, 128)
+    shared = {"q_descale": cupy.broadcast_to(descales["q_descale"][:1], (2, 2)),
+              "k_descale": cupy.broadcast_to(descales["k_descale"][:, :1], (2, 2)),
+              "v_descale": descales["v_descale"]}
+    _check(q, k, v, shared, causal=True)
+    wide_k = cupy.zeros(k.shape[:-1] + (160,), numpy.uint8)
+    wide_v = cupy.zeros(v.shape[:-1] + (192,), numpy.uint8)
+    wide_k[..., 32:] = k
+    wide_v[..., :128] = v
+    _check(q, wide_k[..., 32:], wide_v[..., :128], descales)
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_kernels_named(headdim):
+    """forward_kernels names the Hopper forward with the e4m3 element (after an operand pass,
+    if the call has one)."""
+    q, k, v, descales = _inputs("named", 1, 300, 300, 4, 2, headdim)
+    kernels = cuflash2.forward_kernels(q, k, v, causal=True, qkv_dtype="e4m3", **descales)
+    main = [name for name in kernels if name.startswith("Hopper forward")]
+    assert len(main) == 1, kernels
+    assert "e4m3" in main[0] and f"head dim {headdim}" in main[0], kernels
+    assert not any(name.startswith("mma.sync") for name in kernels), kernels
+
+
+@needs_hopper
+def test_what_the_fp8_forward_does_not_take():
+    """On CuPy arrays (tests/test_fp8_forward_host.py checks the same and more without a GPU):
+    uint8 without qkv_dtype, and each feature the FP8 forward does not take, by name."""
+    q, k, v, descales = _inputs("refused", 1, 64, 64, 4, 2, 128)
+    with pytest.raises(TypeError, match="qkv_dtype"):
+        cuflash2.attention(q, k, v)
+    slopes = cupy.asarray(numpy.linspace(0.05, 0.4, 4, dtype=numpy.float32))
+    sinks = cupy.zeros((4,), numpy.float32)
+    for name, value in (("softcap", 5.0), ("dropout_p", 0.1), ("alibi_slopes", slopes),
+                        ("sinks", sinks)):
+        extra = {"seed": 1} if name == "dropout_p" else {}
+        with pytest.raises((NotImplementedError, ValueError, TypeError), match=name):
+            cuflash2.attention(q, k, v, qkv_dtype="e4m3", **{name: value}, **extra,
+                               **descales)
+
+
+@pytest.mark.skipif(is_hopper(), reason="the refusal of GPUs other than sm_90")
+def test_other_gpus_refuse_fp8_naming_sm90():
+    q, k, v, descales = _inputs("not-hopper", 1, 64, 64, 4, 2, 128)
+    with pytest.raises(NotImplementedError, match="sm_90"):
+        cuflash2.attention(q, k, v, qkv_dtype="e4m3", **descales)
