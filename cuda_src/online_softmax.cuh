@@ -152,20 +152,27 @@ struct OnlineSoftmax {
     // exp_scores turns the scores into probabilities in place (fp32, in the score registers;
     // added to the row sums as exp_pack adds them, one k16 slice at a time), and pack_p packs a
     // k16 slice of them into the A-operand layout once the P registers are free.
-    template <int N_TILES>
+    // FMA_OF_8: of every 8 n8 tiles, how many take their exponentials on the FP32 units
+    // (exp2_on_fma) rather than the MUFU (0 but in the FP8 forward: sm90/fwd_traits.cuh).
+    template <int FMA_OF_8 = 0, int N_TILES>
     CF2_DEVICE void exp_scores(float (&s)[M_TILES][N_TILES][4], float scale_log2) {
         static_assert(N_TILES % 2 == 0, "whole k16 slices");
+        static_assert(FMA_OF_8 >= 0 && FMA_OF_8 <= 8, "a share of 8 tiles");
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
             for (int ks = 0; ks < N_TILES / 2; ++ks) {
                 float (&lo)[4] = s[mt][2 * ks];
                 float (&hi)[4] = s[mt][2 * ks + 1];
+                const bool lo_on_fma = (2 * ks) % 8 < FMA_OF_8;  // (constant once unrolled)
+                const bool hi_on_fma = (2 * ks + 1) % 8 < FMA_OF_8;
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float m = max_scaled[2 * mt + e / 2];
-                    lo[e] = fast_exp2(fmaf(lo[e], scale_log2, -m));
-                    hi[e] = fast_exp2(fmaf(hi[e], scale_log2, -m));
+                    const float x_lo = fmaf(lo[e], scale_log2, -m);
+                    const float x_hi = fmaf(hi[e], scale_log2, -m);
+                    lo[e] = lo_on_fma ? exp2_on_fma(x_lo) : fast_exp2(x_lo);
+                    hi[e] = hi_on_fma ? exp2_on_fma(x_hi) : fast_exp2(x_hi);
                 }
                 row_sum[2 * mt] += (lo[0] + lo[1]) + (hi[0] + hi[1]);
                 row_sum[2 * mt + 1] += (lo[2] + lo[3]) + (hi[2] + hi[3]);

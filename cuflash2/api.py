@@ -1059,9 +1059,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
 
 @contextlib.contextmanager
 def _forced_config(config):
-    """For tuning scripts: calls inside run `config` (a FwdConfig or BwdConfig; a BwdConfig's
+    """For tuning scripts: calls inside run `config` (a FwdConfig, FwdSm90Config or BwdConfig; a BwdConfig's
     compute_dq must match the calls' `not deterministic`) instead of the dispatcher's choice."""
-    kind = "fwd" if isinstance(config, _configs.FwdConfig) else "bwd"
+    kind = ("fwd" if isinstance(config, (_configs.FwdConfig, _configs.FwdSm90Config))
+            else "bwd")
     _dispatch.FORCED[kind] = config
     _forward_plans.plans.clear()
     _backward_plans.plans.clear()

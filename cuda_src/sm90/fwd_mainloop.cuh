@@ -396,7 +396,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         score_step(acc_s, tile);
         softmax.update_max(acc_s, acc_o, scale_log2);
         if constexpr (T::KEYS_LAST_V) {  // float32, e4m3: packed in the keys-last V's order
-            softmax.exp_scores(acc_s, scale_log2);
+            softmax.template exp_scores<T::EXP2_FMA_OF_8>(acc_s, scale_log2);
             pack_probabilities<Elem, T>(p_frag, acc_s[0]);
         } else {
 #pragma unroll
@@ -478,7 +478,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             score_step(s, tile_end - 1, bias_tile_of(0));
             bias.release(ring_of(0));
             softmax.fold_max(s, scale_log2, correction);  // O is 0: no rescale
-            softmax.exp_scores(s, scale_log2);
+            softmax.template exp_scores<T::EXP2_FMA_OF_8>(s, scale_log2);
         };
         if constexpr (HALF_TILES) {
             if (half_tile) {
@@ -519,7 +519,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             score_step(acc_s, tile_end - 1 - j, bias_tile_of(j));
             bias.release(ring_of(j));
             rescale = softmax.fold_max(acc_s, scale_log2, correction);
-            softmax.exp_scores(acc_s, scale_log2);
+            softmax.template exp_scores<T::EXP2_FMA_OF_8>(acc_s, scale_log2);
         }
         // The last P V, after the rescale for the last tile's max.
         finish_pv_pack(tiles - 1);

@@ -26,9 +26,9 @@ def examples() -> dict:
     return {name: code for name, code in _EXAMPLE.findall(README.read_text())}
 
 
-def test_the_readme_has_the_five_examples():
+def test_the_readme_has_its_examples():
     assert set(examples()) == {"document mask", "prefix-LM", "relative position", "pair bias",
-                               "split keys"}
+                               "split keys", "FP8 forward"}
 
 
 def _inputs(seed):
@@ -88,3 +88,17 @@ def test_split_keys_example_matches_one_call():
     q, k, v = scope["q"], scope["k"], scope["v"]
     results = testing.check_forward(q, k, v, scope["out"], scope["lse"])
     assert all(r.ok for r in results), [str(r) for r in results]
+
+
+def test_fp8_forward_example():
+    """The FP8 forward's example (sm_90) as pasted: its out against the references on the
+    dequantised inputs (the 2x rule with the e4m3 roundings as ref_lo)."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the FP8 forward runs on sm_90")
+    scope = {}
+    exec(examples()["FP8 forward"], scope)
+    q, k, v, out, scale = (scope[n] for n in ("q", "k", "v", "out", "scale"))
+    assert out.shape == q.shape and str(out.dtype) == "bfloat16"
+    results = testing.check_forward(q, k, v, out, causal=True, qkv_dtype="e4m3",
+                                    q_descale=scale, k_descale=scale, v_descale=scale)
+    assert all(r.ok for r in results), results
