@@ -294,3 +294,49 @@ def test_the_gpu_tests_rule_passes_the_e4m3_reference_and_fails_wrong_outputs():
     assert results[0].ok and not results[1].ok
     with pytest.raises(ValueError, match="out_dtype"):
         checks.check_forward_fp8(q, k, v, lo, out_dtype=np.float16, **options)
+
+
+def _exp2_on_fma_constants():
+    """The shift and the polynomial's coefficients of mma_primitives.cuh's exp2_on_fma, read
+    from the source (its one definition)."""
+    import re
+    from pathlib import Path
+
+    import cuflash2
+
+    source = (Path(cuflash2.__file__).resolve().parents[1] / "cuda_src"
+              / "mma_primitives.cuh").read_text()
+    body = source[source.index("CF2_DEVICE float exp2_on_fma"):]
+    body = body[:body.index("\n}\n")]
+    coefficients = [float(c) for c in re.findall(r"([0-9]\.[0-9]+)f", body)]
+    assert "12582912.f + 127.f" in body and "0fC2FE0000" in body  # 1.5 * 2^23 + 127; -127
+    return coefficients
+
+
+def test_exp2_on_fma_replayed_in_float32():
+    """exp2_on_fma's arithmetic replayed in NumPy float32 step for step: within 1e-4 of 2^x
+    (relative) over the FP8 forward's range (x from -127 up to the lazy rescale's 8), exactly 0
+    at -127 and below (a masked score, -inf), NaN kept."""
+    numpy = np
+    c3, c2, c1, c0 = (numpy.float32(c) for c in _exp2_on_fma_constants())
+    shift = numpy.float32(12582912.0 + 127.0)
+
+    def replay(x):
+        x = numpy.where(numpy.isnan(x), x, numpy.maximum(x, numpy.float32(-127.0)))
+        x = x.astype(numpy.float32)
+        shifted = (x + shift).astype(numpy.float32)
+        f = (x - (shifted - shift)).astype(numpy.float32)
+        p = (f * c3 + c2).astype(numpy.float32)
+        p = (p * f + c1).astype(numpy.float32)
+        p = (p * f + c0).astype(numpy.float32)
+        scale = (shifted.view(numpy.uint32) << numpy.uint32(23)).view(numpy.float32)
+        return (p * scale).astype(numpy.float32)
+
+    x = numpy.linspace(-126.0, 8.0, 200001, dtype=numpy.float32)
+    exact = numpy.exp2(x.astype(numpy.float64))
+    with numpy.errstate(under="ignore"):
+        got = replay(x).astype(numpy.float64)
+    normal = exact > 2.0**-125  # (below: products flushed to zero on the GPU, ftz)
+    assert numpy.max(numpy.abs(got[normal] / exact[normal] - 1)) < 1e-4
+    edge = replay(numpy.array([-numpy.inf, -1e30, -127.0, numpy.nan], numpy.float32))
+    assert edge[0] == 0 and edge[1] == 0 and edge[2] == 0 and numpy.isnan(edge[3])
