@@ -4,14 +4,9 @@ refusals, each naming what it refuses, on the host stand-in of CuPy (test_plans_
 (the e4m3 Hopper forward, the output's dtype); and the GPU tests' helper
 (tests/gpu/fp8_forward_checks.py: inputs and the 2x rule) on NumPy arrays.
 tests/gpu/test_fp8_forward.py runs the kernel.
-
-The tests marked `needs_fp8_api` need the FP8 forward's arguments (attention(..., qkv_dtype=
-"e4m3", q_descale=, k_descale=, v_descale=, out_dtype=)); until they land those tests are
-expected failures (xfail), from then on they run as any test.
 """
 
 import importlib.util
-import inspect
 from pathlib import Path
 
 import ml_dtypes
@@ -25,10 +20,6 @@ from test_plans_host import api_host, device_array, launches  # noqa: F401  (fix
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
-FP8_API = "qkv_dtype" in inspect.signature(cuflash2.attention).parameters
-needs_fp8_api = pytest.mark.xfail(not FP8_API, reason="the FP8 forward's API (attention(..., "
-                                  "qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=, "
-                                  "out_dtype=)) has not landed yet", strict=False)
 
 #: An error of any of these types is a refusal; the tests check that its message names the
 #: argument.
@@ -88,7 +79,6 @@ def test_uint8_inputs_without_qkv_dtype_are_refused(fp8_host):
     assert not fp8_host.launches
 
 
-@needs_fp8_api
 def test_the_uint8_refusal_names_qkv_dtype(fp8_hopper):
     with pytest.raises(TypeError, match="qkv_dtype"):
         cuflash2.attention(*_arrays())
@@ -97,7 +87,6 @@ def test_the_uint8_refusal_names_qkv_dtype(fp8_hopper):
     assert not fp8_hopper.launches
 
 
-@needs_fp8_api
 def test_qkv_dtype_is_checked(fp8_hopper):
     """qkv_dtype names e4m3 only, takes uint8 (e4m3 bits) q, k and v only, all three; the
     descales are for FP8 inputs (as the reference's checks, tests/test_reference_fp8.py)."""
@@ -115,7 +104,6 @@ def test_qkv_dtype_is_checked(fp8_hopper):
     assert not fp8_hopper.launches
 
 
-@needs_fp8_api
 @pytest.mark.parametrize("name,make", [
     ("softcap", lambda: 5.0),
     ("dropout_p", lambda: 0.1),
@@ -147,7 +135,6 @@ def test_the_backward_refuses_e4m3(fp8_hopper):
     assert not fp8_hopper.launches
 
 
-@needs_fp8_api
 @pytest.mark.parametrize("arch", [80, 86, 89])
 def test_gpus_other_than_sm90_are_refused_naming_it(fp8_host, arch):
     fp8_host.set_arch(arch)
@@ -157,7 +144,6 @@ def test_gpus_other_than_sm90_are_refused_naming_it(fp8_host, arch):
     assert not fp8_host.launches
 
 
-@needs_fp8_api
 @pytest.mark.parametrize("shapes", [(96, 96), (32, 32), (128, 64)], ids=["d96", "d32", "dv64"])
 def test_head_dims_other_than_64_128_256_are_refused(fp8_hopper, shapes):
     """Head dims 64, 128 and 256 only, V's the same as Q's and K's."""
@@ -169,7 +155,6 @@ def test_head_dims_other_than_64_128_256_are_refused(fp8_hopper, shapes):
     assert not fp8_hopper.launches
 
 
-@needs_fp8_api
 def test_out_dtype_is_bfloat16_or_float16(fp8_hopper):
     for bad in (np.float32, np.uint8):
         with pytest.raises((ValueError, TypeError), match="out_dtype"):
@@ -179,7 +164,6 @@ def test_out_dtype_is_bfloat16_or_float16(fp8_hopper):
     assert not fp8_hopper.launches
 
 
-@needs_fp8_api
 @pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
 def test_descales_are_float32_device_arrays_of_their_shapes(fp8_hopper, name):
     """FlashAttention-3's shapes, (batch, nheads_kv) = (2, 2) here, or () / (1,); float32; a
@@ -199,7 +183,6 @@ def test_descales_are_float32_device_arrays_of_their_shapes(fp8_hopper, name):
 # The plan of an FP8 call on sm_90
 
 
-@needs_fp8_api
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_an_fp8_call_plans_the_e4m3_hopper_forward(fp8_hopper, headdim):
     """On sm_90: forward_kernels names the Hopper forward with the e4m3 element; the call

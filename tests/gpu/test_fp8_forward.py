@@ -20,8 +20,6 @@ forward does not take, GPUs other than sm_90). The host-side checks that need no
 tests/test_fp8_forward_host.py.
 """
 
-import inspect
-
 import numpy
 import pytest
 from fp8_forward_checks import check_forward_fp8, describe, fp8_qkv  # tests/gpu helper
@@ -32,14 +30,7 @@ cupy = pytest.importorskip("cupy")
 import cuflash2  # noqa: E402
 from cuflash2 import testing  # noqa: E402
 
-#: Until the FP8 forward's API lands (attention(..., qkv_dtype="e4m3")), every test here is an
-#: expected failure; from then on the condition is false and they run as any test.
-FP8_API = "qkv_dtype" in inspect.signature(cuflash2.attention).parameters
-needs_fp8_api = pytest.mark.xfail(not FP8_API, reason="the FP8 forward's API (attention(..., "
-                                  "qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=, "
-                                  "out_dtype=)) has not landed yet", strict=False)
-
-pytestmark = [pytest.mark.gpu, needs_fp8_api]
+pytestmark = pytest.mark.gpu
 
 OUT_DTYPES = [pytest.param(None, id="default"), pytest.param(BF16, id="bf16"),
               pytest.param(FP16, id="fp16")]
@@ -213,3 +204,32 @@ def test_other_gpus_refuse_fp8_naming_sm90():
     q, k, v, descales = _inputs("not-hopper", 1, 64, 64, 4, 2, 128)
     with pytest.raises(NotImplementedError, match="sm_90"):
         cuflash2.attention(q, k, v, qkv_dtype="e4m3", **descales)
+
+
+@needs_hopper
+def test_cuda_graph_replays_with_fresh_inputs():
+    """A captured call (the operand pass and the forward, two launches on the call's stream)
+    replayed as a serving loop replays it: new e4m3 values and new factors in the same arrays
+    before each replay."""
+    from cuflash2.bench.decode_graph import CapturedGraph
+
+    q, k, v, descales = _inputs("graph", 2, 200, 300, 4, 2, 128, "head")
+    captured = {}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:  # planned and compiled outside the capture
+        cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=True, **descales)
+    stream.synchronize()
+    graph = CapturedGraph(cupy, stream, lambda: captured.update(
+        out=cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=True, **descales)))
+    for replay in range(3):
+        fresh_q, fresh_k, fresh_v, fresh = _inputs(f"graph-{replay}", 2, 200, 300, 4, 2, 128,
+                                                   "head")
+        for x, y in ((q, fresh_q), (k, fresh_k), (v, fresh_v)):
+            x[...] = y
+        for name, factor in fresh.items():
+            descales[name][...] = factor
+        cupy.cuda.Device().synchronize()
+        graph.launch()
+        stream.synchronize()
+        results = check_forward_fp8(q, k, v, captured["out"], None, causal=True, **descales)
+        assert all(r.ok for r in results), describe(results)
