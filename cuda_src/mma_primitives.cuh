@@ -178,26 +178,6 @@ CF2_DEVICE float fast_exp2(float x) {
     return y;
 }
 
-// 2^x on the FP32 units instead of the MUFU (FlashAttention-4's polynomial exponential): for
-// the FP8 forward, whose ex2s (16 a clock an SM) take as long as its k32 products of a tile at
-// d=128, so a share of them moves here (OnlineSoftmax::exp_scores' FMA_OF_8). x rounds to the
-// nearest integer j by the shift 1.5 * 2^23 + 127 (j + 127 in the low mantissa bits, also 2^j's
-// exponent field), 2^(x - j) is a degree-3 polynomial on [-1/2, 1/2] (relative error 7.5e-5,
-// a near-minimax fit; the FP8 forward rounds the result to e4m3's 3 mantissa bits) times 2^j.
-// x is clamped at -127, where 2^j's exponent field is 0: 2^x is then 0, as ex2.approx.ftz
-// gives a masked score (-inf) or one far below the row's max; x <= 127. NaN stays NaN (max.NaN),
-// as through ex2.
-CF2_DEVICE float exp2_on_fma(float x) {
-    constexpr float SHIFT = 12582912.f + 127.f;  // 1.5 * 2^23 + the exponent bias
-    asm("max.NaN.f32 %0, %0, 0fC2FE0000;\n" : "+f"(x));  // -127
-    const float shifted = x + SHIFT;
-    const float f = x - (shifted - SHIFT);
-    float p = fmaf(f, 0.05518027f, 0.24261191f);
-    p = fmaf(p, f, 0.69325942f);
-    p = fmaf(p, f, 0.99992800f);
-    return p * __int_as_float(__float_as_int(shifted) << 23);
-}
-
 CF2_DEVICE float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

@@ -10,6 +10,9 @@
 // old max is kept, so probabilities may reach 2^RESCALE_THRESHOLD = 256 (far inside fp16/bf16 and
 // fp32 range) and the O accumulator needs no rescale. Since m, l and O always refer to the same
 // max, the result is the same softmax; it only saves the O *= correction multiplies on most tiles.
+// LAZY = false (update_max, fold_max) moves the max whenever a tile raises it, as FlashAttention-2
+// does: the FP8 forward's, whose probabilities are rounded to e4m3, so that a row's largest one
+// is exactly 1 rather than 2^x for some x in (0, 8], off by up to e4m3's 6% (docs/FP8_FORWARD.md).
 #pragma once
 #include "mma_primitives.cuh"
 
@@ -51,11 +54,11 @@ struct OnlineSoftmax {
     // accumulator and the sums where the max moved. Leaves the scaled max for step 2.
     // It is fold_max then rescale_o; the Hopper kernel's intra-warpgroup overlap runs the two
     // apart (O is the accumulator of an in-flight wgmma in between).
-    template <int N_TILES, int D_TILES>
+    template <bool LAZY = true, int N_TILES, int D_TILES>
     CF2_DEVICE void update_max(const float (&s)[M_TILES][N_TILES][4],
                                float (&acc_o)[M_TILES][D_TILES][4], float scale_log2) {
         float correction[ROWS];
-        const bool any_rescale = fold_max(s, scale_log2, correction);
+        const bool any_rescale = fold_max<LAZY>(s, scale_log2, correction);
         rescale_o(acc_o, correction, any_rescale);
     }
 
@@ -63,7 +66,7 @@ struct OnlineSoftmax {
     // moved; `correction` gets each row's factor for O (1 where the max stayed). Returns whether
     // any row of the warp moved (warp-uniform: the O pass is skipped otherwise). Reads only the
     // scores, so it may run while a wgmma is still writing O.
-    template <int N_TILES>
+    template <bool LAZY = true, int N_TILES>
     CF2_DEVICE bool fold_max(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
                              float (&correction)[ROWS]) {
         bool any_rescale = false;
@@ -79,7 +82,7 @@ struct OnlineSoftmax {
                 tile_max = quad_max(tile_max);
                 // -inf - -inf is NaN and NaN > x is false: a row with no key yet keeps m = -inf.
                 const bool rescale =
-                    (tile_max - row_max[r]) * scale_log2 > CF2_RESCALE_THRESHOLD;
+                    (tile_max - row_max[r]) * scale_log2 > (LAZY ? CF2_RESCALE_THRESHOLD : 0.f);
                 correction[r] = rescale ? fast_exp2((row_max[r] - tile_max) * scale_log2) : 1.f;
                 if (rescale) row_max[r] = tile_max;
                 any_rescale |= rescale;
@@ -152,27 +155,20 @@ struct OnlineSoftmax {
     // exp_scores turns the scores into probabilities in place (fp32, in the score registers;
     // added to the row sums as exp_pack adds them, one k16 slice at a time), and pack_p packs a
     // k16 slice of them into the A-operand layout once the P registers are free.
-    // FMA_OF_8: of every 8 n8 tiles, how many take their exponentials on the FP32 units
-    // (exp2_on_fma) rather than the MUFU (0 but in the FP8 forward: sm90/fwd_traits.cuh).
-    template <int FMA_OF_8 = 0, int N_TILES>
+    template <int N_TILES>
     CF2_DEVICE void exp_scores(float (&s)[M_TILES][N_TILES][4], float scale_log2) {
         static_assert(N_TILES % 2 == 0, "whole k16 slices");
-        static_assert(FMA_OF_8 >= 0 && FMA_OF_8 <= 8, "a share of 8 tiles");
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
             for (int ks = 0; ks < N_TILES / 2; ++ks) {
                 float (&lo)[4] = s[mt][2 * ks];
                 float (&hi)[4] = s[mt][2 * ks + 1];
-                const bool lo_on_fma = (2 * ks) % 8 < FMA_OF_8;  // (constant once unrolled)
-                const bool hi_on_fma = (2 * ks + 1) % 8 < FMA_OF_8;
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float m = max_scaled[2 * mt + e / 2];
-                    const float x_lo = fmaf(lo[e], scale_log2, -m);
-                    const float x_hi = fmaf(hi[e], scale_log2, -m);
-                    lo[e] = lo_on_fma ? exp2_on_fma(x_lo) : fast_exp2(x_lo);
-                    hi[e] = hi_on_fma ? exp2_on_fma(x_hi) : fast_exp2(x_hi);
+                    lo[e] = fast_exp2(fmaf(lo[e], scale_log2, -m));
+                    hi[e] = fast_exp2(fmaf(hi[e], scale_log2, -m));
                 }
                 row_sum[2 * mt] += (lo[0] + lo[1]) + (hi[0] + hi[1]);
                 row_sum[2 * mt + 1] += (lo[2] + lo[3]) + (hi[2] + hi[3]);

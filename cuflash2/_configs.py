@@ -363,9 +363,6 @@ class FwdSm90Config:
     #: V's and O's head dim where it differs from Q's and K's
     #: (_dispatch.SM90_FWD_HEAD_DIM_PAIRS); 0: head_dim.
     head_dim_v: int = 0
-    #: Tuning builds only (never the dispatcher's): compiler options that override a traits
-    #: default, e.g. ("-DCF2_E4M3_EXP2_FMA_OF_8=3",) (sm90/fwd_traits.cuh).
-    tuning_options: tuple = ()
 
     def __post_init__(self):
         if not self.head_dim_v:
@@ -401,7 +398,7 @@ class FwdSm90Config:
 
     @property
     def extra_options(self) -> tuple:
-        return (("-DCF2_MBARRIER_WATCHDOG",) if self.watchdog else ()) + self.tuning_options
+        return ("-DCF2_MBARRIER_WATCHDOG",) if self.watchdog else ()
 
     @property
     def panels(self) -> int:

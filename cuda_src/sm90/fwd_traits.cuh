@@ -93,14 +93,10 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int O_BYTES = PERSISTENT ? O_PANELS * Q_PANEL_BYTES : 0;
     static constexpr int SMEM_BYTES = Q_REGION_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
 
-    // Of every 8 n8 tiles of S, how many take their exponentials on the FP32 units
-    // (exp2_on_fma, mma_primitives.cuh) instead of the MUFU: the e4m3 forward's, whose k32
-    // products of a tile take the MUFU's time for its ex2s at d=128 (docs/FP8_FORWARD.md);
-    // CF2_E4M3_EXP2_FMA_OF_8 overrides it (tuning builds: FwdSm90Config.tuning_options).
-#ifndef CF2_E4M3_EXP2_FMA_OF_8
-#define CF2_E4M3_EXP2_FMA_OF_8 2
-#endif
-    static constexpr int EXP2_FMA_OF_8 = Elem::IS_E4M3 ? CF2_E4M3_EXP2_FMA_OF_8 : 0;
+    // The online softmax's lazy rescale (online_softmax.cuh), but for e4m3 elements: their P is
+    // rounded to e4m3, and a row's largest probability is then exactly 1 only where the max
+    // moves with every tile that raises it (docs/FP8_FORWARD.md, "Accuracy").
+    static constexpr bool LAZY_RESCALE = !Elem::IS_E4M3;
     static constexpr int DIM = HEAD_DIM;
     static constexpr int DIM_V = HEAD_DIM_V;  // P V's N
     static constexpr int KEYS_PER_TILE = BLOCK_N;
