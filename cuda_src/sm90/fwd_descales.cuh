@@ -1,9 +1,8 @@
 // The FP8 forward's descale factors of one work tile (e4m3_tag; docs/FP8_FORWARD.md). The e4m3
 // products are exact and a factor of a sum is the factor of each term, so the factors need no
-// per-element work: q's and
-// k's multiply the softmax's scale (S = Q K^T is in units of q_descale * k_descale), v's
-// multiplies 1 / l in the epilogue (O = P V is in units of v_descale). The lse is then that of
-// the dequantised scores.
+// per-element work: q's and k's multiply the softmax's scale (S = Q K^T is in units of
+// q_descale * k_descale), v's multiplies 1 / l in the epilogue (O = P V is in units of
+// v_descale). The lse is then that of the dequantised scores.
 #pragma once
 #include "kernel_params.cuh"
 
