@@ -24,9 +24,11 @@ def forward_kernel_family(compute_capability: str) -> str:
         return "mma.sync kernels (CUFLASH2_HOPPER=0)"
     dims = "/".join(str(d) for d in _configs.SM90_FWD_HEAD_DIMS)
     varlen = "" if _dispatch.HOPPER_FORWARD_VARLEN else ", varlen (CUFLASH2_HOPPER_VARLEN=0)"
+    e4m3 = "/".join(str(d) for d in _dispatch.E4M3_SM90_FWD_TILES)
     return (f"Hopper kernels (wgmma, TMA; head dims {dims}) except dropout{varlen} and d <= "
             f"{_dispatch.MMA_SYNC_MAX_DIM} with <= {_dispatch.MMA_SYNC_MAX_KEYS} keys, which run "
-            "mma.sync (cuflash2.forward_kernels(q, k, v, ...) names a call's)")
+            f"mma.sync; FP8 e4m3 inputs (qkv_dtype='e4m3') at head dims {e4m3} "
+            "(cuflash2.forward_kernels(q, k, v, ...) names a call's)")
 
 
 def backward_kernel_family(compute_capability: str) -> str:
