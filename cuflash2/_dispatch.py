@@ -1000,8 +1000,8 @@ def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None):
     """The FP8 forward's configuration (E4M3_SM90_FWD_TILES) for a checked e4m3 call, or
     NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), dense
     calls (the keys-last V's groups: varlen later), head dims of E4M3_SM90_FWD_TILES (q's, k's
-    and v's alike), causal masks and windows but no other feature. Empty problems plan no
-    launch (None)."""
+    and v's alike), causal masks and windows but no other feature, at least one key
+    (forward_kernel plans no launch for a call without queries, heads or batch entries)."""
     p = problem
     dims = tuple(E4M3_SM90_FWD_TILES)
     if arch != 90:
