@@ -697,9 +697,12 @@ def _is_e4m3_compute(compute_dtype) -> bool:
     return isinstance(compute_dtype, str) and compute_dtype == "e4m3"
 
 
-def _fp8_dequantised(q, k, v, qkv_dtype, descales, compute_dtype):
+def _fp8_dequantised(q, k, v, qkv_dtype, descales, compute_dtype, sequences=None):
     """q, k, v as they are, or for FP8 inputs (uint8 e4m3 bits with qkv_dtype "e4m3", or
-    float8_e4m3fn) their values e4m3 * descale in float64; the FP8 arguments checked."""
+    float8_e4m3fn) their values e4m3 * descale in float64; the FP8 arguments checked.
+    `sequences`: for packed varlen arrays (total, heads, headdim), (the number of sequences,
+    the sequence of each row of q, of k and v): a sequence's row of the (sequences, nheads_kv)
+    factors applies to its rows."""
     names = ("q_descale", "k_descale", "v_descale")
     if qkv_dtype is not None and qkv_dtype != "e4m3":
         raise ValueError(f"qkv_dtype must be None or 'e4m3' (FP8 bits in uint8 arrays); got "
@@ -724,6 +727,8 @@ def _fp8_dequantised(q, k, v, qkv_dtype, descales, compute_dtype):
     xp = _array_module(q, k, v)
     _check_shapes(q, k, v, fp8_ok=True)
     batch, nheads_kv = (k.shape[0], k.shape[2]) if k.ndim == 4 else (1, k.shape[1])
+    if sequences is not None:
+        batch = sequences[0]
     group = q.shape[-2] // nheads_kv
     values = []
     for x, name, descale in zip((q, k, v), names, descales):
@@ -731,7 +736,10 @@ def _fp8_dequantised(q, k, v, qkv_dtype, descales, compute_dtype):
         fp8.check_descale_values(name, _to_host(factors))
         if x is q:
             factors = xp.repeat(factors, group, axis=1)  # a query head takes its KV head's
-        factors = factors[:, None, :, None] if x.ndim == 4 else factors[0][None, :, None]
+        if sequences is not None:  # each packed row takes its sequence's factors
+            factors = factors[xp.asarray(sequences[1 if x is q else 2])][:, :, None]
+        else:
+            factors = factors[:, None, :, None] if x.ndim == 4 else factors[0][None, :, None]
         values.append(fp8.dequantize_e4m3(x, factors, numpy.float64))
     return tuple(values)
 
@@ -1048,6 +1056,11 @@ def attention_varlen(
     mask=None,
     score_mod=None,
     score_mod_grad=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    qkv_dtype=None,
+    out_dtype=None,
 ):
     """Reference variable-length attention forward (flash-attn's ``flash_attn_varlen_func``).
 
@@ -1066,12 +1079,30 @@ def attention_varlen(
     sequence b uses ``[b, :, :seqlen_q_b, :seqlen_k_b]`` (row 0 of a bias of batch dim 1).
     score_mod sees b = the sequence's index and q_idx, kv_idx = positions within the sequence.
 
+    FP8 inputs as ``attention``'s (``qkv_dtype="e4m3"``, ``compute_dtype="e4m3"``, ``out_dtype``),
+    their factors ``(batch, nheads_kv)`` by sequence (FlashAttention-3's varlen descales) or
+    ``()`` / ``(1,)``.
+
     Returns out (total_q, nheads, headdim) in compute_dtype, or (out, lse) with lse float32
     (nheads, total_q) (flash-attn's varlen lse layout).
     """
     xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask, bias, mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
-    prec = _Precision(compute_dtype)
+    if any(numpy.dtype(x.dtype) in fp8.E4M3_DTYPES for x in (q, k, v)) or qkv_dtype is not None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim != 3:
+                raise ValueError(f"{name} must be packed (total_tokens, nheads, headdim) for "
+                                 f"varlen; got shape {x.shape}")
+        cu = [_check_cu_seqlens(name, cu, x.shape[0], f"{n}.shape[0]")
+              for name, cu, x, n in (("cu_seqlens_q", cu_seqlens_q, q, "q"),
+                                     ("cu_seqlens_k", cu_seqlens_k, k, "k"))]
+        # each packed row's sequence (its factors' row)
+        rows = [numpy.repeat(numpy.arange(len(c) - 1), numpy.diff(c)) for c in cu]
+        q, k, v = _fp8_dequantised(q, k, v, qkv_dtype, (q_descale, k_descale, v_descale),
+                                   compute_dtype, (len(cu[0]) - 1, rows[0], rows[1]))
+    else:
+        _fp8_dequantised(q, k, v, qkv_dtype, (q_descale, k_descale, v_descale), compute_dtype)
+    prec = _Precision(compute_dtype, out_dtype)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, bias=bias)
     varlen = _Varlen(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -1082,7 +1113,7 @@ def attention_varlen(
     lse = xp.zeros((q.shape[1], q.shape[0]), dtype=numpy.float32)
     for rows_q, rows_k, sequence_options, keep, mods in varlen.sequences():
         out_b, lse_b = _forward(q[rows_q], k[rows_k], v[rows_k], sequence_options, compute_dtype,
-                                keep, mods)
+                                keep, mods, out_dtype)
         out[rows_q] = out_b.astype(prec.acc)
         lse[:, rows_q] = lse_b
     out = out.astype(prec.result)

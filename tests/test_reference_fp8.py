@@ -109,3 +109,39 @@ def test_fp8_argument_checks_name_the_argument():
     with pytest.raises(TypeError, match=r"q is uint8: FP8 inputs are taken by "
                                         r"reference.attention"):
         reference.attention_backward(bits[0], *bits, bits[0], lse)
+
+
+@pytest.mark.parametrize("compute_dtype", [numpy.float64, "e4m3"])
+def test_varlen_fp8_inputs_are_each_sequences_dense_call(compute_dtype):
+    """attention_varlen on packed e4m3 bits with factors per (sequence, KV head): each
+    sequence's rows are the dense reference's on that sequence with its row of the factors
+    (an empty sequence included), the lse in flash-attn's (nheads, total_q) layout."""
+    lengths_q, lengths_k = [5, 0, 9], [7, 3, 11]
+    nheads, nheads_kv, d = 4, 2, 32
+    seqs = []
+    for sq, sk in zip(lengths_q, lengths_k):  # (an empty q: drawn with one row, then sliced)
+        bits, descales = _fp8_inputs(1, max(sq, 1), sk, nheads, nheads_kv, d)
+        seqs.append(((bits[0][:, :sq], bits[1], bits[2]), descales))
+    packed = [numpy.concatenate([bits[i][0] for bits, _ in seqs]) for i in range(3)]
+    q_descale, k_descale = (numpy.concatenate([descales[i] for _, descales in seqs])
+                            for i in range(2))
+    v_descale = seqs[0][1][2]  # one factor for every sequence
+    cu_q = numpy.cumsum([0] + lengths_q).astype(numpy.int32)
+    cu_k = numpy.cumsum([0] + lengths_k).astype(numpy.int32)
+    out, lse = reference.attention_varlen(
+        *packed, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True, return_lse=True,
+        qkv_dtype="e4m3", q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        compute_dtype=compute_dtype)
+    for b, (bits, descales) in enumerate(seqs):
+        want, want_lse = _call(bits, (descales[0], descales[1], v_descale), causal=True,
+                               return_lse=True, compute_dtype=compute_dtype)
+        rows = slice(cu_q[b], cu_q[b + 1])
+        numpy.testing.assert_array_equal(numpy.asarray(out[rows], numpy.float64),
+                                         numpy.asarray(want[0], numpy.float64))
+        numpy.testing.assert_array_equal(lse[:, rows], want_lse[0])
+    assert str(out.dtype) == ("bfloat16" if compute_dtype == "e4m3" else "float64")
+    with pytest.raises(TypeError, match=r"uint8: pass qkv_dtype='e4m3'"):
+        reference.attention_varlen(*packed, cu_q, cu_k, max(lengths_q), max(lengths_k))
+    with pytest.raises(ValueError, match=r"q_descale must be a float32 array of shape"):
+        reference.attention_varlen(*packed, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                   qkv_dtype="e4m3", q_descale=q_descale[:2])
