@@ -88,7 +88,8 @@ AUX_CASES = [(cfg, arch) for arch in _configs.CPU_TEST_ARCHS
 #   the largest head dim whose deterministic dQ kernel must be spill-free);
 # - each feature alone and all together (TESTED_FEATURES, sinks included; the backward's
 #   without sinks; for decode TESTED_DECODE_FEATURES: each score modifier, sinks alone and all
-#   together) at d=128 on sm_90 and d=64 on sm_80.
+#   together) at d=64 on sm_80, and at d=128 on sm_90 all together (the decode kernel: each
+#   too; ALL_TOGETHER_ARCH).
 # The decode kernel's variant with its rows on the mma's n side (DECODE_BLOCK_M_N8) only at d=128
 # (its points there: plain on every architecture, the features on sm_90), the other half of a
 # decode point's cost; the one that reads the cache early (sm_90's programmatic launches) only at
@@ -107,6 +108,11 @@ SAMPLE_PLAIN |= {(80, "float16", 256), (86, "bfloat16", 256), (89, "float16", 25
 SAMPLE_PLAIN |= {(80, "float16", 32), (86, "bfloat16", 96), (89, "float16", 160),
                  (90, "bfloat16", 192), (90, "float16", 224)}
 SAMPLE_FEATURES = {(90, "bfloat16", 128), (80, "float16", 64)}
+#: The architecture whose mma.sync forward and backward take only every feature together in the
+#: sample (each alone on sm_80): on sm_90 the Hopper kernels run those features' calls, the
+#: mma.sync ones dropout and the calls the Hopper kernels leave (the suite's time budget). Its
+#: decode kernel, sm_90's own, keeps every tested set.
+ALL_TOGETHER_ARCH = 90
 #: Float32 inputs' forward and backward: plain at these points (the backward has no d=256 on
 #: sm_86), and every feature together at d=128 on sm_90 (FLOAT32_SAMPLE_FEATURES).
 SAMPLE_PLAIN |= {(80, "float32", 128), (90, "tf32", 128), (90, "float32", 64),
@@ -159,6 +165,8 @@ def _sampled(cfg, arch) -> bool:
         return point in SAMPLE_PLAIN
     if cfg.dtype in _configs.FLOAT32_TAGS:
         return point == FLOAT32_SAMPLE_FEATURES and cfg.features == max(_tested_features(cfg))
+    if arch == ALL_TOGETHER_ARCH and not isinstance(cfg, _configs.DecodeConfig):
+        return point in SAMPLE_FEATURES and cfg.features == max(_tested_features(cfg))
     return cfg.features in _tested_features(cfg) and point in SAMPLE_FEATURES
 
 
