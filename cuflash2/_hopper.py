@@ -106,7 +106,8 @@ def tensor_map_bytes_at(address: int, shape, strides_bytes, dtype: str, box_rows
                            "bfloat16": (types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
                            "float32": (types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
                            # e4m3 bits (the FP8 forward): bytes, the TMA copies them as they are
-                           "uint8": (types.CU_TENSOR_MAP_DATA_TYPE_UINT8, 1)}[dtype]
+                           "uint8": (types.CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+                           "float8_e4m3fn": (types.CU_TENSOR_MAP_DATA_TYPE_UINT8, 1)}[dtype]
     dims, strides, box = tensor_map_geometry(shape, strides_bytes, itemsize, box_rows)
     err, tensor_map = driver.cuTensorMapEncodeTiled(
         data_type, 4, address,
