@@ -260,7 +260,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "rotary_q_per_row": int(per_row) if rotary else 0}
     unit_descale = None
     if cache_format is not None:  # the factors' (batch, KV head) strides, 0 where shared
-        unit_descale = cupy.ones((1,), cupy.float32)
+        unit_descale = fp8.unit_descale(cupy)
         for prefix, descale in (("kd", k_descale), ("vd", v_descale)):
             strides = fp8.descale_strides(unit_descale if descale is None else descale)
             fields[f"{prefix}_batch_stride"], fields[f"{prefix}_head_stride"] = strides

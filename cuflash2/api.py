@@ -384,29 +384,16 @@ def _fp8_attention_plan(cupy, q, k, v, out, options, mask_mod, score_mod, block_
                         descales):
     """(plan, inputs) of an `attention` call with FP8 arguments: the descale factors after the
     other arrays (_FP8_ATTENTION), a factor not given a device array of 1 (one per device,
-    _unit_descale) where qkv_dtype is; descales without qkv_dtype are refused by the check."""
+    fp8.unit_descale) where qkv_dtype is; descales without qkv_dtype are refused by the check."""
     for name, given in (("mask_mod", mask_mod), ("score_mod", score_mod),
                         ("block_mask", block_mask), ("bias", bias)):
         if given is not None and options.qkv_dtype is not None:
             raise NotImplementedError(f"{name}: not with FP8 (e4m3) inputs (causal masks and "
                                       f"windows are)")
     if options.qkv_dtype is not None and cupy is not None:
-        descales = tuple(_unit_descale(cupy) if d is None else d for d in descales)
+        descales = tuple(fp8.unit_descale(cupy) if d is None else d for d in descales)
     inputs = (q, k, v, out, options.alibi_slopes, options.sinks, *descales)
     return _forward_plan("attention", _FP8_ATTENTION, cupy, inputs, options)[0], inputs
-
-
-_unit_descales: dict = {}
-
-
-def _unit_descale(cupy):
-    """A float32 1 of shape (1,) on the current device: the factor of an FP8 call's array whose
-    descale is not given (the kernel reads every factor)."""
-    device = cupy.cuda.runtime.getDevice()
-    unit = _unit_descales.get(device)
-    if unit is None:
-        unit = _unit_descales[device] = cupy.ones((1,), cupy.float32)
-    return unit
 
 
 def _modified_forward_plan(kind, layout, cupy, inputs, qkv, options, mask_mod, score_mod,

@@ -215,6 +215,20 @@ FORWARD_DESCALES = {"q_descale": "descales.q", "k_descale": "descales.k",
                     "v_descale": "descales.v"}
 
 
+_unit_descales: dict = {}
+
+
+def unit_descale(cupy):
+    """A float32 1 of shape (1,) on the current device, one per device: the factor of an FP8
+    array whose descale is not given (attention's FP8 forward, attention_with_kvcache's FP8
+    cache), whose kernels read every factor."""
+    device = cupy.cuda.runtime.getDevice()
+    unit = _unit_descales.get(device)
+    if unit is None:
+        unit = _unit_descales[device] = cupy.ones((1,), cupy.float32)
+    return unit
+
+
 def check_forward_descales(descales: dict, qkv_dtype, batch: int, nheads_kv: int) -> None:
     """The descale arguments of an attention call (`descales`: argument name -> array or
     None): only with FP8 inputs (`qkv_dtype` given), each a float32 array of shape (), (1,) or

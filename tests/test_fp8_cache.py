@@ -262,16 +262,19 @@ def test_fp8_arguments_are_checked_with_messages_naming_them(kwargs, error, mess
         _call(**kwargs)
 
 
-def test_an_fp8_decode_call_plans_the_e4m3_kernel_with_its_descale_pointers(api_host):
+def test_an_fp8_decode_call_plans_the_e4m3_kernel_with_its_descale_pointers(api_host,
+                                                                             monkeypatch):
     """attention_with_kvcache(kv_cache_dtype="e4m3"): the decode kernel's e4m3 specialisation
     (decode_config's, or on sm_90 the clustered one); the descales' pointers patched per call
-    with their (batch, KV head) strides in elements (0 where shared; a 1 of the plan's own where
-    none is given); and the same checks as the reference before anything launches."""
+    with their (batch, KV head) strides in elements (0 where shared; the device's 1,
+    fp8.unit_descale, where none is given); and the same checks as the reference before
+    anything launches."""
     import cuflash2
 
     cupy = api_host.cupy
     ones = device_array((1,), numpy.float32)
     cupy.ones = lambda shape, dtype: ones
+    monkeypatch.setattr(fp8, "_unit_descales", {})
     cupy.float32 = numpy.float32
     q = device_array((2, 1, 8, 128))
     cache = device_array((2, 4096, 2, 128), numpy.uint8)

@@ -28,12 +28,10 @@ REFUSALS = (NotImplementedError, ValueError, TypeError)
 
 def _unit_descales(host, monkeypatch):
     """The stand-in CuPy's cupy.ones (a device array of 1 is the factor of a descale not
-    given: api._unit_descale), with api's cache of those emptied for this test."""
-    from cuflash2 import api
-
+    given: fp8.unit_descale), with fp8's cache of those emptied for this test."""
     host.cupy.ones = lambda shape, dtype: device_array(shape, dtype)
     host.cupy.float32 = np.float32
-    monkeypatch.setattr(api, "_unit_descales", {}, raising=False)
+    monkeypatch.setattr(fp8, "_unit_descales", {})
     return host
 
 
