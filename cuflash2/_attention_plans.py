@@ -121,7 +121,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
                 [itemsize * math.prod(shape) for shape, *_ in shapes.values()])
             for (name, _), off in zip(shapes.items(), offsets):
                 scratch += [(name, off), (f"{_dispatch.TF32_OPERAND_MAPS[name]}.v", off)]
-            operands, grid = _dispatch.operand_pass(p, config)
+            operands, grid = _dispatch.operand_pass(config, shapes)
             launches.append(_launch.kernel_launch(operands, device_id, grid))
         launches.append(_launch.kernel_launch(config, device_id, choice.grid))
     descale_inputs, descale_fields = _descale_fields(views, sources)

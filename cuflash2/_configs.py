@@ -30,7 +30,7 @@ ELEMENT_TAGS = {**DTYPE_TAGS, **FLOAT32_TAGS}
 #: FP8 e4m3 inputs (the FP8 forward: the Hopper forward only, docs/FP8_FORWARD.md) by the
 #: output dtype they are computed into: e4m3_tag<the output's tag> (hopper_primitives.cuh).
 E4M3_ELEMENTS = {"bfloat16": "e4m3_bf16", "float16": "e4m3_fp16"}
-E4M3_TAGS = {"e4m3_bf16": "e4m3_tag<bf16_tag>", "e4m3_fp16": "e4m3_tag<fp16_tag>"}
+E4M3_TAGS = {element: f"e4m3_tag<{DTYPE_TAGS[out]}>" for out, element in E4M3_ELEMENTS.items()}
 #: The Hopper forward's elements: every kernel element and e4m3.
 HOPPER_FORWARD_TAGS = {**ELEMENT_TAGS, **E4M3_TAGS}
 #: 16-bit words an element takes in memory (the tags' WORDS): the kernels address tiles,
@@ -38,11 +38,13 @@ HOPPER_FORWARD_TAGS = {**ELEMENT_TAGS, **E4M3_TAGS}
 ELEMENT_WORDS = {"float16": 1, "bfloat16": 1, "float32": 2, "tf32": 2}
 #: Bytes an element takes (the tags' BYTES): the Hopper forward's traits count bytes, since an
 #: e4m3 element is half a word.
-ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "tf32": 4, "e4m3_bf16": 1,
-                 "e4m3_fp16": 1}
-#: The output dtype of each element (e4m3: the 16-bit output it is computed into).
-OUTPUT_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
-                 "tf32": "float32", "e4m3_bf16": "bfloat16", "e4m3_fp16": "float16"}
+ELEMENT_BYTES = {**{element: 2 * words for element, words in ELEMENT_WORDS.items()},
+                 **{element: 1 for element in E4M3_TAGS}}
+#: The output dtype of each element (float32 inputs: float32 at either precision; e4m3: the
+#: 16-bit output it is computed into).
+OUTPUT_DTYPES = {**{element: element for element in DTYPE_TAGS},
+                 **{element: "float32" for element in FLOAT32_TAGS},
+                 **{element: out for out, element in E4M3_ELEMENTS.items()}}
 
 #: Optional features (template bits of the kernels: score modifiers in cuda_src/score_mods.cuh,
 #: varlen in cuda_src/varlen.cuh). Specialisations are per combination, so plain attention

@@ -1056,23 +1056,22 @@ def e4m3_operand_shapes(problem, config) -> dict:
                             (strides[0], strides[2], strides[1], 1), config.head_dim)}
 
 
-def operand_pass(problem, config):
-    """The operand pass that runs before a Hopper forward whose V comes keys-last, and its
-    grid: (AuxKernel, grid) for float32 and e4m3 elements, else None."""
-    p = problem
+def operand_pass(config, scratch):
+    """The operand pass that writes a keys-last-V Hopper forward's `scratch` (its
+    tf32_operand_shapes / e4m3_operand_shapes) before it, and its grid: (AuxKernel, grid), a CTA
+    for each E4M3_OPERANDS_KEYS (e4m3) or 32 (float32) of the padded keys of each (KV head,
+    batch entry)."""
+    batch, nheads_kv, _, keys = scratch["v_keys_last"][0]
     if config.dtype in E4M3_TAGS:
-        keys = -(-p.seqlen_k // 32) * 32
-        return (AuxKernel(config.dtype, E4M3_OPERANDS_KERNEL),
-                (-(-keys // E4M3_OPERANDS_KEYS), p.nheads_kv, p.batch))
-    if config.dtype in FLOAT32_SM90_FWD_TILES:
-        keys = -(-p.seqlen_k // 8) * 8
-        return AuxKernel(config.dtype, TF32_OPERANDS_KERNEL), (-(-keys // 32), p.nheads_kv, p.batch)
-    return None
+        kernel, keys_a_cta = E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS
+    else:
+        kernel, keys_a_cta = TF32_OPERANDS_KERNEL, 32
+    return AuxKernel(config.dtype, kernel), (-(-keys // keys_a_cta), nheads_kv, batch)
 
 
 #: The element type of the scratch arrays an operand pass writes, by kernel element.
-SCRATCH_DTYPES = {"tf32": "float32", "float32": "float32", "e4m3_bf16": "uint8",
-                  "e4m3_fp16": "uint8"}
+SCRATCH_DTYPES = {**{element: "float32" for element in FLOAT32_TAGS},
+                  **{element: "uint8" for element in E4M3_TAGS}}
 
 
 def tf32_operand_shapes(problem, config) -> dict:
