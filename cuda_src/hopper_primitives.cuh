@@ -453,7 +453,7 @@ CF2_DEVICE u32 pack_e4m3x4(float b0, float b1, float b2, float b3) {
 // columns 4t .. 4t + 3 of row g in register 0 (of row g + 8 in 1) and 16 + 4t .. 16 + 4t + 3
 // in register 2 (3), and column 4t + b takes key 2t + (b & 1) + 8 (b >> 1) (+16 in registers
 // 2, 3): the order in which the FP8 forward's keys-last V holds each group of 32 keys
-// (docs/FP8_FORWARD.md; the A layout is mma.m16n8k32's, to be checked on the first GPU run).
+// (docs/FP8_FORWARD.md; the A layout is mma.m16n8k32's, as the FP8 forward's GPU tests confirm).
 CF2_DEVICE void pack_probabilities_e4m3(u32 (&a)[4], const float (&s)[4][4]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // keys 0-15, 16-31 of the step

@@ -214,8 +214,8 @@ def _check_shapes(q, k, v, fp8_ok=False):
         for name, x in (("q", q), ("k", k), ("v", v)):
             if numpy.dtype(x.dtype) in fp8.E4M3_DTYPES:
                 raise TypeError(f"{name} is {x.dtype}: FP8 inputs are taken by "
-                                f"reference.attention (qkv_dtype='e4m3') only, not by its "
-                                f"backward or varlen forms")
+                                f"reference.attention and reference.attention_varlen "
+                                f"(qkv_dtype='e4m3') only, not by the backward forms")
     if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(
             "q, k, v must all be (batch, seqlen, nheads, headdim) or all "
@@ -962,14 +962,14 @@ class _Varlen:
     """The checked arguments of a varlen call and the per-sequence options."""
 
     def __init__(self, xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 options, dropout_mask, mods=_NO_MODIFIERS):
+                 options, dropout_mask, mods=_NO_MODIFIERS, fp8_ok=False):
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.ndim != 3:
                 raise ValueError(
                     f"{name} must be packed (total_tokens, nheads, headdim) for varlen; got "
                     f"shape {x.shape}"
                 )
-        _check_shapes(q, k, v)
+        _check_shapes(q, k, v, fp8_ok)
         self.cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0]")
         self.cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0]")
         if self.cu_q.shape != self.cu_k.shape:
@@ -1088,25 +1088,19 @@ def attention_varlen(
     """
     xp = _array_module(q, k, v, alibi_slopes, sinks, dropout_mask, bias, mask)
     q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
-    if any(numpy.dtype(x.dtype) in fp8.E4M3_DTYPES for x in (q, k, v)) or qkv_dtype is not None:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x.ndim != 3:
-                raise ValueError(f"{name} must be packed (total_tokens, nheads, headdim) for "
-                                 f"varlen; got shape {x.shape}")
-        cu = [_check_cu_seqlens(name, cu, x.shape[0], f"{n}.shape[0]")
-              for name, cu, x, n in (("cu_seqlens_q", cu_seqlens_q, q, "q"),
-                                     ("cu_seqlens_k", cu_seqlens_k, k, "k"))]
-        # each packed row's sequence (its factors' row)
-        rows = [numpy.repeat(numpy.arange(len(c) - 1), numpy.diff(c)) for c in cu]
-        q, k, v = _fp8_dequantised(q, k, v, qkv_dtype, (q_descale, k_descale, v_descale),
-                                   compute_dtype, (len(cu[0]) - 1, rows[0], rows[1]))
-    else:
-        _fp8_dequantised(q, k, v, qkv_dtype, (q_descale, k_descale, v_descale), compute_dtype)
+    is_fp8 = (qkv_dtype is not None
+              or any(numpy.dtype(x.dtype) in fp8.E4M3_DTYPES for x in (q, k, v)))
     prec = _Precision(compute_dtype, out_dtype)
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
                                dropout_p, bias=bias)
     varlen = _Varlen(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     options, dropout_mask, _Modifiers(mask, score_mod, score_mod_grad))
+                     options, dropout_mask, _Modifiers(mask, score_mod, score_mod_grad),
+                     fp8_ok=is_fp8)
+    # FP8 inputs: each packed row takes its sequence's row of the factors.
+    sequences = ((varlen.batch, *(numpy.repeat(numpy.arange(varlen.batch), numpy.diff(cu))
+                                  for cu in (varlen.cu_q, varlen.cu_k))) if is_fp8 else None)
+    q, k, v = _fp8_dequantised(q, k, v, qkv_dtype, (q_descale, k_descale, v_descale),
+                               compute_dtype, sequences)
     # Filled sequence by sequence (every row belongs to exactly one), in the accumulation dtype
     # and cast at the end: a cast is the bf16 operation CuPy is known to support.
     out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=prec.acc)
