@@ -14,7 +14,7 @@ struct FwdSm90RingBarriers {
     u64 q_full;             // the Q tile landed
     u64 k_full[STAGES];     // K tile of the stage landed
     u64 v_full[STAGES];     // V tile of the stage landed
-    u64 kv_empty[STAGES];   // every consumer thread is done with the stage's K (and V, unless
+    u64 kv_empty[STAGES];   // every consumer warp is done with the stage's K (and V, unless
                             // V_EMPTY)
 };
 
@@ -26,7 +26,7 @@ template <int STAGES, bool V_EMPTY>
 struct FwdSm90KvBarriers : FwdSm90RingBarriers<STAGES> {};
 template <int STAGES>
 struct FwdSm90KvBarriers<STAGES, true> : FwdSm90RingBarriers<STAGES> {
-    u64 v_empty[STAGES];    // every consumer thread is done with the stage's V
+    u64 v_empty[STAGES];    // every consumer warp is done with the stage's V
 };
 
 // Q_EMPTY (with PERSISTENT): the persistent grid reloads Q: one more barrier.
@@ -34,7 +34,7 @@ template <int STAGES, bool V_EMPTY, bool Q_EMPTY>
 struct FwdSm90Barriers : FwdSm90KvBarriers<STAGES, V_EMPTY> {};
 template <int STAGES, bool V_EMPTY>
 struct FwdSm90Barriers<STAGES, V_EMPTY, true> : FwdSm90KvBarriers<STAGES, V_EMPTY> {
-    u64 q_empty;  // every consumer thread is done reading Q (its last S GEMM of the tile)
+    u64 q_empty;  // every consumer warp is done reading Q (its last S GEMM of the tile)
 };
 
 // CLAIMS (persistent, tiles claimed dynamically): the claimed work tiles (WorkTileClaims), the
@@ -48,13 +48,23 @@ struct FwdSm90ClaimBarriers<STAGES, V_EMPTY, true, true> : FwdSm90Barriers<STAGE
     int claimed[CLAIM_SLOTS];
 };
 
+// The arrivals that give a stage (or Q) back: one per consumer warp, from its lane 0 once the
+// warp's wgmma wait returned (fwd_mainloop.cuh's release lambdas). A wgmma is one operation of
+// its warpgroup, so a warp past its wait has the whole GEMM's reads behind it; one arrival a
+// warp instead of one a thread takes 32 times fewer arrive operations on the stage's barrier
+// (FlashAttention-3 measured its forward slower, causal d=128 most, when every consumer thread
+// arrived: its PipelineTmaAsyncNoCluster).
+template <int CONSUMER_THREADS>
+inline constexpr int RELEASE_ARRIVALS = CONSUMER_THREADS / 32;
+
 // Arrival counts (thread 0, before the CTA's first __syncthreads): a full barrier completes with
 // its one producer's arrive.expect_tx (or the claimer's put), an empty one once every consumer
-// thread has arrived.
+// warp has arrived (RELEASE_ARRIVALS).
 template <int CONSUMER_THREADS, int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS>
 CF2_DEVICE void init_barriers(FwdSm90ClaimBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS>& bars) {
+    constexpr int RELEASES = RELEASE_ARRIVALS<CONSUMER_THREADS>;
     mbarrier_init(smem_address(&bars.q_full), 1);
-    if constexpr (Q_EMPTY) mbarrier_init(smem_address(&bars.q_empty), CONSUMER_THREADS);
+    if constexpr (Q_EMPTY) mbarrier_init(smem_address(&bars.q_empty), RELEASES);
     if constexpr (CLAIMS) {
         for (int s = 0; s < bars.CLAIM_SLOTS; ++s)
             mbarrier_init(smem_address(&bars.claim_full[s]), 1);  // the claimer's put
@@ -63,8 +73,8 @@ CF2_DEVICE void init_barriers(FwdSm90ClaimBarriers<STAGES, V_EMPTY, Q_EMPTY, CLA
     for (int s = 0; s < STAGES; ++s) {
         mbarrier_init(smem_address(&bars.k_full[s]), 1);  // the producer's expect_tx arrival
         mbarrier_init(smem_address(&bars.v_full[s]), 1);
-        mbarrier_init(smem_address(&bars.kv_empty[s]), CONSUMER_THREADS);
-        if constexpr (V_EMPTY) mbarrier_init(smem_address(&bars.v_empty[s]), CONSUMER_THREADS);
+        mbarrier_init(smem_address(&bars.kv_empty[s]), RELEASES);
+        if constexpr (V_EMPTY) mbarrier_init(smem_address(&bars.v_empty[s]), RELEASES);
     }
     fence_mbarrier_init();
 }

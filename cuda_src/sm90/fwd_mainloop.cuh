@@ -372,20 +372,21 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     auto wait_v = [&](int j) {
         mbarrier_wait(smem_address(&bars.v_full[ring_of(j) % STAGES]), (ring_of(j) / STAGES) & 1);
     };
-    auto release = [&](int j) {
-        mbarrier_arrive(smem_address(&bars.kv_empty[ring_of(j) % STAGES]));
+    // Each gives back with one arrival a warp (fwd_barriers.cuh, RELEASE_ARRIVALS): lane 0's,
+    // once the warp's wgmma wait returned.
+    auto give_back = [&](u64& barrier) {
+        if (lane == 0) mbarrier_arrive(smem_address(&barrier));
     };
+    auto release = [&](int j) { give_back(bars.kv_empty[ring_of(j) % STAGES]); };
     // OVERLAP gives K and V of a stage back separately (FwdSm90KvBarriers::v_empty).
-    auto release_k = [&](int j) {
-        mbarrier_arrive(smem_address(&bars.kv_empty[ring_of(j) % STAGES]));
-    };
+    auto release_k = [&](int j) { give_back(bars.kv_empty[ring_of(j) % STAGES]); };
     auto release_v = [&](int j) {
-        if constexpr (OVERLAP) mbarrier_arrive(smem_address(&bars.v_empty[ring_of(j) % STAGES]));
+        if constexpr (OVERLAP) give_back(bars.v_empty[ring_of(j) % STAGES]);
     };
     // After the work tile's last S GEMM has completed, Q is no longer read: the producer may load
     // the next work tile's Q (persistent grid) under this tile's last P V and epilogue.
     auto release_q = [&]() {
-        if constexpr (PERSISTENT) mbarrier_arrive(smem_address(&bars.q_empty));
+        if constexpr (PERSISTENT) give_back(bars.q_empty);
     };
 
     // S_j -> P_j: score_step, online softmax (new running max; O and l rescaled where it moved),

@@ -164,7 +164,7 @@ struct PersistentTiles {
 // k - 2 (Q is loaded once a tile, after their last S GEMM of the tile before). Every role reads
 // the k-th tile from its slot once it is full (claim_full). A slot is written again SLOTS tiles
 // later, at the end of the claimer's tile k + SLOTS - LEAD >= k + 1: that tile's Q was loaded
-// once every consumer thread was done with tile k's S GEMMs, after the producer had read tile
+// once every consumer warp was done with tile k's S GEMMs, after the producer had read tile
 // k + 1, so every role has read tile k by then. That holds where every work tile loads a Q:
 // tiles that see no key would let the consumers run ahead of a lagging reader without a
 // barrier, so the host claims dynamically only where every query row sees a key
