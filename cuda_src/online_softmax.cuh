@@ -12,7 +12,13 @@
 // max, the result is the same softmax; it only saves the O *= correction multiplies on most tiles.
 // LAZY = false (update_max, fold_max) moves the max whenever a tile raises it, as FlashAttention-2
 // does: the FP8 forward's, whose probabilities are rounded to e4m3, so that a row's largest one
-// is exactly 1 rather than 2^x for some x in (0, 8], off by up to e4m3's 6% (docs/FP8_FORWARD.md).
+// is exactly a power of two rather than 2^x for some x in (0, 8], off by up to e4m3's 6%
+// (docs/FP8_FORWARD.md).
+// P_SCALE_LOG2 (fold_max, update_max, finalize; the FP8 forward's E4M3_P_SCALE_LOG2, else 0):
+// every probability is taken 2^P_SCALE_LOG2 times larger, exp2(s * scale_log2 - m * scale_log2
+// + P_SCALE_LOG2), so that e4m3 keeps the mantissa of the small ones. O and l carry the factor
+// alike (it cancels in O / l); the lse takes it out. (A sink would have to enter the sum as
+// 2^P_SCALE_LOG2: the FP8 forward takes none.)
 #pragma once
 #include "mma_primitives.cuh"
 
@@ -54,11 +60,11 @@ struct OnlineSoftmax {
     // accumulator and the sums where the max moved. Leaves the scaled max for step 2.
     // It is fold_max then rescale_o; the Hopper kernel's intra-warpgroup overlap runs the two
     // apart (O is the accumulator of an in-flight wgmma in between).
-    template <bool LAZY = true, int N_TILES, int D_TILES>
+    template <bool LAZY = true, int P_SCALE_LOG2 = 0, int N_TILES, int D_TILES>
     CF2_DEVICE void update_max(const float (&s)[M_TILES][N_TILES][4],
                                float (&acc_o)[M_TILES][D_TILES][4], float scale_log2) {
         float correction[ROWS];
-        const bool any_rescale = fold_max<LAZY>(s, scale_log2, correction);
+        const bool any_rescale = fold_max<LAZY, P_SCALE_LOG2>(s, scale_log2, correction);
         rescale_o(acc_o, correction, any_rescale);
     }
 
@@ -66,7 +72,7 @@ struct OnlineSoftmax {
     // moved; `correction` gets each row's factor for O (1 where the max stayed). Returns whether
     // any row of the warp moved (warp-uniform: the O pass is skipped otherwise). Reads only the
     // scores, so it may run while a wgmma is still writing O.
-    template <bool LAZY = true, int N_TILES>
+    template <bool LAZY = true, int P_SCALE_LOG2 = 0, int N_TILES>
     CF2_DEVICE bool fold_max(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
                              float (&correction)[ROWS]) {
         bool any_rescale = false;
@@ -89,6 +95,7 @@ struct OnlineSoftmax {
                 row_sum[r] *= correction[r];
                 // Rows that have seen no key yet: every score is -inf, use 0 so exp2 gives 0.
                 max_scaled[r] = row_max[r] == neg_inf() ? 0.f : row_max[r] * scale_log2;
+                if constexpr (P_SCALE_LOG2 != 0) max_scaled[r] -= P_SCALE_LOG2;
             }
         }
         return __any_sync(0xffffffffu, any_rescale);
@@ -187,13 +194,20 @@ struct OnlineSoftmax {
 
     // 1/l for the final normalisation (0 for a row that saw no key, whose output is 0) and the
     // natural-log logsumexp of the scaled scores (+inf for such a row), per row of this thread.
+    // P_SCALE_LOG2: the sums hold 2^P_SCALE_LOG2 times the probabilities (fold_max).
+    template <int P_SCALE_LOG2 = 0>
     CF2_DEVICE void finalize(float softmax_scale, float (&inv_sum)[ROWS], float (&lse)[ROWS]) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float sum = quad_sum(row_sum[r]);
             const bool seen = sum > 0.f;
             inv_sum[r] = seen ? 1.f / sum : 0.f;
-            lse[r] = seen ? row_max[r] * softmax_scale + logf(sum) : pos_inf();
+            if constexpr (P_SCALE_LOG2 != 0) {
+                constexpr float P_SCALE_LN = P_SCALE_LOG2 * 0.6931471805599453f;
+                lse[r] = seen ? row_max[r] * softmax_scale + (logf(sum) - P_SCALE_LN) : pos_inf();
+            } else {
+                lse[r] = seen ? row_max[r] * softmax_scale + logf(sum) : pos_inf();
+            }
         }
     }
 };

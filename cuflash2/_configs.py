@@ -155,6 +155,12 @@ TF32_OPERANDS_THREADS = 256
 #: order): threads a CTA, and keys a CTA (whole groups of 32).
 E4M3_OPERANDS_THREADS = 256
 E4M3_OPERANDS_KEYS = 128
+#: The FP8 forward's P is exp2(s * scale_log2 - m * scale_log2 + E4M3_P_SCALE_LOG2): a row's
+#: largest probability is 2^8 = 256 (exact in e4m3, below its 448), so probabilities down to
+#: 2^-14 keep e4m3's 3 mantissa bits and down to 2^-17 are not 0 (from 1 they would lose bits
+#: below 2^-6 and be 0 below 2^-9). The sums carry the same factor, which cancels in O / l; the
+#: lse subtracts it (online_softmax.cuh; reference.py's e4m3 model rounds P the same way).
+E4M3_P_SCALE_LOG2 = 8
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
 #: cuflash2.merge_states' kernel (merge_states.cu): threads a CTA, MergeStatesConfig.lanes of
@@ -206,6 +212,7 @@ CUDA_CONSTANTS = {
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "SINKS_THREADS": SINKS_THREADS, "TF32_OPERANDS_THREADS": TF32_OPERANDS_THREADS,
     "E4M3_OPERANDS_THREADS": E4M3_OPERANDS_THREADS, "E4M3_OPERANDS_KEYS": E4M3_OPERANDS_KEYS,
+    "E4M3_P_SCALE_LOG2": E4M3_P_SCALE_LOG2,
     "MERGE_THREADS": MERGE_THREADS, "MERGE_GROUP": MERGE_GROUP,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,

@@ -94,6 +94,7 @@ import ml_dtypes
 import numpy
 
 from . import _validate, fp8
+from ._configs import E4M3_P_SCALE_LOG2
 from ._options import AttentionOptions
 from ._validate import check_softcap as _check_softcap
 
@@ -192,10 +193,12 @@ class _Precision:
         return x.astype(self.round_to).astype(self.acc)
 
     def round_weights(self, x):
-        """The unnormalised probabilities exp(s - max) as P V takes them (e4m3 for "e4m3")."""
+        """The unnormalised probabilities exp(s - max) as P V takes them (e4m3 for "e4m3": of
+        2^E4M3_P_SCALE_LOG2 times each, as the kernel rounds them)."""
         if not self.weights_to_e4m3:
             return x
-        return fp8.e4m3_to_float(fp8.float_to_e4m3(x))
+        scale = float(2 ** E4M3_P_SCALE_LOG2)
+        return fp8.e4m3_to_float(fp8.float_to_e4m3(x * scale)) / scale
 
     def round_scores(self, x):
         """The scores (and sinks) as the implementation holds them."""

@@ -49,8 +49,8 @@ CF2_DEVICE void store_tile(const FwdParams& p, const FwdTileContext& c,
     // own (the next work tile's Q may be landing in Q's), reused tile after tile.
     u16* o_block = c.o_block;
     float* lse_block = c.lse_block;
-    softmax.finalize(Elem::IS_E4M3 ? p.softmax_scale * descales.qk : p.softmax_scale, inv_sum,
-                     row_lse);
+    softmax.template finalize<T::P_SCALE_LOG2>(
+        Elem::IS_E4M3 ? p.softmax_scale * descales.qk : p.softmax_scale, inv_sum, row_lse);
     if constexpr (Elem::IS_E4M3)
 #pragma unroll
         for (int half = 0; half < 2; ++half) inv_sum[half] *= descales.v;

@@ -85,7 +85,7 @@ CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::P_FRAGS][4],
 
 // The probabilities in the S registers (after exp_scores) as the A operand of P V, step by step.
 // e4m3: k32 steps of four n8 tiles, rounded to e4m3 (the unnormalised probabilities lie in
-// [0, 1]: T::LAZY_RESCALE is false), in the order the keys-last V holds its keys
+// [0, 2^T::P_SCALE_LOG2]: T::LAZY_RESCALE is false), in the order the keys-last V holds its keys
 // (pack_probabilities_e4m3, hopper_primitives.cuh).
 // 16-bit: k16 slices packed in pairs (OnlineSoftmax::pack_p). TF32: k8 steps, one n8 tile of the
 // accumulator each, rounded (cvt.rna, as every operand of the float32 kernels); the tile holds
@@ -395,7 +395,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     auto softmax_step = [&](float (&acc_s)[1][T::N_TILES][4], u32 (&p_frag)[T::P_FRAGS][4],
                             int tile) {
         score_step(acc_s, tile);
-        softmax.template update_max<T::LAZY_RESCALE>(acc_s, acc_o, scale_log2);
+        softmax.template update_max<T::LAZY_RESCALE, T::P_SCALE_LOG2>(acc_s, acc_o, scale_log2);
         if constexpr (T::KEYS_LAST_V) {  // float32, e4m3: packed in the keys-last V's order
             softmax.exp_scores(acc_s, scale_log2);
             pack_probabilities<Elem, T>(p_frag, acc_s[0]);
@@ -478,7 +478,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
         auto first_softmax = [&](auto& s) {
             score_step(s, tile_end - 1, bias_tile_of(0));
             bias.release(ring_of(0));
-            softmax.template fold_max<T::LAZY_RESCALE>(s, scale_log2, correction);  // O is 0
+            softmax.template fold_max<T::LAZY_RESCALE, T::P_SCALE_LOG2>(s, scale_log2,
+                                                                        correction);  // O is 0
             softmax.exp_scores(s, scale_log2);
         };
         if constexpr (HALF_TILES) {
@@ -519,7 +520,8 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             bias.wait(ring_of(j));
             score_step(acc_s, tile_end - 1 - j, bias_tile_of(j));
             bias.release(ring_of(j));
-            rescale = softmax.template fold_max<T::LAZY_RESCALE>(acc_s, scale_log2, correction);
+            rescale = softmax.template fold_max<T::LAZY_RESCALE, T::P_SCALE_LOG2>(
+                acc_s, scale_log2, correction);
             softmax.exp_scores(acc_s, scale_log2);
         }
         // The last P V, after the rescale for the last tile's max.

@@ -97,6 +97,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // rounded to e4m3, and a row's largest probability is then exactly 1 only where the max
     // moves with every tile that raises it (docs/FP8_FORWARD.md, "Accuracy").
     static constexpr bool LAZY_RESCALE = !Elem::IS_E4M3;
+    // e4m3: P taken 2^E4M3_P_SCALE_LOG2 times larger, a row's largest 256 (online_softmax.cuh).
+    static constexpr int P_SCALE_LOG2 = Elem::IS_E4M3 ? E4M3_P_SCALE_LOG2 : 0;
     static constexpr int DIM = HEAD_DIM;
     static constexpr int DIM_V = HEAD_DIM_V;  // P V's N
     static constexpr int KEYS_PER_TILE = BLOCK_N;

@@ -11,12 +11,12 @@ rounded to e4m3 and the output to out_dtype; the lse against the float64 referen
 or a given `out=` filled with NaN).
 
 Covered: head dims 64, 128 and 256, causal and not, seqlen_q != seqlen_k and odd lengths (1 to
-2081), GQA (8:2), MQA (8:1) and MHA, windows, a softmax_scale, unbatched inputs, per-tensor and
-per-(batch, KV head) descales and none, out_dtype bfloat16 and float16, out= given and returned
-as is, descales read at every call (new arrays and new values in the same arrays) and shared
-along an axis (broadcast views), k and v as strided views, the kernel
-`forward_kernels` names, and the refusals (uint8 without qkv_dtype, the features the FP8
-forward does not take, GPUs other than sm_90). The host-side checks that need no GPU are in
+2081), long flat rows (16k keys), GQA (8:2), MQA (8:1) and MHA, windows, a softmax_scale, unbatched
+inputs, per-tensor and per-(batch, KV head) descales and none, out_dtype bfloat16 and float16, out=
+given and returned as is, descales read at every call (new arrays and new values in the same
+arrays) and shared along an axis (broadcast views), k and v as strided views, the kernel
+`forward_kernels` names, and the refusals (uint8 without qkv_dtype, the features the FP8 forward
+does not take, GPUs other than sm_90). The host-side checks that need no GPU are in
 tests/test_fp8_forward_host.py.
 """
 
@@ -130,6 +130,16 @@ def test_softmax_scale_and_unbatched_inputs():
     q, k, v, descales = _inputs("unbatched", None, 150, 390, 4, 2, 256)
     _check(q, k, v, descales, softmax_scale=0.3, causal=True)
     _check(q, k, v, descales, softmax_scale=0.3)
+
+
+@needs_hopper
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_long_flat_rows(headdim):
+    """16k keys, scores of spread 2: most of each row's mass in probabilities between 2^-9 and
+    2^-6 of its largest, which keep e4m3's mantissa only as 256 P (E4M3_P_SCALE_LOG2); the
+    references round P as the kernel does."""
+    q, k, v, descales = _inputs("flat", 1, 100, 16384, 4, 2, headdim)
+    _check(q, k, v, descales, softmax_scale=2 / headdim ** 0.5)
 
 
 @needs_hopper
