@@ -13,8 +13,9 @@ in its last bits; everything else of the paper grid's calls should be equal).
     PYTHONPATH=. python3 benchmarks/dev/ab_sources.py --alt alt_src --direction bwd \\
         [--headdims 64 128] [--seqlens 4096] [--dtypes fp16] [--causal both] [--rounds 3] [--cudnn]
 
-Make the overlay from a commit, for instance: mkdir alt_src && git show REF:cuda_src/FILE >
-alt_src/FILE (an untracked folder in the repository root travels to the device machine).
+Make the overlay from a commit, for instance: mkdir -p alt_src/sm90 && git show
+REF:cuda_src/sm90/FILE > alt_src/sm90/FILE (its files by their paths under cuda_src; an
+untracked folder in the repository root travels to the device machine).
 """
 
 import argparse
@@ -40,7 +41,9 @@ class Sources:
         self._tmp = tempfile.TemporaryDirectory(prefix="cuflash2-alt-src-")
         merged = Path(self._tmp.name) / "cuda_src"
         shutil.copytree(base, merged)
-        overridden = sorted(p.name for p in overlay.iterdir() if p.is_file())
+        # paths relative to the overlay, sm90/ and the other subfolders included
+        overridden = sorted(str(p.relative_to(overlay)) for p in overlay.rglob("*")
+                            if p.is_file())
         if not overridden:
             raise SystemExit(f"{overlay}: no files to put in place of cuda_src's")
         for name in overridden:

@@ -138,8 +138,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
                   "the epilogue's 16-byte chunks split evenly over a warpgroup");
     static_assert(!KEYS_LAST_V || (BLOCK_N * BYTES % ROW_BYTES == 0 && VT_PANEL_BYTES % 1024 == 0),
                   "keys-last V: whole panels of keys, whole swizzle atoms");
-    static_assert(!KEYS_LAST_V || (!PERSISTENT && !BIAS),
-                  "float32, e4m3: the one-tile-per-CTA grid, no bias tiles");
+    static_assert(!KEYS_LAST_V || (!BIAS && (Elem::IS_E4M3 || !PERSISTENT)),
+                  "float32, e4m3: no bias tiles; float32 on the one-tile-per-CTA grid");
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
