@@ -2,10 +2,11 @@
 only: the raw tile as the TMA writes it (the caller's V, rows of keys, 128-byte swizzle), what
 ldmatrix.x4.trans gives each lane, the two byte permutes, what stmatrix.x4 writes where, replayed
 with the CUDA's own index arithmetic (each function below mirrors one of the header's), and the
-resulting tile of the ring compared with what the operand pass and the TMA used to put there
-(flash_fwd_e4m3_operands.cu: within each group of 32 keys, position 4t + b of a 16-position half
-holds key 2t + (b & 1) + 8 (b >> 1) of that half; VT panels of 128 key bytes by head-dim rows,
-128-byte swizzle), for every head dim and tile of _dispatch.E4M3_SM90_FWD_TILES.
+resulting tile of the ring compared with the keys-last V that P V's descriptors read (issue_pv)
+and that the operand pass it replaces wrote (VT panels of 128 key bytes by head-dim rows,
+128-byte swizzle; within each group of 32 keys, position 4t + b of a 16-position half holds key
+2t + (b & 1) + 8 (b >> 1) of that half: the order pack_probabilities_e4m3 packs P in), for every
+head dim and tile of _dispatch.E4M3_SM90_FWD_TILES.
 
 Fragment layouts (PTX ISA, "Warp-level matrix load / store instructions: ldmatrix, stmatrix"):
 an 8 x 8 matrix of 16-bit elements has its 8 rows (16 bytes each) at the addresses lanes
@@ -18,12 +19,12 @@ its transpose. stmatrix without .trans stores the first layout.
 import numpy as np
 import pytest
 
-from cuflash2 import _dispatch
+from cuflash2 import _configs, _dispatch
 
 ROW_BYTES = 128  # a swizzled panel's row (Sm90CtaLayout::ROW_BYTES)
 #: The producer warpgroup's warps that transpose (FwdSm90Traits::TRANSPOSE_WARPS: warps 1-3;
 #: warp 0's thread 0 issues the TMA loads).
-TRANSPOSE_WARPS = 3
+TRANSPOSE_WARPS = _configs.SM90_TRANSPOSE_V_WARPS
 
 
 # ---- shared memory as the TMA writes it (CU_TENSOR_MAP_SWIZZLE_128B, 1024-byte-aligned) ------
@@ -46,15 +47,16 @@ def tma_raw_tile(v_tile, block_n, v_panels):
 
 
 def e4m3_key_at_position(pos):
-    """flash_fwd_e4m3_operands.cu's e4m3_key_at_position: the key (within its group of 32) that
-    position pos of a keys-last V row holds."""
+    """The key (within its group of 32) that position pos of a keys-last V row holds (P's order:
+    pack_probabilities_e4m3, hopper_primitives.cuh)."""
     half, t, b = pos // 16, (pos % 16) // 4, pos % 4
     return 16 * half + 2 * t + (b & 1) + 8 * (b >> 1)
 
 
 def expected_vt_stage(v_tile, block_n, head_dim):
-    """The ring's V tile as the operand pass wrote V keys-last and the TMA loaded it: VT_PANELS
-    panels (128 keys each) of head_dim rows of 128 key positions, 128-byte swizzle."""
+    """The ring's V tile as P V reads it (and as the operand pass wrote V keys-last and the TMA
+    loaded it): VT_PANELS panels (128 keys each) of head_dim rows of 128 key positions, 128-byte
+    swizzle."""
     vt_panel_bytes = head_dim * ROW_BYTES
     smem = np.zeros((block_n // ROW_BYTES) * vt_panel_bytes, np.uint8)
     for h in range(head_dim):
@@ -126,17 +128,16 @@ class Shape:
         self.head_dim = head_dim
         self.block_n = block_n
         self.v_panels = -(-head_dim // ROW_BYTES)      # V_PANELS (e4m3: 128 bytes a panel)
+        self.vt_panels = block_n // ROW_BYTES          # VT_PANELS (128 keys a panel)
         self.kv_panel_bytes = block_n * ROW_BYTES      # KV_PANEL_BYTES
         self.vt_panel_bytes = head_dim * ROW_BYTES     # VT_PANEL_BYTES
-        self.key_groups = block_n // 32                # TRANSPOSE_KEY_GROUPS
-        self.dim_chunks = head_dim // 16               # TRANSPOSE_DIM_CHUNKS
-        self.steps = self.key_groups * self.dim_chunks  # TRANSPOSE_STEPS
+        self.units = self.vt_panels * (head_dim // 16)  # TRANSPOSE_UNITS
 
 
 def raw_lane_offset(lane):
-    """raw_lane_offset: lane l reads key l of a group of 32 (row l of the group's 4 matrices:
-    keys 0-7, 8-15, 16-23, 24-31), chunk 0 of the row in its swizzled slot; a step XORs its
-    chunk in (bits 4-6; the row's bits lie above)."""
+    """raw_lane_offset: lane l reads key l of a group of 32 (row l % 8 of the group's matrix
+    l / 8: keys 0-7, 8-15, 16-23, 24-31), chunk 0 of the row in its swizzled slot; a step XORs
+    its chunk in (bits 4-6; the row's bits lie above)."""
     return lane * ROW_BYTES + ((lane & 7) << 4)
 
 
@@ -149,49 +150,46 @@ def vt_lane_offset(lane):
     return hr * ROW_BYTES + ((((lane >> 4) ^ hr) & 7) << 4)
 
 
-def step_of(s, shape):
-    """transpose_step's (key group, head-dim chunk of 16 bytes) of step s."""
-    return s % shape.key_groups, s // shape.key_groups
+def unit_addresses(raw_lane, vt_lane, u, shape):
+    """transpose_unit's row addresses of a lane for unit u (head-dim chunk c = u / VT_PANELS,
+    VT panel p = u % VT_PANELS): [(ldmatrix's, stmatrix's) for steps i = 0 .. 3, key group
+    4 p + i]. raw_lane, vt_lane: the tiles' (1024-byte aligned) addresses plus the lane's
+    offsets."""
+    c, p = u // shape.vt_panels, u % shape.vt_panels
+    raw = ((raw_lane + (c // 8) * shape.kv_panel_bytes) ^ ((c % 8) << 4)) + p * 128 * ROW_BYTES
+    vt = vt_lane + p * shape.vt_panel_bytes + c * 16 * ROW_BYTES
+    return [(raw + i * 32 * ROW_BYTES, vt ^ ((2 * i) << 4)) for i in range(4)]
 
 
-def raw_address(raw_tile, lane_raw, kg, c, shape):
-    """The raw tile's row address of a lane at step (kg, c): panel c / 8, group kg's rows, chunk
-    c % 8."""
-    return (raw_tile + (c // 8) * shape.kv_panel_bytes + kg * 32 * ROW_BYTES
-            + (lane_raw ^ ((c % 8) << 4)))
-
-
-def vt_address(vt_tile, lane_vt, kg, c, shape):
-    """The ring stage's row address of a lane at step (kg, c): VT panel kg / 4 (128 keys), head-dim
-    rows 16 c .., chunks 2 (kg % 4) and 2 (kg % 4) + 1 of the rows (bit 4 from the lane)."""
-    return (vt_tile + (kg // 4) * shape.vt_panel_bytes + c * 16 * ROW_BYTES
-            + (lane_vt ^ ((2 * (kg % 4)) << 4)))
-
-
-#: transpose_step's byte permutes: of the words of keys 2t, 2t + 1 (a) and 8 + 2t, 9 + 2t (b) of
+#: transpose_unit's byte permutes: of the words of keys 2t, 2t + 1 (a) and 8 + 2t, 9 + 2t (b) of
 #: head-dim bytes 2g and 2g + 1, the even bytes (head dim 2g) and the odd ones (2g + 1).
 EVEN_BYTES, ODD_BYTES = 0x6420, 0x7531
 
 
-def transpose_tile(raw, shape, warps=TRANSPOSE_WARPS):
-    """transpose_tile: every transposer warp's steps (s = warp, warp + warps, ...) on the raw
-    tile `raw` into a fresh stage; returns (stage, the worst ldmatrix and stmatrix bank ways,
-    how many times each step ran)."""
+def transpose_tile(raw, shape, warps=TRANSPOSE_WARPS, raw_base=0, vt_base=0):
+    """transpose_v_tiles on one tile: every transposer warp's units (u = warp, warp + warps,
+    ...) on the raw tile `raw` (at raw_base, 1024-byte aligned) into a fresh stage (at
+    vt_base); returns (stage, the worst ldmatrix and stmatrix bank ways, how many times each
+    unit ran)."""
     stage = np.zeros((shape.block_n // ROW_BYTES) * shape.vt_panel_bytes, np.uint8)
     lds_ways = sts_ways = 0
-    runs = np.zeros(shape.steps, int)
+    runs = np.zeros(shape.units, int)
     for warp in range(warps):
-        for s in range(warp, shape.steps, warps):
-            runs[s] += 1
-            kg, c = step_of(s, shape)
-            loads = [raw_address(0, raw_lane_offset(lane), kg, c, shape) for lane in range(32)]
-            d = ldmatrix_x4_trans(raw, loads)
-            regs = [[byte_perm(r[0], r[1], EVEN_BYTES), byte_perm(r[0], r[1], ODD_BYTES),
-                     byte_perm(r[2], r[3], EVEN_BYTES), byte_perm(r[2], r[3], ODD_BYTES)]
-                    for r in d]
-            stores = [vt_address(0, vt_lane_offset(lane), kg, c, shape) for lane in range(32)]
-            stmatrix_x4(stage, stores, regs)
-            lds_ways, sts_ways = max(lds_ways, bank_ways(loads)), max(sts_ways, bank_ways(stores))
+        for u in range(warp, shape.units, warps):
+            runs[u] += 1
+            lanes = [unit_addresses(raw_base + raw_lane_offset(lane),
+                                    vt_base + vt_lane_offset(lane), u, shape)
+                     for lane in range(32)]
+            for i in range(4):
+                loads = [lanes[lane][i][0] - raw_base for lane in range(32)]
+                stores = [lanes[lane][i][1] - vt_base for lane in range(32)]
+                d = ldmatrix_x4_trans(raw, loads)
+                regs = [[byte_perm(r[0], r[1], EVEN_BYTES), byte_perm(r[0], r[1], ODD_BYTES),
+                         byte_perm(r[2], r[3], EVEN_BYTES), byte_perm(r[2], r[3], ODD_BYTES)]
+                        for r in d]
+                stmatrix_x4(stage, stores, regs)
+                lds_ways = max(lds_ways, bank_ways(loads))
+                sts_ways = max(sts_ways, bank_ways(stores))
     return stage, lds_ways, sts_ways, runs
 
 
@@ -199,14 +197,16 @@ TILES = [(d, block_n) for d, (block_n, *_) in _dispatch.E4M3_SM90_FWD_TILES.item
 
 
 @pytest.mark.parametrize("head_dim,block_n", TILES, ids=[f"d{d}-n{n}" for d, n in TILES])
-def test_the_transposed_tile_is_the_operand_pass_tile(head_dim, block_n):
+def test_the_transposed_tile_is_the_keys_last_tile(head_dim, block_n):
     """Random bytes of V (every byte value, so a misplaced byte shows): the transposer's stage
-    equals the operand pass's keys-last tile as the TMA loaded it, every step run once."""
+    equals the keys-last tile (the operand pass's, as the TMA loaded it), every unit run once."""
     rng = np.random.default_rng(head_dim + block_n)
     v_tile = rng.integers(0, 256, (block_n, head_dim), dtype=np.uint8)
     shape = Shape(head_dim, block_n)
     raw = tma_raw_tile(v_tile, block_n, shape.v_panels)
-    stage, lds_ways, sts_ways, runs = transpose_tile(raw, shape)
+    # Tiles anywhere 1024-byte aligned in shared memory (a raw buffer, a ring stage).
+    stage, lds_ways, sts_ways, runs = transpose_tile(raw, shape, raw_base=5 << 10,
+                                                     vt_base=37 << 10)
     assert (runs == 1).all()
     np.testing.assert_array_equal(stage, expected_vt_stage(v_tile, block_n, head_dim))
     # ldmatrix's rows (8 consecutive keys, one chunk) are conflict-free; stmatrix's (even or
@@ -216,7 +216,7 @@ def test_the_transposed_tile_is_the_operand_pass_tile(head_dim, block_n):
 
 def test_the_byte_permutes_give_the_operand_pass_words():
     """One 16 x 16 block: a lane's two loads and permutes hold, for head-dim bytes 2g and
-    2g + 1, keys 2t, 2t + 1, 8 + 2t, 9 + 2t: the word of positions 4t .. 4t + 3."""
+    2g + 1, keys 2t, 2t + 1, 8 + 2t, 9 + 2t: the word of positions 4t .. 4t + 3 (P's order)."""
     rng = np.random.default_rng(0)
     block = rng.integers(0, 256, (16, 16), dtype=np.uint8)  # [key][head-dim byte]
     smem = np.zeros(16 * 16, np.uint8)
