@@ -27,7 +27,7 @@ from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DT
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
                        USER_MOD_FEATURES, AuxKernel, FwdSm90Config, TF32_OPERANDS_KERNEL,
-                       E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS, E4M3_TAGS, backward_features,
+                       E4M3_TAGS, backward_features,
                        with_features)
 
 #: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
@@ -132,9 +132,8 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     if hopper is not None:
         maps = _hopper.forward_maps(hopper)
         map_fields = _hopper.readable_map_fields(views, maps)
-        if map_fields is not None and hopper.keys_last_v:
-            scratch = (e4m3_operand_shapes(p, hopper) if hopper.dtype in E4M3_TAGS
-                       else tf32_operand_shapes(p, hopper))
+        if map_fields is not None and hopper.operand_pass:
+            scratch = tf32_operand_shapes(p, hopper)
             try:  # K and V as the operand pass writes them, in the call's scratch
                 map_fields.update(_hopper.scratch_map_fields(
                     {TF32_OPERAND_MAPS[name]: (view, strides, rows)
@@ -1043,35 +1042,17 @@ def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
 TF32_OPERAND_MAPS = {"k_tf32": "k_map", "v_keys_last": "v_map"}
 
 
-def e4m3_operand_shapes(problem, config) -> dict:
-    """The FP8 forward's scratch array (flash_fwd_e4m3_operands.cu), as tf32_operand_shapes
-    gives its own: v_keys_last, V's bytes with their keys innermost, (batch, kv heads, head dim,
-    keys padded to 32), mapped as (batch, head dim, kv heads, keys) with boxes of 128 keys (one
-    128-byte panel) by the head dim."""
-    p = problem
-    keys = -(-p.seqlen_k // 32) * 32
-    shape = (p.batch, p.nheads_kv, p.head_dim, keys)
-    strides = (p.nheads_kv * p.head_dim * keys, p.head_dim * keys, keys, 1)
-    return {"v_keys_last": (shape, strides, (p.batch, p.head_dim, p.nheads_kv, keys),
-                            (strides[0], strides[2], strides[1], 1), config.head_dim)}
-
-
 def operand_pass(config, scratch):
-    """The operand pass that writes a keys-last-V Hopper forward's `scratch` (its
-    tf32_operand_shapes / e4m3_operand_shapes) before it, and its grid: (AuxKernel, grid), a CTA
-    for each E4M3_OPERANDS_KEYS (e4m3) or 32 (float32) of the padded keys of each (KV head,
-    batch entry)."""
+    """The operand pass that writes a float32 Hopper forward's `scratch` (its
+    tf32_operand_shapes) before it, and its grid: (AuxKernel, grid), a CTA for each 32 of the
+    padded keys of each (KV head, batch entry). (The FP8 forward transposes V in the kernel:
+    FwdSm90Config.transpose_v.)"""
     batch, nheads_kv, _, keys = scratch["v_keys_last"][0]
-    if config.dtype in E4M3_TAGS:
-        kernel, keys_a_cta = E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS
-    else:
-        kernel, keys_a_cta = TF32_OPERANDS_KERNEL, 32
-    return AuxKernel(config.dtype, kernel), (-(-keys // keys_a_cta), nheads_kv, batch)
+    return AuxKernel(config.dtype, TF32_OPERANDS_KERNEL), (-(-keys // 32), nheads_kv, batch)
 
 
 #: The element type of the scratch arrays an operand pass writes, by kernel element.
-SCRATCH_DTYPES = {**{element: "float32" for element in FLOAT32_TAGS},
-                  **{element: "uint8" for element in E4M3_TAGS}}
+SCRATCH_DTYPES = {element: "float32" for element in FLOAT32_TAGS}
 
 
 def tf32_operand_shapes(problem, config) -> dict:
@@ -1588,10 +1569,8 @@ def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
 
 def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS)) -> list:
     """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype), one
-    per head dim of E4M3_SM90_FWD_TILES, and the operand pass that runs before each element's."""
-    return [config for element in elements
-            for config in [e4m3_sm90_config(element, d) for d in E4M3_SM90_FWD_TILES]
-            + [AuxKernel(element, E4M3_OPERANDS_KERNEL)]]
+    per head dim of E4M3_SM90_FWD_TILES (V transposed in the kernel: no operand pass)."""
+    return [e4m3_sm90_config(element, d) for element in elements for d in E4M3_SM90_FWD_TILES]
 
 
 def hopper_forward_configs(features=(0,)) -> list:
