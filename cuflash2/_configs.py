@@ -161,6 +161,9 @@ E4M3_P_SCALE_LOG2 = 8
 #: producer warpgroup write V keys-last into the ring (sm90/fwd_transpose_v.cuh), warp 0's thread
 #: 0 issues the TMA loads; each warp arrives once on the barriers they complete.
 SM90_TRANSPOSE_V_WARPS = 3
+#: Registers of the producer warpgroup where it also walks the persistent grid's work tiles to
+#: transpose V (FwdSm90Traits::PRODUCER_REGISTERS): 32 x 128 + 240 x 256 fills the 64K exactly.
+SM90_WIDE_PRODUCER_REGISTERS = 32
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
 #: cuflash2.merge_states' kernel (merge_states.cu): threads a CTA, MergeStatesConfig.lanes of
@@ -213,6 +216,7 @@ CUDA_CONSTANTS = {
     "SINKS_THREADS": SINKS_THREADS, "TF32_OPERANDS_THREADS": TF32_OPERANDS_THREADS,
     "E4M3_P_SCALE_LOG2": E4M3_P_SCALE_LOG2,
     "SM90_TRANSPOSE_V_WARPS": SM90_TRANSPOSE_V_WARPS,
+    "SM90_WIDE_PRODUCER_REGISTERS": SM90_WIDE_PRODUCER_REGISTERS,
     "MERGE_THREADS": MERGE_THREADS, "MERGE_GROUP": MERGE_GROUP,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,

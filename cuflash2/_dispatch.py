@@ -922,7 +922,7 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     first row to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
     if p.dtype in E4M3_TAGS:
-        return e4m3_hopper_forward_config(p, features, arch, varlen)
+        return e4m3_hopper_forward_config(p, features, arch, varlen, window)
     if HOPPER_FORWARD and arch == 90 and p.dtype in FLOAT32_SM90_FWD_TILES:
         return tf32_hopper_forward_config(p, features, varlen)
     if (not HOPPER_FORWARD or arch != 90 or p.dtype not in DTYPE_TAGS
@@ -995,7 +995,8 @@ def float32_sm90_config(element: str, kernel_dim: int, features: int = 0) -> Fwd
                          pingpong=block_m == 128, overlap=True, features=features)
 
 
-def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None):
+def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
+                               window=(-1, -1)):
     """The FP8 forward's configuration (E4M3_SM90_FWD_TILES) for a checked e4m3 call, or
     NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), dense
     calls (the keys-last V's groups: varlen later), head dims of E4M3_SM90_FWD_TILES (q's, k's
@@ -1028,7 +1029,25 @@ def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None):
     if p.seqlen_k == 0:
         raise NotImplementedError("FP8 (e4m3) inputs: not with an empty key sequence "
                                   "(seqlen_k 0) yet")
-    return e4m3_sm90_config(p.dtype, p.head_dim)
+    config = e4m3_sm90_config(p.dtype, p.head_dim)
+    causal = window[1] == 0 and window[0] < 0
+    if window[0] >= 0 or (window[1] >= 0 and not causal):
+        return config  # windows: the one-tile-per-CTA grid
+    claims = causal and dynamic_schedule(p.head_dim, p.seqlen_q, p.seqlen_k, window[1],
+                                         E4M3_DYNAMIC_SCHEDULE_KEYS)
+    if claims or p.seqlen_k <= E4M3_PERSISTENT_MAX_KEYS.get((p.head_dim, causal), 0):
+        config = dataclasses.replace(config, persistent=True, claims=claims)
+    return config
+
+
+#: The FP8 forward's grids (benchmarks/dev/fp8_variants_ab.py, H100, 2026-12-07, d=128 against
+#: the one-tile-per-CTA grid): the persistent grid with the static schedule up to this many keys
+#: by (kernel head dim, causal), 1.02-1.10x at 512-2k keys, 0.92-1.00x non-causal from 4k and
+#: 0.70-0.90x causal from 4k (its CTAs end apart); claimed tiles for causal rows within
+#: E4M3_DYNAMIC_SCHEDULE_KEYS, 1.02-1.04x at 2k-8k, 0.97x at 16k. d=64 (256-key tiles) and
+#: d=256 spill on the persistent grid and stay on the one-tile grid.
+E4M3_PERSISTENT_MAX_KEYS = {(128, False): 2048, (128, True): 1024}
+E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (2048, 8192)}
 
 
 def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
@@ -1108,11 +1127,13 @@ DYNAMIC_SCHEDULE = True
 DYNAMIC_SCHEDULE_KEYS = {64: (2048, NO_LIMIT), 128: (2048, 8192)}
 
 
-def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int) -> bool:
+def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int,
+                     key_ranges=None) -> bool:
     """Whether a persistent launch (kernel head dim `kernel_dim`) claims its tiles dynamically:
     FwdSm90Config.claims (its plan then sets FwdSm90Params.tile_counters to the stream's
-    counters a call)."""
-    first, last = DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0))
+    counters a call). `key_ranges`: DYNAMIC_SCHEDULE_KEYS, or the FP8 forward's."""
+    ranges = DYNAMIC_SCHEDULE_KEYS if key_ranges is None else key_ranges
+    first, last = ranges.get(kernel_dim, (1, 0))
     return (DYNAMIC_SCHEDULE and window_right >= 0 and first <= seqlen_k <= last
             and seqlen_q <= seqlen_k + window_right)  # every query row sees a key
 
@@ -1568,9 +1589,20 @@ def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
 
 
 def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS)) -> list:
-    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype), one
-    per head dim of E4M3_SM90_FWD_TILES (V transposed in the kernel: no operand pass)."""
-    return [e4m3_sm90_config(element, d) for element in elements for d in E4M3_SM90_FWD_TILES]
+    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype): one
+    per head dim of E4M3_SM90_FWD_TILES on the one-tile-per-CTA grid (V transposed in the
+    kernel: no operand pass), and on the persistent grid those of E4M3_PERSISTENT_MAX_KEYS'
+    head dims, with claimed tiles those of E4M3_DYNAMIC_SCHEDULE_KEYS'."""
+    configs = []
+    for element in elements:
+        for d in E4M3_SM90_FWD_TILES:
+            config = e4m3_sm90_config(element, d)
+            configs.append(config)
+            if any(dim == d for dim, _ in E4M3_PERSISTENT_MAX_KEYS):
+                configs.append(dataclasses.replace(config, persistent=True))
+            if d in E4M3_DYNAMIC_SCHEDULE_KEYS:
+                configs.append(dataclasses.replace(config, persistent=True, claims=True))
+    return configs
 
 
 def hopper_forward_configs(features=(0,)) -> list:

@@ -218,10 +218,11 @@ E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs()
 def _keys_last_v_sampled(c) -> bool:
     """The default run's share of the forwards whose ring holds V keys-last: every float32 head
     dim plain with its operand pass (3 + 1 and 2 + 1 compiles), e4m3 at every head dim with a
-    bfloat16 output (the in-kernel transpose's producer registers differ by tile); the rest under
+    bfloat16 output on the one-tile grid (the in-kernel transpose's producer registers differ
+    by tile) and with claimed tiles (the persistent loop's registers); the rest under
     --exhaustive."""
     if c.dtype in _configs.E4M3_TAGS:
-        return c.dtype == "e4m3_bf16"
+        return c.dtype == "e4m3_bf16" and c.persistent == c.claims
     return not getattr(c, "features", 0)
 
 
@@ -237,7 +238,7 @@ def test_keys_last_v_hopper_forward_compiles_without_spills(config, reports):
         report = reports(config)
         assert report.cubin_bytes > 0 and report.spill_stores == 0, report.log
         return
-    assert config.keys_last_v and not config.persistent
+    assert config.keys_last_v and (config.transpose_v or not config.persistent)
     test_hopper_forward_compiles_without_spills(config, reports)
 
 
@@ -249,11 +250,16 @@ def test_e4m3_forward_configs():
     assert all(isinstance(c, _configs.FwdSm90Config) for c in E4M3_CONFIGS)
     assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS} == {
         (e, d) for e in _configs.E4M3_TAGS for d in _dispatch.E4M3_SM90_FWD_TILES}
+    # d=128 also on the persistent grid, statically and with claimed tiles
+    assert sorted((c.head_dim, c.persistent, c.claims) for c in E4M3_CONFIGS
+                  if c.dtype == "e4m3_bf16") == [(64, False, False), (128, False, False),
+                                                  (128, True, False), (128, True, True),
+                                                  (256, False, False)]
     for c in E4M3_CONFIGS:
         assert c.transpose_v and c.keys_last_v and not c.operand_pass
         assert c.block_n % 128 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
         assert c.smem_bytes <= MAX_SMEM_SM90
-    assert {c.head_dim: c.raw_v_stages for c in E4M3_CONFIGS} == {64: 2, 128: 2, 256: 1}
+    assert {(c.head_dim, c.raw_v_stages) for c in E4M3_CONFIGS} == {(64, 2), (128, 2), (256, 1)}
 
 
 def test_hopper_sinks_configs():

@@ -119,6 +119,14 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // chunk, with constant offsets between them; a tile's units go round the TRANSPOSE_WARPS
     // warps (d=64 and 128: 8 units, 3 + 3 + 2; d=256: 16, 6 + 5 + 5).
     static constexpr int TRANSPOSE_UNITS = VT_PANELS * (HEAD_DIM_V / 16);
+    // The persistent grid's transposers walk the tile scheduler's work tiles themselves, whose
+    // state does not fit 24 registers beside the transpose (8 bytes spilled with the static
+    // schedule): their warpgroup takes SM90_WIDE_PRODUCER_REGISTERS (32), which with two
+    // consumer warpgroups of 240 fills the register file exactly (32 x 128 + 240 x 256 =
+    // 65536, as FlashAttention-3's 32 + 3 x 160 does).
+    static constexpr int PRODUCER_REGISTERS = TRANSPOSE_V && PERSISTENT
+                                                  ? SM90_WIDE_PRODUCER_REGISTERS
+                                                  : Sm90CtaLayout::PRODUCER_REGISTERS;
     static constexpr int SMEM_BYTES = RING_SMEM_BYTES + RAW_V_STAGES * RAW_V_TILE_BYTES;
 
     // The online softmax's lazy rescale (online_softmax.cuh), but for e4m3 elements: their P is
@@ -174,7 +182,8 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
     static_assert(!BIAS || BLOCK_N % PANEL_COLS == 0, "the bias's tile: whole 64-key panels");
-    static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS),
+    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMER_THREADS
+                      <= 65536,
                   "the setmaxnreg split fits the register file");
     static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
                   "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "

@@ -9,7 +9,7 @@ Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head d
 and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
 both consumer schedules across the head dims, on the persistent grid for the short rows and on
 one tile per CTA for the 600-key ones at d=96, and with its tiles claimed one by one
-(`_claimed_tiles`); the backwards run on the Hopper backward,
+(`_claimed_tiles`), and the FP8 forward (`_fp8`); the backwards run on the Hopper backward,
 deterministic ones too (its ordered dQ, staged and by vector reductions, dense and varlen; the
 dropout calls on mma.sync), and `_hopper_backward` switches it on for its own section whatever
 the environment says.
@@ -154,6 +154,37 @@ def _claimed_tiles(dtype) -> None:
         api._forward_plans.plans.clear()
 
 
+def _fp8(head_dims) -> None:
+    """The FP8 forward (sm_90; e4m3 bits with per-(batch, KV head) descales): V transposed by
+    the producer warpgroup through its raw V ring, on the one-tile grid (d=64, 256, windows), on
+    the persistent grid (d=128, short rows: static, and claimed tiles where forced onto short
+    causal rows as in _claimed_tiles), odd lengths, GQA."""
+    from cuflash2 import fp8
+
+    saved = _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS
+    try:
+        for claims in (False, True):
+            if claims:
+                _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (0, _dispatch.NO_LIMIT)}
+            api._forward_plans.plans.clear()
+            for d in head_dims:
+                rng = numpy.random.default_rng(d)
+                bits = [cupy.asarray(fp8.quantize_e4m3(
+                    rng.standard_normal((2, n, h, d)).astype(numpy.float32), 1 / 64))
+                        for n, h in ((300, 4), (333, 2), (333, 2))]
+                descales = {f"{x}_descale": cupy.full((2, 2), 1 / 64, numpy.float32)
+                            for x in "qkv"}
+                for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))):
+                    if claims and not causal:
+                        continue
+                    out = cuflash2.attention(*bits, qkv_dtype="e4m3", causal=causal,
+                                             window_size=window, **descales)
+                    assert not bool(cupy.isnan(out.astype(numpy.float32)).any())
+    finally:
+        _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS = saved
+        api._forward_plans.plans.clear()
+
+
 def _float32_backward(dout, q, k, v, out, lse, precision, deterministic=(False,), varlen=(),
                       **options) -> None:
     """Float32 inputs' backward (warp_gemm_f32.cuh: 32-bit loads of P, dS, dO, Q and K, 8- and
@@ -235,6 +266,8 @@ def main(quick: bool) -> None:
         _hopper_backward(dtype, (64, 128) if quick else (40, 64, 96, 128))
         if api.device_arch(cupy.cuda.Device().id) == 90:
             _claimed_tiles(dtype)
+    if api.device_arch(cupy.cuda.Device().id) == 90:
+        _fp8((64, 128, 256))
     _float32((64, 128) if quick else (32, 64, 96, 128, 192, 256))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")
