@@ -162,7 +162,8 @@ E4M3_P_SCALE_LOG2 = 8
 #: 0 issues the TMA loads; each warp arrives once on the barriers they complete.
 SM90_TRANSPOSE_V_WARPS = 3
 #: Registers of the producer warpgroup where it also walks the persistent grid's work tiles to
-#: transpose V (FwdSm90Traits::PRODUCER_REGISTERS): 32 x 128 + 240 x 256 fills the 64K exactly.
+#: transpose V (FwdSm90Traits::PRODUCER_REGISTERS); its consumers then take 232, what the CTA's
+#: 168 x 384 registers at entry leave (FwdSm90Config.consumer_registers).
 SM90_WIDE_PRODUCER_REGISTERS = 32
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
@@ -513,7 +514,19 @@ class FwdSm90Config:
                   f"{', true' if self.bias_tile else ''}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == "
-            f"{sm90_consumer_registers(self.block_m // 64)}, \"setmaxnreg budget\");\n")
+            f"{self.consumer_registers}, \"setmaxnreg budget\");\n")
+
+    @property
+    def consumer_registers(self) -> int:
+        """Registers of a consumer thread after setmaxnreg.inc (FwdSm90Traits): the share
+        beside the producer's 24 (sm90_consumer_registers), or where the producer warpgroup
+        transposes V on the persistent grid beside its SM90_WIDE_PRODUCER_REGISTERS, of the
+        registers the CTA has at entry (65536 / threads, a multiple of 8, each thread)."""
+        if not (self.transpose_v and self.persistent):
+            return sm90_consumer_registers(self.block_m // 64)
+        entry = 65536 // self.threads // 8 * 8
+        consumers = self.threads - 128
+        return (entry * self.threads - SM90_WIDE_PRODUCER_REGISTERS * 128) // consumers // 8 * 8
 
 
 @dataclass(frozen=True)

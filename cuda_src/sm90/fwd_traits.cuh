@@ -18,8 +18,9 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
     static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
     static constexpr int ENTRY_REGISTERS = entry_registers(THREADS);
-    // 240 registers a consumer thread with two consumer warpgroups, 160 with three.
-    static constexpr int CONSUMER_REGISTERS = consumer_registers(CONSUMER_WARPGROUPS);
+    // 240 registers a consumer thread with two consumer warpgroups, 160 with three (but for
+    // WIDE_PRODUCER below).
+    static constexpr int BASE_CONSUMER_REGISTERS = consumer_registers(CONSUMER_WARPGROUPS);
     // Named barriers (0 is __syncthreads): one per consumer for its epilogue, and one per
     // consumer for its turns of the ping-pong schedule.
     static constexpr int EPILOGUE_BARRIER = 1;
@@ -121,12 +122,16 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int TRANSPOSE_UNITS = VT_PANELS * (HEAD_DIM_V / 16);
     // The persistent grid's transposers walk the tile scheduler's work tiles themselves, whose
     // state does not fit 24 registers beside the transpose (8 bytes spilled with the static
-    // schedule): their warpgroup takes SM90_WIDE_PRODUCER_REGISTERS (32), which with two
-    // consumer warpgroups of 240 fills the register file exactly (32 x 128 + 240 x 256 =
-    // 65536, as FlashAttention-3's 32 + 3 x 160 does).
-    static constexpr int PRODUCER_REGISTERS = TRANSPOSE_V && PERSISTENT
-                                                  ? SM90_WIDE_PRODUCER_REGISTERS
-                                                  : Sm90CtaLayout::PRODUCER_REGISTERS;
+    // schedule): their warpgroup takes SM90_WIDE_PRODUCER_REGISTERS (32), and the consumers
+    // what the CTA's registers at entry leave them (ENTRY_REGISTERS x THREADS: setmaxnreg.inc
+    // waits for registers of that pool, forever where the split asks more): 232.
+    static constexpr bool WIDE_PRODUCER = TRANSPOSE_V && PERSISTENT;
+    static constexpr int PRODUCER_REGISTERS =
+        WIDE_PRODUCER ? SM90_WIDE_PRODUCER_REGISTERS : Sm90CtaLayout::PRODUCER_REGISTERS;
+    static constexpr int CONSUMER_REGISTERS =
+        WIDE_PRODUCER ? (ENTRY_REGISTERS * THREADS - PRODUCER_REGISTERS * WARPGROUP_THREADS) /
+                            CONSUMER_THREADS / 8 * 8
+                      : BASE_CONSUMER_REGISTERS;
     static constexpr int SMEM_BYTES = RING_SMEM_BYTES + RAW_V_STAGES * RAW_V_TILE_BYTES;
 
     // The online softmax's lazy rescale (online_softmax.cuh), but for e4m3 elements: their P is
@@ -182,9 +187,11 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
     static_assert(!BIAS || BLOCK_N % PANEL_COLS == 0, "the bias's tile: whole 64-key panels");
-    static_assert(PRODUCER_REGISTERS * WARPGROUP_THREADS + CONSUMER_REGISTERS * CONSUMER_THREADS
-                      <= 65536,
-                  "the setmaxnreg split fits the register file");
+    static_assert(split_fits(CONSUMER_THREADS, BASE_CONSUMER_REGISTERS) &&
+                      PRODUCER_REGISTERS * WARPGROUP_THREADS +
+                              CONSUMER_REGISTERS * CONSUMER_THREADS <=
+                          ENTRY_REGISTERS * THREADS,
+                  "the setmaxnreg split fits the registers the CTA has at entry");
     static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
                   "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "
                   "128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do not fit)");
