@@ -15,7 +15,7 @@ struct FwdSm90RingBarriers {
     u64 q_full;             // the Q tile landed
     u64 k_full[STAGES];     // K tile of the stage landed
     u64 v_full[STAGES];     // V tile of the stage landed
-    u64 kv_empty[STAGES];   // every consumer warp is done with the stage's K (and V, unless
+    u64 kv_empty[STAGES];   // every consumer is done with the stage's K (and V, unless
                             // V_EMPTY)
 };
 
@@ -27,7 +27,7 @@ template <int STAGES, bool V_EMPTY>
 struct FwdSm90KvBarriers : FwdSm90RingBarriers<STAGES> {};
 template <int STAGES>
 struct FwdSm90KvBarriers<STAGES, true> : FwdSm90RingBarriers<STAGES> {
-    u64 v_empty[STAGES];    // every consumer warp is done with the stage's V
+    u64 v_empty[STAGES];    // every consumer is done with the stage's V
 };
 
 // Q_EMPTY (with PERSISTENT): the persistent grid reloads Q: one more barrier.
@@ -35,7 +35,7 @@ template <int STAGES, bool V_EMPTY, bool Q_EMPTY>
 struct FwdSm90Barriers : FwdSm90KvBarriers<STAGES, V_EMPTY> {};
 template <int STAGES, bool V_EMPTY>
 struct FwdSm90Barriers<STAGES, V_EMPTY, true> : FwdSm90KvBarriers<STAGES, V_EMPTY> {
-    u64 q_empty;  // every consumer warp is done reading Q (its last S GEMM of the tile)
+    u64 q_empty;  // every consumer is done reading Q (its last S GEMM of the tile)
 };
 
 // CLAIMS (persistent, tiles claimed dynamically): the claimed work tiles (WorkTileClaims), the
@@ -49,14 +49,10 @@ struct FwdSm90ClaimBarriers<STAGES, V_EMPTY, true, true> : FwdSm90Barriers<STAGE
     int claimed[CLAIM_SLOTS];
 };
 
-// The arrivals that give a stage (or Q) back: one per consumer warp, from its lane 0 once the
-// warp's wgmma wait returned (fwd_mainloop.cuh's release lambdas). A wgmma is one operation of
-// its warpgroup, so a warp past its wait has the whole GEMM's reads behind it; one arrival a
-// warp instead of one a thread takes 32 times fewer arrive operations on the stage's barrier
-// (FlashAttention-3 measured its forward slower, causal d=128 most, when every consumer thread
-// arrived: its PipelineTmaAsyncNoCluster).
-template <int CONSUMER_THREADS>
-inline constexpr int RELEASE_ARRIVALS = CONSUMER_THREADS / 32;
+// The arrivals that give a stage (or Q) back (FwdSm90Traits::RELEASE_ARRIVALS): one a consumer
+// thread, or with WARP_RELEASES (the FP8 forward) one a consumer warp, from its lane 0 once the
+// warp's wgmma wait returned (fwd_mainloop.cuh's release lambdas; a wgmma is one operation of
+// its warpgroup, so a warp past its wait has the whole GEMM's reads behind it).
 
 // RAW_V_STAGES (FwdSm90Traits::TRANSPOSE_V, e4m3): the raw V ring between thread 0's TMA loads
 // of V as it lies and the transposers (sm90/fwd_transpose_v.cuh), after every other barrier.
@@ -74,14 +70,12 @@ struct FwdSm90KernelBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS, RAW_V_STAGES, tru
 
 // Arrival counts (thread 0, before the CTA's first __syncthreads): a full barrier completes with
 // its one producer's arrive.expect_tx (or the claimer's put; with the raw V ring, v_full with one
-// arrival of each transposer warp), an empty one once every consumer warp has arrived
-// (RELEASE_ARRIVALS; the raw V ring's once every transposer warp has).
-template <int CONSUMER_THREADS, int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS,
-          int RAW_V_STAGES>
+// arrival of each transposer warp), an empty one with its RELEASES arrivals
+// (every consumer thread's, or warp's; the raw V ring's once every transposer warp has).
+template <int RELEASES, int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS, int RAW_V_STAGES>
 CF2_DEVICE void init_barriers(
     FwdSm90KernelBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS, RAW_V_STAGES>& bars) {
     constexpr u32 V_FULL_ARRIVALS = RAW_V_STAGES > 0 ? SM90_TRANSPOSE_V_WARPS : 1;
-    constexpr int RELEASES = RELEASE_ARRIVALS<CONSUMER_THREADS>;
     mbarrier_init(smem_address(&bars.q_full), 1);
     if constexpr (Q_EMPTY) mbarrier_init(smem_address(&bars.q_empty), RELEASES);
     if constexpr (CLAIMS) {

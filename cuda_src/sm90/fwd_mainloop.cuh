@@ -372,10 +372,14 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     auto wait_v = [&](int j) {
         mbarrier_wait(smem_address(&bars.v_full[ring_of(j) % STAGES]), (ring_of(j) / STAGES) & 1);
     };
-    // Each gives back with one arrival a warp (fwd_barriers.cuh, RELEASE_ARRIVALS): lane 0's,
-    // once the warp's wgmma wait returned.
+    // Each gives back with one arrival a thread, or with T::WARP_RELEASES one a warp (lane 0's,
+    // once the warp's wgmma wait returned): fwd_barriers.cuh.
     auto give_back = [&](u64& barrier) {
-        if (lane == 0) mbarrier_arrive(smem_address(&barrier));
+        if constexpr (T::WARP_RELEASES) {
+            if (lane == 0) mbarrier_arrive(smem_address(&barrier));
+        } else {
+            mbarrier_arrive(smem_address(&barrier));
+        }
     };
     auto release = [&](int j) { give_back(bars.kv_empty[ring_of(j) % STAGES]); };
     // OVERLAP gives K and V of a stage back separately (FwdSm90KvBarriers::v_empty).

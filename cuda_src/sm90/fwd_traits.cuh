@@ -25,6 +25,13 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // consumer for its turns of the ping-pong schedule.
     static constexpr int EPILOGUE_BARRIER = 1;
     static constexpr int TURN_BARRIER = EPILOGUE_BARRIER + CONSUMER_WARPGROUPS;
+    // The consumers give a stage (and Q) back with one arrival a warp where the element is e4m3,
+    // else one a thread (fwd_barriers.cuh). Measured on the H100 (d=128, 2026-12-07,
+    // benchmarks/dev/fp8_variants_ab.py and ab_sources.py): the FP8 forward 1.03-1.12x from 4k
+    // keys non-causal (its tiles are short, and 256 arrivals on a stage's barrier show), the
+    // 16-bit one 0.98-0.99x on most rows.
+    static constexpr bool WARP_RELEASES = Elem::IS_E4M3;
+    static constexpr int RELEASE_ARRIVALS = WARP_RELEASES ? CONSUMER_THREADS / 32 : CONSUMER_THREADS;
 
     // Elements are counted in bytes (Elem::BYTES): 2 for fp16 / bf16, 4 for float32 (tf32_tag,
     // f32x3_tag: TF32 wgmma), 1 for e4m3 (e4m3_tag: the FP8 forward). A Q or K row of HEAD_DIM
