@@ -107,7 +107,7 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     outputs.append((tuple(lse_shape), "float32"))
     launches, counters = [], ()
     scratch, scratch_bytes = [], 0
-    if p.batch and p.seqlen_q and p.nheads:
+    if config is not None and p.batch and p.seqlen_q and p.nheads:
         if choice.hopper and config.claims:
             counters = ("tile_counters",)
         if choice.scratch is not None:

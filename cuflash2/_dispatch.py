@@ -80,6 +80,10 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     split = p.head_dim_v != p.head_dim
     if (split or p.dtype in E4M3_TAGS) and not (p.batch and p.seqlen_q and p.nheads):
         return ForwardChoice(None, (0, 0, 0))  # nothing to launch (forward_plan)
+    if p.dtype in E4M3_TAGS and varlen is not None and varlen.total_q == 0:
+        # no query row in the packed q (max_seqlen_q may still be positive): nothing to
+        # compute, and no map over q's zero rows
+        return ForwardChoice(None, (0, 0, 0))
     if p.dtype in E4M3_TAGS and (config is not None or "fwd" in FORCED
                                  or user_mods is not None):
         if user_mods is not None:
@@ -998,22 +1002,28 @@ def float32_sm90_config(element: str, kernel_dim: int, features: int = 0) -> Fwd
 def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
                                window=(-1, -1)):
     """The FP8 forward's configuration (E4M3_SM90_FWD_TILES) for a checked e4m3 call, or
-    NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), dense
-    calls (the keys-last V's groups: varlen later), head dims of E4M3_SM90_FWD_TILES (q's, k's
-    and v's alike), causal masks and windows but no other feature, at least one key
-    (forward_kernel plans no launch for a call without queries, heads or batch entries)."""
+    NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), head
+    dims of E4M3_SM90_FWD_TILES (q's, k's and v's alike), causal masks and windows but no other
+    feature, at least one key (forward_kernel plans no launch for a call without queries, heads
+    or batch entries).
+
+    Varlen (`varlen` given, FEATURE_VARLEN in `features`): the one-tile-per-CTA grid with
+    FEATURE_VARLEN compiled in, as the 16-bit varlen forward (V is read in place and transposed
+    in the kernel, so a packed sequence needs nothing of its own; the descales are read by
+    sequence); HOPPER_FORWARD_VARLEN does not apply (no other kernel reads e4m3). At least one
+    key in the packed k (a map has no empty extent); a sequence without keys gets out 0 and lse
+    +inf as in 16-bit calls. The persistent grids stay dense-only, as the 16-bit ones."""
     p = problem
     dims = tuple(E4M3_SM90_FWD_TILES)
     if arch != 90:
         raise NotImplementedError(
             f"FP8 (e4m3) inputs run on the Hopper forward: sm_90 (H100, H200) only; this device "
             f"is sm_{arch} (cuflash2.fp8.dequantize_e4m3 gives 16-bit inputs for the others)")
-    if varlen is not None:
-        raise NotImplementedError("FP8 (e4m3) inputs: not with varlen batches yet (dense "
-                                  "attention calls)")
     named = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "alibi_slopes"),
                                     (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout_p"))
              if features & bit]
+    if varlen is not None:
+        features &= ~FEATURE_VARLEN
     if features:
         raise NotImplementedError(
             f"{', '.join(named) or 'these options'}: not with FP8 (e4m3) inputs yet (they take "
@@ -1026,6 +1036,11 @@ def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
         raise NotImplementedError("FP8 (e4m3) inputs need the CUDA driver bindings "
                                   "(cuda-bindings, which encode the Hopper forward's TMA "
                                   "descriptors): pip install cuda-bindings")
+    if varlen is not None:
+        if varlen.total_k == 0:
+            raise NotImplementedError("FP8 (e4m3) inputs: not with varlen batches without any "
+                                      "key (k of 0 rows, cu_seqlens_k all 0) yet")
+        return with_features(e4m3_sm90_config(p.dtype, p.head_dim), FEATURE_VARLEN)
     if p.seqlen_k == 0:
         raise NotImplementedError("FP8 (e4m3) inputs: not with an empty key sequence "
                                   "(seqlen_k 0) yet")
@@ -1588,20 +1603,27 @@ def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
     return out
 
 
-def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS)) -> list:
-    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype): one
-    per head dim of E4M3_SM90_FWD_TILES on the one-tile-per-CTA grid (V transposed in the
-    kernel: no operand pass), and on the persistent grid those of E4M3_PERSISTENT_MAX_KEYS'
-    head dims, with claimed tiles those of E4M3_DYNAMIC_SCHEDULE_KEYS'."""
+def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS), features=(0,)) -> list:
+    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype) for
+    each of `features` it takes (0: dense calls, FEATURE_VARLEN: attention_varlen's; others are
+    skipped): one per head dim of E4M3_SM90_FWD_TILES on the one-tile-per-CTA grid (V
+    transposed in the kernel: no operand pass), and for dense calls on the persistent grid
+    those of E4M3_PERSISTENT_MAX_KEYS' head dims, with claimed tiles those of
+    E4M3_DYNAMIC_SCHEDULE_KEYS'."""
     configs = []
-    for element in elements:
-        for d in E4M3_SM90_FWD_TILES:
-            config = e4m3_sm90_config(element, d)
-            configs.append(config)
-            if any(dim == d for dim, _ in E4M3_PERSISTENT_MAX_KEYS):
-                configs.append(dataclasses.replace(config, persistent=True))
-            if d in E4M3_DYNAMIC_SCHEDULE_KEYS:
-                configs.append(dataclasses.replace(config, persistent=True, claims=True))
+    for f in dict.fromkeys(features):
+        if f not in (0, FEATURE_VARLEN):
+            continue
+        for element in elements:
+            for d in E4M3_SM90_FWD_TILES:
+                config = with_features(e4m3_sm90_config(element, d), f)
+                configs.append(config)
+                if f:
+                    continue  # varlen: the one-tile grid alone
+                if any(dim == d for dim, _ in E4M3_PERSISTENT_MAX_KEYS):
+                    configs.append(dataclasses.replace(config, persistent=True))
+                if d in E4M3_DYNAMIC_SCHEDULE_KEYS:
+                    configs.append(dataclasses.replace(config, persistent=True, claims=True))
     return configs
 
 

@@ -103,14 +103,13 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
                                                                              (element,))
                             if getattr(c, "head_dim", None) in f32_dims
                             or (f32_dims and isinstance(c, _configs.AuxKernel))]
-            # The FP8 forward (e4m3 inputs; plain calls: it takes no feature bit) and its
-            # operand pass.
+            # The FP8 forward (e4m3 inputs: plain calls, and varlen ones with --features
+            # varlen; it takes no other feature bit).
             e4m3 = tuple(t for t in _configs.E4M3_TAGS if t in dtypes)
             e4m3_dims = {h for h in head_dims if h in _dispatch.E4M3_SM90_FWD_TILES}
-            if e4m3 and e4m3_dims and 0 in features:
-                configs += [c for c in _dispatch.e4m3_hopper_forward_configs(e4m3)
-                            if getattr(c, "head_dim", None) in e4m3_dims
-                            or isinstance(c, _configs.AuxKernel)]
+            if e4m3 and e4m3_dims:
+                configs += [c for c in _dispatch.e4m3_hopper_forward_configs(e4m3, features)
+                            if c.head_dim in e4m3_dims]
     if "bwd" in directions:
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))

@@ -211,17 +211,22 @@ def _tf32_id(c) -> str:
 
 
 #: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES), V
-#: transposed in the kernel (no operand pass).
-E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs()
+#: transposed in the kernel (no operand pass), dense and varlen (FEATURE_VARLEN).
+E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs(features=(0, _configs.FEATURE_VARLEN))
+#: The varlen FP8 forwards of the default run: d=64 (the consumers' highest register, R237 of
+#: 240, one above the dense kernel's) with a bfloat16 output, d=256 with a float16 one.
+E4M3_VARLEN_SAMPLE = {("e4m3_bf16", 64), ("e4m3_fp16", 256)}
 
 
 def _keys_last_v_sampled(c) -> bool:
     """The default run's share of the forwards whose ring holds V keys-last: every float32 head
     dim plain with its operand pass (3 + 1 and 2 + 1 compiles), e4m3 at every head dim with a
     bfloat16 output on the one-tile grid (the in-kernel transpose's producer registers differ
-    by tile) and with claimed tiles (the persistent loop's registers); the rest under
-    --exhaustive."""
+    by tile) and with claimed tiles (the persistent loop's registers), and two varlen ones
+    (E4M3_VARLEN_SAMPLE); the rest under --exhaustive."""
     if c.dtype in _configs.E4M3_TAGS:
+        if c.features & _configs.FEATURE_VARLEN:
+            return (c.dtype, c.head_dim) in E4M3_VARLEN_SAMPLE
         return c.dtype == "e4m3_bf16" and c.persistent == c.claims
     return not getattr(c, "features", 0)
 
@@ -246,15 +251,19 @@ def test_e4m3_forward_configs():
     """Every element (a bfloat16 and a float16 output) at every head dim of its tiles, V
     transposed in the kernel (no operand pass): keys-last in whole 128-key panels of the ring,
     two raw V buffers where they fit 227 KiB (d=64 and 128) and one at d=256, O staged in a Q
-    region of O's bytes."""
+    region of O's bytes; varlen (FEATURE_VARLEN) on the one-tile grid alone."""
     assert all(isinstance(c, _configs.FwdSm90Config) for c in E4M3_CONFIGS)
+    assert len(E4M3_CONFIGS) == len(set(E4M3_CONFIGS))
     assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS} == {
         (e, d) for e in _configs.E4M3_TAGS for d in _dispatch.E4M3_SM90_FWD_TILES}
-    # d=128 also on the persistent grid, statically and with claimed tiles
-    assert sorted((c.head_dim, c.persistent, c.claims) for c in E4M3_CONFIGS
-                  if c.dtype == "e4m3_bf16") == [(64, False, False), (128, False, False),
-                                                  (128, True, False), (128, True, True),
-                                                  (256, False, False)]
+    # d=128 also on the persistent grid, statically and with claimed tiles; varlen one-tile
+    assert sorted((c.head_dim, c.features, c.persistent, c.claims) for c in E4M3_CONFIGS
+                  if c.dtype == "e4m3_bf16") == sorted(
+        [(64, 0, False, False), (128, 0, False, False), (128, 0, True, False),
+         (128, 0, True, True), (256, 0, False, False)]
+        + [(d, _configs.FEATURE_VARLEN, False, False) for d in (64, 128, 256)])
+    assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS
+            if c.features and _keys_last_v_sampled(c)} == E4M3_VARLEN_SAMPLE
     for c in E4M3_CONFIGS:
         assert c.transpose_v and c.keys_last_v and not c.operand_pass
         assert c.block_n % 128 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels

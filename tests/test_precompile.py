@@ -44,6 +44,21 @@ def test_the_plan_follows_features_and_directions():
     assert ("flash_bwd_sinks_kernel", False) in aux and ("flash_bwd_preprocess_kernel", True) in aux
 
 
+def test_the_fp8_forward_plan_takes_varlen_with_its_feature():
+    """--dtype e4m3 / e4m3-fp16: the FP8 forward's specialisations of the named head dims
+    (_dispatch.e4m3_hopper_forward_configs), its varlen ones (FEATURE_VARLEN, the one-tile grid)
+    with --features varlen only; none on other GPUs or for head dims it lacks."""
+    elements = [precompile.DTYPES["e4m3"], precompile.DTYPES["e4m3-fp16"]]
+    plain = precompile.plan(90, elements, [128, 96], [0], ("fwd",))
+    assert plain == [c for c in _dispatch.e4m3_hopper_forward_configs() if c.head_dim == 128]
+    both = precompile.plan(90, elements, [64], [0, _configs.FEATURE_VARLEN], ("fwd",))
+    varlen = [c for c in both if c.features == _configs.FEATURE_VARLEN]
+    assert {(c.dtype, c.head_dim, c.persistent) for c in varlen} == {
+        (e, 64, False) for e in elements}
+    assert len(both) == 2 * len(varlen)
+    assert not precompile.plan(80, elements, [128], [0, _configs.FEATURE_VARLEN], ("fwd",))
+
+
 def test_unknown_feature_names_are_refused():
     with pytest.raises(ValueError, match="--features: unknown feature 'softcapp'"):
         precompile.parse_features(["softcapp"])

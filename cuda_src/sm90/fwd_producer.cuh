@@ -22,6 +22,9 @@
 // row, the batch coordinate is 0. A box that runs past the sequence reads the next sequence's
 // rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
 // last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
+// TRANSPOSE_V keeps this: the raw V box starts at the same row as K's, and the transpose moves
+// each key's row to that key's column of the stage (P's order within a group of 32 keys), where
+// it meets that key's P, 0 past the sequence; rows past the packed array arrive as zeros.
 // Bias (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh; else NoBiasTile): each KV tile's block
 // of the bias goes into its stage after K, on the bias ring's barriers (BiasTileRing).
 // TRANSPOSE_V (e4m3): V goes into the raw V ring instead, as it lies (rows of keys), once the
