@@ -83,11 +83,12 @@ def _check_dtype(name: str, x, expected: str | None) -> str:
             # A cast would read e4m3 bits as integers: say what exists instead.
             raise TypeError(
                 f"{name} is {dtype}: FP8 (e4m3) bits are read by the forward alone, "
-                f"attention(q, k, v, qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=) "
-                f"(dense calls on sm_90), and by attention_with_kvcache(..., "
-                f"kv_cache_dtype='e4m3') for a cache; the backward, the packed and varlen forms "
-                f"take float16, bfloat16 or float32, and uint8 is read no other way. Dequantise "
-                f"first: cuflash2.fp8.dequantize_e4m3({name}, descale).astype(ml_dtypes.bfloat16)")
+                f"attention(q, k, v, qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=) and "
+                f"attention_varlen(..., qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=) "
+                f"(on sm_90), and by attention_with_kvcache(..., kv_cache_dtype='e4m3') for a "
+                f"cache; the backward and the packed forms take float16, bfloat16 or float32, "
+                f"and uint8 is read no other way. Dequantise first: "
+                f"cuflash2.fp8.dequantize_e4m3({name}, descale).astype(ml_dtypes.bfloat16)")
         raise TypeError(
             f"{name} must be float16, bfloat16 (ml_dtypes.bfloat16) or float32; got {dtype}. "
             f"Cast explicitly, e.g. {name}.astype(cupy.float32)")
