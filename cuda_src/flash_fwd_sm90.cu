@@ -95,7 +95,6 @@
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
 #include "sm90/fwd_producer.cuh"
-#include "sm90/fwd_transpose_v.cuh"
 #include "sm90/fwd_mainloop.cuh"
 #include "sm90/fwd_epilogue.cuh"
 

@@ -173,8 +173,8 @@ struct FwdSm90Params {
     // keys innermost, written by flash_fwd_tf32_operands.cu before the forward, whose k_map and
     // v_map read them (scratch of the call); with f32x3_tag each holds the small parts too (K's
     // rows and V's blocks twice as long: flash_fwd_tf32_operands.cu).
-    // e4m3 (e4m3_tag): both null; the forward reads q, k and v in place and writes V keys-last
-    // into its ring itself (sm90/fwd_transpose_v.cuh).
+    // e4m3 (e4m3_tag): v_keys_last alone, V's bytes with their keys innermost in P's register
+    // order (flash_fwd_e4m3_operands.cu); the forward reads K in place.
     float* k_tf32;
     void* v_keys_last;
     // e4m3 only: the factors of q, k and v (docs/FP8_FORWARD.md).

@@ -151,20 +151,16 @@ SINKS_THREADS = 256
 #: The float32 Hopper forward's operand pass (flash_fwd_tf32_operands.cu: K rounded to TF32, V
 #: rounded with its keys innermost): threads a CTA of 32 keys.
 TF32_OPERANDS_THREADS = 256
+#: The FP8 forward's operand pass (flash_fwd_e4m3_operands.cu: V with its keys innermost in P's
+#: order): threads a CTA, and keys a CTA (whole groups of 32).
+E4M3_OPERANDS_THREADS = 256
+E4M3_OPERANDS_KEYS = 128
 #: The FP8 forward's P is exp2(s * scale_log2 - m * scale_log2 + E4M3_P_SCALE_LOG2): a row's
 #: largest probability is 2^8 = 256 (exact in e4m3, below its 448), so probabilities down to
 #: 2^-14 keep e4m3's 3 mantissa bits and down to 2^-17 are not 0 (from 1 they would lose bits
 #: below 2^-6 and be 0 below 2^-9). The sums carry the same factor, which cancels in O / l; the
 #: lse subtracts it (online_softmax.cuh; reference.py's e4m3 model rounds P the same way).
 E4M3_P_SCALE_LOG2 = 8
-#: The FP8 Hopper forward's transposers (FwdSm90Traits::TRANSPOSE_V): warps 1 .. this of the
-#: producer warpgroup write V keys-last into the ring (sm90/fwd_transpose_v.cuh), warp 0's thread
-#: 0 issues the TMA loads; each warp arrives once on the barriers they complete.
-SM90_TRANSPOSE_V_WARPS = 3
-#: Registers of the producer warpgroup where it also walks the persistent grid's work tiles to
-#: transpose V (FwdSm90Traits::PRODUCER_REGISTERS); its consumers then take 232, what the CTA's
-#: 168 x 384 registers at entry leave (FwdSm90Config.consumer_registers).
-SM90_WIDE_PRODUCER_REGISTERS = 32
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
 #: cuflash2.merge_states' kernel (merge_states.cu): threads a CTA, MergeStatesConfig.lanes of
@@ -215,9 +211,8 @@ CUDA_CONSTANTS = {
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "SINKS_THREADS": SINKS_THREADS, "TF32_OPERANDS_THREADS": TF32_OPERANDS_THREADS,
+    "E4M3_OPERANDS_THREADS": E4M3_OPERANDS_THREADS, "E4M3_OPERANDS_KEYS": E4M3_OPERANDS_KEYS,
     "E4M3_P_SCALE_LOG2": E4M3_P_SCALE_LOG2,
-    "SM90_TRANSPOSE_V_WARPS": SM90_TRANSPOSE_V_WARPS,
-    "SM90_WIDE_PRODUCER_REGISTERS": SM90_WIDE_PRODUCER_REGISTERS,
     "MERGE_THREADS": MERGE_THREADS, "MERGE_GROUP": MERGE_GROUP,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
@@ -433,45 +428,12 @@ class FwdSm90Config:
 
     @property
     def keys_last_v(self) -> bool:
-        """Whether the ring holds V with its keys innermost (float32, e4m3:
-        FwdSm90Traits::KEYS_LAST_V): written by an operand pass before the kernel, or by the
-        kernel's producer warpgroup (`transpose_v`)."""
+        """Whether V comes with its keys innermost from an operand pass (float32, e4m3:
+        FwdSm90Traits::KEYS_LAST_V)."""
         return self.dtype not in DTYPE_TAGS
 
     @property
-    def transpose_v(self) -> bool:
-        """Whether the kernel reads the caller's V as it lies and its producer warpgroup writes
-        it keys-last into the ring (e4m3: FwdSm90Traits::TRANSPOSE_V; no operand pass)."""
-        return self.dtype in E4M3_TAGS
-
-    @property
-    def operand_pass(self) -> bool:
-        """Whether an operand pass writes K or V into the call's scratch before the kernel (the
-        float32 elements: FwdSm90Traits::KEYS_LAST_V without TRANSPOSE_V)."""
-        return self.keys_last_v and not self.transpose_v
-
-    @property
-    def raw_v_stages(self) -> int:
-        """With `transpose_v`, the raw V buffers after the ring (FwdSm90Traits::RAW_V_STAGES):
-        two where they fit SM90_MAX_SMEM, else one; 0 otherwise."""
-        if not self.transpose_v:
-            return 0
-        return 2 if self._ring_smem_bytes + 2 * self._raw_v_tile_bytes <= SM90_MAX_SMEM else 1
-
-    @property
-    def _raw_v_tile_bytes(self) -> int:
-        """A raw V tile: v_panels panels of block_n 128-byte rows (FwdSm90Traits::
-        RAW_V_TILE_BYTES)."""
-        return 128 * self.v_panels * self.block_n if self.transpose_v else 0
-
-    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory (FwdSm90Traits::SMEM_BYTES): the ring's, then the raw V
-        buffers (`raw_v_stages`)."""
-        return self._ring_smem_bytes + self.raw_v_stages * self._raw_v_tile_bytes
-
-    @property
-    def _ring_smem_bytes(self) -> int:
         # The Q region (Q, or O staged there where larger: e4m3 inputs, a 16-bit O) + stages x
         # (K tile + V tile) (+ an O tile when persistent), rows of 128 bytes, + 1 KiB to align
         # the base to 1024 B by hand (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
@@ -514,19 +476,7 @@ class FwdSm90Config:
                   f"{', true' if self.bias_tile else ''}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == "
-            f"{self.consumer_registers}, \"setmaxnreg budget\");\n")
-
-    @property
-    def consumer_registers(self) -> int:
-        """Registers of a consumer thread after setmaxnreg.inc (FwdSm90Traits): the share
-        beside the producer's 24 (sm90_consumer_registers), or where the producer warpgroup
-        transposes V on the persistent grid beside its SM90_WIDE_PRODUCER_REGISTERS, of the
-        registers the CTA has at entry (65536 / threads, a multiple of 8, each thread)."""
-        if not (self.transpose_v and self.persistent):
-            return sm90_consumer_registers(self.block_m // 64)
-        entry = 65536 // self.threads // 8 * 8
-        consumers = self.threads - 128
-        return (entry * self.threads - SM90_WIDE_PRODUCER_REGISTERS * 128) // consumers // 8 * 8
+            f"{sm90_consumer_registers(self.block_m // 64)}, \"setmaxnreg budget\");\n")
 
 
 @dataclass(frozen=True)
@@ -911,6 +861,7 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
 #: The float32 Hopper forward's operand pass (AuxKernel("tf32" or "float32",
 #: TF32_OPERANDS_KERNEL)).
 TF32_OPERANDS_KERNEL = "flash_fwd_tf32_operands_kernel"
+E4M3_OPERANDS_KERNEL = "flash_fwd_e4m3_operands_kernel"
 
 
 @dataclass(frozen=True)
@@ -925,7 +876,9 @@ class AuxKernel:
     #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
     #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only), or
     #: "flash_fwd_tf32_operands_kernel" (TF32_OPERANDS_KERNEL: before the Hopper forward at
-    #: precision "tf32" or "highest", grid (keys_padded / 32, kv heads, batch); FwdSm90Params)
+    #: precision "tf32" or "highest", grid (keys_padded / 32, kv heads, batch); FwdSm90Params),
+    #: or "flash_fwd_e4m3_operands_kernel" (E4M3_OPERANDS_KERNEL: before the FP8 forward, grid
+    #: (keys_padded / E4M3_OPERANDS_KEYS, kv heads, batch); FwdSm90Params)
     kernel: str
     varlen: bool = False  # packed variable-length sequences
     smem_bytes: int = 0
@@ -935,14 +888,16 @@ class AuxKernel:
         return {"flash_bwd_preprocess_kernel": PREPROCESS_THREADS,
                 "flash_bwd_convert_dq_kernel": CONVERT_THREADS,
                 "flash_bwd_sinks_kernel": SINKS_THREADS,
-                TF32_OPERANDS_KERNEL: TF32_OPERANDS_THREADS}[self.kernel]
+                TF32_OPERANDS_KERNEL: TF32_OPERANDS_THREADS,
+                E4M3_OPERANDS_KERNEL: E4M3_OPERANDS_THREADS}[self.kernel]
 
     @property
     def source_file(self) -> str:
         return {"flash_bwd_preprocess_kernel": "flash_bwd_preprocess.cu",
                 "flash_bwd_convert_dq_kernel": "flash_bwd_convert_dq.cu",
                 "flash_bwd_sinks_kernel": "flash_bwd_sinks.cu",
-                TF32_OPERANDS_KERNEL: "flash_fwd_tf32_operands.cu"}[self.kernel]
+                TF32_OPERANDS_KERNEL: "flash_fwd_tf32_operands.cu",
+                E4M3_OPERANDS_KERNEL: "flash_fwd_e4m3_operands.cu"}[self.kernel]
 
     @property
     def name_expression(self) -> str:
@@ -1160,6 +1115,7 @@ def describe(config) -> str:
                 "flash_bwd_sinks_kernel": "backward sinks gradient",
                 TF32_OPERANDS_KERNEL: "forward operand pass (K and V rounded to TF32, V keys "
                                       "innermost)",
+                E4M3_OPERANDS_KERNEL: "forward operand pass (e4m3 V, keys innermost)",
                 }.get(config.kernel, config.kernel)
         return f"{what}, {dtype}{', varlen' if config.varlen else ''}"
     if isinstance(config, MergeStatesConfig):

@@ -27,7 +27,7 @@ from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DT
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
                        USER_MOD_FEATURES, AuxKernel, FwdSm90Config, TF32_OPERANDS_KERNEL,
-                       E4M3_TAGS, backward_features,
+                       E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS, E4M3_TAGS, backward_features,
                        with_features)
 
 #: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
@@ -132,8 +132,9 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     if hopper is not None:
         maps = _hopper.forward_maps(hopper)
         map_fields = _hopper.readable_map_fields(views, maps)
-        if map_fields is not None and hopper.operand_pass:
-            scratch = tf32_operand_shapes(p, hopper)
+        if map_fields is not None and hopper.keys_last_v:
+            scratch = (e4m3_operand_shapes(p, hopper) if hopper.dtype in E4M3_TAGS
+                       else tf32_operand_shapes(p, hopper))
             try:  # K and V as the operand pass writes them, in the call's scratch
                 map_fields.update(_hopper.scratch_map_fields(
                     {TF32_OPERAND_MAPS[name]: (view, strides, rows)
@@ -922,7 +923,7 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     first row to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
     if p.dtype in E4M3_TAGS:
-        return e4m3_hopper_forward_config(p, features, arch, varlen, window)
+        return e4m3_hopper_forward_config(p, features, arch, varlen)
     if HOPPER_FORWARD and arch == 90 and p.dtype in FLOAT32_SM90_FWD_TILES:
         return tf32_hopper_forward_config(p, features, varlen)
     if (not HOPPER_FORWARD or arch != 90 or p.dtype not in DTYPE_TAGS
@@ -995,8 +996,7 @@ def float32_sm90_config(element: str, kernel_dim: int, features: int = 0) -> Fwd
                          pingpong=block_m == 128, overlap=True, features=features)
 
 
-def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
-                               window=(-1, -1)):
+def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None):
     """The FP8 forward's configuration (E4M3_SM90_FWD_TILES) for a checked e4m3 call, or
     NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), dense
     calls (the keys-last V's groups: varlen later), head dims of E4M3_SM90_FWD_TILES (q's, k's
@@ -1029,25 +1029,7 @@ def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
     if p.seqlen_k == 0:
         raise NotImplementedError("FP8 (e4m3) inputs: not with an empty key sequence "
                                   "(seqlen_k 0) yet")
-    config = e4m3_sm90_config(p.dtype, p.head_dim)
-    causal = window[1] == 0 and window[0] < 0
-    if window[0] >= 0 or (window[1] >= 0 and not causal):
-        return config  # windows: the one-tile-per-CTA grid
-    claims = causal and dynamic_schedule(p.head_dim, p.seqlen_q, p.seqlen_k, window[1],
-                                         E4M3_DYNAMIC_SCHEDULE_KEYS)
-    if claims or p.seqlen_k <= E4M3_PERSISTENT_MAX_KEYS.get((p.head_dim, causal), 0):
-        config = dataclasses.replace(config, persistent=True, claims=claims)
-    return config
-
-
-#: The FP8 forward's grids (benchmarks/dev/fp8_variants_ab.py, H100, 2026-12-07, d=128 against
-#: the one-tile-per-CTA grid): the persistent grid with the static schedule up to this many keys
-#: by (kernel head dim, causal), 1.02-1.10x at 512-2k keys, 0.92-1.00x non-causal from 4k and
-#: 0.70-0.90x causal from 4k (its CTAs end apart); claimed tiles for causal rows within
-#: E4M3_DYNAMIC_SCHEDULE_KEYS, 1.02-1.04x at 2k-8k, 0.97x at 16k. d=64 (256-key tiles) and
-#: d=256 spill on the persistent grid and stay on the one-tile grid.
-E4M3_PERSISTENT_MAX_KEYS = {(128, False): 2048, (128, True): 1024}
-E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (2048, 8192)}
+    return e4m3_sm90_config(p.dtype, p.head_dim)
 
 
 def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
@@ -1061,17 +1043,35 @@ def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
 TF32_OPERAND_MAPS = {"k_tf32": "k_map", "v_keys_last": "v_map"}
 
 
+def e4m3_operand_shapes(problem, config) -> dict:
+    """The FP8 forward's scratch array (flash_fwd_e4m3_operands.cu), as tf32_operand_shapes
+    gives its own: v_keys_last, V's bytes with their keys innermost, (batch, kv heads, head dim,
+    keys padded to 32), mapped as (batch, head dim, kv heads, keys) with boxes of 128 keys (one
+    128-byte panel) by the head dim."""
+    p = problem
+    keys = -(-p.seqlen_k // 32) * 32
+    shape = (p.batch, p.nheads_kv, p.head_dim, keys)
+    strides = (p.nheads_kv * p.head_dim * keys, p.head_dim * keys, keys, 1)
+    return {"v_keys_last": (shape, strides, (p.batch, p.head_dim, p.nheads_kv, keys),
+                            (strides[0], strides[2], strides[1], 1), config.head_dim)}
+
+
 def operand_pass(config, scratch):
-    """The operand pass that writes a float32 Hopper forward's `scratch` (its
-    tf32_operand_shapes) before it, and its grid: (AuxKernel, grid), a CTA for each 32 of the
-    padded keys of each (KV head, batch entry). (The FP8 forward transposes V in the kernel:
-    FwdSm90Config.transpose_v.)"""
+    """The operand pass that writes a keys-last-V Hopper forward's `scratch` (its
+    tf32_operand_shapes / e4m3_operand_shapes) before it, and its grid: (AuxKernel, grid), a CTA
+    for each E4M3_OPERANDS_KEYS (e4m3) or 32 (float32) of the padded keys of each (KV head,
+    batch entry)."""
     batch, nheads_kv, _, keys = scratch["v_keys_last"][0]
-    return AuxKernel(config.dtype, TF32_OPERANDS_KERNEL), (-(-keys // 32), nheads_kv, batch)
+    if config.dtype in E4M3_TAGS:
+        kernel, keys_a_cta = E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS
+    else:
+        kernel, keys_a_cta = TF32_OPERANDS_KERNEL, 32
+    return AuxKernel(config.dtype, kernel), (-(-keys // keys_a_cta), nheads_kv, batch)
 
 
 #: The element type of the scratch arrays an operand pass writes, by kernel element.
-SCRATCH_DTYPES = {element: "float32" for element in FLOAT32_TAGS}
+SCRATCH_DTYPES = {**{element: "float32" for element in FLOAT32_TAGS},
+                  **{element: "uint8" for element in E4M3_TAGS}}
 
 
 def tf32_operand_shapes(problem, config) -> dict:
@@ -1127,13 +1127,11 @@ DYNAMIC_SCHEDULE = True
 DYNAMIC_SCHEDULE_KEYS = {64: (2048, NO_LIMIT), 128: (2048, 8192)}
 
 
-def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int,
-                     key_ranges=None) -> bool:
+def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int) -> bool:
     """Whether a persistent launch (kernel head dim `kernel_dim`) claims its tiles dynamically:
     FwdSm90Config.claims (its plan then sets FwdSm90Params.tile_counters to the stream's
-    counters a call). `key_ranges`: DYNAMIC_SCHEDULE_KEYS, or the FP8 forward's."""
-    ranges = DYNAMIC_SCHEDULE_KEYS if key_ranges is None else key_ranges
-    first, last = ranges.get(kernel_dim, (1, 0))
+    counters a call)."""
+    first, last = DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0))
     return (DYNAMIC_SCHEDULE and window_right >= 0 and first <= seqlen_k <= last
             and seqlen_q <= seqlen_k + window_right)  # every query row sees a key
 
@@ -1589,20 +1587,11 @@ def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
 
 
 def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS)) -> list:
-    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype): one
-    per head dim of E4M3_SM90_FWD_TILES on the one-tile-per-CTA grid (V transposed in the
-    kernel: no operand pass), and on the persistent grid those of E4M3_PERSISTENT_MAX_KEYS'
-    head dims, with claimed tiles those of E4M3_DYNAMIC_SCHEDULE_KEYS'."""
-    configs = []
-    for element in elements:
-        for d in E4M3_SM90_FWD_TILES:
-            config = e4m3_sm90_config(element, d)
-            configs.append(config)
-            if any(dim == d for dim, _ in E4M3_PERSISTENT_MAX_KEYS):
-                configs.append(dataclasses.replace(config, persistent=True))
-            if d in E4M3_DYNAMIC_SCHEDULE_KEYS:
-                configs.append(dataclasses.replace(config, persistent=True, claims=True))
-    return configs
+    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype), one
+    per head dim of E4M3_SM90_FWD_TILES, and the operand pass that runs before each element's."""
+    return [config for element in elements
+            for config in [e4m3_sm90_config(element, d) for d in E4M3_SM90_FWD_TILES]
+            + [AuxKernel(element, E4M3_OPERANDS_KERNEL)]]
 
 
 def hopper_forward_configs(features=(0,)) -> list:

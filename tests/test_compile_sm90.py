@@ -210,19 +210,17 @@ def _tf32_id(c) -> str:
     return f"{c.dtype}-{c.kernel}" if isinstance(c, _configs.AuxKernel) else _config_id(c)
 
 
-#: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES), V
-#: transposed in the kernel (no operand pass).
+#: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES) and each
+#: one's operand pass.
 E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs()
 
 
 def _keys_last_v_sampled(c) -> bool:
-    """The default run's share of the forwards whose ring holds V keys-last: every float32 head
-    dim plain with its operand pass (3 + 1 and 2 + 1 compiles), e4m3 at every head dim with a
-    bfloat16 output on the one-tile grid (the in-kernel transpose's producer registers differ
-    by tile) and with claimed tiles (the persistent loop's registers); the rest under
-    --exhaustive."""
+    """The default run's share of the forwards whose V an operand pass writes keys-last: every
+    float32 head dim plain (3 + 1 and 2 + 1 compiles), e4m3 at d=128 with a bfloat16 output and
+    its pass; the rest under --exhaustive."""
     if c.dtype in _configs.E4M3_TAGS:
-        return c.dtype == "e4m3_bf16" and c.persistent == c.claims
+        return c.dtype == "e4m3_bf16" and getattr(c, "head_dim", 128) == 128
     return not getattr(c, "features", 0)
 
 
@@ -231,35 +229,26 @@ def _keys_last_v_sampled(c) -> bool:
                  marks=() if _keys_last_v_sampled(c) else pytest.mark.exhaustive)
     for c in TF32_CONFIGS + E4M3_CONFIGS])
 def test_keys_last_v_hopper_forward_compiles_without_spills(config, reports):
-    """The float32 forwards (V keys-last from an operand pass) and the FP8 ones (V transposed
-    by the producer warpgroup, within its 24 registers): the same checks as every other
-    specialisation, and the operand pass without spills."""
+    """The float32 and FP8 forwards (V keys-last from an operand pass): the same checks as every
+    other specialisation, and the operand pass without spills."""
     if isinstance(config, _configs.AuxKernel):
         report = reports(config)
         assert report.cubin_bytes > 0 and report.spill_stores == 0, report.log
         return
-    assert config.keys_last_v and (config.transpose_v or not config.persistent)
+    assert config.keys_last_v and not config.persistent
     test_hopper_forward_compiles_without_spills(config, reports)
 
 
 def test_e4m3_forward_configs():
-    """Every element (a bfloat16 and a float16 output) at every head dim of its tiles, V
-    transposed in the kernel (no operand pass): keys-last in whole 128-key panels of the ring,
-    two raw V buffers where they fit 227 KiB (d=64 and 128) and one at d=256, O staged in a Q
-    region of O's bytes."""
-    assert all(isinstance(c, _configs.FwdSm90Config) for c in E4M3_CONFIGS)
-    assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS} == {
+    """Every element (a bfloat16 and a float16 output) at every head dim of its tiles, with its
+    operand pass; V keys-last in whole 128-key panels, O staged in a Q region of O's bytes."""
+    forwards = [c for c in E4M3_CONFIGS if isinstance(c, _configs.FwdSm90Config)]
+    assert {(c.dtype, c.head_dim) for c in forwards} == {
         (e, d) for e in _configs.E4M3_TAGS for d in _dispatch.E4M3_SM90_FWD_TILES}
-    # d=128 also on the persistent grid, statically and with claimed tiles
-    assert sorted((c.head_dim, c.persistent, c.claims) for c in E4M3_CONFIGS
-                  if c.dtype == "e4m3_bf16") == [(64, False, False), (128, False, False),
-                                                  (128, True, False), (128, True, True),
-                                                  (256, False, False)]
-    for c in E4M3_CONFIGS:
-        assert c.transpose_v and c.keys_last_v and not c.operand_pass
+    assert sum(isinstance(c, _configs.AuxKernel) for c in E4M3_CONFIGS) == 2
+    for c in forwards:
         assert c.block_n % 128 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
         assert c.smem_bytes <= MAX_SMEM_SM90
-    assert {(c.head_dim, c.raw_v_stages) for c in E4M3_CONFIGS} == {(64, 2), (128, 2), (256, 1)}
 
 
 def test_hopper_sinks_configs():

@@ -182,8 +182,8 @@ def test_shared_descales_and_strided_views():
 @needs_hopper
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_kernels_named(headdim):
-    """forward_kernels names the Hopper forward with the e4m3 element (alone: V is transposed
-    in the kernel, no operand pass runs before it)."""
+    """forward_kernels names the Hopper forward with the e4m3 element (after an operand pass,
+    if the call has one)."""
     q, k, v, descales = _inputs("named", 1, 300, 300, 4, 2, headdim)
     kernels = cuflash2.forward_kernels(q, k, v, causal=True, qkv_dtype="e4m3", **descales)
     main = [name for name in kernels if name.startswith("Hopper forward")]
@@ -218,7 +218,7 @@ def test_other_gpus_refuse_fp8_naming_sm90():
 
 @needs_hopper
 def test_cuda_graph_replays_with_fresh_inputs():
-    """A captured call (the forward, one launch on the call's stream, reading v in place)
+    """A captured call (the operand pass and the forward, two launches on the call's stream)
     replayed as a serving loop replays it: new e4m3 values and new factors in the same arrays
     before each replay."""
     from cuflash2.bench.decode_graph import CapturedGraph
