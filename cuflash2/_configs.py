@@ -756,7 +756,8 @@ class BwdConfig:
     """One specialisation of the backward main kernel (flash_bwd.cu). Each of its three phases
     splits its product over the warps in its own grid (BwdTraits): phase A (S, dP) over
     (block_m x block_n), phase B (dK, dV) over (block_n x d_chunk), phase C (dQ) over
-    (block_m x d_chunk)."""
+    (block_m x d_chunk). With V's own kernel head dim (`head_dim_v` below head_dim, 16-bit) dV's
+    chunks are as many, each head_dim_v / num_chunks columns over phase B's warp grid."""
 
     dtype: str  # "float16", "bfloat16", or float32's "float32" / "tf32" (FLOAT32_TAGS)
     head_dim: int  # kernel head dim (one of KERNEL_HEAD_DIMS)
@@ -771,6 +772,17 @@ class BwdConfig:
     kv_rows_warps: int = 0
     dq_rows_warps: int = 0
     features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
+    #: V's, dO's and dV's kernel head dim where it differs from Q's and K's (below head_dim,
+    #: 16-bit); 0: head_dim.
+    head_dim_v: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
+                                               and self.dtype in FLOAT32_TAGS):
+            raise ValueError(f"the mma.sync backward takes V's own head dim below Q's, 16-bit: "
+                             f"not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
 
     @property
     def threads(self) -> int:
@@ -779,6 +791,11 @@ class BwdConfig:
     @property
     def num_chunks(self) -> int:
         return self.head_dim // self.d_chunk
+
+    @property
+    def d_chunk_v(self) -> int:
+        """dV's columns a chunk (BwdTraits::D_CHUNK_V)."""
+        return self.head_dim_v // self.num_chunks
 
     @property
     def sdp_warps_m(self) -> int | None:
@@ -795,14 +812,18 @@ class BwdConfig:
 
     @property
     def valid(self) -> bool:
-        """Every phase has a warp grid (the static_asserts of BwdTraits)."""
-        return None not in (self.sdp_warps_m, self.kv_warps_n, self.dq_warps_m)
+        """Every phase has a warp grid (the static_asserts of BwdTraits), dV's chunk too."""
+        if None in (self.sdp_warps_m, self.kv_warps_n, self.dq_warps_m):
+            return False
+        kv_warps_d = self.num_warps // self.kv_warps_n
+        return (self.head_dim_v % self.num_chunks == 0
+                and self.d_chunk_v % (16 * kv_warps_d) == 0)
 
     @property
     def accumulator_registers(self) -> int:
         """fp32 accumulator registers a thread keeps live: dK and dV for the whole loop, plus S and
         dP (phase A) or dQ (phase C)."""
-        dkdv = 2 * self.block_n * self.d_chunk // self.threads
+        dkdv = self.block_n * (self.d_chunk + self.d_chunk_v) // self.threads
         sdp = 2 * self.block_m * self.block_n // self.threads
         dq = self.block_m * self.d_chunk // self.threads if self.compute_dq else 0
         return dkdv + max(sdp, dq)
@@ -812,8 +833,9 @@ class BwdConfig:
         # 2 bytes a word, ELEMENT_WORDS words an element (BwdTraits::SMEM_BYTES); the per-row
         # statistics are float32 whatever the element.
         element = 2 * ELEMENT_WORDS[self.dtype]
-        kv = 2 * element * self.block_n * self.head_dim
-        stage = 2 * element * self.block_m * self.head_dim + 2 * 4 * self.block_m
+        widths = self.head_dim + self.head_dim_v  # K and V; Q and dO
+        kv = element * self.block_n * widths
+        stage = element * self.block_m * widths + 2 * 4 * self.block_m
         p_ds = 2 * element * self.block_m * self.block_n
         return kv + self.q_stages * stage + p_ds
 
@@ -823,17 +845,17 @@ class BwdConfig:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
-                f"{self.block_m}, {self.block_n}, {self.num_warps}, {self.sdp_warps_m}, "
-                f"{self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
+        return (f"flash_bwd_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
+                f"{self.d_chunk}, {self.block_m}, {self.block_n}, {self.num_warps}, "
+                f"{self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}, {self.features}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
-            f"BwdTraits<{self.head_dim}, {self.d_chunk}, {self.block_m}, {self.block_n}, "
-            f"{self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, "
-            f"{self.q_stages}{self._words_argument}>", self)
+            f"BwdTraits<{self.head_dim}, {self.head_dim_v}, {self.d_chunk}, {self.block_m}, "
+            f"{self.block_n}, {self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, "
+            f"{self.dq_warps_m}, {self.q_stages}{self._words_argument}>", self)
 
     @property
     def _words_argument(self) -> str:
@@ -854,8 +876,9 @@ class BwdModsConfig(BwdConfig, _UserModsHeader):
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.d_chunk}, {self.block_m}, {self.block_n}, {self.num_warps}, "
-                f"{self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
+                f"{self.head_dim_v}, {self.d_chunk}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, "
+                f"{self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}, {self.features}, "
                 f"{self.mods_hash:#010x}u>")
 
@@ -871,12 +894,23 @@ class BwdDqConfig:
     block_m: int = 16 * BWD_DQ_WARPS
     threads: int = 32 * BWD_DQ_WARPS
     features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
+    #: V's and dO's kernel head dim where it differs from Q's and K's (below head_dim, 16-bit);
+    #: 0: head_dim.
+    head_dim_v: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
+                                               and self.dtype in FLOAT32_TAGS):
+            raise ValueError(f"the deterministic dQ kernel takes V's own head dim below Q's, "
+                             f"16-bit: not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
 
     @property
     def smem_bytes(self) -> int:
         element = 2 * ELEMENT_WORDS[self.dtype]  # bytes: 2 a 16-bit word (BwdDqTraits)
-        return (2 * element * self.block_m * self.head_dim
-                + self.kv_stages * 2 * element * self.block_n * self.head_dim)
+        widths = self.head_dim + self.head_dim_v  # Q and dO; K and V
+        return element * widths * (self.block_m + self.kv_stages * self.block_n)
 
     @property
     def source_file(self) -> str:
@@ -884,14 +918,14 @@ class BwdDqConfig:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_dq_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
-                f"{self.kv_stages}, {self.features}>")
+        return (f"flash_bwd_dq_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.head_dim_v}, {self.block_n}, {self.kv_stages}, {self.features}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
-            f"BwdDqTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
-            f"{self.kv_stages}>", self, block_m=True)
+            f"BwdDqTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
+            f"{self.block_n}, {self.kv_stages}>", self, block_m=True)
 
 
 @dataclass(frozen=True)
@@ -905,7 +939,8 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_dq_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.block_n}, {self.kv_stages}, {self.features}, {self.mods_hash:#010x}u>")
+                f"{self.head_dim_v}, {self.block_n}, {self.kv_stages}, {self.features}, "
+                f"{self.mods_hash:#010x}u>")
 
 
 #: The float32 Hopper forward's operand pass (AuxKernel("tf32" or "float32",
@@ -1148,12 +1183,14 @@ def describe(config) -> str:
     if isinstance(config, BwdConfig):
         dq = "dQ by atomics" if config.compute_dq else "no dQ (deterministic)"
         chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
-        return (f"mma.sync backward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
+        v_dim = f" (v {config.head_dim_v})" if config.head_dim_v != config.head_dim else ""
+        return (f"mma.sync backward, {dtype}, head dim {config.head_dim}{v_dim}, {config.block_m}x"
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.q_stages} Q/dO "
                 f"stages{chunks}, {dq}{extra}")
     if isinstance(config, BwdDqConfig):
-        return (f"mma.sync backward dQ (deterministic), {dtype}, head dim {config.head_dim}, "
-                f"{config.block_m}x{config.block_n} tiles{extra}")
+        v_dim = f" (v {config.head_dim_v})" if config.head_dim_v != config.head_dim else ""
+        return (f"mma.sync backward dQ (deterministic), {dtype}, head dim "
+                f"{config.head_dim}{v_dim}, {config.block_m}x{config.block_n} tiles{extra}")
     if isinstance(config, AuxKernel):
         what = {"flash_bwd_preprocess_kernel": "backward preprocess (D, lse, dQ accumulator)",
                 "flash_bwd_convert_dq_kernel": "backward dQ conversion",
