@@ -181,10 +181,12 @@ def split_head_dims_refusal(problem, direction: str, arch: int) -> str:
                 f"q's; this call has another combination on sm_{arch} "
                 f"(cuflash2.reference.attention takes any)")
     return (f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
-            f"({p.head_dim}) runs on the Hopper backward (sm_90) only: q/k and v head dims up to "
-            f"{pairs}, float16 or bfloat16, at least one query and key, without dropout or "
-            f"mask_mod / score_mod / bias, arrays the TMA reads (16-byte aligned strides); this "
-            f"call has {'sm_%d' % arch if arch != 90 else 'another combination'} "
+            f"({p.head_dim}) takes float16 or bfloat16 inputs, no mask_mod / score_mod / bias "
+            f"and no forced kernel configuration; on sm_90 without dropout the Hopper "
+            f"backward's pairs {pairs} (arrays the TMA reads); elsewhere (the mma.sync "
+            f"backward) v's kernel head dim, of {', '.join(map(str, KERNEL_HEAD_DIMS))} and at "
+            f"least 64 where q's is, below q's, with a tile whose warps split its columns "
+            f"(not 192 / 160, 256 / 224); this call has another combination on sm_{arch} "
             f"(cuflash2.reference.attention_backward takes any)")
 
 
@@ -291,8 +293,10 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
     deterministic mode a BwdDqModsConfig; mods.check_backward's ValueError for a score modifier
     without a derivative). V with a head dim of its own (d_v != d_qk): the Hopper kernel where
     hopper_backward_config takes it (the forward's pairs, 16-bit, softcap, ALiBi, varlen,
-    deterministic mode), else NotImplementedError naming v's head dim (the mma.sync kernels have
-    one head dim: split_head_dims_refusal)."""
+    deterministic mode), else the mma.sync kernels with V's own kernel head dim where
+    split_bwd_configs has a tile (16-bit; every feature but the programmable modifiers: dropout,
+    varlen, deterministic mode included), else NotImplementedError naming v's head dim
+    (split_head_dims_refusal; so are a forced configuration and the modifiers)."""
     p = problem
     split = p.head_dim_v != p.head_dim
     if split and not (p.batch and p.nheads):  # nothing to launch (backward_plan); its sizes only
@@ -334,7 +338,12 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
             map_fields = _hopper.readable_map_fields(views, maps)
     if map_fields is None:
         if split:
-            raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
+            configs = split_bwd_configs(p.dtype, p.head_dim, p.head_dim_v, arch, deterministic)
+            if configs is None:
+                raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
+            main, dq_config = configs
+            return BackwardChoice(with_features(main, features), dq_config=(
+                None if dq_config is None else with_features(dq_config, features)))
         if forced is None:
             forced = bwd_config(p.dtype, p.head_dim, arch, deterministic)
         dq_config = None
@@ -528,6 +537,32 @@ FLOAT32_BWD_TILES = ((64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1), (32, 64, 4,
 #: registers of a 16-bit one, so fewer are left to the accumulators (ptxas: 168-192 of them
 #: spilled at d=192-256).
 FLOAT32_BWD_MAX_ACCUMULATORS = 128
+
+
+def split_bwd_configs(dtype: str, head_dim: int, head_dim_v: int, arch: int,
+                      deterministic: bool = False):
+    """The mma.sync backward's kernels for V's own head dim `head_dim_v` beside Q's `head_dim`
+    (d_v != d_qk): (main kernel, deterministic dQ kernel or None), or None where they take no
+    such call (float32; V's kernel head dim not below Q's; no warp grid for dV's columns).
+
+    Q's head dim's tiles (bwd_config, bwd_dq_config: the smaller V, dO and dV take less shared
+    memory and fewer registers) with V's kernel head dim: v_kernel_head_dim's (whole 64-column
+    panels where Q's has them), or the next of KERNEL_HEAD_DIMS below Q's whose dV chunk phase
+    B's warps split in 16-column tiles (192 / 96 on sm_80's one-chunk 8-warp tile: 24 columns
+    a warp; it takes 128, the loads zero-filling V's and dO's columns past d_v). dV's chunks
+    are as many as dK's, each head_dim_v / num_chunks columns (flash_bwd.cu)."""
+    if dtype not in DTYPE_TAGS:
+        return None
+    d = kernel_head_dim(head_dim)
+    main = bwd_config(dtype, head_dim, arch, deterministic)
+    for d_v in KERNEL_HEAD_DIMS:
+        if v_kernel_head_dim(head_dim_v, head_dim) <= d_v < d:
+            config = dataclasses.replace(main, head_dim_v=d_v)
+            if config.valid:
+                dq = (dataclasses.replace(bwd_dq_config(dtype, head_dim, arch), head_dim_v=d_v)
+                      if deterministic else None)
+                return config, dq
+    return None
 
 
 def float32_bwd_config(element: str, head_dim: int, arch: int,

@@ -60,7 +60,8 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
     takes), feature bit sets and directions ("fwd", "bwd": with the deterministic dQ kernel and
     the backward's pre- and post-processing; "decode": attention_with_kvcache), each once.
     `head_dims_v`: v's head dims where they differ from q's (d_v != d_qk: the Hopper kernels'
-    pairs of a head dim of `head_dims` and one of these)."""
+    pairs of a head dim of `head_dims` and one of these, and the mma.sync kernels' for V's own
+    kernel head dim)."""
     dtypes = set(dtypes)
     v_dims = {_dispatch.hopper_forward_head_dim(h)
               for h in head_dims_v if h <= max(_configs.SM90_FWD_HEAD_DIMS)}
@@ -114,6 +115,13 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))
         configs += _float32_backward(arch, dtypes, head_dims, backward)
+        # V's own head dims on the mma.sync backward (split_bwd_configs: main kernels with and
+        # without dQ, the deterministic dQ kernel)
+        configs += [_configs.with_features(c, f)
+                    for t in sorted(dtypes) for d in head_dims for d_v in head_dims_v
+                    if d_v != d for deterministic in (False, True)
+                    for c in (_dispatch.split_bwd_configs(t, d, d_v, arch, deterministic)
+                              or ()) if c is not None for f in backward]
         varlen = any(f & _configs.FEATURE_VARLEN for f in features)
         configs += [c for c in _configs.aux_kernels(tuple(_configs.ELEMENT_TAGS))
                     if _aux_serves(c, dtypes) and (varlen or not c.varlen)

@@ -32,6 +32,22 @@ def test_the_plan_covers_what_the_dispatcher_chooses_for_the_named_calls():
                    for c in precompile.plan(80, ["bfloat16"], [128], [0], ("fwd", "bwd")))
 
 
+def test_the_plan_takes_the_mma_sync_backward_of_v_with_its_own_head_dim():
+    """--headdim-v: the mma.sync backward's kernels of the pair (split_bwd_configs) on every
+    architecture, deterministic mode's too; none for a pair they do not take."""
+    for arch in (80, 86, 90):
+        configs = precompile.plan(arch, ["bfloat16"], [192], [0, _configs.FEATURE_DROPOUT],
+                                  ("bwd",), [128])
+        for deterministic in (False, True):
+            for config in _dispatch.split_bwd_configs("bfloat16", 192, 128, arch, deterministic):
+                if config is not None:
+                    assert config in configs
+                    assert _configs.with_features(config, _configs.FEATURE_DROPOUT) in configs
+        assert _dispatch.bwd_config("bfloat16", 192, arch) in configs
+    assert not any(c.head_dim_v != c.head_dim for c in precompile.plan(
+        80, ["bfloat16"], [128], [0], ("bwd",), [112]) if hasattr(c, "head_dim_v"))
+
+
 def test_the_plan_follows_features_and_directions():
     plain = precompile.plan(80, ["float16"], [64], [0], ("decode",))
     assert plain and all(isinstance(c, _configs.DecodeConfig) for c in plain)
