@@ -416,6 +416,17 @@ struct DecodeParams {
     const int* cache_leftpad;
 };
 
+// flash_mla_decode_sm90.cu (docs/MLA_DECODE.md): the decode step of a latent cache, whose rows
+// are K (all head_dim columns) and V (their first head_dim_v), one KV head. The cache is read by
+// the TMA through kv_map, a (head dim, row, 1, cache batch row or block) map with boxes of 64
+// columns by box_rows rows (64, or the page size of shorter pages); the rest is the decode
+// kernel's DecodeParams as `base` (v_cache: the same rows; v_new: unread).
+struct MlaDecodeParams {
+    TensorMap kv_map;
+    DecodeParams base;
+    int box_rows;
+};
+
 // dropout_mask.cu
 struct DropoutMaskParams {
     unsigned char* mask;  // (batch, nheads, seqlen_q, seqlen_k)

@@ -1141,6 +1141,67 @@ class DecodeConfig:
             f"{self.kv_stages}, {self.block_m}{e4m3}>", self, block_m=True)
 
 
+#: MLA's latent cache (docs/MLA_DECODE.md): K's head dim (the latent row) and V's (its first
+#: columns), the only pair of flash_mla_decode_sm90.cu.
+MLA_HEAD_DIM = 576
+MLA_HEAD_DIM_V = 512
+#: Its CTA's packed query rows and a cache tile's positions (MlaDecodeTraits::BLOCK_M, BLOCK_N).
+MLA_BLOCK_M = 64
+MLA_BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class MlaDecodeConfig:
+    """flash_mla_decode_sm90.cu (sm_90a): the decode step of a latent cache whose rows are K
+    (MLA_HEAD_DIM columns) and V (their first MLA_HEAD_DIM_V), one KV head. A producer
+    warpgroup (TMA) and two consumers (wgmma) over MLA_BLOCK_M packed rows; Q and a 2-stage
+    ring of MLA_BLOCK_N-position tiles in shared memory. One specialisation a dtype."""
+
+    dtype: str
+    features: int = 0  # none: the host refuses score modifiers and the cache's own features
+    head_dim: int = MLA_HEAD_DIM
+    head_dim_v: int = MLA_HEAD_DIM_V
+    block_m: int = MLA_BLOCK_M
+    block_n: int = MLA_BLOCK_N
+    stages: int = 2
+    threads: int = 384
+    early_cache_reads: bool = False  # (the decode configuration's field: never here)
+
+    arch_suffix = "a"
+    arch = 90
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_TAGS:
+            raise ValueError(f"the MLA decode kernel takes fp16 or bf16, not {self.dtype}")
+        if self.features:
+            raise ValueError("the MLA decode kernel takes no features")
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q and `stages` tiles of all head_dim columns (rows of 128-byte panels), + 1 KiB to
+        # align the base to 1024 B by hand (MlaDecodeTraits::SMEM_BYTES); barriers static.
+        tile = 2 * self.block_n * self.head_dim
+        return 2 * self.block_m * self.head_dim + self.stages * tile + 1024
+
+    @property
+    def source_file(self) -> str:
+        return "flash_mla_decode_sm90.cu"
+
+    @property
+    def name_expression(self) -> str:
+        return f"flash_mla_decode_sm90_kernel<{DTYPE_TAGS[self.dtype]}>"
+
+    @property
+    def probes(self) -> str:
+        traits = f"MlaDecodeTraits<{DTYPE_TAGS[self.dtype]}>"
+        return _traits_probes(traits, self, block_m=True) + (
+            f"static_assert({traits}::CONSUMER_REGISTERS == {sm90_consumer_registers(2)}, "
+            f"\"setmaxnreg budget\");\n"
+            f"static_assert({traits}::BLOCK_N == {self.block_n} && {traits}::STAGES == "
+            f"{self.stages} && {traits}::HEAD_DIM == {self.head_dim} && {traits}::HEAD_DIM_V == "
+            f"{self.head_dim_v}, \"tile\");\n")
+
+
 def describe(config) -> str:
     """A kernel configuration in words (cuflash2.forward_kernels, cuflash2.backward_kernels)."""
     dtype = {"float16": "fp16", "bfloat16": "bf16", "e4m3_bf16": "e4m3 (out bf16)",
@@ -1156,6 +1217,10 @@ def describe(config) -> str:
                                    (FEATURE_LEFTPAD, "cache_leftpad"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
+    if isinstance(config, MlaDecodeConfig):
+        return (f"MLA decode (sm_90a: wgmma, TMA, warp-specialised), {dtype}, latent head dim "
+                f"{config.head_dim} (v {config.head_dim_v}), {config.block_m} query rows x "
+                f"{config.block_n}-token tiles, {config.stages} stages")
     if isinstance(config, FwdSm90Config):
         schedule = "ping-pong" if config.pingpong else "in-order"
         if config.overlap:
