@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import _hopper, _launch
-from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+from ._configs import (MLA_BLOCK_N, MlaDecodeConfig, FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
                        FEATURE_DROPOUT,
                        FLOAT32_TAGS,
                        FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
@@ -394,6 +394,30 @@ def decode_kernel(kv, dtype: str, features: int, arch: int, device_id: int, num_
     config, splits, cluster = (config, 1, 1) if empty else choose_splits(
         config, num_splits, groups, tiles, device_id, arch, dtype, kv.head_dim, features)
     return DecodeChoice(config, m_blocks, groups, splits, cluster, programmatic)
+
+
+#: Page sizes of a paged latent cache that flash_mla_decode_sm90.cu reads (_configs.MLA_BLOCK_N
+#: positions a tile): a multiple of the tile (one TMA box a panel), or a divisor of it that is a
+#: multiple of 8 (a box a page, each starting on a 1024-byte swizzle atom of the tile).
+def mla_page_size_ok(page_size: int) -> bool:
+    return page_size % MLA_BLOCK_N == 0 or (MLA_BLOCK_N % page_size == 0 and page_size % 8 == 0)
+
+
+def mla_decode_kernel(kv, dtype: str, device_id: int, num_splits: int) -> DecodeChoice:
+    """The MLA decode kernel (flash_mla_decode_sm90.cu; docs/MLA_DECODE.md) and its split count
+    for a checked latent-cache call (`kv`: one KV head, head dims MLA_HEAD_DIM / MLA_HEAD_DIM_V).
+    Its CTAs hold MLA_BLOCK_M packed rows (query tokens x heads); the splits merge through L2
+    at a barrier (a cooperative launch: the split grid fits the GPU in one wave), never in a
+    cluster; no programmatic launch (the kernel does not wait for the previous one itself)."""
+    config = MlaDecodeConfig(dtype)
+    m_blocks = -(-kv.seqlen_q * kv.nheads // config.block_m)
+    tiles = -(-kv.capacity // config.block_n)
+    groups = m_blocks * kv.batch
+    splits = 1
+    if kv.batch and kv.seqlen_q and kv.nheads:
+        slots = decode_slots(config, device_id)
+        splits = _even(num_splits_for(num_splits, groups, tiles, slots), tiles)
+    return DecodeChoice(config, m_blocks, groups, splits, 1, False)
 
 
 # ---------------------------------------------------------------------------------------------

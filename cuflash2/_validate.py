@@ -179,9 +179,10 @@ def _as_dtype(dtype):
 
 
 def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None, qkv_dtype=None,
-                           out_dtype=None) -> AttentionProblem:
+                           out_dtype=None, max_head_dim=MAX_HEAD_DIM) -> AttentionProblem:
     """Checks q, k, v (and `out`) of `cuflash2.attention`; returns the problem sizes.
-    `qkv_dtype` ("e4m3"): q, k and v hold FP8 bits, out is `out_dtype` (None: bfloat16)."""
+    `qkv_dtype` ("e4m3"): q, k and v hold FP8 bits, out is `out_dtype` (None: bfloat16).
+    `max_head_dim`: the largest head dim taken (attention_with_kvcache's latent q: 576)."""
     ndim = _check_ndim("q", q, None)
     _check_ndim("k", k, ndim)
     _check_ndim("v", v, ndim)
@@ -217,9 +218,9 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None, qkv_dtype=N
             f"v must have the shape of k {tuple(k.shape)} {layout} but for its head dim; got "
             f"{tuple(v.shape)}")
     for name, dim, shape in (("q", head_dim, q.shape), ("v", head_dim_v, v.shape)):
-        if dim % 8 != 0 or not 0 < dim <= MAX_HEAD_DIM:
+        if dim % 8 != 0 or not 0 < dim <= max_head_dim:
             raise ValueError(
-                f"headdim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}; got {dim} "
+                f"headdim must be a multiple of 8 between 8 and {max_head_dim}; got {dim} "
                 f"({name} shape {tuple(shape)})")
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(
