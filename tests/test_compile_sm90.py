@@ -678,3 +678,27 @@ extern "C" __global__ void __launch_bounds__(128) e4m3_probe(float* out, const f
 """
     source = _compile.kernel_source("e4m3_probe.cu", (("e4m3_probe.cu", probe),))
     _compile.compile_probe(source, "90a", sass=True)
+
+
+#: The MLA decode kernel (flash_mla_decode_sm90.cu; docs/MLA_DECODE.md): one specialisation a
+#: dtype, both compiled by default (about a second each).
+MLA_CONFIGS = [_configs.MlaDecodeConfig(dtype) for dtype in _configs.DTYPE_TAGS]
+
+
+@pytest.mark.parametrize("config", MLA_CONFIGS, ids=lambda c: c.dtype)
+def test_mla_decode_compiles_without_spills(nvrtc_available, config):
+    """384 threads (168 registers at entry), the consumers at 240 after setmaxnreg: the same
+    checks as the forward's (no spills, setmaxnreg honoured, no wgmma serialised), within one
+    CTA's shared memory."""
+    report = _compile.compile_report(config, 90)
+    print(f"sm_90a {config.name_expression}: {report.registers} registers, "
+          f"{report.spill_stores}/{report.spill_loads} bytes spilled, {config.smem_bytes} smem")
+    assert report.cubin_bytes > 0
+    assert report.registers <= _entry_registers(config) == 168, report.log
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert report.stack_bytes == 0, report.log
+    assert "C7508" not in report.log, report.log
+    assert not report.odd_descriptors, report.odd_descriptors
+    assert "ptxas warning" not in report.log, report.log
+    assert "are serialized" not in report.log, report.log
+    assert config.smem_bytes <= MAX_SMEM_SM90
