@@ -246,7 +246,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         return {f"{prefix}_batch_stride": s[0], f"{prefix}_row_stride": s[1],
                 f"{prefix}_head_stride": s[2]}
 
-    out_strides = output_strides(q.shape)
+    # (the output's own shape: a latent call's rows have V's head dim, not q's)
+    out_strides = output_strides(tuple(q.shape[:-1]) + (kv.head_dim_v,) if latent else q.shape)
     fields = {
         **strides("q", q), **strides("kn", k if new_tokens else None),
         **strides("vn", v if new_tokens else None), **strides("kc", k_cache),

@@ -67,6 +67,9 @@ def test_a_latent_call_plans_the_mla_kernel(mla_host, dtype, nheads, seqlen_q):
     assert base["head_dim"] == D and base["heads_per_kv_head"] == nheads
     assert base["num_m_blocks"] == m_blocks and base["cache_len_all"] == 4000
     assert base["kc_row_stride"] == D and base["kn_row_stride"] == D
+    # the output's strides are its own (V's head dim), not q's
+    assert (base["o_batch_stride"], base["o_row_stride"], base["o_head_stride"]) == (
+        seqlen_q * nheads * DV, nheads * DV, DV)
     assert base["window_right"] == (0 if seqlen_q > 1 else -1)
 
 
