@@ -44,7 +44,13 @@ struct MlaDecodeTraits : Sm90CtaLayout {
                   "whole panels, split evenly between the consumers");
     static_assert(DIM_V_EACH <= 256, "wgmma N of P V at most 256");
     static_assert(PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
-    static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS), "the setmaxnreg split fits");
+    // setmaxnreg.inc takes registers from what the CTA holds at entry (ENTRY_REGISTERS a
+    // thread), not the register file: a split asking more waits forever.
+    static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS) &&
+                      PRODUCER_REGISTERS * WARPGROUP_THREADS +
+                              CONSUMER_REGISTERS * CONSUMER_THREADS <=
+                          ENTRY_REGISTERS * THREADS,
+                  "the setmaxnreg split fits the registers the CTA has at entry");
     static_assert(SMEM_BYTES <= 227 * 1024, "one CTA an SM");
 };
 
