@@ -157,17 +157,13 @@ def _claimed_tiles(dtype) -> None:
 def _fp8(head_dims) -> None:
     """The FP8 forward (sm_90; e4m3 bits with per-(batch, KV head) descales, V keys-last from
     its operand pass): every head dim, causal or not and a window, odd lengths, GQA."""
-    from cuflash2 import fp8
+    from fp8_forward_checks import fp8_qkv  # tests/gpu helper (this script's folder)
 
     for d in head_dims:
-        rng = numpy.random.default_rng(d)
-        bits = [cupy.asarray(fp8.quantize_e4m3(
-            rng.standard_normal((2, n, h, d)).astype(numpy.float32), 1 / 64))
-                for n, h in ((300, 4), (333, 2), (333, 2))]
-        descales = {f"{x}_descale": cupy.full((2, 2), 1 / 64, numpy.float32) for x in "qkv"}
+        q, k, v, descales = fp8_qkv(cupy, d, 2, 300, 333, 4, 2, d)
         for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))):
-            out = cuflash2.attention(*bits, qkv_dtype="e4m3", causal=causal, window_size=window,
-                                     **descales)
+            out = cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=causal,
+                                     window_size=window, **descales)
             assert not bool(cupy.isnan(out.astype(numpy.float32)).any())
 
 
