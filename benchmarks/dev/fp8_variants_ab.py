@@ -8,7 +8,8 @@ Variants (--variants): `disp` the dispatcher's configuration; `one`, `pers`, `dy
 of E4M3_SM90_FWD_TILES forced on the one-tile-per-CTA grid, the persistent grid with the static
 schedule, and with tiles claimed dynamically. With --alt DIR each variant runs a second time on
 the kernel sources with DIR's files in place (ab_sources.Sources, paths under cuda_src), named
-`alt:<variant>` (--alt-variants: some of them). Outputs of every variant are compared with the first's (max |difference|).
+`alt:<variant>` (--alt-variants: some of them). Outputs of every variant are compared with
+the first's (max |difference|).
 
     PYTHONPATH=. python3 benchmarks/dev/fp8_variants_ab.py [--variants disp pers dyn]
         [--alt DIR] [--headdims 128] [--seqlens 512 ... 16384] [--causal both|on|off]
