@@ -159,7 +159,7 @@ def _fp8(head_dims) -> None:
     the producer warpgroup through its raw V ring, on the one-tile grid (d=64, 256, windows), on
     the persistent grid (d=128, short rows: static, and claimed tiles where forced onto short
     causal rows as in _claimed_tiles), odd lengths, GQA."""
-    from cuflash2 import fp8
+    from fp8_forward_checks import fp8_qkv  # tests/gpu helper (this script's folder)
 
     saved = _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS
     try:
@@ -168,16 +168,11 @@ def _fp8(head_dims) -> None:
                 _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (0, _dispatch.NO_LIMIT)}
             api._forward_plans.plans.clear()
             for d in head_dims:
-                rng = numpy.random.default_rng(d)
-                bits = [cupy.asarray(fp8.quantize_e4m3(
-                    rng.standard_normal((2, n, h, d)).astype(numpy.float32), 1 / 64))
-                        for n, h in ((300, 4), (333, 2), (333, 2))]
-                descales = {f"{x}_descale": cupy.full((2, 2), 1 / 64, numpy.float32)
-                            for x in "qkv"}
+                q, k, v, descales = fp8_qkv(cupy, d, 2, 300, 333, 4, 2, d)
                 for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))):
                     if claims and not causal:
                         continue
-                    out = cuflash2.attention(*bits, qkv_dtype="e4m3", causal=causal,
+                    out = cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=causal,
                                              window_size=window, **descales)
                     assert not bool(cupy.isnan(out.astype(numpy.float32)).any())
     finally:
