@@ -164,10 +164,10 @@ struct PersistentTiles {
 // k - 2 (Q is loaded once a tile, after their last S GEMM of the tile before). Every role reads
 // the k-th tile from its slot once it is full (claim_full). A slot is written again SLOTS tiles
 // later, at the end of the claimer's tile k + SLOTS - LEAD >= k + 1: that tile's Q was loaded
-// once every consumer warp was done with tile k's S GEMMs, after the producer had read tile
-// k + 1, so every role has read tile k by then. That holds where every work tile loads a Q:
-// tiles that see no key would let the consumers run ahead of a lagging reader without a
-// barrier, so the host claims dynamically only where every query row sees a key
+// once every consumer thread (warp: WARP_RELEASES) was done with tile k's S GEMMs, after the
+// producer had read tile k + 1, so every role has read tile k by then. That holds where every
+// work tile loads a Q: tiles that see no key would let the consumers run ahead of a lagging
+// reader without a barrier, so the host claims dynamically only where every query row sees a key
 // (_dispatch.dynamic_schedule).
 // counters[1] counts the CTAs that ran out of tiles; the last one resets both counters for the
 // next launch (launches on one stream run one after the other, and the host gives each stream
