@@ -9,10 +9,10 @@ Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head d
 and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
 both consumer schedules across the head dims, on the persistent grid for the short rows and on
 one tile per CTA for the 600-key ones at d=96, and with its tiles claimed one by one
-(`_claimed_tiles`), and the FP8 forward (`_fp8`); the backwards run on the Hopper backward,
-deterministic ones too (its ordered dQ, staged and by vector reductions, dense and varlen; the
-dropout calls on mma.sync), and `_hopper_backward` switches it on for its own section whatever
-the environment says.
+(`_claimed_tiles`), the FP8 forward (`_fp8`) and the MLA decode (`_mla_decode`); the
+backwards run on the Hopper backward, deterministic ones too (its ordered dQ, staged and by
+vector reductions, dense and varlen; the dropout calls on mma.sync), and `_hopper_backward`
+switches it on for its own section whatever the environment says.
 """
 
 import sys
@@ -180,6 +180,31 @@ def _fp8(head_dims) -> None:
         api._forward_plans.plans.clear()
 
 
+def _mla_decode(dtype) -> None:
+    """The MLA decode kernel (sm_90; latent cache of 576 columns, V its first 512, one KV
+    head): contiguous and paged (pages of 64 and 16 positions), one and two query tokens with a
+    new row appended in place, odd and empty lengths, one split and several (merged through
+    L2 by the cooperative launch)."""
+    d, dv, capacity = 576, 512, 384
+    rng = numpy.random.default_rng(576)
+    lengths = cupy.asarray(numpy.array([301, 63, 0], numpy.int32))
+    for seqlen_q in (1, 2):
+        q = cupy.asarray(rng.standard_normal((3, seqlen_q, 16, d)).astype(dtype))
+        new = cupy.asarray(rng.standard_normal((3, 1, 1, d)).astype(dtype))
+        cache = cupy.asarray(rng.standard_normal((3, capacity, 1, d)).astype(dtype))
+        for page_size in (None, 64, 16):
+            if page_size is None:
+                kv, table = cache.copy(), None
+            else:
+                kv = cache.reshape(3 * capacity // page_size, page_size, 1, d).copy()
+                table = cupy.arange(3 * capacity // page_size, dtype=cupy.int32).reshape(3, -1)
+            for splits in (1, 3):
+                out = cuflash2.attention_with_kvcache(
+                    q, kv, kv[..., :dv], k=new, v=new[..., :dv], cache_seqlens=lengths,
+                    block_table=table, causal=seqlen_q > 1, num_splits=splits)
+                assert not bool(cupy.isnan(out).any())
+
+
 def _float32_backward(dout, q, k, v, out, lse, precision, deterministic=(False,), varlen=(),
                       **options) -> None:
     """Float32 inputs' backward (warp_gemm_f32.cuh: 32-bit loads of P, dS, dO, Q and K, 8- and
@@ -263,6 +288,7 @@ def main(quick: bool) -> None:
             _claimed_tiles(dtype)
     if api.device_arch(cupy.cuda.Device().id) == 90:
         _fp8((64, 128, 256))
+        _mla_decode(numpy.float16)
     _float32((64, 128) if quick else (32, 64, 96, 128, 192, 256))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")

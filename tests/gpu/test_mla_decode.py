@@ -2,7 +2,7 @@
 V its first 512, one KV head; cuda_src/flash_mla_decode_sm90.cu, docs/MLA_DECODE.md) on an
 sm_90 GPU: against the reference (2x rule) with 16 / 64 / 128 heads, one and two query tokens,
 odd and empty cache lengths, new rows appended (and only them), contiguous and paged caches
-(page sizes 64, 16, 128: paged == contiguous bit for bit), split counts, positions past a
+(page sizes 64, 8, 16, 32, 128: paged == contiguous bit for bit), split counts, positions past a
 sequence's length poisoned with NaN (never reaching O), and a CUDA-graph replay."""
 
 import numpy
@@ -75,7 +75,7 @@ def test_mla_decode_against_reference(dtype, nheads, seqlen_q, seqlen_new):
         assert bool((run_cache.view(cupy.uint16) == appended.view(cupy.uint16)).all()), splits
 
 
-@pytest.mark.parametrize("page_size", [64, 16, 128])
+@pytest.mark.parametrize("page_size", [64, 8, 16, 32, 128])
 def test_mla_paged_equals_contiguous(page_size):
     dtype = numpy.dtype(numpy.float16)
     rng = numpy.random.default_rng(page_size)
