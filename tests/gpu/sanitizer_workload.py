@@ -5,14 +5,15 @@ Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causa
 window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes, and the
 float32 forward and backward (`_float32`): the shapes where an out-of-bounds access or a race
 would show.
-Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
-and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
-both consumer schedules across the head dims, on the persistent grid for the short rows and on
-one tile per CTA for the 600-key ones at d=96, and with its tiles claimed one by one
-(`_claimed_tiles`), the FP8 forward (`_fp8`) and the MLA decode (`_mla_decode`); the
-backwards run on the Hopper backward, deterministic ones too (its ordered dQ, staged and by
-vector reductions, dense and varlen; the dropout calls on mma.sync), and `_hopper_backward`
-switches it on for its own section whatever the environment says.
+Pass `--quick` for a subset (racecheck is slow), `--only fp8 mla_decode` for those sections
+alone (`SECTIONS`). On sm_90 the forwards of head dims above 64, and of d <= 64 with more than
+256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in both consumer schedules across
+the head dims, on the persistent grid for the short rows and on one tile per CTA for the 600-key
+ones at d=96, and with its tiles claimed one by one (`_claimed_tiles`), the FP8 forward (`_fp8`)
+and the MLA decode (`_mla_decode`); the backwards run on the Hopper backward, deterministic ones
+too (its ordered dQ, staged and by vector reductions, dense and varlen; the dropout calls on
+mma.sync), and `_hopper_backward` switches it on for its own section whatever the environment
+says.
 """
 
 import sys
@@ -294,5 +295,15 @@ def main(quick: bool) -> None:
     print("sanitizer workload done")
 
 
+#: Sections that `--only NAME ...` runs alone (sm_90 kernels), for a sanitizer pass over them.
+SECTIONS = {"fp8": lambda: _fp8((64, 128, 256)), "mla_decode": lambda: _mla_decode(numpy.float16)}
+
+
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    if "--only" in sys.argv:
+        for name in sys.argv[sys.argv.index("--only") + 1:]:
+            SECTIONS[name]()
+        cupy.cuda.runtime.deviceSynchronize()
+        print("sanitizer workload done")
+    else:
+        main("--quick" in sys.argv)
