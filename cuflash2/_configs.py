@@ -482,8 +482,10 @@ class FwdSm90Config:
         o_tile = 128 * self.o_panels * self.block_m
         q_region = max(parts * q_tile, 0 if self.persistent else o_tile)
         k_tile = 128 * self.panels * self.block_n
-        v_tile = (self.block_n * ELEMENT_BYTES[self.dtype] * self.head_dim_v if self.keys_last_v
-                  else 128 * self.v_panels * self.block_n)
+        # A keys-last V tile: panels of 128 bytes of keys by head_dim_v rows, the last one
+        # whole where the keys end inside it (e4m3's 160-224 keys: FwdSm90Traits::VT_PANELS).
+        v_tile = (128 * -(-self.block_n * ELEMENT_BYTES[self.dtype] // 128) * self.head_dim_v
+                  if self.keys_last_v else 128 * self.v_panels * self.block_n)
         bias = 2 * self.block_m * self.block_n if self.bias_tile else 0
         stage = parts * (k_tile + v_tile) + bias
         return (q_region + self.stages * stage + (o_tile if self.persistent else 0) + 1024)

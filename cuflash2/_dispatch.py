@@ -813,13 +813,24 @@ FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD
 
 #: The FP8 forward (e4m3 q, k, v: E4M3_TAGS; docs/FP8_FORWARD.md): (block_n, stages, overlap) by
 #: kernel head dim, block_m 128, ping-pong. An e4m3 row is half a 16-bit row (d=128: one
-#: 128-byte panel), V comes keys-last in panels of 128 keys (block_n a multiple of 128), and O,
-#: 16-bit, is staged in a Q region twice Q's bytes. Registers (ptxas, no spills): S block_n / 2,
+#: 128-byte panel), V is transposed keys-last into panels of 128 keys (a multiple of 32 keys a
+#: tile: E4M3_WIDE_TILES), and O, 16-bit, is staged in a Q region twice Q's bytes. Registers (ptxas, no spills): S block_n / 2,
 #: P block_n / 8, O head_dim / 2; at d=128 with 256 keys and at d=256 with the overlap inside a
 #: warpgroup ptxas spills, so d=128 takes 128 keys and d=256 the plain ping-pong.
 #: Shared memory: d=64 256 keys x 3 stages, d=128 128 keys x 4 stages (164,864 B each), d=256
 #: 128 keys x 2 stages (197,632 B).
 E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, False)}
+#: Wider key tiles of the FP8 forward, (block_n, stages, overlap) by kernel head dim: compiled
+#: and tested, not dispatched until measured against E4M3_SM90_FWD_TILES' (forced by
+#: benchmarks/dev/fp8_variants_ab.py's `w<block_n>` variants; docs/FP8_FORWARD_NEXT.md, step 6).
+#: FlashAttention-3's FP8 d=128 tile is 128 x 224 with the overlap; per key a wider tile pays
+#: less of O's rescale (the row max moves with every tile at e4m3) and of each tile's waits and
+#: arrivals. The transposed V's last panel then holds 32-key groups (160: one, 224: three) in
+#: a whole panel's shared memory. ptxas (sm_90a, 240 consumer registers): 160 keys with the
+#: overlap and 224 without it compile without spills, where 192 with the overlap spills 36
+#: bytes and 224 with it 344; 3 stages at 160 (214,016 B with one raw V buffer), 2 at 224
+#: (214,016 B with two).
+E4M3_WIDE_TILES = {128: ((160, 3, True), (224, 2, False))}
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
@@ -1124,9 +1135,10 @@ E4M3_PERSISTENT_MAX_KEYS = {(128, False): 2048, (128, True): 1024}
 E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (2048, 8192)}
 
 
-def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
-    """The FP8 forward of `element` (E4M3_TAGS) at `kernel_dim`: E4M3_SM90_FWD_TILES' tile."""
-    block_n, stages, overlap = E4M3_SM90_FWD_TILES[kernel_dim]
+def e4m3_sm90_config(element: str, kernel_dim: int, tile=None) -> FwdSm90Config:
+    """The FP8 forward of `element` (E4M3_TAGS) at `kernel_dim`: E4M3_SM90_FWD_TILES' tile, or
+    `tile` (block_n, stages, overlap: one of E4M3_WIDE_TILES')."""
+    block_n, stages, overlap = tile or E4M3_SM90_FWD_TILES[kernel_dim]
     return FwdSm90Config(element, kernel_dim, block_m=128, block_n=block_n, stages=stages,
                          pingpong=True, overlap=overlap)
 

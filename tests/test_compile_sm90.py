@@ -207,12 +207,18 @@ TF32_CONFIGS = _dispatch.tf32_hopper_forward_configs(
 
 
 def _tf32_id(c) -> str:
-    return f"{c.dtype}-{c.kernel}" if isinstance(c, _configs.AuxKernel) else _config_id(c)
+    if isinstance(c, _configs.AuxKernel):
+        return f"{c.dtype}-{c.kernel}"
+    return _config_id(c) + (f"-n{c.block_n}" if c in E4M3_WIDE_CONFIGS else "")
 
 
 #: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES), V
 #: transposed in the kernel (no operand pass), dense and varlen (FEATURE_VARLEN).
 E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs(features=(0, _configs.FEATURE_VARLEN))
+#: The FP8 forward's wider key tiles (_dispatch.E4M3_WIDE_TILES: compiled and GPU-tested, not
+#: dispatched until measured), bfloat16 output, one-tile grid: all in the default run.
+E4M3_WIDE_CONFIGS = [_dispatch.e4m3_sm90_config("e4m3_bf16", d, tile)
+                     for d, tiles in _dispatch.E4M3_WIDE_TILES.items() for tile in tiles]
 #: The varlen FP8 forwards of the default run: d=64 (the consumers' highest register, R237 of
 #: 240, one above the dense kernel's) with a bfloat16 output, d=256 with a float16 one.
 E4M3_VARLEN_SAMPLE = {("e4m3_bf16", 64), ("e4m3_fp16", 256)}
@@ -234,7 +240,7 @@ def _keys_last_v_sampled(c) -> bool:
 @pytest.mark.parametrize("config", [
     pytest.param(c, id=_tf32_id(c),
                  marks=() if _keys_last_v_sampled(c) else pytest.mark.exhaustive)
-    for c in TF32_CONFIGS + E4M3_CONFIGS])
+    for c in TF32_CONFIGS + E4M3_CONFIGS + E4M3_WIDE_CONFIGS])
 def test_keys_last_v_hopper_forward_compiles_without_spills(config, reports):
     """The float32 forwards (V keys-last from an operand pass) and the FP8 ones (V transposed
     by the producer warpgroup, within its 24 registers): the same checks as every other
@@ -269,6 +275,19 @@ def test_e4m3_forward_configs():
         assert c.block_n % 128 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
         assert c.smem_bytes <= MAX_SMEM_SM90
     assert {(c.head_dim, c.raw_v_stages) for c in E4M3_CONFIGS} == {(64, 2), (128, 2), (256, 1)}
+
+
+def test_e4m3_wide_tile_configs():
+    """The wider FP8 key tiles: d=128, 160 keys (one 32-key group in the transposed V's second
+    panel) with the overlap on 3 stages and one raw V buffer, 224 (three groups there) without
+    it on 2 stages and two raw buffers, each within 227 KiB, the transposed V's last panel
+    whole in shared memory."""
+    assert [(c.head_dim, c.block_n, c.stages, c.overlap, c.raw_v_stages)
+            for c in E4M3_WIDE_CONFIGS] == [(128, 160, 3, True, 1), (128, 224, 2, False, 2)]
+    for c in E4M3_WIDE_CONFIGS:
+        assert c.transpose_v and c.block_n % 32 == 0 and c.block_n % 128 != 0
+        assert c.smem_bytes == 214016 <= MAX_SMEM_SM90
+        assert c not in E4M3_CONFIGS  # not dispatched
 
 
 def test_hopper_sinks_configs():

@@ -6,7 +6,9 @@ resulting tile of the ring compared with the keys-last V that P V's descriptors 
 and that the operand pass it replaces wrote (VT panels of 128 key bytes by head-dim rows,
 128-byte swizzle; within each group of 32 keys, position 4t + b of a 16-position half holds key
 2t + (b & 1) + 8 (b >> 1) of that half: the order pack_probabilities_e4m3 packs P in), for every
-head dim and tile of _dispatch.E4M3_SM90_FWD_TILES.
+head dim and tile of _dispatch.E4M3_SM90_FWD_TILES and the wider key tiles of
+_dispatch.E4M3_WIDE_TILES (160-224 keys: a last panel of 32-key groups, the rest of its rows
+left as they were).
 
 Fragment layouts (PTX ISA, "Warp-level matrix load / store instructions: ldmatrix, stmatrix"):
 an 8 x 8 matrix of 16-bit elements has its 8 rows (16 bytes each) at the addresses lanes
@@ -58,7 +60,7 @@ def expected_vt_stage(v_tile, block_n, head_dim):
     loaded it): VT_PANELS panels (128 keys each) of head_dim rows of 128 key positions, 128-byte
     swizzle."""
     vt_panel_bytes = head_dim * ROW_BYTES
-    smem = np.zeros((block_n // ROW_BYTES) * vt_panel_bytes, np.uint8)
+    smem = np.zeros(-(-block_n // ROW_BYTES) * vt_panel_bytes, np.uint8)
     for h in range(head_dim):
         for key_pos in range(block_n):
             group = key_pos // 32 * 32
@@ -128,7 +130,8 @@ class Shape:
         self.head_dim = head_dim
         self.block_n = block_n
         self.v_panels = -(-head_dim // ROW_BYTES)      # V_PANELS (e4m3: 128 bytes a panel)
-        self.vt_panels = block_n // ROW_BYTES          # VT_PANELS (128 keys a panel)
+        self.vt_panels = -(-block_n // ROW_BYTES)      # VT_PANELS (128 keys a panel)
+        self.tail_groups = block_n % ROW_BYTES // 32   # VT_TAIL_GROUPS (a last panel's)
         self.kv_panel_bytes = block_n * ROW_BYTES      # KV_PANEL_BYTES
         self.vt_panel_bytes = head_dim * ROW_BYTES     # VT_PANEL_BYTES
         self.units = self.vt_panels * (head_dim // 16)  # TRANSPOSE_UNITS
@@ -153,12 +156,13 @@ def vt_lane_offset(lane):
 def unit_addresses(raw_lane, vt_lane, u, shape):
     """transpose_unit's row addresses of a lane for unit u (head-dim chunk c = u / VT_PANELS,
     VT panel p = u % VT_PANELS): [(ldmatrix's, stmatrix's) for steps i = 0 .. 3, key group
-    4 p + i]. raw_lane, vt_lane: the tiles' (1024-byte aligned) addresses plus the lane's
-    offsets."""
+    4 p + i; the last panel's first VT_TAIL_GROUPS steps where the keys end inside it].
+    raw_lane, vt_lane: the tiles' (1024-byte aligned) addresses plus the lane's offsets."""
     c, p = u // shape.vt_panels, u % shape.vt_panels
     raw = ((raw_lane + (c // 8) * shape.kv_panel_bytes) ^ ((c % 8) << 4)) + p * 128 * ROW_BYTES
     vt = vt_lane + p * shape.vt_panel_bytes + c * 16 * ROW_BYTES
-    return [(raw + i * 32 * ROW_BYTES, vt ^ ((2 * i) << 4)) for i in range(4)]
+    steps = shape.tail_groups if shape.tail_groups and p == shape.vt_panels - 1 else 4
+    return [(raw + i * 32 * ROW_BYTES, vt ^ ((2 * i) << 4)) for i in range(steps)]
 
 
 #: transpose_unit's byte permutes: of the words of keys 2t, 2t + 1 (a) and 8 + 2t, 9 + 2t (b) of
@@ -171,7 +175,7 @@ def transpose_tile(raw, shape, warps=TRANSPOSE_WARPS, raw_base=0, vt_base=0):
     ...) on the raw tile `raw` (at raw_base, 1024-byte aligned) into a fresh stage (at
     vt_base); returns (stage, the worst ldmatrix and stmatrix bank ways, how many times each
     unit ran)."""
-    stage = np.zeros((shape.block_n // ROW_BYTES) * shape.vt_panel_bytes, np.uint8)
+    stage = np.zeros(shape.vt_panels * shape.vt_panel_bytes, np.uint8)
     lds_ways = sts_ways = 0
     runs = np.zeros(shape.units, int)
     for warp in range(warps):
@@ -180,7 +184,7 @@ def transpose_tile(raw, shape, warps=TRANSPOSE_WARPS, raw_base=0, vt_base=0):
             lanes = [unit_addresses(raw_base + raw_lane_offset(lane),
                                     vt_base + vt_lane_offset(lane), u, shape)
                      for lane in range(32)]
-            for i in range(4):
+            for i in range(len(lanes[0])):
                 loads = [lanes[lane][i][0] - raw_base for lane in range(32)]
                 stores = [lanes[lane][i][1] - vt_base for lane in range(32)]
                 d = ldmatrix_x4_trans(raw, loads)
@@ -193,7 +197,8 @@ def transpose_tile(raw, shape, warps=TRANSPOSE_WARPS, raw_base=0, vt_base=0):
     return stage, lds_ways, sts_ways, runs
 
 
-TILES = [(d, block_n) for d, (block_n, *_) in _dispatch.E4M3_SM90_FWD_TILES.items()]
+TILES = [(d, block_n) for d, (block_n, *_) in _dispatch.E4M3_SM90_FWD_TILES.items()] + [
+    (d, block_n) for d, tiles in _dispatch.E4M3_WIDE_TILES.items() for block_n, *_ in tiles]
 
 
 @pytest.mark.parametrize("head_dim,block_n", TILES, ids=[f"d{d}-n{n}" for d, n in TILES])

@@ -75,8 +75,13 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;  // a K tile
     // KEYS_LAST_V: a V tile is BLOCK_N keys as VT_PANELS panels of 128-byte rows (32 float32
-    // keys, 128 e4m3 keys) by HEAD_DIM_V head-dim rows, the K-major B operand of P V.
-    static constexpr int VT_PANELS = BLOCK_N * BYTES / ROW_BYTES;
+    // keys, 128 e4m3 keys) by HEAD_DIM_V head-dim rows, the K-major B operand of P V. With the
+    // in-kernel transpose (e4m3) BLOCK_N may end inside a panel (160, 192, 224 keys): the last
+    // panel's rows then hold VT_TAIL_GROUPS groups of 32 keys and the rest of each row is
+    // neither written nor read (P V's k32 steps stop at BLOCK_N), a panel's shared memory for
+    // the layout and descriptors of whole panels. The operand pass's tiles are whole panels.
+    static constexpr int VT_PANELS = (BLOCK_N * BYTES + ROW_BYTES - 1) / ROW_BYTES;
+    static constexpr int VT_TAIL_GROUPS = BLOCK_N * BYTES % ROW_BYTES / 32;
     static constexpr int VT_PANEL_BYTES = HEAD_DIM_V * ROW_BYTES;
     static constexpr int V_TILE_BYTES =
         KEYS_LAST_V ? VT_PANELS * VT_PANEL_BYTES : V_PANELS * KV_PANEL_BYTES;
@@ -124,8 +129,9 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int RAW_V_OFFSET = STAGES * STAGE_BYTES + O_BYTES;  // from the ring's base
     // A transposer step is 32 keys (a group of P's order) by 16 head-dim bytes (ldmatrix.x4.trans,
     // stmatrix.x4), a unit the four steps of one VT panel (128 keys) and one 16-byte head-dim
-    // chunk, with constant offsets between them; a tile's units go round the TRANSPOSE_WARPS
-    // warps (d=64 and 128: 8 units, 3 + 3 + 2; d=256: 16, 6 + 5 + 5).
+    // chunk, with constant offsets between them (a last panel of VT_TAIL_GROUPS groups: that
+    // many steps); a tile's units go round the TRANSPOSE_WARPS warps (d=64 and 128: 8 units,
+    // 3 + 3 + 2; d=256: 16, 6 + 5 + 5; d=128 with 160-224 keys: 16, 6 + 5 + 5).
     static constexpr int TRANSPOSE_UNITS = VT_PANELS * (HEAD_DIM_V / 16);
     // The persistent grid's transposers walk the tile scheduler's work tiles themselves, whose
     // state does not fit 24 registers beside the transpose (8 bytes spilled with the static
@@ -184,8 +190,10 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(KV_PANEL_BYTES % 1024 == 0 && Q_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
     static_assert(ROWS_PER_WARPGROUP * O_CHUNKS % WARPGROUP_THREADS == 0,
                   "the epilogue's 16-byte chunks split evenly over a warpgroup");
-    static_assert(!KEYS_LAST_V || (BLOCK_N * BYTES % ROW_BYTES == 0 && VT_PANEL_BYTES % 1024 == 0),
-                  "keys-last V: whole panels of keys, whole swizzle atoms");
+    static_assert(!KEYS_LAST_V || ((TRANSPOSE_V || BLOCK_N * BYTES % ROW_BYTES == 0) &&
+                                   BLOCK_N * BYTES % 32 == 0 && VT_PANEL_BYTES % 1024 == 0),
+                  "keys-last V: whole panels of keys (the transposed V: whole 32-key groups), "
+                  "whole swizzle atoms");
     static_assert(!KEYS_LAST_V || (!BIAS && (Elem::IS_E4M3 || !PERSISTENT)),
                   "float32, e4m3: no bias tiles; float32 on the one-tile-per-CTA grid");
     static_assert(!TRANSPOSE_V || (KEYS_LAST_V && BYTES == 1 && RAW_V_TILE_BYTES % 1024 == 0),

@@ -48,7 +48,9 @@ CF2_DEVICE u32 vt_lane_offset(int lane) {
 // of 128 head-dim bytes, rows 128 p + 32 i .., chunk c % 8. Stage: VT panel p, head-dim rows
 // 16 c .., chunks 2 i and 2 i + 1 of those rows. `raw_lane`, `vt_lane`: the raw tile's and
 // the stage's V tile's addresses (1024-byte aligned) plus the lane's offsets, so that the
-// chunks' XORs (bits 4-6) fall on the lane's offset alone.
+// chunks' XORs (bits 4-6) fall on the lane's offset alone. A tile whose keys end inside their
+// last panel (T::VT_TAIL_GROUPS groups there) stops that panel's units after as many steps:
+// the raw tile has no rows past BLOCK_N, and P V reads no keys past it.
 template <class T>
 CF2_DEVICE void transpose_unit(u32 raw_lane, u32 vt_lane, u32 u) {
     const u32 c = u / T::VT_PANELS, p = u % T::VT_PANELS;
@@ -57,6 +59,9 @@ CF2_DEVICE void transpose_unit(u32 raw_lane, u32 vt_lane, u32 u) {
     const u32 vt = vt_lane + p * T::VT_PANEL_BYTES + c * 16 * T::ROW_BYTES;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+        if constexpr (T::VT_TAIL_GROUPS != 0) {
+            if (i >= T::VT_TAIL_GROUPS && p == T::VT_PANELS - 1) break;
+        }
         u32 d[4];
         ldmatrix_x4_trans(d, raw + i * 32 * T::ROW_BYTES);
         const u32 w[4] = {__byte_perm(d[0], d[1], 0x6420), __byte_perm(d[0], d[1], 0x7531),

@@ -11,7 +11,7 @@ rounded to e4m3 and the output to out_dtype; the lse against the float64 referen
 or a given `out=` filled with NaN).
 
 Covered: head dims 64, 128 and 256, causal and not, seqlen_q != seqlen_k and odd lengths (1 to
-2081), long flat rows (16k keys), GQA (8:2), MQA (8:1) and MHA, windows, a softmax_scale, unbatched
+2081), long flat rows (16k keys), the wider key tiles forced (E4M3_WIDE_TILES), GQA (8:2), MQA (8:1) and MHA, windows, a softmax_scale, unbatched
 inputs, per-tensor and per-(batch, KV head) descales and none, out_dtype bfloat16 and float16, out=
 given and returned as is, descales read at every call (new arrays and new values in the same
 arrays) and shared along an axis (broadcast views), k and v as strided views, the kernel
@@ -39,7 +39,7 @@ from grids import BF16, FP16, is_hopper, needs_hopper, seed_of
 cupy = pytest.importorskip("cupy")
 
 import cuflash2  # noqa: E402
-from cuflash2 import testing  # noqa: E402
+from cuflash2 import _configs, _dispatch, api, testing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -110,6 +110,27 @@ def test_gqa_and_mqa(layout):
     q, k, v, descales = _inputs("heads", *layout, 64)
     _check(q, k, v, descales, causal=True)
     _check(q, k, v, descales)
+
+
+WIDE_TILES = [(d, tile) for d, tiles in _dispatch.E4M3_WIDE_TILES.items() for tile in tiles]
+
+
+@needs_hopper
+@pytest.mark.parametrize("seqlens", [(113, 257), (1000, 2081), (480, 480), (257, 31)])
+@pytest.mark.parametrize("headdim,tile", WIDE_TILES,
+                         ids=[f"d{d}-n{tile[0]}" for d, tile in WIDE_TILES])
+def test_wide_key_tiles(headdim, tile, seqlens):
+    """The wider key tiles of E4M3_WIDE_TILES (not dispatched; forced): the transposed V's last
+    panel of 32-key groups (160: one, 224: three), tiles whose keys end inside it and past the
+    sequence, causal tiles that a 128-row block crosses at any key (block_n no multiple of
+    block_m), GQA 8:2, descales per (batch, KV head), causal and not, and a window."""
+    config = _dispatch.e4m3_sm90_config("e4m3_bf16", headdim, tile)
+    q, k, v, descales = _inputs("wide", 2, *seqlens, 8, 2, headdim)
+    with api._forced_config(config):
+        for options in (dict(causal=True), dict(), dict(window_size=(300, 40))):
+            _check(q, k, v, descales, **options)
+            assert cuflash2.forward_kernels(q, k, v, qkv_dtype="e4m3", **descales,
+                                            **options) == [_configs.describe(config)]
 
 
 @needs_hopper
