@@ -6,7 +6,8 @@
 #             pytest processes side by side, with compute-sanitizer memcheck, racecheck and
 #             synccheck over sanitizer_workload.py's `--only fp8 mla_decode` beside them, and
 #             fp8_variants_ab.py run once at one iteration (head and BASE) to compile its kernels
-#   timing    benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS on the checkout, then
+#   timing    benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS (default: the dispatched
+#             FP8 forward and the wider key tiles of E4M3_WIDE_TILES) on the checkout, then
 #             --variants disp on BASE (a folder holding another version of the repository, e.g.
 #             `mkdir ab_base && git archive main | tar -x -C ab_base`, carried to the device), on
 #             the same machine, cuDNN's FP8 SDPA beside both where the frontend's wheel is at
@@ -21,7 +22,7 @@ BUDGET=${BUDGET:-585}
 STEPS=${STEPS:-tests timing}
 BASE=${BASE:-}
 WHEEL=${WHEEL:-}
-AB_VARIANTS=${AB_VARIANTS:-disp}
+AB_VARIANTS=${AB_VARIANTS:-disp w160 w224}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
@@ -43,7 +44,7 @@ ab() {  # ab DIR ARGS...: fp8_variants_ab.py of the repository in DIR
 }
 if want tests; then
     t=$(( $(left) - 200 )); (( t > 330 )) && t=330
-    ab . --variants "$AB_VARIANTS" --rounds 1 --iters 1 --warmup 1 --no-cudnn \
+    ab . --variants $AB_VARIANTS --rounds 1 --iters 1 --warmup 1 --no-cudnn \
         > "$LOGS/warm-head.txt" 2>&1 &
     [[ -n $BASE ]] && { ab "$BASE" --variants disp --rounds 1 --iters 1 --warmup 1 --no-cudnn \
         > "$LOGS/warm-base.txt" 2>&1 & }
