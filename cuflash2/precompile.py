@@ -61,8 +61,13 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
     the backward's pre- and post-processing; "decode": attention_with_kvcache), each once.
     `head_dims_v`: v's head dims where they differ from q's (d_v != d_qk: the Hopper kernels'
     pairs of a head dim of `head_dims` and one of these, and the mma.sync kernels' for V's own
-    kernel head dim)."""
+    kernel head dim). MLA's latent head dims (q's MLA_HEAD_DIM with v's MLA_HEAD_DIM_V) name the
+    MLA decode kernel of each 16-bit dtype (sm_90, "decode", plain calls) and nothing else."""
     dtypes = set(dtypes)
+    mla = (arch == 90 and "decode" in directions and 0 in features
+           and _configs.MLA_HEAD_DIM in head_dims)
+    head_dims = [h for h in head_dims if h != _configs.MLA_HEAD_DIM]
+    head_dims_v = [h for h in head_dims_v if h != _configs.MLA_HEAD_DIM_V]
     v_dims = {_dispatch.hopper_forward_head_dim(h)
               for h in head_dims_v if h <= max(_configs.SM90_FWD_HEAD_DIMS)}
     dims = {_dispatch.kernel_head_dim(d) for d in head_dims}
@@ -111,7 +116,7 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
             if e4m3 and e4m3_dims:
                 configs += [c for c in _dispatch.e4m3_hopper_forward_configs(e4m3, features)
                             if c.head_dim in e4m3_dims]
-    if "bwd" in directions:
+    if "bwd" in directions and head_dims:  # (none left where MLA's alone were named)
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))
         configs += _float32_backward(arch, dtypes, head_dims, backward)
@@ -137,6 +142,9 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
                                for c in sm90]
     if "decode" in directions:
         configs += named(_dispatch.all_decode_configs(arch, decode_features), dims)
+    if mla:
+        configs += [_configs.MlaDecodeConfig(t) for t in sorted(dtypes)
+                    if t in _configs.DTYPE_TAGS]
     return list(dict.fromkeys(configs))
 
 
