@@ -38,9 +38,9 @@ summary=$OUT/pending-summary.txt
 header "pending_checks.sh STEPS=\"$STEPS\" BASE=$BASE" > "$summary"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$summary"
 
-ab() {  # ab DIR ARGS...: fp8_variants_ab.py of the repository in DIR
-    local dir=$1; shift
-    (cd "$dir" && PYTHONPATH=$PWD$SITE python3 benchmarks/dev/fp8_variants_ab.py "$@")
+ab() {  # ab DIR ARGS...: fp8_variants_ab.py of the repository in DIR (a shell function:
+    local dir=$1; shift  # not under `timeout`)
+    python3 "$dir/benchmarks/dev/fp8_variants_ab.py" "$@"
 }
 if want tests; then
     t=$(( $(left) - 200 )); (( t > 330 )) && t=330
@@ -70,11 +70,14 @@ if want timing; then
     log=$OUT/fp8-timing.txt
     header "fp8_variants_ab.py --variants $AB_VARIANTS (head), --variants disp (BASE=$BASE)" > "$log"
     half=$(( ($(left) - 10) / 2 ))
+    # (the script puts its own repository first on sys.path: BASE's runs BASE's package)
     echo "## head" >> "$log"
-    bounded "$half" ab . --variants $AB_VARIANTS >> "$log" 2>&1
+    bounded "$half" python3 benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS \
+        >> "$log" 2>&1
     if [[ -n $BASE ]]; then
         echo "## base ($BASE)" >> "$log"
-        bounded 400 ab "$BASE" --variants disp >> "$log" 2>&1
+        bounded 400 python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" --variants disp \
+            >> "$log" 2>&1
     fi
 fi
 echo "pending_checks: ${SECONDS} s" >> "$summary"
