@@ -820,9 +820,9 @@ FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD
 #: Shared memory: d=64 256 keys x 3 stages, d=128 128 keys x 4 stages (164,864 B each), d=256
 #: 128 keys x 2 stages (197,632 B).
 E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, False)}
-#: Wider key tiles of the FP8 forward, (block_n, stages, overlap) by kernel head dim: compiled
-#: and tested, not dispatched until measured against E4M3_SM90_FWD_TILES' (forced by
-#: benchmarks/dev/fp8_variants_ab.py's `w<block_n>` variants; docs/FP8_FORWARD_NEXT.md, step 6).
+#: Wider key tiles of the FP8 forward, (block_n, stages, overlap) by kernel head dim, forced by
+#: benchmarks/dev/fp8_variants_ab.py's `w<block_n>` variants (docs/FP8_FORWARD_NEXT.md, step 6);
+#: E4M3_WIDE_TILE_KEYS dispatches those that measured faster.
 #: FlashAttention-3's FP8 d=128 tile is 128 x 224 with the overlap; per key a wider tile pays
 #: less of O's rescale (the row max moves with every tile at e4m3) and of each tile's waits and
 #: arrivals. The transposed V's last panel then holds 32-key groups (160: one, 224: three) in
@@ -831,6 +831,12 @@ E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, Fa
 #: bytes and 224 with it 344; 3 stages at 160 (214,016 B with one raw V buffer), 2 at 224
 #: (214,016 B with two).
 E4M3_WIDE_TILES = {128: ((160, 3, True), (224, 2, False))}
+#: (block_n of E4M3_WIDE_TILES, least keys) by kernel head dim: the FP8 forward of non-causal
+#: rows without a window from that many keys on. H100, 2026-12-07 (fp8_variants_ab.py, rounds
+#: alternating on the same arrays, against the 128-key tile as dispatched): 224 keys 1.04 /
+#: 1.08 / 1.03x at 4k / 8k / 16k keys, 0.98x at 2k, 0.77-0.91x at 512-1k; causal 0.71-0.97x at
+#: every length. 160 keys: 1.00-1.05x from 2k non-causal, below 224 from 4k.
+E4M3_WIDE_TILE_KEYS = {128: (224, 4096)}
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
@@ -1118,6 +1124,9 @@ def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
     causal = window[1] == 0 and window[0] < 0
     if window[0] >= 0 or (window[1] >= 0 and not causal):
         return config  # windows: the one-tile-per-CTA grid
+    wide = E4M3_WIDE_TILE_KEYS.get(p.head_dim)
+    if not causal and wide is not None and p.seqlen_k >= wide[1]:
+        return e4m3_sm90_config(p.dtype, p.head_dim, e4m3_wide_tile(p.head_dim, wide[0]))
     claims = causal and dynamic_schedule(p.head_dim, p.seqlen_q, p.seqlen_k, window[1],
                                          E4M3_DYNAMIC_SCHEDULE_KEYS)
     if claims or p.seqlen_k <= E4M3_PERSISTENT_MAX_KEYS.get((p.head_dim, causal), 0):
@@ -1133,6 +1142,12 @@ def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
 #: d=256 spill on the persistent grid and stay on the one-tile grid.
 E4M3_PERSISTENT_MAX_KEYS = {(128, False): 2048, (128, True): 1024}
 E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (2048, 8192)}
+
+
+def e4m3_wide_tile(kernel_dim: int, block_n: int) -> tuple:
+    """The (block_n, stages, overlap) of E4M3_WIDE_TILES at `kernel_dim` with `block_n` keys."""
+    (tile,) = [t for t in E4M3_WIDE_TILES[kernel_dim] if t[0] == block_n]
+    return tile
 
 
 def e4m3_sm90_config(element: str, kernel_dim: int, tile=None) -> FwdSm90Config:
@@ -1680,7 +1695,7 @@ def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS), features=(0,)) -> lis
     skipped): one per head dim of E4M3_SM90_FWD_TILES on the one-tile-per-CTA grid (V
     transposed in the kernel: no operand pass), and for dense calls on the persistent grid
     those of E4M3_PERSISTENT_MAX_KEYS' head dims, with claimed tiles those of
-    E4M3_DYNAMIC_SCHEDULE_KEYS'."""
+    E4M3_DYNAMIC_SCHEDULE_KEYS', with a wider key tile those of E4M3_WIDE_TILE_KEYS'."""
     configs = []
     for f in dict.fromkeys(features):
         if f not in (0, FEATURE_VARLEN):
@@ -1695,6 +1710,9 @@ def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS), features=(0,)) -> lis
                     configs.append(dataclasses.replace(config, persistent=True))
                 if d in E4M3_DYNAMIC_SCHEDULE_KEYS:
                     configs.append(dataclasses.replace(config, persistent=True, claims=True))
+                if d in E4M3_WIDE_TILE_KEYS:
+                    configs.append(e4m3_sm90_config(
+                        element, d, e4m3_wide_tile(d, E4M3_WIDE_TILE_KEYS[d][0])))
     return configs
 
 

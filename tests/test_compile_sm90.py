@@ -215,10 +215,11 @@ def _tf32_id(c) -> str:
 #: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES), V
 #: transposed in the kernel (no operand pass), dense and varlen (FEATURE_VARLEN).
 E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs(features=(0, _configs.FEATURE_VARLEN))
-#: The FP8 forward's wider key tiles (_dispatch.E4M3_WIDE_TILES: compiled and GPU-tested, not
-#: dispatched until measured), bfloat16 output, one-tile grid: all in the default run.
-E4M3_WIDE_CONFIGS = [_dispatch.e4m3_sm90_config("e4m3_bf16", d, tile)
-                     for d, tiles in _dispatch.E4M3_WIDE_TILES.items() for tile in tiles]
+#: The FP8 forward's wider key tiles that are not dispatched (_dispatch.E4M3_WIDE_TILES beside
+#: E4M3_WIDE_TILE_KEYS' in E4M3_CONFIGS), bfloat16 output, one-tile grid: in the default run.
+E4M3_WIDE_CONFIGS = [c for c in (_dispatch.e4m3_sm90_config("e4m3_bf16", d, tile)
+                                 for d, tiles in _dispatch.E4M3_WIDE_TILES.items()
+                                 for tile in tiles) if c not in E4M3_CONFIGS]
 #: The varlen FP8 forwards of the default run: d=64 (the consumers' highest register, R237 of
 #: 240, one above the dense kernel's) with a bfloat16 output, d=256 with a float16 one.
 E4M3_VARLEN_SAMPLE = {("e4m3_bf16", 64), ("e4m3_fp16", 256)}
@@ -255,39 +256,43 @@ def test_keys_last_v_hopper_forward_compiles_without_spills(config, reports):
 
 def test_e4m3_forward_configs():
     """Every element (a bfloat16 and a float16 output) at every head dim of its tiles, V
-    transposed in the kernel (no operand pass): keys-last in whole 128-key panels of the ring,
+    transposed in the kernel (no operand pass): keys-last in 128-key panels of the ring,
     two raw V buffers where they fit 227 KiB (d=64 and 128) and one at d=256, O staged in a Q
     region of O's bytes; varlen (FEATURE_VARLEN) on the one-tile grid alone."""
     assert all(isinstance(c, _configs.FwdSm90Config) for c in E4M3_CONFIGS)
     assert len(E4M3_CONFIGS) == len(set(E4M3_CONFIGS))
     assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS} == {
         (e, d) for e in _configs.E4M3_TAGS for d in _dispatch.E4M3_SM90_FWD_TILES}
-    # d=128 also on the persistent grid, statically and with claimed tiles; varlen one-tile
-    assert sorted((c.head_dim, c.features, c.persistent, c.claims) for c in E4M3_CONFIGS
-                  if c.dtype == "e4m3_bf16") == sorted(
-        [(64, 0, False, False), (128, 0, False, False), (128, 0, True, False),
-         (128, 0, True, True), (256, 0, False, False)]
-        + [(d, _configs.FEATURE_VARLEN, False, False) for d in (64, 128, 256)])
+    # d=128 also on the persistent grid, statically and with claimed tiles, and with 224-key
+    # tiles; varlen one-tile
+    assert sorted((c.head_dim, c.block_n, c.features, c.persistent, c.claims)
+                  for c in E4M3_CONFIGS if c.dtype == "e4m3_bf16") == sorted(
+        [(64, 256, 0, False, False), (128, 128, 0, False, False), (128, 128, 0, True, False),
+         (128, 128, 0, True, True), (128, 224, 0, False, False), (256, 128, 0, False, False)]
+        + [(d, 256 if d == 64 else 128, _configs.FEATURE_VARLEN, False, False)
+           for d in (64, 128, 256)])
     assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS
             if c.features and _keys_last_v_sampled(c)} == E4M3_VARLEN_SAMPLE
     for c in E4M3_CONFIGS:
         assert c.transpose_v and c.keys_last_v and not c.operand_pass
-        assert c.block_n % 128 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
+        assert c.block_n % 32 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
         assert c.smem_bytes <= MAX_SMEM_SM90
     assert {(c.head_dim, c.raw_v_stages) for c in E4M3_CONFIGS} == {(64, 2), (128, 2), (256, 1)}
 
 
 def test_e4m3_wide_tile_configs():
     """The wider FP8 key tiles: d=128, 160 keys (one 32-key group in the transposed V's second
-    panel) with the overlap on 3 stages and one raw V buffer, 224 (three groups there) without
-    it on 2 stages and two raw buffers, each within 227 KiB, the transposed V's last panel
-    whole in shared memory."""
-    assert [(c.head_dim, c.block_n, c.stages, c.overlap, c.raw_v_stages)
-            for c in E4M3_WIDE_CONFIGS] == [(128, 160, 3, True, 1), (128, 224, 2, False, 2)]
-    for c in E4M3_WIDE_CONFIGS:
+    panel) with the overlap on 3 stages and one raw V buffer, not dispatched; 224 (three groups
+    there) without it on 2 stages and two raw buffers, dispatched (E4M3_WIDE_TILE_KEYS); each
+    within 227 KiB, the transposed V's last panel whole in shared memory."""
+    wide = [_dispatch.e4m3_sm90_config("e4m3_bf16", 128, t)
+            for t in _dispatch.E4M3_WIDE_TILES[128]]
+    assert [(c.block_n, c.stages, c.overlap, c.raw_v_stages) for c in wide] == [
+        (160, 3, True, 1), (224, 2, False, 2)]
+    for c in wide:
         assert c.transpose_v and c.block_n % 32 == 0 and c.block_n % 128 != 0
         assert c.smem_bytes == 214016 <= MAX_SMEM_SM90
-        assert c not in E4M3_CONFIGS  # not dispatched
+    assert E4M3_WIDE_CONFIGS == wide[:1] and wide[1] in E4M3_CONFIGS
 
 
 def test_hopper_sinks_configs():

@@ -219,22 +219,31 @@ def test_an_fp8_call_plans_the_e4m3_hopper_forward(fp8_hopper, scratch_maps, hea
 
 @pytest.mark.parametrize("seqlen, window, headdim, grid", [
     (1024, (-1, -1), 128, "persistent"), (2048, (-1, -1), 128, "persistent"),
-    (4096, (-1, -1), 128, "one tile"), (1024, (-1, 0), 128, "persistent"),
+    (4096, (-1, -1), 128, "one tile 224"), (16384, (-1, -1), 128, "one tile 224"),
+    (1024, (-1, 0), 128, "persistent"),
     (4096, (-1, 0), 128, "claims"), (8192, (-1, 0), 128, "claims"),
     (16384, (-1, 0), 128, "one tile"), (1024, (64, 0), 128, "one tile"),
-    (1024, (-1, -1), 64, "one tile"), (1024, (-1, 0), 256, "one tile")])
+    (8192, (2048, 2048), 128, "one tile"),
+    (1024, (-1, -1), 64, "one tile"), (1024, (-1, 0), 256, "one tile"),
+    (8192, (-1, -1), 256, "one tile")])
 def test_the_fp8_forward_grid_by_length_and_mask(monkeypatch, seqlen, window, headdim, grid):
-    """_dispatch.E4M3_PERSISTENT_MAX_KEYS and E4M3_DYNAMIC_SCHEDULE_KEYS: the persistent grid
-    for short rows at d=128 (claimed tiles for causal rows of 2k-8k keys), the one-tile grid
-    for long rows, windows and the other head dims."""
+    """_dispatch.E4M3_PERSISTENT_MAX_KEYS, E4M3_DYNAMIC_SCHEDULE_KEYS and E4M3_WIDE_TILE_KEYS:
+    the persistent grid for short rows at d=128 (claimed tiles for causal rows of 2k-8k keys),
+    224-key tiles for non-causal rows from 4k keys, the one-tile grid with the head dim's tile
+    for long causal rows, windows and the other head dims."""
     from cuflash2 import _dispatch, _hopper, _validate
 
     monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
     problem = _validate.AttentionProblem(16384 // seqlen, seqlen, seqlen, 16, 16, headdim,
                                          "e4m3_bf16", True, headdim ** -0.5)
     config = _dispatch.e4m3_hopper_forward_config(problem, 0, 90, None, window)
-    assert {(False, False): "one tile", (True, False): "persistent",
-            (True, True): "claims"}[config.persistent, config.claims] == grid
+    named = {(False, False): "one tile", (True, False): "persistent",
+             (True, True): "claims"}[config.persistent, config.claims]
+    block_n, _, overlap = _dispatch.E4M3_SM90_FWD_TILES[headdim]
+    if config.block_n != block_n:
+        named += f" {config.block_n}"
+        assert config == _dispatch.e4m3_sm90_config("e4m3_bf16", headdim, (224, 2, False))
+    assert named == grid
 
 
 # --------------------------------------------------------------------------------------------
