@@ -25,6 +25,14 @@
 // Head dims above 128 are split into chunks (grid.x): each CTA recomputes S and dP over the full
 // head dim but accumulates dK, dV, dQ only for its D_CHUNK columns, which keeps dK and dV in
 // registers.
+//
+// HEAD_DIM is Q's and K's head dim (S = Q K^T; dK, dQ), HEAD_DIM_V V's and dO's (d_v != d_qk,
+// DeepSeek's 192 / 128; dP = dO V^T; dV), below HEAD_DIM or equal to it (16-bit). The chunks
+// split both in the same proportion: chunk c holds dK's and dQ's columns [c D_CHUNK, (c + 1)
+// D_CHUNK) and dV's [c D_CHUNK_V, (c + 1) D_CHUNK_V), D_CHUNK_V = HEAD_DIM_V / NUM_CHUNKS, over
+// the same phase-B warp grid (KV_COLS_V columns a warp). So every CTA does its share of both
+// products with the warp tiles and the register budget of Q's head dim's tile (dV's
+// accumulators only shrink), and the grid is that of Q's head dim.
 #include "mma_primitives.cuh"
 #include "smem_swizzle.cuh"
 #include "variant.cuh"
@@ -38,12 +46,16 @@
 #include "kernel_params.cuh"
 #include "constants.cuh"
 
-template <int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int SDP_WARPS_M,
-          int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, int WORDS = 1>
+template <int HEAD_DIM, int HEAD_DIM_V, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
+          int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, int WORDS = 1>
 struct BwdTraits {
     static constexpr int THREADS = NUM_WARPS * 32;
-    // k steps of S and dP (full head dim): 16 words each, k16 of 16-bit elements, k8 of float32.
+    // k steps of S (Q's full head dim) and dP (V's): 16 words each, k16 of 16-bit elements, k8
+    // of float32.
     static constexpr int D_STEPS = HEAD_DIM * WORDS / 16;
+    static constexpr int D_STEPS_V = HEAD_DIM_V * WORDS / 16;
+    static constexpr int NUM_CHUNKS = HEAD_DIM / D_CHUNK;
+    static constexpr int D_CHUNK_V = HEAD_DIM_V / NUM_CHUNKS;  // dV's columns a chunk
     // Phase A: SDP_WARPS_M x SDP_WARPS_N warps over (BLOCK_M queries x BLOCK_N keys).
     static constexpr int SDP_WARPS_N = NUM_WARPS / SDP_WARPS_M;
     static constexpr int SDP_ROWS = BLOCK_M / SDP_WARPS_M;
@@ -54,8 +66,10 @@ struct BwdTraits {
     static constexpr int KV_WARPS_D = NUM_WARPS / KV_WARPS_N;
     static constexpr int KV_KEYS = BLOCK_N / KV_WARPS_N;
     static constexpr int KV_COLS = D_CHUNK / KV_WARPS_D;
+    static constexpr int KV_COLS_V = D_CHUNK_V / KV_WARPS_D;  // dV's, over the same warp grid
     static constexpr int KV_MT = KV_KEYS / 16;
     static constexpr int KV_NT = KV_COLS / 8;
+    static constexpr int KV_NT_V = KV_COLS_V / 8;
     // Phase C: DQ_WARPS_M x DQ_WARPS_D warps over (BLOCK_M queries x D_CHUNK columns).
     static constexpr int DQ_WARPS_D = NUM_WARPS / DQ_WARPS_M;
     static constexpr int DQ_ROWS = BLOCK_M / DQ_WARPS_M;
@@ -64,19 +78,26 @@ struct BwdTraits {
     static constexpr int DQ_NT = DQ_COLS / 8;
 
     // Tiles of 16-bit words, WORDS an element (P and dS as wide as the inputs' elements).
-    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * WORDS>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * WORDS>;  // K's (and V's: one head dim)
+    using VTile = SwizzledTile<BLOCK_N, HEAD_DIM_V * WORDS>;
     using QTile = SwizzledTile<BLOCK_M, HEAD_DIM * WORDS>;
+    using DOTile = SwizzledTile<BLOCK_M, HEAD_DIM_V * WORDS>;
     using PTile = SwizzledTile<BLOCK_M, BLOCK_N * WORDS>;  // P and dS: query rows x key columns
     // Shared memory: K, V | Q_STAGES x (Q, dO, lse_log2, D) | P, dS
     static constexpr int STAT_BYTES = BLOCK_M * 4;
-    static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * STAT_BYTES;
-    static constexpr int SMEM_BYTES = 2 * KVTile::BYTES + Q_STAGES * STAGE_BYTES + 2 * PTile::BYTES;
+    static constexpr int STAGE_BYTES = QTile::BYTES + DOTile::BYTES + 2 * STAT_BYTES;
+    static constexpr int SMEM_BYTES =
+        KVTile::BYTES + VTile::BYTES + Q_STAGES * STAGE_BYTES + 2 * PTile::BYTES;
 
     static_assert(SDP_WARPS_M * SDP_WARPS_N == NUM_WARPS && KV_WARPS_N * KV_WARPS_D == NUM_WARPS &&
                       DQ_WARPS_M * DQ_WARPS_D == NUM_WARPS,
                   "each phase's warp grid must use every warp");
     static_assert(SDP_ROWS % 16 == 0 && SDP_KEYS % 16 == 0, "phase A warp tiles are 16k x 16k");
-    static_assert(KV_KEYS % 16 == 0 && KV_COLS % 16 == 0, "phase B warp tiles are 16k x 16k");
+    static_assert(KV_KEYS % 16 == 0 && KV_COLS % 16 == 0 && KV_COLS_V % 16 == 0,
+                  "phase B warp tiles are 16k x 16k");
+    static_assert(HEAD_DIM_V <= HEAD_DIM && HEAD_DIM_V % NUM_CHUNKS == 0 &&
+                      (HEAD_DIM_V == HEAD_DIM || WORDS == 1),
+                  "V's head dim at most Q's, split in as many chunks; float32: one head dim");
     static_assert(DQ_ROWS % 16 == 0 && DQ_COLS % 16 == 0, "phase C warp tiles are 16k x 16k");
     static_assert(Q_STAGES == 1 || Q_STAGES == 2, "single or double-buffered Q/dO");
     static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
@@ -87,9 +108,9 @@ struct BwdTraits {
 // modifiers), varlen batches (varlen.cuh) and dropout (dropout.cuh); 0 for plain attention. The
 // parameters: BwdParams (kernel_params.cuh); every specialisation but those with programmable
 // modifiers. The body: flash_bwd_body.inc.
-template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
-          int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ,
-          int FEATURES>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int D_CHUNK, int BLOCK_M, int BLOCK_N,
+          int NUM_WARPS, int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES,
+          bool COMPUTE_DQ, int FEATURES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_kernel(const __grid_constant__ BwdParams p) {
     const NoUserInputs user{};
@@ -102,9 +123,9 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {
 // With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): BwdModsParams, the
 // modifiers' code from the generated user_mods.cuh, whose hash MODS_HASH names the kernel
 // (cuflash2/mods.py), as flash_fwd_mods_kernel; the same body.
-template <typename Elem, int HEAD_DIM, int D_CHUNK, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
-          int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES, bool COMPUTE_DQ,
-          int FEATURES, unsigned MODS_HASH>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int D_CHUNK, int BLOCK_M, int BLOCK_N,
+          int NUM_WARPS, int SDP_WARPS_M, int KV_WARPS_N, int DQ_WARPS_M, int Q_STAGES,
+          bool COMPUTE_DQ, int FEATURES, unsigned MODS_HASH>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_mods_kernel(const __grid_constant__ BwdModsParams mods_params) {
     static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");

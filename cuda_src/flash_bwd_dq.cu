@@ -10,6 +10,8 @@
 // Float32 inputs (tf32_tag, f32x3_tag: tf32_primitives.cuh) run the same loop on m16n8k8 TF32
 // mma as the forward does: tiles of words twice as wide, S and dP from ldmatrix.x4 fragments,
 // dS kept fp32 in the accumulator's key order and K read in that order by 32-bit loads.
+// HEAD_DIM is Q's and K's head dim (S, dQ), HEAD_DIM_V V's and dO's (dP = dO V^T; d_v != d_qk,
+// below HEAD_DIM, 16-bit): their tiles have its width, dP its k steps.
 #include "mma_primitives.cuh"
 #include "tf32_primitives.cuh"
 #include "smem_swizzle.cuh"
@@ -19,7 +21,7 @@
 #include "kernel_params.cuh"
 #include "constants.cuh"
 
-template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int KV_STAGES>
 struct BwdDqTraits {
     static constexpr int NUM_WARPS = BWD_DQ_WARPS;
     static constexpr int BLOCK_M = 16 * NUM_WARPS;  // each warp owns 16 query rows
@@ -29,29 +31,34 @@ struct BwdDqTraits {
     // k steps of S and dP (over the head dim): 16 words each, k16 of 16-bit elements, k8 of
     // float32.
     static constexpr int D_STEPS = HEAD_DIM * Elem::WORDS / 16;
+    static constexpr int D_STEPS_V = HEAD_DIM_V * Elem::WORDS / 16;  // of dP = dO V^T
     static constexpr int KV_STEPS = BLOCK_N / 16;  // k16 slices of dQ += dS K (over keys)
     using QTile = SwizzledTile<BLOCK_M, HEAD_DIM * Elem::WORDS>;
-    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * Elem::WORDS>;
+    using DOTile = SwizzledTile<BLOCK_M, HEAD_DIM_V * Elem::WORDS>;
+    using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM * Elem::WORDS>;  // K's (and V's: one head dim)
+    using VTile = SwizzledTile<BLOCK_N, HEAD_DIM_V * Elem::WORDS>;
     // Shared memory: Q, dO | KV_STAGES x (K, V)
-    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;
-    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + KV_STAGES * STAGE_BYTES;
+    static constexpr int STAGE_BYTES = KVTile::BYTES + VTile::BYTES;
+    static constexpr int SMEM_BYTES = QTile::BYTES + DOTile::BYTES + KV_STAGES * STAGE_BYTES;
     static_assert(BWD_ROW_PADDING % BLOCK_M == 0, "the per-row statistics cover whole Q blocks");
+    static_assert(HEAD_DIM_V <= HEAD_DIM && (HEAD_DIM_V == HEAD_DIM || !Elem::IS_F32),
+                  "V's head dim at most Q's; float32: one head dim");
 };
 
-// acc (16 rows x BLOCK_N) = A (16 rows of a_frag's tile over the head dim) * B^T, B's rows the
-// n dimension: S = Q K^T and dP = dO V^T. Float32 elements: each fragment split into its TF32
-// parts once (the ldmatrix.x4 fragments are the TF32 ones, as the forward's Q K^T).
-template <typename Elem, class T, class ATile>
+// acc (16 rows x BLOCK_N) = A (16 rows of a_frag's tile over D_STEPS k steps of the head dim)
+// * B^T, B's rows the n dimension: S = Q K^T and dP = dO V^T. Float32 elements: each fragment
+// split into its TF32 parts once (the ldmatrix.x4 fragments are the TF32 ones, as the forward's
+// Q K^T).
+template <typename Elem, class T, int D_STEPS, class ATile, class BTile>
 CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<ATile>& a_frag,
-                             u32 a_offset, const LdmatrixCursor<typename T::KVTile>& b_frag,
-                             u32 b_offset) {
+                             u32 a_offset, const LdmatrixCursor<BTile>& b_frag, u32 b_offset) {
 #pragma unroll
     for (int nt = 0; nt < T::N_TILES; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
     if constexpr (Elem::IS_F32) {
 #pragma unroll 2
-        for (int ks = 0; ks < T::D_STEPS; ++ks) {
+        for (int ks = 0; ks < D_STEPS; ++ks) {
             u32 bits[4];
             ldmatrix_x4(bits, a_frag.at(0, ks) + a_offset);
             const auto a = Tf32Parts<Elem, 4>::from_bits(bits);
@@ -65,7 +72,7 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
         return;
     }
 #pragma unroll 2
-    for (int ks = 0; ks < T::D_STEPS; ++ks) {
+    for (int ks = 0; ks < D_STEPS; ++ks) {
         u32 a[4];
         ldmatrix_x4(a, a_frag.at(0, ks) + a_offset);
 #pragma unroll
@@ -83,17 +90,24 @@ CF2_DEVICE void gemm_dq_rows(float (&acc)[T::N_TILES][4], const LdmatrixCursor<A
 // parameters: BwdParams (kernel_params.cuh), and with the programmable modifiers their inputs
 // (`user`, UserParams; an unused NoUserInputs otherwise) and the scale of the scores the softmax
 // saw (`score_scale`, BwdModsParams), as flash_bwd.cu's body.
-template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES, class UserInputs>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int KV_STAGES, int FEATURES,
+          class UserInputs>
 CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, float score_scale) {
-    using T = BwdDqTraits<Elem, HEAD_DIM, BLOCK_N, KV_STAGES>;
+    using T = BwdDqTraits<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_N, KV_STAGES>;
     using QTile = typename T::QTile;
-    using KVTile = typename T::KVTile;
+    using DOTile = typename T::DOTile;
+    using KVTile = typename T::KVTile;  // K's (and V's with one head dim)
+    using VTile = typename T::VTile;
     constexpr int BLOCK_M = T::BLOCK_M;
+    // V's head dim its own (d_v != d_qk): dO's and V's tiles and p.head_dim_v; with one head dim
+    // the kernels read p.head_dim alone and take dP's operands as ever, their machine code as it
+    // was.
+    constexpr bool SPLIT_DIMS = HEAD_DIM_V != HEAD_DIM;
 
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 q_smem = smem_address(smem);
     const u32 do_smem = q_smem + QTile::BYTES;
-    const u32 k_smem = do_smem + QTile::BYTES;  // stage 0; V follows K in each stage
+    const u32 k_smem = do_smem + DOTile::BYTES;  // stage 0; V follows K in each stage
     const u32 v_smem = k_smem + KVTile::BYTES;
 
     const int tid = threadIdx.x;
@@ -112,6 +126,7 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
     if (VARLEN && row_first >= seqlen_q) return;
     const int row_last = min(row_first + BLOCK_M, seqlen_q) - 1;
     const int head_chunks = p.head_dim / 8;
+    const int head_chunks_v = (SPLIT_DIMS ? p.head_dim_v : p.head_dim) / 8;  // V's and dO's
 
     using Variant = AttentionVariant<FEATURES>;
     const KeyVisibility vis =
@@ -128,9 +143,9 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
         load_tile_async<KVTile, T::THREADS>(k_smem + stage_offset,
                                              k_head + key0 * p.k_row_stride, p.k_row_stride,
                                              seqlen_k - key0, head_chunks, tid);
-        load_tile_async<KVTile, T::THREADS>(v_smem + stage_offset,
-                                             v_head + key0 * p.v_row_stride, p.v_row_stride,
-                                             seqlen_k - key0, head_chunks, tid);
+        load_tile_async<VTile, T::THREADS>(v_smem + stage_offset,
+                                            v_head + key0 * p.v_row_stride, p.v_row_stride,
+                                            seqlen_k - key0, head_chunks_v, tid);
     };
 
     if (tile_end > tile_first) {
@@ -139,11 +154,11 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
             p.q + batch * p.q_batch_stride + head * p.q_head_stride +
                 (seq_q.start + row_first) * p.q_row_stride,
             p.q_row_stride, seqlen_q - row_first, head_chunks, tid);
-        load_tile_async<QTile, T::THREADS>(
+        load_tile_async<DOTile, T::THREADS>(
             do_smem,
             p.dout + batch * p.do_batch_stride + head * p.do_head_stride +
                 (seq_q.start + row_first) * p.do_row_stride,
-            p.do_row_stride, seqlen_q - row_first, head_chunks, tid);
+            p.do_row_stride, seqlen_q - row_first, head_chunks_v, tid);
         load_kv(tile_end - 1, 0);
         cp_async_commit();
     }
@@ -157,6 +172,10 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
 
     const LdmatrixCursor<QTile> rows_frag(q_smem, warp * 16 + lane % 16, lane / 16);  // Q, dO
     const LdmatrixCursor<KVTile> kv_rows_frag(k_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    // dO and V of V's own head dim (SPLIT_DIMS; with one, dP reads them through the cursors
+    // above at the tiles' offsets).
+    const LdmatrixCursor<DOTile> do_rows_frag(do_smem, warp * 16 + lane % 16, lane / 16);
+    const LdmatrixCursor<VTile> v_rows_frag(v_smem, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     // K as dQ += dS K's B operand, in dS's key order with float32 elements.
     const auto k_trans_frag = key_rows_b_fragments<Elem, KVTile>(k_smem, lane);
     const int thread_row0 = row_first + warp * 16 + lane / 4;
@@ -184,7 +203,7 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
         }
 
         float acc_s[T::N_TILES][4];
-        gemm_dq_rows<Elem, T>(acc_s, rows_frag, 0, kv_rows_frag, stage_offset);
+        gemm_dq_rows<Elem, T, T::D_STEPS>(acc_s, rows_frag, 0, kv_rows_frag, stage_offset);
         {
             float(&s)[1][T::N_TILES][4] = reinterpret_cast<float(&)[1][T::N_TILES][4]>(acc_s);
             variant.apply_softcap(s);  // t = tanh(...) with softcap; the bias comes with P
@@ -204,8 +223,12 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
             Variant::mask(s, thread_row0, key0 + 2 * (lane % 4), vis);
         }
         float acc_dp[T::N_TILES][4];
-        gemm_dq_rows<Elem, T>(acc_dp, rows_frag, QTile::BYTES, kv_rows_frag,
-                              stage_offset + KVTile::BYTES);
+        if constexpr (SPLIT_DIMS)
+            gemm_dq_rows<Elem, T, T::D_STEPS_V>(acc_dp, do_rows_frag, 0, v_rows_frag,
+                                                stage_offset);
+        else
+            gemm_dq_rows<Elem, T, T::D_STEPS>(acc_dp, rows_frag, QTile::BYTES, kv_rows_frag,
+                                              stage_offset + KVTile::BYTES);
 
         // dS = P o (dP - D) (times 1 - t^2 with softcap, times the user's score modifier's
         // derivative with one: variant.cuh, score_mod_backward), packed as the A operand of
@@ -327,19 +350,20 @@ CF2_DEVICE void flash_bwd_dq_body(const BwdParams& p, const UserInputs& user, fl
 }
 
 // BwdParams (kernel_params.cuh): every specialisation but those with programmable modifiers.
-template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES>
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int KV_STAGES, int FEATURES>
 __global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
 flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
-    flash_bwd_dq_body<Elem, HEAD_DIM, BLOCK_N, KV_STAGES, FEATURES>(p, NoUserInputs{}, 0.f);
+    flash_bwd_dq_body<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_N, KV_STAGES, FEATURES>(p, NoUserInputs{},
+                                                                                0.f);
 }
 
 // With programmable modifiers (FEATURE_MASK_MOD, FEATURE_SCORE_MOD): BwdModsParams and the
 // generated user_mods.cuh, whose hash MODS_HASH names the kernel, as flash_bwd_mods_kernel.
-template <typename Elem, int HEAD_DIM, int BLOCK_N, int KV_STAGES, int FEATURES,
+template <typename Elem, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int KV_STAGES, int FEATURES,
           unsigned MODS_HASH>
 __global__ void __launch_bounds__(BWD_DQ_WARPS * 32, 2)
 flash_bwd_dq_mods_kernel(const __grid_constant__ BwdModsParams p) {
     static_assert(MODS_HASH == USER_MODS_HASH, "the kernel's name and its user_mods.cuh");
-    flash_bwd_dq_body<Elem, HEAD_DIM, BLOCK_N, KV_STAGES, FEATURES>(p.base, p.user,
-                                                                     p.score_scale);
+    flash_bwd_dq_body<Elem, HEAD_DIM, HEAD_DIM_V, BLOCK_N, KV_STAGES, FEATURES>(p.base, p.user,
+                                                                                 p.score_scale);
 }

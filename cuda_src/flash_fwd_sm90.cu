@@ -73,7 +73,10 @@
 // Rows and keys count from the sequence's first packed row; a box that runs past the sequence
 // reads the next sequence's rows (only the end of the packed array is zero-filled): those keys
 // are masked, those query rows are not stored, and those V rows meet P = 0 (so they must be
-// finite: a NaN / Inf there would reach this sequence's O through 0 * NaN).
+// finite: a NaN / Inf there would reach this sequence's O through 0 * NaN; for e4m3 the NaN
+// bytes 0x7f / 0xff). e4m3 reads V in place as the 16-bit elements do (its producer warpgroup
+// transposes the raw box, fwd_transpose_v.cuh), its descales by (sequence, KV head); float32's
+// operand pass groups keys from each batch entry's row 0 and stays dense.
 //
 // The parts (FlashAttention-3's hopper/ split: a kernel is a mainloop, an epilogue and a tile
 // scheduler), each a header of sm90/:
@@ -95,6 +98,7 @@
 #include "sm90/fwd_barriers.cuh"
 #include "sm90/fwd_tile_scheduler.cuh"
 #include "sm90/fwd_producer.cuh"
+#include "sm90/fwd_transpose_v.cuh"
 #include "sm90/fwd_mainloop.cuh"
 #include "sm90/fwd_epilogue.cuh"
 

@@ -137,6 +137,15 @@ CF2_DEVICE void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
                  : "memory");
 }
 
+// The same without .trans: row i of matrix j (16 bytes, held in r[j] by lanes 4 i .. 4 i + 3)
+// goes to the address lane 8 j + i supplies. The FP8 forward's transposers store V's
+// keys-last rows with it (sm90/fwd_transpose_v.cuh).
+CF2_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
 // ---- setmaxnreg ("Miscellaneous Instructions: setmaxnreg") -----------------------------------
 // Moves registers between the warpgroups of a CTA: a warpgroup that only issues loads gives its
 // registers back (dec) so that the ones doing the math can take them (inc). ptxas honours it only

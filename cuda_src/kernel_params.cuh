@@ -173,8 +173,8 @@ struct FwdSm90Params {
     // keys innermost, written by flash_fwd_tf32_operands.cu before the forward, whose k_map and
     // v_map read them (scratch of the call); with f32x3_tag each holds the small parts too (K's
     // rows and V's blocks twice as long: flash_fwd_tf32_operands.cu).
-    // e4m3 (e4m3_tag): v_keys_last alone, V's bytes with their keys innermost in P's register
-    // order (flash_fwd_e4m3_operands.cu); the forward reads K in place.
+    // e4m3 (e4m3_tag): both null; the forward reads q, k and v in place and writes V keys-last
+    // into its ring itself (sm90/fwd_transpose_v.cuh).
     float* k_tf32;
     void* v_keys_last;
     // e4m3 only: the factors of q, k and v (docs/FP8_FORWARD.md).
@@ -414,6 +414,17 @@ struct DecodeParams {
     int rotary_q_per_row;
     // FEATURE_LEFTPAD: (batch,) the first position of each sequence's keys.
     const int* cache_leftpad;
+};
+
+// flash_mla_decode_sm90.cu (docs/MLA_DECODE.md): the decode step of a latent cache, whose rows
+// are K (all head_dim columns) and V (their first head_dim_v), one KV head. The cache is read by
+// the TMA through kv_map, a (head dim, row, 1, cache batch row or block) map with boxes of 64
+// columns by box_rows rows (64, or the page size of shorter pages); the rest is the decode
+// kernel's DecodeParams as `base` (v_cache: the same rows; v_new: unread).
+struct MlaDecodeParams {
+    TensorMap kv_map;
+    DecodeParams base;
+    int box_rows;
 };
 
 // dropout_mask.cu

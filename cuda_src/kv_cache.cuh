@@ -104,3 +104,22 @@ CF2_DEVICE void append_new_rows(const KVCacheIndex& index, const KVCacheRows& k_
         store_16B_global(const_cast<u16*>(v_rows.at(block, row)) + chunk * 8, v_vals);
     }
 }
+
+// The append of a cache whose V is the first columns of K's rows (MLA's latent cache, one KV
+// head): each new row written once, all head_dim columns, by the same rules as append_new_rows
+// (positions outside [0, capacity) and rows outside the cache skipped).
+CF2_DEVICE void append_latent_rows(const KVCacheIndex& index, const KVCacheRows& rows,
+                                   const u16* new_rows, i64 new_row_stride, int seqlen_new,
+                                   int cache_len, int capacity, int head_dim, int tid,
+                                   int threads) {
+    const int chunks = head_dim / 8;
+    for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
+        const int token = idx / chunks, chunk = idx % chunks;
+        const int position = cache_len + token;
+        int block, row;
+        if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
+        u32 vals[4];
+        load_16B_global_l2(vals, new_rows + token * new_row_stride + chunk * 8);
+        store_16B_global(const_cast<u16*>(rows.at(block, row)) + chunk * 8, vals);
+    }
+}

@@ -33,20 +33,30 @@ struct SplitBarrier {
     unsigned seen = 0;  // (thread 0) the counter before this CTA's arrival
 
     CF2_DEVICE void arrive(int count, int split) {
-        __syncthreads();  // the CTA's partial results are written
-        if (threadIdx.x == 0) {
+        arrive_among(count, split, threadIdx.x == 0, [] { __syncthreads(); });
+    }
+
+    // Returns once every split has arrived; what each wrote before is then visible to all.
+    CF2_DEVICE void wait() const { wait_among(threadIdx.x == 0, [] { __syncthreads(); }); }
+
+    // The same for the threads of the CTA that `sync` synchronises (every thread: arrive and
+    // wait; the MLA decode kernel's consumer warpgroups, its producer having left), `leader`
+    // the one of them that adds and polls.
+    template <class Sync>
+    CF2_DEVICE void arrive_among(int count, int split, bool leader, const Sync& sync) {
+        sync();  // the partial results of these threads are written
+        if (leader) {
             const unsigned add = split == 0 ? 0x80000000u - static_cast<unsigned>(count - 1) : 1u;
             // (released: the partial results are visible device-wide before the arrival)
             seen = atomic_add_release_gpu(reinterpret_cast<unsigned*>(counter), add);
         }
     }
-
-    // Returns once every split has arrived; what each wrote before is then visible to all.
-    CF2_DEVICE void wait() const {
-        if (threadIdx.x == 0)
+    template <class Sync>
+    CF2_DEVICE void wait_among(bool leader, const Sync& sync) const {
+        if (leader)
             while (((static_cast<unsigned>(load_acquire_gpu(counter)) ^ seen) & 0x80000000u) == 0)
                 __nanosleep(32);
-        __syncthreads();  // every thread reads the others' partial results after the acquire
+        sync();  // every thread reads the others' partial results after the acquire
     }
 };
 

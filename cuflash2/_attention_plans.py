@@ -107,13 +107,12 @@ def forward_plan(views: dict, sources: dict, problem, mods, window, device_id: i
     outputs.append((tuple(lse_shape), "float32"))
     launches, counters = [], ()
     scratch, scratch_bytes = [], 0
-    if p.batch and p.seqlen_q and p.nheads:
+    if config is not None and p.batch and p.seqlen_q and p.nheads:
         if choice.hopper and config.claims:
             counters = ("tile_counters",)
         if choice.scratch is not None:
-            # K and V as the TF32 wgmmas take them (at "highest" both TF32 parts), or V as the
-            # e4m3 wgmmas do, in the call's scratch, by the operand pass
-            # (flash_fwd_tf32_operands.cu, flash_fwd_e4m3_operands.cu); the forward's k_map and
+            # K and V as the TF32 wgmmas take them (at "highest" both TF32 parts), in the call's
+            # scratch, by the operand pass (flash_fwd_tf32_operands.cu); the forward's k_map and
             # v_map read them.
             shapes = choice.scratch
             itemsize = numpy.dtype(_dispatch.SCRATCH_DTYPES[config.dtype]).itemsize

@@ -151,16 +151,20 @@ SINKS_THREADS = 256
 #: The float32 Hopper forward's operand pass (flash_fwd_tf32_operands.cu: K rounded to TF32, V
 #: rounded with its keys innermost): threads a CTA of 32 keys.
 TF32_OPERANDS_THREADS = 256
-#: The FP8 forward's operand pass (flash_fwd_e4m3_operands.cu: V with its keys innermost in P's
-#: order): threads a CTA, and keys a CTA (whole groups of 32).
-E4M3_OPERANDS_THREADS = 256
-E4M3_OPERANDS_KEYS = 128
 #: The FP8 forward's P is exp2(s * scale_log2 - m * scale_log2 + E4M3_P_SCALE_LOG2): a row's
 #: largest probability is 2^8 = 256 (exact in e4m3, below its 448), so probabilities down to
 #: 2^-14 keep e4m3's 3 mantissa bits and down to 2^-17 are not 0 (from 1 they would lose bits
 #: below 2^-6 and be 0 below 2^-9). The sums carry the same factor, which cancels in O / l; the
 #: lse subtracts it (online_softmax.cuh; reference.py's e4m3 model rounds P the same way).
 E4M3_P_SCALE_LOG2 = 8
+#: The FP8 Hopper forward's transposers (FwdSm90Traits::TRANSPOSE_V): warps 1 .. this of the
+#: producer warpgroup write V keys-last into the ring (sm90/fwd_transpose_v.cuh), warp 0's thread
+#: 0 issues the TMA loads; each warp arrives once on the barriers they complete.
+SM90_TRANSPOSE_V_WARPS = 3
+#: Registers of the producer warpgroup where it also walks the persistent grid's work tiles to
+#: transpose V (FwdSm90Traits::PRODUCER_REGISTERS); its consumers then take 232, what the CTA's
+#: 168 x 384 registers at entry leave (FwdSm90Config.consumer_registers).
+SM90_WIDE_PRODUCER_REGISTERS = 32
 #: cuflash2.dropout_mask's kernel: warps a CTA, one 16 x 16 block each.
 MASK_WARPS = 8
 #: cuflash2.merge_states' kernel (merge_states.cu): threads a CTA, MergeStatesConfig.lanes of
@@ -211,8 +215,9 @@ CUDA_CONSTANTS = {
     "PREPROCESS_THREADS": PREPROCESS_THREADS,
     "PREPROCESS_ROWS_PER_WARP": PREPROCESS_ROWS_PER_WARP, "CONVERT_THREADS": CONVERT_THREADS,
     "SINKS_THREADS": SINKS_THREADS, "TF32_OPERANDS_THREADS": TF32_OPERANDS_THREADS,
-    "E4M3_OPERANDS_THREADS": E4M3_OPERANDS_THREADS, "E4M3_OPERANDS_KEYS": E4M3_OPERANDS_KEYS,
     "E4M3_P_SCALE_LOG2": E4M3_P_SCALE_LOG2,
+    "SM90_TRANSPOSE_V_WARPS": SM90_TRANSPOSE_V_WARPS,
+    "SM90_WIDE_PRODUCER_REGISTERS": SM90_WIDE_PRODUCER_REGISTERS,
     "MERGE_THREADS": MERGE_THREADS, "MERGE_GROUP": MERGE_GROUP,
     "MASK_WARPS": MASK_WARPS, "BWD_DQ_WARPS": BWD_DQ_WARPS, "DECODE_BLOCK_M": DECODE_BLOCK_M,
     "DECODE_BLOCK_M_N8": DECODE_BLOCK_M_N8, "DECODE_MERGE_ROW_PAD": DECODE_MERGE_ROW_PAD,
@@ -428,12 +433,45 @@ class FwdSm90Config:
 
     @property
     def keys_last_v(self) -> bool:
-        """Whether V comes with its keys innermost from an operand pass (float32, e4m3:
-        FwdSm90Traits::KEYS_LAST_V)."""
+        """Whether the ring holds V with its keys innermost (float32, e4m3:
+        FwdSm90Traits::KEYS_LAST_V): written by an operand pass before the kernel, or by the
+        kernel's producer warpgroup (`transpose_v`)."""
         return self.dtype not in DTYPE_TAGS
 
     @property
+    def transpose_v(self) -> bool:
+        """Whether the kernel reads the caller's V as it lies and its producer warpgroup writes
+        it keys-last into the ring (e4m3: FwdSm90Traits::TRANSPOSE_V; no operand pass)."""
+        return self.dtype in E4M3_TAGS
+
+    @property
+    def operand_pass(self) -> bool:
+        """Whether an operand pass writes K or V into the call's scratch before the kernel (the
+        float32 elements: FwdSm90Traits::KEYS_LAST_V without TRANSPOSE_V)."""
+        return self.keys_last_v and not self.transpose_v
+
+    @property
+    def raw_v_stages(self) -> int:
+        """With `transpose_v`, the raw V buffers after the ring (FwdSm90Traits::RAW_V_STAGES):
+        two where they fit SM90_MAX_SMEM, else one; 0 otherwise."""
+        if not self.transpose_v:
+            return 0
+        return 2 if self._ring_smem_bytes + 2 * self._raw_v_tile_bytes <= SM90_MAX_SMEM else 1
+
+    @property
+    def _raw_v_tile_bytes(self) -> int:
+        """A raw V tile: v_panels panels of block_n 128-byte rows (FwdSm90Traits::
+        RAW_V_TILE_BYTES)."""
+        return 128 * self.v_panels * self.block_n if self.transpose_v else 0
+
+    @property
     def smem_bytes(self) -> int:
+        """Dynamic shared memory (FwdSm90Traits::SMEM_BYTES): the ring's, then the raw V
+        buffers (`raw_v_stages`)."""
+        return self._ring_smem_bytes + self.raw_v_stages * self._raw_v_tile_bytes
+
+    @property
+    def _ring_smem_bytes(self) -> int:
         # The Q region (Q, or O staged there where larger: e4m3 inputs, a 16-bit O) + stages x
         # (K tile + V tile) (+ an O tile when persistent), rows of 128 bytes, + 1 KiB to align
         # the base to 1024 B by hand (FwdSm90Traits::SMEM_BYTES). The mbarriers are static.
@@ -444,8 +482,10 @@ class FwdSm90Config:
         o_tile = 128 * self.o_panels * self.block_m
         q_region = max(parts * q_tile, 0 if self.persistent else o_tile)
         k_tile = 128 * self.panels * self.block_n
-        v_tile = (self.block_n * ELEMENT_BYTES[self.dtype] * self.head_dim_v if self.keys_last_v
-                  else 128 * self.v_panels * self.block_n)
+        # A keys-last V tile: panels of 128 bytes of keys by head_dim_v rows, the last one
+        # whole where the keys end inside it (e4m3's 160-224 keys: FwdSm90Traits::VT_PANELS).
+        v_tile = (128 * -(-self.block_n * ELEMENT_BYTES[self.dtype] // 128) * self.head_dim_v
+                  if self.keys_last_v else 128 * self.v_panels * self.block_n)
         bias = 2 * self.block_m * self.block_n if self.bias_tile else 0
         stage = parts * (k_tile + v_tile) + bias
         return (q_region + self.stages * stage + (o_tile if self.persistent else 0) + 1024)
@@ -476,7 +516,19 @@ class FwdSm90Config:
                   f"{', true' if self.bias_tile else ''}>")
         return _traits_probes(traits, self) + (
             f"static_assert({traits}::CONSUMER_REGISTERS == "
-            f"{sm90_consumer_registers(self.block_m // 64)}, \"setmaxnreg budget\");\n")
+            f"{self.consumer_registers}, \"setmaxnreg budget\");\n")
+
+    @property
+    def consumer_registers(self) -> int:
+        """Registers of a consumer thread after setmaxnreg.inc (FwdSm90Traits): the share
+        beside the producer's 24 (sm90_consumer_registers), or where the producer warpgroup
+        transposes V on the persistent grid beside its SM90_WIDE_PRODUCER_REGISTERS, of the
+        registers the CTA has at entry (65536 / threads, a multiple of 8, each thread)."""
+        if not (self.transpose_v and self.persistent):
+            return sm90_consumer_registers(self.block_m // 64)
+        entry = 65536 // self.threads // 8 * 8
+        consumers = self.threads - 128
+        return (entry * self.threads - SM90_WIDE_PRODUCER_REGISTERS * 128) // consumers // 8 * 8
 
 
 @dataclass(frozen=True)
@@ -706,7 +758,8 @@ class BwdConfig:
     """One specialisation of the backward main kernel (flash_bwd.cu). Each of its three phases
     splits its product over the warps in its own grid (BwdTraits): phase A (S, dP) over
     (block_m x block_n), phase B (dK, dV) over (block_n x d_chunk), phase C (dQ) over
-    (block_m x d_chunk)."""
+    (block_m x d_chunk). With V's own kernel head dim (`head_dim_v` below head_dim, 16-bit) dV's
+    chunks are as many, each head_dim_v / num_chunks columns over phase B's warp grid."""
 
     dtype: str  # "float16", "bfloat16", or float32's "float32" / "tf32" (FLOAT32_TAGS)
     head_dim: int  # kernel head dim (one of KERNEL_HEAD_DIMS)
@@ -721,6 +774,17 @@ class BwdConfig:
     kv_rows_warps: int = 0
     dq_rows_warps: int = 0
     features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
+    #: V's, dO's and dV's kernel head dim where it differs from Q's and K's (below head_dim,
+    #: 16-bit); 0: head_dim.
+    head_dim_v: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
+                                               and self.dtype in FLOAT32_TAGS):
+            raise ValueError(f"the mma.sync backward takes V's own head dim below Q's, 16-bit: "
+                             f"not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
 
     @property
     def threads(self) -> int:
@@ -729,6 +793,11 @@ class BwdConfig:
     @property
     def num_chunks(self) -> int:
         return self.head_dim // self.d_chunk
+
+    @property
+    def d_chunk_v(self) -> int:
+        """dV's columns a chunk (BwdTraits::D_CHUNK_V)."""
+        return self.head_dim_v // self.num_chunks
 
     @property
     def sdp_warps_m(self) -> int | None:
@@ -745,14 +814,18 @@ class BwdConfig:
 
     @property
     def valid(self) -> bool:
-        """Every phase has a warp grid (the static_asserts of BwdTraits)."""
-        return None not in (self.sdp_warps_m, self.kv_warps_n, self.dq_warps_m)
+        """Every phase has a warp grid (the static_asserts of BwdTraits), dV's chunk too."""
+        if None in (self.sdp_warps_m, self.kv_warps_n, self.dq_warps_m):
+            return False
+        kv_warps_d = self.num_warps // self.kv_warps_n
+        return (self.head_dim_v % self.num_chunks == 0
+                and self.d_chunk_v % (16 * kv_warps_d) == 0)
 
     @property
     def accumulator_registers(self) -> int:
         """fp32 accumulator registers a thread keeps live: dK and dV for the whole loop, plus S and
         dP (phase A) or dQ (phase C)."""
-        dkdv = 2 * self.block_n * self.d_chunk // self.threads
+        dkdv = self.block_n * (self.d_chunk + self.d_chunk_v) // self.threads
         sdp = 2 * self.block_m * self.block_n // self.threads
         dq = self.block_m * self.d_chunk // self.threads if self.compute_dq else 0
         return dkdv + max(sdp, dq)
@@ -762,8 +835,9 @@ class BwdConfig:
         # 2 bytes a word, ELEMENT_WORDS words an element (BwdTraits::SMEM_BYTES); the per-row
         # statistics are float32 whatever the element.
         element = 2 * ELEMENT_WORDS[self.dtype]
-        kv = 2 * element * self.block_n * self.head_dim
-        stage = 2 * element * self.block_m * self.head_dim + 2 * 4 * self.block_m
+        widths = self.head_dim + self.head_dim_v  # K and V; Q and dO
+        kv = element * self.block_n * widths
+        stage = element * self.block_m * widths + 2 * 4 * self.block_m
         p_ds = 2 * element * self.block_m * self.block_n
         return kv + self.q_stages * stage + p_ds
 
@@ -773,17 +847,17 @@ class BwdConfig:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.d_chunk}, "
-                f"{self.block_m}, {self.block_n}, {self.num_warps}, {self.sdp_warps_m}, "
-                f"{self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
+        return (f"flash_bwd_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
+                f"{self.d_chunk}, {self.block_m}, {self.block_n}, {self.num_warps}, "
+                f"{self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}, {self.features}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
-            f"BwdTraits<{self.head_dim}, {self.d_chunk}, {self.block_m}, {self.block_n}, "
-            f"{self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, "
-            f"{self.q_stages}{self._words_argument}>", self)
+            f"BwdTraits<{self.head_dim}, {self.head_dim_v}, {self.d_chunk}, {self.block_m}, "
+            f"{self.block_n}, {self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, "
+            f"{self.dq_warps_m}, {self.q_stages}{self._words_argument}>", self)
 
     @property
     def _words_argument(self) -> str:
@@ -804,8 +878,9 @@ class BwdModsConfig(BwdConfig, _UserModsHeader):
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.d_chunk}, {self.block_m}, {self.block_n}, {self.num_warps}, "
-                f"{self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, {self.q_stages}, "
+                f"{self.head_dim_v}, {self.d_chunk}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {self.sdp_warps_m}, {self.kv_warps_n}, {self.dq_warps_m}, "
+                f"{self.q_stages}, "
                 f"{'true' if self.compute_dq else 'false'}, {self.features}, "
                 f"{self.mods_hash:#010x}u>")
 
@@ -821,12 +896,23 @@ class BwdDqConfig:
     block_m: int = 16 * BWD_DQ_WARPS
     threads: int = 32 * BWD_DQ_WARPS
     features: int = 0  # score modifiers compiled in (FEATURE_SOFTCAP | FEATURE_ALIBI)
+    #: V's and dO's kernel head dim where it differs from Q's and K's (below head_dim, 16-bit);
+    #: 0: head_dim.
+    head_dim_v: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
+                                               and self.dtype in FLOAT32_TAGS):
+            raise ValueError(f"the deterministic dQ kernel takes V's own head dim below Q's, "
+                             f"16-bit: not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
 
     @property
     def smem_bytes(self) -> int:
         element = 2 * ELEMENT_WORDS[self.dtype]  # bytes: 2 a 16-bit word (BwdDqTraits)
-        return (2 * element * self.block_m * self.head_dim
-                + self.kv_stages * 2 * element * self.block_n * self.head_dim)
+        widths = self.head_dim + self.head_dim_v  # Q and dO; K and V
+        return element * widths * (self.block_m + self.kv_stages * self.block_n)
 
     @property
     def source_file(self) -> str:
@@ -834,14 +920,14 @@ class BwdDqConfig:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_dq_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
-                f"{self.kv_stages}, {self.features}>")
+        return (f"flash_bwd_dq_kernel<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, "
+                f"{self.head_dim_v}, {self.block_n}, {self.kv_stages}, {self.features}>")
 
     @property
     def probes(self) -> str:
         return _traits_probes(
-            f"BwdDqTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.block_n}, "
-            f"{self.kv_stages}>", self, block_m=True)
+            f"BwdDqTraits<{ELEMENT_TAGS[self.dtype]}, {self.head_dim}, {self.head_dim_v}, "
+            f"{self.block_n}, {self.kv_stages}>", self, block_m=True)
 
 
 @dataclass(frozen=True)
@@ -855,13 +941,13 @@ class BwdDqModsConfig(BwdDqConfig, _UserModsHeader):
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_dq_mods_kernel<{DTYPE_TAGS[self.dtype]}, {self.head_dim}, "
-                f"{self.block_n}, {self.kv_stages}, {self.features}, {self.mods_hash:#010x}u>")
+                f"{self.head_dim_v}, {self.block_n}, {self.kv_stages}, {self.features}, "
+                f"{self.mods_hash:#010x}u>")
 
 
 #: The float32 Hopper forward's operand pass (AuxKernel("tf32" or "float32",
 #: TF32_OPERANDS_KERNEL)).
 TF32_OPERANDS_KERNEL = "flash_fwd_tf32_operands_kernel"
-E4M3_OPERANDS_KERNEL = "flash_fwd_e4m3_operands_kernel"
 
 
 @dataclass(frozen=True)
@@ -876,9 +962,7 @@ class AuxKernel:
     #: "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel" or "flash_bwd_sinks_kernel"
     #: (the sinks' gradient, grid (nheads, 1, 1): FEATURE_SINKS calls only), or
     #: "flash_fwd_tf32_operands_kernel" (TF32_OPERANDS_KERNEL: before the Hopper forward at
-    #: precision "tf32" or "highest", grid (keys_padded / 32, kv heads, batch); FwdSm90Params),
-    #: or "flash_fwd_e4m3_operands_kernel" (E4M3_OPERANDS_KERNEL: before the FP8 forward, grid
-    #: (keys_padded / E4M3_OPERANDS_KEYS, kv heads, batch); FwdSm90Params)
+    #: precision "tf32" or "highest", grid (keys_padded / 32, kv heads, batch); FwdSm90Params)
     kernel: str
     varlen: bool = False  # packed variable-length sequences
     smem_bytes: int = 0
@@ -888,16 +972,14 @@ class AuxKernel:
         return {"flash_bwd_preprocess_kernel": PREPROCESS_THREADS,
                 "flash_bwd_convert_dq_kernel": CONVERT_THREADS,
                 "flash_bwd_sinks_kernel": SINKS_THREADS,
-                TF32_OPERANDS_KERNEL: TF32_OPERANDS_THREADS,
-                E4M3_OPERANDS_KERNEL: E4M3_OPERANDS_THREADS}[self.kernel]
+                TF32_OPERANDS_KERNEL: TF32_OPERANDS_THREADS}[self.kernel]
 
     @property
     def source_file(self) -> str:
         return {"flash_bwd_preprocess_kernel": "flash_bwd_preprocess.cu",
                 "flash_bwd_convert_dq_kernel": "flash_bwd_convert_dq.cu",
                 "flash_bwd_sinks_kernel": "flash_bwd_sinks.cu",
-                TF32_OPERANDS_KERNEL: "flash_fwd_tf32_operands.cu",
-                E4M3_OPERANDS_KERNEL: "flash_fwd_e4m3_operands.cu"}[self.kernel]
+                TF32_OPERANDS_KERNEL: "flash_fwd_tf32_operands.cu"}[self.kernel]
 
     @property
     def name_expression(self) -> str:
@@ -1061,6 +1143,67 @@ class DecodeConfig:
             f"{self.kv_stages}, {self.block_m}{e4m3}>", self, block_m=True)
 
 
+#: MLA's latent cache (docs/MLA_DECODE.md): K's head dim (the latent row) and V's (its first
+#: columns), the only pair of flash_mla_decode_sm90.cu.
+MLA_HEAD_DIM = 576
+MLA_HEAD_DIM_V = 512
+#: Its CTA's packed query rows and a cache tile's positions (MlaDecodeTraits::BLOCK_M, BLOCK_N).
+MLA_BLOCK_M = 64
+MLA_BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class MlaDecodeConfig:
+    """flash_mla_decode_sm90.cu (sm_90a): the decode step of a latent cache whose rows are K
+    (MLA_HEAD_DIM columns) and V (their first MLA_HEAD_DIM_V), one KV head. A producer
+    warpgroup (TMA) and two consumers (wgmma) over MLA_BLOCK_M packed rows; Q and a 2-stage
+    ring of MLA_BLOCK_N-position tiles in shared memory. One specialisation a dtype."""
+
+    dtype: str
+    features: int = 0  # none: the host refuses score modifiers and the cache's own features
+    head_dim: int = MLA_HEAD_DIM
+    head_dim_v: int = MLA_HEAD_DIM_V
+    block_m: int = MLA_BLOCK_M
+    block_n: int = MLA_BLOCK_N
+    stages: int = 2
+    threads: int = 384
+    early_cache_reads: bool = False  # (the decode configuration's field: never here)
+
+    arch_suffix = "a"
+    arch = 90
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_TAGS:
+            raise ValueError(f"the MLA decode kernel takes fp16 or bf16, not {self.dtype}")
+        if self.features:
+            raise ValueError("the MLA decode kernel takes no features")
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q and `stages` tiles of all head_dim columns (rows of 128-byte panels), + 1 KiB to
+        # align the base to 1024 B by hand (MlaDecodeTraits::SMEM_BYTES); barriers static.
+        tile = 2 * self.block_n * self.head_dim
+        return 2 * self.block_m * self.head_dim + self.stages * tile + 1024
+
+    @property
+    def source_file(self) -> str:
+        return "flash_mla_decode_sm90.cu"
+
+    @property
+    def name_expression(self) -> str:
+        return f"flash_mla_decode_sm90_kernel<{DTYPE_TAGS[self.dtype]}>"
+
+    @property
+    def probes(self) -> str:
+        traits = f"MlaDecodeTraits<{DTYPE_TAGS[self.dtype]}>"
+        return _traits_probes(traits, self, block_m=True) + (
+            f"static_assert({traits}::CONSUMER_REGISTERS == {sm90_consumer_registers(2)}, "
+            f"\"setmaxnreg budget\");\n"
+            f"static_assert({traits}::BLOCK_N == {self.block_n} && {traits}::STAGES == "
+            f"{self.stages} && {traits}::HEAD_DIM == {self.head_dim} && {traits}::HEAD_DIM_V == "
+            f"{self.head_dim_v}, \"tile\");\n")
+
+
 def describe(config) -> str:
     """A kernel configuration in words (cuflash2.forward_kernels, cuflash2.backward_kernels)."""
     dtype = {"float16": "fp16", "bfloat16": "bf16", "e4m3_bf16": "e4m3 (out bf16)",
@@ -1076,6 +1219,10 @@ def describe(config) -> str:
                                    (FEATURE_LEFTPAD, "cache_leftpad"))
             if getattr(config, "features", 0) & bit]
     extra = f", with {' + '.join(mods)}" if mods else ""
+    if isinstance(config, MlaDecodeConfig):
+        return (f"MLA decode (sm_90a: wgmma, TMA, warp-specialised), {dtype}, latent head dim "
+                f"{config.head_dim} (v {config.head_dim_v}), {config.block_m} query rows x "
+                f"{config.block_n}-token tiles, {config.stages} stages")
     if isinstance(config, FwdSm90Config):
         schedule = "ping-pong" if config.pingpong else "in-order"
         if config.overlap:
@@ -1103,19 +1250,20 @@ def describe(config) -> str:
     if isinstance(config, BwdConfig):
         dq = "dQ by atomics" if config.compute_dq else "no dQ (deterministic)"
         chunks = f", {config.num_chunks} head-dim chunks" if config.num_chunks > 1 else ""
-        return (f"mma.sync backward, {dtype}, head dim {config.head_dim}, {config.block_m}x"
+        v_dim = f" (v {config.head_dim_v})" if config.head_dim_v != config.head_dim else ""
+        return (f"mma.sync backward, {dtype}, head dim {config.head_dim}{v_dim}, {config.block_m}x"
                 f"{config.block_n} tiles, {config.num_warps} warps, {config.q_stages} Q/dO "
                 f"stages{chunks}, {dq}{extra}")
     if isinstance(config, BwdDqConfig):
-        return (f"mma.sync backward dQ (deterministic), {dtype}, head dim {config.head_dim}, "
-                f"{config.block_m}x{config.block_n} tiles{extra}")
+        v_dim = f" (v {config.head_dim_v})" if config.head_dim_v != config.head_dim else ""
+        return (f"mma.sync backward dQ (deterministic), {dtype}, head dim "
+                f"{config.head_dim}{v_dim}, {config.block_m}x{config.block_n} tiles{extra}")
     if isinstance(config, AuxKernel):
         what = {"flash_bwd_preprocess_kernel": "backward preprocess (D, lse, dQ accumulator)",
                 "flash_bwd_convert_dq_kernel": "backward dQ conversion",
                 "flash_bwd_sinks_kernel": "backward sinks gradient",
                 TF32_OPERANDS_KERNEL: "forward operand pass (K and V rounded to TF32, V keys "
                                       "innermost)",
-                E4M3_OPERANDS_KERNEL: "forward operand pass (e4m3 V, keys innermost)",
                 }.get(config.kernel, config.kernel)
         return f"{what}, {dtype}{', varlen' if config.varlen else ''}"
     if isinstance(config, MergeStatesConfig):

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import _hopper, _launch
-from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
+from ._configs import (MLA_BLOCK_N, MlaDecodeConfig, FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DTYPE_TAGS, FEATURE_ALIBI,
                        FEATURE_DROPOUT,
                        FLOAT32_TAGS,
                        FEATURE_BIAS_GRAD, FEATURE_BIAS_TILE, SM90_MAX_SMEM,
@@ -27,7 +27,7 @@ from ._configs import (FEATURE_BLOCK_MASK, DECODE_BLOCK_M, DECODE_BLOCK_M_N8, DT
                        MAX_CLUSTER_SPLITS, MAX_SPLITS, SM90_BWD_HEAD_DIMS, SM90_FWD_HEAD_DIMS,
                        BwdConfig, BwdDqConfig, BwdSm90Config, DecodeConfig, FwdConfig,
                        USER_MOD_FEATURES, AuxKernel, FwdSm90Config, TF32_OPERANDS_KERNEL,
-                       E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS, E4M3_TAGS, backward_features,
+                       E4M3_TAGS, backward_features,
                        with_features)
 
 #: Configurations forced by tuning scripts (api._forced_config): "fwd" / "bwd" -> config.
@@ -80,6 +80,10 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     split = p.head_dim_v != p.head_dim
     if (split or p.dtype in E4M3_TAGS) and not (p.batch and p.seqlen_q and p.nheads):
         return ForwardChoice(None, (0, 0, 0))  # nothing to launch (forward_plan)
+    if p.dtype in E4M3_TAGS and varlen is not None and varlen.total_q == 0:
+        # no query row in the packed q (max_seqlen_q may still be positive): nothing to
+        # compute, and no map over q's zero rows
+        return ForwardChoice(None, (0, 0, 0))
     if p.dtype in E4M3_TAGS and (config is not None or "fwd" in FORCED
                                  or user_mods is not None):
         if user_mods is not None:
@@ -132,9 +136,8 @@ def forward_kernel(problem, features: int, window, arch: int, views: dict, varle
     if hopper is not None:
         maps = _hopper.forward_maps(hopper)
         map_fields = _hopper.readable_map_fields(views, maps)
-        if map_fields is not None and hopper.keys_last_v:
-            scratch = (e4m3_operand_shapes(p, hopper) if hopper.dtype in E4M3_TAGS
-                       else tf32_operand_shapes(p, hopper))
+        if map_fields is not None and hopper.operand_pass:
+            scratch = tf32_operand_shapes(p, hopper)
             try:  # K and V as the operand pass writes them, in the call's scratch
                 map_fields.update(_hopper.scratch_map_fields(
                     {TF32_OPERAND_MAPS[name]: (view, strides, rows)
@@ -178,10 +181,12 @@ def split_head_dims_refusal(problem, direction: str, arch: int) -> str:
                 f"q's; this call has another combination on sm_{arch} "
                 f"(cuflash2.reference.attention takes any)")
     return (f"the backward of v's head dim ({p.head_dim_v}) apart from q's and k's "
-            f"({p.head_dim}) runs on the Hopper backward (sm_90) only: q/k and v head dims up to "
-            f"{pairs}, float16 or bfloat16, at least one query and key, without dropout or "
-            f"mask_mod / score_mod / bias, arrays the TMA reads (16-byte aligned strides); this "
-            f"call has {'sm_%d' % arch if arch != 90 else 'another combination'} "
+            f"({p.head_dim}) takes float16 or bfloat16 inputs, no mask_mod / score_mod / bias "
+            f"and no forced kernel configuration; on sm_90 without dropout the Hopper "
+            f"backward's pairs {pairs} (arrays the TMA reads); elsewhere (the mma.sync "
+            f"backward) v's kernel head dim, of {', '.join(map(str, KERNEL_HEAD_DIMS))} and at "
+            f"least 64 where q's is, below q's, with a tile whose warps split its columns "
+            f"(not 192 / 160, 256 / 224); this call has another combination on sm_{arch} "
             f"(cuflash2.reference.attention_backward takes any)")
 
 
@@ -288,8 +293,10 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
     deterministic mode a BwdDqModsConfig; mods.check_backward's ValueError for a score modifier
     without a derivative). V with a head dim of its own (d_v != d_qk): the Hopper kernel where
     hopper_backward_config takes it (the forward's pairs, 16-bit, softcap, ALiBi, varlen,
-    deterministic mode), else NotImplementedError naming v's head dim (the mma.sync kernels have
-    one head dim: split_head_dims_refusal)."""
+    deterministic mode), else the mma.sync kernels with V's own kernel head dim where
+    split_bwd_configs has a tile (16-bit; every feature but the programmable modifiers: dropout,
+    varlen, deterministic mode included), else NotImplementedError naming v's head dim
+    (split_head_dims_refusal; so are a forced configuration and the modifiers)."""
     p = problem
     split = p.head_dim_v != p.head_dim
     if split and not (p.batch and p.nheads):  # nothing to launch (backward_plan); its sizes only
@@ -331,7 +338,12 @@ def backward_kernels(problem, features: int, deterministic: bool, arch: int, vie
             map_fields = _hopper.readable_map_fields(views, maps)
     if map_fields is None:
         if split:
-            raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
+            configs = split_bwd_configs(p.dtype, p.head_dim, p.head_dim_v, arch, deterministic)
+            if configs is None:
+                raise NotImplementedError(split_head_dims_refusal(p, "backward", arch))
+            main, dq_config = configs
+            return BackwardChoice(with_features(main, features), dq_config=(
+                None if dq_config is None else with_features(dq_config, features)))
         if forced is None:
             forced = bwd_config(p.dtype, p.head_dim, arch, deterministic)
         dq_config = None
@@ -382,6 +394,30 @@ def decode_kernel(kv, dtype: str, features: int, arch: int, device_id: int, num_
     config, splits, cluster = (config, 1, 1) if empty else choose_splits(
         config, num_splits, groups, tiles, device_id, arch, dtype, kv.head_dim, features)
     return DecodeChoice(config, m_blocks, groups, splits, cluster, programmatic)
+
+
+#: Page sizes of a paged latent cache that flash_mla_decode_sm90.cu reads (_configs.MLA_BLOCK_N
+#: positions a tile): a multiple of the tile (one TMA box a panel), or a divisor of it that is a
+#: multiple of 8 (a box a page, each starting on a 1024-byte swizzle atom of the tile).
+def mla_page_size_ok(page_size: int) -> bool:
+    return page_size % MLA_BLOCK_N == 0 or (MLA_BLOCK_N % page_size == 0 and page_size % 8 == 0)
+
+
+def mla_decode_kernel(kv, dtype: str, device_id: int, num_splits: int) -> DecodeChoice:
+    """The MLA decode kernel (flash_mla_decode_sm90.cu; docs/MLA_DECODE.md) and its split count
+    for a checked latent-cache call (`kv`: one KV head, head dims MLA_HEAD_DIM / MLA_HEAD_DIM_V).
+    Its CTAs hold MLA_BLOCK_M packed rows (query tokens x heads); the splits merge through L2
+    at a barrier (a cooperative launch: the split grid fits the GPU in one wave), never in a
+    cluster; no programmatic launch (the kernel does not wait for the previous one itself)."""
+    config = MlaDecodeConfig(dtype)
+    m_blocks = -(-kv.seqlen_q * kv.nheads // config.block_m)
+    tiles = -(-kv.capacity // config.block_n)
+    groups = m_blocks * kv.batch
+    splits = 1
+    if kv.batch and kv.seqlen_q and kv.nheads:
+        slots = decode_slots(config, device_id)
+        splits = _even(num_splits_for(num_splits, groups, tiles, slots), tiles)
+    return DecodeChoice(config, m_blocks, groups, splits, 1, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,6 +561,32 @@ FLOAT32_BWD_TILES = ((64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1), (32, 64, 4,
 #: registers of a 16-bit one, so fewer are left to the accumulators (ptxas: 168-192 of them
 #: spilled at d=192-256).
 FLOAT32_BWD_MAX_ACCUMULATORS = 128
+
+
+def split_bwd_configs(dtype: str, head_dim: int, head_dim_v: int, arch: int,
+                      deterministic: bool = False):
+    """The mma.sync backward's kernels for V's own head dim `head_dim_v` beside Q's `head_dim`
+    (d_v != d_qk): (main kernel, deterministic dQ kernel or None), or None where they take no
+    such call (float32; V's kernel head dim not below Q's; no warp grid for dV's columns).
+
+    Q's head dim's tiles (bwd_config, bwd_dq_config: the smaller V, dO and dV take less shared
+    memory and fewer registers) with V's kernel head dim: v_kernel_head_dim's (whole 64-column
+    panels where Q's has them), or the next of KERNEL_HEAD_DIMS below Q's whose dV chunk phase
+    B's warps split in 16-column tiles (192 / 96 on sm_80's one-chunk 8-warp tile: 24 columns
+    a warp; it takes 128, the loads zero-filling V's and dO's columns past d_v). dV's chunks
+    are as many as dK's, each head_dim_v / num_chunks columns (flash_bwd.cu)."""
+    if dtype not in DTYPE_TAGS:
+        return None
+    d = kernel_head_dim(head_dim)
+    main = bwd_config(dtype, head_dim, arch, deterministic)
+    for d_v in KERNEL_HEAD_DIMS:
+        if v_kernel_head_dim(head_dim_v, head_dim) <= d_v < d:
+            config = dataclasses.replace(main, head_dim_v=d_v)
+            if config.valid:
+                dq = (dataclasses.replace(bwd_dq_config(dtype, head_dim, arch), head_dim_v=d_v)
+                      if deterministic else None)
+                return config, dq
+    return None
 
 
 def float32_bwd_config(element: str, head_dim: int, arch: int,
@@ -751,13 +813,30 @@ FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD
 
 #: The FP8 forward (e4m3 q, k, v: E4M3_TAGS; docs/FP8_FORWARD.md): (block_n, stages, overlap) by
 #: kernel head dim, block_m 128, ping-pong. An e4m3 row is half a 16-bit row (d=128: one
-#: 128-byte panel), V comes keys-last in panels of 128 keys (block_n a multiple of 128), and O,
-#: 16-bit, is staged in a Q region twice Q's bytes. Registers (ptxas, no spills): S block_n / 2,
+#: 128-byte panel), V is transposed keys-last into panels of 128 keys (a multiple of 32 keys a
+#: tile: E4M3_WIDE_TILES), and O, 16-bit, is staged in a Q region twice Q's bytes. Registers (ptxas, no spills): S block_n / 2,
 #: P block_n / 8, O head_dim / 2; at d=128 with 256 keys and at d=256 with the overlap inside a
 #: warpgroup ptxas spills, so d=128 takes 128 keys and d=256 the plain ping-pong.
 #: Shared memory: d=64 256 keys x 3 stages, d=128 128 keys x 4 stages (164,864 B each), d=256
 #: 128 keys x 2 stages (197,632 B).
 E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, False)}
+#: Wider key tiles of the FP8 forward, (block_n, stages, overlap) by kernel head dim, forced by
+#: benchmarks/dev/fp8_variants_ab.py's `w<block_n>` variants (docs/FP8_FORWARD_NEXT.md, step 6);
+#: E4M3_WIDE_TILE_KEYS dispatches those that measured faster.
+#: FlashAttention-3's FP8 d=128 tile is 128 x 224 with the overlap; per key a wider tile pays
+#: less of O's rescale (the row max moves with every tile at e4m3) and of each tile's waits and
+#: arrivals. The transposed V's last panel then holds 32-key groups (160: one, 224: three) in
+#: a whole panel's shared memory. ptxas (sm_90a, 240 consumer registers): 160 keys with the
+#: overlap and 224 without it compile without spills, where 192 with the overlap spills 36
+#: bytes and 224 with it 344; 3 stages at 160 (214,016 B with one raw V buffer), 2 at 224
+#: (214,016 B with two).
+E4M3_WIDE_TILES = {128: ((160, 3, True), (224, 2, False))}
+#: (block_n of E4M3_WIDE_TILES, least keys) by kernel head dim: the FP8 forward of non-causal
+#: rows without a window from that many keys on. H100, 2026-12-07 (fp8_variants_ab.py, rounds
+#: alternating on the same arrays, against the 128-key tile as dispatched): 224 keys 1.04 /
+#: 1.08 / 1.03x at 4k / 8k / 16k keys, 0.98x at 2k, 0.77-0.91x at 512-1k; causal 0.71-0.97x at
+#: every length. 160 keys: 1.00-1.05x from 2k non-causal, below 224 from 4k.
+E4M3_WIDE_TILE_KEYS = {128: (224, 4096)}
 
 
 #: (block_n, stages) of the Hopper forward per head dim, block_m 128 (two consumer warpgroups of
@@ -923,7 +1002,7 @@ def hopper_forward_config(problem, features: int, window, arch: int, varlen=None
     first row to its row coordinates (flash_fwd_sm90.cu)."""
     p = problem
     if p.dtype in E4M3_TAGS:
-        return e4m3_hopper_forward_config(p, features, arch, varlen)
+        return e4m3_hopper_forward_config(p, features, arch, varlen, window)
     if HOPPER_FORWARD and arch == 90 and p.dtype in FLOAT32_SM90_FWD_TILES:
         return tf32_hopper_forward_config(p, features, varlen)
     if (not HOPPER_FORWARD or arch != 90 or p.dtype not in DTYPE_TAGS
@@ -996,24 +1075,31 @@ def float32_sm90_config(element: str, kernel_dim: int, features: int = 0) -> Fwd
                          pingpong=block_m == 128, overlap=True, features=features)
 
 
-def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None):
+def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None,
+                               window=(-1, -1)):
     """The FP8 forward's configuration (E4M3_SM90_FWD_TILES) for a checked e4m3 call, or
-    NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), dense
-    calls (the keys-last V's groups: varlen later), head dims of E4M3_SM90_FWD_TILES (q's, k's
-    and v's alike), causal masks and windows but no other feature, at least one key
-    (forward_kernel plans no launch for a call without queries, heads or batch entries)."""
+    NotImplementedError naming what it lacks: it runs on the Hopper kernel alone (sm_90), head
+    dims of E4M3_SM90_FWD_TILES (q's, k's and v's alike), causal masks and windows but no other
+    feature, at least one key (forward_kernel plans no launch for a call without queries, heads
+    or batch entries).
+
+    Varlen (`varlen` given, FEATURE_VARLEN in `features`): the one-tile-per-CTA grid with
+    FEATURE_VARLEN compiled in, as the 16-bit varlen forward (V is read in place and transposed
+    in the kernel, so a packed sequence needs nothing of its own; the descales are read by
+    sequence); HOPPER_FORWARD_VARLEN does not apply (no other kernel reads e4m3). At least one
+    key in the packed k (a map has no empty extent); a sequence without keys gets out 0 and lse
+    +inf as in 16-bit calls. The persistent grids stay dense-only, as the 16-bit ones."""
     p = problem
     dims = tuple(E4M3_SM90_FWD_TILES)
     if arch != 90:
         raise NotImplementedError(
             f"FP8 (e4m3) inputs run on the Hopper forward: sm_90 (H100, H200) only; this device "
             f"is sm_{arch} (cuflash2.fp8.dequantize_e4m3 gives 16-bit inputs for the others)")
-    if varlen is not None:
-        raise NotImplementedError("FP8 (e4m3) inputs: not with varlen batches yet (dense "
-                                  "attention calls)")
     named = [name for bit, name in ((FEATURE_SOFTCAP, "softcap"), (FEATURE_ALIBI, "alibi_slopes"),
                                     (FEATURE_SINKS, "sinks"), (FEATURE_DROPOUT, "dropout_p"))
              if features & bit]
+    if varlen is not None:
+        features &= ~FEATURE_VARLEN
     if features:
         raise NotImplementedError(
             f"{', '.join(named) or 'these options'}: not with FP8 (e4m3) inputs yet (they take "
@@ -1026,15 +1112,48 @@ def e4m3_hopper_forward_config(problem, features: int, arch: int, varlen=None):
         raise NotImplementedError("FP8 (e4m3) inputs need the CUDA driver bindings "
                                   "(cuda-bindings, which encode the Hopper forward's TMA "
                                   "descriptors): pip install cuda-bindings")
+    if varlen is not None:
+        if varlen.total_k == 0:
+            raise NotImplementedError("FP8 (e4m3) inputs: not with varlen batches without any "
+                                      "key (k of 0 rows, cu_seqlens_k all 0) yet")
+        return with_features(e4m3_sm90_config(p.dtype, p.head_dim), FEATURE_VARLEN)
     if p.seqlen_k == 0:
         raise NotImplementedError("FP8 (e4m3) inputs: not with an empty key sequence "
                                   "(seqlen_k 0) yet")
-    return e4m3_sm90_config(p.dtype, p.head_dim)
+    config = e4m3_sm90_config(p.dtype, p.head_dim)
+    causal = window[1] == 0 and window[0] < 0
+    if window[0] >= 0 or (window[1] >= 0 and not causal):
+        return config  # windows: the one-tile-per-CTA grid
+    wide = E4M3_WIDE_TILE_KEYS.get(p.head_dim)
+    if not causal and wide is not None and p.seqlen_k >= wide[1]:
+        return e4m3_sm90_config(p.dtype, p.head_dim, e4m3_wide_tile(p.head_dim, wide[0]))
+    claims = causal and dynamic_schedule(p.head_dim, p.seqlen_q, p.seqlen_k, window[1],
+                                         E4M3_DYNAMIC_SCHEDULE_KEYS)
+    if claims or p.seqlen_k <= E4M3_PERSISTENT_MAX_KEYS.get((p.head_dim, causal), 0):
+        config = dataclasses.replace(config, persistent=True, claims=claims)
+    return config
 
 
-def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
-    """The FP8 forward of `element` (E4M3_TAGS) at `kernel_dim`: E4M3_SM90_FWD_TILES' tile."""
-    block_n, stages, overlap = E4M3_SM90_FWD_TILES[kernel_dim]
+#: The FP8 forward's grids (benchmarks/dev/fp8_variants_ab.py, H100, 2026-12-07, d=128 against
+#: the one-tile-per-CTA grid): the persistent grid with the static schedule up to this many keys
+#: by (kernel head dim, causal), 1.02-1.10x at 512-2k keys, 0.92-1.00x non-causal from 4k and
+#: 0.70-0.90x causal from 4k (its CTAs end apart); claimed tiles for causal rows within
+#: E4M3_DYNAMIC_SCHEDULE_KEYS, 1.02-1.04x at 2k-8k, 0.97x at 16k. d=64 (256-key tiles) and
+#: d=256 spill on the persistent grid and stay on the one-tile grid.
+E4M3_PERSISTENT_MAX_KEYS = {(128, False): 2048, (128, True): 1024}
+E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (2048, 8192)}
+
+
+def e4m3_wide_tile(kernel_dim: int, block_n: int) -> tuple:
+    """The (block_n, stages, overlap) of E4M3_WIDE_TILES at `kernel_dim` with `block_n` keys."""
+    (tile,) = [t for t in E4M3_WIDE_TILES[kernel_dim] if t[0] == block_n]
+    return tile
+
+
+def e4m3_sm90_config(element: str, kernel_dim: int, tile=None) -> FwdSm90Config:
+    """The FP8 forward of `element` (E4M3_TAGS) at `kernel_dim`: E4M3_SM90_FWD_TILES' tile, or
+    `tile` (block_n, stages, overlap: one of E4M3_WIDE_TILES')."""
+    block_n, stages, overlap = tile or E4M3_SM90_FWD_TILES[kernel_dim]
     return FwdSm90Config(element, kernel_dim, block_m=128, block_n=block_n, stages=stages,
                          pingpong=True, overlap=overlap)
 
@@ -1043,35 +1162,17 @@ def e4m3_sm90_config(element: str, kernel_dim: int) -> FwdSm90Config:
 TF32_OPERAND_MAPS = {"k_tf32": "k_map", "v_keys_last": "v_map"}
 
 
-def e4m3_operand_shapes(problem, config) -> dict:
-    """The FP8 forward's scratch array (flash_fwd_e4m3_operands.cu), as tf32_operand_shapes
-    gives its own: v_keys_last, V's bytes with their keys innermost, (batch, kv heads, head dim,
-    keys padded to 32), mapped as (batch, head dim, kv heads, keys) with boxes of 128 keys (one
-    128-byte panel) by the head dim."""
-    p = problem
-    keys = -(-p.seqlen_k // 32) * 32
-    shape = (p.batch, p.nheads_kv, p.head_dim, keys)
-    strides = (p.nheads_kv * p.head_dim * keys, p.head_dim * keys, keys, 1)
-    return {"v_keys_last": (shape, strides, (p.batch, p.head_dim, p.nheads_kv, keys),
-                            (strides[0], strides[2], strides[1], 1), config.head_dim)}
-
-
 def operand_pass(config, scratch):
-    """The operand pass that writes a keys-last-V Hopper forward's `scratch` (its
-    tf32_operand_shapes / e4m3_operand_shapes) before it, and its grid: (AuxKernel, grid), a CTA
-    for each E4M3_OPERANDS_KEYS (e4m3) or 32 (float32) of the padded keys of each (KV head,
-    batch entry)."""
+    """The operand pass that writes a float32 Hopper forward's `scratch` (its
+    tf32_operand_shapes) before it, and its grid: (AuxKernel, grid), a CTA for each 32 of the
+    padded keys of each (KV head, batch entry). (The FP8 forward transposes V in the kernel:
+    FwdSm90Config.transpose_v.)"""
     batch, nheads_kv, _, keys = scratch["v_keys_last"][0]
-    if config.dtype in E4M3_TAGS:
-        kernel, keys_a_cta = E4M3_OPERANDS_KERNEL, E4M3_OPERANDS_KEYS
-    else:
-        kernel, keys_a_cta = TF32_OPERANDS_KERNEL, 32
-    return AuxKernel(config.dtype, kernel), (-(-keys // keys_a_cta), nheads_kv, batch)
+    return AuxKernel(config.dtype, TF32_OPERANDS_KERNEL), (-(-keys // 32), nheads_kv, batch)
 
 
 #: The element type of the scratch arrays an operand pass writes, by kernel element.
-SCRATCH_DTYPES = {**{element: "float32" for element in FLOAT32_TAGS},
-                  **{element: "uint8" for element in E4M3_TAGS}}
+SCRATCH_DTYPES = {element: "float32" for element in FLOAT32_TAGS}
 
 
 def tf32_operand_shapes(problem, config) -> dict:
@@ -1127,11 +1228,13 @@ DYNAMIC_SCHEDULE = True
 DYNAMIC_SCHEDULE_KEYS = {64: (2048, NO_LIMIT), 128: (2048, 8192)}
 
 
-def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int) -> bool:
+def dynamic_schedule(kernel_dim: int, seqlen_q: int, seqlen_k: int, window_right: int,
+                     key_ranges=None) -> bool:
     """Whether a persistent launch (kernel head dim `kernel_dim`) claims its tiles dynamically:
     FwdSm90Config.claims (its plan then sets FwdSm90Params.tile_counters to the stream's
-    counters a call)."""
-    first, last = DYNAMIC_SCHEDULE_KEYS.get(kernel_dim, (1, 0))
+    counters a call). `key_ranges`: DYNAMIC_SCHEDULE_KEYS, or the FP8 forward's."""
+    ranges = DYNAMIC_SCHEDULE_KEYS if key_ranges is None else key_ranges
+    first, last = ranges.get(kernel_dim, (1, 0))
     return (DYNAMIC_SCHEDULE and window_right >= 0 and first <= seqlen_k <= last
             and seqlen_q <= seqlen_k + window_right)  # every query row sees a key
 
@@ -1586,12 +1689,31 @@ def tf32_hopper_forward_configs(features=(0,), elements=("tf32",)) -> list:
     return out
 
 
-def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS)) -> list:
-    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype), one
-    per head dim of E4M3_SM90_FWD_TILES, and the operand pass that runs before each element's."""
-    return [config for element in elements
-            for config in [e4m3_sm90_config(element, d) for d in E4M3_SM90_FWD_TILES]
-            + [AuxKernel(element, E4M3_OPERANDS_KERNEL)]]
+def e4m3_hopper_forward_configs(elements=tuple(E4M3_TAGS), features=(0,)) -> list:
+    """Every FP8 forward specialisation of `elements` (E4M3_TAGS: by the output's dtype) for
+    each of `features` it takes (0: dense calls, FEATURE_VARLEN: attention_varlen's; others are
+    skipped): one per head dim of E4M3_SM90_FWD_TILES on the one-tile-per-CTA grid (V
+    transposed in the kernel: no operand pass), and for dense calls on the persistent grid
+    those of E4M3_PERSISTENT_MAX_KEYS' head dims, with claimed tiles those of
+    E4M3_DYNAMIC_SCHEDULE_KEYS', with a wider key tile those of E4M3_WIDE_TILE_KEYS'."""
+    configs = []
+    for f in dict.fromkeys(features):
+        if f not in (0, FEATURE_VARLEN):
+            continue
+        for element in elements:
+            for d in E4M3_SM90_FWD_TILES:
+                config = with_features(e4m3_sm90_config(element, d), f)
+                configs.append(config)
+                if f:
+                    continue  # varlen: the one-tile grid alone
+                if any(dim == d for dim, _ in E4M3_PERSISTENT_MAX_KEYS):
+                    configs.append(dataclasses.replace(config, persistent=True))
+                if d in E4M3_DYNAMIC_SCHEDULE_KEYS:
+                    configs.append(dataclasses.replace(config, persistent=True, claims=True))
+                if d in E4M3_WIDE_TILE_KEYS:
+                    configs.append(e4m3_sm90_config(
+                        element, d, e4m3_wide_tile(d, E4M3_WIDE_TILE_KEYS[d][0])))
+    return configs
 
 
 def hopper_forward_configs(features=(0,)) -> list:

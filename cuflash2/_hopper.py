@@ -152,11 +152,10 @@ def bindings_available() -> bool:
 def forward_maps(config) -> dict:
     """The tensor maps of FwdSm90Params over the call's arrays: map field -> (the array's view
     name, box rows). For float32 ("tf32", "float32") k_map and v_map cover the call's scratch
-    instead, for e4m3 v_map (scratch_map_fields)."""
-    if config.dtype in ("tf32", "float32"):
+    instead (scratch_map_fields); e4m3's v_map reads v as it lies, as the 16-bit one (the
+    kernel transposes it: FwdSm90Config.transpose_v)."""
+    if config.operand_pass:
         return {"q_map": ("q", config.block_m)}
-    if config.keys_last_v:  # e4m3: K read in place
-        return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n)}
     return {"q_map": ("q", config.block_m), "k_map": ("k", config.block_n),
             "v_map": ("v", config.block_n)}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from . import _configs, _dispatch, _launch, _plans, _prepare, _validate, fp8
+from . import _configs, _dispatch, _hopper, _launch, _plans, _prepare, _validate, fp8
 from ._prepare import LOG2E, element_strides, output_strides
 
 
@@ -180,13 +180,13 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
             raise ValueError(error)
         if check_cache and descale is not None:
             fp8.check_descale_values(name, cupy.asnumpy(descale))
-    if kv.head_dim_v != kv.head_dim:
-        raise NotImplementedError(
-            f"attention_with_kvcache: v_cache's head dim ({kv.head_dim_v}) apart from k_cache's "
-            f"({kv.head_dim}) (MLA's latent cache) has no decoding kernel yet "
-            f"(docs/MLA_DECODE.md); cuflash2.reference.attention_with_kvcache takes it")
+    latent = kv.head_dim_v != kv.head_dim  # MLA's latent cache (docs/MLA_DECODE.md)
+    if latent:
+        check_latent_call(q, k_cache, v_cache, k, v, kv, options, cache_format, c)
     # q's own checks (dtype, head dim, strides, scale); the caches' shapes are kv's.
-    problem = _validate.check_attention_inputs(q, q, q, softmax_scale=options.softmax_scale)
+    problem = _validate.check_attention_inputs(
+        q, q, q, softmax_scale=options.softmax_scale,
+        max_head_dim=_configs.MLA_HEAD_DIM if latent else _validate.MAX_HEAD_DIM)
     if problem.dtype == "float32":
         raise NotImplementedError("attention_with_kvcache: float32 q has no decoding kernel yet; "
                                   "q, k_cache, v_cache must be float16 or bfloat16")
@@ -226,8 +226,12 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                              per_row, cupy.asnumpy)
     # The decode kernel (compiled here if need be) and its split count.
     arch = _prepare.device_arch(device_id)
-    choice = _dispatch.decode_kernel(kv, problem.dtype, features, arch, device_id,
-                                     num_splits, early_cache_reads, cache_format)
+    if latent:
+        check_latent_device(arch, window)
+        choice = _dispatch.mla_decode_kernel(kv, problem.dtype, device_id, num_splits)
+    else:
+        choice = _dispatch.decode_kernel(kv, problem.dtype, features, arch, device_id,
+                                         num_splits, early_cache_reads, cache_format)
     config, splits, cluster = choice.config, choice.splits, choice.cluster
     m_blocks, groups = choice.m_blocks, choice.groups
     group = kv.nheads // kv.nheads_kv if kv.nheads_kv else 1
@@ -242,7 +246,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         return {f"{prefix}_batch_stride": s[0], f"{prefix}_row_stride": s[1],
                 f"{prefix}_head_stride": s[2]}
 
-    out_strides = output_strides(q.shape)
+    # (the output's own shape: a latent call's rows have V's head dim, not q's)
+    out_strides = output_strides(tuple(q.shape[:-1]) + (kv.head_dim_v,) if latent else q.shape)
     fields = {
         **strides("q", q), **strides("kn", k if new_tokens else None),
         **strides("vn", v if new_tokens else None), **strides("kc", k_cache),
@@ -282,7 +287,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     barrier = splits > 1 and cluster == 1  # the splits merge through L2, not in a cluster
     if barrier:  # fp32 workspace per (row block, split): O (padded head dim), then lse
         rows = groups * splits * config.block_m
-        offsets, workspace_bytes = _plans.carve([4 * rows * config.head_dim, 4 * rows])
+        o_dim = kv.head_dim_v if latent else config.head_dim  # (the kernel's)
+        offsets, workspace_bytes = _plans.carve([4 * rows * o_dim, 4 * rows])
         workspace_fields = [("o_partial", offsets[0]), ("lse_partial", offsets[1])]
     launches = [] if empty else [_launch.kernel_launch(
         config, device_id, (m_blocks * splits, kv.nheads_kv, kv.batch), cooperative=barrier,
@@ -291,8 +297,106 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                              ("v", 4), ("rotary_cos", 12), ("rotary_sin", 13))
                if name in arrays]
     per_call = ("cache_len_all",) + (("split_counters",) if barrier else ())
+    if latent:
+        plan = _latent_plan(device_id, k_cache, kv, fields, launches, inputs, workspace_bytes,
+                            workspace_fields, aligned, per_call)
+        return KVCachePlan(plan, splits, groups, kv.capacity - kv.seqlen_new, barrier)
     plan = _plans.Plan(device_id, "DecodeParams", fields, launches, inputs,
                        [(tuple(q.shape), q.dtype), ((kv.batch, kv.nheads, kv.seqlen_q), "float32")],
                        [("out", 0, 0), ("lse", 1, 0)], workspace_bytes, workspace_fields,
                        aligned, per_call)
     return KVCachePlan(plan, splits, groups, kv.capacity - kv.seqlen_new, barrier, unit_descale)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA's latent cache (docs/MLA_DECODE.md; cuda_src/flash_mla_decode_sm90.cu)
+
+
+def check_latent_call(q, k_cache, v_cache, k, v, kv, options, cache_format, cache_options):
+    """A call whose v_cache has a head dim of its own: MLA's latent cache, in the reference's
+    form (v_cache = k_cache[..., :512], v = k[..., :512]); anything else refused, naming the
+    argument, before anything launches."""
+    reference = "cuflash2.reference.attention_with_kvcache takes it"
+    if (kv.head_dim, kv.head_dim_v) != (_configs.MLA_HEAD_DIM, _configs.MLA_HEAD_DIM_V):
+        raise NotImplementedError(
+            f"attention_with_kvcache: v_cache's head dim ({kv.head_dim_v}) apart from k_cache's "
+            f"({kv.head_dim}) has a decoding kernel for MLA's latent cache only (k_cache "
+            f"{_configs.MLA_HEAD_DIM} columns, v_cache the view of its first "
+            f"{_configs.MLA_HEAD_DIM_V}; docs/MLA_DECODE.md); {reference}")
+    if kv.nheads_kv != 1:
+        raise NotImplementedError(
+            f"attention_with_kvcache: a latent cache (v_cache k_cache's first columns) has one "
+            f"KV head; k_cache has {kv.nheads_kv}; {reference}")
+    if cache_format is not None:
+        raise NotImplementedError("attention_with_kvcache: kv_cache_dtype (an FP8 cache) is not "
+                                  "taken with a latent cache yet")
+
+    def same_rows(view, whole) -> bool:
+        return (view.data.ptr == whole.data.ptr and tuple(view.strides) == tuple(whole.strides)
+                and tuple(view.shape[:-1]) == tuple(whole.shape[:-1]))
+
+    if not same_rows(v_cache, k_cache):
+        raise ValueError(
+            f"attention_with_kvcache: v_cache with its own head dim must be the view "
+            f"k_cache[..., :{kv.head_dim_v}] (MLA's latent cache: the same rows, pointer and "
+            f"strides), not an array of its own")
+    if k is not None and not same_rows(v, k):
+        raise ValueError(
+            f"attention_with_kvcache: with a latent cache, v (the new tokens' values) must be "
+            f"the view k[..., :{kv.head_dim_v}] (the same rows, pointer and strides): each new "
+            f"row is appended once, all its columns")
+    for name, given in (("softcap", options.softcap != 0.0),
+                        ("alibi_slopes", options.alibi_slopes is not None),
+                        ("sinks", options.sinks is not None),
+                        ("rotary_cos", cache_options.rotary_cos is not None),
+                        ("rotary_sin", cache_options.rotary_sin is not None),
+                        ("cache_leftpad", cache_options.cache_leftpad is not None)):
+        if given:
+            raise NotImplementedError(
+                f"attention_with_kvcache: {name} is not taken with a latent cache (MLA decode "
+                f"kernel) yet; {reference}")
+    if kv.paged and not _dispatch.mla_page_size_ok(kv.page_size):
+        raise NotImplementedError(
+            f"attention_with_kvcache: a paged latent cache's pages of {kv.page_size} positions "
+            f"(k_cache's second dim, block_table's pages) are not read by the MLA decode "
+            f"kernel: a multiple of {_configs.MLA_BLOCK_N}, or 8, 16 or 32")
+
+
+def check_latent_device(arch: int, window) -> None:
+    """What the MLA decode kernel needs of the device and the window: sm_90 (its sm_90a build),
+    the driver bindings that encode its tensor map, no left window edge."""
+    if window[0] >= 0:
+        raise NotImplementedError(
+            f"attention_with_kvcache: window_size with a left edge ({window[0]}) is not taken "
+            f"with a latent cache yet (causal and right edges are)")
+    if arch != 90:
+        raise NotImplementedError(
+            f"attention_with_kvcache: the MLA decode kernel (latent cache) runs on sm_90 "
+            f"(H100 / H200) only; this device is sm_{arch}")
+    if not _hopper.bindings_available():
+        raise NotImplementedError(
+            "attention_with_kvcache: the MLA decode kernel reads the cache through a TMA "
+            "descriptor, which needs cuda-bindings (pip install cuda-bindings)")
+
+
+def _latent_plan(device_id: int, k_cache, kv, fields: dict, launches, inputs,
+                 workspace_bytes: int, workspace_fields, aligned, per_call) -> _plans.Plan:
+    """The plan of a latent-cache call: MlaDecodeParams, the decode fields under `base.`, the
+    cache's tensor map (encoded once, its address word patched per call from k_cache) and
+    its box rows; the output (batch, seqlen_q, nheads, head_dim_v)."""
+    box_rows = min(_configs.MLA_BLOCK_N, kv.page_size) if kv.paged else _configs.MLA_BLOCK_N
+    try:
+        map_fields = _hopper.tensor_map_fields({"k_cache": k_cache},
+                                               {"kv_map": ("k_cache", box_rows)})
+    except (ValueError, RuntimeError) as error:
+        raise ValueError(f"attention_with_kvcache: the TMA cannot read k_cache: {error}") from None
+    base = "base."
+    return _plans.Plan(
+        device_id, "MlaDecodeParams",
+        {**{base + f: v for f, v in fields.items()}, **map_fields, "box_rows": box_rows},
+        launches, [(base + f, pos, off) for f, pos, off in inputs] + [("kv_map.v", 1, 0)],
+        [((kv.batch, kv.seqlen_q, kv.nheads, kv.head_dim_v), k_cache.dtype),
+         ((kv.batch, kv.nheads, kv.seqlen_q), "float32")],
+        [(base + "out", 0, 0), (base + "lse", 1, 0)], workspace_bytes,
+        [(base + f, off) for f, off in workspace_fields], aligned,
+        [(f, base + f) for f in per_call], batch_offset=base + "batch_offset")

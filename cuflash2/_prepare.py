@@ -234,14 +234,17 @@ def with_kernel_element(problem, options):
 
 
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, out, check_cu_seqlens, cupy):
-    """Checks a varlen call. Returns (problem of the packed arrays as one unbatched call,
-    problem the kernels see: batch = sequences and the maximum lengths, Varlen)."""
+                   softmax_scale, out, check_cu_seqlens, cupy, qkv_dtype=None, out_dtype=None):
+    """Checks a varlen call (`qkv_dtype`, `out_dtype`: FP8 inputs' format and output dtype, as
+    _validate.check_attention_inputs takes them). Returns (problem of the packed arrays as one
+    unbatched call, problem the kernels see: batch = sequences and the maximum lengths,
+    Varlen)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"{name} must be packed (total_tokens, nheads, headdim) for varlen; "
                              f"got shape {tuple(x.shape)}")
-    packed = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out)
+    packed = _validate.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, out=out,
+                                              qkv_dtype=qkv_dtype, out_dtype=out_dtype)
     to_host = cupy.asnumpy if check_cu_seqlens else None  # the one host sync (see README)
     cus = []
     for name, cu, total, total_name in (("cu_seqlens_q", cu_seqlens_q, packed.seqlen_q, "q.shape[0]"),

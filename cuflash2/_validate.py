@@ -83,11 +83,12 @@ def _check_dtype(name: str, x, expected: str | None) -> str:
             # A cast would read e4m3 bits as integers: say what exists instead.
             raise TypeError(
                 f"{name} is {dtype}: FP8 (e4m3) bits are read by the forward alone, "
-                f"attention(q, k, v, qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=) "
-                f"(dense calls on sm_90), and by attention_with_kvcache(..., "
-                f"kv_cache_dtype='e4m3') for a cache; the backward, the packed and varlen forms "
-                f"take float16, bfloat16 or float32, and uint8 is read no other way. Dequantise "
-                f"first: cuflash2.fp8.dequantize_e4m3({name}, descale).astype(ml_dtypes.bfloat16)")
+                f"attention(q, k, v, qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=) and "
+                f"attention_varlen(..., qkv_dtype='e4m3', q_descale=, k_descale=, v_descale=) "
+                f"(on sm_90), and by attention_with_kvcache(..., kv_cache_dtype='e4m3') for a "
+                f"cache; the backward and the packed forms take float16, bfloat16 or float32, "
+                f"and uint8 is read no other way. Dequantise first: "
+                f"cuflash2.fp8.dequantize_e4m3({name}, descale).astype(ml_dtypes.bfloat16)")
         raise TypeError(
             f"{name} must be float16, bfloat16 (ml_dtypes.bfloat16) or float32; got {dtype}. "
             f"Cast explicitly, e.g. {name}.astype(cupy.float32)")
@@ -178,9 +179,10 @@ def _as_dtype(dtype):
 
 
 def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None, qkv_dtype=None,
-                           out_dtype=None) -> AttentionProblem:
+                           out_dtype=None, max_head_dim=MAX_HEAD_DIM) -> AttentionProblem:
     """Checks q, k, v (and `out`) of `cuflash2.attention`; returns the problem sizes.
-    `qkv_dtype` ("e4m3"): q, k and v hold FP8 bits, out is `out_dtype` (None: bfloat16)."""
+    `qkv_dtype` ("e4m3"): q, k and v hold FP8 bits, out is `out_dtype` (None: bfloat16).
+    `max_head_dim`: the largest head dim taken (attention_with_kvcache's latent q: 576)."""
     ndim = _check_ndim("q", q, None)
     _check_ndim("k", k, ndim)
     _check_ndim("v", v, ndim)
@@ -216,9 +218,9 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, out=None, qkv_dtype=N
             f"v must have the shape of k {tuple(k.shape)} {layout} but for its head dim; got "
             f"{tuple(v.shape)}")
     for name, dim, shape in (("q", head_dim, q.shape), ("v", head_dim_v, v.shape)):
-        if dim % 8 != 0 or not 0 < dim <= MAX_HEAD_DIM:
+        if dim % 8 != 0 or not 0 < dim <= max_head_dim:
             raise ValueError(
-                f"headdim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}; got {dim} "
+                f"headdim must be a multiple of 8 between 8 and {max_head_dim}; got {dim} "
                 f"({name} shape {tuple(shape)})")
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(

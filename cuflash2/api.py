@@ -76,6 +76,8 @@ _FP8_ATTENTION = _Layout(*_ATTENTION.names, *fp8.FORWARD_DESCALES)
 _QKVPACKED = _Layout("qkv", "out", "alibi_slopes", "sinks", qkv=("q", "k", "v"))
 _KVPACKED = _Layout("q", "kv", "out", "alibi_slopes", "sinks", kv=("k", "v"))
 _VARLEN = _Layout(*_ATTENTION.names, "cu_seqlens_q", "cu_seqlens_k")
+#: attention_varlen with FP8 inputs: their descale factors after the others.
+_FP8_VARLEN = _Layout(*_VARLEN.names, *fp8.FORWARD_DESCALES)
 _BACKWARD = _Layout("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "alibi_slopes",
                     "sinks", "dsinks")
 _QKVPACKED_BACKWARD = _Layout("dout", "qkv", "out", "lse", "dqkv", "alibi_slopes", "sinks",
@@ -146,7 +148,12 @@ def _plan_forward(layout, inputs, options, varlen_args=None):
     else:
         packed, problem, varlen = _prepare.varlen_problem(q, k, v, *varlen_args[:4],
                                                           options.softmax_scale, out,
-                                                          varlen_args[4], cupy)
+                                                          varlen_args[4], cupy,
+                                                          options.qkv_dtype, options.out_dtype)
+        # FP8 inputs: a factor per sequence and KV head (FlashAttention-3's varlen descales)
+        fp8.check_forward_descales({n: names.get(n) for n in fp8.FORWARD_DESCALES},
+                                   options.qkv_dtype, problem.batch, packed.nheads_kv,
+                                   "num_sequences")
         lse_shape = (packed.nheads, packed.seqlen_q)
     problem = _prepare.with_kernel_element(problem, options)
     mods = _prepare.score_mods(problem, options)
@@ -750,10 +757,10 @@ def attention_kvpacked_backward(dout, q, kv, out, lse, *, causal=False, softmax_
 
 
 def _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, out, cupy):
+                     softmax_scale, out, cupy, qkv_dtype=None, out_dtype=None):
     """check_cu_seqlens=True on a known signature: the values (one host sync) on every call."""
     _prepare.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale, out, True, cupy)
+                            softmax_scale, out, True, cupy, qkv_dtype, out_dtype)
 
 
 def _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens) -> tuple:
@@ -764,7 +771,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
                      return_lse=False, out=None, check_cu_seqlens=True, mask_mod=None,
-                     score_mod=None, bias=None, precision=None):
+                     score_mod=None, bias=None, precision=None, qkv_dtype=None,
+                     q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """`attention` on variable-length sequences packed one after another (flash-attn's
     `flash_attn_varlen_func`).
 
@@ -783,28 +791,51 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     positions within the sequence. `bias`: (batch or 1, nheads or 1, max_seqlen_q,
     max_seqlen_k), sequence b reading bias[b, :, :seqlen_q_b, :seqlen_k_b]. `precision` as in
     `attention`.
+
+    FP8 inputs as in `attention` (sm_90, the Hopper forward; docs/FP8_FORWARD.md):
+    `qkv_dtype="e4m3"` with q, k, v packed uint8 (or float8_e4m3fn) arrays of e4m3 bits;
+    `q_descale`, `k_descale`, `v_descale` float32 (num_sequences, nheads_kv), row b the factors
+    of sequence b (FlashAttention-3's varlen descales), or () / (1,); `out_dtype` float16 or
+    bfloat16 (None: bfloat16). Causal masks, windows and GQA; no softcap, ALiBi, sinks, dropout,
+    bias or programmable modifiers, and at least one key in k. Its error is that of
+    cuflash2.reference.attention_varlen(..., qkv_dtype="e4m3", compute_dtype="e4m3").
     """
+    descales = (q_descale, k_descale, v_descale)
     plan, planned, inputs, options, cupy = _varlen_plan(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset, out,
-        check_cu_seqlens, mask_mod, score_mod, bias, precision)
+        check_cu_seqlens, mask_mod, score_mod, bias, precision, qkv_dtype, descales, out_dtype)
     if not planned and check_cu_seqlens:
         _check_cu_values(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, out, cupy)
+                         softmax_scale, out, cupy, qkv_dtype, out_dtype)
     return _forward_result(plan, inputs, options, out, return_lse, cupy)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, seed,
                  offset, out, check_cu_seqlens, mask_mod=None, score_mod=None, bias=None,
-                 precision=None):
+                 precision=None, qkv_dtype=None, descales=(None, None, None), out_dtype=None):
     """(plan of an attention_varlen call, whether it was planned now: the call checked in full,
-    its inputs, its options, cupy) (varlen_forward_kernels names its kernels)."""
+    its inputs, its options, cupy) (varlen_forward_kernels names its kernels). `descales`:
+    q_descale, k_descale, v_descale (FP8 inputs: after the other arrays, _FP8_VARLEN, a factor
+    not given a device array of 1 where qkv_dtype is, as _fp8_attention_plan's)."""
     options = AttentionOptions(causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
-                               dropout_p, seed, offset, precision=precision)
+                               dropout_p, seed, offset, precision=precision,
+                               qkv_dtype=qkv_dtype, out_dtype=out_dtype)
     inputs = (q, k, v, out, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
     cupy = _cupy or _cupy_module()
     extra = _varlen_key(max_seqlen_q, max_seqlen_k, check_cu_seqlens)
+    if qkv_dtype is not None or any(d is not None for d in descales):
+        for name, given in (("mask_mod", mask_mod), ("score_mod", score_mod), ("bias", bias)):
+            if given is not None and qkv_dtype is not None:
+                raise NotImplementedError(f"{name}: not with FP8 (e4m3) inputs (causal masks "
+                                          f"and windows are)")
+        if qkv_dtype is not None and cupy is not None:
+            descales = tuple(fp8.unit_descale(cupy) if d is None else d for d in descales)
+        plan, planned = _forward_plan(
+            "attention_varlen", _FP8_VARLEN, cupy, inputs + tuple(descales), options, extra,
+            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_cu_seqlens))
+        return plan, planned, inputs + tuple(descales), options, cupy
     if bias is not None:
         view = _bias_view(q, k, v, bias, softmax_scale,
                           (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -821,12 +852,16 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 def varlen_forward_kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, sinks=None, dropout_p=0.0, seed=None, offset=0,
-                           out=None, check_cu_seqlens=True, precision=None) -> list[str]:
+                           out=None, check_cu_seqlens=True, precision=None, qkv_dtype=None,
+                           q_descale=None, k_descale=None, v_descale=None,
+                           out_dtype=None) -> list[str]:
     """`forward_kernels` for `attention_varlen` with these arguments: the kernels it runs on the
     current device, in words. The call is checked and planned, nothing is launched."""
     plan = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                         softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
-                        seed, offset, out, check_cu_seqlens, precision=precision)[0]
+                        seed, offset, out, check_cu_seqlens, precision=precision,
+                        qkv_dtype=qkv_dtype, descales=(q_descale, k_descale, v_descale),
+                        out_dtype=out_dtype)[0]
     return _kernels(plan)
 
 

@@ -75,7 +75,8 @@ def build_parser(prog: str = "cuflash2") -> argparse.ArgumentParser:
                           f"{' '.join(map(str, precompile.DEFAULT_HEAD_DIMS))})")
     pre.add_argument("--headdim-v", nargs="+", type=_positive_int, default=[],
                      help="v's head dims where they differ from q's (d_v != d_qk: DeepSeek's "
-                          "--headdim 192 --headdim-v 128; default: none)")
+                          "--headdim 192 --headdim-v 128; its MLA decode: --headdim 576 "
+                          "--headdim-v 512 --directions decode; default: none)")
     pre.add_argument("--features", nargs="+", default=list(precompile.DEFAULT_FEATURES),
                      metavar="NAME[+NAME]",
                      help="the features of your calls, each a set of "

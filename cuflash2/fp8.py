@@ -161,16 +161,17 @@ def cache_format(q, k_cache, v_cache, k, kv_cache_dtype, k_descale, v_descale):
     return "e4m3"
 
 
-def descale_shape_error(name, descale, batch, nheads_kv):
+def descale_shape_error(name, descale, batch, nheads_kv, batch_name="batch"):
     """None if `descale` is a float32 array of shape (), (1,) or (batch, nheads_kv) (any
-    strides: a broadcast view shares a factor along an axis), else the message."""
+    strides: a broadcast view shares a factor along an axis), else the message, which calls the
+    first dim `batch_name` (varlen calls: "num_sequences")."""
     dtype = getattr(descale, "dtype", None)
     shape = tuple(getattr(descale, "shape", ()))
     if dtype is None or numpy.dtype(dtype) != numpy.float32 or shape not in (
             (), (1,), (batch, nheads_kv)):
         what = (f"{numpy.dtype(dtype)} {shape}" if dtype is not None
                 else type(descale).__name__)
-        return (f"{name} must be a float32 array of shape (batch, nheads_kv) = ({batch}, "
+        return (f"{name} must be a float32 array of shape ({batch_name}, nheads_kv) = ({batch}, "
                 f"{nheads_kv}) (a factor per sequence and KV head, as FlashAttention-3's), or () "
                 f"/ (1,) (one for the whole array); got {what}")
     return None
@@ -229,17 +230,19 @@ def unit_descale(cupy):
     return unit
 
 
-def check_forward_descales(descales: dict, qkv_dtype, batch: int, nheads_kv: int) -> None:
+def check_forward_descales(descales: dict, qkv_dtype, batch: int, nheads_kv: int,
+                           batch_name: str = "batch") -> None:
     """The descale arguments of an attention call (`descales`: argument name -> array or
     None): only with FP8 inputs (`qkv_dtype` given), each a float32 array of shape (), (1,) or
-    (batch, nheads_kv) (descale_shape_error)."""
+    (batch, nheads_kv) (descale_shape_error; attention_varlen's: (num_sequences, nheads_kv),
+    `batch_name` "num_sequences")."""
     for name, descale in descales.items():
         if descale is None:
             continue
         if qkv_dtype is None:
             raise ValueError(f"{name} is for FP8 inputs (qkv_dtype='e4m3'); leave it None for "
                              f"q, k and v of 16-bit or float32 values")
-        error = descale_shape_error(name, descale, batch, nheads_kv)
+        error = descale_shape_error(name, descale, batch, nheads_kv, batch_name)
         if error:
             raise ValueError(error)
 

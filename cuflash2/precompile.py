@@ -60,8 +60,14 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
     takes), feature bit sets and directions ("fwd", "bwd": with the deterministic dQ kernel and
     the backward's pre- and post-processing; "decode": attention_with_kvcache), each once.
     `head_dims_v`: v's head dims where they differ from q's (d_v != d_qk: the Hopper kernels'
-    pairs of a head dim of `head_dims` and one of these)."""
+    pairs of a head dim of `head_dims` and one of these, and the mma.sync kernels' for V's own
+    kernel head dim). MLA's latent head dims (q's MLA_HEAD_DIM with v's MLA_HEAD_DIM_V) name the
+    MLA decode kernel of each 16-bit dtype (sm_90, "decode", plain calls) and nothing else."""
     dtypes = set(dtypes)
+    mla = (arch == 90 and "decode" in directions and 0 in features
+           and _configs.MLA_HEAD_DIM in head_dims)
+    head_dims = [h for h in head_dims if h != _configs.MLA_HEAD_DIM]
+    head_dims_v = [h for h in head_dims_v if h != _configs.MLA_HEAD_DIM_V]
     v_dims = {_dispatch.hopper_forward_head_dim(h)
               for h in head_dims_v if h <= max(_configs.SM90_FWD_HEAD_DIMS)}
     dims = {_dispatch.kernel_head_dim(d) for d in head_dims}
@@ -103,18 +109,24 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
                                                                              (element,))
                             if getattr(c, "head_dim", None) in f32_dims
                             or (f32_dims and isinstance(c, _configs.AuxKernel))]
-            # The FP8 forward (e4m3 inputs; plain calls: it takes no feature bit) and its
-            # operand pass.
+            # The FP8 forward (e4m3 inputs: plain calls, and varlen ones with --features
+            # varlen; it takes no other feature bit).
             e4m3 = tuple(t for t in _configs.E4M3_TAGS if t in dtypes)
             e4m3_dims = {h for h in head_dims if h in _dispatch.E4M3_SM90_FWD_TILES}
-            if e4m3 and e4m3_dims and 0 in features:
-                configs += [c for c in _dispatch.e4m3_hopper_forward_configs(e4m3)
-                            if getattr(c, "head_dim", None) in e4m3_dims
-                            or isinstance(c, _configs.AuxKernel)]
-    if "bwd" in directions:
+            if e4m3 and e4m3_dims:
+                configs += [c for c in _dispatch.e4m3_hopper_forward_configs(e4m3, features)
+                            if c.head_dim in e4m3_dims]
+    if "bwd" in directions and head_dims:  # (none left where MLA's alone were named)
         configs += named(_dispatch.all_bwd_configs(arch, features), dims)
         backward = list(dict.fromkeys(_configs.backward_features(f) for f in features))
         configs += _float32_backward(arch, dtypes, head_dims, backward)
+        # V's own head dims on the mma.sync backward (split_bwd_configs: main kernels with and
+        # without dQ, the deterministic dQ kernel)
+        configs += [_configs.with_features(c, f)
+                    for t in sorted(dtypes) for d in head_dims for d_v in head_dims_v
+                    if d_v != d for deterministic in (False, True)
+                    for c in (_dispatch.split_bwd_configs(t, d, d_v, arch, deterministic)
+                              or ()) if c is not None for f in backward]
         varlen = any(f & _configs.FEATURE_VARLEN for f in features)
         configs += [c for c in _configs.aux_kernels(tuple(_configs.ELEMENT_TAGS))
                     if _aux_serves(c, dtypes) and (varlen or not c.varlen)
@@ -130,6 +142,9 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
                                for c in sm90]
     if "decode" in directions:
         configs += named(_dispatch.all_decode_configs(arch, decode_features), dims)
+    if mla:
+        configs += [_configs.MlaDecodeConfig(t) for t in sorted(dtypes)
+                    if t in _configs.DTYPE_TAGS]
     return list(dict.fromkeys(configs))
 
 

@@ -677,7 +677,7 @@ def attention(
     one set of options serves the forward and the backward.
 
     FP8 inputs (docs/FP8_FORWARD.md; the kernels' form: ``cuflash2.attention(..., qkv_dtype=
-    "e4m3")``, dense calls on sm_90): q, k, v uint8 arrays of
+    "e4m3")`` and ``cuflash2.attention_varlen``'s, on sm_90): q, k, v uint8 arrays of
     e4m3 bits with ``qkv_dtype="e4m3"``, or float8_e4m3fn arrays; an element's value is
     ``e4m3 * descale``, ``q_descale`` / ``k_descale`` / ``v_descale`` float32 ``(batch,
     nheads_kv)`` (a query head takes its KV head's; unbatched inputs ``(1, nheads_kv)``), ``()``

@@ -299,6 +299,40 @@ def test_backward_kernel_compiles(config, arch, compiled):
         assert report.spill_stores <= BWD_SPILL_LIMIT, report.log
 
 
+#: The mma.sync backward with V's own kernel head dim (d_v != d_qk; split_bwd_configs): its main
+#: kernel with dQ atomics and without (deterministic), and the deterministic dQ kernel, for the
+#: pairs it takes, fp16 and bf16 on every tested architecture, plain and with dropout (the
+#: feature the Hopper backward leaves to it on sm_90). 192 / 96 takes V's 128 (dV's chunk of 96
+#: or 48 columns has no 16-column warp tiles). By default the main kernel with dQ atomics and the
+#: dQ kernel of 192 / 128 fp16 on sm_80 and of 128 / 64 bf16 on sm_90.
+SPLIT_BWD_CASES = list(dict.fromkeys(
+    (_configs.with_features(c, f), arch)
+    for arch in _configs.CPU_TEST_ARCHS for t in ("float16", "bfloat16")
+    for d, d_v in ((192, 128), (128, 64), (96, 64), (256, 128), (192, 96))
+    for deterministic in (False, True)
+    for c in _dispatch.split_bwd_configs(t, d, d_v, arch, deterministic) or ()
+    if c is not None and (deterministic or isinstance(c, _configs.BwdConfig))
+    for f in (0, _configs.FEATURE_DROPOUT)))
+SPLIT_BWD_SAMPLE = {(80, "float16", 192, 128), (90, "bfloat16", 128, 64)}
+
+
+def _split_bwd_sampled(cfg, arch) -> bool:
+    return (cfg.features == 0 and (arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v)
+            in SPLIT_BWD_SAMPLE and getattr(cfg, "compute_dq", True))
+
+
+@pytest.mark.parametrize("config,arch", [
+    pytest.param(c, a, id=_case_id(c, a).replace(f"-{c.head_dim}", f"-{c.head_dim}v"
+                                                                    f"{c.head_dim_v}", 1),
+                 marks=() if _split_bwd_sampled(c, a) else pytest.mark.exhaustive)
+    for c, a in SPLIT_BWD_CASES])
+def test_split_head_dim_backward_compiles(config, arch, compiled):
+    """dO's and V's tiles, dP's k steps and dV's accumulators of V's kernel head dim, the rest
+    of Q's: the checks of test_backward_kernel_compiles (the plain main kernels spill-free)."""
+    assert config.head_dim_v < config.head_dim
+    test_backward_kernel_compiles(config, arch, compiled)
+
+
 @pytest.mark.parametrize("config,arch", _cases(AUX_CASES, [_case_id(c, a) for c, a in AUX_CASES]))
 def test_backward_aux_kernel_compiles_without_spills(config, arch, compiled):
     report = _report(compiled, config, arch)

@@ -207,48 +207,93 @@ TF32_CONFIGS = _dispatch.tf32_hopper_forward_configs(
 
 
 def _tf32_id(c) -> str:
-    return f"{c.dtype}-{c.kernel}" if isinstance(c, _configs.AuxKernel) else _config_id(c)
+    if isinstance(c, _configs.AuxKernel):
+        return f"{c.dtype}-{c.kernel}"
+    return _config_id(c) + (f"-n{c.block_n}" if c in E4M3_WIDE_CONFIGS else "")
 
 
-#: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES) and each
-#: one's operand pass.
-E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs()
+#: The FP8 forwards (e4m3 inputs, by the output's dtype: _dispatch.E4M3_SM90_FWD_TILES), V
+#: transposed in the kernel (no operand pass), dense and varlen (FEATURE_VARLEN).
+E4M3_CONFIGS = _dispatch.e4m3_hopper_forward_configs(features=(0, _configs.FEATURE_VARLEN))
+#: The FP8 forward's wider key tiles that are not dispatched (_dispatch.E4M3_WIDE_TILES beside
+#: E4M3_WIDE_TILE_KEYS' in E4M3_CONFIGS), bfloat16 output, one-tile grid: under --exhaustive.
+E4M3_WIDE_CONFIGS = [c for c in (_dispatch.e4m3_sm90_config("e4m3_bf16", d, tile)
+                                 for d, tiles in _dispatch.E4M3_WIDE_TILES.items()
+                                 for tile in tiles) if c not in E4M3_CONFIGS]
+#: The varlen FP8 forwards of the default run: d=64 (the consumers' highest register, R237 of
+#: 240, one above the dense kernel's) with a bfloat16 output, d=256 with a float16 one.
+E4M3_VARLEN_SAMPLE = {("e4m3_bf16", 64), ("e4m3_fp16", 256)}
 
 
 def _keys_last_v_sampled(c) -> bool:
-    """The default run's share of the forwards whose V an operand pass writes keys-last: every
-    float32 head dim plain (3 + 1 and 2 + 1 compiles), e4m3 at d=128 with a bfloat16 output and
-    its pass; the rest under --exhaustive."""
+    """The default run's share of the forwards whose ring holds V keys-last: every float32 head
+    dim plain with its operand pass (3 + 1 and 2 + 1 compiles), e4m3 at every head dim with a
+    bfloat16 output on the one-tile grid (the in-kernel transpose's producer registers differ
+    by tile) and with claimed tiles (the persistent loop's registers), and two varlen ones
+    (E4M3_VARLEN_SAMPLE); the rest under --exhaustive."""
     if c.dtype in _configs.E4M3_TAGS:
-        return c.dtype == "e4m3_bf16" and getattr(c, "head_dim", 128) == 128
+        if c.features & _configs.FEATURE_VARLEN:
+            return (c.dtype, c.head_dim) in E4M3_VARLEN_SAMPLE
+        return c.dtype == "e4m3_bf16" and c.persistent == c.claims
     return not getattr(c, "features", 0)
 
 
 @pytest.mark.parametrize("config", [
     pytest.param(c, id=_tf32_id(c),
-                 marks=() if _keys_last_v_sampled(c) else pytest.mark.exhaustive)
-    for c in TF32_CONFIGS + E4M3_CONFIGS])
+                 marks=() if _keys_last_v_sampled(c) and c not in E4M3_WIDE_CONFIGS
+                 else pytest.mark.exhaustive)
+    for c in TF32_CONFIGS + E4M3_CONFIGS + E4M3_WIDE_CONFIGS])
 def test_keys_last_v_hopper_forward_compiles_without_spills(config, reports):
-    """The float32 and FP8 forwards (V keys-last from an operand pass): the same checks as every
-    other specialisation, and the operand pass without spills."""
+    """The float32 forwards (V keys-last from an operand pass) and the FP8 ones (V transposed
+    by the producer warpgroup, within its 24 registers): the same checks as every other
+    specialisation, and the operand pass without spills."""
     if isinstance(config, _configs.AuxKernel):
         report = reports(config)
         assert report.cubin_bytes > 0 and report.spill_stores == 0, report.log
         return
-    assert config.keys_last_v and not config.persistent
+    assert config.keys_last_v and (config.transpose_v or not config.persistent)
     test_hopper_forward_compiles_without_spills(config, reports)
 
 
 def test_e4m3_forward_configs():
-    """Every element (a bfloat16 and a float16 output) at every head dim of its tiles, with its
-    operand pass; V keys-last in whole 128-key panels, O staged in a Q region of O's bytes."""
-    forwards = [c for c in E4M3_CONFIGS if isinstance(c, _configs.FwdSm90Config)]
-    assert {(c.dtype, c.head_dim) for c in forwards} == {
+    """Every element (a bfloat16 and a float16 output) at every head dim of its tiles, V
+    transposed in the kernel (no operand pass): keys-last in 128-key panels of the ring,
+    two raw V buffers where they fit 227 KiB (d=64 and 128) and one at d=256, O staged in a Q
+    region of O's bytes; varlen (FEATURE_VARLEN) on the one-tile grid alone."""
+    assert all(isinstance(c, _configs.FwdSm90Config) for c in E4M3_CONFIGS)
+    assert len(E4M3_CONFIGS) == len(set(E4M3_CONFIGS))
+    assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS} == {
         (e, d) for e in _configs.E4M3_TAGS for d in _dispatch.E4M3_SM90_FWD_TILES}
-    assert sum(isinstance(c, _configs.AuxKernel) for c in E4M3_CONFIGS) == 2
-    for c in forwards:
-        assert c.block_n % 128 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
+    # d=128 also on the persistent grid, statically and with claimed tiles, and with 224-key
+    # tiles; varlen one-tile
+    assert sorted((c.head_dim, c.block_n, c.features, c.persistent, c.claims)
+                  for c in E4M3_CONFIGS if c.dtype == "e4m3_bf16") == sorted(
+        [(64, 256, 0, False, False), (128, 128, 0, False, False), (128, 128, 0, True, False),
+         (128, 128, 0, True, True), (128, 224, 0, False, False), (256, 128, 0, False, False)]
+        + [(d, 256 if d == 64 else 128, _configs.FEATURE_VARLEN, False, False)
+           for d in (64, 128, 256)])
+    assert {(c.dtype, c.head_dim) for c in E4M3_CONFIGS
+            if c.features and _keys_last_v_sampled(c)} == E4M3_VARLEN_SAMPLE
+    for c in E4M3_CONFIGS:
+        assert c.transpose_v and c.keys_last_v and not c.operand_pass
+        assert c.block_n % 32 == 0 and 128 * c.o_panels >= 2 * c.head_dim >= 128 * c.panels
         assert c.smem_bytes <= MAX_SMEM_SM90
+    assert {(c.head_dim, c.raw_v_stages) for c in E4M3_CONFIGS} == {(64, 2), (128, 2), (256, 1)}
+
+
+def test_e4m3_wide_tile_configs():
+    """The wider FP8 key tiles: d=128, 160 keys (one 32-key group in the transposed V's second
+    panel) with the overlap on 3 stages and one raw V buffer, not dispatched; 224 (three groups
+    there) without it on 2 stages and two raw buffers, dispatched (E4M3_WIDE_TILE_KEYS); each
+    within 227 KiB, the transposed V's last panel whole in shared memory."""
+    wide = [_dispatch.e4m3_sm90_config("e4m3_bf16", 128, t)
+            for t in _dispatch.E4M3_WIDE_TILES[128]]
+    assert [(c.block_n, c.stages, c.overlap, c.raw_v_stages) for c in wide] == [
+        (160, 3, True, 1), (224, 2, False, 2)]
+    for c in wide:
+        assert c.transpose_v and c.block_n % 32 == 0 and c.block_n % 128 != 0
+        assert c.smem_bytes == 214016 <= MAX_SMEM_SM90
+    assert E4M3_WIDE_CONFIGS == wide[:1] and wide[1] in E4M3_CONFIGS
 
 
 def test_hopper_sinks_configs():
@@ -658,3 +703,28 @@ extern "C" __global__ void __launch_bounds__(128) e4m3_probe(float* out, const f
 """
     source = _compile.kernel_source("e4m3_probe.cu", (("e4m3_probe.cu", probe),))
     _compile.compile_probe(source, "90a", sass=True)
+
+
+#: The MLA decode kernel (flash_mla_decode_sm90.cu; docs/MLA_DECODE.md): one specialisation a
+#: dtype, both compiled by default (about a second each).
+MLA_CONFIGS = [_configs.MlaDecodeConfig(dtype) for dtype in _configs.DTYPE_TAGS]
+
+
+@pytest.mark.parametrize("config", MLA_CONFIGS, ids=lambda c: c.dtype)
+def test_mla_decode_compiles_without_spills(nvrtc_available, config):
+    """384 threads (168 registers at entry), the consumers at 240 after setmaxnreg: the same
+    checks as the forward's (no spills, setmaxnreg honoured, no wgmma serialised), within one
+    CTA's shared memory."""
+    report = _compile.compile_report(config, 90)
+    print(f"sm_90a {config.name_expression}: {report.registers} registers, "
+          f"{report.spill_stores}/{report.spill_loads} bytes spilled, {config.smem_bytes} smem")
+    assert report.cubin_bytes > 0
+    # (all 168: the setmaxnreg split 24 x 128 + 240 x 256 takes the whole pool at entry)
+    assert report.registers == _entry_registers(config) == 168, report.log
+    assert report.spill_stores == 0 and report.spill_loads == 0, report.log
+    assert report.stack_bytes == 0, report.log
+    assert "C7508" not in report.log, report.log
+    assert not report.odd_descriptors, report.odd_descriptors
+    assert "ptxas warning" not in report.log, report.log
+    assert "are serialized" not in report.log, report.log
+    assert config.smem_bytes <= MAX_SMEM_SM90

@@ -696,9 +696,10 @@ def test_v_with_its_own_head_dim_runs_the_hopper_forward(hopper_api, d_qk, d_v, 
 
 def test_v_with_its_own_head_dim_elsewhere_is_refused_before_launch(hopper_api):
     """What the kernels leave out of d_v != d_qk raises NotImplementedError naming v's head dim,
-    before any launch: a v wider than q's kernel head dim, score modifiers, the backward off the
-    Hopper kernel (sm_80, dropout). What the Hopper forward leaves out (dropout, pairs past its
-    own, sm_80) runs on the mma.sync forward with V's own kernel head dim."""
+    before any launch: a v wider than q's kernel head dim, score modifiers, the backward of a d_v
+    of q's kernel head dim off the Hopper kernel (sm_80, dropout). What the Hopper forward leaves
+    out (dropout, pairs past its own, sm_80) runs on the mma.sync forward with V's own kernel
+    head dim."""
     import cuflash2
     from cuflash2 import _configs
     from test_plans_host import device_array
@@ -714,9 +715,10 @@ def test_v_with_its_own_head_dim_elsewhere_is_refused_before_launch(hopper_api):
     narrow = device_array((1, 300, 4, 64))
     with pytest.raises(NotImplementedError, match=r"v's head dim \(128\) .* below q's"):
         cuflash2.attention(narrow, narrow, v)
-    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
-        cuflash2.attention_backward(device_array((1, 300, 4, 128)), q, k, v,
-                                    device_array((1, 300, 4, 128)),
+    q128, v112 = device_array((1, 300, 4, 128)), device_array((1, 300, 4, 112))
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(112\)"):
+        cuflash2.attention_backward(device_array((1, 300, 4, 112)), q128, q128, v112,
+                                    device_array((1, 300, 4, 112)),
                                     device_array((1, 4, 300), "float32"), dropout_p=0.1, seed=1)
     assert len(hopper_api.launches) == before  # nothing launched
     for call, d_v in ((dict(dropout_p=0.1, seed=1), 128), ({}, 32)):  # 192 / 32: no Hopper pair
@@ -729,9 +731,9 @@ def test_v_with_its_own_head_dim_elsewhere_is_refused_before_launch(hopper_api):
     cuflash2.attention(q[:, :299], k, v)
     assert hopper_api.launches[-1][0].config == _dispatch.fwd_config("float16", 192, 80, 128)
     before = len(hopper_api.launches)
-    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\) .* sm_80"):
-        cuflash2.attention_backward(device_array((1, 299, 4, 128)), q[:, :299], k, v,
-                                    device_array((1, 299, 4, 128)),
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(112\) .* sm_80"):
+        cuflash2.attention_backward(device_array((1, 299, 4, 112)), q128[:, :299], q128, v112,
+                                    device_array((1, 299, 4, 112)),
                                     device_array((1, 4, 299), "float32"))
     assert len(hopper_api.launches) == before
 
@@ -798,3 +800,116 @@ def test_precompile_plans_every_kernel_check_launches(hopper_api, arch):
     missing = sorted(_configs.describe(c) if hasattr(c, "head_dim") else repr(c)
                      for c in launched - planned)
     assert not missing, missing
+
+
+def _split_backward_launches(hopper_api, d_qk, d_v, deterministic, **options):
+    """attention_backward of a (2, 300 / 500, 8 / 2 heads) call with v's own head dim: its
+    gradients and its launches' configurations."""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from test_plans_host import device_array
+
+    q, k = device_array((2, 300, 8, d_qk)), device_array((2, 500, 2, d_qk))
+    v, out = device_array((2, 500, 2, d_v)), device_array((2, 300, 8, d_v))
+    lse = device_array((2, 8, 300), numpy.float32)
+    before = len(hopper_api.launches)
+    grads = cuflash2.attention_backward(out, q, k, v, out, lse, deterministic=deterministic,
+                                        **options)
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    return [launch for launch in hopper_api.launches[before:]]
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (128, 64), (176, 120), (192, 96)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_v_with_its_own_head_dim_runs_the_mma_sync_backward(hopper_api, arch, d_qk, d_v,
+                                                            deterministic):
+    """attention_backward with v's own head dim off the Hopper kernel (other GPUs; on sm_90
+    dropout): the mma.sync main kernel of Q's head dim's tile (bwd_config's) with V's kernel
+    head dim, dV's chunks as many as dK's; in deterministic mode the dQ kernel of that pair
+    too; head_dim_v in BwdParams in words. 192 / 96 takes V's 128 where Q's 192 is one chunk of
+    8 warps (96 / 4 warps: no 16-column tiles)."""
+    from cuflash2 import _configs
+
+    hopper_api.set_arch(arch)
+    options = dict(dropout_p=0.1, seed=3) if arch == 90 else {}
+    launches = _split_backward_launches(hopper_api, d_qk, d_v, deterministic, causal=True,
+                                        **options)
+    main = [(launch.config, record) for launch, _, record in launches
+            if isinstance(getattr(launch, "config", None), _configs.BwdConfig)]
+    (config, record), = main
+    features = _configs.FEATURE_DROPOUT if options else 0
+    d_v_kernel = {(192, 128): 128, (128, 64): 64, (176, 120): 128, (192, 96): 128}[d_qk, d_v]
+    expected = dataclasses.replace(_dispatch.bwd_config("float16", d_qk, arch, deterministic),
+                                   head_dim_v=d_v_kernel)
+    assert config == _configs.with_features(expected, features)
+    assert config.valid and config.d_chunk_v * config.num_chunks == config.head_dim_v
+    assert (record["head_dim"], record["head_dim_v"]) == (d_qk, d_v)
+    dq = [launch.config for launch, _, _ in launches
+          if isinstance(getattr(launch, "config", None), _configs.BwdDqConfig)]
+    if deterministic:
+        assert dq == [_configs.with_features(dataclasses.replace(
+            _dispatch.bwd_dq_config("float16", d_qk, arch), head_dim_v=d_v_kernel), features)]
+        assert not config.compute_dq
+    else:
+        assert dq == [] and config.compute_dq
+    assert "(v %d)" % d_v_kernel in _configs.describe(config)
+
+
+def test_v_with_its_own_head_dim_split_backward_configs():
+    """split_bwd_configs: V's kernel head dim below Q's with a warp grid for dV's chunk (the
+    next one up where v_kernel_head_dim's has none), 16-bit only; None where none is."""
+    from cuflash2 import _configs
+
+    for arch in (80, 86, 89, 90, 120):
+        for d_qk, d_v in ((192, 128), (128, 64), (96, 64), (256, 128), (160, 100)):
+            main, dq = _dispatch.split_bwd_configs("bfloat16", d_qk, d_v, arch, True)
+            assert main.valid and main.head_dim_v == _dispatch.v_kernel_head_dim(d_v, d_qk)
+            equal = _dispatch.bwd_config("bfloat16", d_qk, arch, True)
+            assert main.smem_bytes < equal.smem_bytes
+            assert main.accumulator_registers <= _dispatch.BWD_MAX_ACCUMULATORS
+            assert dq.head_dim_v == main.head_dim_v and dq.head_dim == main.head_dim
+            atomic, none = _dispatch.split_bwd_configs("bfloat16", d_qk, d_v, arch)
+            assert none is None and atomic.compute_dq
+        for d_qk, d_v in ((128, 112), (64, 32), (256, 224), (192, 160), (64, 128)):
+            assert _dispatch.split_bwd_configs("float16", d_qk, d_v, arch) is None
+        assert _dispatch.split_bwd_configs("float32", 192, 128, arch) is None
+    with pytest.raises(ValueError, match="below Q's"):
+        _configs.BwdConfig("float16", 64, 64, 64, 64, 4, 1, head_dim_v=128)
+    with pytest.raises(ValueError, match="16-bit"):
+        _configs.BwdDqConfig("float32", 128, 32, 1, head_dim_v=64)
+    equal = _dispatch.bwd_config("float16", 128, 80)
+    assert equal.head_dim_v == 128 and equal == dataclasses.replace(equal, head_dim_v=0)
+
+
+def test_v_with_its_own_head_dim_backward_refusals_name_v(hopper_api):
+    """What the mma.sync backward leaves out of d_v != d_qk raises NotImplementedError naming
+    v's head dim before any launch: a d_v of q's kernel head dim off the Hopper kernel, score
+    modifiers, a forced configuration, float32 inputs."""
+    numpy = pytest.importorskip("numpy")
+    import cuflash2
+    from test_plans_host import device_array
+
+    hopper_api.set_arch(80)
+    q = device_array((1, 200, 4, 112))
+    v, out = device_array((1, 200, 4, 128)), device_array((1, 200, 4, 128))
+    lse = device_array((1, 4, 200), numpy.float32)
+    before = len(hopper_api.launches)
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\) apart "
+                                                  r"from q's and k's \(112\) .* sm_80"):
+        cuflash2.attention_backward(out, q, q, v, out, lse)
+    problem = types.SimpleNamespace(batch=1, seqlen_q=200, seqlen_k=200, nheads=4, nheads_kv=4,
+                                    head_dim=192, head_dim_v=128, dtype="float16")
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\) .* "
+                                                  r"no mask_mod / score_mod / bias"):
+        _dispatch.backward_kernels(problem, 0, False, 80, {}, None, (-1, -1),
+                                   user_mods=("mask source", None))
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\) .* "
+                                                  r"no forced kernel configuration"):
+        _dispatch.backward_kernels(problem, 0, False, 80, {}, None, (-1, -1),
+                                   config=_dispatch.bwd_config("float16", 192, 80))
+    problem.dtype = "float32"
+    with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\) .* "
+                                                  r"float16 or bfloat16"):
+        _dispatch.backward_kernels(problem, 0, False, 80, {}, None, (-1, -1))
+    assert len(hopper_api.launches) == before

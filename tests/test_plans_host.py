@@ -504,16 +504,19 @@ def test_a_sinks_decode_step_compiles_them_in(api_host, monkeypatch, arch):
 
 def test_a_latent_cache_is_refused_before_any_launch(api_host):
     """attention_with_kvcache with v_cache of a head dim of its own (MLA's latent cache, V the
-    first d_v columns of K's rows): NotImplementedError naming both head dims and the
-    reference, which takes it, before anything launches."""
+    first d_v columns of K's rows) off sm_90: NotImplementedError naming the device; head dims
+    other than MLA's 576 / 512: naming both head dims and the reference, which takes them;
+    before anything launches (the MLA decode kernel's own plan: test_mla_decode_host.py)."""
     import cuflash2
 
     q = device_array((1, 1, 16, 576))
     latent = device_array((1, 64, 1, 576))
     count = len(api_host.launches)
-    with pytest.raises(NotImplementedError, match=r"v_cache's head dim \(512\) apart from "
-                                                  r"k_cache's \(576\).*reference"):
+    with pytest.raises(NotImplementedError, match=r"runs on sm_90 .* this device is sm_80"):
         cuflash2.attention_with_kvcache(q, latent, latent[..., :512], cache_seqlens=10)
+    with pytest.raises(NotImplementedError, match=r"v_cache's head dim \(448\) apart from "
+                                                  r"k_cache's \(576\).*reference"):
+        cuflash2.attention_with_kvcache(q, latent, latent[..., :448], cache_seqlens=10)
     assert len(api_host.launches) == count
 
 

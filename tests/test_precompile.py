@@ -32,6 +32,22 @@ def test_the_plan_covers_what_the_dispatcher_chooses_for_the_named_calls():
                    for c in precompile.plan(80, ["bfloat16"], [128], [0], ("fwd", "bwd")))
 
 
+def test_the_plan_takes_the_mma_sync_backward_of_v_with_its_own_head_dim():
+    """--headdim-v: the mma.sync backward's kernels of the pair (split_bwd_configs) on every
+    architecture, deterministic mode's too; none for a pair they do not take."""
+    for arch in (80, 86, 90):
+        configs = precompile.plan(arch, ["bfloat16"], [192], [0, _configs.FEATURE_DROPOUT],
+                                  ("bwd",), [128])
+        for deterministic in (False, True):
+            for config in _dispatch.split_bwd_configs("bfloat16", 192, 128, arch, deterministic):
+                if config is not None:
+                    assert config in configs
+                    assert _configs.with_features(config, _configs.FEATURE_DROPOUT) in configs
+        assert _dispatch.bwd_config("bfloat16", 192, arch) in configs
+    assert not any(c.head_dim_v != c.head_dim for c in precompile.plan(
+        80, ["bfloat16"], [128], [0], ("bwd",), [112]) if hasattr(c, "head_dim_v"))
+
+
 def test_the_plan_follows_features_and_directions():
     plain = precompile.plan(80, ["float16"], [64], [0], ("decode",))
     assert plain and all(isinstance(c, _configs.DecodeConfig) for c in plain)
@@ -42,6 +58,36 @@ def test_the_plan_follows_features_and_directions():
     assert {c.features for c in configs if isinstance(c, _configs.FwdConfig)} == set(features)
     aux = {(c.kernel, c.varlen) for c in configs if isinstance(c, _configs.AuxKernel)}
     assert ("flash_bwd_sinks_kernel", False) in aux and ("flash_bwd_preprocess_kernel", True) in aux
+
+
+def test_the_fp8_forward_plan_takes_varlen_with_its_feature():
+    """--dtype e4m3 / e4m3-fp16: the FP8 forward's specialisations of the named head dims
+    (_dispatch.e4m3_hopper_forward_configs), its varlen ones (FEATURE_VARLEN, the one-tile grid)
+    with --features varlen only; none on other GPUs or for head dims it lacks."""
+    elements = [precompile.DTYPES["e4m3"], precompile.DTYPES["e4m3-fp16"]]
+    plain = precompile.plan(90, elements, [128, 96], [0], ("fwd",))
+    assert plain == [c for c in _dispatch.e4m3_hopper_forward_configs() if c.head_dim == 128]
+    both = precompile.plan(90, elements, [64], [0, _configs.FEATURE_VARLEN], ("fwd",))
+    varlen = [c for c in both if c.features == _configs.FEATURE_VARLEN]
+    assert {(c.dtype, c.head_dim, c.persistent) for c in varlen} == {
+        (e, 64, False) for e in elements}
+    assert len(both) == 2 * len(varlen)
+    assert not precompile.plan(80, elements, [128], [0, _configs.FEATURE_VARLEN], ("fwd",))
+
+
+def test_the_mla_decode_plan_takes_the_latent_head_dims():
+    """--headdim 576 --headdim-v 512 --directions decode: the MLA decode kernel of each 16-bit
+    dtype on sm_90 (plain calls: it takes no feature), beside the other head dims' kernels;
+    nothing for MLA on other GPUs, in the other directions or for featured calls alone."""
+    mla = precompile.plan(90, ["bfloat16", "float16"], [576], [0], ("decode",), [512])
+    assert mla == [_configs.MlaDecodeConfig("bfloat16"), _configs.MlaDecodeConfig("float16")]
+    with_128 = precompile.plan(90, ["bfloat16"], [128, 576], [0], ("fwd", "decode"), [512])
+    assert with_128 == precompile.plan(90, ["bfloat16"], [128], [0], ("fwd", "decode")) + [
+        _configs.MlaDecodeConfig("bfloat16")]
+    assert not precompile.plan(80, ["bfloat16"], [576], [0], ("decode",), [512])
+    assert not precompile.plan(90, ["bfloat16"], [576], [0], ("fwd", "bwd"), [512])
+    assert not precompile.plan(90, ["bfloat16"], [576], [_configs.FEATURE_SOFTCAP],
+                               ("decode",), [512])
 
 
 def test_unknown_feature_names_are_refused():

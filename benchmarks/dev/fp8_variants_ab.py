@@ -6,7 +6,8 @@ against the first one's and against cuDNN's FP8 SDPA (where the frontend's wheel
 
 Variants (--variants): `disp` the dispatcher's configuration; `one`, `pers`, `dyn` the e4m3 tile
 of E4M3_SM90_FWD_TILES forced on the one-tile-per-CTA grid, the persistent grid with the static
-schedule, and with tiles claimed dynamically. With --alt DIR each variant runs a second time on
+schedule, and with tiles claimed dynamically; `w<block_n>` a wider key tile of E4M3_WIDE_TILES
+(`w160`, `w224` at d=128) on the one-tile grid. With --alt DIR each variant runs a second time on
 the kernel sources with DIR's files in place (ab_sources.Sources, paths under cuda_src), named
 `alt:<variant>` (--alt-variants: some of them). Outputs of every variant are compared with
 the first's (max |difference|).
@@ -40,6 +41,8 @@ FORCED = {
     "pers": dict(persistent=True, claims=False),
     "dyn": dict(persistent=True, claims=True),
 }
+#: The wider key tiles (block_n, stages, overlap) by variant name, `w<block_n>`.
+WIDE = {f"w{tile[0]}": tile for tiles in _dispatch.E4M3_WIDE_TILES.values() for tile in tiles}
 
 
 def _variant(sources, name, head_dim):
@@ -49,7 +52,13 @@ def _variant(sources, name, head_dim):
     stack = contextlib.ExitStack()
     if sources is not None:
         sources.use("alt" if alt else "base")
-    if kind != "disp":
+    if kind in WIDE:
+        if WIDE[kind] not in _dispatch.E4M3_WIDE_TILES.get(head_dim, ()):
+            raise SystemExit(f"variant {kind}: no such tile at head dim {head_dim} "
+                             f"(E4M3_WIDE_TILES: {_dispatch.E4M3_WIDE_TILES})")
+        config = _dispatch.e4m3_sm90_config("e4m3_bf16", head_dim, WIDE[kind])
+        stack.enter_context(api._forced_config(config))
+    elif kind != "disp":
         config = dataclasses.replace(_dispatch.e4m3_sm90_config("e4m3_bf16", head_dim),
                                      **FORCED[kind])
         stack.enter_context(api._forced_config(config))
@@ -63,9 +72,9 @@ def main():
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", default=["disp", "pers", "dyn"],
-                    choices=["disp", *FORCED])
+                    choices=["disp", *FORCED, *WIDE])
     ap.add_argument("--alt", type=Path, help="folder of files to replace cuda_src's")
-    ap.add_argument("--alt-variants", nargs="+", choices=["disp", *FORCED],
+    ap.add_argument("--alt-variants", nargs="+", choices=["disp", *FORCED, *WIDE],
                     help="the variants run on --alt's sources (default: every one)")
     ap.add_argument("--headdims", type=int, nargs="+", default=[128])
     ap.add_argument("--seqlens", type=int, nargs="+", default=list(paper_grid.PAPER_SEQLENS))

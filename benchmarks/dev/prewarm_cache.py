@@ -33,10 +33,12 @@ def main():
         import cupy
 
         args.arch = int(cupy.cuda.Device(0).compute_capability)
-    # The kernels a user's `cuflash2 precompile` plans (every dtype and kernel head dim).
-    configs = precompile.plan(args.arch, _configs.DTYPE_TAGS, _configs.KERNEL_HEAD_DIMS,
+    # The kernels a user's `cuflash2 precompile` plans (every dtype and kernel head dim, and
+    # MLA's latent head dims: the MLA decode kernel with "decode" on sm_90).
+    configs = precompile.plan(args.arch, _configs.DTYPE_TAGS,
+                              _configs.KERNEL_HEAD_DIMS + (_configs.MLA_HEAD_DIM,),
                               args.features, [k for k in args.kernels if k in
-                                              precompile.DIRECTIONS])
+                                              precompile.DIRECTIONS], [_configs.MLA_HEAD_DIM_V])
     if "decode-e4m3" in args.kernels:  # the decode kernels of an FP8 e4m3 cache
         decode_features = [f for f in args.features if f in _configs.DECODE_FEATURES]
         configs += _dispatch.all_decode_configs(args.arch, decode_features, ("e4m3",))

@@ -4,6 +4,7 @@
 // arrival counts.
 #pragma once
 #include "mbarrier.cuh"
+#include "constants.cuh"
 
 // The mbarriers of the CTA (static shared memory, 8-byte aligned). Each flag adds its own
 // barriers after those of the layers below it (derived structs), so that a specialisation
@@ -53,11 +54,28 @@ struct FwdSm90ClaimBarriers<STAGES, V_EMPTY, true, true> : FwdSm90Barriers<STAGE
 // warp's wgmma wait returned (fwd_mainloop.cuh's release lambdas; a wgmma is one operation of
 // its warpgroup, so a warp past its wait has the whole GEMM's reads behind it).
 
+// RAW_V_STAGES (FwdSm90Traits::TRANSPOSE_V, e4m3): the raw V ring between thread 0's TMA loads
+// of V as it lies and the transposers (sm90/fwd_transpose_v.cuh), after every other barrier.
+// v_full[stage] then completes with the transposers' arrivals (one a warp, no bytes): they write
+// the stage's V tile, the TMA does not.
+template <int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS, int RAW_V_STAGES,
+          bool RAW_V = (RAW_V_STAGES > 0)>
+struct FwdSm90KernelBarriers : FwdSm90ClaimBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS> {};
+template <int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS, int RAW_V_STAGES>
+struct FwdSm90KernelBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS, RAW_V_STAGES, true>
+    : FwdSm90ClaimBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS> {
+    u64 raw_v_full[RAW_V_STAGES];   // the raw V tile of the buffer landed (thread 0's expect_tx)
+    u64 raw_v_empty[RAW_V_STAGES];  // every transposer warp is done reading the buffer
+};
+
 // Arrival counts (thread 0, before the CTA's first __syncthreads): a full barrier completes with
-// its one producer's arrive.expect_tx (or the claimer's put), an empty one with its RELEASES
-// arrivals (every consumer thread's, or warp's).
-template <int RELEASES, int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS>
-CF2_DEVICE void init_barriers(FwdSm90ClaimBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS>& bars) {
+// its one producer's arrive.expect_tx (or the claimer's put; with the raw V ring, v_full with one
+// arrival of each transposer warp), an empty one with its RELEASES arrivals
+// (every consumer thread's, or warp's; the raw V ring's once every transposer warp has).
+template <int RELEASES, int STAGES, bool V_EMPTY, bool Q_EMPTY, bool CLAIMS, int RAW_V_STAGES>
+CF2_DEVICE void init_barriers(
+    FwdSm90KernelBarriers<STAGES, V_EMPTY, Q_EMPTY, CLAIMS, RAW_V_STAGES>& bars) {
+    constexpr u32 V_FULL_ARRIVALS = RAW_V_STAGES > 0 ? SM90_TRANSPOSE_V_WARPS : 1;
     mbarrier_init(smem_address(&bars.q_full), 1);
     if constexpr (Q_EMPTY) mbarrier_init(smem_address(&bars.q_empty), RELEASES);
     if constexpr (CLAIMS) {
@@ -67,9 +85,16 @@ CF2_DEVICE void init_barriers(FwdSm90ClaimBarriers<STAGES, V_EMPTY, Q_EMPTY, CLA
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
         mbarrier_init(smem_address(&bars.k_full[s]), 1);  // the producer's expect_tx arrival
-        mbarrier_init(smem_address(&bars.v_full[s]), 1);
+        mbarrier_init(smem_address(&bars.v_full[s]), V_FULL_ARRIVALS);
         mbarrier_init(smem_address(&bars.kv_empty[s]), RELEASES);
         if constexpr (V_EMPTY) mbarrier_init(smem_address(&bars.v_empty[s]), RELEASES);
+    }
+    if constexpr (RAW_V_STAGES > 0) {
+#pragma unroll
+        for (int s = 0; s < RAW_V_STAGES; ++s) {
+            mbarrier_init(smem_address(&bars.raw_v_full[s]), 1);
+            mbarrier_init(smem_address(&bars.raw_v_empty[s]), SM90_TRANSPOSE_V_WARPS);
+        }
     }
     fence_mbarrier_init();
 }

@@ -12,6 +12,8 @@ struct TileDescales {
 };
 
 // The factors of (batch, kv_head) for e4m3 inputs; 1 and 1 (never read) for the other elements.
+// `batch` is the work tile's (FwdWorkTile::batch): with FEATURE_VARLEN the sequence's index, so
+// varlen calls read FlashAttention-3's (num_sequences, nheads_kv) factors by sequence.
 template <typename Elem>
 CF2_DEVICE TileDescales tile_descales(const E4m3Descales& d, int batch, int kv_head) {
     if constexpr (Elem::IS_E4M3) {

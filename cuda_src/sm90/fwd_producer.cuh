@@ -22,12 +22,19 @@
 // row, the batch coordinate is 0. A box that runs past the sequence reads the next sequence's
 // rows (the TMA zero-fills only past the packed array's end): K's are masked (the sequence's
 // last KV tile is a boundary tile), V's meet P = 0, Q's rows are computed and not stored.
+// TRANSPOSE_V keeps this: the raw V box starts at the same row as K's, and the transpose moves
+// each key's row to that key's column of the stage (P's order within a group of 32 keys), where
+// it meets that key's P, 0 past the sequence; rows past the packed array arrive as zeros.
 // Bias (FEATURE_BIAS_TILE: BiasTile, sm90/bias_tile.cuh; else NoBiasTile): each KV tile's block
 // of the bias goes into its stage after K, on the bias ring's barriers (BiasTileRing).
-template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false, class Bias = NoBiasTile>
+// TRANSPOSE_V (e4m3): V goes into the raw V ring instead, as it lies (rows of keys), once the
+// transposers gave the buffer back (raw_v_empty); they wait for the stage's V to be free and
+// write it keys-last (sm90/fwd_transpose_v.cuh). `bars`: the kernel's barriers
+// (FwdSm90KernelBarriers), of which the raw V ring's.
+template <class T, bool OVERLAP, bool PERSISTENT, bool VARLEN = false, class Bias = NoBiasTile,
+          class Bars>
 CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& c, int ring0,
-                             int q_round, u32 q_smem, u32 kv_smem,
-                             FwdSm90Barriers<T::KV_STAGES, OVERLAP, PERSISTENT>& bars,
+                             int q_round, u32 q_smem, u32 kv_smem, Bars& bars,
                              const Bias& bias = Bias{}) {
     static_assert(Bias::ON == (T::BIAS_TILE_BYTES > 0), "the traits' stage holds the bias");
     constexpr int STAGES = T::KV_STAGES;
@@ -77,13 +84,24 @@ CF2_DEVICE void produce_tile(const FwdSm90Params& params, const FwdTileContext& 
         bias.template produce<T::BIAS_PANELS, T::BIAS_TILE_BYTES>(
             k_tile + T::BIAS_OFFSET, ring, span.row_first, tile * T::KEYS_PER_TILE, w.head,
             w.batch);
+        if constexpr (T::TRANSPOSE_V) {
+            const int raw = ring % T::RAW_V_STAGES;
+            mbarrier_wait(smem_address(&bars.raw_v_empty[raw]),
+                          ((ring / T::RAW_V_STAGES) & 1) ^ 1);
+            const u32 raw_v_full = smem_address(&bars.raw_v_full[raw]);
+            mbarrier_arrive_expect_tx(raw_v_full, T::RAW_V_TILE_BYTES);
+            tma_load_tile<T::V_PANELS, T::KV_PANEL_BYTES, T::PANEL_ELEMENTS>(
+                kv_smem + T::RAW_V_OFFSET + raw * T::RAW_V_TILE_BYTES, params.v_map, raw_v_full,
+                k_row0 + tile * T::KEYS_PER_TILE, kv_head, batch);
+            continue;
+        }
         // With OVERLAP the consumers give the stage's V back separately, after its P V.
         if constexpr (OVERLAP) mbarrier_wait(smem_address(&bars.v_empty[stage]), phase ^ 1);
         mbarrier_arrive_expect_tx(v_full, T::PARTS * T::V_TILE_BYTES);
         if constexpr (T::KEYS_LAST_V) {
-            // V with its keys innermost (flash_fwd_tf32_operands.cu, flash_fwd_e4m3_operands.cu),
-            // mapped as (key, head-dim row, kv head, batch): panels of 128 bytes of keys (32
-            // float32, 128 e4m3) of every head-dim row.
+            // V with its keys innermost (flash_fwd_tf32_operands.cu), mapped as (key, head-dim
+            // row, kv head, batch): panels of 128 bytes of keys (32 float32) of every head-dim
+            // row.
 #pragma unroll
             for (int panel = 0; panel < T::VT_PANELS; ++panel)
                 tma_load_4d(v_tile + panel * T::VT_PANEL_BYTES, params.v_map, v_full,

@@ -18,8 +18,9 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS;
     static constexpr int THREADS = WARPGROUP_THREADS + CONSUMER_THREADS;  // + the producer
     static constexpr int ENTRY_REGISTERS = entry_registers(THREADS);
-    // 240 registers a consumer thread with two consumer warpgroups, 160 with three.
-    static constexpr int CONSUMER_REGISTERS = consumer_registers(CONSUMER_WARPGROUPS);
+    // 240 registers a consumer thread with two consumer warpgroups, 160 with three (but for
+    // WIDE_PRODUCER below).
+    static constexpr int BASE_CONSUMER_REGISTERS = consumer_registers(CONSUMER_WARPGROUPS);
     // Named barriers (0 is __syncthreads): one per consumer for its epilogue, and one per
     // consumer for its turns of the ping-pong schedule.
     static constexpr int EPILOGUE_BARRIER = 1;
@@ -30,15 +31,15 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // keys non-causal (its tiles are short, and 256 arrivals on a stage's barrier show), the
     // 16-bit one 0.98-0.99x on most rows.
     static constexpr bool WARP_RELEASES = Elem::IS_E4M3;
-    static constexpr int RELEASE_ARRIVALS =
-        WARP_RELEASES ? CONSUMER_THREADS / 32 : CONSUMER_THREADS;
+    static constexpr int RELEASE_ARRIVALS = WARP_RELEASES ? CONSUMER_THREADS / 32 : CONSUMER_THREADS;
 
     // Elements are counted in bytes (Elem::BYTES): 2 for fp16 / bf16, 4 for float32 (tf32_tag,
     // f32x3_tag: TF32 wgmma), 1 for e4m3 (e4m3_tag: the FP8 forward). A Q or K row of HEAD_DIM
     // elements is ROW_WORDS 16-bit words, laid out as a 16-bit row of that length (panels of
     // 128 bytes: 64 16-bit elements, 32 float32, 128 e4m3). Float32 and e4m3 wgmmas take K-major
-    // operands only, so V comes with its keys innermost (KEYS_LAST_V; written by an operand pass
-    // before the kernel: flash_fwd_tf32_operands.cu, flash_fwd_e4m3_operands.cu).
+    // operands only, so the ring holds V with its keys innermost (KEYS_LAST_V), written by an
+    // operand pass before the kernel (float32: flash_fwd_tf32_operands.cu) or by the producer
+    // warpgroup (e4m3: TRANSPOSE_V).
     static constexpr int BYTES = Elem::BYTES;
     static constexpr int ROW_WORDS = HEAD_DIM * BYTES / 2;
     static constexpr bool KEYS_LAST_V = Elem::IS_F32 || Elem::IS_E4M3;
@@ -74,8 +75,13 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
     static constexpr int KV_TILE_BYTES = PANELS * KV_PANEL_BYTES;  // a K tile
     // KEYS_LAST_V: a V tile is BLOCK_N keys as VT_PANELS panels of 128-byte rows (32 float32
-    // keys, 128 e4m3 keys) by HEAD_DIM_V head-dim rows, the K-major B operand of P V.
-    static constexpr int VT_PANELS = BLOCK_N * BYTES / ROW_BYTES;
+    // keys, 128 e4m3 keys) by HEAD_DIM_V head-dim rows, the K-major B operand of P V. With the
+    // in-kernel transpose (e4m3) BLOCK_N may end inside a panel (160, 192, 224 keys): the last
+    // panel's rows then hold VT_TAIL_GROUPS groups of 32 keys and the rest of each row is
+    // neither written nor read (P V's k32 steps stop at BLOCK_N), a panel's shared memory for
+    // the layout and descriptors of whole panels. The operand pass's tiles are whole panels.
+    static constexpr int VT_PANELS = (BLOCK_N * BYTES + ROW_BYTES - 1) / ROW_BYTES;
+    static constexpr int VT_TAIL_GROUPS = BLOCK_N * BYTES % ROW_BYTES / 32;
     static constexpr int VT_PANEL_BYTES = HEAD_DIM_V * ROW_BYTES;
     static constexpr int V_TILE_BYTES =
         KEYS_LAST_V ? VT_PANELS * VT_PANEL_BYTES : V_PANELS * KV_PANEL_BYTES;
@@ -99,7 +105,47 @@ struct FwdSm90Traits : Sm90CtaLayout {
     // because the Q buffer takes the next work tile's Q while the epilogue runs. Otherwise O is
     // staged in the Q buffer (Q_REGION_BYTES holds its O_PANELS panels).
     static constexpr int O_BYTES = PERSISTENT ? O_PANELS * Q_PANEL_BYTES : 0;
-    static constexpr int SMEM_BYTES = Q_REGION_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
+    // Q's region, the ring and the O buffer, with the alignment's slack.
+    static constexpr int RING_SMEM_BYTES =
+        Q_REGION_BYTES + STAGES * STAGE_BYTES + O_BYTES + SMEM_ALIGN;
+
+    // TRANSPOSE_V (e4m3): V's TMA reads the caller's V as it lies (rows of keys, as the 16-bit
+    // path's v_map: V_PANELS panels of BLOCK_N 128-byte rows, 128-byte swizzle; at d=64 the
+    // rows are half used and the TMA zero-fills the rest, as K's) into a ring of RAW_V_STAGES
+    // buffers after the K/V ring and O's, and the producer warpgroup's warps 1 ..
+    // TRANSPOSE_WARPS write it keys-last, in P's key order, into the stage's V tile
+    // (sm90/fwd_transpose_v.cuh): the same bytes the operand pass and the TMA put there, so the
+    // mainloop (issue_pv) and P's packing are those of the keys-last V. No operand pass, no
+    // scratch array, and V read in place (varlen needs no keys-last grouping).
+    // Two raw buffers where they fit 227 KiB (d=64 with 256 keys x 3 stages: 225 KiB; d=128
+    // with 128 keys x 4 stages: 193 KiB), else one (d=256 with 128 keys x 2 stages: 225 KiB):
+    // the transpose of tile j then waits for the load of tile j, issued once tile j - 1's was
+    // transposed, under the consumers' work on the stages before.
+    static constexpr bool TRANSPOSE_V = Elem::IS_E4M3;
+    static constexpr int TRANSPOSE_WARPS = SM90_TRANSPOSE_V_WARPS;
+    static constexpr int RAW_V_TILE_BYTES = TRANSPOSE_V ? V_PANELS * KV_PANEL_BYTES : 0;
+    static constexpr int RAW_V_STAGES =
+        !TRANSPOSE_V ? 0 : RING_SMEM_BYTES + 2 * RAW_V_TILE_BYTES <= 227 * 1024 ? 2 : 1;
+    static constexpr int RAW_V_OFFSET = STAGES * STAGE_BYTES + O_BYTES;  // from the ring's base
+    // A transposer step is 32 keys (a group of P's order) by 16 head-dim bytes (ldmatrix.x4.trans,
+    // stmatrix.x4), a unit the four steps of one VT panel (128 keys) and one 16-byte head-dim
+    // chunk, with constant offsets between them (a last panel of VT_TAIL_GROUPS groups: that
+    // many steps); a tile's units go round the TRANSPOSE_WARPS warps (d=64 and 128: 8 units,
+    // 3 + 3 + 2; d=256: 16, 6 + 5 + 5; d=128 with 160-224 keys: 16, 6 + 5 + 5).
+    static constexpr int TRANSPOSE_UNITS = VT_PANELS * (HEAD_DIM_V / 16);
+    // The persistent grid's transposers walk the tile scheduler's work tiles themselves, whose
+    // state does not fit 24 registers beside the transpose (8 bytes spilled with the static
+    // schedule): their warpgroup takes SM90_WIDE_PRODUCER_REGISTERS (32), and the consumers
+    // what the CTA's registers at entry leave them (ENTRY_REGISTERS x THREADS: setmaxnreg.inc
+    // waits for registers of that pool, forever where the split asks more): 232.
+    static constexpr bool WIDE_PRODUCER = TRANSPOSE_V && PERSISTENT;
+    static constexpr int PRODUCER_REGISTERS =
+        WIDE_PRODUCER ? SM90_WIDE_PRODUCER_REGISTERS : Sm90CtaLayout::PRODUCER_REGISTERS;
+    static constexpr int CONSUMER_REGISTERS =
+        WIDE_PRODUCER ? (ENTRY_REGISTERS * THREADS - PRODUCER_REGISTERS * WARPGROUP_THREADS) /
+                            CONSUMER_THREADS / 8 * 8
+                      : BASE_CONSUMER_REGISTERS;
+    static constexpr int SMEM_BYTES = RING_SMEM_BYTES + RAW_V_STAGES * RAW_V_TILE_BYTES;
 
     // The online softmax's lazy rescale (online_softmax.cuh), but for e4m3 elements: their P is
     // rounded to e4m3, and a row's largest probability is then exactly 1 only where the max
@@ -138,22 +184,29 @@ struct FwdSm90Traits : Sm90CtaLayout {
     static_assert(HEAD_DIM_V <= HEAD_DIM, "V's head dim at most Q's");
     static_assert(ROW_WORDS % 16 == 0, "whole 32-byte k-steps of Q K^T (e4m3: HEAD_DIM % 32)");
     static_assert(!KEYS_LAST_V || HEAD_DIM_V == HEAD_DIM,
-                  "float32, e4m3: one head dim (the operand pass's layouts)");
+                  "float32, e4m3: one head dim (the keys-last V's layouts)");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256,
                   "wgmma N of Q K^T (= BLOCK_N): a multiple of 16 up to 256");
     static_assert(KV_PANEL_BYTES % 1024 == 0 && Q_PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
     static_assert(ROWS_PER_WARPGROUP * O_CHUNKS % WARPGROUP_THREADS == 0,
                   "the epilogue's 16-byte chunks split evenly over a warpgroup");
-    static_assert(!KEYS_LAST_V || (BLOCK_N * BYTES % ROW_BYTES == 0 && VT_PANEL_BYTES % 1024 == 0),
-                  "keys-last V: whole panels of keys, whole swizzle atoms");
+    static_assert(!KEYS_LAST_V || ((TRANSPOSE_V || BLOCK_N * BYTES % ROW_BYTES == 0) &&
+                                   BLOCK_N * BYTES % 32 == 0 && VT_PANEL_BYTES % 1024 == 0),
+                  "keys-last V: whole panels of keys (the transposed V: whole 32-key groups), "
+                  "whole swizzle atoms");
     static_assert(!KEYS_LAST_V || (!BIAS && (Elem::IS_E4M3 || !PERSISTENT)),
                   "float32, e4m3: no bias tiles; float32 on the one-tile-per-CTA grid");
+    static_assert(!TRANSPOSE_V || (KEYS_LAST_V && BYTES == 1 && RAW_V_TILE_BYTES % 1024 == 0),
+                  "the in-kernel transpose: e4m3 bytes (ldmatrix's 16-bit elements are byte pairs)");
     static_assert(BLOCK_M % ROWS_PER_WARPGROUP == 0 && CONSUMER_WARPGROUPS >= 1, "whole WGs");
     static_assert(BLOCK_M <= 256 && BLOCK_N <= 256, "a TMA box has at most 256 rows");
     static_assert(STAGES >= 2, "a ring of at least two K/V stages");
     static_assert(!BIAS || BLOCK_N % PANEL_COLS == 0, "the bias's tile: whole 64-key panels");
-    static_assert(split_fits(CONSUMER_THREADS, CONSUMER_REGISTERS),
-                  "the setmaxnreg split fits the register file");
+    static_assert(split_fits(CONSUMER_THREADS, BASE_CONSUMER_REGISTERS) &&
+                      PRODUCER_REGISTERS * WARPGROUP_THREADS +
+                              CONSUMER_REGISTERS * CONSUMER_THREADS <=
+                          ENTRY_REGISTERS * THREADS,
+                  "the setmaxnreg split fits the registers the CTA has at entry");
     static_assert(!PERSISTENT || SMEM_BYTES <= 227 * 1024,
                   "persistent: Q, the K/V ring and an O buffer must fit 227 KiB (head dims 64 and "
                   "128 with 2 stages, 96 with 2 stages instead of 3; 192 and 256 do not fit)");

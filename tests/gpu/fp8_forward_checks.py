@@ -20,6 +20,10 @@ The rule (`check_forward_fp8`, docs/FP8_FORWARD.md "Accuracy"): flash-attn's 2x 
 
 `testing.check_forward` cannot serve: its references are float32 and q's dtype, which for uint8
 bits would read them as integers.
+
+Varlen (`fp8_varlen_qkv`, `check_varlen_forward_fp8`): the same draws for packed sequences, the
+factors per (sequence, KV head) (FlashAttention-3's varlen descales), and the same rule against
+`reference.attention_varlen(..., qkv_dtype="e4m3", ...)`.
 """
 
 from __future__ import annotations
@@ -109,3 +113,53 @@ def check_forward_fp8(q, k, v, out, lse=None, *, out_dtype=None, atol=None, **op
 
 def describe(results) -> str:
     return "; ".join(map(str, results))
+
+
+def fp8_varlen_qkv(xp, seed, lengths_q, lengths_k, nheads, nheads_kv, headdim, descale="head",
+                   factors=(0.5, 2.0)):
+    """(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), descales) of packed
+    sequences: sequence b has lengths_q[b] query rows and lengths_k[b] keys (0 allowed). The
+    draws are fp8_qkv's with the sequences as its batch (their longest lengths), sequence b's
+    rows its first ones, so that the factors are per (sequence, KV head) with "head" (descales
+    (num_sequences, nheads_kv)), per tensor with "tensor" (() and (1,)), none with "none".
+    q, k, v: uint8 (total, heads, headdim); cu_seqlens int32 on `xp`."""
+    if len(lengths_q) != len(lengths_k) or not lengths_q:
+        raise ValueError(f"one query and one key length a sequence; got {lengths_q} and "
+                         f"{lengths_k}")
+    sequences = len(lengths_q)
+    q, k, v, descales = fp8_qkv(numpy, seed, sequences, max(lengths_q), max(lengths_k), nheads,
+                                nheads_kv, headdim, descale, factors)
+    packed = [numpy.ascontiguousarray(numpy.concatenate(
+        [x[b, :n] for b, n in enumerate(lengths)]))
+        for x, lengths in ((q, lengths_q), (k, lengths_k), (v, lengths_k))]
+    cus = [xp.asarray(numpy.cumsum([0, *lengths]).astype(numpy.int32))
+           for lengths in (lengths_q, lengths_k)]
+    q, k, v = (xp.asarray(x) for x in packed)
+    descales = {name: None if d is None else xp.asarray(d) for name, d in descales.items()}
+    return q, k, v, (*cus, max(lengths_q), max(lengths_k)), descales
+
+
+def fp8_varlen_references(q, k, v, varlen_args, *, out_dtype=None, **options):
+    """fp8_references of an attention_varlen call (`varlen_args`: cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k): the lse in flash-attn's (nheads, total_q) layout."""
+    ref_hi, ref_lse = reference.attention_varlen(q, k, v, *varlen_args, qkv_dtype="e4m3",
+                                                 return_lse=True, compute_dtype=numpy.float64,
+                                                 **options)
+    ref_lo = reference.attention_varlen(q, k, v, *varlen_args, qkv_dtype="e4m3",
+                                        compute_dtype="e4m3", out_dtype=out_dtype, **options)
+    return ref_hi, ref_lse, ref_lo
+
+
+def check_varlen_forward_fp8(q, k, v, varlen_args, out, lse=None, *, out_dtype=None, atol=None,
+                             **options):
+    """check_forward_fp8 for an attention_varlen call (`varlen_args` as
+    fp8_varlen_references')."""
+    if out_dtype is not None and numpy.dtype(out.dtype) != numpy.dtype(out_dtype):
+        raise ValueError(f"out is {numpy.dtype(out.dtype)} but out_dtype is "
+                         f"{numpy.dtype(out_dtype)}")
+    ref_hi, ref_lse, ref_lo = fp8_varlen_references(q, k, v, varlen_args, out_dtype=out_dtype,
+                                                    **options)
+    results = [testing.check_close("out", out, ref_hi, ref_lo, atol)]
+    if lse is not None:
+        results.append(testing.lse_close(lse, ref_lse))
+    return results

@@ -5,14 +5,15 @@ Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causa
 window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes, and the
 float32 forward and backward (`_float32`): the shapes where an out-of-bounds access or a race
 would show.
-Pass `--quick` for a subset (racecheck is slow). On sm_90 the forwards of head dims above 64,
-and of d <= 64 with more than 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in
-both consumer schedules across the head dims, on the persistent grid for the short rows and on
-one tile per CTA for the 600-key ones at d=96, and with its tiles claimed one by one
-(`_claimed_tiles`), and the FP8 forward (`_fp8`); the backwards run on the Hopper backward,
-deterministic ones too (its ordered dQ, staged and by vector reductions, dense and varlen; the
-dropout calls on mma.sync), and `_hopper_backward` switches it on for its own section whatever
-the environment says.
+Pass `--quick` for a subset (racecheck is slow), `--only fp8 mla_decode` for those sections
+alone (`SECTIONS`). On sm_90 the forwards of head dims above 64, and of d <= 64 with more than
+256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in both consumer schedules across
+the head dims, on the persistent grid for the short rows and on one tile per CTA for the 600-key
+ones at d=96, and with its tiles claimed one by one (`_claimed_tiles`), the FP8 forward (`_fp8`)
+and the MLA decode (`_mla_decode`); the backwards run on the Hopper backward, deterministic ones
+too (its ordered dQ, staged and by vector reductions, dense and varlen; the dropout calls on
+mma.sync), and `_hopper_backward` switches it on for its own section whatever the environment
+says.
 """
 
 import sys
@@ -155,16 +156,54 @@ def _claimed_tiles(dtype) -> None:
 
 
 def _fp8(head_dims) -> None:
-    """The FP8 forward (sm_90; e4m3 bits with per-(batch, KV head) descales, V keys-last from
-    its operand pass): every head dim, causal or not and a window, odd lengths, GQA."""
+    """The FP8 forward (sm_90; e4m3 bits with per-(batch, KV head) descales): V transposed by
+    the producer warpgroup through its raw V ring, on the one-tile grid (d=64, 256, windows), on
+    the persistent grid (d=128, short rows: static, and claimed tiles where forced onto short
+    causal rows as in _claimed_tiles), odd lengths, GQA."""
     from fp8_forward_checks import fp8_qkv  # tests/gpu helper (this script's folder)
 
-    for d in head_dims:
-        q, k, v, descales = fp8_qkv(cupy, d, 2, 300, 333, 4, 2, d)
-        for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))):
-            out = cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=causal,
-                                     window_size=window, **descales)
-            assert not bool(cupy.isnan(out.astype(numpy.float32)).any())
+    saved = _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS
+    try:
+        for claims in (False, True):
+            if claims:
+                _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (0, _dispatch.NO_LIMIT)}
+            api._forward_plans.plans.clear()
+            for d in head_dims:
+                q, k, v, descales = fp8_qkv(cupy, d, 2, 300, 333, 4, 2, d)
+                for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))):
+                    if claims and not causal:
+                        continue
+                    out = cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=causal,
+                                             window_size=window, **descales)
+                    assert not bool(cupy.isnan(out.astype(numpy.float32)).any())
+    finally:
+        _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS = saved
+        api._forward_plans.plans.clear()
+
+
+def _mla_decode(dtype) -> None:
+    """The MLA decode kernel (sm_90; latent cache of 576 columns, V its first 512, one KV
+    head): contiguous and paged (pages of 64 and 16 positions), one and two query tokens with a
+    new row appended in place, odd and empty lengths, one split and several (merged through
+    L2 by the cooperative launch)."""
+    d, dv, capacity = 576, 512, 384
+    rng = numpy.random.default_rng(576)
+    lengths = cupy.asarray(numpy.array([301, 63, 0], numpy.int32))
+    for seqlen_q in (1, 2):
+        q = cupy.asarray(rng.standard_normal((3, seqlen_q, 16, d)).astype(dtype))
+        new = cupy.asarray(rng.standard_normal((3, 1, 1, d)).astype(dtype))
+        cache = cupy.asarray(rng.standard_normal((3, capacity, 1, d)).astype(dtype))
+        for page_size in (None, 64, 16):
+            if page_size is None:
+                kv, table = cache.copy(), None
+            else:
+                kv = cache.reshape(3 * capacity // page_size, page_size, 1, d).copy()
+                table = cupy.arange(3 * capacity // page_size, dtype=cupy.int32).reshape(3, -1)
+            for splits in (1, 3):
+                out = cuflash2.attention_with_kvcache(
+                    q, kv, kv[..., :dv], k=new, v=new[..., :dv], cache_seqlens=lengths,
+                    block_table=table, causal=seqlen_q > 1, num_splits=splits)
+                assert not bool(cupy.isnan(out).any())
 
 
 def _float32_backward(dout, q, k, v, out, lse, precision, deterministic=(False,), varlen=(),
@@ -250,10 +289,21 @@ def main(quick: bool) -> None:
             _claimed_tiles(dtype)
     if api.device_arch(cupy.cuda.Device().id) == 90:
         _fp8((64, 128, 256))
+        _mla_decode(numpy.float16)
     _float32((64, 128) if quick else (32, 64, 96, 128, 192, 256))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitizer workload done")
 
 
+#: Sections that `--only NAME ...` runs alone (sm_90 kernels), for a sanitizer pass over them.
+SECTIONS = {"fp8": lambda: _fp8((64, 128, 256)), "mla_decode": lambda: _mla_decode(numpy.float16)}
+
+
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    if "--only" in sys.argv:
+        for name in sys.argv[sys.argv.index("--only") + 1:]:
+            SECTIONS[name]()
+        cupy.cuda.runtime.deviceSynchronize()
+        print("sanitizer workload done")
+    else:
+        main("--quick" in sys.argv)

@@ -2,8 +2,10 @@
 which the Hopper kernels run (_dispatch.SM90_FWD_HEAD_DIM_PAIRS): against the reference by the
 2x rule, forward (out, lse) and backward (dq, dk like q and k, dv like v), dense and varlen,
 causal and not, GQA, odd lengths, seqlen_q != seqlen_k, the variant's features, deterministic
-mode, poisoned outputs, a CUDA graph replayed with fresh inputs; elsewhere (sm_80 and newer
-without the Hopper kernels) a NotImplementedError naming v's head dim."""
+mode, poisoned outputs, a CUDA graph replayed with fresh inputs. The mma.sync kernels with V's
+own kernel head dim (every GPU; on sm_90 with the Hopper kernels switched off, and dropout):
+forward and backward the same way. What no kernel takes raises a NotImplementedError naming v's
+head dim."""
 
 import numpy
 import pytest
@@ -139,12 +141,14 @@ def _dout(q, v, seed):
     return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(q.dtype))
 
 
-def _check_backward(q, k, v, deterministic=False, **options):
+def _check_backward(q, k, v, deterministic=False, family="Hopper backward", **options):
+    """The backward's gradients (poisoned outputs) against the reference, its main kernel one of
+    `family` (the start of its description)."""
     out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
     dout = _dout(q, v, q.shape[1] + 3)
     (kernel,) = [k_ for k_ in cuflash2.backward_kernels(dout, q, k, v, out, lse,
                                                          deterministic=deterministic, **options)
-                 if k_.startswith("Hopper backward")]
+                 if k_.startswith(family)]
     dq, dk, dv = (testing.poison_like(cupy, x.shape, x.dtype) for x in (q, k, v))
     grads = cuflash2.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
                                         deterministic=deterministic, **options)
@@ -248,8 +252,8 @@ def test_mma_sync_forward_with_dropout_matches_its_mask():
 
 def test_elsewhere_it_is_refused_naming_v():
     """What no kernel takes raises before any launch: a v wider than q's kernel head dim; off
-    sm_90 a d_v of q's kernel head dim (the mma.sync forward's one-head-dim kernels) and the
-    backward."""
+    sm_90 a d_v of q's kernel head dim (the mma.sync kernels' one-head-dim specialisations),
+    forward and backward."""
     q, k, v = _qkv(1, 64, 64, 2, 2, 64, 128, FP16, 1)  # 64 / 128: v wider than q
     with pytest.raises(NotImplementedError, match=r"v's head dim \(128\)"):
         cuflash2.attention(q, k, v)
@@ -257,7 +261,112 @@ def test_elsewhere_it_is_refused_naming_v():
         q, k, v = _qkv(1, 64, 64, 2, 2, 128, 112, FP16, 1)
         with pytest.raises(NotImplementedError, match=r"v's head dim \(112\)"):
             cuflash2.attention(q, k, v)
-        q, k, v = _qkv(1, 64, 64, 2, 2, 192, 128, FP16, 1)
-        out, lse = cuflash2.attention(q, k, v, return_lse=True)  # the mma.sync forward
-        with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(128\)"):
+        out = cupy.zeros((1, 64, 2, 112), q.dtype)
+        lse = cupy.zeros((1, 2, 64), cupy.float32)
+        with pytest.raises(NotImplementedError, match=r"backward of v's head dim \(112\)"):
             cuflash2.attention_backward(out, q, k, v, out, lse)
+
+
+def _mma_sync_backward():
+    """Plans made inside take the mma.sync backward (on sm_90 the Hopper backward switched
+    off)."""
+    return switched(_dispatch, {"HOPPER_BACKWARD": False}, api._backward_plans)
+
+
+#: The mma.sync backward's pairs (_dispatch.split_bwd_configs): 176 / 120 on the (192, 128)
+#: kernels with partial chunks of both; 192 / 96 on V's 128 (no 16-column warp tiles for 96).
+MMA_BWD_PAIRS = [(192, 128), (128, 64), (176, 120), (96, 64), (192, 96)]
+
+
+@pytest.mark.parametrize("d_qk,d_v", MMA_BWD_PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mma_sync_backward_matches_the_reference(d_qk, d_v, causal, deterministic):
+    """The mma.sync backward with V's own kernel head dim (every GPU; on sm_90 the Hopper
+    backward switched off): dq, dk, dv against the reference by the 2x rule, poisoned outputs,
+    odd lengths, seqlen_q != seqlen_k, GQA; dQ by atomics and deterministic (the dQ kernel with
+    dO and V of V's head dim)."""
+    seed = _seed("mma-bwd", d_qk, d_v, causal, deterministic)
+    q, k, v = _qkv(2, 301, 555, 4, 2, d_qk, d_v, FP16, seed)
+    with _mma_sync_backward():
+        _check_backward(q, k, v, deterministic=deterministic, family="mma.sync backward,",
+                        causal=causal)
+
+
+@pytest.mark.parametrize("d_qk,d_v", MMA_BWD_PAIRS[:2])
+@pytest.mark.parametrize("shape", [(1, 1000, 333, 6, 2), (2, 77, 1000, 4, 4),
+                                   (3, 1024, 1024, 2, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_mma_sync_backward_shapes_bf16(d_qk, d_v, shape):
+    """bf16, causal, more shapes: seqlen_q > seqlen_k (bottom-right causal), MHA, whole
+    blocks; deterministic twice to the same bits."""
+    batch, sq, sk, h, hkv = shape
+    q, k, v = _qkv(batch, sq, sk, h, hkv, d_qk, d_v, BF16, _seed("mma-bwd-bf16", d_qk, d_v,
+                                                                   *shape))
+    with _mma_sync_backward():
+        _check_backward(q, k, v, family="mma.sync backward,", causal=True)
+        grads = _check_backward(q, k, v, deterministic=True, family="mma.sync backward,",
+                                causal=True)
+        again = _check_backward(q, k, v, deterministic=True, family="mma.sync backward,",
+                                causal=True)
+    for a, b in zip(grads, again):
+        assert bool((a.view(numpy.uint16) == b.view(numpy.uint16)).all())
+
+
+@pytest.mark.parametrize("d_qk,d_v", MMA_BWD_PAIRS[:2])
+@pytest.mark.parametrize("option", ["softcap", "alibi", "sinks", "window", "unbatched"])
+def test_mma_sync_backward_features(d_qk, d_v, option):
+    """The variant's features on the mma.sync backward with V's own head dim (each a part of
+    phase A, whatever V's width)."""
+    seed = _seed("mma-bwd-features", d_qk, d_v, option)
+    batch = None if option == "unbatched" else 2
+    q, k, v = _qkv(batch, 500, 700, 4, 2, d_qk, d_v, BF16, seed)
+    options = _feature_options(option, numpy.random.default_rng(seed))
+    with _mma_sync_backward():
+        if option == "sinks":
+            out, lse = cuflash2.attention(q, k, v, return_lse=True, **options)
+            dout = _dout(q, v, seed)
+            kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, **options)
+            assert any(k_.startswith("mma.sync backward,") for k_ in kernels), kernels
+            dq, dk, dv, dsinks = cuflash2.attention_backward(dout, q, k, v, out, lse, **options)
+            results = testing.check_backward(dout, q, k, v, dq, dk, dv, dsinks, **options)
+            assert all(r.ok for r in results), "; ".join(map(str, results))
+            return
+        _check_backward(q, k, v, family="mma.sync backward,", **options)
+
+
+@pytest.mark.parametrize("d_qk,d_v", MMA_BWD_PAIRS[:2])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mma_sync_varlen_backward_matches_the_reference(d_qk, d_v, deterministic):
+    seed = _seed("mma-varlen-bwd", d_qk, d_v, deterministic)
+    lengths_q, lengths_k = [1, 300, 77, 700], [5, 300, 900, 700]
+    q, k, v = _qkv(None, sum(lengths_q), sum(lengths_k), 4, 2, d_qk, d_v, FP16, seed)
+    cu_q = cupy.asarray(numpy.cumsum([0] + lengths_q).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.cumsum([0] + lengths_k).astype(numpy.int32))
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+    dout = _dout(q, v, seed)
+    with _mma_sync_backward():
+        grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
+                                                   deterministic=deterministic)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
+
+
+@pytest.mark.parametrize("d_qk,d_v", MMA_BWD_PAIRS[:2])
+def test_mma_sync_backward_with_dropout_matches_its_mask(d_qk, d_v):
+    """Dropout, which the Hopper backward leaves to the mma.sync one (on sm_90 too, its switch
+    on): both dQ paths against the reference given the mask."""
+    q, k, v = _qkv(1, 130, 190, 4, 2, d_qk, d_v, BF16, _seed("mma-bwd-dropout", d_qk, d_v))
+    drop = dict(dropout_p=0.2, seed=7, offset=3)
+    mask = cuflash2.dropout_mask(1, 4, 130, 190, 0.2, 7, 3)
+    out, lse = cuflash2.attention(q, k, v, return_lse=True, causal=True, **drop)
+    dout = _dout(q, v, 8)
+    kernels = cuflash2.backward_kernels(dout, q, k, v, out, lse, causal=True, **drop)
+    assert any(k_.startswith("mma.sync backward,") for k_ in kernels), kernels
+    for deterministic in (False, True):
+        grads = cuflash2.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                            deterministic=deterministic, **drop)
+        results = testing.check_backward(dout, q, k, v, *grads, causal=True, dropout_p=0.2,
+                                         dropout_mask=mask)
+        assert all(r.ok for r in results), (deterministic, [str(r) for r in results])

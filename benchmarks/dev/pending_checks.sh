@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU checks of kernels written and checked on the CPU only (docs/GPU_PENDING.md), in one
+# device call, each step bounded so that the whole stays inside BUDGET seconds:
+#   tests     tests/gpu/test_fp8_forward.py (first failure stops it), the README examples with
+#             tests/gpu/test_mla_decode.py, test_head_dim_v.py's mma.sync backward tests, in three
+#             pytest processes side by side, with compute-sanitizer memcheck, racecheck and
+#             synccheck over sanitizer_workload.py's `--only fp8 mla_decode` beside them, and
+#             fp8_variants_ab.py run once at one iteration (head and BASE) to compile its kernels
+#   timing    benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS (default: the dispatched
+#             FP8 forward and the wider key tiles of E4M3_WIDE_TILES) on the checkout, then
+#             --variants disp on BASE (a folder holding another version of the repository, e.g.
+#             `mkdir ab_base && git archive main | tar -x -C ab_base`, carried to the device), on
+#             the same machine, cuDNN's FP8 SDPA beside both where the frontend's wheel is at
+#             WHEEL (installed under /tmp/site)
+# Logs go to OUT (at most 8 files), each starting with the commit and the command.
+#
+#   OUT=$OUT BUDGET=585 BASE=ab_base WHEEL=.whl COMMIT=<hash> bash benchmarks/dev/pending_checks.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:?set OUT to the folder for logs}
+BUDGET=${BUDGET:-585}
+STEPS=${STEPS:-tests timing}
+BASE=${BASE:-}
+WHEEL=${WHEEL:-}
+AB_VARIANTS=${AB_VARIANTS:-disp w160 w224}
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+mkdir -p "$OUT"
+source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
+
+SITE=
+if [[ -n $WHEEL ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$WHEEL"/*.whl > /dev/null 2>&1 && SITE=:/tmp/site
+fi
+export PYTHONPATH=$PWD$SITE PYTHONUNBUFFERED=1
+LOGS=$(mktemp -d)
+summary=$OUT/pending-summary.txt
+header "pending_checks.sh STEPS=\"$STEPS\" BASE=$BASE" > "$summary"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$summary"
+
+ab() {  # ab DIR ARGS...: fp8_variants_ab.py of the repository in DIR (a shell function:
+    local dir=$1; shift  # not under `timeout`)
+    python3 "$dir/benchmarks/dev/fp8_variants_ab.py" "$@"
+}
+if want tests; then
+    t=$(( $(left) - 200 )); (( t > 330 )) && t=330
+    ab . --variants $AB_VARIANTS --rounds 1 --iters 1 --warmup 1 --no-cudnn \
+        > "$LOGS/warm-head.txt" 2>&1 &
+    [[ -n $BASE ]] && { ab "$BASE" --variants disp --rounds 1 --iters 1 --warmup 1 --no-cudnn \
+        > "$LOGS/warm-base.txt" 2>&1 & }
+    pytest=(timeout "$t" python3 -m pytest -q -p no:cacheprovider -rf)
+    "${pytest[@]}" -x tests/gpu/test_fp8_forward.py > "$OUT/tests-fp8.txt" 2>&1 &
+    "${pytest[@]}" tests/gpu/test_readme_examples.py tests/gpu/test_mla_decode.py \
+        > "$OUT/tests-mla.txt" 2>&1 &
+    "${pytest[@]}" tests/gpu/test_head_dim_v.py -k "mma_sync_backward or elsewhere" \
+        > "$OUT/tests-head-dim-v.txt" 2>&1 &
+    for tool in memcheck racecheck synccheck; do
+        { timeout "$t" compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
+              python3 tests/gpu/sanitizer_workload.py --only fp8 mla_decode 2>&1 | tail -30
+          echo "exit: ${PIPESTATUS[0]}"; } > "$LOGS/sanitizer-$tool.txt" &
+    done
+    wait
+    for f in "$OUT"/tests-*.txt "$LOGS"/sanitizer-*.txt "$LOGS"/warm-*.txt; do
+        echo "## $(basename "$f")"
+        grep -E "^FAILED|^ERROR|Error|passed|failed|SUMMARY|exit:|workload done" "$f" | tail -15
+    done >> "$summary"
+    echo "tests: ${SECONDS} s" >> "$summary"
+fi
+if want timing; then
+    log=$OUT/fp8-timing.txt
+    header "fp8_variants_ab.py --variants $AB_VARIANTS (head), --variants disp (BASE=$BASE)" > "$log"
+    half=$(( ($(left) - 10) / 2 ))
+    # (the script puts its own repository first on sys.path: BASE's runs BASE's package)
+    echo "## head" >> "$log"
+    bounded "$half" python3 benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS \
+        >> "$log" 2>&1
+    if [[ -n $BASE ]]; then
+        echo "## base ($BASE)" >> "$log"
+        bounded 400 python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" --variants disp \
+            >> "$log" 2>&1
+    fi
+fi
+echo "pending_checks: ${SECONDS} s" >> "$summary"
+cat "$summary"
