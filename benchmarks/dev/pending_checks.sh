@@ -2,16 +2,17 @@
 # The GPU checks of kernels written and checked on the CPU only (docs/GPU_PENDING.md), in one
 # device call, each step bounded so that the whole stays inside BUDGET seconds:
 #   tests     tests/gpu/test_fp8_forward.py (first failure stops it), the README examples with
-#             tests/gpu/test_mla_decode.py, test_head_dim_v.py's mma.sync backward tests, in three
-#             pytest processes side by side, with compute-sanitizer memcheck, racecheck and
-#             synccheck over sanitizer_workload.py's `--only fp8 mla_decode` beside them, and
-#             fp8_variants_ab.py run once at one iteration (head and BASE) to compile its kernels
+#             tests/gpu/test_mla_decode.py, in two pytest processes side by side, with
+#             compute-sanitizer memcheck, racecheck and synccheck over sanitizer_workload.py's
+#             `--only fp8 mla_decode` beside them, and fp8_variants_ab.py run once at one
+#             iteration (head and BASE) to compile its kernels
 #   timing    benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS (default: the dispatched
 #             FP8 forward and the wider key tiles of E4M3_WIDE_TILES) on the checkout, then
 #             --variants disp on BASE (a folder holding another version of the repository, e.g.
 #             `mkdir ab_base && git archive main | tar -x -C ab_base`, carried to the device), on
 #             the same machine, cuDNN's FP8 SDPA beside both where the frontend's wheel is at
 #             WHEEL (installed under /tmp/site)
+#   mla       benchmarks/mla_decode.py --no-torch on the checkout, then on BASE
 # Logs go to OUT (at most 8 files), each starting with the commit and the command.
 #
 #   OUT=$OUT BUDGET=585 BASE=ab_base WHEEL=.whl COMMIT=<hash> bash benchmarks/dev/pending_checks.sh
@@ -19,10 +20,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to the folder for logs}
 BUDGET=${BUDGET:-585}
-STEPS=${STEPS:-tests timing}
+STEPS=${STEPS:-tests timing mla}
 BASE=${BASE:-}
 WHEEL=${WHEEL:-}
-AB_VARIANTS=${AB_VARIANTS:-disp w160 w224}
+AB_VARIANTS=${AB_VARIANTS:-disp w224}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
@@ -52,8 +53,6 @@ if want tests; then
     "${pytest[@]}" -x tests/gpu/test_fp8_forward.py > "$OUT/tests-fp8.txt" 2>&1 &
     "${pytest[@]}" tests/gpu/test_readme_examples.py tests/gpu/test_mla_decode.py \
         > "$OUT/tests-mla.txt" 2>&1 &
-    "${pytest[@]}" tests/gpu/test_head_dim_v.py -k "mma_sync_backward or elsewhere" \
-        > "$OUT/tests-head-dim-v.txt" 2>&1 &
     for tool in memcheck racecheck synccheck; do
         { timeout "$t" compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
               python3 tests/gpu/sanitizer_workload.py --only fp8 mla_decode 2>&1 | tail -30
@@ -69,16 +68,26 @@ fi
 if want timing; then
     log=$OUT/fp8-timing.txt
     header "fp8_variants_ab.py --variants $AB_VARIANTS (head), --variants disp (BASE=$BASE)" > "$log"
-    half=$(( ($(left) - 10) / 2 ))
+    reserve=0; want mla && reserve=100  # seconds kept for the mla step
+    half=$(( ($(left) - 10 - reserve) / 2 ))
     # (the script puts its own repository first on sys.path: BASE's runs BASE's package)
     echo "## head" >> "$log"
     bounded "$half" python3 benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS \
         >> "$log" 2>&1
     if [[ -n $BASE ]]; then
         echo "## base ($BASE)" >> "$log"
-        bounded 400 python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" --variants disp \
+        bounded $(( $(left) - 5 - reserve )) python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" \
+            --variants disp \
             >> "$log" 2>&1
     fi
+fi
+if want mla; then
+    log=$OUT/mla-decode.txt
+    header "benchmarks/mla_decode.py --no-torch (head, then BASE=$BASE)" > "$log"
+    bounded 120 python3 benchmarks/mla_decode.py --no-torch >> "$log" 2>&1
+    [[ -n $BASE ]] && bounded 120 python3 "$BASE/benchmarks/mla_decode.py" --no-torch \
+        >> "$log" 2>&1
+    tail -12 "$log"
 fi
 echo "pending_checks: ${SECONDS} s" >> "$summary"
 cat "$summary"
