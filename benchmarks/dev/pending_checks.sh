@@ -23,7 +23,7 @@ BUDGET=${BUDGET:-585}
 STEPS=${STEPS:-tests timing mla}
 BASE=${BASE:-}
 WHEEL=${WHEEL:-}
-AB_VARIANTS=${AB_VARIANTS:-disp w224}
+AB_VARIANTS=${AB_VARIANTS:-disp w192 w224}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header

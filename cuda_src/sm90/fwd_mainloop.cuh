@@ -524,7 +524,11 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             pin_registers(acc_o[0]);
             pin_registers(p_frag);
             wgmma_fence();
-            issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
+            // (T::FRESH_Q_DESCRIPTORS: Q's descriptors made again each tile from an opaque copy
+            // of its address, not held across the loop)
+            u32 q_now = q_rows;
+            if constexpr (T::FRESH_Q_DESCRIPTORS) asm volatile("mov.b32 %0, %0;" : "+r"(q_now));
+            issue_qk<Elem, T>(acc_s[0], q_now, k_tile_of(j));
             wgmma_commit_group();  // group 1: S_j
             // O is complete (P_{j-2} V_{j-2} was waited for): tile j-1's rescale.
             softmax.rescale_o(acc_o, correction, rescale);
