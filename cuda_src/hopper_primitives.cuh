@@ -10,8 +10,8 @@
 // swizzle, the per-k16 address steps, the accumulator and A-fragment layouts, the mbarrier
 // parity protocol and the fences. Sections cited are those of the PTX ISA (version 8.x).
 // These instructions need the `sm_90a` target: plain sm_90 rejects wgmma and setmaxnreg.
-// Added for the Hopper backward and not yet run on a GPU: bulk_load, stmatrix_x4_trans and
-// wgmma_ss_trans_b (compile-checked; docs/HOPPER_BWD.md lists what the first run checks).
+// Added for the Hopper backward (and run since, on the H200 and the H100): bulk_load,
+// stmatrix_x4_trans and wgmma_ss_trans_b (docs/HOPPER_BWD.md lists what its first run checked).
 #pragma once
 #include "mma_primitives.cuh"
 // TensorMap, the 128 bytes of a CUtensorMap, is a kernel parameter type.
