@@ -234,6 +234,17 @@ def cuda_constants_header() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _settle_mma_sync_head_dim_v(config, kernel: str) -> None:
+    """An mma.sync configuration's head_dim_v: 0 becomes head_dim; else V's kernel head dim
+    must lie below Q's, for 16-bit elements (ValueError naming `kernel` otherwise)."""
+    if not config.head_dim_v:
+        object.__setattr__(config, "head_dim_v", config.head_dim)
+    if config.head_dim_v > config.head_dim or (config.head_dim_v != config.head_dim
+                                               and config.dtype in FLOAT32_TAGS):
+        raise ValueError(f"{kernel} takes V's own head dim below Q's, 16-bit: not "
+                         f"{config.head_dim_v} with {config.head_dim} ({config.dtype})")
+
+
 @dataclass(frozen=True)
 class FwdConfig:
     """One forward-kernel specialisation."""
@@ -250,12 +261,7 @@ class FwdConfig:
     head_dim_v: int = 0
 
     def __post_init__(self):
-        if not self.head_dim_v:
-            object.__setattr__(self, "head_dim_v", self.head_dim)
-        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
-                                               and self.dtype in FLOAT32_TAGS):
-            raise ValueError(f"the mma.sync forward takes V's own head dim below Q's, 16-bit: "
-                             f"not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
+        _settle_mma_sync_head_dim_v(self, "the mma.sync forward")
 
     @property
     def threads(self) -> int:
@@ -779,12 +785,7 @@ class BwdConfig:
     head_dim_v: int = 0
 
     def __post_init__(self):
-        if not self.head_dim_v:
-            object.__setattr__(self, "head_dim_v", self.head_dim)
-        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
-                                               and self.dtype in FLOAT32_TAGS):
-            raise ValueError(f"the mma.sync backward takes V's own head dim below Q's, 16-bit: "
-                             f"not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
+        _settle_mma_sync_head_dim_v(self, "the mma.sync backward")
 
     @property
     def threads(self) -> int:
@@ -901,12 +902,7 @@ class BwdDqConfig:
     head_dim_v: int = 0
 
     def __post_init__(self):
-        if not self.head_dim_v:
-            object.__setattr__(self, "head_dim_v", self.head_dim)
-        if self.head_dim_v > self.head_dim or (self.head_dim_v != self.head_dim
-                                               and self.dtype in FLOAT32_TAGS):
-            raise ValueError(f"the deterministic dQ kernel takes V's own head dim below Q's, "
-                             f"16-bit: not {self.head_dim_v} with {self.head_dim} ({self.dtype})")
+        _settle_mma_sync_head_dim_v(self, "the deterministic dQ kernel")
 
     @property
     def smem_bytes(self) -> int:
