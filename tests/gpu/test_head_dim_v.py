@@ -7,6 +7,8 @@ own kernel head dim (every GPU; on sm_90 with the Hopper kernels switched off, a
 forward and backward the same way. What no kernel takes raises a NotImplementedError naming v's
 head dim."""
 
+import contextlib
+
 import numpy
 import pytest
 from grids import BF16, FP16, is_hopper, needs_hopper, switched
@@ -30,6 +32,30 @@ def _qkv(batch, sq, sk, h, hkv, d_qk, d_v, dtype, seed):
     shapes = (lead + (sq, h, d_qk), lead + (sk, hkv, d_qk), lead + (sk, hkv, d_v))
     return tuple(cupy.asarray(rng.standard_normal(s, dtype=numpy.float32).astype(dtype))
                  for s in shapes)
+
+
+def _varlen_qkv(lengths_q, lengths_k, d_qk, d_v, seed):
+    """Packed fp16 q, k, v of these sequence lengths (4 query heads, 2 KV heads) and
+    attention_varlen's arguments after them: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k)."""
+    q, k, v = _qkv(None, sum(lengths_q), sum(lengths_k), 4, 2, d_qk, d_v, FP16, seed)
+    cu_q = cupy.asarray(numpy.cumsum([0] + lengths_q).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.cumsum([0] + lengths_k).astype(numpy.int32))
+    return q, k, v, (cu_q, cu_k, max(lengths_q), max(lengths_k))
+
+
+def _check_varlen_backward(seed, d_qk, d_v, backward=contextlib.nullcontext, **options):
+    """A causal attention_varlen on ragged sequences, then its backward (planned inside
+    `backward()`, with `options`) against the reference: the gradients' shapes and the rule."""
+    q, k, v, args = _varlen_qkv([1, 300, 77, 700], [5, 300, 900, 700], d_qk, d_v, seed)
+    out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+    dout = _dout(q, v, seed)
+    with backward():
+        grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
+                                                   **options)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
+    assert all(r.ok for r in results), "; ".join(map(str, results))
 
 
 def _check(q, k, v, **options):
@@ -96,11 +122,7 @@ def test_forward_features(d_qk, d_v, option):
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_forward_matches_the_reference(d_qk, d_v, causal):
     seed = _seed("varlen", d_qk, d_v, causal)
-    lengths_q, lengths_k = [1, 300, 77, 1024], [5, 300, 900, 1024]
-    q, k, v = _qkv(None, sum(lengths_q), sum(lengths_k), 4, 2, d_qk, d_v, FP16, seed)
-    cu_q = cupy.asarray(numpy.cumsum([0] + lengths_q).astype(numpy.int32))
-    cu_k = cupy.asarray(numpy.cumsum([0] + lengths_k).astype(numpy.int32))
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    q, k, v, args = _varlen_qkv([1, 300, 77, 1024], [5, 300, 900, 1024], d_qk, d_v, seed)
     out = testing.poison_like(cupy, q.shape[:-1] + (d_v,), q.dtype)
     out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=causal, out=out, return_lse=True)
     ref_hi, ref_lse = reference.attention_varlen(q, k, v, *args, causal=causal, return_lse=True,
@@ -190,18 +212,7 @@ def test_backward_features(d_qk, d_v, option):
 @needs_hopper
 @pytest.mark.parametrize("d_qk,d_v", PAIRS[:2])
 def test_varlen_backward_matches_the_reference(d_qk, d_v):
-    seed = _seed("varlen-bwd", d_qk, d_v)
-    lengths_q, lengths_k = [1, 300, 77, 700], [5, 300, 900, 700]
-    q, k, v = _qkv(None, sum(lengths_q), sum(lengths_k), 4, 2, d_qk, d_v, FP16, seed)
-    cu_q = cupy.asarray(numpy.cumsum([0] + lengths_q).astype(numpy.int32))
-    cu_k = cupy.asarray(numpy.cumsum([0] + lengths_k).astype(numpy.int32))
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
-    out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
-    dout = _dout(q, v, seed)
-    grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True)
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
-    assert all(r.ok for r in results), "; ".join(map(str, results))
+    _check_varlen_backward(_seed("varlen-bwd", d_qk, d_v), d_qk, d_v)
 
 
 @needs_hopper
@@ -337,20 +348,8 @@ def test_mma_sync_backward_features(d_qk, d_v, option):
 @pytest.mark.parametrize("d_qk,d_v", MMA_BWD_PAIRS[:2])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_mma_sync_varlen_backward_matches_the_reference(d_qk, d_v, deterministic):
-    seed = _seed("mma-varlen-bwd", d_qk, d_v, deterministic)
-    lengths_q, lengths_k = [1, 300, 77, 700], [5, 300, 900, 700]
-    q, k, v = _qkv(None, sum(lengths_q), sum(lengths_k), 4, 2, d_qk, d_v, FP16, seed)
-    cu_q = cupy.asarray(numpy.cumsum([0] + lengths_q).astype(numpy.int32))
-    cu_k = cupy.asarray(numpy.cumsum([0] + lengths_k).astype(numpy.int32))
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
-    out, lse = cuflash2.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
-    dout = _dout(q, v, seed)
-    with _mma_sync_backward():
-        grads = cuflash2.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
-                                                   deterministic=deterministic)
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    results = testing.check_varlen_backward(dout, q, k, v, *grads, *args, causal=True)
-    assert all(r.ok for r in results), "; ".join(map(str, results))
+    _check_varlen_backward(_seed("mma-varlen-bwd", d_qk, d_v, deterministic), d_qk, d_v,
+                           backward=_mma_sync_backward, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("d_qk,d_v", MMA_BWD_PAIRS[:2])
