@@ -105,15 +105,21 @@ def test_qkv_dtype_is_checked(fp8_hopper):
     assert not fp8_hopper.launches
 
 
-@pytest.mark.parametrize("name,make", [
-    ("softcap", lambda: 5.0),
-    ("dropout_p", lambda: 0.1),
-    ("alibi_slopes", lambda: device_array((8,), np.float32)),
-    ("sinks", lambda: device_array((8,), np.float32)),
-    ("bias", lambda: device_array((2, 8, 100, 120), np.float32)),
-    ("mask_mod", lambda: cuflash2.mask_mod("kv_idx <= q_idx")),
-    ("score_mod", lambda: cuflash2.score_mod("score * 0.5f", grad="0.5f")),
-])
+def _untaken_options(bias_shape):
+    """The options the FP8 forward refuses by name, each with a maker of a value for it (the
+    bias of `bias_shape`: the calls' (batch, heads, seqlen_q, seqlen_k))."""
+    return [
+        ("softcap", lambda: 5.0),
+        ("dropout_p", lambda: 0.1),
+        ("alibi_slopes", lambda: device_array((8,), np.float32)),
+        ("sinks", lambda: device_array((8,), np.float32)),
+        ("bias", lambda: device_array(bias_shape, np.float32)),
+        ("mask_mod", lambda: cuflash2.mask_mod("kv_idx <= q_idx")),
+        ("score_mod", lambda: cuflash2.score_mod("score * 0.5f", grad="0.5f")),
+    ]
+
+
+@pytest.mark.parametrize("name,make", _untaken_options((2, 8, 100, 120)))
 def test_features_the_fp8_forward_does_not_take_are_refused_by_name(fp8_hopper, name, make):
     """softcap, dropout, ALiBi, sinks, the bias and the programmable modifiers with e4m3
     inputs: an error naming the argument, before anything launches (on sm_90, where the
@@ -437,15 +443,7 @@ def test_fp8_varlen_descales_are_per_sequence_and_kv_head(fp8_hopper):
     assert len(fp8_hopper.launches) == count
 
 
-@pytest.mark.parametrize("name,make", [
-    ("softcap", lambda: 5.0),
-    ("dropout_p", lambda: 0.1),
-    ("alibi_slopes", lambda: device_array((8,), np.float32)),
-    ("sinks", lambda: device_array((8,), np.float32)),
-    ("bias", lambda: device_array((4, 8, 300, 400), np.float32)),
-    ("mask_mod", lambda: cuflash2.mask_mod("kv_idx <= q_idx")),
-    ("score_mod", lambda: cuflash2.score_mod("score * 0.5f", grad="0.5f")),
-])
+@pytest.mark.parametrize("name,make", _untaken_options((4, 8, 300, 400)))
 def test_fp8_varlen_refuses_what_the_fp8_forward_does_not_take_by_name(fp8_hopper, name, make):
     q, k, v, args = _varlen_arrays(fp8_hopper)
     extra = {"seed": 1} if name == "dropout_p" else {}
