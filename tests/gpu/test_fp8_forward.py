@@ -67,16 +67,25 @@ def _check(q, k, v, descales, *, out_dtype=None, out=None, **options):
     dtype_option = {} if out_dtype is None else {"out_dtype": out_dtype}
     got, lse = cuflash2.attention(q, k, v, qkv_dtype="e4m3", return_lse=True, out=out,
                                   **descales, **dtype_option, **options)
+    _check_out(got, given, q, out_dtype)
+    heads_first = (q.shape[-2], q.shape[-3])
+    assert lse.dtype == numpy.float32 and lse.shape == q.shape[:-3] + heads_first
+    _assert_rule(check_forward_fp8(q, k, v, got, lse, out_dtype=out_dtype, **descales,
+                                   **options))
+    return got, lse
+
+
+def _check_out(got, given, q, out_dtype):
+    """The output's dtype (bfloat16 unless out_dtype) and shape, and a given `out=` returned."""
     assert got.dtype == numpy.dtype(BF16 if out_dtype is None else out_dtype)
     assert got.shape == q.shape
     if given is not None:
         assert got is given
-    heads_first = (q.shape[-2], q.shape[-3])
-    assert lse.dtype == numpy.float32 and lse.shape == q.shape[:-3] + heads_first
-    results = check_forward_fp8(q, k, v, got, lse, out_dtype=out_dtype, **descales, **options)
+
+
+def _assert_rule(results):
     print(describe(results))
     assert all(r.ok for r in results), describe(results)
-    return got, lse
 
 
 @needs_hopper
@@ -310,15 +319,10 @@ def _check_varlen(q, k, v, args, descales, *, out_dtype=None, out=None, **option
         _poison()
     got, lse = cuflash2.attention_varlen(q, k, v, *args, qkv_dtype="e4m3", return_lse=True,
                                          out=out, **descales, **dtype_option, **options)
-    assert got.dtype == numpy.dtype(BF16 if out_dtype is None else out_dtype)
-    assert got.shape == q.shape
-    if given is not None:
-        assert got is given
+    _check_out(got, given, q, out_dtype)
     assert lse.dtype == numpy.float32 and lse.shape == (q.shape[1], q.shape[0])
-    results = check_varlen_forward_fp8(q, k, v, args, got, lse, out_dtype=out_dtype,
-                                       **descales, **options)
-    print(describe(results))
-    assert all(r.ok for r in results), describe(results)
+    _assert_rule(check_varlen_forward_fp8(q, k, v, args, got, lse, out_dtype=out_dtype,
+                                          **descales, **options))
     return got, lse
 
 
