@@ -75,6 +75,23 @@ CF2_DEVICE KVCacheRowsOf<Stored> kv_cache_rows(const Stored* cache, i64 batch_st
                                  batch_stride, row_stride};
 }
 
+// The items of an append of `seqlen_new` tokens, `chunks` chunks a row, dealt round `threads`
+// threads: each (token, chunk) whose position cache_len + token lies in [0, capacity) and in the
+// cache (index.locate) goes to store(token, chunk, position, block, row). Positions outside and
+// rows outside the cache are skipped, so unchecked bad values never write out of bounds.
+template <class Store>
+CF2_DEVICE void for_each_new_chunk(const KVCacheIndex& index, int seqlen_new, int cache_len,
+                                   int capacity, int chunks, int tid, int threads,
+                                   Store&& store) {
+    for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
+        const int token = idx / chunks, chunk = idx % chunks;
+        const int position = cache_len + token;
+        int block, row;
+        if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
+        store(token, chunk, position, block, row);
+    }
+}
+
 // Appends the new tokens of one (sequence, KV head) in place: token i goes to position
 // cache_len + i. Positions outside [0, capacity) and rows outside the cache are skipped, so
 // unchecked bad values never write out of bounds. The decode kernel calls this from one CTA per
@@ -87,12 +104,8 @@ CF2_DEVICE void append_new_rows(const KVCacheIndex& index, const KVCacheRows& k_
                                 i64 kn_row_stride, const u16* v_new_rows, i64 vn_row_stride,
                                 int seqlen_new, int cache_len, int capacity, int head_dim,
                                 int tid, int threads, const Rotary& rotary) {
-    const int chunks = head_dim / 8;
-    for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
-        const int token = idx / chunks, chunk = idx % chunks;
-        const int position = cache_len + token;
-        int block, row;
-        if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
+    for_each_new_chunk(index, seqlen_new, cache_len, capacity, head_dim / 8, tid, threads,
+                       [&](int token, int chunk, int position, int block, int row) {
         u32 k_vals[4], v_vals[4];  // both loads in flight, then both stores
         if constexpr (Rotary::ENABLED)
             rotary.template load_chunk<Elem>(k_vals, k_new_rows + token * kn_row_stride, chunk,
@@ -102,24 +115,19 @@ CF2_DEVICE void append_new_rows(const KVCacheIndex& index, const KVCacheRows& k_
         load_16B_global_l2(v_vals, v_new_rows + token * vn_row_stride + chunk * 8);
         store_16B_global(const_cast<u16*>(k_rows.at(block, row)) + chunk * 8, k_vals);
         store_16B_global(const_cast<u16*>(v_rows.at(block, row)) + chunk * 8, v_vals);
-    }
+    });
 }
 
 // The append of a cache whose V is the first columns of K's rows (MLA's latent cache, one KV
-// head): each new row written once, all head_dim columns, by the same rules as append_new_rows
-// (positions outside [0, capacity) and rows outside the cache skipped).
+// head): each new row written once, all head_dim columns (for_each_new_chunk's items).
 CF2_DEVICE void append_latent_rows(const KVCacheIndex& index, const KVCacheRows& rows,
                                    const u16* new_rows, i64 new_row_stride, int seqlen_new,
                                    int cache_len, int capacity, int head_dim, int tid,
                                    int threads) {
-    const int chunks = head_dim / 8;
-    for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
-        const int token = idx / chunks, chunk = idx % chunks;
-        const int position = cache_len + token;
-        int block, row;
-        if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
+    for_each_new_chunk(index, seqlen_new, cache_len, capacity, head_dim / 8, tid, threads,
+                       [&](int token, int chunk, int, int block, int row) {
         u32 vals[4];
         load_16B_global_l2(vals, new_rows + token * new_row_stride + chunk * 8);
         store_16B_global(const_cast<u16*>(rows.at(block, row)) + chunk * 8, vals);
-    }
+    });
 }

@@ -139,12 +139,8 @@ CF2_DEVICE void append_new_rows_e4m3(const KVCacheIndex& index, const KVCacheRow
                                      int capacity, int head_dim, float k_descale,
                                      float v_descale, int tid, int threads,
                                      const Rotary& rotary) {
-    const int chunks = head_dim / 16;
-    for (int idx = tid; idx < seqlen_new * chunks; idx += threads) {
-        const int token = idx / chunks, chunk = idx % chunks;
-        const int position = cache_len + token;
-        int block, row;
-        if (position < 0 || position >= capacity || !index.locate(position, block, row)) continue;
+    for_each_new_chunk(index, seqlen_new, cache_len, capacity, head_dim / 16, tid, threads,
+                       [&](int token, int chunk, int position, int block, int row) {
         u32 k8[4], v8[4];
         if constexpr (Rotary::ENABLED)
             quantise_rotated_chunk<Elem>(k8, k_new_rows + token * kn_row_stride, chunk, position,
@@ -155,5 +151,5 @@ CF2_DEVICE void append_new_rows_e4m3(const KVCacheIndex& index, const KVCacheRow
         quantise_new_chunk<Elem>(v8, v_new_rows + token * vn_row_stride + chunk * 16, v_descale);
         store_16B_global(const_cast<u8*>(k_rows.at(block, row)) + chunk * 16, k8);
         store_16B_global(const_cast<u8*>(v_rows.at(block, row)) + chunk * 16, v8);
-    }
+    });
 }
