@@ -134,25 +134,19 @@ def _claimed_tiles(dtype) -> None:
     warpgroups, d=128 on two), forced onto short rows (the dispatcher claims from 2048 keys
     on), on the full grid and on 3 CTAs (many claims each), call after call on the stream's
     counters."""
-    saved = {name: getattr(_dispatch, name) for name in (
-        "persistent_slots", "DYNAMIC_SCHEDULE_KEYS", "THREE_CONSUMER_MIN_KEYS")}
-    _dispatch.DYNAMIC_SCHEDULE_KEYS = {64: (0, _dispatch.NO_LIMIT), 128: (0, _dispatch.NO_LIMIT)}
-    _dispatch.THREE_CONSUMER_MIN_KEYS = {(64, False): 0, (64, True): 0}
-    try:
-        for ctas in (None, 3):
-            if ctas is not None:
-                _dispatch.persistent_slots = lambda config, device: ctas
-            api._forward_plans.plans.clear()
+    from grids import switched  # tests/gpu helper (this script's folder)
+
+    forced = {"DYNAMIC_SCHEDULE_KEYS": {d: (0, _dispatch.NO_LIMIT) for d in (64, 128)},
+              "THREE_CONSUMER_MIN_KEYS": {(64, False): 0, (64, True): 0}}
+    for ctas in (None, 3):
+        slots = {} if ctas is None else {"persistent_slots": lambda config, device: ctas}
+        with switched(_dispatch, {**forced, **slots}, api._forward_plans):
             for d in (64, 128):
                 q, k, v = testing.random_qkv(cupy, 1, 700, 705, 2, 1, d, dtype, seed=d)
                 assert "claimed" in cuflash2.forward_kernels(q, k, v, causal=True)[0]
                 for _ in range(2):
                     out = cuflash2.attention(q, k, v, causal=True)
                     assert not bool(cupy.isnan(out).any())
-    finally:
-        for name, value in saved.items():
-            setattr(_dispatch, name, value)
-        api._forward_plans.plans.clear()
 
 
 def _fp8(head_dims) -> None:
@@ -162,17 +156,17 @@ def _fp8(head_dims) -> None:
     causal rows as in _claimed_tiles), with the 224-key tile where forced onto short non-causal
     rows (E4M3_WIDE_TILE_KEYS: the transposed V's last panel of 32-key groups), odd lengths,
     GQA."""
-    from fp8_forward_checks import fp8_qkv  # tests/gpu helper (this script's folder)
+    from fp8_forward_checks import fp8_qkv  # tests/gpu helpers (this script's folder)
+    from grids import switched
 
-    saved = _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS, _dispatch.E4M3_WIDE_TILE_KEYS
-    try:
-        for mode in ("dispatched", "claims", "wide"):
-            if mode == "claims":
-                _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS = {128: (0, _dispatch.NO_LIMIT)}
-            if mode == "wide":
-                _dispatch.E4M3_WIDE_TILE_KEYS = {d: (block_n, 0) for d, (block_n, _)
-                                                 in saved[1].items()}
-            api._forward_plans.plans.clear()
+    modes = {
+        "dispatched": {},
+        "claims": {"E4M3_DYNAMIC_SCHEDULE_KEYS": {128: (0, _dispatch.NO_LIMIT)}},
+        "wide": {"E4M3_WIDE_TILE_KEYS": {d: (block_n, 0) for d, (block_n, _)
+                                         in _dispatch.E4M3_WIDE_TILE_KEYS.items()}},
+    }
+    for mode, forced in modes.items():
+        with switched(_dispatch, forced, api._forward_plans):
             for d in head_dims:
                 q, k, v, descales = fp8_qkv(cupy, d, 2, 300, 333, 4, 2, d)
                 for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))):
@@ -183,9 +177,6 @@ def _fp8(head_dims) -> None:
                     out = cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=causal,
                                              window_size=window, **descales)
                     assert not bool(cupy.isnan(out.astype(numpy.float32)).any())
-    finally:
-        _dispatch.E4M3_DYNAMIC_SCHEDULE_KEYS, _dispatch.E4M3_WIDE_TILE_KEYS = saved
-        api._forward_plans.plans.clear()
 
 
 def _mla_decode(dtype) -> None:
