@@ -41,16 +41,13 @@ summary=$OUT/pending-summary.txt
 header "pending_checks.sh STEPS=\"$STEPS\" BASE=$BASE" > "$summary"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$summary"
 
-ab() {  # ab DIR ARGS...: fp8_variants_ab.py of the repository in DIR (a shell function:
-    local dir=$1; shift  # not under `timeout`)
-    python3 "$dir/benchmarks/dev/fp8_variants_ab.py" "$@"
-}
 if want tests; then
     t=$(( $(left) - 200 )); (( t > 330 )) && t=330
-    ab . --variants $AB_VARIANTS --rounds 1 --iters 1 --warmup 1 --no-cudnn \
+    warm=(--rounds 1 --iters 1 --warmup 1 --no-cudnn)
+    python3 benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS "${warm[@]}" \
         > "$LOGS/warm-head.txt" 2>&1 &
-    [[ -n $BASE ]] && { ab "$BASE" --variants disp --rounds 1 --iters 1 --warmup 1 --no-cudnn \
-        > "$LOGS/warm-base.txt" 2>&1 & }
+    [[ -n $BASE ]] && { python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" --variants disp \
+        "${warm[@]}" > "$LOGS/warm-base.txt" 2>&1 & }
     pytest=(timeout "$t" python3 -m pytest -q -p no:cacheprovider -rf)
     "${pytest[@]}" -x tests/gpu/test_fp8_forward.py > "$OUT/tests-fp8.txt" 2>&1 &
     "${pytest[@]}" tests/gpu/test_readme_examples.py tests/gpu/test_mla_decode.py \
