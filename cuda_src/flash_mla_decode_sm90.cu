@@ -9,10 +9,11 @@
 //  - Warpgroup 0 is the producer (setmaxnreg.dec): one thread streams the split's 64-token cache
 //    tiles by TMA into a 2-stage ring beside Q (sm90/mla_producer.cuh), all 576 columns of a
 //    row once: a tile serves S = Q K^T and, its first 512 columns, O += P V.
-//  - Warpgroups 1 and 2 are consumers (setmaxnreg.inc): both compute the same S over the block's
-//    64 rows (SS wgmma over 36 k16 steps), the same online softmax, and each O += P V for its
-//    half of V's columns (RS wgmma, P from registers, N = 256): 64 x 512 fp32 of O is 128
-//    registers a thread in each (sm90/mla_mainloop.cuh).
+//  - Warpgroups 1 and 2 are consumers (setmaxnreg.inc): each computes S over the block's 64
+//    rows for half of a tile's keys (SS wgmma m64n32, 36 k16 steps), the two exchange their
+//    rows' maxima for the online softmax and write their P into one panel, and each computes
+//    O += P V over all the tile's keys for its half of V's columns (SS wgmma, N = 256): 64 x 512
+//    fp32 of O is 128 registers a thread in each (sm90/mla_mainloop.cuh).
 //  - Positions from the sequence's cache length on are written in the landed tile before it is
 //    read: new tokens from k_new, positions past seqlen_k zeros (sm90/mla_mainloop.cuh). The
 //    append of the new tokens into the cache runs meanwhile in the CTA of row block 0 and split

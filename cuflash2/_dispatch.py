@@ -826,11 +826,12 @@ E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, Fa
 #: FlashAttention-3's FP8 d=128 tile is 128 x 224 with the overlap; per key a wider tile pays
 #: less of O's rescale (the row max moves with every tile at e4m3) and of each tile's waits and
 #: arrivals. The transposed V's last panel then holds 32-key groups (160: one, 224: three) in
-#: a whole panel's shared memory. ptxas (sm_90a, 240 consumer registers): 160 keys with the
-#: overlap and 224 without it compile without spills, where 192 with the overlap spills 36
-#: bytes and 224 with it 344; 3 stages at 160 (214,016 B with one raw V buffer), 2 at 224
-#: (214,016 B with two).
-E4M3_WIDE_TILES = {128: ((160, 3, True), (224, 2, False))}
+#: a whole panel's shared memory. ptxas (sm_90a, 240 consumer registers): 160 and 192 keys
+#: with the overlap (192: Q's descriptors made each tile, FwdSm90Traits::FRESH_Q_DESCRIPTORS;
+#: 36 bytes spilled without) and 224 without it compile without spills, 224 with it spills 344
+#: bytes; 3 stages at 160 (214,016 B with one raw V buffer), 2 at 192 (197,632 B with two) and
+#: 224 (214,016 B with two).
+E4M3_WIDE_TILES = {128: ((160, 3, True), (192, 2, True), (224, 2, False))}
 #: (block_n of E4M3_WIDE_TILES, least keys) by kernel head dim: the FP8 forward of non-causal
 #: rows without a window from that many keys on. H100, 2026-12-07 (fp8_variants_ab.py, rounds
 #: alternating on the same arrays, against the 128-key tile as dispatched): 224 keys 1.04 /

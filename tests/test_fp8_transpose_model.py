@@ -4,7 +4,8 @@ ldmatrix.x4.trans gives each lane, the two byte permutes, what stmatrix.x4 write
 with the CUDA's own index arithmetic (each function below mirrors one of the header's), and the
 resulting tile of the ring compared with the keys-last V that P V's descriptors read (issue_pv)
 and that the operand pass it replaces wrote (VT panels of 128 key bytes by head-dim rows,
-128-byte swizzle; within each group of 32 keys, position 4t + b of a 16-position half holds key
+128-byte swizzle; the head-dim rows in transposed_row's order, which keeps stmatrix off
+shared bank conflicts and O's columns in order after unpermute_o_columns; within each group of 32 keys, position 4t + b of a 16-position half holds key
 2t + (b & 1) + 8 (b >> 1) of that half: the order pack_probabilities_e4m3 packs P in), for every
 head dim and tile of _dispatch.E4M3_SM90_FWD_TILES and the wider key tiles of
 _dispatch.E4M3_WIDE_TILES (160-224 keys: a last panel of 32-key groups, the rest of its rows
@@ -55,10 +56,16 @@ def e4m3_key_at_position(pos):
     return 16 * half + 2 * t + (b & 1) + 8 * (b >> 1)
 
 
+def transposed_row(h):
+    """transposed_row: the stage's row of V's head-dim row h (rows 8-15 of every 16 trade places
+    in pairs)."""
+    return h ^ ((h >> 3) & 1)
+
+
 def expected_vt_stage(v_tile, block_n, head_dim):
-    """The ring's V tile as P V reads it (and as the operand pass wrote V keys-last and the TMA
-    loaded it): VT_PANELS panels (128 keys each) of head_dim rows of 128 key positions, 128-byte
-    swizzle."""
+    """The ring's V tile as P V reads it (as the operand pass wrote V keys-last and the TMA
+    loaded it, but for the head-dim rows' order): VT_PANELS panels (128 keys each) of head_dim
+    rows of 128 key positions, 128-byte swizzle, V's head-dim row h in row transposed_row(h)."""
     vt_panel_bytes = head_dim * ROW_BYTES
     smem = np.zeros(-(-block_n // ROW_BYTES) * vt_panel_bytes, np.uint8)
     for h in range(head_dim):
@@ -66,7 +73,7 @@ def expected_vt_stage(v_tile, block_n, head_dim):
             group = key_pos // 32 * 32
             key = group + e4m3_key_at_position(key_pos % 32)
             panel, pos = key_pos // ROW_BYTES, key_pos % ROW_BYTES
-            smem[panel * vt_panel_bytes + swizzled(h, pos)] = v_tile[key, h]
+            smem[panel * vt_panel_bytes + swizzled(transposed_row(h), pos)] = v_tile[key, h]
     return smem
 
 
@@ -148,9 +155,10 @@ def vt_lane_offset(lane):
     """vt_lane_offset: lane l supplies row l % 8 of stmatrix's matrix l / 8; matrices 0 and 2
     are the even head-dim rows, 1 and 3 the odd ones (hr = 2 (l % 8) + (l / 8) % 2), 2 and 3
     the second 16 positions of the group of 32 (chunk l / 16 of the group's two), in their
-    swizzled slot for row hr; a step XORs the group's first chunk in."""
-    hr = 2 * (lane & 7) + ((lane >> 3) & 1)
-    return hr * ROW_BYTES + ((((lane >> 4) ^ hr) & 7) << 4)
+    swizzled slot for the stage's row transposed_row(hr); a step XORs the group's first chunk
+    in."""
+    row = transposed_row(2 * (lane & 7) + ((lane >> 3) & 1))
+    return row * ROW_BYTES + ((((lane >> 4) ^ row) & 7) << 4)
 
 
 def unit_addresses(raw_lane, vt_lane, u, shape):
@@ -214,9 +222,29 @@ def test_the_transposed_tile_is_the_keys_last_tile(head_dim, block_n):
                                                      vt_base=37 << 10)
     assert (runs == 1).all()
     np.testing.assert_array_equal(stage, expected_vt_stage(v_tile, block_n, head_dim))
-    # ldmatrix's rows (8 consecutive keys, one chunk) are conflict-free; stmatrix's (even or
-    # odd head-dim rows, rows % 8 in {0, 2, 4, 6} or {1, 3, 5, 7}) meet two at a slot.
-    assert (lds_ways, sts_ways) == (1, 2)
+    # ldmatrix's rows (8 consecutive keys, one chunk) are conflict-free, and so are stmatrix's
+    # (even or odd head-dim rows, in place two at a slot: transposed_row's reason).
+    assert (lds_ways, sts_ways) == (1, 1)
+
+
+def test_o_columns_come_back_in_order():
+    """P V with the stage's rows in transposed_row's order gives O's column n at accumulator
+    column transposed_row(n); unpermute_o_columns' swaps (elements 0 and 1, 2 and 3 of every
+    odd n8 tile: a thread's columns 8 dt + 2t and + 1) put each back."""
+    for d_tiles in (8, 16, 32):  # head dims 64, 128, 256
+        logical = np.arange(8 * d_tiles)
+        physical = np.array([transposed_row(n) for n in logical])  # column n holds V row p(n)
+        acc = np.empty((d_tiles, 4, 4), int)  # [dt][element][t]: the V row each one holds
+        for dt in range(d_tiles):
+            for t in range(4):
+                for e in range(4):
+                    acc[dt, e, t] = physical[8 * dt + 2 * t + e % 2]
+        for dt in range(1, d_tiles, 2):
+            acc[dt] = acc[dt][[1, 0, 3, 2]]
+        for dt in range(d_tiles):
+            for t in range(4):
+                for e in range(4):
+                    assert acc[dt, e, t] == 8 * dt + 2 * t + e % 2
 
 
 def test_the_byte_permutes_give_the_operand_pass_words():

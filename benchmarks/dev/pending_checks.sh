@@ -13,6 +13,8 @@
 #             the same machine, cuDNN's FP8 SDPA beside both where the frontend's wheel is at
 #             WHEEL (installed under /tmp/site)
 #   mla       benchmarks/mla_decode.py --no-torch on the checkout, then on BASE
+#   rotary    benchmarks/dev/decode_graph_sweep.py --rotary (issue 47: the rotary append's cost
+#             in a decode step at batch 1, 4k tokens, at most 10%)
 # Logs go to OUT (at most 8 files), each starting with the commit and the command.
 #
 #   OUT=$OUT BUDGET=585 BASE=ab_base WHEEL=.whl COMMIT=<hash> bash benchmarks/dev/pending_checks.sh
@@ -20,10 +22,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to the folder for logs}
 BUDGET=${BUDGET:-585}
-STEPS=${STEPS:-tests timing mla}
+STEPS=${STEPS:-tests timing mla rotary}
 BASE=${BASE:-}
 WHEEL=${WHEEL:-}
-AB_VARIANTS=${AB_VARIANTS:-disp w224}
+AB_VARIANTS=${AB_VARIANTS:-disp w192 w224}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
@@ -65,7 +67,8 @@ fi
 if want timing; then
     log=$OUT/fp8-timing.txt
     header "fp8_variants_ab.py --variants $AB_VARIANTS (head), --variants disp (BASE=$BASE)" > "$log"
-    reserve=0; want mla && reserve=100  # seconds kept for the mla step
+    reserve=0; want mla && reserve=100  # seconds kept for the mla and rotary steps
+    want rotary && reserve=$((reserve + 60))
     half=$(( ($(left) - 10 - reserve) / 2 ))
     # (the script puts its own repository first on sys.path: BASE's runs BASE's package)
     echo "## head" >> "$log"
@@ -85,6 +88,12 @@ if want mla; then
     [[ -n $BASE ]] && bounded 120 python3 "$BASE/benchmarks/mla_decode.py" --no-torch \
         >> "$log" 2>&1
     tail -12 "$log"
+fi
+if want rotary; then
+    log=$OUT/rotary-cost.txt
+    header "benchmarks/dev/decode_graph_sweep.py --rotary" > "$log"
+    bounded 60 python3 benchmarks/dev/decode_graph_sweep.py --rotary >> "$log" 2>&1
+    tail -6 "$log"
 fi
 echo "pending_checks: ${SECONDS} s" >> "$summary"
 cat "$summary"

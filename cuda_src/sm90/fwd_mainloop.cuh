@@ -83,6 +83,23 @@ CF2_DEVICE void issue_pv(float (&acc_o)[T::D_TILES][4], u32 (&p)[T::P_FRAGS][4],
     }
 }
 
+// e4m3 (T::TRANSPOSE_V): the stage holds V's head-dim row h in row h ^ ((h >> 3) & 1)
+// (transposed_row, sm90/fwd_transpose_v.cuh: conflict-free stmatrix), so P V's column n is O's
+// column n ^ ((n >> 3) & 1): in an n8 tile of odd index a thread's columns 2t and 2t + 1 trade
+// places, in both its rows. Renaming registers: no instructions.
+template <class T>
+CF2_DEVICE void unpermute_o_columns(float (&acc_o)[T::D_TILES][4]) {
+#pragma unroll
+    for (int dt = 1; dt < T::D_TILES; dt += 2) {
+        const float row_g[2] = {acc_o[dt][0], acc_o[dt][1]};
+        const float row_g8[2] = {acc_o[dt][2], acc_o[dt][3]};
+        acc_o[dt][0] = row_g[1];
+        acc_o[dt][1] = row_g[0];
+        acc_o[dt][2] = row_g8[1];
+        acc_o[dt][3] = row_g8[0];
+    }
+}
+
 // The probabilities in the S registers (after exp_scores) as the A operand of P V, step by step.
 // e4m3: k32 steps of four n8 tiles, rounded to e4m3 (the unnormalised probabilities lie in
 // [0, 2^T::P_SCALE_LOG2]: T::LAZY_RESCALE is false), in the order the keys-last V holds its keys
@@ -507,7 +524,11 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
             pin_registers(acc_o[0]);
             pin_registers(p_frag);
             wgmma_fence();
-            issue_qk<Elem, T>(acc_s[0], q_rows, k_tile_of(j));
+            // (T::FRESH_Q_DESCRIPTORS: Q's descriptors made again each tile from an opaque copy
+            // of its address, not held across the loop)
+            u32 q_now = q_rows;
+            if constexpr (T::FRESH_Q_DESCRIPTORS) asm volatile("mov.b32 %0, %0;" : "+r"(q_now));
+            issue_qk<Elem, T>(acc_s[0], q_now, k_tile_of(j));
             wgmma_commit_group();  // group 1: S_j
             // O is complete (P_{j-2} V_{j-2} was waited for): tile j-1's rescale.
             softmax.rescale_o(acc_o, correction, rescale);
@@ -598,6 +619,7 @@ CF2_DEVICE void consume_kv_tiles(const FwdParams& p, const KeyVisibility& vis,
     // of one function, as in the kernel before it was split, and the compiler sees the same
     // program (with acc_o and softmax in the caller, or these in the epilogue, ptxas scheduled
     // and allocated differently: other SASS).
+    if constexpr (T::TRANSPOSE_V) unpermute_o_columns<T>(acc_o[0]);
     float inv_sum[2], row_lse[2];
     epilogue(acc_o, softmax, inv_sum, row_lse);
 }

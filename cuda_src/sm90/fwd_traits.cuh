@@ -147,6 +147,12 @@ struct FwdSm90Traits : Sm90CtaLayout {
                       : BASE_CONSUMER_REGISTERS;
     static constexpr int SMEM_BYTES = RING_SMEM_BYTES + RAW_V_STAGES * RAW_V_TILE_BYTES;
 
+    // The e4m3 d=128 tiles wider than 128 keys with the overlap hold S, the previous P and O (at
+    // 192 keys 96 + 24 + 64 registers) beside the loop's own state: there ptxas kept Q's k-step
+    // descriptors (loop-invariant, 8 registers) across the loop and spilled 36 bytes. Made again
+    // each tile from an opaque copy of Q's address (a few integer instructions under the GEMMs),
+    // they fit (fwd_mainloop.cuh, the overlap's loop).
+    static constexpr bool FRESH_Q_DESCRIPTORS = Elem::IS_E4M3 && HEAD_DIM == 128 && BLOCK_N > 128;
     // The online softmax's lazy rescale (online_softmax.cuh), but for e4m3 elements: their P is
     // rounded to e4m3, and a row's largest probability is then exactly 1 only where the max
     // moves with every tile that raises it (docs/FP8_FORWARD.md, "Accuracy").

@@ -1,13 +1,13 @@
 // The FP8 forward's transpose of V in shared memory (FwdSm90Traits::TRANSPOSE_V, e4m3;
-// docs/FP8_FORWARD.md): warps 1 .. TRANSPOSE_WARPS of the producer warpgroup read each KV tile's
-// V as the TMA landed it in the raw V ring (rows of keys) and write it into its stage of the
-// K/V ring keys-last, in P's key order. FP8 wgmma takes K-major operands only, and P V's B has
-// the keys as K: the stage holds VT_PANELS panels (128 keys) of HEAD_DIM_V head-dim rows of 128
-// key bytes, 128-byte swizzle, as issue_pv's descriptors read them (the layout an operand pass
-// wrote and the TMA loaded before), and within each group of 32 keys position 4t + b of a
-// 16-position half holds key 2t + (b & 1) + 8 (b >> 1) of that half, the order in which
-// pack_probabilities_e4m3 packs P. tests/test_fp8_transpose_model.py replays every index below
-// in NumPy against that layout.
+// docs/FP8_FORWARD.md): warps 1 .. TRANSPOSE_WARPS of the producer warpgroup read each KV tile's V
+// as the TMA landed it in the raw V ring (rows of keys) and write it into its stage of the K/V
+// ring keys-last, in P's key order. FP8 wgmma takes K-major operands only, and P V's B has the
+// keys as K: the stage holds VT_PANELS panels (128 keys) of HEAD_DIM_V head-dim rows of 128 key
+// bytes, 128-byte swizzle, as issue_pv's descriptors read them (the layout an operand pass wrote
+// and the TMA loaded before, but for its head-dim rows' order: transposed_row), and within each
+// group of 32 keys position 4t + b of a 16-position half holds key 2t + (b & 1) + 8 (b >> 1) of
+// that half, the order in which pack_probabilities_e4m3 packs P. tests/test_fp8_transpose_model.py
+// replays every index below in NumPy against that layout.
 //
 // A step is 32 keys (one group of P's order) by 16 head-dim bytes. ldmatrix.x4.trans on 16-bit
 // elements (pairs of head-dim bytes of one key) over the keys' rows: lane l (g = l / 4,
@@ -18,9 +18,11 @@
 // stores those four words as four 8 x 8 matrices: rows 2g (even bytes) and 2g + 1 (odd bytes)
 // of the 16 head-dim rows, 16 positions each.
 // Banks: ldmatrix's 8 rows are 8 consecutive keys, one chunk each: 8 slots, conflict-free.
-// stmatrix's are 8 even (or odd) head-dim rows: their rows % 8 take 4 values, so 2 rows meet at
-// a slot (2-way). A row permutation (row h at h ^ ((h >> 3) & 1)) would avoid it at the cost of
-// O's columns (docs/FP8_FORWARD_NEXT.md, section 2).
+// stmatrix's are 8 even (or odd) head-dim rows, whose rows % 8 in place would take 4 values (2
+// rows a slot, 2-way); so head-dim row h of V is stored in row h ^ ((h >> 3) & 1) of the stage
+// (`transposed_row`), which makes the 8 rows of a matrix meet 8 slots. P V's column n is then
+// O's column n ^ ((n >> 3) & 1), which the mainloop puts back by renaming registers
+// (unpermute_o_columns in sm90/fwd_mainloop.cuh).
 #pragma once
 #include "hopper_primitives.cuh"
 #include "sm90/fwd_barriers.cuh"
@@ -33,13 +35,17 @@ CF2_DEVICE u32 raw_lane_offset(int lane) {
     return lane * Sm90CtaLayout::ROW_BYTES + ((lane & 7) << 4);
 }
 
+// The stage's row of V's head-dim row h: rows 8-15 of every 16 trade places in pairs, so that
+// stmatrix's 8 even (or odd) rows of a matrix fall on 8 distinct rows % 8 (above).
+CF2_DEVICE int transposed_row(int h) { return h ^ ((h >> 3) & 1); }
+
 // The lane's row in the stage's V tile: row lane % 8 of stmatrix's matrix lane / 8, matrices 0
 // and 2 the even head-dim rows (hr = 2 (lane % 8)), 1 and 3 the odd ones (+1), 2 and 3 the
-// second 16 positions of the group (chunk lane / 16 of its two), in its swizzled slot of row
-// hr. A step XORs its group's first chunk (even) in.
+// second 16 positions of the group (chunk lane / 16 of its two), in its swizzled slot of the
+// stage's row transposed_row(hr). A step XORs its group's first chunk (even) in.
 CF2_DEVICE u32 vt_lane_offset(int lane) {
-    const int hr = 2 * (lane & 7) + ((lane >> 3) & 1);
-    return hr * Sm90CtaLayout::ROW_BYTES + ((((lane >> 4) ^ hr) & 7) << 4);
+    const int row = transposed_row(2 * (lane & 7) + ((lane >> 3) & 1));
+    return row * Sm90CtaLayout::ROW_BYTES + ((((lane >> 4) ^ row) & 7) << 4);
 }
 
 // Unit u of a tile: head-dim chunk c = u / VT_PANELS (16 bytes), VT panel p = u % VT_PANELS

@@ -18,7 +18,8 @@ CF2_DEVICE void store_latent_block(const DecodeParams& p, const MlaRowBlock& b, 
                                    const OnlineSoftmax<1>& softmax) {
     constexpr float LN2 = 0.6931471805599453f;
     const int lane = ctid % 32, warp = (ctid / 32) % 4;
-    // Both consumers hold the same (m, l) of a row (the same S); the lse in log2 units, -inf
+    // Both consumers hold the same (m, l) of a row (the same maxima; the mainloop added the
+    // other consumer's sums to this thread's); the lse in log2 units, -inf
     // for a row that saw no key (its O then 0).
     float lse2[2], inv_sum[2];
 #pragma unroll

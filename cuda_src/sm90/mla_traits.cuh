@@ -10,9 +10,9 @@ struct MlaDecodeTraits : Sm90CtaLayout {
     static constexpr int HEAD_DIM = 576;
     static constexpr int HEAD_DIM_V = 512;
     // A CTA's query rows: 64 packed rows (query token x head, as the decode kernel packs them;
-    // the heads of one KV head), one m64 wgmma tile. Both consumer warpgroups compute the same
-    // S = Q K^T on them and each keeps half of O's columns (64 x 512 fp32 would be 256
-    // registers a thread in one warpgroup).
+    // the heads of one KV head), one m64 wgmma tile. Each consumer warpgroup computes S = Q K^T
+    // on them for half of a tile's keys, and keeps half of O's columns (64 x 512 fp32 would be
+    // 256 registers a thread in one warpgroup).
     static constexpr int BLOCK_M = 64;
     static constexpr int BLOCK_N = 64;  // keys a cache tile: the page of FlashMLA's paged cache
     static constexpr int STAGES = 2;    // Q (72 KiB) and two tiles (72 KiB each): 216 KiB
@@ -30,9 +30,17 @@ struct MlaDecodeTraits : Sm90CtaLayout {
     static constexpr int PANEL_BYTES = BLOCK_M * ROW_BYTES;  // Q's and a tile's (BLOCK_N rows)
     static constexpr int Q_BYTES = PANELS * PANEL_BYTES;
     static constexpr int TILE_BYTES = PANELS * PANEL_BYTES;
-    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * TILE_BYTES + SMEM_ALIGN;
+    // Each consumer's scores and probabilities: KEYS_EACH of a tile's keys. P of the whole tile
+    // (BLOCK_M rows of BLOCK_N 16-bit keys: one panel, the K-major A operand of both consumers'
+    // P V) and the consumers' row maxima of the tile (MAXIMA_BYTES) after the ring.
+    static constexpr int KEYS_EACH = BLOCK_N / CONSUMER_WARPGROUPS;
+    static constexpr int P_OFFSET = Q_BYTES + STAGES * TILE_BYTES;  // from the aligned base
+    static constexpr int P_BYTES = BLOCK_M * ROW_BYTES;
+    static constexpr int MAXIMA_OFFSET = P_OFFSET + P_BYTES;
+    static constexpr int MAXIMA_BYTES = CONSUMER_WARPGROUPS * BLOCK_M * 4;
+    static constexpr int SMEM_BYTES = MAXIMA_OFFSET + MAXIMA_BYTES + SMEM_ALIGN;
     static constexpr int CHUNKS = HEAD_DIM / 8;       // 16-byte chunks of a latent row
-    static constexpr int N_TILES = BLOCK_N / 8;       // n8 column groups of S
+    static constexpr int N_TILES = KEYS_EACH / 8;     // n8 column groups of a consumer's S
     static constexpr int D_TILES = DIM_V_EACH / 8;    // n8 column groups of a consumer's O
     static constexpr int QK_STEPS = HEAD_DIM / 16;    // k16 steps of Q K^T
     static constexpr int PV_STEPS = BLOCK_N / 16;     // k16 steps of P V
@@ -43,6 +51,10 @@ struct MlaDecodeTraits : Sm90CtaLayout {
     static_assert(HEAD_DIM % PANEL_COLS == 0 && HEAD_DIM_V % (PANEL_COLS * CONSUMER_WARPGROUPS) == 0,
                   "whole panels, split evenly between the consumers");
     static_assert(DIM_V_EACH <= 256, "wgmma N of P V at most 256");
+    static_assert(BLOCK_N * 2 == ROW_BYTES && KEYS_EACH % 16 == 0,
+                  "P of a tile is one panel; a consumer's keys whole k16 slices");
+    // A consumer's n32 S starts KEYS_EACH rows into the tile's panels: whole swizzle atoms.
+    static_assert(KEYS_EACH * ROW_BYTES % 1024 == 0, "S's B operand on a swizzle atom");
     static_assert(PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
     // setmaxnreg.inc takes registers from what the CTA holds at entry (ENTRY_REGISTERS a
     // thread), not the register file: a split asking more waits forever.

@@ -153,17 +153,26 @@ def _fp8(head_dims) -> None:
     """The FP8 forward (sm_90; e4m3 bits with per-(batch, KV head) descales): V transposed by
     the producer warpgroup through its raw V ring, on the one-tile grid (d=64, 256, windows), on
     the persistent grid (d=128, short rows: static, and claimed tiles where forced onto short
-    causal rows as in _claimed_tiles), odd lengths, GQA."""
+    causal rows as in _claimed_tiles), with the 224-key tile where forced onto short non-causal
+    rows (E4M3_WIDE_TILE_KEYS: the transposed V's last panel of 32-key groups), odd lengths,
+    GQA."""
     from fp8_forward_checks import fp8_qkv  # tests/gpu helpers (this script's folder)
     from grids import switched
 
-    claims = {"E4M3_DYNAMIC_SCHEDULE_KEYS": {128: (0, _dispatch.NO_LIMIT)}}
-    for forced in ({}, claims):
+    modes = {
+        "dispatched": {},
+        "claims": {"E4M3_DYNAMIC_SCHEDULE_KEYS": {128: (0, _dispatch.NO_LIMIT)}},
+        "wide": {"E4M3_WIDE_TILE_KEYS": {d: (block_n, 0) for d, (block_n, _)
+                                         in _dispatch.E4M3_WIDE_TILE_KEYS.items()}},
+    }
+    for mode, forced in modes.items():
         with switched(_dispatch, forced, api._forward_plans):
             for d in head_dims:
                 q, k, v, descales = fp8_qkv(cupy, d, 2, 300, 333, 4, 2, d)
                 for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))):
-                    if forced and not causal:
+                    wanted = {"dispatched": True, "claims": causal,
+                              "wide": not causal and window == (-1, -1)}[mode]
+                    if not wanted:
                         continue
                     out = cuflash2.attention(q, k, v, qkv_dtype="e4m3", causal=causal,
                                              window_size=window, **descales)
