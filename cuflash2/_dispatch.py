@@ -826,17 +826,19 @@ E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, Fa
 #: FlashAttention-3's FP8 d=128 tile is 128 x 224 with the overlap; per key a wider tile pays
 #: less of O's rescale (the row max moves with every tile at e4m3) and of each tile's waits and
 #: arrivals. The transposed V's last panel then holds 32-key groups (160: one, 224: three) in
-#: a whole panel's shared memory. ptxas (sm_90a, 240 consumer registers): 160 and 192 keys
-#: with the overlap (192: Q's descriptors made each tile, FwdSm90Traits::FRESH_Q_DESCRIPTORS;
-#: 36 bytes spilled without) and 224 without it compile without spills, 224 with it spills 344
-#: bytes; 3 stages at 160 (214,016 B with one raw V buffer), 2 at 192 (197,632 B with two) and
-#: 224 (214,016 B with two).
-E4M3_WIDE_TILES = {128: ((160, 3, True), (192, 2, True), (224, 2, False))}
+#: a whole panel's shared memory. ptxas (sm_90a, 240 consumer registers): 160, 192 and 224 keys
+#: with the overlap compile without spills (192 and 224: Q's descriptors made each tile,
+#: FwdSm90Traits::FRESH_Q_DESCRIPTORS; 224 also needs the boundary mask's tests against
+#: immediates, masking.cuh, else ptxas kept a register a key and spilled 344 bytes); 3 stages at
+#: 160 (214,016 B with one raw V buffer), 2 at 192 (197,632 B with two) and 224 (214,016 B with
+#: two).
+E4M3_WIDE_TILES = {128: ((160, 3, True), (192, 2, True), (224, 2, True))}
 #: (block_n of E4M3_WIDE_TILES, least keys) by kernel head dim: the FP8 forward of non-causal
 #: rows without a window from that many keys on. H100, 2026-12-07 (fp8_variants_ab.py, rounds
-#: alternating on the same arrays, against the 128-key tile as dispatched): 224 keys 1.04 /
-#: 1.08 / 1.03x at 4k / 8k / 16k keys, 0.98x at 2k, 0.77-0.91x at 512-1k; causal 0.71-0.97x at
-#: every length. 160 keys: 1.00-1.05x from 2k non-causal, below 224 from 4k.
+#: alternating on the same arrays): 224 keys with the overlap 1.065 / 1.063 / 1.109x at 4k / 8k
+#: / 16k keys against 224 without it (the tile dispatched before, itself 1.04 / 1.08 / 1.03x
+#: over 128 keys), 1.01x over 128 keys at 2k, 0.79-0.94x at 512-1k; causal 0.69-0.97x up to 8k,
+#: 1.03x at 16k. 192 keys with the overlap: 1.02-1.05x from 2k non-causal, below 224 from 4k.
 E4M3_WIDE_TILE_KEYS = {128: (224, 4096)}
 
 
