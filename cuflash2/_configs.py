@@ -1176,13 +1176,13 @@ class MlaDecodeConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # Q and `stages` tiles of all head_dim columns (rows of 128-byte panels), the tile's P
-        # (block_m x block_n, 16-bit) and the two consumers' row maxima (block_m floats each),
-        # + 1 KiB to align the base to 1024 B by hand (MlaDecodeTraits::SMEM_BYTES); barriers
-        # static.
+        # Q and `stages` tiles of all head_dim columns (rows of 128-byte panels; a tile's P goes
+        # into its last panel), the two consumers' row maxima (block_m floats each) and their
+        # threads' two row sums (2 x 128 x 2 floats), + 1 KiB to align the base to 1024 B by
+        # hand (MlaDecodeTraits::SMEM_BYTES); barriers static.
         tile = 2 * self.block_n * self.head_dim
         return (2 * self.block_m * self.head_dim + self.stages * tile
-                + 2 * self.block_m * self.block_n + 2 * 4 * self.block_m + 1024)
+                + 2 * 4 * self.block_m + 2 * 128 * 2 * 4 + 1024)
 
     @property
     def source_file(self) -> str:

@@ -192,9 +192,10 @@ def test_latent_shapes_pages_and_devices_outside_the_kernel_are_refused(mla_host
 
 def test_the_mla_config():
     config = _configs.MlaDecodeConfig("bfloat16")
-    # Q and two tiles of 64 latent rows, the tile's P (64 x 64, 16-bit), two consumers' maxima
+    # Q and two tiles of 64 latent rows (a tile's P in its last panel), two consumers' maxima
+    # and row sums
     assert config.threads == 384
-    assert config.smem_bytes == 3 * 64 * D * 2 + 64 * 64 * 2 + 2 * 64 * 4 + 1024
+    assert config.smem_bytes == 3 * 64 * D * 2 + 2 * 64 * 4 + 2 * 128 * 2 * 4 + 1024
     assert config.smem_bytes <= _configs.SM90_MAX_SMEM
     assert config.name_expression == "flash_mla_decode_sm90_kernel<bf16_tag>"
     assert "MLA decode" in _configs.describe(config)

@@ -2,11 +2,12 @@
 // shared memory, then the FA2 loop over the split's cache tiles as the producer
 // (sm90/mla_producer.cuh) lands them: S = Q K^T over all 576 columns, each consumer for half
 // of the tile's keys; the online softmax on the tile's row maxima, which the two exchange
-// through shared memory; each consumer's P into one P tile in shared memory; O += P V over all
-// the tile's keys with V the tile's first 512 columns, each consumer its half of them. S is
-// computed once: with 128 heads the step's products, not its bytes, set its time
-// (docs/MLA_DECODE.md). It leaves the unnormalised O and the softmax state (the row sums of
-// both consumers' keys) to the epilogue (sm90/mla_epilogue.cuh).
+// through shared memory; each consumer's P into the tile's P panel (its last 64 columns, which
+// only S reads); O += P V over all the tile's keys with V the tile's first 512 columns, each
+// consumer its half of them, under the next tile's S and softmax. S is computed once: with 128
+// heads the step's products, not its bytes, set its time (docs/MLA_DECODE.md). It leaves the
+// unnormalised O and the softmax state (the row sums of both consumers' keys) to the epilogue
+// (sm90/mla_epilogue.cuh).
 #pragma once
 #include "hopper_primitives.cuh"
 #include "online_softmax.cuh"
@@ -63,19 +64,6 @@ CF2_DEVICE void write_rows_past_cache(const DecodeParams& p, const MlaRowBlock& 
     }
 }
 
-// S = Q K^T for the block's 64 rows and this consumer's KEYS_EACH keys of the tile (rows
-// KEYS_EACH * consumer .. of its panels) over the latent row's 576 columns, complete on return.
-template <typename Elem, class T>
-CF2_DEVICE void latent_scores(float (&acc_s)[T::N_TILES][4], u32 q_smem, u32 k_rows) {
-    pin_registers(acc_s);
-    wgmma_fence();
-    issue_kmajor_ss<Elem, T::KEYS_EACH, T::QK_STEPS, T::PANEL_BYTES, T::PANEL_BYTES>(
-        acc_s, q_smem, k_rows);
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    pin_registers(acc_s);
-}
-
 // This consumer's probabilities (its KS k16 slices, in the m16n8k16 A layout exp_pack leaves)
 // into the tile's P panel, keys KEYS_EACH * consumer ..: stmatrix.x4 stores a slice's four
 // 8 x 8 matrices (a[0] rows g, keys 0-7; a[1] rows g + 8; a[2], a[3] keys 8-15), lane l giving
@@ -97,11 +85,9 @@ CF2_DEVICE void store_probabilities(u32 p_tile, const u32 (&prob)[T::KEYS_EACH /
 // consumers' keys), the K-major A operand (the k16 step ks 32 bytes into its rows); V the
 // tile's panels from `v_panels` on, the MN-major B operand (SBO 1024 B between groups of 8
 // keys, LBO a panel between groups of 64 columns, the k16 step 16 rows of 128 B further),
-// N = DIM_V_EACH; complete on return.
+// N = DIM_V_EACH. Issues the wgmmas only.
 template <typename Elem, class T>
-CF2_DEVICE void latent_values(float (&acc_o)[T::D_TILES][4], u32 p_tile, u32 v_panels) {
-    pin_registers(acc_o);
-    wgmma_fence();  // the rescaled O was written by ordinary instructions
+CF2_DEVICE void issue_latent_values(float (&acc_o)[T::D_TILES][4], u32 p_tile, u32 v_panels) {
 #pragma unroll
     for (int ks = 0; ks < T::PV_STEPS; ++ks) {
         const u64 a = smem_matrix_descriptor(p_tile + 32 * ks, 16, 1024);
@@ -109,26 +95,29 @@ CF2_DEVICE void latent_values(float (&acc_o)[T::D_TILES][4], u32 p_tile, u32 v_p
                                              1024);
         wgmma_ss_trans_b<Elem, T::DIM_V_EACH>(acc_o, a, b, 1);
     }
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    pin_registers(acc_o);
 }
 
 // The FA2 loop of one consumer over tiles [tile_first, tile_end) (ring position j: stage
 // j % STAGES, phase (j / STAGES) & 1, as the producer fills it). Only tiles past a row's last
 // visible key are masked (the sequence's end; causal: each row's diagonal); only tiles reaching
 // the cache length are written in place first, by both consumers, which meet at
-// CONSUMERS_BARRIER before either reads it. Per tile, consumer c:
+// CONSUMERS_BARRIER before either reads it. Per tile j, consumer c:
 //  1. S_c = Q K_c^T over its KEYS_EACH keys (m64n32: the tile's S once between the two);
-//  2. its rows' maxima over those keys into the tile's maxima, a barrier of the two, and the
-//     online softmax's update on the larger of each row's two (the same in both consumers, so
-//     their running maxima, rescales and exponents agree);
+//  2. its rows' maxima over those keys into the tile's maxima, a barrier of the two (both S of
+//     the tile complete), and the online softmax's max on the larger of each row's two (the
+//     same in both consumers, so their running maxima, rescales and exponents agree);
 //  3. P_c = exp2(S_c scale - m), summed into this thread's row sums (over its keys only: the
-//     epilogue adds the other consumer's), into the tile's P panel; a barrier of the two;
+//     epilogue adds the other consumer's), into the tile's P panel (its own stage's last panel,
+//     K's columns that only S read); a barrier of the two;
 //  4. O_c += P V_c over all the tile's keys (SS: P from the panel).
-// One P panel and one set of maxima serve every tile: a consumer writes the next tile's maxima
-// after the second barrier of this one (the other has read these by then) and its P after the
-// first barrier of the next (both P V of this one have completed by then).
+// The overlap inside a warpgroup (as the forward's, sm90/fwd_mainloop.cuh): S_{j+1} is issued
+// before P_j V_j, in two commit groups, and the softmax of tile j + 1 (steps 2-3 but O's
+// rescale) runs while P_j V_j does; O's rescale for tile j + 1's max waits for that P V (O is
+// its accumulator). Same online softmax: O_{j+1} = c_{j+1} O_j + P_{j+1} V_{j+1}.
+// One set of maxima serves every tile: a consumer writes tile j + 1's after the second barrier
+// of tile j (the other has read tile j's by then). P_{j+1} goes into stage j + 1, whose K both
+// consumers' S_{j+1} have read by the first barrier of tile j + 1; the stage goes back to the
+// producer once this consumer's P_{j+1} V_{j+1} completed (the empty barrier counts both).
 template <typename Elem, class T>
 CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b,
                                      const KeyVisibility& vis, int tile_first, int tile_end,
@@ -137,7 +126,6 @@ CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b
                                      float (&acc_o)[1][T::D_TILES][4],
                                      OnlineSoftmax<1>& softmax) {
     const int lane = ctid % 32, warp = (ctid / 32) % 4;
-    const u32 p_tile = q_smem + T::P_OFFSET;
     const u32 maxima = q_smem + T::MAXIMA_OFFSET;  // [consumer][row] floats
     // This thread's two rows (16 warp + lane / 4, + 8) and the key past their last visible one.
     int row_hi[2];
@@ -146,20 +134,36 @@ CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b
         row_hi[half] = vis.hi((b.row_first + 16 * warp + 8 * half + lane / 4) / b.group);
     const int block_hi = vis.hi(b.row_first / b.group);  // the least of the block's rows'
     const int written_from = min(b.cache_len, b.seqlen_k);
-#pragma unroll 1
-    for (int tile = tile_first, j = 0; tile < tile_end; ++tile, ++j) {
-        const int stage = j % T::STAGES;
-        const u32 phase = (j / T::STAGES) & 1;
-        const u32 k_tile = kv_smem + stage * T::TILE_BYTES;
-        const int key0 = tile * T::BLOCK_N + T::KEYS_EACH * consumer;  // this consumer's first
-        mbarrier_wait(smem_address(&bars.full[stage]), phase);
+    const int row0 = 16 * warp + lane / 4;
+    const int tiles = tile_end - tile_first;
+    if (tiles <= 0) return;
+
+    auto k_tile_of = [&](int j) { return kv_smem + (j % T::STAGES) * T::TILE_BYTES; };
+    auto p_tile_of = [&](int j) { return k_tile_of(j) + T::P_PANEL * T::PANEL_BYTES; };
+    // Tile j landed; its rows from the cache length on written in place (both consumers).
+    auto wait_tile = [&](int j) {
+        mbarrier_wait(smem_address(&bars.full[j % T::STAGES]), (j / T::STAGES) & 1);
+        const int tile = tile_first + j;
         if (tile * T::BLOCK_N + T::BLOCK_N > written_from) {
-            write_rows_past_cache<T>(p, b, k_tile, tile * T::BLOCK_N, ctid);
+            write_rows_past_cache<T>(p, b, k_tile_of(j), tile * T::BLOCK_N, ctid);
             fence_proxy_async_shared();  // plain stores, then the wgmmas' reads
             named_barrier_sync(T::CONSUMERS_BARRIER, T::CONSUMER_THREADS);
         }
-        float acc_s[T::N_TILES][4];
-        latent_scores<Elem, T>(acc_s, q_smem, k_tile + T::KEYS_EACH * consumer * T::ROW_BYTES);
+    };
+    // (Q's descriptors made again each tile from an opaque copy of its address, not held
+    // across the loop, as the FP8 forward's wider tiles do: FRESH_Q_DESCRIPTORS)
+    auto issue_scores = [&](float (&acc_s)[T::N_TILES][4], int j) {
+        u32 q_now = q_smem;
+        asm volatile("mov.b32 %0, %0;" : "+r"(q_now));
+        issue_kmajor_ss<Elem, T::KEYS_EACH, T::QK_STEPS, T::PANEL_BYTES, T::PANEL_BYTES>(
+            acc_s, q_now, k_tile_of(j) + T::KEYS_EACH * consumer * T::ROW_BYTES);
+    };
+    // Steps 2 and 3 of tile j but O's rescale (`correction`, `rescale`: fold_max's), once S_j
+    // completed; P_j into its panel, both consumers' halves there on return.
+    float correction[2];
+    bool rescale = false;
+    auto softmax_step = [&](float (&acc_s)[T::N_TILES][4], int j) {
+        const int key0 = (tile_first + j) * T::BLOCK_N + T::KEYS_EACH * consumer;
         if (key0 + T::KEYS_EACH > block_hi) {
             // s[nt][e]: row half e / 2, key key0 + 8 nt + 2 (lane % 4) + e % 2
 #pragma unroll
@@ -179,7 +183,6 @@ CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b
                 x = fmaxf(x, fmaxf(acc_s[nt][2 * half], acc_s[nt][2 * half + 1]));
             tile_max[half] = quad_max(x);
         }
-        const int row0 = 16 * warp + lane / 4;
         if (lane % 4 == 0) {
 #pragma unroll
             for (int half = 0; half < 2; ++half)
@@ -187,8 +190,8 @@ CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b
                                 __float_as_uint(tile_max[half]));
         }
         named_barrier_sync(T::CONSUMERS_BARRIER, T::CONSUMER_THREADS);
-        // update_max on one n8 tile holding each row's maximum over both consumers' keys: it
-        // folds it into the running max and rescales O and this thread's sums as for a tile.
+        // fold_max on one n8 tile holding each row's maximum over both consumers' keys: it folds
+        // it into the running max and rescales this thread's sums as for a tile.
         float both[1][1][4];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -196,32 +199,68 @@ CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b
                 maxima + 4 * (T::BLOCK_M * (1 - consumer) + row0 + 8 * half)));
             both[0][0][2 * half] = both[0][0][2 * half + 1] = fmaxf(tile_max[half], other);
         }
-        softmax.update_max(both, acc_o, p.scale_log2);
+        rescale = softmax.fold_max(both, p.scale_log2, correction);
         u32 prob[T::KEYS_EACH / 16][4];
 #pragma unroll
         for (int ks = 0; ks < T::KEYS_EACH / 16; ++ks)
             softmax.template exp_pack<Elem>(prob[ks], acc_s[2 * ks], acc_s[2 * ks + 1], 0,
                                             p.scale_log2);
-        store_probabilities<T>(p_tile, prob, consumer, warp, lane);
+        store_probabilities<T>(p_tile_of(j), prob, consumer, warp, lane);
         fence_proxy_async_shared();  // plain stores, then the wgmmas' reads
         named_barrier_sync(T::CONSUMERS_BARRIER, T::CONSUMER_THREADS);
-        latent_values<Elem, T>(acc_o[0], p_tile,
-                               k_tile + consumer * T::V_PANELS_EACH * T::PANEL_BYTES);
-        mbarrier_arrive(smem_address(&bars.empty[stage]));
+    };
+
+    // Tile 0: S_0, then its softmax (O is 0: no rescale).
+    float acc_s[T::N_TILES][4];
+    wait_tile(0);
+    pin_registers(acc_s);
+    wgmma_fence();
+    issue_scores(acc_s, 0);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    pin_registers(acc_s);
+    softmax_step(acc_s, 0);
+#pragma unroll 1
+    for (int j = 0; j + 1 < tiles; ++j) {
+        wait_tile(j + 1);
+        pin_registers(acc_s);
+        pin_registers(acc_o[0]);
+        wgmma_fence();
+        issue_scores(acc_s, j + 1);
+        wgmma_commit_group();  // group 1: S_{j+1}
+        issue_latent_values<Elem, T>(acc_o[0], p_tile_of(j),
+                                     k_tile_of(j) + consumer * T::V_PANELS_EACH * T::PANEL_BYTES);
+        wgmma_commit_group();  // group 2: P_j V_j
+        wgmma_wait_group<1>();  // S_{j+1} complete; P_j V_j may still run
+        pin_registers(acc_s);
+        softmax_step(acc_s, j + 1);
+        wgmma_wait_group<0>();
+        pin_registers(acc_o[0]);
+        mbarrier_arrive(smem_address(&bars.empty[j % T::STAGES]));
+        // O is complete: tile j + 1's rescale (tile j's was applied before its P V).
+        softmax.rescale_o(acc_o, correction, rescale);
     }
+    // The last tile's P V.
+    pin_registers(acc_o[0]);
+    wgmma_fence();
+    issue_latent_values<Elem, T>(
+        acc_o[0], p_tile_of(tiles - 1),
+        k_tile_of(tiles - 1) + consumer * T::V_PANELS_EACH * T::PANEL_BYTES);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    pin_registers(acc_o[0]);
+    mbarrier_arrive(smem_address(&bars.empty[(tiles - 1) % T::STAGES]));
     // The row sums over the other consumer's keys: its thread of the same warp and lane holds
-    // the same rows' (and the same running max), through the P panel once both P V are done.
-    named_barrier_sync(T::CONSUMERS_BARRIER, T::CONSUMER_THREADS);
-    // ([consumer][thread of the warpgroup][2] floats: 2 KiB of the 8 KiB panel)
-    constexpr u32 SUMS_BYTES = 8 * T::WARPGROUP_THREADS;
-    const u32 sums = p_tile + 8 * (ctid % T::WARPGROUP_THREADS);
+    // the same rows' (and the same running max).
+    const u32 sums = q_smem + T::SUMS_OFFSET + 8 * (ctid % T::WARPGROUP_THREADS);
+    constexpr u32 CONSUMER_SUMS = T::SUMS_BYTES / T::CONSUMER_WARPGROUPS;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
-        store_4B_shared(sums + SUMS_BYTES * consumer + 4 * half,
+        store_4B_shared(sums + CONSUMER_SUMS * consumer + 4 * half,
                         __float_as_uint(softmax.row_sum[half]));
     named_barrier_sync(T::CONSUMERS_BARRIER, T::CONSUMER_THREADS);
 #pragma unroll
     for (int half = 0; half < 2; ++half)
         softmax.row_sum[half] += __int_as_float(
-            load_4B_shared_fresh(sums + SUMS_BYTES * (1 - consumer) + 4 * half));
+            load_4B_shared_fresh(sums + CONSUMER_SUMS * (1 - consumer) + 4 * half));
 }

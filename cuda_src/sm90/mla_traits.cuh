@@ -32,13 +32,19 @@ struct MlaDecodeTraits : Sm90CtaLayout {
     static constexpr int TILE_BYTES = PANELS * PANEL_BYTES;
     // Each consumer's scores and probabilities: KEYS_EACH of a tile's keys. P of the whole tile
     // (BLOCK_M rows of BLOCK_N 16-bit keys: one panel, the K-major A operand of both consumers'
-    // P V) and the consumers' row maxima of the tile (MAXIMA_BYTES) after the ring.
+    // P V) goes into the tile's own last panel, K's columns past V's (P_PANEL), once both
+    // consumers' S of the tile completed: the ring's stages double-buffer it, so the softmax of
+    // the next tile runs while this one's P V still reads its P (mla_mainloop.cuh). After the
+    // ring: the consumers' row maxima of the tile (MAXIMA_BYTES) and, at the end, their row sums
+    // (SUMS_BYTES: each consumer thread's two rows).
     static constexpr int KEYS_EACH = BLOCK_N / CONSUMER_WARPGROUPS;
-    static constexpr int P_OFFSET = Q_BYTES + STAGES * TILE_BYTES;  // from the aligned base
+    static constexpr int P_PANEL = PANELS - 1;
     static constexpr int P_BYTES = BLOCK_M * ROW_BYTES;
-    static constexpr int MAXIMA_OFFSET = P_OFFSET + P_BYTES;
+    static constexpr int MAXIMA_OFFSET = Q_BYTES + STAGES * TILE_BYTES;  // from the aligned base
     static constexpr int MAXIMA_BYTES = CONSUMER_WARPGROUPS * BLOCK_M * 4;
-    static constexpr int SMEM_BYTES = MAXIMA_OFFSET + MAXIMA_BYTES + SMEM_ALIGN;
+    static constexpr int SUMS_OFFSET = MAXIMA_OFFSET + MAXIMA_BYTES;
+    static constexpr int SUMS_BYTES = CONSUMER_THREADS * 2 * 4;
+    static constexpr int SMEM_BYTES = SUMS_OFFSET + SUMS_BYTES + SMEM_ALIGN;
     static constexpr int CHUNKS = HEAD_DIM / 8;       // 16-byte chunks of a latent row
     static constexpr int N_TILES = KEYS_EACH / 8;     // n8 column groups of a consumer's S
     static constexpr int D_TILES = DIM_V_EACH / 8;    // n8 column groups of a consumer's O
@@ -53,6 +59,8 @@ struct MlaDecodeTraits : Sm90CtaLayout {
     static_assert(DIM_V_EACH <= 256, "wgmma N of P V at most 256");
     static_assert(BLOCK_N * 2 == ROW_BYTES && KEYS_EACH % 16 == 0,
                   "P of a tile is one panel; a consumer's keys whole k16 slices");
+    static_assert(P_PANEL >= V_PANELS && P_BYTES == PANEL_BYTES,
+                  "P in a panel of K's columns that P V does not read, of a panel's bytes");
     // A consumer's n32 S starts KEYS_EACH rows into the tile's panels: whole swizzle atoms.
     static_assert(KEYS_EACH * ROW_BYTES % 1024 == 0, "S's B operand on a swizzle atom");
     static_assert(PANEL_BYTES % 1024 == 0, "whole swizzle atoms");
