@@ -112,8 +112,10 @@ struct CompileTimeBool {
 // for K and V.
 // An e4m3 cache (Stored = u8, Tile an E4M3Tile) is copied as bytes; its new tokens, 16-bit, are
 // quantised by k_descale / v_descale on the way (kv_cache_e4m3.cuh). With a RotaryTable
-// (rotary.cuh) the new tokens' keys are rotated at their positions (then quantised), stored into
-// the tile by the thread itself, as the append rotates them into the cache.
+// (rotary.cuh) the new tokens' keys are rotated at their positions: an e4m3 cache's by the
+// thread itself, then quantised and stored into the tile, as the append rotates them into the
+// cache; a 16-bit cache's are copied as they are and rotated in the stage once it landed (the
+// kernel's rotate_landed_rows).
 // LEFTPAD (cache_leftpad): keys before `key_lo`, the sequence's first, are zero-filled without
 // being read, as past seqlen_k: a left-padded region may hold anything (NaN or Inf in V would
 // reach O through 0 * NaN where the mask gave P = 0), and flash-attn never reads it either.
@@ -138,38 +140,29 @@ CF2_DEVICE void load_kv_tile_async(u32 k_smem, u32 v_smem, const KVCacheIndex& i
         int block, cache_row;
         if (key >= seqlen_k || (LEFTPAD && key < key_lo)) {
         } else if (key >= cache_len) {
-            if constexpr (Rotary::ENABLED) {
+            if constexpr (sizeof(Stored) == 1) {
                 if (chunk < head_chunks) {  // (chunks past head_dim: zero-filled below)
                     const u32 offset = Tile::offset(row, chunk);
                     const u16* k_row = k_new_rows + (key - cache_len) * kn_row_stride;
                     const u16* v_row = v_new_rows + (key - cache_len) * vn_row_stride;
-                    if constexpr (sizeof(Stored) == 1) {
+                    if constexpr (Rotary::ENABLED) {
                         u32 k8[4];
                         quantise_rotated_chunk<Elem>(k8, k_row, chunk, key, k_descale, rotary);
                         store_16B_shared_words(k_smem + offset, k8);
-                        stage_new_chunk_e4m3<Elem>(v_smem + offset,
-                                                   v_row + chunk * Tile::CHUNK_ELEMS, v_descale);
                     } else {
-                        u32 k_vals[4];
-                        rotary.template load_chunk<Elem>(k_vals, k_row, chunk, key);
-                        store_16B_shared_words(k_smem + offset, k_vals);
-                        cp_async_16_policy(v_smem + offset, v_row + chunk * Tile::CHUNK_ELEMS,
-                                           true, evict_first);
+                        stage_new_chunk_e4m3<Elem>(k_smem + offset,
+                                                   k_row + chunk * Tile::CHUNK_ELEMS, k_descale);
                     }
-                    return;
-                }
-            } else if constexpr (sizeof(Stored) == 1) {
-                if (chunk < head_chunks) {
-                    const i64 element = chunk * Tile::CHUNK_ELEMS;
-                    stage_new_chunk_e4m3<Elem>(k_smem + Tile::offset(row, chunk),
-                                               k_new_rows + (key - cache_len) * kn_row_stride +
-                                                   element, k_descale);
-                    stage_new_chunk_e4m3<Elem>(v_smem + Tile::offset(row, chunk),
-                                               v_new_rows + (key - cache_len) * vn_row_stride +
-                                                   element, v_descale);
+                    stage_new_chunk_e4m3<Elem>(v_smem + offset,
+                                               v_row + chunk * Tile::CHUNK_ELEMS, v_descale);
                     return;
                 }
             } else {
+                // With rotary the key is copied as it is and rotated in the stage once it
+                // landed (the kernel's rotate_landed_rows), its angles asked into L1 meanwhile:
+                // the copy stays asynchronous.
+                if constexpr (Rotary::ENABLED)
+                    if (chunk < head_chunks) rotary.prefetch_angles(chunk, key);
                 k_src = k_new_rows + (key - cache_len) * kn_row_stride;
                 v_src = v_new_rows + (key - cache_len) * vn_row_stride;
             }
@@ -414,24 +407,19 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     };
     // Q: packed row r of this block is position p = (row_first + r) / group, head
     // kv_head * group + (row_first + r) % group; rows past the end are zero-filled. With rotary,
-    // rotated (by the thread itself) at cache_len + p where rotary_q_per_row (causal or a
-    // window), at cache_len otherwise (flash-attn's rule).
+    // rotated at cache_len + p where rotary_q_per_row (causal or a window), at cache_len
+    // otherwise (flash-attn's rule): copied as it is, its angles asked into L1, and rotated in
+    // shared memory once it landed (rotate_landed_rows).
+    auto q_position = [&](int packed) {
+        return cache_len + (p.rotary_q_per_row ? packed / group : 0);
+    };
     auto load_q = [&]() {
         for (int idx = tid; idx < T::BLOCK_M * QTile::CHUNKS; idx += T::THREADS) {
             const int r = idx / QTile::CHUNKS, chunk = idx % QTile::CHUNKS;
             const int packed = row_first + r;
             const bool valid = packed < rows_total && chunk < q_chunks;
-            if constexpr (ROTARY) {
-                const u16* row = p.q + batch * p.q_batch_stride +
-                                 (packed / group) * p.q_row_stride +
-                                 (kv_head * group + packed % group) * p.q_head_stride;
-                u32 vals[4] = {0u, 0u, 0u, 0u};
-                if (valid)
-                    rotary.template load_chunk<Elem>(
-                        vals, row, chunk, cache_len + (p.rotary_q_per_row ? packed / group : 0));
-                store_16B_shared_words(q_smem + QTile::offset(r, chunk), vals);
-                continue;
-            }
+            if constexpr (ROTARY)
+                if (valid) rotary.prefetch_angles(chunk, q_position(packed));
             const u16* src = p.q + batch * p.q_batch_stride + (packed / group) * p.q_row_stride +
                              (kv_head * group + packed % group) * p.q_head_stride + chunk * 8;
             cp_async_16(q_smem + QTile::offset(r, chunk), valid ? src : p.q, valid);
@@ -507,6 +495,46 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     // comes from L2. (Where a split's last tile is loaded after the wait, a short step's
     // critical path: at 4k tokens in a CUDA graph, 7.53-7.57 against 7.91 us a layer, H200.)
     const int num_tiles = tile_end - tile_first;
+    // Rotary: rows copied as they are, rotated in shared memory once they landed (the barrier
+    // before: every thread's copies of step i), Q's at step 0 and, with a 16-bit cache, the new
+    // tokens' keys in the tile of step i; a barrier after, before the mma reads them. Each
+    // thread takes whole items (a GPT-J chunk, a NeoX pair of chunks), so none reads what
+    // another writes. (Loaded, rotated and stored by each thread before it issued anything
+    // else, they put one L2 round trip each on the step's path: +25% a step at batch 1, 4k
+    // tokens, docs/ROTARY.md.)
+    auto rotate_landed_rows = [&](int i) {
+        if constexpr (ROTARY) {
+            const int items = rotary.items_per_row();
+            const int q_items = i == 0 ? T::BLOCK_M * items : 0;
+            const int key0 = (tile_first + i) * T::BLOCK_N;
+            int k_first = 0, k_rows = 0;
+            if (!E4M3_CACHE && i < num_tiles) {
+                k_first = max(cache_len - key0, 0);
+                k_rows = max(min(seqlen_k - key0, T::BLOCK_N) - k_first, 0);
+            }
+            if (q_items + k_rows * items == 0) return;  // (the same for every thread)
+            const u32 k_stage = stage0 + (i % KV_STAGES) * T::STAGE_BYTES;
+            const int partner = rotary.partner_chunks();
+            for (int idx = tid; idx < q_items + k_rows * items; idx += T::THREADS) {
+                const bool in_q = idx < q_items;
+                const int r = (in_q ? idx : idx - q_items) / items;
+                const int item = (in_q ? idx : idx - q_items) % items;
+                if (in_q) {
+                    if (row_first + r < rows_total)
+                        rotary.template rotate_in_shared<Elem>(
+                            q_smem + QTile::offset(r, item),
+                            q_smem + QTile::offset(r, item + partner), item,
+                            q_position(row_first + r));
+                } else {
+                    rotary.template rotate_in_shared<Elem>(
+                        k_stage + KVTile::offset(k_first + r, item),
+                        k_stage + KVTile::offset(k_first + r, item + partner), item,
+                        key0 + k_first + r);
+                }
+            }
+            __syncthreads();
+        }
+    };
     bool waited = !EARLY_CACHE_READS;
 #pragma unroll 1
     for (int i = 1 - KV_STAGES; i < (EARLY_CACHE_READS ? max(num_tiles, 1) : num_tiles); ++i) {
@@ -530,6 +558,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             else
                 cp_async_wait<KV_STAGES - 2>();
             __syncthreads();
+            rotate_landed_rows(i);
             if (i == max(num_tiles - LAUNCH_DEPENDENTS_TILES_BEFORE_END, 0))
                 allow_dependent_launch();
         };

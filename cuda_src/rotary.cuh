@@ -32,6 +32,19 @@ CF2_DEVICE void store_16B_shared_words(u32 smem_addr, const u32 (&v)[4]) {
                  "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
 }
 
+CF2_DEVICE void load_16B_global_l1(u32 (&v)[4], const void* gmem_ptr) {
+    asm volatile("ld.global.ca.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(gmem_ptr));
+}
+
+CF2_DEVICE void load_8B_global_l1(u32 (&v)[2], const void* gmem_ptr) {
+    asm volatile("ld.global.ca.v2.b32 {%0,%1}, [%2];\n" : "=r"(v[0]), "=r"(v[1]) : "l"(gmem_ptr));
+}
+
+CF2_DEVICE void prefetch_global_l1(const void* gmem_ptr) {
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(gmem_ptr));
+}
+
 struct RotaryTable {
     static constexpr bool ENABLED = true;
     const u16* cos;  // (seqlen_ro, rotary_dim / 2), rows rotary_dim / 2 elements apart
@@ -39,6 +52,43 @@ struct RotaryTable {
     int rotary_dim;
     int seqlen_ro;
     bool interleaved;
+
+    // GPT-J: the chunk's 4 pairs at angles c[i / 2] >> 16 (i % 2), s likewise.
+    template <typename Elem>
+    CF2_DEVICE static void rotate_pairs(u32 (&x)[4], const u32 (&c)[2], const u32 (&s)[2]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 cw = c[i / 2] >> (16 * (i % 2)), sw = s[i / 2] >> (16 * (i % 2));
+            const float cf = to_float<Elem>(static_cast<u16>(cw & 0xffffu));
+            const float sf = to_float<Elem>(static_cast<u16>(sw & 0xffffu));
+            const float x0 = to_float<Elem>(static_cast<u16>(x[i] & 0xffffu));
+            const float x1 = to_float<Elem>(static_cast<u16>(x[i] >> 16));
+            x[i] = pack_pair<Elem>(__fsub_rn(__fmul_rn(x0, cf), __fmul_rn(x1, sf)),
+                                   __fadd_rn(__fmul_rn(x0, sf), __fmul_rn(x1, cf)));
+        }
+    }
+
+    // NeoX: chunk x with its partner y (the other half's chunk of the same angles), x in the
+    // first half (`first`: x c - y s) or the second (x c + y s).
+    template <typename Elem>
+    CF2_DEVICE static void rotate_halves(u32 (&out)[4], const u32 (&x)[4], const u32 (&y)[4],
+                                         const u32 (&c)[4], const u32 (&s)[4], bool first) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            float r[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int shift = 16 * e;
+                const float xf = to_float<Elem>(static_cast<u16>((x[w] >> shift) & 0xffffu));
+                const float yf = to_float<Elem>(static_cast<u16>((y[w] >> shift) & 0xffffu));
+                const float cf = to_float<Elem>(static_cast<u16>((c[w] >> shift) & 0xffffu));
+                const float sf = to_float<Elem>(static_cast<u16>((s[w] >> shift) & 0xffffu));
+                r[e] = first ? __fsub_rn(__fmul_rn(xf, cf), __fmul_rn(yf, sf))
+                             : __fadd_rn(__fmul_rn(xf, cf), __fmul_rn(yf, sf));
+            }
+            out[w] = pack_pair<Elem>(r[0], r[1]);
+        }
+    }
 
     // Chunk `chunk` (8 elements) of a row at `row` (global memory, read through L2: the previous
     // kernel may have written it) at position `position`, rotated.
@@ -53,16 +103,7 @@ struct RotaryTable {
             u32 c[2], s[2];
             load_8B_global_l2(c, cos + table_row + col / 2);
             load_8B_global_l2(s, sin + table_row + col / 2);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 cw = c[i / 2] >> (16 * (i % 2)), sw = s[i / 2] >> (16 * (i % 2));
-                const float cf = to_float<Elem>(static_cast<u16>(cw & 0xffffu));
-                const float sf = to_float<Elem>(static_cast<u16>(sw & 0xffffu));
-                const float x0 = to_float<Elem>(static_cast<u16>(out[i] & 0xffffu));
-                const float x1 = to_float<Elem>(static_cast<u16>(out[i] >> 16));
-                out[i] = pack_pair<Elem>(__fsub_rn(__fmul_rn(x0, cf), __fmul_rn(x1, sf)),
-                                         __fadd_rn(__fmul_rn(x0, sf), __fmul_rn(x1, cf)));
-            }
+            rotate_pairs<Elem>(out, c, s);
         } else {  // the partner chunk rotary_dim / 2 away; angles from the first half's column
             const bool first = col < half;
             u32 other[4], c[4], s[4];
@@ -70,21 +111,57 @@ struct RotaryTable {
             const int angle = first ? col : col - half;
             load_16B_global_l2(c, cos + table_row + angle);
             load_16B_global_l2(s, sin + table_row + angle);
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                float r[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int shift = 16 * e;
-                    const float x = to_float<Elem>(static_cast<u16>((out[w] >> shift) & 0xffffu));
-                    const float y = to_float<Elem>(static_cast<u16>((other[w] >> shift) & 0xffffu));
-                    const float cf = to_float<Elem>(static_cast<u16>((c[w] >> shift) & 0xffffu));
-                    const float sf = to_float<Elem>(static_cast<u16>((s[w] >> shift) & 0xffffu));
-                    r[e] = first ? __fsub_rn(__fmul_rn(x, cf), __fmul_rn(y, sf))
-                                 : __fadd_rn(__fmul_rn(x, cf), __fmul_rn(y, sf));
-                }
-                out[w] = pack_pair<Elem>(r[0], r[1]);
-            }
+            const u32 x[4] = {out[0], out[1], out[2], out[3]};
+            rotate_halves<Elem>(out, x, other, c, s, first);
+        }
+    }
+
+    // Rotation in shared memory, for rows copied there as they are (cp.async) and rotated once
+    // they landed, so that the copy stays asynchronous: a row's rotation is items_per_row()
+    // items, each a GPT-J chunk (`item`) or a NeoX pair (chunks `item` and
+    // `item + partner_chunks()`).
+    CF2_DEVICE int items_per_row() const { return interleaved ? rotary_dim / 8 : rotary_dim / 16; }
+    CF2_DEVICE int partner_chunks() const { return rotary_dim / 16; }
+
+    // The angles chunk `chunk` of a row at `position` is rotated with, asked into L1 when its
+    // copy is issued, for rotate_in_shared to read there once it landed. Nothing for chunks past
+    // rotary_dim or positions outside the table.
+    CF2_DEVICE void prefetch_angles(int chunk, int position) const {
+        const int col = chunk * 8;
+        if (col >= rotary_dim || position < 0 || position >= seqlen_ro) return;
+        const int half = rotary_dim / 2;
+        const i64 at = static_cast<i64>(position) * half +
+                       (interleaved ? col / 2 : (col < half ? col : col - half));
+        prefetch_global_l1(cos + at);
+        prefetch_global_l1(sin + at);
+    }
+
+    // Item `item` of a row in shared memory at `position`, rotated in place: `chunk_a` the
+    // address of its chunk (NeoX: the first half's), `chunk_b` its partner's (NeoX only). The
+    // same bits as load_chunk's. The table is read through L1, where prefetch_angles asked it:
+    // both come after the wait for the previous kernel, whose writes are visible to the loads
+    // that follow that wait (griddepcontrol.wait).
+    template <typename Elem>
+    CF2_DEVICE void rotate_in_shared(u32 chunk_a, u32 chunk_b, int item, int position) const {
+        if (position < 0 || position >= seqlen_ro) return;
+        const i64 table_row = static_cast<i64>(position) * (rotary_dim / 2);
+        u32 x[4];
+        load_16B_shared(x, chunk_a);
+        if (interleaved) {  // angles 4 item .. 4 item + 3
+            u32 c[2], s[2];
+            load_8B_global_l1(c, cos + table_row + 4 * item);
+            load_8B_global_l1(s, sin + table_row + 4 * item);
+            rotate_pairs<Elem>(x, c, s);
+            store_16B_shared_words(chunk_a, x);
+        } else {  // angles 8 item .. 8 item + 7, for both chunks
+            u32 y[4], c[4], s[4], out[4];
+            load_16B_shared(y, chunk_b);
+            load_16B_global_l1(c, cos + table_row + 8 * item);
+            load_16B_global_l1(s, sin + table_row + 8 * item);
+            rotate_halves<Elem>(out, x, y, c, s, true);
+            store_16B_shared_words(chunk_a, out);
+            rotate_halves<Elem>(out, y, x, c, s, false);
+            store_16B_shared_words(chunk_b, out);
         }
     }
 };
