@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of kernels written and checked on the CPU only (docs/GPU_PENDING.md), in one
 # device call, each step bounded so that the whole stays inside BUDGET seconds:
-#   tests     tests/gpu/test_fp8_forward.py (first failure stops it), the README examples with
-#             tests/gpu/test_mla_decode.py, in two pytest processes side by side, with
-#             compute-sanitizer memcheck, racecheck and synccheck over sanitizer_workload.py's
-#             `--only fp8 mla_decode` beside them, and fp8_variants_ab.py run once at one
-#             iteration (head and BASE) to compile its kernels
+#   tests     TESTS_A (default tests/gpu/test_fp8_forward.py; first failure stops it) and
+#             TESTS_B (default the README examples with tests/gpu/test_mla_decode.py), in two
+#             pytest processes side by side, with compute-sanitizer memcheck, racecheck and
+#             synccheck over sanitizer_workload.py's `--only $SANITIZE` (default `fp8
+#             mla_decode`; `all`: the whole workload) beside them, and fp8_variants_ab.py run
+#             once at one iteration (head and BASE) to compile its kernels
 #   timing    benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS (default: the dispatched
 #             FP8 forward and the wider key tiles of E4M3_WIDE_TILES) on the checkout, then
 #             --variants disp on BASE (a folder holding another version of the repository, e.g.
@@ -14,7 +15,7 @@
 #             WHEEL (installed under /tmp/site)
 #   mla       benchmarks/mla_decode.py --no-torch on the checkout, then on BASE
 #   rotary    benchmarks/dev/decode_graph_sweep.py --rotary (issue 47: the rotary append's cost
-#             in a decode step at batch 1, 4k tokens, at most 10%)
+#             in a decode step at batch 1, 4k tokens, at most 10%), then on BASE
 # Logs go to OUT (at most 8 files), each starting with the commit and the command.
 #
 #   OUT=$OUT BUDGET=585 BASE=ab_base WHEEL=.whl COMMIT=<hash> bash benchmarks/dev/pending_checks.sh
@@ -26,6 +27,9 @@ STEPS=${STEPS:-tests timing mla rotary}
 BASE=${BASE:-}
 WHEEL=${WHEEL:-}
 AB_VARIANTS=${AB_VARIANTS:-disp w192 w224}
+TESTS_A=${TESTS_A:-tests/gpu/test_fp8_forward.py}
+TESTS_B=${TESTS_B:-tests/gpu/test_readme_examples.py tests/gpu/test_mla_decode.py}
+SANITIZE=${SANITIZE:-fp8 mla_decode}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 source benchmarks/dev/bounded_steps.sh  # left, want, bounded, header
@@ -49,12 +53,13 @@ if want tests; then
     [[ -n $BASE ]] && { python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" --variants disp \
         "${warm[@]}" > "$LOGS/warm-base.txt" 2>&1 & }
     pytest=(timeout "$t" python3 -m pytest -q -p no:cacheprovider -rf)
-    "${pytest[@]}" -x tests/gpu/test_fp8_forward.py > "$OUT/tests-fp8.txt" 2>&1 &
-    "${pytest[@]}" tests/gpu/test_readme_examples.py tests/gpu/test_mla_decode.py \
-        > "$OUT/tests-mla.txt" 2>&1 &
+    "${pytest[@]}" -x $TESTS_A > "$OUT/tests-a.txt" 2>&1 &
+    "${pytest[@]}" $TESTS_B > "$OUT/tests-b.txt" 2>&1 &
+    only=(--only $SANITIZE)
+    [[ $SANITIZE == all ]] && only=()
     for tool in memcheck racecheck synccheck; do
         { timeout "$t" compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
-              python3 tests/gpu/sanitizer_workload.py --only fp8 mla_decode 2>&1 | tail -30
+              python3 tests/gpu/sanitizer_workload.py "${only[@]}" 2>&1 | tail -30
           echo "exit: ${PIPESTATUS[0]}"; } > "$LOGS/sanitizer-$tool.txt" &
     done
     wait
@@ -93,6 +98,8 @@ if want rotary; then
     log=$OUT/rotary-cost.txt
     header "benchmarks/dev/decode_graph_sweep.py --rotary" > "$log"
     bounded 60 python3 benchmarks/dev/decode_graph_sweep.py --rotary >> "$log" 2>&1
+    [[ -n $BASE ]] && { echo "## base ($BASE)" >> "$log"
+        bounded 60 python3 "$BASE/benchmarks/dev/decode_graph_sweep.py" --rotary >> "$log" 2>&1; }
     tail -6 "$log"
 fi
 echo "pending_checks: ${SECONDS} s" >> "$summary"

@@ -5,8 +5,8 @@ Odd sequence lengths (partial tiles), seqlen_q != seqlen_k both ways, GQA, causa
 window and neither, softcap + ALiBi, varlen, every kernel head dim and both dtypes, and the
 float32 forward and backward (`_float32`): the shapes where an out-of-bounds access or a race
 would show.
-Pass `--quick` for a subset (racecheck is slow), `--only fp8 mla_decode` for those sections
-alone (`SECTIONS`). On sm_90 the forwards of head dims above 64, and of d <= 64 with more than
+Pass `--quick` for a subset (racecheck is slow), `--only fp8 mla_decode decode_rotary` for
+those sections alone (`SECTIONS`). On sm_90 the forwards of head dims above 64, and of d <= 64 with more than
 256 keys, run on the Hopper kernel (wgmma, TMA, mbarriers): in both consumer schedules across
 the head dims, on the persistent grid for the short rows and on one tile per CTA for the 600-key
 ones at d=96, and with its tiles claimed one by one (`_claimed_tiles`), the FP8 forward (`_fp8`)
@@ -127,6 +127,44 @@ def _decode(dtype, d) -> None:
                                                                                  numpy.int32)),
                                           block_table=table)
     assert not bool(cupy.isnan(out).any())
+
+
+def _decode_rotary(dtype, d) -> None:
+    """attention_with_kvcache with rotary_cos / rotary_sin: q and the new keys copied as they
+    are and rotated in shared memory once they landed (GPT-J and NeoX pairs, rotary_dim below
+    and at the head dim, q rotated per row (causal) and at one position), splits, the cache
+    read before the previous kernel ends, a paged cache, an e4m3 cache (its new keys rotated
+    as they are quantised)."""
+    rng = numpy.random.default_rng(d + 7)
+    q = cupy.asarray(rng.standard_normal((2, 3, 8, d)).astype(dtype))
+    k_cache = cupy.asarray(rng.standard_normal((2, 96, 2, d)).astype(dtype))
+    v_cache = cupy.asarray(rng.standard_normal((2, 96, 2, d)).astype(dtype))
+    k_new = cupy.asarray(rng.standard_normal((2, 3, 2, d)).astype(dtype))
+    lengths = cupy.asarray(numpy.array([61, 5], numpy.int32))
+    for rotary_dim in (d // 2, d):
+        angles = numpy.arange(96)[:, None] * 0.01 * numpy.arange(1, rotary_dim // 2 + 1)
+        cos = cupy.asarray(numpy.cos(angles).astype(dtype))
+        sin = cupy.asarray(numpy.sin(angles).astype(dtype))
+        for interleaved in (True, False):
+            for causal, splits, early in ((True, 1, False), (False, 3, True), (True, 0, True)):
+                out = cuflash2.attention_with_kvcache(
+                    q, k_cache.copy(), v_cache.copy(), k=k_new, v=k_new, cache_seqlens=lengths,
+                    causal=causal, num_splits=splits, early_cache_reads=early,
+                    rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+                assert not bool(cupy.isnan(out).any())
+        pages = k_cache.reshape(12, 16, 2, d).copy()
+        table = cupy.asarray(numpy.arange(12, dtype=numpy.int32).reshape(2, 6)[:, ::-1].copy())
+        out = cuflash2.attention_with_kvcache(q, pages, pages.copy(), k=k_new, v=k_new,
+                                              cache_seqlens=lengths, block_table=table,
+                                              rotary_cos=cos, rotary_sin=sin)
+        assert not bool(cupy.isnan(out).any())
+        bits = cupy.zeros(k_cache.shape, numpy.uint8)
+        descale = cupy.ones((2, 2), numpy.float32)
+        out = cuflash2.attention_with_kvcache(q, bits, bits.copy(), k=k_new, v=k_new,
+                                              cache_seqlens=lengths, kv_cache_dtype="e4m3",
+                                              k_descale=descale, v_descale=descale,
+                                              rotary_cos=cos, rotary_sin=sin)
+        assert not bool(cupy.isnan(out).any())
 
 
 def _claimed_tiles(dtype) -> None:
@@ -282,6 +320,7 @@ def main(quick: bool) -> None:
             if d in (32, 64, 128, 256):
                 _features(dtype, d)
                 _decode(dtype, d)
+                _decode_rotary(dtype, d)
         _hopper_backward(dtype, (64, 128) if quick else (40, 64, 96, 128))
         if api.device_arch(cupy.cuda.Device().id) == 90:
             _claimed_tiles(dtype)
@@ -294,7 +333,10 @@ def main(quick: bool) -> None:
 
 
 #: Sections that `--only NAME ...` runs alone (sm_90 kernels), for a sanitizer pass over them.
-SECTIONS = {"fp8": lambda: _fp8((64, 128, 256)), "mla_decode": lambda: _mla_decode(numpy.float16)}
+SECTIONS = {"fp8": lambda: _fp8((64, 128, 256)),
+            "mla_decode": lambda: _mla_decode(numpy.float16),
+            "decode_rotary": lambda: [_decode_rotary(t, d) for d in (64, 128, 256)
+                                      for t in (numpy.float16, ml_dtypes.bfloat16)]}
 
 
 if __name__ == "__main__":
