@@ -6,7 +6,7 @@
 #             pytest processes side by side, with compute-sanitizer memcheck, racecheck and
 #             synccheck over sanitizer_workload.py's `--only $SANITIZE` (default `fp8
 #             mla_decode`; `all`: the whole workload) beside them, and fp8_variants_ab.py run
-#             once at one iteration (head and BASE) to compile its kernels
+#             once at one iteration (head and BASE) to compile its kernels, with `timing`
 #   timing    benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS (default: the dispatched
 #             FP8 forward and the wider key tiles of E4M3_WIDE_TILES) on the checkout, then
 #             --variants disp on BASE (a folder holding another version of the repository, e.g.
@@ -48,10 +48,12 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$summary"
 if want tests; then
     t=$(( $(left) - 200 )); (( t > 330 )) && t=330
     warm=(--rounds 1 --iters 1 --warmup 1 --no-cudnn)
-    python3 benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS "${warm[@]}" \
-        > "$LOGS/warm-head.txt" 2>&1 &
-    [[ -n $BASE ]] && { python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" --variants disp \
-        "${warm[@]}" > "$LOGS/warm-base.txt" 2>&1 & }
+    if want timing; then  # (the FP8 timing's kernels compiled under the tests)
+        python3 benchmarks/dev/fp8_variants_ab.py --variants $AB_VARIANTS "${warm[@]}" \
+            > "$LOGS/warm-head.txt" 2>&1 &
+        [[ -n $BASE ]] && { python3 "$BASE/benchmarks/dev/fp8_variants_ab.py" --variants disp \
+            "${warm[@]}" > "$LOGS/warm-base.txt" 2>&1 & }
+    fi
     pytest=(timeout "$t" python3 -m pytest -q -p no:cacheprovider -rf)
     "${pytest[@]}" -x $TESTS_A > "$OUT/tests-a.txt" 2>&1 &
     "${pytest[@]}" $TESTS_B > "$OUT/tests-b.txt" 2>&1 &
