@@ -21,6 +21,10 @@
 //  - With one split each consumer writes its columns of O and the lse; with more, the splits
 //    merge as the decode kernel's do through L2 (sm90/mla_epilogue.cuh, split_merge.cuh; the
 //    launch is cooperative).
+//  - PAIRED (one split, two row blocks that see the same tiles: a cluster of 2 along x): the
+//    two CTAs share every tile, each producer loading half its panels into both (TMA
+//    multicast), so the cache crosses L2 once instead of once a row block; a stage goes back to
+//    both producers, and neither CTA leaves before the other is done with its barriers.
 // Not here (refused on the host): score modifiers, sinks, left windows, rotary, cache_leftpad,
 // FP8 caches, programmatic launches.
 #include "hopper_primitives.cuh"
@@ -34,7 +38,7 @@
 #include "sm90/mla_mainloop.cuh"
 #include "sm90/mla_epilogue.cuh"
 
-template <typename Elem>
+template <typename Elem, bool PAIRED>
 __global__ void __launch_bounds__(MlaDecodeTraits<Elem>::THREADS, 1)
 flash_mla_decode_sm90_kernel(const __grid_constant__ MlaDecodeParams params) {
     using T = MlaDecodeTraits<Elem>;
@@ -62,8 +66,14 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ MlaDecodeParams params) {
     tile_first = max(tile_first, split * p.tiles_per_split);
     tile_end = min(tile_end, (split + 1) * p.tiles_per_split);
 
-    if (threadIdx.x == 0) init_mla_barriers<T>(bars);
-    __syncthreads();
+    if (threadIdx.x == 0) init_mla_barriers<T, PAIRED>(bars);
+    int rank = 0;
+    if constexpr (PAIRED) {
+        rank = cluster_rank();
+        cluster_sync();  // the other CTA's barriers are initialised before any arrival on them
+    } else {
+        __syncthreads();
+    }
     int cache_row;
     const KVCacheIndex index = kv_cache_index(p.cache_batch_idx, p.block_table,
                                               p.block_table_stride, p.page_size, p.num_blocks,
@@ -71,8 +81,8 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ MlaDecodeParams params) {
     if (threadIdx.x < T::WARPGROUP_THREADS) {
         setmaxnreg_dec<T::PRODUCER_REGISTERS>();
         if (threadIdx.x == 0)
-            produce_latent_tiles<T>(params, index, cache_row, tile_first, tile_end, kv_smem,
-                                    bars);
+            produce_latent_tiles<T, PAIRED>(params, index, cache_row, tile_first, tile_end,
+                                            kv_smem, bars, rank);
     } else {
         setmaxnreg_inc<T::CONSUMER_REGISTERS>();
         const int ctid = threadIdx.x - T::WARPGROUP_THREADS;
@@ -93,8 +103,10 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ MlaDecodeParams params) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
         OnlineSoftmax<1> softmax;
-        consume_latent_tiles<Elem, T>(p, b, vis, tile_first, tile_end, consumer, ctid, q_smem,
-                                      kv_smem, bars, acc_o, softmax);
+        consume_latent_tiles<Elem, T, PAIRED>(p, b, vis, tile_first, tile_end, consumer, ctid,
+                                              q_smem, kv_smem, bars, acc_o, softmax);
         store_latent_block<Elem, T>(p, b, m_block, split, consumer, ctid, acc_o, softmax);
     }
+    // The other CTA's consumers arrive on this CTA's empty barriers up to their last tile.
+    if constexpr (PAIRED) cluster_sync();
 }

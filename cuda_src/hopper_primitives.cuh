@@ -528,6 +528,29 @@ CF2_DEVICE void tma_load_tile(u32 dst, const TensorMap& map, u32 bar, int row, i
                     batch);
 }
 
+// 4-D box at {c0, c1, c2, c3} as tma_load_4d, written at `dst` in the shared memory of every
+// CTA of the cluster in `cta_mask` (bit r: rank r), its bytes completing on the mbarrier at
+// `bar`'s offset in each of them (".multicast::cluster").
+CF2_DEVICE void tma_load_4d_multicast(u32 dst, const TensorMap& map, u32 bar, int c0, int c1,
+                                      int c2, int c3, u16 cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+        ::"r"(dst), "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
+          "h"(cta_mask)
+        : "memory");
+}
+
+// Panels [FIRST, END) of a tile as tma_load_tile, multicast to the CTAs of `cta_mask`.
+template <int FIRST, int END, int PANEL_BYTES, int PANEL_ELEMENTS = Sm90CtaLayout::PANEL_COLS>
+CF2_DEVICE void tma_load_panels_multicast(u32 dst, const TensorMap& map, u32 bar, int row,
+                                          int head, int batch, u16 cta_mask) {
+#pragma unroll
+    for (int panel = FIRST; panel < END; ++panel)
+        tma_load_4d_multicast(dst + panel * PANEL_BYTES, map, bar, PANEL_ELEMENTS * panel, row,
+                              head, batch, cta_mask);
+}
+
 // Shared-memory address of chunk `chunk` (16 bytes, 8 columns) of row `row` of a tile in the
 // 128-byte-swizzled panel layout the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B: panels of
 // PANEL_BYTES (64 columns each), 128-byte rows, chunk c of row r at slot c ^ (r % 8) of its row.

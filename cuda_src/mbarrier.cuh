@@ -32,6 +32,13 @@ CF2_DEVICE void mbarrier_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
+// An arrival on an mbarrier of a peer CTA of the cluster (`remote`: a shared::cluster address,
+// mapa's), releasing this thread's earlier accesses at cluster scope.
+CF2_DEVICE void mbarrier_arrive_cluster(u32 remote) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+                 : "memory");
+}
+
 // Whether the phase of parity `parity` has completed (try_wait may also suspend the thread for
 // a while, which is why a loop over it is cheaper than one over test_wait).
 CF2_DEVICE bool mbarrier_try_wait(u32 bar, u32 parity) {

@@ -251,6 +251,22 @@ CF2_DEVICE void cluster_wait() {
     asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
+// The cluster's barrier with release and acquire (every thread of every CTA of the cluster):
+// what each thread did before it, remote arrivals on a peer's mbarriers included, is done for
+// every thread after it.
+CF2_DEVICE void cluster_sync() {
+    __syncwarp();
+    asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
+// This CTA's rank in its cluster.
+CF2_DEVICE int cluster_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return static_cast<int>(rank);
+}
+
 // The address of this CTA's shared-memory word `local` in the shared memory of cluster rank
 // `rank`.
 CF2_DEVICE u32 cluster_peer_address(u32 local, int rank) {

@@ -1164,6 +1164,9 @@ class MlaDecodeConfig:
     stages: int = 2
     threads: int = 384
     early_cache_reads: bool = False  # (the decode configuration's field: never here)
+    # Two row blocks that see the same tiles as one cluster of 2 CTAs, each tile loaded once for
+    # both (TMA multicast): _dispatch.mla_decode_kernel decides.
+    paired: bool = False
 
     arch_suffix = "a"
     arch = 90
@@ -1190,7 +1193,8 @@ class MlaDecodeConfig:
 
     @property
     def name_expression(self) -> str:
-        return f"flash_mla_decode_sm90_kernel<{DTYPE_TAGS[self.dtype]}>"
+        paired = "true" if self.paired else "false"
+        return f"flash_mla_decode_sm90_kernel<{DTYPE_TAGS[self.dtype]}, {paired}>"
 
     @property
     def probes(self) -> str:

@@ -403,12 +403,20 @@ def mla_page_size_ok(page_size: int) -> bool:
     return page_size % MLA_BLOCK_N == 0 or (MLA_BLOCK_N % page_size == 0 and page_size % 8 == 0)
 
 
+#: Whether the MLA decode runs pairs of row blocks that see the same tiles as clusters of two
+#: CTAs sharing each tile (MlaDecodeConfig.paired: TMA multicast, the cache through L2 once).
+MLA_PAIRED = True
+
+
 def mla_decode_kernel(kv, dtype: str, device_id: int, num_splits: int) -> DecodeChoice:
     """The MLA decode kernel (flash_mla_decode_sm90.cu; docs/MLA_DECODE.md) and its split count
     for a checked latent-cache call (`kv`: one KV head, head dims MLA_HEAD_DIM / MLA_HEAD_DIM_V).
     Its CTAs hold MLA_BLOCK_M packed rows (query tokens x heads); the splits merge through L2
     at a barrier (a cooperative launch: the split grid fits the GPU in one wave), never in a
-    cluster; no programmatic launch (the kernel does not wait for the previous one itself)."""
+    cluster; no programmatic launch (the kernel does not wait for the previous one itself).
+    With one split, row blocks 2i and 2i + 1 whose rows are one query token's (one token a
+    step, or a multiple of 2 MLA_BLOCK_M heads) see the same tiles: they run as a cluster of
+    two CTAs that load each tile once for both (MLA_PAIRED, where such a cluster fits)."""
     config = MlaDecodeConfig(dtype)
     m_blocks = -(-kv.seqlen_q * kv.nheads // config.block_m)
     tiles = -(-kv.capacity // config.block_n)
@@ -417,6 +425,11 @@ def mla_decode_kernel(kv, dtype: str, device_id: int, num_splits: int) -> Decode
     if kv.batch and kv.seqlen_q and kv.nheads:
         slots = decode_slots(config, device_id)
         splits = _even(num_splits_for(num_splits, groups, tiles, slots), tiles)
+    one_token = kv.seqlen_q == 1 or kv.nheads % (2 * config.block_m) == 0
+    if MLA_PAIRED and splits == 1 and m_blocks % 2 == 0 and one_token and groups:
+        paired = dataclasses.replace(config, paired=True)
+        if _launch.extended_available() and _launch.cluster_fits(paired, device_id, 2):
+            return DecodeChoice(paired, m_blocks, groups, 1, 2, False)
     return DecodeChoice(config, m_blocks, groups, splits, 1, False)
 
 

@@ -257,7 +257,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         "page_size": kv.page_size, "num_blocks": kv.num_blocks, "capacity": kv.capacity,
         "seqlen_q": kv.seqlen_q, "nheads": kv.nheads, "heads_per_kv_head": group,
         "head_dim": kv.head_dim, "num_m_blocks": m_blocks, "num_splits": splits,
-        "tiles_per_split": tiles_per_split, "split_cluster": int(cluster > 1),
+        "tiles_per_split": tiles_per_split,
+        "split_cluster": int(cluster > 1 and not latent),  # (the MLA kernel's pairs: its own)
         "scale_log2": mods.softmax_scale * LOG2E, "window_left": window[0],
         "window_right": window[1], **mods.fields(),
         "rotary_dim": rotary[0] if rotary else 0, "seqlen_ro": rotary[1] if rotary else 0,

@@ -143,8 +143,8 @@ def plan(arch: int, dtypes, head_dims, features, directions, head_dims_v=()) -> 
     if "decode" in directions:
         configs += named(_dispatch.all_decode_configs(arch, decode_features), dims)
     if mla:
-        configs += [_configs.MlaDecodeConfig(t) for t in sorted(dtypes)
-                    if t in _configs.DTYPE_TAGS]
+        configs += [_configs.MlaDecodeConfig(t, paired=paired) for t in sorted(dtypes)
+                    if t in _configs.DTYPE_TAGS for paired in (False, True)]
     return list(dict.fromkeys(configs))
 
 

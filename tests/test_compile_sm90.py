@@ -707,11 +707,15 @@ extern "C" __global__ void __launch_bounds__(128) e4m3_probe(float* out, const f
 
 
 #: The MLA decode kernel (flash_mla_decode_sm90.cu; docs/MLA_DECODE.md): one specialisation a
-#: dtype, both compiled by default (about a second each).
-MLA_CONFIGS = [_configs.MlaDecodeConfig(dtype) for dtype in _configs.DTYPE_TAGS]
+#: dtype, alone and paired (two CTAs sharing each tile), compiled by default but the fp16
+#: paired one (about a second each).
+MLA_CONFIGS = [pytest.param(_configs.MlaDecodeConfig(dtype, paired=paired),
+                            id=dtype + ("-paired" if paired else ""),
+                            marks=pytest.mark.exhaustive if paired and dtype == "float16" else ())
+               for dtype in _configs.DTYPE_TAGS for paired in (False, True)]
 
 
-@pytest.mark.parametrize("config", MLA_CONFIGS, ids=lambda c: c.dtype)
+@pytest.mark.parametrize("config", MLA_CONFIGS)
 def test_mla_decode_compiles_without_spills(nvrtc_available, config):
     """384 threads (168 registers at entry), the consumers at 240 after setmaxnreg: the same
     checks as the forward's (no spills, setmaxnreg honoured, no wgmma serialised), within one

@@ -5,7 +5,7 @@ tensor map, splits, output) and every refusal, each before any launch."""
 import numpy
 import pytest
 
-from cuflash2 import _configs, _dispatch, _hopper
+from cuflash2 import _configs, _dispatch, _hopper, _kvcache, _launch
 from test_plans_host import api_host, device_array, launches  # noqa: F401  (fixtures)
 
 D, DV = _configs.MLA_HEAD_DIM, _configs.MLA_HEAD_DIM_V
@@ -16,6 +16,9 @@ def mla_host(api_host, monkeypatch):  # noqa: F811
     """api_host on sm_90 with a stand-in TMA encoder (word 0 the address, word 1 the box rows)."""
     api_host.set_arch(90)
     monkeypatch.setattr(_hopper, "bindings_available", lambda: True)
+    # clusters launch and a pair of CTAs fits (test_row_blocks_pair_where_they_see_the_same_tiles)
+    monkeypatch.setattr(_launch, "extended_available", lambda: True)
+    monkeypatch.setattr(_launch, "cluster_fits", lambda *args: True)
     monkeypatch.setattr(_hopper, "tensor_map_bytes", lambda x, rows: numpy.array(
         [x.data.ptr, rows] + [0] * 14, numpy.uint64).tobytes())
     return api_host
@@ -113,9 +116,42 @@ def test_splits_merge_through_l2_in_a_cooperative_launch(mla_host):
     _call(q, cache, k, cache_seqlens=16000, num_splits=1)
     launch, _, record = mla_host.launches[-1]
     assert record["base"]["num_splits"] == 1 and not launch.cooperative
+    assert launch.config.paired and launch.cluster == 2  # (its two row blocks: one token)
     q, cache, k, _ = _latent(batch=132, capacity=1024)
     _call(q, cache, k, cache_seqlens=1000)
     assert mla_host.launches[-1][2]["base"]["num_splits"] == 1
+
+
+@pytest.mark.parametrize("nheads,seqlen_q,paired", [(128, 1, True), (128, 2, True),
+                                                    (256, 1, True), (64, 2, False),
+                                                    (16, 1, False), (192, 1, False)])
+def test_row_blocks_pair_where_they_see_the_same_tiles(mla_host, monkeypatch, nheads, seqlen_q,
+                                                       paired):
+    """With one split, row blocks 2i and 2i + 1 of one query token's rows (one token a step, or
+    heads a multiple of 128) run as a cluster of two CTAs sharing each tile (MlaDecodeConfig.paired,
+    launch.cluster 2, no split cluster for the kernel's merge); an odd number of row blocks, rows
+    of two tokens in a pair, several splits, MLA_PAIRED off or a pair that does not fit: alone."""
+    q, cache, k, _ = _latent(batch=132, seqlen_q=seqlen_q, nheads=nheads, capacity=1024)
+    _call(q, cache, k, cache_seqlens=1000, causal=seqlen_q > 1)
+    launch, _, record = mla_host.launches[-1]
+    assert (launch.config.paired, launch.cluster) == ((True, 2) if paired else (False, 1))
+    assert record["base"]["split_cluster"] == 0
+    if not paired:
+        return
+    assert record["base"]["num_splits"] == 1 and not launch.cooperative
+    q, cache, k, _ = _latent(batch=1, seqlen_q=seqlen_q, nheads=nheads, capacity=16384)
+    _call(q, cache, k, cache_seqlens=16000)  # several splits: alone
+    assert not mla_host.launches[-1][0].config.paired
+    q, cache, k, _ = _latent(batch=132, seqlen_q=seqlen_q, nheads=nheads, capacity=1024)
+    monkeypatch.setattr(_launch, "cluster_fits", lambda *args: False)
+    _kvcache._plans_by_key.plans.clear()  # (a plan is made once a call signature)
+    _call(q, cache, k, cache_seqlens=1000)
+    assert not mla_host.launches[-1][0].config.paired
+    monkeypatch.setattr(_launch, "cluster_fits", lambda *args: True)
+    monkeypatch.setattr(_dispatch, "MLA_PAIRED", False)
+    _kvcache._plans_by_key.plans.clear()
+    _call(q, cache, k, cache_seqlens=1000)
+    assert not mla_host.launches[-1][0].config.paired
 
 
 def test_the_mla_split_count_fits_one_wave(monkeypatch):
@@ -196,7 +232,10 @@ def test_the_mla_config():
     assert config.threads == 384
     assert config.smem_bytes == 3 * 64 * D * 2 + 64 * 64 * 2 + 2 * 64 * 4 + 1024
     assert config.smem_bytes <= _configs.SM90_MAX_SMEM
-    assert config.name_expression == "flash_mla_decode_sm90_kernel<bf16_tag>"
+    assert config.name_expression == "flash_mla_decode_sm90_kernel<bf16_tag, false>"
+    paired = _configs.MlaDecodeConfig("bfloat16", paired=True)
+    assert paired.name_expression == "flash_mla_decode_sm90_kernel<bf16_tag, true>"
+    assert paired.smem_bytes == config.smem_bytes
     assert "MLA decode" in _configs.describe(config)
     with pytest.raises(ValueError):
         _configs.MlaDecodeConfig("float32")

@@ -77,13 +77,15 @@ def test_the_fp8_forward_plan_takes_varlen_with_its_feature():
 
 def test_the_mla_decode_plan_takes_the_latent_head_dims():
     """--headdim 576 --headdim-v 512 --directions decode: the MLA decode kernel of each 16-bit
-    dtype on sm_90 (plain calls: it takes no feature), beside the other head dims' kernels;
-    nothing for MLA on other GPUs, in the other directions or for featured calls alone."""
+    dtype on sm_90 (plain calls: it takes no feature), alone and paired, beside the other head
+    dims' kernels; nothing for MLA on other GPUs, in the other directions or for featured calls
+    alone."""
     mla = precompile.plan(90, ["bfloat16", "float16"], [576], [0], ("decode",), [512])
-    assert mla == [_configs.MlaDecodeConfig("bfloat16"), _configs.MlaDecodeConfig("float16")]
+    assert mla == [_configs.MlaDecodeConfig(t, paired=paired) for t in ("bfloat16", "float16")
+                   for paired in (False, True)]
     with_128 = precompile.plan(90, ["bfloat16"], [128, 576], [0], ("fwd", "decode"), [512])
     assert with_128 == precompile.plan(90, ["bfloat16"], [128], [0], ("fwd", "decode")) + [
-        _configs.MlaDecodeConfig("bfloat16")]
+        _configs.MlaDecodeConfig("bfloat16"), _configs.MlaDecodeConfig("bfloat16", paired=True)]
     assert not precompile.plan(80, ["bfloat16"], [576], [0], ("decode",), [512])
     assert not precompile.plan(90, ["bfloat16"], [576], [0], ("fwd", "bwd"), [512])
     assert not precompile.plan(90, ["bfloat16"], [576], [_configs.FEATURE_SOFTCAP],

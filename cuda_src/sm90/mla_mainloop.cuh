@@ -12,6 +12,7 @@
 #include "online_softmax.cuh"
 #include "masking.cuh"
 #include "rotary.cuh"
+#include "split_merge.cuh"
 #include "sm90/mla_traits.cuh"
 
 // Where a CTA's packed rows and its sequence's keys stand (the decode kernel's packing: packed
@@ -129,7 +130,10 @@ CF2_DEVICE void latent_values(float (&acc_o)[T::D_TILES][4], u32 p_tile, u32 v_p
 // One P panel and one set of maxima serve every tile: a consumer writes the next tile's maxima
 // after the second barrier of this one (the other has read these by then) and its P after the
 // first barrier of the next (both P V of this one have completed by then).
-template <typename Elem, class T>
+// PAIRED: a stage goes back to both CTAs' producers (each writes half of it: TMA multicast,
+// sm90/mla_producer.cuh), an arrival on this CTA's empty barrier and one on the other's (its
+// address made at each arrival from the CTA's rank, not held across the loop: 8 bytes spilled).
+template <typename Elem, class T, bool PAIRED = false>
 CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b,
                                      const KeyVisibility& vis, int tile_first, int tile_end,
                                      int consumer, int ctid, u32 q_smem, u32 kv_smem,
@@ -207,7 +211,10 @@ CF2_DEVICE void consume_latent_tiles(const DecodeParams& p, const MlaRowBlock& b
         named_barrier_sync(T::CONSUMERS_BARRIER, T::CONSUMER_THREADS);
         latent_values<Elem, T>(acc_o[0], p_tile,
                                k_tile + consumer * T::V_PANELS_EACH * T::PANEL_BYTES);
-        mbarrier_arrive(smem_address(&bars.empty[stage]));
+        const u32 empty = smem_address(&bars.empty[stage]);
+        mbarrier_arrive(empty);
+        if constexpr (PAIRED)
+            mbarrier_arrive_cluster(cluster_peer_address(empty, cluster_rank() ^ 1));
     }
     // The row sums over the other consumer's keys: its thread of the same warp and lane holds
     // the same rows' (and the same running max), through the P panel once both P V are done.

@@ -75,12 +75,14 @@ struct MlaDecodeBarriers {
     u64 empty[STAGES];
 };
 
-template <class T>
+// PAIRED (the two CTAs of a cluster share every tile, flash_mla_decode_sm90.cu): a CTA's
+// producer writes a stage of both, so its empty[s] also counts the other CTA's consumers.
+template <class T, bool PAIRED = false>
 CF2_DEVICE void init_mla_barriers(MlaDecodeBarriers<T::STAGES>& bars) {
 #pragma unroll
     for (int s = 0; s < T::STAGES; ++s) {
         mbarrier_init(smem_address(&bars.full[s]), 1);
-        mbarrier_init(smem_address(&bars.empty[s]), T::CONSUMER_THREADS);
+        mbarrier_init(smem_address(&bars.empty[s]), (PAIRED ? 2 : 1) * T::CONSUMER_THREADS);
     }
     fence_mbarrier_init();
 }

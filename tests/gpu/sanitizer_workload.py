@@ -221,12 +221,13 @@ def _mla_decode(dtype) -> None:
     """The MLA decode kernel (sm_90; latent cache of 576 columns, V its first 512, one KV
     head): contiguous and paged (pages of 64 and 16 positions), one and two query tokens with a
     new row appended in place, odd and empty lengths, one split and several (merged through
-    L2 by the cooperative launch)."""
+    L2 by the cooperative launch); at 128 heads with one split the two row blocks of a token
+    as a cluster sharing each tile (TMA multicast)."""
     d, dv, capacity = 576, 512, 384
     rng = numpy.random.default_rng(576)
     lengths = cupy.asarray(numpy.array([301, 63, 0], numpy.int32))
-    for seqlen_q in (1, 2):
-        q = cupy.asarray(rng.standard_normal((3, seqlen_q, 16, d)).astype(dtype))
+    for seqlen_q, nheads in ((1, 16), (2, 16), (1, 128), (2, 128)):
+        q = cupy.asarray(rng.standard_normal((3, seqlen_q, nheads, d)).astype(dtype))
         new = cupy.asarray(rng.standard_normal((3, 1, 1, d)).astype(dtype))
         cache = cupy.asarray(rng.standard_normal((3, capacity, 1, d)).astype(dtype))
         for page_size in (None, 64, 16):

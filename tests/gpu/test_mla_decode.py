@@ -98,6 +98,42 @@ def test_mla_paged_equals_contiguous(page_size):
                          == new[b, 0].view(cupy.uint16)).all())
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+def test_mla_paired_row_blocks_equal_the_blocks_alone(paged, seqlen_q):
+    """One split, 128 heads: the two row blocks of a token as a cluster sharing each tile (TMA
+    multicast, MlaDecodeConfig.paired) give the bits of the same blocks run alone, and the same
+    appended rows; pages of 16 (four boxes a tile) and of 64."""
+    from cuflash2 import _dispatch, _kvcache
+
+    dtype = numpy.dtype(numpy.float16)
+    rng = numpy.random.default_rng(seed_of("mla-paired", paged, seqlen_q))
+    batch, capacity, nheads = 3, 1024, 128
+    q = _randn(rng, (batch, seqlen_q, nheads, D), dtype)
+    cache = _randn(rng, (batch, capacity, 1, D), dtype)
+    new = _randn(rng, (batch, 1, 1, D), dtype)
+    lengths = cupy.asarray(numpy.array([1000, 333, 64], numpy.int32))
+    kwargs = dict(cache_seqlens=lengths, num_splits=1, causal=seqlen_q > 1)
+    if paged:
+        cache, _, table = paged_cache(cache, cache, 16, rng)
+        kwargs["block_table"] = table
+    results = {}
+    try:
+        for paired in (True, False):
+            _dispatch.MLA_PAIRED = paired
+            _kvcache._plans_by_key.plans.clear()
+            run_cache = cache.copy()
+            out, lse = _run(q, run_cache, new, **kwargs)
+            results[paired] = (out, lse, run_cache)
+    finally:
+        _dispatch.MLA_PAIRED = True
+        _kvcache._plans_by_key.plans.clear()
+    (out, lse, appended), (want, want_lse, want_cache) = results[True], results[False]
+    assert bool((out.view(cupy.uint16) == want.view(cupy.uint16)).all())
+    assert bool((lse == want_lse).all())
+    assert bool((appended.view(cupy.uint16) == want_cache.view(cupy.uint16)).all())
+
+
 def test_mla_long_cache_splits_and_bf16():
     """A 16k-token bf16 step of one sequence (the automatic split count merges many splits)."""
     dtype = BF16
