@@ -44,7 +44,11 @@ CF2_DEVICE void produce_latent_tiles(const MlaDecodeParams& params, const KVCach
         const int stage = j % T::STAGES;
         const u32 phase = (j / T::STAGES) & 1;
         // (a fresh barrier passes parity 1 at once: the first pass over the ring)
-        mbarrier_wait(smem_address(&bars.empty[stage]), phase ^ 1);
+        // (PAIRED: the other CTA's consumers arrive too; acquire at cluster scope)
+        if constexpr (PAIRED)
+            mbarrier_wait_cluster(smem_address(&bars.empty[stage]), phase ^ 1);
+        else
+            mbarrier_wait(smem_address(&bars.empty[stage]), phase ^ 1);
         const u32 full = smem_address(&bars.full[stage]);
         const u32 dst = kv_smem + stage * T::TILE_BYTES;
         const int key0 = tile * T::BLOCK_N;
