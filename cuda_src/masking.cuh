@@ -65,25 +65,16 @@ CF2_DEVICE void mask_scores_edges(float (&s)[M_TILES][N_TILES][4], int row0, int
             // immediate) with the edges relative to key0: with the keys' sums ptxas kept a
             // register a key (56 in the 224-key FP8 tile, spilled). Up to 128 keys the sums, as
             // the relative form made the sm_80 d=64 forward (255 registers) spill 12 bytes.
-            if constexpr (N_TILES > 16) {
-                const int lo_rel = key_lo - key0, hi_rel = key_hi - key0;
+            constexpr bool RELATIVE = N_TILES > 16;
+            const int origin = RELATIVE ? 0 : key0;  // what the keys below count from
+            const int lo = RELATIVE ? key_lo - key0 : key_lo;
+            const int hi = RELATIVE ? key_hi - key0 : key_hi;
 #pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
+            for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int offset = 8 * nt + e;  // key0 + offset is the key
-                        if (offset < lo_rel || offset >= hi_rel)
-                            s[mt][nt][2 * half + e] = neg_inf();
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = key0 + 8 * nt + e;
-                        if (key < key_lo || key >= key_hi) s[mt][nt][2 * half + e] = neg_inf();
-                    }
+                for (int e = 0; e < 2; ++e) {
+                    const int key = origin + 8 * nt + e;
+                    if (key < lo || key >= hi) s[mt][nt][2 * half + e] = neg_inf();
                 }
             }
         }

@@ -827,9 +827,10 @@ FLOAT32_SM90_FWD_TILES = {"tf32": TF32_SM90_FWD_TILES, "float32": F32X3_SM90_FWD
 #: The FP8 forward (e4m3 q, k, v: E4M3_TAGS; docs/FP8_FORWARD.md): (block_n, stages, overlap) by
 #: kernel head dim, block_m 128, ping-pong. An e4m3 row is half a 16-bit row (d=128: one
 #: 128-byte panel), V is transposed keys-last into panels of 128 keys (a multiple of 32 keys a
-#: tile: E4M3_WIDE_TILES), and O, 16-bit, is staged in a Q region twice Q's bytes. Registers (ptxas, no spills): S block_n / 2,
-#: P block_n / 8, O head_dim / 2; at d=128 with 256 keys and at d=256 with the overlap inside a
-#: warpgroup ptxas spills, so d=128 takes 128 keys and d=256 the plain ping-pong.
+#: tile: E4M3_WIDE_TILES), and O, 16-bit, is staged in a Q region twice Q's bytes. Registers
+#: (ptxas, no spills): S block_n / 2, P block_n / 8, O head_dim / 2; at d=128 with 256 keys and
+#: at d=256 with the overlap inside a warpgroup ptxas spills, so d=128 takes 128 keys and d=256
+#: the plain ping-pong.
 #: Shared memory: d=64 256 keys x 3 stages, d=128 128 keys x 4 stages (164,864 B each), d=256
 #: 128 keys x 2 stages (197,632 B).
 E4M3_SM90_FWD_TILES = {64: (256, 3, True), 128: (128, 4, True), 256: (128, 2, False)}

@@ -124,8 +124,9 @@ CF2_DEVICE void latent_values(float (&acc_o)[T::D_TILES][4], u32 p_tile, u32 v_p
 //  2. its rows' maxima over those keys into the tile's maxima, a barrier of the two, and the
 //     online softmax's update on the larger of each row's two (the same in both consumers, so
 //     their running maxima, rescales and exponents agree);
-//  3. P_c = exp2(S_c scale - m), summed into this thread's row sums (over its keys only: the
-//     epilogue adds the other consumer's), into the tile's P panel; a barrier of the two;
+//  3. P_c = exp2(S_c scale - m), summed into this thread's row sums (over its keys only: after
+//     the last tile the other consumer's are added, below), into the tile's P panel; a barrier
+//     of the two;
 //  4. O_c += P V_c over all the tile's keys (SS: P from the panel).
 // One P panel and one set of maxima serve every tile: a consumer writes the next tile's maxima
 // after the second barrier of this one (the other has read these by then) and its P after the
